@@ -1,0 +1,78 @@
+"""Shared 4-bit code machinery for the NVFP4 and NF4 weight formats.
+
+Both formats store one 4-bit code per weight, two codes per byte, packed along
+the contraction axis K of a ``[K, N]`` weight: byte ``j`` of column ``n`` holds
+code ``2j`` in its low nibble and code ``2j + 1`` in its high nibble. A code is
+an index into a 16-entry codebook (E2M1 for NVFP4, NormalFloat for NF4).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def pack_nibbles(codes: jax.Array) -> jax.Array:
+  """Packs 4-bit codes two per byte along axis -2.
+
+  Args:
+    codes: integer array ``[..., K, N]`` with values in ``[0, 15]``; K even.
+
+  Returns:
+    uint8 ``[..., K // 2, N]``: row ``j`` is ``codes[2j] | codes[2j + 1] << 4``.
+
+  Raises:
+    ValueError: if K is odd.
+  """
+  k = codes.shape[-2]
+  if k % 2:
+    raise ValueError(f"pack_nibbles needs an even K (axis -2), got shape {codes.shape}")
+  codes = codes.astype(jnp.uint8)
+  pairs = codes.reshape(*codes.shape[:-2], k // 2, 2, codes.shape[-1])
+  return pairs[..., 0, :] | (pairs[..., 1, :] << 4)
+
+
+def unpack_nibbles(packed: jax.Array) -> jax.Array:
+  """Inverse of :func:`pack_nibbles`: uint8 ``[..., K/2, N]`` -> uint8 codes ``[..., K, N]``."""
+  low = packed & 0xF
+  high = packed >> 4
+  codes = jnp.stack([low, high], axis=-2)  # [..., K/2, 2, N]
+  return codes.reshape(*packed.shape[:-2], packed.shape[-2] * 2, packed.shape[-1])
+
+
+def decode(codes: jax.Array, codebook: np.ndarray, dtype=jnp.float32) -> jax.Array:
+  """Looks codes up in a 16-entry codebook: ``codebook[codes]`` cast to ``dtype``."""
+  table = jnp.asarray(codebook, dtype=jnp.float32)
+  return jnp.take(table, codes.astype(jnp.int32), axis=0).astype(dtype)
+
+
+def check_finite(w, name: str) -> None:
+  """Raises ValueError naming how many entries of a concrete array are NaN/Inf and where.
+
+  Traced values are not checked (the jit-able cores skip the check).
+  """
+  if isinstance(w, jax.core.Tracer):
+    return
+  arr = np.asarray(jax.device_get(w), dtype=np.float32)
+  bad = ~np.isfinite(arr)
+  n_bad = int(bad.sum())
+  if n_bad:
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    n_nan = int(np.isnan(arr).sum())
+    raise ValueError(
+        f"{name}: input of shape {arr.shape} has {n_bad} non-finite values "
+        f"({n_nan} NaN, {n_bad - n_nan} Inf); first at index {first}")
+
+
+def check_block_multiple(shape, block: int, name: str, pad: bool):
+  """Returns how many rows of K padding are needed, or raises if K % block != 0 and not pad."""
+  if len(shape) < 2:
+    raise ValueError(f"{name}: expected a weight of shape [..., K, N], got shape {tuple(shape)}")
+  k = shape[-2]
+  rem = k % block
+  if rem and not pad:
+    raise ValueError(
+        f"{name}: K = {k} (axis -2 of shape {tuple(shape)}) is not a multiple of the "
+        f"block size {block}; pass pad=True to zero-pad K explicitly")
+  return (block - rem) % block

@@ -1,0 +1,249 @@
+"""NVFP4 weights: E2M1 codes, E4M3 block scales of 16, one float32 global scale.
+
+The recipe is compressed-tensors' ``NVFP4A16`` round-to-nearest (the format
+QeRL's checkpoints use, read by vLLM and written by llm-compressor). For a
+weight ``w`` of shape ``[K, N]`` (K = input features, the contraction axis;
+blocks of 16 run along K):
+
+* global scale ``gs = 448 * 6 / amax(|w|)`` (float32, a *divisor*; ModelOpt
+  stores its inverse as ``weight_scale_2``);
+* block scale ``s = float8_e4m3fn(clamp(gs * amax_block / 6, -448, 448))``; a
+  block scale that is 0 becomes 0.125;
+* code ``q = RNE_E2M1(clamp(w / (float32(s) / gs), -6, 6))``, E2M1 magnitudes
+  {0, 0.5, 1, 1.5, 2, 3, 4, 6}, bit 3 the sign;
+* dequantized value ``e2m1(q) * (float32(s) / gs)``.
+
+References: OCP Microscaling Formats (MX) v1.0 spec (E2M1, E4M3); NVIDIA
+NVFP4 (two-level scaling, 16-element blocks); compressed-tensors
+``nvfp4-pack-quantized`` and ``generate_gparam``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qerl_jax import _packing
+
+BLOCK_SIZE = 16  # group size along K
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+ZERO_BLOCK_SCALE = 0.125  # what a block scale that rounds to 0 becomes
+
+# Code c in [0, 16): magnitude E2M1_MAGNITUDES[c & 7], negative when bit 3 is set.
+E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+E2M1_CODEBOOK = np.concatenate([E2M1_MAGNITUDES, -E2M1_MAGNITUDES]).astype(np.float32)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class NVFP4Tensor:
+  """A frozen NVFP4 weight of logical shape ``[K, N]`` (K = contraction axis).
+
+  In-memory layout (chosen for the kernels, which tile along K and N):
+
+  * ``packed``: uint8 ``[..., K // 2, N]``; byte ``j`` of column ``n`` holds the
+    E2M1 code of row ``2j`` in the low nibble and of row ``2j + 1`` in the high
+    nibble.
+  * ``block_scale``: float8_e4m3fn ``[..., K // 16, N]``, one per 16 rows of K.
+  * ``global_scale``: float32 ``[...]`` (a scalar per matrix), the divisor ``gs``.
+  * ``shape``: static ``(K, N)``, the trailing logical shape.
+
+  Leading dimensions ``...`` (for example stacked decoder layers) are allowed on
+  all three arrays; ``shape`` always names the trailing two.
+  The checkpoint layout (``[N, K/2]``, ``[N, K/16]``) is produced by
+  :func:`to_compressed_tensors`.
+  """
+
+  packed: jax.Array
+  block_scale: jax.Array
+  global_scale: jax.Array
+  shape: tuple[int, int]
+
+  def tree_flatten(self):
+    return (self.packed, self.block_scale, self.global_scale), self.shape
+
+  @classmethod
+  def tree_unflatten(cls, shape, children):
+    return cls(*children, shape=shape)
+
+  @property
+  def dtype(self):
+    return jnp.dtype("uint8")
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes held by the three arrays."""
+    return int(sum(np.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+                   for a in (self.packed, self.block_scale, self.global_scale)))
+
+  def __repr__(self):
+    lead = tuple(self.packed.shape[:-2])
+    return f"NVFP4Tensor(shape={lead + tuple(self.shape)}, block=16, packed={self.packed.dtype}{list(self.packed.shape)})"
+
+
+def round_to_e2m1(x: jax.Array) -> jax.Array:
+  """Rounds values to E2M1 codes with round-to-nearest-even on ties.
+
+  Args:
+    x: float array, any shape; values outside [-6, 6] saturate.
+
+  Returns:
+    uint8 codes, same shape: magnitude index in bits 0-2, sign in bit 3
+    (negative inputs, including those that round to zero, set the sign bit,
+    as compressed-tensors does).
+
+  Ties go to the even code: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
+  """
+  x = x.astype(jnp.float32)
+  m = jnp.minimum(jnp.abs(x), E2M1_MAX)
+  # Thresholds between neighbouring magnitudes; `>` where the lower code is even
+  # (a tie stays down), `>=` where the upper code is even (a tie goes up).
+  code = ((m > 0.25).astype(jnp.uint8) + (m >= 0.75) + (m > 1.25) + (m >= 1.75)
+          + (m > 2.5) + (m >= 3.5) + (m > 5.0)).astype(jnp.uint8)
+  sign = jnp.where(x < 0, jnp.uint8(8), jnp.uint8(0))
+  return code | sign
+
+
+def compute_global_scale(w: jax.Array) -> jax.Array:
+  """``448 * 6 / amax(|w|)`` over the trailing ``[K, N]`` axes, float32 ``[...]``.
+
+  An all-zero matrix gets 1.0 (any value gives exact zeros); a result that
+  overflows float32 saturates to float32 max.
+  """
+  amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(-2, -1))
+  gs = jnp.float32(E4M3_MAX * E2M1_MAX) / jnp.where(amax > 0, amax, 1.0)
+  gs = jnp.where(amax > 0, gs, 1.0)
+  return jnp.minimum(gs, jnp.finfo(jnp.float32).max).astype(jnp.float32)
+
+
+@jax.jit
+def _quantize_core(w: jax.Array, global_scale: jax.Array) -> NVFP4Tensor:
+  k, n = w.shape[-2:]
+  w = w.astype(jnp.float32)
+  gs = global_scale.astype(jnp.float32)
+  blocks = w.reshape(*w.shape[:-2], k // BLOCK_SIZE, BLOCK_SIZE, n)
+  amax_block = jnp.max(jnp.abs(blocks), axis=-2)  # [..., K/16, N]
+  gs_b = gs[..., None, None]
+  s = jnp.clip(gs_b * amax_block / E2M1_MAX, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+  s = jnp.where(s.astype(jnp.float32) == 0, jnp.float8_e4m3fn(ZERO_BLOCK_SCALE), s)
+  scale = s.astype(jnp.float32) / gs_b  # [..., K/16, N]
+  scaled = jnp.clip(blocks / scale[..., :, None, :], -E2M1_MAX, E2M1_MAX)
+  codes = round_to_e2m1(scaled).reshape(w.shape)
+  return NVFP4Tensor(_packing.pack_nibbles(codes), s, gs, (k, n))
+
+
+def quantize(w, *, global_scale=None, pad: bool = False) -> NVFP4Tensor:
+  """Quantizes a weight to NVFP4 (compressed-tensors NVFP4A16 RTN recipe).
+
+  Args:
+    w: float array ``[..., K, N]`` (any float dtype; computed in float32).
+    global_scale: optional float32 divisor ``[...]`` to use instead of
+      ``448 * 6 / amax(|w|)``; fused projections (q/k/v, gate/up) share one,
+      the smallest of the group, as vLLM requires.
+    pad: zero-pad K up to a multiple of 16 instead of raising. The padded rows
+      are part of the stored tensor (``shape[0]`` is the padded K).
+
+  Returns:
+    :class:`NVFP4Tensor` of logical shape ``(K, N)``.
+
+  Raises:
+    ValueError: K not a multiple of 16 (and ``pad`` is False), a rank below 2,
+      or NaN/Inf in a concrete ``w`` (the message says how many and where).
+      Traced inputs (inside ``jit``) are not checked for NaN/Inf.
+  """
+  shape = tuple(w.shape)
+  n_pad = _packing.check_block_multiple(shape, BLOCK_SIZE, "nvfp4.quantize", pad)
+  _packing.check_finite(w, "nvfp4.quantize")
+  w = jnp.asarray(w)
+  if n_pad:
+    w = jnp.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, n_pad), (0, 0)])
+  if global_scale is None:
+    global_scale = compute_global_scale(w)
+  else:
+    global_scale = jnp.asarray(global_scale, jnp.float32)
+    if not isinstance(global_scale, jax.core.Tracer):
+      gs_np = np.asarray(global_scale)
+      if not np.all(np.isfinite(gs_np)) or np.any(gs_np <= 0):
+        raise ValueError(f"nvfp4.quantize: global_scale must be finite and > 0, got {gs_np}")
+    global_scale = jnp.broadcast_to(global_scale.reshape(global_scale.shape[:w.ndim - 2]),
+                                    w.shape[:-2])
+  return _quantize_core(w, global_scale)
+
+
+def dequantize(t: NVFP4Tensor, dtype=jnp.float32) -> jax.Array:
+  """Dequantizes to ``e2m1(q) * (float32(s) / gs)``, shape ``[..., K, N]``.
+
+  Args:
+    t: an :class:`NVFP4Tensor`.
+    dtype: output dtype (computed in float32, then cast).
+
+  Raises:
+    TypeError: if ``t`` is not an NVFP4Tensor.
+  """
+  if not isinstance(t, NVFP4Tensor):
+    raise TypeError(f"nvfp4.dequantize expects an NVFP4Tensor, got {type(t).__name__}")
+  k, n = t.shape
+  codes = _packing.unpack_nibbles(t.packed)
+  values = _packing.decode(codes, E2M1_CODEBOOK)  # [..., K, N] f32
+  scale = t.block_scale.astype(jnp.float32) / t.global_scale.astype(jnp.float32)[..., None, None]
+  lead = values.shape[:-2]
+  out = values.reshape(*lead, k // BLOCK_SIZE, BLOCK_SIZE, n) * scale[..., :, None, :]
+  return out.reshape(*lead, k, n).astype(dtype)
+
+
+def to_compressed_tensors(t: NVFP4Tensor) -> dict[str, np.ndarray]:
+  """The checkpoint layout of compressed-tensors ``nvfp4-pack-quantized``.
+
+  Returns:
+    ``weight_packed`` uint8 ``[N, K/2]`` (element 2j in the low nibble),
+    ``weight_scale`` float8_e4m3fn ``[N, K/16]``, ``weight_global_scale``
+    float32 ``[1]`` (the divisor). Leading dims are not supported here.
+  """
+  if t.packed.ndim != 2:
+    raise ValueError(f"to_compressed_tensors expects one matrix, got packed shape {t.packed.shape}")
+  codes = np.asarray(_packing.unpack_nibbles(t.packed))  # [K, N]
+  codes_t = codes.T  # [N, K]
+  packed = (codes_t[:, 0::2] | (codes_t[:, 1::2] << 4)).astype(np.uint8)
+  return {
+      "weight_packed": np.ascontiguousarray(packed),
+      "weight_scale": np.ascontiguousarray(np.asarray(t.block_scale).T),
+      "weight_global_scale": np.asarray(t.global_scale, np.float32).reshape(1),
+  }
+
+
+def from_compressed_tensors(weight_packed, weight_scale, weight_global_scale) -> NVFP4Tensor:
+  """Builds an :class:`NVFP4Tensor` from the compressed-tensors checkpoint layout.
+
+  Args:
+    weight_packed: uint8 ``[N, K/2]``.
+    weight_scale: float8_e4m3fn ``[N, K/16]``.
+    weight_global_scale: float32 ``[1]`` or ``[]``, a divisor. (For ModelOpt's
+      ``weight_scale_2``, a multiplier, pass ``1 / weight_scale_2``.)
+
+  Raises:
+    ValueError: on mismatched shapes or dtypes.
+  """
+  weight_packed = np.asarray(weight_packed)
+  weight_scale = np.asarray(weight_scale)
+  if weight_packed.dtype != np.uint8 or weight_packed.ndim != 2:
+    raise ValueError(f"weight_packed must be uint8 [N, K/2], got {weight_packed.dtype}{list(weight_packed.shape)}")
+  n, k2 = weight_packed.shape
+  k = 2 * k2
+  if weight_scale.shape != (n, k // BLOCK_SIZE):
+    raise ValueError(f"weight_scale shape {weight_scale.shape} does not match weight_packed "
+                     f"{weight_packed.shape}: expected {(n, k // BLOCK_SIZE)}")
+  if weight_scale.dtype != jnp.float8_e4m3fn:
+    raise ValueError(f"weight_scale must be float8_e4m3fn, got {weight_scale.dtype}")
+  gs = np.asarray(weight_global_scale, np.float32).reshape(())
+  low = weight_packed & 0xF
+  high = weight_packed >> 4
+  codes = np.empty((n, k), np.uint8)
+  codes[:, 0::2] = low
+  codes[:, 1::2] = high
+  packed = _packing.pack_nibbles(jnp.asarray(codes.T))
+  return NVFP4Tensor(packed, jnp.asarray(weight_scale.T), jnp.asarray(gs), (k, n))

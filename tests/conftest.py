@@ -1,0 +1,50 @@
+"""Shared test fixtures: the ../shared data folder, GPU skipping, float64-free JAX defaults."""
+
+import os
+import pathlib
+
+import jax
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+def _has_gpu() -> bool:
+  try:
+    return any(d.platform == "gpu" for d in jax.devices())
+  except RuntimeError:
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+  if _has_gpu():
+    return
+  skip = pytest.mark.skip(reason="needs an NVIDIA GPU (none visible to JAX)")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> pathlib.Path:
+  """../shared beside the repository (data and fixtures); skips when absent (a user's fresh clone)."""
+  if not SHARED.is_dir():
+    pytest.skip(f"{SHARED} not present: the project's shared data is only beside the dev checkout")
+  return SHARED
+
+
+@pytest.fixture(scope="session")
+def data_dir(shared_dir) -> pathlib.Path:
+  d = shared_dir / "data"
+  if not d.is_dir():
+    pytest.skip(f"{d} not present")
+  return d
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir(shared_dir) -> pathlib.Path:
+  d = shared_dir / "fixtures"
+  if not d.is_dir():
+    pytest.skip(f"{d} not present")
+  return d
