@@ -282,7 +282,7 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
         grads = jax.tree.map(lambda g, p: g.astype(jnp.asarray(p).dtype), grads, params)
         loss, loss_metrics = grpo.finalize_policy_loss(terms, normalizer)
 
-        grad_norm = optax.global_norm(grads)
+        grad_norm = _global_norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = optimizer.update(grads, train_state.opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -304,6 +304,12 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
         return new_state, metrics
 
     return jax.jit(update_step, donate_argnums=(0,) if donate else ())
+
+
+def _global_norm(tree) -> jax.Array:
+    """sqrt of the sum of squares of every leaf (float32); inf/NaN if any leaf is non-finite."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
+                        for x in jax.tree_util.tree_leaves(tree)))
 
 
 def _has_schedule(config: Any) -> bool:
