@@ -448,7 +448,8 @@ def test_update_step_passes_step_key_and_shared():
     sgd = optax.sgd(0.1)
     step_fn = update.make_update_step(fn, {"gradient_accumulation_steps": 2}, optimizer=sgd)
     step_fn(update.make_train_state(params, sgd), batch, 7, jax.random.key(0))
-    assert seen["keys"] == ["features", "key", "shared", "step", "targets"]
+    assert seen["keys"] == ["advantages", "completion_mask", "features", "key", "old_logprobs",
+                            "shared", "step", "targets", "truncated"]
     assert seen["features_shape"] == (B // 2, T, D) and seen["scale_shape"] == ()
     with pytest.raises(ValueError, match="divisible"):
         bad = update.make_update_step(fn, {"gradient_accumulation_steps": 3}, optimizer=sgd)
