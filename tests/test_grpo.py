@@ -478,3 +478,75 @@ def test_update_steps_raise_positive_advantage_likelihood():
         state, met = step_fn(state, batch, i, jax.random.key(i))
         assert np.isfinite(float(met["loss"]))
     assert objective(state.params) > start
+
+
+# ---------------------------------------------------------------------------------------------
+# The update step through the real decoder: NVFP4 base, LoRA trainable
+# ---------------------------------------------------------------------------------------------
+def test_update_step_through_nvfp4_model_with_lora():
+    from qerl_jax import models, nvfp4
+
+    cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                             num_heads=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+    keys = jax.random.split(jax.random.key(0), 8)
+    base = models.quantize_base(models.init_params(cfg, keys[0]), "nvfp4")
+    assert isinstance(base["layers"]["attn"]["q"], nvfp4.NVFP4Tensor)
+    L, r = cfg.num_layers, 4
+
+    def ab(k, kdim, ndim):
+        ka, kb = jax.random.split(k)
+        return {"a": 0.1 * jax.random.normal(ka, (L, kdim, r), jnp.float32),
+                "b": 0.1 * jax.random.normal(kb, (L, r, ndim), jnp.float32)}
+
+    lora = {"layers": {"attn": {"q": ab(keys[1], 32, 32), "v": ab(keys[2], 32, 16)},
+                       "mlp": {"down": ab(keys[3], 64, 32)},
+                       "input_norm": jnp.ones((L, 32), jnp.float32)}}
+    n, t, prompt = 4, 12, 4
+    tokens = jax.random.randint(keys[4], (n, t), 0, cfg.vocab_size, jnp.int32)
+    lengths = np.array([8, 5, 8, 2])
+    cmask = ((np.arange(t)[None] >= prompt) & (np.arange(t)[None] < prompt + lengths[:, None]))
+    attn = jnp.ones((n, t), jnp.int32)
+    noise = {"input_norm": 0.01 * jax.random.normal(keys[5], (L, 32)),
+             "post_attn_norm": jnp.zeros((L, 32))}
+
+    def logprob_fn(params, mb):
+        return models.token_logprobs(cfg, mb["shared"]["base"], mb["tokens"], mb["positions"],
+                                     lora=params, lora_cfg=2.0, attn_mask=mb["attn_mask"],
+                                     norm_noise=mb["shared"]["noise"], chunk_size=8)
+
+    positions = models.positions_from_mask(attn)
+    lp0, _ = logprob_fn(lora, {"tokens": tokens, "positions": positions, "attn_mask": attn,
+                               "shared": {"base": base, "noise": noise}})
+    ref, _ = models.token_logprobs(cfg, base, tokens, positions, attn_mask=attn, chunk_size=8)
+    adv = grpo.group_advantages(jnp.array([1.0, 0.0, 0.0, 1.0]), 4)
+    batch = {"tokens": tokens, "positions": positions, "attn_mask": attn,
+             "completion_mask": jnp.asarray(cmask), "advantages": adv, "old_logprobs": lp0,
+             "ref_logprobs": ref, "shared": {"base": base, "noise": noise}}
+    upd = {"loss_type": "dapo", "beta": 0.04, "gradient_accumulation_steps": 2,
+           "learning_rate": 1e-3, "lr_scheduler_type": "constant"}
+    step_fn = update.make_update_step(logprob_fn, upd)
+    state0 = update.make_train_state(lora, update.make_optimizer(upd))
+    base_before = jax.tree.map(np.asarray, base)
+    state, met = step_fn(state0, batch, 0, jax.random.key(1))
+
+    # first iteration: old == current, ratio 1, so dapo's loss is the token mean of
+    # -A + beta * k3(ref - logp), computed here in float64 from the model's own log-probs
+    lp64, ref64 = np.asarray(lp0, np.float64), np.asarray(ref, np.float64)
+    d = ref64 - lp64
+    per = -np.asarray(adv, np.float64)[:, None] + 0.04 * (np.exp(d) - d - 1)
+    np.testing.assert_allclose(float(met["loss"]), per[cmask].mean(), rtol=2e-4, atol=1e-6)
+    np.testing.assert_allclose(float(met["kl"]), (np.exp(d) - d - 1)[cmask].mean(), rtol=2e-4,
+                               atol=1e-7)
+    assert float(met["update_skipped"]) == 0 and np.isfinite(float(met["grad_norm"]))
+    assert float(met["grad_norm"]) > 0
+    # every LoRA leaf (and the trainable norm) moved; the frozen NVFP4 base did not
+    assert jax.tree.structure(state.params) == jax.tree.structure(lora)
+    for old, new in zip(jax.tree.leaves(lora), jax.tree.leaves(state.params)):
+        assert not np.array_equal(np.asarray(old), np.asarray(new))
+        assert np.all(np.isfinite(np.asarray(new)))
+    for a, b in zip(jax.tree.leaves(base_before), jax.tree.leaves(base)):
+        assert np.array_equal(a, np.asarray(b)) and a.dtype == np.asarray(b).dtype
+    # a second iteration on the same rollout (num_iterations = 2) sees a ratio != 1
+    state2, met2 = step_fn(state, batch, 0, jax.random.key(1))
+    assert float(met2["update_skipped"]) == 0 and np.isfinite(float(met2["loss"]))
+    assert float(met2["loss"]) != float(met["loss"])
