@@ -1,0 +1,534 @@
+"""The rollout engine: batched prefill + decode with a KV cache, jit-compiled per shape bucket.
+
+``generate`` turns ``B`` left-padded prompts into ``B * G`` completions (``G`` =
+``num_generations``, the GRPO group size) with one prefill per prompt: the
+prompt's KV cache is computed once and repeated ``G`` times before decoding.
+Decoding runs inside a ``jax.lax.while_loop`` that stops as soon as every row
+has emitted an end token (or after ``max_new_tokens``).
+
+Sampling follows the order of Hugging Face's logits processors: min-new-tokens
+(end ids forbidden), temperature, top-k, top-p (nucleus sampling, Holtzman et
+al. 2020, "The Curious Case of Neural Text Degeneration": keep the smallest set
+of most likely tokens whose probability mass reaches ``p``). Temperature 0
+means greedy (argmax), with no division.
+
+Everything here is a pure function of its inputs and the PRNG key; each row
+``r`` draws its randomness from ``fold_in(fold_in(key, r), step)``, so a row's
+samples do not depend on the batch or shape bucket it was padded into.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NEG_INF = -jnp.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How to sample completions. Frozen and hashable (it is a static jit argument).
+
+  Attributes:
+    max_new_tokens: completion length ``T`` (tokens); the rollout arrays are
+      ``[B * G, T]`` and the KV cache holds ``prompt bucket + T`` positions.
+    eos_token_ids: ALL end-of-sequence ids of the checkpoint (Qwen2.5-Instruct:
+      ``(151645, 151643)``, ``<|im_end|>`` and ``<|endoftext|>``). A row ends at
+      its first end token, which is kept in the completion with mask 1.
+    pad_id: token written after a row's end (mask 0). It may equal an end id;
+      the mask never compares token values with it.
+    temperature: softmax temperature; ``0`` = greedy (argmax), top-k/top-p ignored.
+    top_p: nucleus mass in ``(0, 1]``; ``1`` disables it.
+    top_k: keep the ``k`` most likely tokens; ``0`` disables it. When set, top-p
+      is computed over those ``k`` candidates only (no full-vocabulary sort).
+    min_new_tokens: end ids are forbidden (logit ``-inf``) before this many
+      tokens have been generated (Hugging Face ``MinNewTokensLogitsProcessor``).
+    stop_token_ids: extra ids that also end a row (treated exactly like eos).
+    num_generations: ``G``, completions per prompt (group size).
+    early_stop: stop decoding when every row has ended (``False`` always runs
+      ``T`` steps: benchmarks).
+    cache_dtype: dtype of the KV cache (bf16 by default).
+  """
+
+  max_new_tokens: int
+  eos_token_ids: tuple[int, ...]
+  pad_id: int
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  min_new_tokens: int = 0
+  stop_token_ids: tuple[int, ...] = ()
+  num_generations: int = 1
+  early_stop: bool = True
+  cache_dtype: Any = jnp.bfloat16
+
+  def __post_init__(self):
+    # Accept lists for the id fields but store tuples (hashable).
+    object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in _as_ids(self.eos_token_ids, "eos_token_ids")))
+    object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in _as_ids(self.stop_token_ids, "stop_token_ids")))
+    if not isinstance(self.max_new_tokens, (int, np.integer)) or self.max_new_tokens < 1:
+      raise ValueError(f"SamplingConfig.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+    if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+      raise ValueError(
+          f"SamplingConfig.min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}")
+    if not self.eos_token_ids:
+      raise ValueError("SamplingConfig.eos_token_ids is empty: give every end-of-sequence id of the checkpoint")
+    if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+      raise ValueError(f"SamplingConfig.temperature must be a finite float >= 0, got {self.temperature!r}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p!r}")
+    if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+      raise ValueError(f"SamplingConfig.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+    if not isinstance(self.num_generations, (int, np.integer)) or self.num_generations < 1:
+      raise ValueError(f"SamplingConfig.num_generations must be an int >= 1, got {self.num_generations!r}")
+
+  @property
+  def end_ids(self) -> tuple[int, ...]:
+    """Every id that ends a row: ``eos_token_ids + stop_token_ids`` (deduplicated, order kept)."""
+    return tuple(dict.fromkeys(self.eos_token_ids + self.stop_token_ids))
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+
+def _as_ids(ids, name) -> tuple:
+  if isinstance(ids, (int, np.integer)):
+    return (ids,)
+  try:
+    return tuple(ids)
+  except TypeError:
+    raise TypeError(f"SamplingConfig.{name} must be a tuple of ints, got {ids!r}") from None
+
+
+@flax.struct.dataclass
+class Rollout:
+  """``B * G`` sampled completions (row ``b * G + g`` is generation ``g`` of prompt ``b``).
+
+  Attributes:
+    tokens: int32 ``[B*G, T]`` completion tokens; after a row's end, ``pad_id``.
+    logprobs: float32 ``[B*G, T]``, log-probability of each token under the
+      distribution it was sampled from: ``log_softmax`` of the logits after
+      min-new-tokens masking, division by the temperature, top-k and top-p
+      (renormalised over the kept tokens). Greedy (temperature 0) samples from
+      a point mass, so its ``logprobs`` are 0. 0 where ``mask`` is 0.
+    policy_logprobs: float32 ``[B*G, T]``, the raw policy's log-probability,
+      ``log_softmax(logits)`` at temperature 1 with no filtering: what a full
+      forward over prompt + completion gives (``models.token_logprobs``).
+      At temperature 1 with top_k 0, top_p 1 and past ``min_new_tokens`` it
+      equals ``logprobs``. 0 where ``mask`` is 0.
+    mask: int32 ``[B*G, T]``, 1 up to and including each row's first end token,
+      0 after it.
+    lengths: int32 ``[B*G]``, tokens with mask 1 (end token included).
+    finished: bool ``[B*G]``, the row emitted an end token.
+    truncated: bool ``[B*G]``, the row hit ``max_new_tokens`` without ending
+      (``truncated == ~finished``).
+    prompt_tokens: int32 ``[B*G, P]``, each row's prompt (left-padded, as given).
+    prompt_mask: int32 ``[B*G, P]``, 1 on real prompt tokens.
+    metrics: dict of scalars: ``kv_cache_bytes`` (int, bytes of the decode KV
+      cache), ``decode_steps`` (int32, forward calls after prefill),
+      ``bucket_batch`` / ``bucket_prompt_len`` (ints, the compiled shape),
+      ``generated_tokens`` (int32, ``sum(lengths)``).
+  """
+
+  tokens: jax.Array
+  logprobs: jax.Array
+  policy_logprobs: jax.Array
+  mask: jax.Array
+  lengths: jax.Array
+  finished: jax.Array
+  truncated: jax.Array
+  prompt_tokens: jax.Array
+  prompt_mask: jax.Array
+  metrics: dict
+
+
+# ----------------------------------------------------------------------------
+# Logit processing and sampling (pure, shape-generic over leading axes).
+# ----------------------------------------------------------------------------
+
+
+def forbid_tokens(logits: jax.Array, token_ids: Sequence[int], forbid: jax.Array | bool = True) -> jax.Array:
+  """Set ``logits[..., id] = -inf`` for ``id`` in ``token_ids`` where ``forbid`` is true.
+
+  Args:
+    logits: float ``[..., V]``.
+    token_ids: ids to forbid (static; ids >= V are ignored).
+    forbid: bool scalar or broadcastable to ``logits.shape[:-1]``.
+
+  Returns:
+    float ``[..., V]`` same dtype.
+  """
+  vocab = logits.shape[-1]
+  ids = [int(i) for i in token_ids if 0 <= int(i) < vocab]
+  if not ids:
+    return logits
+  hit = jnp.zeros((vocab,), bool).at[jnp.asarray(ids)].set(True)
+  forbid = jnp.asarray(forbid)[..., None]
+  return jnp.where(hit & forbid, jnp.asarray(NEG_INF, logits.dtype), logits)
+
+
+def sampling_logprobs(logits: jax.Array, *, temperature: float, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+  """Log-probabilities of the sampling distribution: temperature, then top-k, then top-p.
+
+  Args:
+    logits: ``[..., V]`` (any float dtype; computed in float32).
+    temperature: > 0 (use :func:`sample_tokens` for greedy).
+    top_k: keep tokens whose logit is >= the k-th largest (ties at the
+      threshold are kept); 0 = off.
+    top_p: nucleus mass in (0, 1]: sorted by probability, token ``i`` is kept
+      when the mass of the tokens before it is < ``top_p`` (so the smallest set
+      reaching ``p``; ties with the last kept logit are kept too); 1 = off.
+
+  Returns:
+    float32 ``[..., V]``: ``log_softmax`` renormalised over the kept tokens,
+    ``-inf`` on the removed ones.
+
+  Raises:
+    ValueError: temperature <= 0, top_p outside (0, 1], top_k < 0.
+  """
+  if not temperature > 0:
+    raise ValueError(f"sampling_logprobs: temperature must be > 0 (0 is greedy), got {temperature}")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"sampling_logprobs: top_p must be in (0, 1], got {top_p}")
+  if top_k < 0:
+    raise ValueError(f"sampling_logprobs: top_k must be >= 0, got {top_k}")
+  x = logits.astype(jnp.float32)
+  if temperature != 1.0:
+    x = x / jnp.float32(temperature)
+  vocab = x.shape[-1]
+  threshold = None
+  if 0 < top_k < vocab:
+    top_vals, _ = jax.lax.top_k(x, top_k)  # sorted descending, [..., k]
+    threshold = top_vals[..., -1:]
+    sorted_desc = top_vals
+  elif top_p < 1.0:
+    sorted_desc = -jnp.sort(-x, axis=-1)
+  if top_p < 1.0:
+    probs = jax.nn.softmax(sorted_desc, axis=-1)  # over the top-k set when top_k is on
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = mass_before < jnp.float32(top_p)  # always true at index 0
+    n_keep = jnp.sum(keep, axis=-1, keepdims=True)
+    threshold = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
+  if threshold is not None:
+    x = jnp.where(x >= threshold, x, NEG_INF)
+  return jax.nn.log_softmax(x, axis=-1)
+
+
+def sample_tokens(key: jax.Array, logits: jax.Array, *, temperature: float, top_k: int = 0,
+                  top_p: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Draw one token per row and return it with its log-probabilities.
+
+  Args:
+    key: PRNG key(s): one key (shared draw over all rows) or a batch of keys
+      ``[...]`` matching ``logits.shape[:-1]`` (one independent draw per row).
+    logits: float ``[..., V]`` (already min-new-tokens masked if wanted).
+    temperature, top_k, top_p: see :class:`SamplingConfig`; temperature 0 is
+      greedy (argmax of ``logits``; the first index wins ties).
+
+  Returns:
+    ``(tokens int32 [...], sample_logprob f32 [...], policy_logprob f32 [...])``:
+    the log-probability under the sampling distribution (0 for greedy) and
+    under ``log_softmax(logits)`` (raw, temperature 1).
+  """
+  raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  if temperature == 0:
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sample_lp = jnp.zeros(tokens.shape, jnp.float32)
+  else:
+    lp = sampling_logprobs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if _is_batched_key(key, lp.ndim - 1):
+      flat_keys = key.reshape((-1,) + key.shape[lp.ndim - 1:])
+      flat = jax.vmap(lambda k, l: jax.random.categorical(k, l))(flat_keys, lp.reshape(-1, lp.shape[-1]))
+      tokens = flat.reshape(lp.shape[:-1]).astype(jnp.int32)
+    else:
+      tokens = jax.random.categorical(key, lp, axis=-1).astype(jnp.int32)
+    sample_lp = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
+  policy_lp = jnp.take_along_axis(raw, tokens[..., None], axis=-1)[..., 0]
+  return tokens, sample_lp, policy_lp
+
+
+def _is_batched_key(key: jax.Array, batch_ndim: int) -> bool:
+  if batch_ndim == 0:
+    return False
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return key.ndim == batch_ndim
+  return key.ndim == batch_ndim + 1  # raw uint32 keys carry a trailing key axis
+
+
+# ----------------------------------------------------------------------------
+# End-of-sequence bookkeeping.
+# ----------------------------------------------------------------------------
+
+
+def is_end_token(tokens: jax.Array, end_ids: Sequence[int]) -> jax.Array:
+  """bool, same shape as ``tokens``: the token is one of ``end_ids`` (static ids)."""
+  ids = jnp.asarray(tuple(end_ids), jnp.int32)
+  return jnp.any(tokens[..., None] == ids, axis=-1)
+
+
+def completion_mask(tokens: jax.Array, end_ids: Sequence[int], pad_id: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Mask a batch of raw completions at each row's first end token.
+
+  Used after the fact (e.g. on completions produced elsewhere); ``generate``
+  applies the same rule step by step.
+
+  Args:
+    tokens: int ``[N, T]`` generated tokens (anything after the end is ignored).
+    end_ids: every end id (eos + stop ids).
+    pad_id: written after each row's end token.
+
+  Returns:
+    ``(tokens int32 [N, T] with pad after the end, mask int32 [N, T] 1 up to and
+    including the first end token, lengths int32 [N], finished bool [N])``.
+  """
+  tokens = jnp.asarray(tokens, jnp.int32)
+  end = is_end_token(tokens, end_ids).astype(jnp.int32)
+  ended_before = jnp.cumsum(end, axis=-1) - end  # end tokens strictly before t
+  mask = (ended_before == 0).astype(jnp.int32)
+  finished = jnp.any(end > 0, axis=-1)
+  return jnp.where(mask > 0, tokens, jnp.int32(pad_id)), mask, jnp.sum(mask, axis=-1).astype(jnp.int32), finished
+
+
+# ----------------------------------------------------------------------------
+# Shape buckets.
+# ----------------------------------------------------------------------------
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+  """The smallest power of two >= max(n, minimum): the padded size compiled for ``n``.
+
+  Raises:
+    ValueError: ``n < 1``.
+  """
+  if n < 1:
+    raise ValueError(f"bucket: size must be >= 1, got {n}")
+  return 1 << (max(int(n), int(minimum)) - 1).bit_length()
+
+
+def pad_prompts(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, batch: int, length: int,
+                pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """Left-pad ``[B, P]`` prompts to ``[batch, length]``; new rows hold one dummy token.
+
+  The extra columns are prepended (mask 0). Extra rows get ``pad_id`` with
+  mask 1 only on the last column, so they are well defined (no fully masked
+  attention row) and are dropped from the result.
+
+  Returns:
+    ``(tokens int32 [batch, length], mask int32 [batch, length])``.
+  """
+  b, p = prompt_tokens.shape
+  if batch < b or length < p:
+    raise ValueError(f"pad_prompts: cannot pad [{b}, {p}] down to [{batch}, {length}]")
+  tokens = np.full((batch, length), pad_id, np.int32)
+  mask = np.zeros((batch, length), np.int32)
+  tokens[:b, length - p:] = prompt_tokens
+  mask[:b, length - p:] = prompt_mask
+  mask[b:, -1] = 1
+  return tokens, mask
+
+
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+  """int32 ``[B, P]`` positions ``cumsum(mask) - 1`` (pad slots get -1 -> clipped to 0).
+
+  With left padding, a row's first real token has position 0, exactly as if
+  the row were alone.
+  """
+  return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def validate_prompts(prompt_tokens, prompt_mask) -> None:
+  """Check shapes and left padding of concrete prompt arrays.
+
+  Raises:
+    ValueError: rank or shape mismatch, a row with no prompt token, a mask that
+      is not 0/1, or a row that is not left-padded (a 1 followed by a 0).
+  """
+  if prompt_tokens.ndim != 2:
+    raise ValueError(f"generate: prompt_tokens must be [B, P], got shape {prompt_tokens.shape}")
+  if prompt_mask.shape != prompt_tokens.shape:
+    raise ValueError(f"generate: prompt_mask shape {prompt_mask.shape} != prompt_tokens shape {prompt_tokens.shape}")
+  if isinstance(prompt_mask, jax.core.Tracer):
+    return
+  m = np.asarray(prompt_mask)
+  if not np.all((m == 0) | (m == 1)):
+    raise ValueError("generate: prompt_mask must hold only 0 and 1")
+  empty = np.nonzero(m.sum(-1) == 0)[0]
+  if empty.size:
+    raise ValueError(f"generate: prompt rows {empty.tolist()} have no tokens (all-zero prompt_mask)")
+  not_left = np.nonzero(np.any(np.diff(m, axis=-1) < 0, axis=-1))[0]
+  if not_left.size:
+    raise ValueError(f"generate: prompt rows {not_left.tolist()} are not left-padded (mask goes 1 -> 0); "
+                     "pad on the left, e.g. tokenizer.padding_side = 'left'")
+
+
+# ----------------------------------------------------------------------------
+# The engine.
+# ----------------------------------------------------------------------------
+
+
+def kv_cache_bytes(cfg_model, batch: int, max_len: int, dtype=jnp.bfloat16) -> int:
+  """Bytes of a KV cache for ``batch`` rows of ``max_len`` slots: keys + values
+  ``2 * L * batch * max_len * Hkv * head_dim * itemsize`` plus the bool slot mask."""
+  kv = 2 * cfg_model.num_layers * batch * max_len * cfg_model.num_kv_heads * cfg_model.head_dim
+  return int(kv * jnp.dtype(dtype).itemsize + batch * max_len)
+
+
+def _grow_cache(cache: dict, groups: int, extra: int) -> dict:
+  """Repeat each prompt's cache ``groups`` times along the batch axis and append ``extra`` empty slots.
+
+  ``{"k","v": [L, B, P, Hkv, hd], "mask": [B, P], "index"}`` ->
+  ``{"k","v": [L, B*G, P+extra, Hkv, hd], "mask": [B*G, P+extra], "index"}``.
+  """
+  def grow_kv(x):
+    x = jnp.repeat(x, groups, axis=1) if groups > 1 else x
+    return jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
+  mask = jnp.repeat(cache["mask"], groups, axis=0) if groups > 1 else cache["mask"]
+  return {"k": grow_kv(cache["k"]), "v": grow_kv(cache["v"]), "mask": jnp.pad(mask, ((0, 0), (0, extra))),
+          "index": cache["index"]}
+
+
+def _generate_impl(cfg_model, config: SamplingConfig, lora_scale: float, base, lora, norm_noise,
+                   prompt_BxP, mask_BxP, key, num_prompts):
+  """The jit-compiled body: one prefill of the B prompts, then decode B*G rows in a while loop."""
+  from qerl_jax import models  # the model package imports nothing from here
+
+  b, p = prompt_BxP.shape
+  g, t_max = config.num_generations, config.max_new_tokens
+  n = b * g
+  end_ids = config.end_ids
+  fwd = dict(lora=lora, lora_cfg=lora_scale, norm_noise=norm_noise)
+
+  # Prefill: B prompts once, cache of P slots; then repeat it G times and add T empty slots.
+  pos_BxP = positions_from_mask(mask_BxP)
+  cache = models.init_cache(cfg_model, b, p, dtype=config.cache_dtype)
+  hidden_BxPxD, cache = models.forward(cfg_model, base, prompt_BxP, pos_BxP, cache=cache, attn_mask=mask_BxP,
+                                       return_hidden=True, **fwd)
+  logits_BxV = models.lm_head_logits(cfg_model, base, hidden_BxPxD[:, -1])  # last column is real (left padding)
+  cache = _grow_cache(cache, g, t_max)
+  logits_NxV = jnp.repeat(logits_BxV, g, axis=0)
+  next_pos_N = jnp.repeat(pos_BxP[:, -1], g, axis=0) + 1  # position of completion token 0
+
+  rows = jnp.arange(n, dtype=jnp.int32)
+  row_keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(rows)
+  done_N = rows >= num_prompts * g  # bucket padding rows start finished
+
+  def choose(t, logits, done, bufs):
+    """Sample completion token ``t`` for every row; rows already ended get pad / mask 0."""
+    tokens_buf, lp_buf, plp_buf, mask_buf = bufs
+    if config.min_new_tokens > 0:
+      logits = forbid_tokens(logits, end_ids, t < config.min_new_tokens)
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(row_keys)
+    tok, lp, plp = sample_tokens(keys, logits, temperature=config.temperature, top_k=config.top_k,
+                                 top_p=config.top_p)
+    live = ~done
+    tok = jnp.where(live, tok, jnp.int32(config.pad_id))
+    col = lambda buf, v: jax.lax.dynamic_update_slice_in_dim(buf, v[:, None].astype(buf.dtype), t, axis=1)
+    bufs = (col(tokens_buf, tok), col(lp_buf, jnp.where(live, lp, 0.0)), col(plp_buf, jnp.where(live, plp, 0.0)),
+            col(mask_buf, live.astype(jnp.int32)))
+    done = done | (live & is_end_token(tok, end_ids))
+    return tok, done, bufs
+
+  bufs = (jnp.full((n, t_max), config.pad_id, jnp.int32), jnp.zeros((n, t_max), jnp.float32),
+          jnp.zeros((n, t_max), jnp.float32), jnp.zeros((n, t_max), jnp.int32))
+  tok, done_N, bufs = choose(jnp.int32(0), logits_NxV, done_N, bufs)
+
+  def cond(state):
+    t, _, _, done, _ = state
+    keep_going = t < t_max
+    if config.early_stop:
+      keep_going = keep_going & ~jnp.all(done)
+    return keep_going
+
+  def body(state):
+    t, cache, tok, done, bufs = state
+    # Feed completion token t-1 (position next_pos + t - 1) and sample token t.
+    logits, cache = models.forward(cfg_model, base, tok[:, None], (next_pos_N + t - 1)[:, None], cache=cache,
+                                   **fwd)
+    tok, done, bufs = choose(t, logits[:, 0], done, bufs)
+    return t + 1, cache, tok, done, bufs
+
+  t_end, _, _, done_N, bufs = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, tok, done_N, bufs))
+  tokens, lp, plp, mask = bufs
+  lengths = jnp.sum(mask, axis=-1).astype(jnp.int32)
+  return tokens, lp, plp, mask, lengths, done_N, t_end - 1
+
+
+_generate_jit = jax.jit(_generate_impl, static_argnums=(0, 1, 2))
+
+
+def generate(cfg_model, base: dict, prompt_tokens, prompt_mask, key: jax.Array, config: SamplingConfig, *,
+             lora: Optional[dict] = None, lora_cfg: Any = None, norm_noise: Optional[dict] = None,
+             min_prompt_bucket: int = 16) -> Rollout:
+  """Sample ``G = config.num_generations`` completions for each of ``B`` left-padded prompts.
+
+  The prompts are padded up to a shape bucket (batch and prompt length each
+  to the next power of two, prompt length at least ``min_prompt_bucket``), so
+  a training run compiles once per bucket; the padding rows are dropped from
+  the result. Inside one jit-compiled call: prefill the ``B`` prompts once
+  (KV cache of the prompt bucket), repeat the cache ``G`` times with
+  ``max_new_tokens`` empty slots, then decode in a ``lax.while_loop`` that
+  stops once every row has emitted an end token (unless
+  ``config.early_stop`` is False). Positions come from the mask
+  (``cumsum - 1``), so a left-padded row generates what it would alone.
+  Randomness of row ``r = b * G + g`` at completion step ``t`` is
+  ``fold_in(fold_in(key, r), t)``: independent of the bucket.
+
+  LoRA and AQN noise go through :func:`qerl_jax.models.forward`, the same code
+  as training.
+
+  Args:
+    cfg_model: :class:`qerl_jax.models.ModelConfig` (``cfg_model.dtype`` is the compute dtype).
+    base: frozen base parameter tree (bf16 or NVFP4/NF4 linears).
+    prompt_tokens: int ``[B, P]`` token ids, left-padded.
+    prompt_mask: int/bool ``[B, P]``, 1 on real tokens (each row's ones at the end).
+    key: a PRNG key (typed or raw uint32 ``[2]``); unused when greedy.
+    config: :class:`SamplingConfig` (a static jit argument).
+    lora: optional adapter tree (see :mod:`qerl_jax.models`).
+    lora_cfg: LoRA scale: None, a float, or anything with ``.scale``.
+    norm_noise: optional AQN noise ``{"input_norm", "post_attn_norm": f32 [L, D]}``.
+    min_prompt_bucket: smallest compiled prompt length (tokens).
+
+  Returns:
+    :class:`Rollout` with ``B * G`` rows (row ``b * G + g``) and ``T =
+    config.max_new_tokens`` columns. ``metrics["kv_cache_bytes"]`` is the size
+    of the decode KV cache (bytes, the padded bucket), which dominates the
+    sampler's activation memory.
+
+  Raises:
+    TypeError: ``config`` is not a :class:`SamplingConfig`.
+    ValueError: bad prompt shapes, a row without tokens, right padding.
+  """
+  from qerl_jax import models
+
+  if not isinstance(config, SamplingConfig):
+    raise TypeError(f"generate: config must be a SamplingConfig, got {type(config).__name__}")
+  validate_prompts(prompt_tokens, prompt_mask)
+  b, p = prompt_tokens.shape
+  bb, pb = bucket(b), bucket(p, min_prompt_bucket)
+  tokens_np, mask_np = pad_prompts(np.asarray(prompt_tokens), np.asarray(prompt_mask), bb, pb, config.pad_id)
+  g = config.num_generations
+  tokens, lp, plp, mask, lengths, done, steps = _generate_jit(
+      cfg_model, config, models.lora_scale_of(lora_cfg), base, lora, norm_noise, jnp.asarray(tokens_np),
+      jnp.asarray(mask_np), key, jnp.int32(b))
+  n = b * g
+  finished = done[:n]
+  metrics = {
+      "kv_cache_bytes": kv_cache_bytes(cfg_model, bb * g, pb + config.max_new_tokens, config.cache_dtype),
+      "decode_steps": steps,
+      "bucket_batch": bb,
+      "bucket_prompt_len": pb,
+      "generated_tokens": jnp.sum(lengths[:n]),
+  }
+  return Rollout(
+      tokens=tokens[:n], logprobs=lp[:n], policy_logprobs=plp[:n], mask=mask[:n], lengths=lengths[:n],
+      finished=finished, truncated=~finished,
+      prompt_tokens=jnp.repeat(jnp.asarray(prompt_tokens, jnp.int32), g, axis=0),
+      prompt_mask=jnp.repeat(jnp.asarray(prompt_mask, jnp.int32), g, axis=0), metrics=metrics)
