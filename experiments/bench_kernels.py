@@ -48,7 +48,9 @@ flags.DEFINE_integer("inner", 3, "programs dispatched back to back per sample")
 flags.DEFINE_integer("rotate_mb", 256, "MiB of 4-bit weight copies rotated through per program")
 flags.DEFINE_bool("check", True, "check each row against the XLA reference with a poisoned output")
 flags.DEFINE_bool("ragged", True, "also check ragged shapes (M=1,3,17,100, N/K off the tiles)")
-flags.DEFINE_bool("sweep", False, "sweep tile configs on a few shapes instead of the table")
+flags.DEFINE_bool("sweep", False, "sweep tile configs first (winners used for the table)")
+flags.DEFINE_integer("sweep_budget_s", 240, "stop starting new sweep buckets after this many seconds")
+flags.DEFINE_bool("table", True, "time the table")
 flags.DEFINE_string("json", "", "write rows here as JSON")
 flags.DEFINE_bool("smoke", False, "CPU smoke test of this script: tiny shapes, kernels in interpret mode")
 
@@ -171,40 +173,75 @@ def _ragged_checks():
   return ok and err < 1e-2
 
 
-SWEEP_FWD_SMALL = [(16, 128, 256, s, w, st) for s in (0, 1) for w in (4,) for st in (3, 4)] + [
-    (16, 64, 256, 0, 4, 4), (16, 256, 256, 0, 4, 4), (16, 128, 512, 0, 4, 4), (16, 128, 128, 0, 4, 4),
-    (16, 128, 256, 0, 8, 4), (16, 64, 512, 0, 4, 4)]
-SWEEP_FWD_LARGE = [(128, 128, 64, 1, 8, 3), (128, 128, 128, 1, 8, 3), (128, 256, 64, 1, 8, 3),
-                   (128, 128, 64, 1, 4, 4), (64, 128, 128, 1, 4, 3), (128, 256, 128, 1, 8, 3),
-                   (64, 256, 64, 1, 4, 4), (128, 128, 128, 1, 8, 4)]
-SWEEP_DX_LARGE = [(128, 64, 128, 1, 8, 3), (128, 128, 128, 1, 8, 3), (128, 64, 256, 1, 8, 3),
-                  (64, 64, 128, 1, 4, 3), (128, 32, 256, 1, 8, 3), (128, 64, 128, 1, 4, 4)]
+# Per bucket of TUNED: (representative M, [(model, layer)], candidates).
+SWEEP = {
+    ("fwd", 16): (1, [("7b", "qkv"), ("7b", "gate")],
+                  [(16, 128, 256, 4, 4, 264, "registers"), (16, 128, 256, 4, 4, 264, "strided"), (16, 64, 256, 4, 4, 264, "registers"), (16, 256, 256, 4, 4, 264, "registers"),
+                   (16, 128, 512, 4, 4, 264, "registers"), (16, 64, 512, 4, 4, 264, "registers"), (16, 128, 256, 4, 4, 528, "registers"),
+                   (16, 128, 256, 4, 3, 264, "registers"), (16, 128, 256, 8, 4, 264, "registers")]),
+    ("fwd", 32): (32, [("7b", "qkv"), ("7b", "gate")],
+                  [(32, 128, 256, 4, 4, 264, "registers"), (32, 128, 256, 4, 4, 264, "strided"), (32, 64, 256, 4, 4, 264, "registers"), (32, 128, 128, 4, 4, 264, "registers"),
+                   (32, 128, 256, 4, 4, 528, "registers"), (32, 256, 128, 8, 3, 264, "registers")]),
+    ("fwd", 64): (64, [("7b", "qkv"), ("7b", "gate")],
+                  [(64, 128, 256, 4, 4, 264, "registers"), (64, 128, 256, 4, 4, 264, "strided"), (64, 64, 256, 4, 4, 264, "registers"), (64, 128, 128, 4, 3, 264, "registers"),
+                   (64, 128, 128, 8, 3, 264, "registers"), (64, 256, 128, 8, 3, 264, "registers")]),
+    ("fwd", 128): (128, [("7b", "qkv"), ("7b", "gate")],
+                   [(128, 128, 128, 8, 3, 264, "registers"), (128, 128, 128, 8, 3, 264, "strided"), (64, 128, 128, 4, 3, 264, "registers"), (128, 64, 256, 4, 4, 264, "registers"),
+                    (128, 128, 128, 8, 3, 0, "registers"), (128, 256, 64, 8, 3, 264, "registers")]),
+    ("fwd", 256): (256, [("7b", "qkv"), ("7b", "gate")],
+                   [(128, 128, 128, 8, 3, 264, "registers"), (128, 128, 128, 8, 3, 264, "strided"), (64, 128, 128, 4, 3, 264, "registers"), (128, 64, 256, 4, 4, 264, "registers"),
+                    (128, 128, 128, 8, 3, 0, "registers"), (128, 256, 64, 8, 3, 264, "registers")]),
+    ("fwd", None): (8192, [("7b", "gate"), ("7b", "down")],
+                    [(128, 128, 128, 8, 3, 0, "registers"), (128, 128, 128, 8, 3, 0, "strided"), (128, 128, 64, 8, 3, 0, "registers"), (128, 256, 64, 8, 3, 0, "registers"),
+                     (128, 256, 128, 8, 3, 0, "registers"), (64, 256, 64, 4, 4, 0, "registers"), (128, 128, 64, 4, 4, 0, "registers"),
+                     (128, 128, 128, 8, 4, 0, "registers")]),
+    ("dx", None): (8192, [("7b", "gate"), ("7b", "down")],
+                   [(128, 64, 128, 8, 3, 0, "registers"), (128, 64, 128, 8, 3, 0, "strided"), (128, 128, 128, 8, 3, 0, "registers"), (128, 64, 256, 8, 3, 0, "registers"),
+                    (128, 32, 256, 8, 3, 0, "registers"), (64, 64, 128, 4, 3, 0, "registers"), (128, 64, 128, 4, 4, 0, "registers")]),
+}
 
 
-def _sweep():
-  for model, layer, m, kind in [("7b", "gate", 1, "fwd"), ("7b", "o", 1, "fwd"), ("32b", "down", 32, "fwd"),
-                                ("7b", "gate", 128, "fwd"), ("7b", "gate", 8192, "fwd"),
-                                ("7b", "down", 8192, "fwd"), ("7b", "gate", 8192, "dx")]:
-    k, n = SHAPES[model][layer]
-    w_bf16, wq = _weights(k, n, 0)
-    if kind == "dx":
-      cands = SWEEP_DX_LARGE
-    elif m >= 2048:
-      cands = SWEEP_FWD_LARGE
-    else:
-      cands = [(max(16, min(64, 1 << (m - 1).bit_length())),) + c[1:] for c in SWEEP_FWD_SMALL]
-    print(f"sweep {model} {layer} {k}x{n} M={m} {kind}; default {w4_triton.default_config(m, k, n, kind=kind)}")
+def _sweep(budget_s):
+  """Times each candidate of SWEEP, writes the winners into w4_triton.TUNED (this process only)."""
+  t_start = time.time()
+  winners = {}
+  for (kind, bucket), (m, shapes, cands) in SWEEP.items():
+    if time.time() - t_start > budget_s:
+      print(f"sweep budget spent; keeping {(kind, bucket)} = {w4_triton.TUNED[(kind, bucket)]}")
+      continue
+    data = []
+    for model, layer in shapes:
+      k, n = SHAPES[model][layer]
+      w_bf16, wq = _weights(k, n, 0)
+      x = jax.random.normal(jax.random.PRNGKey(m), (m, k if kind == "fwd" else n)).astype(jnp.bfloat16)
+      r = 1 if m >= 2048 else int(max(1, min(32, -(-FLAGS.rotate_mb * 2**20 // wq.nbytes))))
+      f_bf16 = ((lambda x, w: jnp.dot(x, w)) if kind == "fwd" else (lambda x, w: jnp.dot(x, w.T)))
+      t_b = _time(f_bf16, x, _copies(w_bf16, r), FLAGS.reps, FLAGS.inner)
+      data.append((model, layer, k, n, x, _copies(wq, r), t_b))
+    scores = []
     for c in cands:
-      bm, bn, bk, s, warps, st = c
-      if s == 0:
-        s = w4_triton.default_config(m, k, n, kind=kind).splits
-      cfg = w4_triton.TileConfig(bm, bn, bk, s, warps, st)
+      table = dict(w4_triton.TUNED)
+      table[(kind, bucket)] = c
+      ratios = []
       try:
-        d = _bench_row(model, layer, k, n, m, kind, w_bf16, wq, cfg, check=True)
-        print(f"  {c} splits={s}: {d['us_kernel']:8.1f} us  {d['gbs_kernel']:6.0f} GB/s  vs bf16 {d['vs_bf16']:.2f}x  "
-              f"err {d['rel_err']:.1e}", flush=True)
+        for model, layer, k, n, x, wqs, t_b in data:
+          cfg = w4_triton.default_config(m, k, n, kind=kind, table=table)
+          fn = w4_triton.forward if kind == "fwd" else w4_triton.dx
+          t_k = _time(lambda x, w: fn(x, w, config=cfg), x, wqs, FLAGS.reps, FLAGS.inner)
+          ratios.append(t_b / t_k)
+        score = float(np.exp(np.mean(np.log(ratios))))
+        scores.append((score, c))
+        print(f"  {kind} M={m} {c}: vs bf16 " + " ".join(f"{v:.2f}x" for v in ratios) + f"  (geo {score:.2f})",
+              flush=True)
       except Exception as e:  # a config that does not compile (shared memory, registers) is skipped
-        print(f"  {c}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+        print(f"  {kind} M={m} {c}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    if scores:
+      best = max(scores)[1]
+      w4_triton.TUNED[(kind, bucket)] = best
+      winners[str((kind, bucket))] = best
+      print(f"sweep {(kind, bucket)} winner {best}", flush=True)
+  print("TUNED = " + repr(w4_triton.TUNED), flush=True)
+  return winners
 
 
 def main(argv):
@@ -217,11 +254,14 @@ def main(argv):
       setattr(w4_triton, name, _interpreted(getattr(w4_triton, name)))
     SHAPES["7b"] = {"qkv": (256, 384), "o": (128, 128), "gate": (128, 320), "down": (320, 128)}
     SHAPES["32b"] = SHAPES["7b"]
-  if FLAGS.sweep:
-    _sweep()
-    return
+  winners = _sweep(FLAGS.sweep_budget_s) if FLAGS.sweep else {}
+  if FLAGS.json and winners:
+    with open(FLAGS.json.replace(".json", "_sweep.json"), "w") as f:
+      json.dump({"winners": winners, "tuned": {str(k): v for k, v in w4_triton.TUNED.items()}}, f, indent=1)
   ok = _ragged_checks() if FLAGS.ragged else True
   rows = []
+  if not FLAGS.table:
+    return
   print(HEADER, flush=True)
   for model in FLAGS.models.split(","):
     for layer in FLAGS.layers.split(","):

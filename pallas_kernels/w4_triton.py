@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import warnings
 
 import jax
@@ -66,6 +65,9 @@ class TileConfig:
     splits: programs sharing one output tile along the contraction axis; when
       above 1 the kernel writes float32 partial sums that XLA adds.
     num_warps, num_stages: Triton launch parameters.
+    split_x: how the even/odd K columns of x (forward) or dx (dx kernel) are
+      separated: ``"registers"`` loads/stores contiguous rows and splits/joins
+      them in registers; ``"strided"`` reads/writes them with stride-2 accesses.
   """
   block_m: int = 16
   block_n: int = 128
@@ -73,6 +75,7 @@ class TileConfig:
   splits: int = 1
   num_warps: int = 4
   num_stages: int = 3
+  split_x: str = "registers"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,9 +154,14 @@ def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, *refs, m, k, n, cfg: TileConfig,
     kp0 = kb // 2
     kp_mask = (kp0 + jnp.arange(bk // 2)) < k // 2
     ks_mask = (kb // fmt.group + jnp.arange(bk // fmt.group)) < k // fmt.group
-    xm = m_mask[:, None] & kp_mask[None, :]
-    x_even = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(kp0, bk // 2), _EVEN], mask=xm, other=0.0)
-    x_odd = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(kp0, bk // 2), _ODD], mask=xm, other=0.0)
+    if cfg.split_x == "registers":
+      xm = m_mask[:, None] & ((kb + jnp.arange(bk)) < k)[None, :]
+      x = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(kb, bk)], mask=xm, other=0.0)
+      x_even, x_odd = lax.unstack(x.reshape(bm, bk // 2, 2), axis=2)
+    else:
+      xm = m_mask[:, None] & kp_mask[None, :]
+      x_even = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(kp0, bk // 2), _EVEN], mask=xm, other=0.0)
+      x_odd = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(kp0, bk // 2), _ODD], mask=xm, other=0.0)
     p = plgpu.load(p_ref.at[pl.ds(kp0, bk // 2), pl.ds(n0, bn)],
                    mask=kp_mask[:, None] & n_mask[None, :], other=0)
     s = plgpu.load(s_ref.at[pl.ds(kb // fmt.group, bk // fmt.group), pl.ds(n0, bn)],
@@ -204,61 +212,72 @@ def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, *refs, m, k, n, cfg: TileConfig,
   acc_e, acc_o = lax.fori_loop(0, steps, body, (zeros, zeros))
   igs = igs_ref[0]
   out_mask = m_mask[:, None] & kp_mask[None, :]
-  if cfg.splits == 1:
-    plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(kp0, bk // 2), _EVEN], (acc_e * igs).astype(o_ref.dtype), mask=out_mask)
-    plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(kp0, bk // 2), _ODD], (acc_o * igs).astype(o_ref.dtype), mask=out_mask)
-  else:
-    plgpu.store(o_ref.at[pid_s, pl.ds(m0, bm), pl.ds(kp0, bk // 2), _EVEN], acc_e * igs, mask=out_mask)
-    plgpu.store(o_ref.at[pid_s, pl.ds(m0, bm), pl.ds(kp0, bk // 2), _ODD], acc_o * igs, mask=out_mask)
+  lead = () if cfg.splits == 1 else (pid_s,)  # split partials: o_ref is [splits, M, ...]
+  acc_e = (acc_e * igs).astype(o_ref.dtype)
+  acc_o = (acc_o * igs).astype(o_ref.dtype)
+  if cfg.split_x == "registers":  # [M, K]: interleave in registers, store whole rows
+    full_mask = m_mask[:, None] & ((pid_k * bk + jnp.arange(bk)) < k)[None, :]
+    out = jnp.stack([acc_e, acc_o], axis=-1).reshape(bm, bk)
+    plgpu.store(o_ref.at[(*lead, pl.ds(m0, bm), pl.ds(pid_k * bk, bk))], out, mask=full_mask)
+  else:  # [M, K/2, 2]
+    plgpu.store(o_ref.at[(*lead, pl.ds(m0, bm), pl.ds(kp0, bk // 2), _EVEN)], acc_e, mask=out_mask)
+    plgpu.store(o_ref.at[(*lead, pl.ds(m0, bm), pl.ds(kp0, bk // 2), _ODD)], acc_o, mask=out_mask)
 
 
 # ----------------------------------------------------------------------------- configs
 
 
-_TARGET_PROGRAMS = 264  # 2 waves of the H200's 132 SMs
+# Per kind and M bucket (largest M it covers; None: any larger M):
+# (block_m, block_n, block_k, num_warps, num_stages, target_programs, split_x).
+# target_programs > 0 turns on split-K (split-N for dx) until about that many
+# programs run; 0 never splits. Chosen by `experiments/bench_kernels.py --sweep`
+# on an H200 (see docs/benchmarks.md).
+TUNED: dict = {
+    ("fwd", 16): (16, 128, 256, 4, 4, 264, "registers"),
+    ("fwd", 32): (32, 128, 256, 4, 4, 264, "registers"),
+    ("fwd", 64): (64, 128, 256, 4, 4, 264, "registers"),
+    ("fwd", 128): (128, 128, 128, 8, 3, 264, "registers"),
+    ("fwd", 256): (128, 128, 128, 8, 3, 264, "registers"),
+    ("fwd", None): (128, 128, 128, 8, 3, 0, "registers"),
+    ("dx", 64): (64, 128, 128, 4, 4, 264, "registers"),
+    ("dx", None): (128, 64, 128, 8, 3, 0, "registers"),
+}
 
 
-def _pow2_at_least(v: int, lo: int) -> int:
-  return max(lo, 1 << max(0, math.ceil(math.log2(max(v, 1)))))
-
-
-def default_config(m: int, k: int, n: int, *, kind: str = "fwd", group: int = 16) -> TileConfig:
-  """Tile sizes for an ``[m, k] x [k, n]`` problem (heuristic, tuned on an H200).
+def default_config(m: int, k: int, n: int, *, kind: str = "fwd", group: int = 16,
+                   table: dict | None = None) -> TileConfig:
+  """Tile sizes for an ``[m, k] x [k, n]`` problem, from the tuned table.
 
   Args:
     m, k, n: the logical matmul sizes (for ``kind="dx"``: dy is ``[m, n]``,
       dx is ``[m, k]``).
     kind: ``"fwd"`` or ``"dx"``.
-    group: the format's block-scale group size (16 NVFP4, 64 NF4); block_k is a
-      multiple of it.
+    group: the format's block-scale group size (16 NVFP4, 64 NF4); block_k is
+      raised to a multiple of it.
+    table: a table shaped like :data:`TUNED` (default :data:`TUNED`).
 
   Returns:
-    a :class:`TileConfig`.
+    a :class:`TileConfig`; ``splits`` is set so that about ``target_programs``
+    programs run, at most 32, each with at least two contraction steps, and the
+    float32 partials (written and read once) stay under half the 4-bit
+    weight's bytes.
   """
-  if m <= 16:
-    bm, warps = 16, 4
-  elif m <= 32:
-    bm, warps = 32, 4
-  elif m <= 64:
-    bm, warps = 64, 4
-  else:
-    bm, warps = 128, 8
-  if kind == "fwd":
-    bn, bk = (128, 128) if m > 64 else (128, 256)
-    out_tiles = -(-m // bm) * -(-n // bn)
-    contraction, step = k, bk
-  else:
-    bk, bn = (128, 64) if m > 64 else (128, 128)
-    out_tiles = -(-m // bm) * -(-k // bk)
-    contraction, step = n, bn
+  table = TUNED if table is None else table
+  buckets = sorted((b for (kd, b) in table if kd == kind and b is not None))
+  bucket = next((b for b in buckets if m <= b), None)
+  bm, bn, bk, warps, stages, target, split_x = table[(kind, bucket)]
   bk = max(bk, group)
+  if kind == "fwd":
+    out_tiles = -(-m // bm) * -(-n // bn)
+    contraction, step, n_out = k, bk, n
+  else:
+    out_tiles = -(-m // bm) * -(-k // bk)
+    contraction, step, n_out = n, bn, k
   splits = 1
-  if out_tiles < _TARGET_PROGRAMS and m <= 256:
-    splits = min(-(-_TARGET_PROGRAMS // out_tiles), max(1, contraction // (4 * step)))
-    # keep the float32 partials well under the 4-bit weight's bytes
-    max_by_bytes = max(1, int((k * n / 2) / (4 * m * (n if kind == "fwd" else k) * 4)))
-    splits = max(1, min(splits, max_by_bytes, 16))
-  return TileConfig(bm, bn, bk, splits, warps, 3 if m > 64 else 4)
+  if target and out_tiles < target:
+    max_by_bytes = int((k * n / 2) * 0.5 / (m * n_out * 8))
+    splits = max(1, min(-(-target // out_tiles), contraction // (2 * step), max_by_bytes, 32))
+  return TileConfig(bm, bn, bk, splits, warps, stages, split_x)
 
 
 # ----------------------------------------------------------------------------- calls
@@ -332,8 +351,9 @@ def forward(x: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None
   else:
     out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
   kernel = functools.partial(_fwd_kernel, m=m, k=k, n=n, cfg=cfg, fmt=fmt, steps=steps)
+  x_view = x if cfg.split_x == "registers" else x.reshape(m, k // 2, 2)
   y = _call(kernel, grid, out_shape, cfg, interpret, "w4a16_fwd", poison_output,
-            x.reshape(m, k // 2, 2), w.packed, w.block_scale, _inverse_global_scale(w))
+            x_view, w.packed, w.block_scale, _inverse_global_scale(w))
   if splits > 1:
     y = y.sum(axis=0).astype(out_dtype)
   return y
@@ -371,10 +391,11 @@ def dx(dy: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None,
   splits = -(-total_steps // steps)
   cfg = dataclasses.replace(cfg, splits=splits)
   grid = (-(-k // cfg.block_k), splits, -(-m // cfg.block_m))
+  tail = (k,) if cfg.split_x == "registers" else (k // 2, 2)
   if splits == 1:
-    out_shape = jax.ShapeDtypeStruct((m, k // 2, 2), out_dtype)
+    out_shape = jax.ShapeDtypeStruct((m, *tail), out_dtype)
   else:
-    out_shape = jax.ShapeDtypeStruct((splits, m, k // 2, 2), jnp.float32)
+    out_shape = jax.ShapeDtypeStruct((splits, m, *tail), jnp.float32)
   kernel = functools.partial(_dx_kernel, m=m, k=k, n=n, cfg=cfg, fmt=fmt, steps=steps)
   out = _call(kernel, grid, out_shape, cfg, interpret, "w4a16_dx", poison_output,
               dy, w.packed, w.block_scale, _inverse_global_scale(w))
