@@ -10,9 +10,8 @@ from qerl_jax import data
 
 
 @pytest.fixture(scope="module")
-def tokenizer(fixtures_dir):
-  transformers = pytest.importorskip("transformers")
-  return transformers.AutoTokenizer.from_pretrained(str(fixtures_dir / "qwen2.5-0.5b-instruct"))
+def tokenizer(qwen_tokenizer):
+  return qwen_tokenizer
 
 
 def test_load_real_files(data_dir):
