@@ -183,36 +183,6 @@ def init_lora(key: jax.Array, model_cfg, lora_cfg: LoRAConfig, base: Optional[Ma
   return {"layers": layers}
 
 
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, *, scale: float,
-               compute_dtype=jnp.bfloat16) -> jax.Array:
-  """The adapter's contribution ``scale * (x @ A) @ B`` for one layer.
-
-  Operands are cast to ``compute_dtype`` (bf16 by default) and both matmuls
-  accumulate in float32 (``preferred_element_type``); the intermediate
-  ``x @ A`` is rounded back to ``compute_dtype`` before the second matmul.
-
-  Args:
-    x: activations ``[..., K]``.
-    a: ``[K, r]``. b: ``[r, N]``.
-    scale: :func:`scale` of the config (static float).
-    compute_dtype: matmul operand dtype.
-
-  Returns:
-    float32 ``[..., N]``.
-
-  Raises:
-    ValueError: mismatched shapes.
-  """
-  if a.ndim != 2 or b.ndim != 2 or x.shape[-1] != a.shape[0] or a.shape[1] != b.shape[0]:
-    raise ValueError(f"lora_delta shapes: x {x.shape}, a {a.shape}, b {b.shape}; "
-                     "expected x [..., K], a [K, r], b [r, N]")
-  xa = jnp.dot(x.astype(compute_dtype), a.astype(compute_dtype),
-               preferred_element_type=jnp.float32)
-  xab = jnp.dot(xa.astype(compute_dtype), b.astype(compute_dtype),
-                preferred_element_type=jnp.float32)
-  return xab * jnp.float32(scale)
-
-
 def _dequantize_any(w, dtype):
   from qerl_jax import nf4, nvfp4  # local: keep this module importable alone
   if isinstance(w, nvfp4.NVFP4Tensor):
@@ -475,3 +445,27 @@ def load_peft_adapter(path: str, *, dtype=jnp.float32) -> tuple[dict, LoRAConfig
     if train_norms:
       layers[name] = stack(("norm", name), False)
   return {"layers": layers}, lora_cfg
+
+
+def save_merged_hf(folder: str, model_cfg, base: Mapping, lora: Mapping, lora_cfg: LoRAConfig, *,
+                   dtype=None, **save_kwargs) -> None:
+  """Merge the adapter into the base and write a Hugging Face checkpoint.
+
+  4-bit weights are dequantized (float32), ``scale * A @ B`` is added in
+  float32 and the result is written in ``dtype`` (bf16 by default) by
+  :func:`qerl_jax.hf.save_pretrained`; transformers loads the folder with no
+  PEFT involved.
+
+  Args:
+    folder: output directory.
+    model_cfg: the model's ``ModelConfig``.
+    base, lora, lora_cfg: as in :func:`merge`.
+    dtype: checkpoint dtype (a NumPy/ml_dtypes dtype; default bfloat16).
+    **save_kwargs: passed to ``hf.save_pretrained`` (tokenizer, generation_config, ...).
+  """
+  import ml_dtypes
+  from qerl_jax import hf
+  dtype = ml_dtypes.bfloat16 if dtype is None else dtype
+  _check_tree(lora, model_cfg, lora_cfg)
+  merged = merge(base, lora, lora_cfg, dequantize_4bit=True, dtype=jnp.float32)
+  hf.save_pretrained(folder, model_cfg, merged, dtype=dtype, **save_kwargs)
