@@ -38,16 +38,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qerl_jax import hf, nf4, nvfp4
+
 ATTN_MODULES = ("q", "k", "v", "o")
 MLP_MODULES = ("gate", "up", "down")
 ALL_MODULES = ATTN_MODULES + MLP_MODULES
 NORM_NAMES = ("input_norm", "post_attn_norm")
 
-# Our module names <-> Hugging Face / PEFT names.
-_HF_MODULE = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-              "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-              "down": "mlp.down_proj"}
-_HF_NORM = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm"}
+# Our module names -> Hugging Face / PEFT module names (one source of truth: qerl_jax.hf).
+_HF_MODULE = {name: hf_name for (_, name), hf_name in hf.HF_LINEARS.items()}
+_HF_NORM = {name: hf_name.removesuffix(".weight") for name, hf_name in hf.HF_NORMS.items()}
 _PEFT_PREFIX = "base_model.model.model.layers"
 
 
@@ -184,7 +184,6 @@ def init_lora(key: jax.Array, model_cfg, lora_cfg: LoRAConfig, base: Optional[Ma
 
 
 def _dequantize_any(w, dtype):
-  from qerl_jax import nf4, nvfp4  # local: keep this module importable alone
   if isinstance(w, nvfp4.NVFP4Tensor):
     return nvfp4.dequantize(w, dtype)
   if isinstance(w, nf4.NF4Tensor):
@@ -464,7 +463,6 @@ def save_merged_hf(folder: str, model_cfg, base: Mapping, lora: Mapping, lora_cf
     **save_kwargs: passed to ``hf.save_pretrained`` (tokenizer, generation_config, ...).
   """
   import ml_dtypes
-  from qerl_jax import hf
   dtype = ml_dtypes.bfloat16 if dtype is None else dtype
   _check_tree(lora, model_cfg, lora_cfg)
   merged = merge(base, lora, lora_cfg, dequantize_4bit=True, dtype=jnp.float32)
