@@ -158,6 +158,11 @@ def tiny():
   cfg = models.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
                            num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
   base = models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16, std=0.1)
+  # Trained norm scales are not exactly 1 (see the bf16 note in docs/lora_aqn.md).
+  lay = dict(base["layers"])
+  for i, name in enumerate(aqn.NORM_NAMES):
+    lay[name] = (1 + 0.1 * jax.random.normal(jax.random.key(10 + i), lay[name].shape)).astype(jnp.bfloat16)
+  base = dict(base, layers=lay)
   tokens = jax.random.randint(jax.random.key(1), (2, 7), 0, 96, jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7))
   fwd = jax.jit(models.forward, static_argnums=0)
@@ -175,8 +180,8 @@ def test_sigma_zero_leaves_forward_bit_identical(quant, tiny):
             aqn.noise(jax.random.key(0), 50, shapes, aqn.AQNConfig(kind="off"))):
     got, _ = fwd(cfg, base, tokens, positions, norm_noise=z)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
-  # The first stage's sigma (1e-2) moves the bf16 model's logits.
-  z = aqn.noise(jax.random.key(0), 15, shapes, CFG)
+  # Even the last stage's sigma (5e-4) moves the bf16 model's logits.
+  z = aqn.noise(jax.random.key(0), 99, shapes, CFG)
   got, _ = fwd(cfg, base, tokens, positions, norm_noise=z)
   assert np.abs(np.asarray(got) - np.asarray(ref)).max() > 1e-3
 
