@@ -22,6 +22,7 @@ References
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 import jax
@@ -104,6 +105,8 @@ def _group_stats(rewards, group_size, std_ddof, zero_std_rtol):
                 has_std=has_std[:, 0], zero_std=zero)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "scale_rewards", "std_ddof",
+                                             "zero_std_rtol"))
 def group_advantages(rewards, group_size: int, *, scale_rewards: str = "group", std_ddof: int = 1,
                      zero_std_rtol: float = _ZERO_STD_RTOL) -> jax.Array:
     """Group-relative advantages of GRPO (DeepSeekMath eq. 3; TRL ``scale_rewards``).
@@ -151,6 +154,7 @@ def group_advantages(rewards, group_size: int, *, scale_rewards: str = "group", 
     return adv.reshape(-1)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "std_ddof", "zero_std_rtol"))
 def reward_metrics(rewards, group_size: int, *, std_ddof: int = 1,
                    zero_std_rtol: float = _ZERO_STD_RTOL) -> dict[str, jax.Array]:
     """Reward statistics of one rollout batch in TRL's metric names.
@@ -182,6 +186,7 @@ def reward_metrics(rewards, group_size: int, *, std_ddof: int = 1,
 # --------------------------------------------------------------------------------------------
 # KL
 # --------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("estimator",))
 def kl_divergence(logprobs, ref_logprobs, *, estimator: str = "k3") -> jax.Array:
     """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman 2020).
 
@@ -407,6 +412,9 @@ def finalize_policy_loss(terms: Mapping[str, Any], normalizer) -> tuple[jax.Arra
     return loss, metrics
 
 
+@functools.partial(jax.jit, static_argnames=(
+    "loss_type", "epsilon", "epsilon_high", "beta", "max_completion_length", "kl_estimator",
+    "mask_truncated_completions"))
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "grpo",
                 epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
                 ref_logprobs=None, max_completion_length: int | None = None,
@@ -464,6 +472,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "g
 # --------------------------------------------------------------------------------------------
 # Completion metrics
 # --------------------------------------------------------------------------------------------
+@jax.jit
 def completion_metrics(completion_mask, truncated) -> dict[str, jax.Array]:
     """Length statistics of a rollout batch in TRL's names.
 
