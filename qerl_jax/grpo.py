@@ -23,6 +23,7 @@ References
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, Mapping
 
 import jax
@@ -55,10 +56,21 @@ _ZERO_STD_RTOL = 1e-6
 # --------------------------------------------------------------------------------------------
 # Advantages
 # --------------------------------------------------------------------------------------------
+def _is_int(x) -> bool:
+    """A Python or numpy integer (not a bool)."""
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
+
+
 def _check_rewards(rewards, group_size: int, std_ddof: int, zero_std_rtol: float) -> jax.Array:
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+    if not _is_int(group_size) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-    if isinstance(std_ddof, bool) or not isinstance(std_ddof, int) or std_ddof < 0:
+    if not _is_int(std_ddof) or std_ddof < 0:
         raise ValueError(f"std_ddof must be a non-negative int, got {std_ddof!r}")
     if not zero_std_rtol >= 0.0:
         raise ValueError(f"zero_std_rtol must be >= 0, got {zero_std_rtol!r}")
@@ -289,13 +301,13 @@ def loss_normalizer(mask, *, loss_type: str, max_completion_length: int | None =
     if loss_type in ("bnpo", "dapo"):
         return m.sum().astype(jnp.float32)
     length = m.shape[1] if max_completion_length is None else max_completion_length
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+    if not _is_int(length) or length < 1:
         raise ValueError(f"max_completion_length must be a positive int, got {length!r}")
     if mask_truncated_completions:
         kept = (~jnp.asarray(truncated).astype(bool)).sum().astype(jnp.float32)
     else:
         kept = jnp.float32(m.shape[0])
-    return kept * float(length)
+    return kept * float(operator.index(length))
 
 
 def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "grpo",
