@@ -252,6 +252,19 @@ def format_reward(completions: Sequence[str], answers: Optional[Sequence[str]] =
   return [float(weight) if any(f(c) for f in use) else 0.0 for c in completions]
 
 
+def accuracy_reward_fn(kind: str) -> RewardFn:
+  """The accuracy reward for a data kind: ``"gsm8k"`` -> :func:`gsm8k_reward`,
+  ``"math"`` -> :func:`math_reward` (``qerl_jax.data.Example.kind``).
+
+  Raises:
+    ValueError: unknown kind.
+  """
+  fns = {"gsm8k": gsm8k_reward, "math": math_reward}
+  if kind not in fns:
+    raise ValueError(f"accuracy_reward_fn: unknown kind {kind!r}; expected one of {sorted(fns)}")
+  return fns[kind]
+
+
 def _fn_name(fn) -> str:
   return getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", None) or repr(fn)
 
