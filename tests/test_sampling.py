@@ -154,31 +154,15 @@ def test_validation_errors():
 # generate() against transformers (tiny random Qwen2 checkpoint, float32).
 # ----------------------------------------------------------------------------
 
-TINY_QWEN2 = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True)
-
-
 @pytest.fixture(scope="module")
 def tiny():
-  """(hf_model, cfg_model, base): a random float32 Qwen2 with peaked logits, converted to our tree."""
-  torch = pytest.importorskip("torch")
-  import transformers as tf
+  """(hf_model, cfg_model, base): a random float32 Qwen2 (tests/_model_utils), converted to our tree."""
+  pytest.importorskip("torch")
   from qerl_jax import hf, models
-  torch.manual_seed(0)
-  hf_cfg = tf.Qwen2Config(**TINY_QWEN2)
-  model = tf.Qwen2ForCausalLM(hf_cfg).float().eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if name.endswith("norm.weight"):
-        p.copy_(1.0 + 0.1 * torch.randn_like(p))
-      elif name.endswith("bias"):
-        p.copy_(0.1 * torch.randn_like(p))
-      else:
-        p.copy_(0.15 * torch.randn_like(p))  # large enough that greedy has no near-ties
-  cfg = models.ModelConfig.from_hf(hf_cfg.to_dict(), dtype="float32")
-  base = hf.base_from_state_dict(cfg, model.state_dict())
-  return model, cfg, base
+  from tests._model_utils import make_hf_model
+  model = make_hf_model("qwen2")
+  cfg = models.ModelConfig.from_hf(model.config.to_dict(), dtype="float32")
+  return model, cfg, hf.base_from_state_dict(cfg, model.state_dict())
 
 
 def _prompts():
@@ -188,7 +172,7 @@ def _prompts():
   tokens = np.zeros((3, 9), np.int32)
   mask = np.zeros((3, 9), np.int32)
   for i, n in enumerate(lengths):
-    tokens[i, 9 - n:] = rng.integers(3, 96, size=n)
+    tokens[i, 9 - n:] = rng.integers(3, 160, size=n)
     mask[i, 9 - n:] = 1
   return tokens, mask
 
@@ -216,8 +200,8 @@ def greedy_case(tiny):
   """(tokens, mask, eos, r, hf_completions): an end id that row r first emits at completion position 2."""
   model, _, _ = tiny
   tokens, mask = _prompts()
-  free = _hf_greedy(model, tokens, mask, MAX_NEW, eos=[95], pad=0)
-  r = next(i for i in range(3) if free[i, 2] not in free[i, :2])
+  free = _hf_greedy(model, tokens, mask, MAX_NEW, eos=[159], pad=0)
+  r = next(i for i in range(3) if free[i, 2] not in free[i, :2])  # StopIteration: pick other prompts
   eos = (int(free[r, 2]), PAD)
   return tokens, mask, eos, r, _hf_greedy(model, tokens, mask, MAX_NEW, eos=eos, pad=PAD)
 
