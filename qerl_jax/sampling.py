@@ -348,9 +348,10 @@ def validate_prompts(prompt_tokens, prompt_mask) -> None:
     raise ValueError(f"generate: prompt_tokens must be [B, P], got shape {prompt_tokens.shape}")
   if prompt_mask.shape != prompt_tokens.shape:
     raise ValueError(f"generate: prompt_mask shape {prompt_mask.shape} != prompt_tokens shape {prompt_tokens.shape}")
-  if isinstance(prompt_mask, jax.core.Tracer):
-    return
-  m = np.asarray(prompt_mask)
+  try:
+    m = np.asarray(prompt_mask)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return  # traced: values unknown here
   if not np.all((m == 0) | (m == 1)):
     raise ValueError("generate: prompt_mask must hold only 0 and 1")
   empty = np.nonzero(m.sum(-1) == 0)[0]

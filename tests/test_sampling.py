@@ -94,6 +94,8 @@ def test_sample_tokens_fixed_key_reproducible():
   c = _sample(jax.random.key(6), logits, temperature=0.9, top_p=0.9)
   np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
   assert not np.array_equal(np.asarray(a[0]), np.asarray(c[0]))
+  raw = _sample(jax.random.split(jax.random.PRNGKey(5), 8), logits, temperature=0.9, top_p=0.9)  # raw uint32 keys
+  assert raw[0].shape == (8,) and np.isfinite(np.asarray(raw[1])).all()
 
 
 def test_forbid_tokens():
