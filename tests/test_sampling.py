@@ -242,13 +242,15 @@ def test_greedy_matches_transformers_and_unbatched(tiny, greedy_case):
 
 
 def test_top_k1_groups_and_min_new_tokens_match_greedy(tiny, greedy_case):
-  """top-k 1 at temperature 0.8 is greedy; G=2 rows share a prefill; min_new_tokens as transformers."""
+  """top-k 1 at temperature 0.8 is greedy; G=2 rows share a prefill; min_new_tokens as transformers;
+  decoding in 3 phases of growing KV cache changes nothing."""
   model, cfg, base = tiny
   tokens, mask, eos, _, _ = greedy_case
   ref = _hf_greedy(model, tokens, mask, MAX_NEW, eos=eos, pad=PAD, min_new=4)
   config = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_ids=eos, pad_id=PAD, temperature=0.8, top_k=1,
-                          min_new_tokens=4, num_generations=2, cache_dtype=jnp.float32)
-  ro = sampling.generate(cfg, base, tokens, mask, jax.random.key(1), config)
+                          min_new_tokens=4, num_generations=2, cache_dtype=jnp.float32, kv_phases=3)
+  assert config.phase_ends() == (4, 8, 12)
+  ro = sampling.generate(cfg, base, tokens, mask, jax.random.key(1), config)  # 3 decode phases, growing cache
   np.testing.assert_array_equal(np.asarray(ro.tokens), np.repeat(ref, 2, axis=0))
   np.testing.assert_array_equal(np.asarray(ro.prompt_tokens), np.repeat(tokens, 2, axis=0))
   assert (np.asarray(ro.lengths) >= 4).all()
