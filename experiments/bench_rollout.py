@@ -59,11 +59,13 @@ TINY = dict(QWEN25_7B, vocab_size=256, hidden_size=128, intermediate_size=256, n
 
 
 def kernel_backend() -> str:
-  """Which 4-bit matmul path the model uses on this device (pallas_kernels' own report when it has one)."""
-  import pallas_kernels
-  describe = getattr(pallas_kernels, "describe_backend", None)
+  """Which 4-bit matmul path ``quantized_matmul(backend="auto")`` takes for bf16 activations on this device."""
+  import pallas_kernels.matmul as pm
+  describe = getattr(pm, "describe_backend", None)
   if describe is not None:
     return str(describe())
+  if "pallas" in getattr(pm, "BACKENDS", ()) and jax.default_backend() in ("gpu", "cuda"):
+    return "pallas (pallas_kernels fused W4A16 Triton kernels, backend='auto')"
   return "reference (pallas_kernels XLA path: dequantize to bf16, then dot)"
 
 
