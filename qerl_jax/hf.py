@@ -220,6 +220,13 @@ def _check_quantization_config(config: dict, folder: pathlib.Path) -> None:
   if method not in ("compressed-tensors", "modelopt"):
     raise ValueError(f"quantization_config.quant_method {method!r} is not supported; supported: "
                      "'compressed-tensors' (nvfp4-pack-quantized) and 'modelopt' (NVFP4)")
+  if method == "compressed-tensors":
+    formats = {g.get("format") or qc.get("format") for g in (qc.get("config_groups") or {}).values()}
+    formats = formats or {qc.get("format")}
+    bad = sorted(str(f) for f in formats - {"nvfp4-pack-quantized", "dense", None})
+    if bad:
+      raise ValueError(f"compressed-tensors format(s) {bad} are not supported; only "
+                       "'nvfp4-pack-quantized' (NVFP4A16) checkpoints load")
 
 
 class _LinearSource(NamedTuple):
