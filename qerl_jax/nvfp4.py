@@ -166,9 +166,10 @@ def _quantize_core(w: jax.Array, global_scale) -> tuple[NVFP4Tensor, jax.Array]:
   """The jit-able recipe, one pass over ``w``; returns the tensor and an all-finite flag."""
   k, n = w.shape[-2:]
   low = _reduced(w.dtype)  # compressed-tensors computes the scale statistics in w's dtype
-  w = w.astype(jnp.float32)
   blocks = w.reshape(*w.shape[:-2], k // BLOCK_SIZE, BLOCK_SIZE, n)
-  amax_block = jnp.max(jnp.abs(blocks), axis=-2)  # [..., K/16, N]
+  # |w| and its max are exact in w's own dtype (a bf16 reduction reads half the bytes).
+  amax_block = jnp.max(jnp.abs(blocks), axis=-2).astype(jnp.float32)  # [..., K/16, N]
+  blocks = blocks.astype(jnp.float32)
   amax = jnp.max(amax_block, axis=(-2, -1))  # [...], NaN/Inf when w has any
   finite = jnp.all(jnp.isfinite(amax))
   gs = _global_scale_from_amax(amax, low) if global_scale is None else global_scale.astype(jnp.float32)
