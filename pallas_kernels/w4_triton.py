@@ -268,13 +268,13 @@ def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, *refs, m, k, n, cfg: TileConfig,
 # programs run; 0 never splits. Chosen by `experiments/bench_kernels.py --sweep`
 # on an H200 (see docs/benchmarks.md).
 TUNED: dict = {
-    ("fwd", 16): (16, 128, 256, 4, 3, 264, "registers", "bits"),
-    ("fwd", 32): (32, 128, 128, 4, 4, 264, "registers", "bits"),
+    ("fwd", 16): (16, 128, 256, 4, 3, 264, "registers", "asm"),
+    ("fwd", 32): (32, 128, 256, 4, 3, 264, "registers", "asm"),
     ("fwd", 64): (64, 64, 256, 4, 4, 264, "registers", "bits"),
     ("fwd", 128): (64, 128, 128, 4, 3, 264, "registers", "bits"),
     ("fwd", 256): (128, 128, 128, 8, 3, 0, "registers", "bits"),
     ("fwd", None): (128, 128, 64, 4, 4, 0, "registers", "bits"),
-    ("dx", 64): (64, 128, 128, 4, 4, 264, "registers", "bits"),
+    ("dx", 64): (32, 128, 128, 4, 4, 264, "registers", "asm"),
     ("dx", None): (128, 64, 128, 4, 4, 0, "registers", "bits"),
 }
 
@@ -462,7 +462,7 @@ def _dequant_kernel(p_ref, s_ref, igs_ref, o_ref, *, k, n, bkp, bn, fmt: _Format
 
 
 # (block_k2, block_n, num_warps) of the dequantize kernel, tuned on an H200.
-DEQUANT_CONFIG = (64, 256, 4)
+DEQUANT_CONFIG = (32, 256, 4)
 
 
 def dequantize(w, dtype=jnp.bfloat16, *, block_k2: int | None = None, block_n: int | None = None,
