@@ -73,11 +73,13 @@ class GemvConfig:
   decode: str = "asm"
 
 
-# Largest M for which each mode is used by default, and its config (tuned on
-# an H200 by experiments/bench_gemv.py; see docs/benchmarks.md).
+# Config per M bucket (largest M it covers): the winners of the sweep in
+# experiments/bench_gemv.py on an H200 (docs/benchmarks.md, "Split-K GEMV").
+# fma at M = 8 spilled registers (the [M, block_k/2, block_n] float32 product),
+# 18x to 80x slower than dot, so fma is used for M = 1 only.
 TUNED: dict = {
-    8: GemvConfig(block_n=128, block_k=64, target_programs=528, num_warps=4, num_stages=4, mode="fma"),
-    32: GemvConfig(block_n=64, block_k=128, target_programs=528, num_warps=4, num_stages=3, mode="dot"),
+    1: GemvConfig(block_n=128, block_k=128, target_programs=528, num_warps=4, num_stages=3, mode="fma"),
+    32: GemvConfig(block_n=128, block_k=128, target_programs=528, num_warps=4, num_stages=3, mode="dot"),
 }
 
 
