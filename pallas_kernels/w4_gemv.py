@@ -76,7 +76,7 @@ class GemvConfig:
 # Config per M bucket (largest M it covers): the winners of the sweep in
 # experiments/bench_gemv.py on an H200 (docs/benchmarks.md, "Split-K GEMV").
 # fma at M = 8 spilled registers (the [M, block_k/2, block_n] float32 product),
-# 18x to 80x slower than dot, so fma is used for M = 1 only.
+# 40x to 94x slower than dot, so fma is used for M = 1 only.
 TUNED: dict = {
     1: GemvConfig(block_n=128, block_k=128, target_programs=528, num_warps=4, num_stages=3, mode="fma"),
     32: GemvConfig(block_n=128, block_k=128, target_programs=528, num_warps=4, num_stages=3, mode="dot"),
@@ -153,9 +153,8 @@ def gemv(x: jax.Array, w, *, out_dtype=None, config: GemvConfig | None = None,
     config: a :class:`GemvConfig` (default :func:`default_config` for M).
     interpret: run in Pallas interpret mode (CPU tests).
     poison_output: start from a NaN-filled output buffer (tests: an element the
-      kernel misses stays NaN). With atomic split-K the buffer must start at
-      zero, so the poison is applied to the rows/columns outside the kernel's
-      writes only via the partial path: poisoning forces ``reduce="partials"``.
+      kernel misses stays NaN). Atomic split-K needs a zeroed buffer, so this
+      switches the reduction to ``"partials"`` (same kernel body, plain stores).
 
   Returns:
     ``[M, N]`` in ``out_dtype``.
