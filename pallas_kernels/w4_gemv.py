@@ -105,18 +105,9 @@ def _gemv_kernel(x_ref, p_ref, s_ref, igs_ref, *refs, m, mp, k, n, cfg: GemvConf
   k_begin = pid_s * (steps * bk)
 
   def body(i, acc):
-    kb = k_begin + i * bk
-    kp0 = kb // 2
-    kp_mask = (kp0 + jnp.arange(bk // 2)) < k // 2
-    ks_mask = (kb // fmt.group + jnp.arange(bk // fmt.group)) < k // fmt.group
-    xm = m_mask[:, None] & ((kb + jnp.arange(bk)) < k)[None, :]
-    x = plgpu.load(x_ref.at[pl.ds(0, mp), pl.ds(kb, bk)], mask=xm, other=0.0)
-    x_even, x_odd = lax.unstack(x.reshape(mp, bk // 2, 2), axis=2)
-    p = plgpu.load(p_ref.at[pl.ds(kp0, bk // 2), pl.ds(n0, bn)],
-                   mask=kp_mask[:, None] & n_mask[None, :], other=0)
-    s = plgpu.load(s_ref.at[pl.ds(kb // fmt.group, bk // fmt.group), pl.ds(n0, bn)],
-                   mask=ks_mask[:, None] & n_mask[None, :], other=0.0)
-    w_lo, w_hi = w4_triton._decode_tile(p, s, fmt, x.dtype, decode=cfg.decode)
+    x_even, x_odd, w_lo, w_hi = w4_triton._fwd_step(
+        x_ref, p_ref, s_ref, m0=0, bm=mp, m_mask=m_mask, n0=n0, bn=bn, n_mask=n_mask,
+        kb=k_begin + i * bk, bk=bk, k=k, fmt=fmt, split_x="registers", decode=cfg.decode)
     if cfg.mode == "dot":
       acc += jnp.dot(x_even, w_lo, preferred_element_type=jnp.float32)
       acc += jnp.dot(x_odd, w_hi, preferred_element_type=jnp.float32)

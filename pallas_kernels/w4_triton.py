@@ -173,6 +173,33 @@ def _decode_tile(p, s, fmt: _Format, dtype, *, decode: str = "bits", multiplier=
 # ----------------------------------------------------------------------------- kernels
 
 
+def _fwd_step(x_ref, p_ref, s_ref, *, m0, bm, m_mask, n0, bn, n_mask, kb, bk, k, fmt: _Format,
+              split_x: str, decode: str):
+  """Loads and decodes one K step of ``x @ W`` (shared by the fused kernel and ``w4_gemv``).
+
+  Returns ``x_even, x_odd`` (x's even / odd K columns, ``[bm, bk/2]``) and
+  ``w_lo, w_hi`` (the decoded weight rows ``2j`` / ``2j+1``, ``[bk/2, bn]``),
+  all in x's dtype; out-of-range rows, columns and K rows are zeros.
+  """
+  kp0 = kb // 2
+  kp_mask = (kp0 + jnp.arange(bk // 2)) < k // 2
+  ks_mask = (kb // fmt.group + jnp.arange(bk // fmt.group)) < k // fmt.group
+  if split_x == "registers":
+    xm = m_mask[:, None] & ((kb + jnp.arange(bk)) < k)[None, :]
+    x = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(kb, bk)], mask=xm, other=0.0)
+    x_even, x_odd = lax.unstack(x.reshape(bm, bk // 2, 2), axis=2)
+  else:
+    xm = m_mask[:, None] & kp_mask[None, :]
+    x_even = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(kp0, bk // 2), _EVEN], mask=xm, other=0.0)
+    x_odd = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(kp0, bk // 2), _ODD], mask=xm, other=0.0)
+  p = plgpu.load(p_ref.at[pl.ds(kp0, bk // 2), pl.ds(n0, bn)],
+                 mask=kp_mask[:, None] & n_mask[None, :], other=0)
+  s = plgpu.load(s_ref.at[pl.ds(kb // fmt.group, bk // fmt.group), pl.ds(n0, bn)],
+                 mask=ks_mask[:, None] & n_mask[None, :], other=0.0)
+  w_lo, w_hi = _decode_tile(p, s, fmt, x_even.dtype, decode=decode)
+  return x_even, x_odd, w_lo, w_hi
+
+
 def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, *refs, m, k, n, cfg: TileConfig,
                 fmt: _Format, steps: int):
   o_ref = refs[-1]  # refs[0] is the poisoned buffer aliased to the output, when given
@@ -185,23 +212,9 @@ def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, *refs, m, k, n, cfg: TileConfig,
   k_begin = pid_s * (steps * bk)
 
   def body(i, acc):
-    kb = k_begin + i * bk
-    kp0 = kb // 2
-    kp_mask = (kp0 + jnp.arange(bk // 2)) < k // 2
-    ks_mask = (kb // fmt.group + jnp.arange(bk // fmt.group)) < k // fmt.group
-    if cfg.split_x == "registers":
-      xm = m_mask[:, None] & ((kb + jnp.arange(bk)) < k)[None, :]
-      x = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(kb, bk)], mask=xm, other=0.0)
-      x_even, x_odd = lax.unstack(x.reshape(bm, bk // 2, 2), axis=2)
-    else:
-      xm = m_mask[:, None] & kp_mask[None, :]
-      x_even = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(kp0, bk // 2), _EVEN], mask=xm, other=0.0)
-      x_odd = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(kp0, bk // 2), _ODD], mask=xm, other=0.0)
-    p = plgpu.load(p_ref.at[pl.ds(kp0, bk // 2), pl.ds(n0, bn)],
-                   mask=kp_mask[:, None] & n_mask[None, :], other=0)
-    s = plgpu.load(s_ref.at[pl.ds(kb // fmt.group, bk // fmt.group), pl.ds(n0, bn)],
-                   mask=ks_mask[:, None] & n_mask[None, :], other=0.0)
-    w_lo, w_hi = _decode_tile(p, s, fmt, x_even.dtype, decode=cfg.decode)
+    x_even, x_odd, w_lo, w_hi = _fwd_step(
+        x_ref, p_ref, s_ref, m0=m0, bm=bm, m_mask=m_mask, n0=n0, bn=bn, n_mask=n_mask,
+        kb=k_begin + i * bk, bk=bk, k=k, fmt=fmt, split_x=cfg.split_x, decode=cfg.decode)
     acc += jnp.dot(x_even, w_lo, preferred_element_type=jnp.float32)
     acc += jnp.dot(x_odd, w_hi, preferred_element_type=jnp.float32)
     return acc
