@@ -95,5 +95,368 @@ def batch_indices(seed: int, step: int, num_prompts: int, dataset_size: int) -> 
   return np.asarray(out, np.int64), epoch, pos
 
 
-def run(config, workdir):
-  return {"status": "ok"}
+
+# ---------------------------------------------------------------------------------- data
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """One prompt of a data set: the chat-formatted prompt text, its token ids, the gold answer."""
+  prompt: str
+  prompt_ids: tuple[int, ...]
+  answer: str
+
+
+def left_pad(examples: Sequence[Example], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """Left-pads the examples' prompt ids to the longest one.
+
+  Returns:
+    ``(prompt_tokens int32 [B, P], prompt_mask int32 [B, P])``, 1 on real tokens.
+  """
+  p = max(len(e.prompt_ids) for e in examples)
+  tokens = np.full((len(examples), p), int(pad_id), np.int32)
+  mask = np.zeros((len(examples), p), np.int32)
+  for i, e in enumerate(examples):
+    n = len(e.prompt_ids)
+    tokens[i, p - n:] = e.prompt_ids
+    mask[i, p - n:] = 1
+  return tokens, mask
+
+
+# ---------------------------------------------------------------------------------- rewards
+
+def score_completions(reward_fn: Callable[[list[str], list[str]], Sequence[float]],
+                      completions: Sequence[str], answers: Sequence[str]) -> tuple[np.ndarray, int]:
+  """Scores completions on the host; a failure makes that completion's reward missing (NaN).
+
+  ``reward_fn(completions, answers)`` must return one float per completion. When it raises or
+  returns the wrong count, each completion is scored alone; a completion whose own call fails
+  (or returns a non-finite value) gets NaN, which ``grpo.group_advantages`` turns into
+  advantage 0. The run never stops for a reward failure.
+
+  Returns:
+    ``(rewards float32 [N] with NaN for missing, number of missing rewards)``.
+  """
+  completions, answers = list(completions), list(answers)
+  try:
+    out = [float(r) for r in reward_fn(completions, answers)]
+    if len(out) != len(completions):
+      raise ValueError(f"reward function returned {len(out)} rewards for {len(completions)} completions")
+  except Exception as e:  # pylint: disable=broad-except
+    print(f"warning: reward function failed on the batch ({type(e).__name__}: {e}); "
+          "scoring completions one by one", file=sys.stderr)
+    out = []
+    for i, (c, a) in enumerate(zip(completions, answers)):
+      try:
+        (r,) = reward_fn([c], [a])
+        out.append(float(r))
+      except Exception as e1:  # pylint: disable=broad-except
+        print(f"warning: reward of completion {i} missing ({type(e1).__name__}: {e1})", file=sys.stderr)
+        out.append(float("nan"))
+  rewards = np.asarray(out, np.float32)
+  rewards[~np.isfinite(rewards)] = np.nan
+  return rewards, int(np.isnan(rewards).sum())
+
+
+# ---------------------------------------------------------------------------------- the policy
+
+@dataclasses.dataclass
+class Policy:
+  """The frozen model and the functions the loop calls on it (built by :func:`load_policy`).
+
+  Attributes:
+    tokenizer: a transformers tokenizer (``decode``).
+    pad_id: id written into left padding and after a completion's end.
+    init_state: ``key -> {"params": trainable tree, "opt_state": optax state}``.
+    noise: ``step -> norm_noise`` (AQN, float32 ``{"input_norm": [L, D], ...}``) or None.
+    update_noise: ``(noise) -> noise`` used by the update (None for the paper's rollout-only AQN).
+    sigma: ``step -> float``, the AQN sigma (0 when off).
+    generate: ``(params, noise, prompt_tokens [B, P], prompt_mask [B, P], key, *,
+      num_generations, greedy, max_new_tokens) -> sampling.Rollout`` with ``B * G`` rows.
+    ref_logprobs: ``(batch, noise) -> float32 [N, T]`` with LoRA off (for the KL term).
+    update: ``(state, batch, noise, key) -> (state, metrics)``: one optimizer step over the whole
+      batch (micro-batched inside), ``batch`` as built by :func:`_update_batch`.
+  """
+  tokenizer: Any
+  pad_id: int
+  init_state: Callable[[jax.Array], dict]
+  noise: Callable[[int], Any]
+  update_noise: Callable[[Any], Any]
+  sigma: Callable[[int], float]
+  generate: Callable[..., Any]
+  ref_logprobs: Callable[[dict, Any], jax.Array]
+  update: Callable[[dict, dict, Any, jax.Array], tuple[dict, dict]]
+  description: str = ""
+
+
+def _update_batch(prompt_tokens, prompt_mask, rollout, advantages) -> dict:
+  """The arrays one update consumes, ``N = B * G`` rows (prompts repeated G times)."""
+  g = rollout.tokens.shape[0] // prompt_tokens.shape[0]
+  return {
+      "prompt_tokens": jnp.asarray(np.repeat(prompt_tokens, g, axis=0)),
+      "prompt_mask": jnp.asarray(np.repeat(prompt_mask, g, axis=0)),
+      "completion_tokens": rollout.tokens,
+      "completion_mask": rollout.mask,
+      "old_logprobs": rollout.policy_logprobs,
+      "truncated": rollout.truncated,
+      "advantages": jnp.asarray(advantages, jnp.float32),
+  }
+
+
+# ---------------------------------------------------------------------------------- evaluation
+
+def evaluate(policy: Policy, params: Any, examples: Sequence[Example], reward_fn, *,
+             batch_size: int, max_new_tokens: int, key: jax.Array | None = None,
+             num_samples: int = 1, noise: Any = None) -> dict:
+  """Accuracy on ``examples``: pass@1 greedy (``num_samples=1``) or pass@k sampled.
+
+  Greedy decoding (temperature 0) is used when ``num_samples == 1``; otherwise
+  ``num_samples`` completions per prompt are sampled with ``key`` and a prompt counts as solved
+  when any of them is correct (pass@k, k = num_samples). Correct means reward > 0 under
+  ``reward_fn`` (the task's answer check).
+
+  Returns:
+    ``{"accuracy": float in [0, 1], "mean_length": tokens, "num_prompts": int,
+    "completions": [str] (the first sample of each prompt), "correct": [bool]}``.
+
+  Raises:
+    ValueError: no examples.
+  """
+  if not examples:
+    raise ValueError("evaluate: no examples")
+  greedy = num_samples == 1
+  correct, lengths, texts = [], [], []
+  for start in range(0, len(examples), batch_size):
+    chunk = list(examples[start:start + batch_size])
+    n_real = len(chunk)
+    chunk = chunk + [chunk[-1]] * (batch_size - n_real)  # one compiled shape
+    pt, pm = left_pad(chunk, policy.pad_id)
+    k = jax.random.fold_in(key if key is not None else jax.random.PRNGKey(0), start)
+    ro = policy.generate(params, noise, pt, pm, k, num_generations=num_samples, greedy=greedy,
+                         max_new_tokens=max_new_tokens)
+    toks, lens = np.asarray(ro.tokens), np.asarray(ro.lengths)
+    comps = [policy.tokenizer.decode(toks[i, :lens[i]], skip_special_tokens=True)
+             for i in range(n_real * num_samples)]
+    answers = [e.answer for e in chunk[:n_real] for _ in range(num_samples)]
+    rewards, _ = score_completions(reward_fn, comps, answers)
+    ok = np.nan_to_num(rewards, nan=0.0).reshape(n_real, num_samples) > 0
+    correct.extend(ok.any(axis=1).tolist())
+    lengths.extend(lens[:n_real * num_samples].tolist())
+    texts.extend(comps[::num_samples])
+  return {"accuracy": float(np.mean(correct)), "mean_length": float(np.mean(lengths)),
+          "num_prompts": len(examples), "completions": texts, "correct": correct}
+
+
+# ---------------------------------------------------------------------------------- the loop
+
+def _state_to_save(state: dict, step: int, seed: int) -> dict:
+  return {"params": state["params"], "opt_state": state["opt_state"],
+          "step": jnp.asarray(step, jnp.int32), "key": jax.random.PRNGKey(int(seed))}
+
+
+def _scalar_metrics(m: dict) -> dict:
+  out = {}
+  for k, v in m.items():
+    a = np.asarray(v)
+    if a.size == 1 and np.issubdtype(a.dtype, np.number) or a.dtype == bool and a.size == 1:
+      out[k] = float(a)
+  return out
+
+
+def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None = None,
+          datasets: tuple[Sequence[Example], Sequence[Example]] | None = None,
+          reward_fns: tuple[Callable, Callable] | None = None, stop_after: int | None = None,
+          progress: bool = True) -> dict:
+  """Runs (or resumes) the training loop of ``config`` in ``workdir``; returns the summary.
+
+  Args:
+    config: a validated config (``qerl_jax.train_config`` layout).
+    workdir: run folder: ``checkpoints/``, ``metrics.jsonl``, ``samples.jsonl``,
+      ``tensorboard/``, ``config.json``, ``summary.json``, ``plots/``. When it holds a
+      checkpoint, training resumes from the newest complete one.
+    policy, datasets, reward_fns: injected components (tests); default: built from ``config``
+      by :func:`load_policy`, :func:`load_datasets`, :func:`make_reward_fns`.
+    stop_after: stop after this many steps of this call (the run stays resumable).
+    progress: show a tqdm bar.
+
+  Returns:
+    A summary dict: ``status``, ``steps``, ``final_accuracy``, ``initial_accuracy``,
+    ``best_accuracy``, ``final_reward``, ``mean_entropy_first_quarter``, ``wall_time_s``,
+    ``workdir``.
+  """
+  t_start = time.perf_counter()
+  seed, total = int(config.seed), int(config.train.total_steps)
+  G = int(config.rl.num_generations)
+  prompts_per_step = int(config.rl.batch_size) // G
+  os.makedirs(workdir, exist_ok=True)
+  policy = policy or load_policy(config)
+  train_set, eval_set = datasets or load_datasets(config, policy.tokenizer)
+  correctness_fn, reward_fn = reward_fns or make_reward_fns(config)
+  eval_max_new = int(config.train.eval_max_completion_length or config.sampling.max_completion_length)
+
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                       keep=int(config.train.keep_checkpoints),
+                                       async_save=bool(config.train.async_checkpointing))
+  state = policy.init_state(jax.random.fold_in(jax.random.PRNGKey(seed), 0x1A0A))
+  start = 0
+  if checkpointer.latest_step() is not None:
+    saved, meta = checkpointer.restore(None, _state_to_save(state, 0, seed))
+    state = {"params": saved["params"], "opt_state": saved["opt_state"]}
+    start = int(meta["step"])
+    print(f"resuming from the checkpoint at step {start} in {checkpointer.directory}", file=sys.stderr)
+  logger = metrics_lib.MetricsLogger(workdir, resume_step=start if start > 0 else None)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+
+  def run_eval(step: int) -> float:
+    ev = evaluate(policy, state["params"], eval_set, correctness_fn,
+                  batch_size=int(config.train.eval_batch_size), max_new_tokens=eval_max_new)
+    logger.write(step, {"eval/accuracy": ev["accuracy"], "eval/mean_length": ev["mean_length"]})
+    return ev["accuracy"]
+
+  if start == 0 and eval_set:
+    run_eval(0)
+
+  bar = None
+  if progress:
+    from tqdm import tqdm
+    bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True,
+               file=sys.stderr)
+  last_acc = None
+  end = total if stop_after is None else min(total, start + int(stop_after))
+  for step in range(start, end):
+    t0 = time.perf_counter()
+    keys = step_keys(seed, step)
+    # 1. the step's prompts, from the seeded order of the training set
+    rows, epoch, position = batch_indices(seed, step, prompts_per_step, len(train_set))
+    batch = [train_set[i] for i in rows]
+    prompt_tokens, prompt_mask = left_pad(batch, policy.pad_id)
+    # 2. that step's AQN noise on the RMSNorm scales
+    noise = policy.noise(step)
+    # 3. G completions per prompt (rollout)
+    rollout = policy.generate(state["params"], noise, prompt_tokens, prompt_mask, keys.sample,
+                              num_generations=G, greedy=False,
+                              max_new_tokens=int(config.sampling.max_completion_length))
+    tokens, lengths = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
+    completions = [policy.tokenizer.decode(tokens[i, :lengths[i]], skip_special_tokens=True)
+                   for i in range(tokens.shape[0])]
+    t1 = time.perf_counter()
+    # 4. rewards on the host: one float each, failures missing (NaN)
+    answers = [e.answer for e in batch for _ in range(G)]
+    rewards, missing = score_completions(reward_fn, completions, answers)
+    correct, _ = score_completions(correctness_fn, completions, answers)
+    # 5. group-normalised advantages (NaN rewards -> advantage 0)
+    advantages = _group_advantages(config, rewards)
+    t2 = time.perf_counter()
+    # 6-7. reference log-probs (LoRA off) when beta > 0, then num_iterations updates
+    update_batch = _update_batch(prompt_tokens, prompt_mask, rollout, advantages)
+    update_noise = policy.update_noise(noise)
+    if float(config.rl.beta) > 0:
+      update_batch["ref_logprobs"] = policy.ref_logprobs(update_batch, update_noise)
+    update_metrics = {}
+    for it in range(int(config.rl.num_iterations)):
+      state, update_metrics = policy.update(state, update_batch, update_noise,
+                                            jax.random.fold_in(keys.update, it))
+    update_metrics = _scalar_metrics(jax.device_get(update_metrics))
+    t3 = time.perf_counter()
+    # 8. log, checkpoint, evaluate
+    done = step + 1
+    gen_tokens = int(lengths.sum())
+    row = {
+        **update_metrics,
+        "reward": float(np.nanmean(rewards)) if missing < len(rewards) else float("nan"),
+        "reward_std": float(np.nanstd(rewards)) if missing < len(rewards) else float("nan"),
+        "reward/missing": missing,
+        "accuracy": float(np.mean(np.nan_to_num(correct, nan=0.0) > 0)),
+        "completions/mean_length": float(lengths.mean()),
+        "completions/clipped_ratio": float(np.asarray(rollout.truncated).mean()),
+        "aqn/sigma": float(policy.sigma(step)),
+        "data/epoch": epoch,
+        "data/position": position,
+        "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2,
+        "time/step_s": t3 - t0,
+        "perf/tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
+    }
+    mem = metrics_lib.peak_device_memory_bytes()
+    if mem is not None:
+      row["perf/peak_memory_bytes"] = mem
+    logger.write(done, row)
+    every = int(config.train.log_samples_every)
+    if every and done % every == 0:
+      n = min(int(config.train.num_samples_logged), len(completions))
+      prompts_text = [batch[i // G].prompt for i in range(n)]
+      logger.write_samples(done, prompts_text, completions[:n], rewards[:n].tolist(), answers[:n])
+    if (int(config.train.eval_every) and done % int(config.train.eval_every) == 0
+        or done == total) and eval_set:
+      last_acc = run_eval(done)
+    if done % int(config.train.save_every) == 0 or done == total:
+      checkpointer.save(done, _state_to_save(state, done, seed),
+                        {"step": done, "epoch": epoch, "data_position": position, "seed": seed,
+                         "config": json.loads(config.to_json_best_effort())})
+    if bar is not None:
+      bar.update(1)
+      post = {"reward": f"{row['reward']:.3f}", "tok/s": f"{row['perf/tokens_per_s']:.0f}"}
+      if last_acc is not None:
+        post["acc"] = f"{last_acc:.3f}"
+      bar.set_postfix(post)
+  if bar is not None:
+    bar.close()
+  checkpointer.close()
+  logger.close()
+  summary = summarize(workdir, total)
+  summary["wall_time_s"] = time.perf_counter() - t_start
+  summary["status"] = "ok" if _finite(summary.get("final_reward")) or end < total else "non-finite"
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2, sort_keys=True)
+  return summary
+
+
+def _finite(x) -> bool:
+  return x is not None and math.isfinite(float(x))
+
+
+def _group_advantages(config, rewards: np.ndarray) -> np.ndarray:
+  from qerl_jax import grpo
+  adv = grpo.group_advantages(jnp.asarray(rewards), int(config.rl.num_generations),
+                              scale_rewards=str(config.rl.scale_rewards))
+  return np.asarray(adv, np.float32)
+
+
+def summarize(workdir: str, total_steps: int) -> dict:
+  """Summary of a run from its metrics.jsonl (used at the end of :func:`train`)."""
+  rows = metrics_lib.read_metrics(workdir)
+  train_rows = [r for r in rows if "reward" in r]
+  evals = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
+  quarter = max(1, total_steps // 4)
+  ent = [r["entropy"] for r in train_rows if r["step"] <= quarter and r.get("entropy") is not None]
+  last = train_rows[-1] if train_rows else {}
+  return {
+      "workdir": workdir,
+      "steps": int(last.get("step", 0)),
+      "initial_accuracy": evals[0][1] if evals and evals[0][0] == 0 else None,
+      "final_accuracy": evals[-1][1] if evals else None,
+      "best_accuracy": max(a for _, a in evals) if evals else None,
+      "final_reward": last.get("reward"),
+      "mean_entropy_first_quarter": float(np.mean(ent)) if ent else None,
+      "mean_step_time_s": float(np.mean([r["time/step_s"] for r in train_rows])) if train_rows else None,
+  }
+
+
+def run(config: ml_collections.ConfigDict, workdir: str, **kwargs) -> dict:
+  """Validates ``config``, trains (or resumes) in ``workdir``, prints a summary table, plots.
+
+  The in-process entry point (``experiments/ablate.py`` calls it per variant).
+
+  Returns:
+    The summary dict of :func:`train`.
+
+  Raises:
+    ValueError: an impossible config (before any compute).
+  """
+  train_config.validate(config, check_paths=kwargs.get("policy") is None)
+  summary = train(config, workdir, **kwargs)
+  print(metrics_lib.format_summary_table(
+      [(k, v) for k, v in summary.items() if k != "workdir" and v is not None]))
+  if bool(config.train.plot):
+    from qerl_jax import plotting
+    plotting.plot_runs([workdir], os.path.join(workdir, "plots"))
+  return summary
