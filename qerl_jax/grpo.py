@@ -1,0 +1,496 @@
+"""The GRPO / DAPO objective: group-relative advantages, the clipped policy loss, KL estimators, metrics.
+
+Everything here is a pure ``jax.numpy`` function of arrays: jit-able, differentiable, no model.
+The update step that differentiates the loss lives in :mod:`qerl_jax.update`.
+
+Option names follow Hugging Face TRL's ``GRPOConfig`` (``num_generations``, ``loss_type``,
+``epsilon``, ``epsilon_high``, ``beta``, ``scale_rewards``, ``mask_truncated_completions``) so
+TRL configs carry over, and the metric names are TRL's (``clip_ratio/low_mean`` ...).
+
+References
+----------
+* GRPO: Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, eq. (3) (group-relative advantage,
+  clipped surrogate, per-sequence mean) and eq. (4) (the k3 KL estimator).
+* KL estimators k1/k2/k3: J. Schulman, "Approximating KL Divergence", 2020 (blog note).
+* DAPO: Yu et al. 2025, arXiv:2503.14476 (clip-higher ``epsilon_high``, token-level mean,
+  dropping over-long truncated completions).
+* Dr. GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783
+  (constant normaliser ``num_sequences * max_completion_length``, no std scaling).
+* BNPO: Xiao et al. 2025, arXiv:2506.02864 (normalise by the tokens of the batch).
+* QeRL: Huang et al. 2025, arXiv:2510.11696 (uses GRPO/DAPO with these settings on 4-bit weights).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "LOSS_TYPES",
+    "KL_ESTIMATORS",
+    "SCALE_REWARDS",
+    "LOG_RATIO_CLAMP",
+    "group_advantages",
+    "reward_metrics",
+    "kl_divergence",
+    "loss_normalizer",
+    "policy_loss_terms",
+    "finalize_policy_loss",
+    "policy_loss",
+    "completion_metrics",
+]
+
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+SCALE_REWARDS = ("group", "batch", "none")
+# Log-ratios are clamped at +-LOG_RATIO_CLAMP before any exp: exp(20) ~ 4.9e8 is finite in
+# float32 and bfloat16, so no value or gradient can overflow however far the policies drift.
+LOG_RATIO_CLAMP = 20.0
+_ZERO_STD_RTOL = 1e-6
+
+
+# --------------------------------------------------------------------------------------------
+# Advantages
+# --------------------------------------------------------------------------------------------
+def _check_rewards(rewards, group_size: int, std_ddof: int, zero_std_rtol: float) -> jax.Array:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if isinstance(std_ddof, bool) or not isinstance(std_ddof, int) or std_ddof < 0:
+        raise ValueError(f"std_ddof must be a non-negative int, got {std_ddof!r}")
+    if not zero_std_rtol >= 0.0:
+        raise ValueError(f"zero_std_rtol must be >= 0, got {zero_std_rtol!r}")
+    rewards = jnp.asarray(rewards)
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be 1-D [num_prompts * group_size], got shape {rewards.shape}")
+    if not (jnp.issubdtype(rewards.dtype, jnp.floating) or jnp.issubdtype(rewards.dtype, jnp.integer)
+            or rewards.dtype == jnp.bool_):
+        raise TypeError(f"rewards must be a real numeric array, got dtype {rewards.dtype}")
+    if rewards.shape[0] % group_size:
+        raise ValueError(
+            f"rewards length {rewards.shape[0]} is not a multiple of group_size {group_size}")
+    return rewards.astype(jnp.float32)
+
+
+def _spread_is_zero(values, valid, axis, zero_std_rtol):
+    """True where the valid values along ``axis`` are all equal up to a relative tolerance."""
+    fill = jnp.where(valid, values, 0.0)
+    big = jnp.where(valid, values, -jnp.inf).max(axis=axis)
+    small = jnp.where(valid, values, jnp.inf).min(axis=axis)
+    spread = jnp.where(valid.any(axis=axis), big - small, 0.0)
+    scale = jnp.abs(fill).max(axis=axis)
+    return spread <= zero_std_rtol * scale
+
+
+def _masked_std(values, valid, axis, std_ddof):
+    """(mean, centered, std, has_std) of the valid entries along ``axis`` (std with ``std_ddof``)."""
+    n = valid.sum(axis=axis, keepdims=True).astype(jnp.float32)
+    mean = jnp.where(valid, values, 0.0).sum(axis=axis, keepdims=True) / jnp.maximum(n, 1.0)
+    centered = jnp.where(valid, values - mean, 0.0)
+    dof = n - std_ddof
+    has_std = dof > 0
+    var = (centered * centered).sum(axis=axis, keepdims=True) / jnp.where(has_std, dof, 1.0)
+    std = jnp.where(has_std, jnp.sqrt(var), 0.0)
+    return mean, centered, std, has_std
+
+
+def _group_stats(rewards, group_size, std_ddof, zero_std_rtol):
+    r = rewards.reshape(-1, group_size)
+    valid = jnp.isfinite(r)
+    mean, centered, std, has_std = _masked_std(r, valid, 1, std_ddof)
+    zero = (~has_std[:, 0]) | _spread_is_zero(r, valid, 1, zero_std_rtol)
+    return dict(r=r, valid=valid, mean=mean, centered=centered, std=std[:, 0],
+                has_std=has_std[:, 0], zero_std=zero)
+
+
+def group_advantages(rewards, group_size: int, *, scale_rewards: str = "group", std_ddof: int = 1,
+                     zero_std_rtol: float = _ZERO_STD_RTOL) -> jax.Array:
+    """Group-relative advantages of GRPO (DeepSeekMath eq. 3; TRL ``scale_rewards``).
+
+    Args:
+      rewards: ``[num_prompts * group_size]`` float (any real dtype, computed in float32); groups
+        are ``group_size`` consecutive completions of one prompt. Non-finite entries (NaN/inf: a
+        reward function that failed) are *missing*: excluded from every statistic, advantage 0.
+      group_size: completions per prompt (TRL ``num_generations``), a positive Python int.
+      scale_rewards: ``"group"`` divides each group's centred rewards by the group's std (GRPO,
+        TRL default); ``"batch"`` divides by the std of all valid rewards of the batch (TRL
+        ``"batch"``); ``"none"`` does not divide (Dr. GRPO).
+      std_ddof: delta degrees of freedom of the std; 1 (unbiased) is what TRL and QeRL use.
+      zero_std_rtol: a group whose valid rewards span ``max - min <= zero_std_rtol * max|r|`` counts
+        as zero-std (all equal, also when the value is not exactly representable and the
+        float32 mean has rounding noise) and gets advantage 0 for every member; nothing is
+        ever divided by rounding noise.
+
+    Returns:
+      advantages ``[num_prompts * group_size]`` float32, always finite: ``(r - group_mean) / std``
+      (or without the division). Zero for missing rewards, zero-std groups, and groups with
+      fewer than ``std_ddof + 1`` valid rewards (a group of one with the default ddof).
+
+    Raises:
+      ValueError: bad ``group_size``/``std_ddof``/``scale_rewards``, rewards not 1-D, or length
+        not a multiple of ``group_size``. TypeError: non-numeric rewards.
+    """
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
+    rewards = _check_rewards(rewards, group_size, std_ddof, zero_std_rtol)
+    s = _group_stats(rewards, group_size, std_ddof, zero_std_rtol)
+    keep = s["valid"] & ~s["zero_std"][:, None]
+    if scale_rewards == "group":
+        denom = s["std"][:, None]
+    elif scale_rewards == "batch":
+        flat_valid = s["valid"].reshape(-1)
+        _, _, bstd, bhas = _masked_std(rewards, flat_valid, 0, std_ddof)
+        bzero = (~bhas[0]) | _spread_is_zero(rewards, flat_valid, 0, zero_std_rtol)
+        keep = keep & ~bzero
+        denom = bstd
+    else:
+        denom = jnp.ones((1, 1), jnp.float32)
+    safe = jnp.where(keep, denom, 1.0)
+    adv = jnp.where(keep, s["centered"] / jnp.where(safe > 0, safe, 1.0), 0.0)
+    return adv.reshape(-1)
+
+
+def reward_metrics(rewards, group_size: int, *, std_ddof: int = 1,
+                   zero_std_rtol: float = _ZERO_STD_RTOL) -> dict[str, jax.Array]:
+    """Reward statistics of one rollout batch in TRL's metric names.
+
+    Args: as :func:`group_advantages` (``rewards`` ``[num_prompts * group_size]``).
+
+    Returns a dict of float32 scalars:
+      ``reward``: mean of the finite rewards (0 when none);
+      ``reward_std``: mean over groups (with a defined std) of the per-group std, as TRL logs it;
+      ``frac_reward_zero_std``: fraction of groups whose advantages are all 0 because their valid
+        rewards are all equal (or fewer than ``std_ddof + 1``), i.e. groups that carry no signal;
+      ``frac_reward_nonfinite``: fraction of rewards that were NaN/inf (missing).
+
+    Raises: as :func:`group_advantages`.
+    """
+    rewards = _check_rewards(rewards, group_size, std_ddof, zero_std_rtol)
+    s = _group_stats(rewards, group_size, std_ddof, zero_std_rtol)
+    n_valid = s["valid"].sum()
+    mean = jnp.where(s["valid"], s["r"], 0.0).sum() / jnp.maximum(n_valid, 1)
+    n_std = s["has_std"].sum()
+    return {
+        "reward": mean,
+        "reward_std": jnp.where(s["has_std"], s["std"], 0.0).sum() / jnp.maximum(n_std, 1),
+        "frac_reward_zero_std": s["zero_std"].astype(jnp.float32).mean(),
+        "frac_reward_nonfinite": 1.0 - s["valid"].astype(jnp.float32).mean(),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# KL
+# --------------------------------------------------------------------------------------------
+def kl_divergence(logprobs, ref_logprobs, *, estimator: str = "k3") -> jax.Array:
+    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman 2020).
+
+    With ``d = ref_logprobs - logprobs`` (the log of pi_ref / pi_theta at the sampled token):
+      ``k1 = -d``; ``k2 = d**2 / 2``; ``k3 = exp(d) - d - 1`` (DeepSeekMath eq. 4, TRL's ``beta``
+      term; non-negative, unbiased).
+    For k3, ``d`` is clamped from above at ``LOG_RATIO_CLAMP`` (20) before the exp, so value and
+    gradient stay finite in float32 and bfloat16 when the policies drift apart (beyond the
+    clamp the value is constant and the gradient 0); below the clamp it is exact, and it is
+    exactly 0 for equal inputs (computed as ``expm1(d) - d``).
+
+    Args:
+      logprobs, ref_logprobs: ``[..., T]`` log-probabilities (nats) of the sampled tokens under the
+        policy and the reference policy (the same model with LoRA switched off); any float dtype,
+        computed in float32.
+      estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+
+    Returns: float32 ``[..., T]`` per-token KL estimate (nats). Masking is the caller's job.
+
+    Raises: ValueError for an unknown estimator or mismatched shapes.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    logprobs = jnp.asarray(logprobs)
+    ref_logprobs = jnp.asarray(ref_logprobs)
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(
+            f"ref_logprobs shape {ref_logprobs.shape} != logprobs shape {logprobs.shape}")
+    d = ref_logprobs.astype(jnp.float32) - logprobs.astype(jnp.float32)
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    c = jnp.minimum(d, LOG_RATIO_CLAMP)
+    return jnp.expm1(c) - c
+
+
+# --------------------------------------------------------------------------------------------
+# Policy loss
+# --------------------------------------------------------------------------------------------
+def _check_loss_options(loss_type, epsilon, epsilon_high, beta, kl_estimator):
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+    if not (0.0 <= float(epsilon) < 1.0):
+        raise ValueError(f"epsilon must be in [0, 1), got {epsilon!r}")
+    if epsilon_high is not None and not float(epsilon_high) >= 0.0:
+        raise ValueError(f"epsilon_high must be >= 0, got {epsilon_high!r}")
+    if not float(beta) >= 0.0:
+        raise ValueError(f"beta must be >= 0, got {beta!r}")
+
+
+def _effective_mask(mask, truncated, mask_truncated_completions):
+    """Bool ``[B, T]`` mask with truncated completions removed when asked."""
+    mask = jnp.asarray(mask)
+    if mask.ndim != 2:
+        raise ValueError(f"mask must be [batch, completion_length], got shape {mask.shape}")
+    m = mask.astype(bool)
+    if mask_truncated_completions:
+        if truncated is None:
+            raise ValueError("mask_truncated_completions=True needs truncated [batch] bool")
+        truncated = jnp.asarray(truncated)
+        if truncated.shape != (m.shape[0],):
+            raise ValueError(
+                f"truncated must have shape ({m.shape[0]},), got {truncated.shape}")
+        m = m & ~truncated.astype(bool)[:, None]
+    return m
+
+
+def loss_normalizer(mask, *, loss_type: str, max_completion_length: int | None = None,
+                    truncated=None, mask_truncated_completions: bool = False) -> jax.Array:
+    """The denominator of ``loss_type`` for a batch (or a whole gradient-accumulation window).
+
+    * ``grpo``: number of sequences with at least one unmasked token (each sequence is first
+      averaged over its own tokens, see :func:`policy_loss_terms`);
+    * ``bnpo`` / ``dapo``: number of unmasked tokens;
+    * ``dr_grpo``: number of sequences (minus the dropped truncated ones when
+      ``mask_truncated_completions``) times ``max_completion_length`` (default ``T``).
+    Summing the numerators of several micro-batches and dividing once by the normaliser of their
+    concatenation gives exactly the loss of the concatenated batch.
+
+    Args:
+      mask: ``[B, T]`` completion mask (nonzero = completion token that counts).
+      loss_type: one of ``LOSS_TYPES``.
+      max_completion_length: tokens; only for ``dr_grpo``.
+      truncated: ``[B]`` bool, completions that hit the length limit without an end token.
+      mask_truncated_completions: drop truncated completions (numerator and denominator).
+
+    Returns: float32 scalar, >= 0 (0 for an empty batch; :func:`finalize_policy_loss` then
+    divides by 1).
+
+    Raises: ValueError for bad ``loss_type``, shapes, or ``max_completion_length``.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    m = _effective_mask(mask, truncated, mask_truncated_completions)
+    if loss_type == "grpo":
+        return m.any(axis=1).sum().astype(jnp.float32)
+    if loss_type in ("bnpo", "dapo"):
+        return m.sum().astype(jnp.float32)
+    length = m.shape[1] if max_completion_length is None else max_completion_length
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise ValueError(f"max_completion_length must be a positive int, got {length!r}")
+    if mask_truncated_completions:
+        kept = (~jnp.asarray(truncated).astype(bool)).sum().astype(jnp.float32)
+    else:
+        kept = jnp.float32(m.shape[0])
+    return kept * float(length)
+
+
+def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "grpo",
+                      epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
+                      ref_logprobs=None, kl_estimator: str = "k3", entropy=None, truncated=None,
+                      mask_truncated_completions: bool = False) -> dict[str, jax.Array]:
+    """Un-normalised sums of the clipped surrogate loss and its metrics over one (micro-)batch.
+
+    Per token ``t`` of sequence ``i`` (DeepSeekMath eq. 3, DAPO clip-higher)::
+
+        ratio = exp(clip(logprobs - old_logprobs, -20, 20))           # importance ratio
+        l     = -min(ratio * A_i, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A_i)
+              + beta * KL_t                                             # if beta > 0
+
+    The clamp of the log-ratio at +-``LOG_RATIO_CLAMP`` (as verl does) only acts when the
+    policies are e^20 apart; it keeps value and gradient finite.
+
+    Returns a dict of float32 scalars:
+      ``loss_sum``: for ``grpo`` the sum over sequences of each sequence's mean token loss (a
+        sequence with no unmasked token adds 0), otherwise the sum of token losses;
+      ``tokens``, ``clip_low``, ``clip_high``, ``clip_region``, ``kl``, ``entropy``: token counts /
+      sums over unmasked tokens (TRL's clip indicators: low = ``ratio < 1 - epsilon`` and
+      ``A < 0``, high = ``ratio > 1 + epsilon_high`` and ``A > 0``, region = either).
+    Masked tokens contribute nothing, and their (possibly non-finite, e.g. padding) inputs are
+    replaced before any arithmetic so they cannot leak NaN into values or gradients.
+
+    Args: see :func:`policy_loss`.
+    Raises: ValueError/TypeError for bad options or shapes.
+    """
+    _check_loss_options(loss_type, epsilon, epsilon_high, beta, kl_estimator)
+    m = _effective_mask(mask, truncated, mask_truncated_completions)
+    shape = m.shape
+    logprobs = jnp.asarray(logprobs)
+    if logprobs.shape != shape:
+        raise ValueError(f"logprobs shape {logprobs.shape} != mask shape {shape}")
+    lp = jnp.where(m, logprobs.astype(jnp.float32), 0.0)
+    if old_logprobs is None:
+        old = jax.lax.stop_gradient(lp)
+    else:
+        old_logprobs = jnp.asarray(old_logprobs)
+        if old_logprobs.shape != shape:
+            raise ValueError(f"old_logprobs shape {old_logprobs.shape} != mask shape {shape}")
+        old = jnp.where(m, old_logprobs.astype(jnp.float32), 0.0)
+    adv = jnp.asarray(advantages).astype(jnp.float32)
+    if adv.shape == (shape[0],):
+        adv = adv[:, None]
+    elif adv.shape != shape:
+        raise ValueError(f"advantages must be [{shape[0]}] or {shape}, got {adv.shape}")
+    adv = jnp.where(m, adv, 0.0)
+
+    eps_low = float(epsilon)
+    eps_high = eps_low if epsilon_high is None else float(epsilon_high)
+    ratio = jnp.exp(jnp.clip(lp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    per_token = -jnp.minimum(ratio * adv, clipped * adv)
+
+    mf = m.astype(jnp.float32)
+    kl_sum = jnp.float32(0.0)
+    if ref_logprobs is not None:
+        ref_logprobs = jnp.asarray(ref_logprobs)
+        if ref_logprobs.shape != shape:
+            raise ValueError(f"ref_logprobs shape {ref_logprobs.shape} != mask shape {shape}")
+        ref = jnp.where(m, ref_logprobs.astype(jnp.float32), 0.0)
+        kl_tok = jnp.where(m, kl_divergence(lp, ref, estimator=kl_estimator), 0.0)
+        kl_sum = kl_tok.sum()
+        if beta:
+            per_token = per_token + float(beta) * kl_tok
+    elif beta:
+        raise ValueError("beta > 0 needs ref_logprobs (the policy's log-probs with LoRA off)")
+    per_token = jnp.where(m, per_token, 0.0)
+
+    if loss_type == "grpo":
+        tokens_per_seq = mf.sum(axis=1)
+        loss_sum = (per_token.sum(axis=1) / jnp.maximum(tokens_per_seq, 1.0)).sum()
+    else:
+        loss_sum = per_token.sum()
+
+    low = (ratio < 1.0 - eps_low) & (adv < 0) & m
+    high = (ratio > 1.0 + eps_high) & (adv > 0) & m
+    ent_sum = jnp.float32(0.0)
+    if entropy is not None:
+        entropy = jnp.asarray(entropy)
+        if entropy.shape != shape:
+            raise ValueError(f"entropy shape {entropy.shape} != mask shape {shape}")
+        ent_sum = jnp.where(m, entropy.astype(jnp.float32), 0.0).sum()
+    return {
+        "loss_sum": loss_sum,
+        "tokens": mf.sum(),
+        "clip_low": low.astype(jnp.float32).sum(),
+        "clip_high": high.astype(jnp.float32).sum(),
+        "clip_region": (low | high).astype(jnp.float32).sum(),
+        "kl": kl_sum,
+        "entropy": ent_sum,
+    }
+
+
+def finalize_policy_loss(terms: Mapping[str, Any], normalizer) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Turn (summed) :func:`policy_loss_terms` into ``(loss, metrics)``.
+
+    ``loss = loss_sum / max(normalizer, 1)``; the metrics are means over unmasked tokens
+    (0 when there are none), named as in TRL: ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
+    ``clip_ratio/region_mean``, ``kl``, ``entropy`` (nats), plus ``num_tokens``.
+    """
+    n = jnp.maximum(terms["tokens"], 1.0)
+    loss = terms["loss_sum"] / jnp.maximum(jnp.asarray(normalizer, jnp.float32), 1.0)
+    metrics = {
+        "clip_ratio/low_mean": terms["clip_low"] / n,
+        "clip_ratio/high_mean": terms["clip_high"] / n,
+        "clip_ratio/region_mean": terms["clip_region"] / n,
+        "kl": terms["kl"] / n,
+        "entropy": terms["entropy"] / n,
+        "num_tokens": terms["tokens"],
+    }
+    return loss, metrics
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "grpo",
+                epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
+                ref_logprobs=None, max_completion_length: int | None = None,
+                kl_estimator: str = "k3", entropy=None, truncated=None,
+                mask_truncated_completions: bool = False, normalizer=None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Clipped GRPO / DAPO / Dr. GRPO / BNPO policy loss with optional KL penalty (TRL semantics).
+
+    Args:
+      logprobs: ``[B, T]`` log-probs (nats) of the completion tokens under the current policy
+        (differentiated); any float dtype, computed in float32.
+      old_logprobs: ``[B, T]`` log-probs under the rollout policy (the sampler's), or ``None`` to
+        use ``stop_gradient(logprobs)`` (ratio exactly 1, as TRL does when
+        ``num_iterations == 1``).
+      advantages: ``[B]`` (one per sequence, from :func:`group_advantages`) or ``[B, T]``.
+      mask: ``[B, T]`` completion mask, nonzero for tokens that count (completion tokens up to and
+        including the end token).
+      loss_type: ``"grpo"``: mean over each sequence's tokens, then mean over the sequences that
+        have at least one token (DeepSeekMath); ``"bnpo"`` / ``"dapo"``: sum over all tokens / number
+        of tokens (DAPO token-level mean; in a gradient-accumulation window both use the window's
+        token count); ``"dr_grpo"``: sum over all tokens / (num sequences x
+        ``max_completion_length``) (Dr. GRPO).
+      epsilon: lower clip range (ratio clipped below at ``1 - epsilon``).
+      epsilon_high: upper clip range (DAPO clip-higher, e.g. 0.28); default ``epsilon``.
+      beta: KL coefficient; > 0 needs ``ref_logprobs``.
+      ref_logprobs: ``[B, T]`` log-probs under the reference policy (the same model with LoRA off);
+        when given, the ``kl`` metric is reported even with ``beta == 0``.
+      max_completion_length: tokens, for ``dr_grpo`` (default ``T``).
+      kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (default), see :func:`kl_divergence`.
+      entropy: optional ``[B, T]`` per-token policy entropy (nats) for the ``entropy`` metric.
+      truncated: ``[B]`` bool, completions that hit the length limit without an end token.
+      mask_truncated_completions: drop truncated completions from numerator and denominator.
+      normalizer: optional precomputed :func:`loss_normalizer` (of a whole accumulation window).
+
+    Returns:
+      ``(loss, metrics)``: float32 scalar loss and a dict of float32 scalars (see
+      :func:`finalize_policy_loss`). A batch with no unmasked token gives loss 0 and zero gradient.
+
+    Raises:
+      ValueError: unknown ``loss_type``/``kl_estimator``, bad clip ranges, mismatched shapes,
+        ``beta > 0`` without ``ref_logprobs``, ``mask_truncated_completions`` without ``truncated``.
+    """
+    terms = policy_loss_terms(
+        logprobs, old_logprobs, advantages, mask, loss_type=loss_type, epsilon=epsilon,
+        epsilon_high=epsilon_high, beta=beta, ref_logprobs=ref_logprobs,
+        kl_estimator=kl_estimator, entropy=entropy, truncated=truncated,
+        mask_truncated_completions=mask_truncated_completions)
+    if normalizer is None:
+        normalizer = loss_normalizer(
+            mask, loss_type=loss_type, max_completion_length=max_completion_length,
+            truncated=truncated, mask_truncated_completions=mask_truncated_completions)
+    return finalize_policy_loss(terms, normalizer)
+
+
+# --------------------------------------------------------------------------------------------
+# Completion metrics
+# --------------------------------------------------------------------------------------------
+def completion_metrics(completion_mask, truncated) -> dict[str, jax.Array]:
+    """Length statistics of a rollout batch in TRL's names.
+
+    Args:
+      completion_mask: ``[B, T]`` nonzero on completion tokens.
+      truncated: ``[B]`` bool, completions that hit the length limit without an end token.
+
+    Returns float32 scalars (lengths in tokens): ``completions/mean_length``,
+    ``completions/min_length``, ``completions/max_length``, ``completions/mean_terminated_length``
+    (over completions that ended with an end token; 0 if none) and ``completions/clipped_ratio``
+    (fraction truncated).
+
+    Raises: ValueError for mismatched shapes or an empty batch.
+    """
+    m = jnp.asarray(completion_mask)
+    truncated = jnp.asarray(truncated).astype(bool)
+    if m.ndim != 2 or m.shape[0] == 0 or truncated.shape != (m.shape[0],):
+        raise ValueError(
+            f"need completion_mask [B>0, T] and truncated [B]; got {m.shape} and {truncated.shape}")
+    lengths = m.astype(bool).sum(axis=1).astype(jnp.float32)
+    term = ~truncated
+    n_term = term.sum()
+    return {
+        "completions/mean_length": lengths.mean(),
+        "completions/min_length": lengths.min(),
+        "completions/max_length": lengths.max(),
+        "completions/mean_terminated_length":
+            jnp.where(term, lengths, 0.0).sum() / jnp.maximum(n_term, 1),
+        "completions/clipped_ratio": truncated.astype(jnp.float32).mean(),
+    }
