@@ -166,15 +166,15 @@ class Policy:
   Attributes:
     tokenizer: a transformers tokenizer (``decode``).
     pad_id: id written into left padding and after a completion's end.
-    init_state: ``key -> {"params": trainable tree, "opt_state": optax state}``.
+    init_state: ``key -> update.TrainState`` (trainable tree, optax state, counters).
     noise: ``step -> norm_noise`` (AQN, float32 ``{"input_norm": [L, D], ...}``) or None.
     update_noise: ``(noise) -> noise`` used by the update (None for the paper's rollout-only AQN).
     sigma: ``step -> float``, the AQN sigma (0 when off).
     generate: ``(params, noise, prompt_tokens [B, P], prompt_mask [B, P], key, *,
       num_generations, greedy, max_new_tokens) -> sampling.Rollout`` with ``B * G`` rows.
     ref_logprobs: ``(batch, noise) -> float32 [N, T]`` with LoRA off (for the KL term).
-    update: ``(state, batch, noise, key) -> (state, metrics)``: one optimizer step over the whole
-      batch (micro-batched inside), ``batch`` as built by :func:`_update_batch`.
+    update: ``(state, batch, noise, step, key) -> (state, metrics)``: one optimizer step over the
+      whole batch (micro-batched inside), ``batch`` as built by :func:`_update_batch`.
   """
   tokenizer: Any
   pad_id: int
@@ -184,7 +184,7 @@ class Policy:
   sigma: Callable[[int], float]
   generate: Callable[..., Any]
   ref_logprobs: Callable[[dict, Any], jax.Array]
-  update: Callable[[dict, dict, Any, jax.Array], tuple[dict, dict]]
+  update: Callable[..., tuple[Any, dict]]
   description: str = ""
 
 
@@ -248,9 +248,10 @@ def evaluate(policy: Policy, params: Any, examples: Sequence[Example], reward_fn
 
 # ---------------------------------------------------------------------------------- the loop
 
-def _state_to_save(state: dict, step: int, seed: int) -> dict:
-  return {"params": state["params"], "opt_state": state["opt_state"],
-          "step": jnp.asarray(step, jnp.int32), "key": jax.random.PRNGKey(int(seed))}
+def _state_to_save(state, step: int, seed: int) -> dict:
+  """What a checkpoint holds: the train state (LoRA + norms, optax state, counters), step, key."""
+  return {"train_state": state, "step": jnp.asarray(step, jnp.int32),
+          "key": jax.random.PRNGKey(int(seed))}
 
 
 def _scalar_metrics(m: dict) -> dict:
@@ -300,7 +301,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   start = 0
   if checkpointer.latest_step() is not None:
     saved, meta = checkpointer.restore(None, _state_to_save(state, 0, seed))
-    state = {"params": saved["params"], "opt_state": saved["opt_state"]}
+    state = saved["train_state"]
     start = int(meta["step"])
     print(f"resuming from the checkpoint at step {start} in {checkpointer.directory}", file=sys.stderr)
   logger = metrics_lib.MetricsLogger(workdir, resume_step=start if start > 0 else None)
@@ -308,7 +309,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     f.write(config.to_json_best_effort(indent=2, sort_keys=True))
 
   def run_eval(step: int) -> float:
-    ev = evaluate(policy, state["params"], eval_set, correctness_fn,
+    ev = evaluate(policy, state.params, eval_set, correctness_fn,
                   batch_size=int(config.train.eval_batch_size), max_new_tokens=eval_max_new)
     logger.write(step, {"eval/accuracy": ev["accuracy"], "eval/mean_length": ev["mean_length"]})
     return ev["accuracy"]
@@ -333,7 +334,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     # 2. that step's AQN noise on the RMSNorm scales
     noise = policy.noise(step)
     # 3. G completions per prompt (rollout)
-    rollout = policy.generate(state["params"], noise, prompt_tokens, prompt_mask, keys.sample,
+    rollout = policy.generate(state.params, noise, prompt_tokens, prompt_mask, keys.sample,
                               num_generations=G, greedy=False,
                               max_new_tokens=int(config.sampling.max_completion_length))
     tokens, lengths = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
@@ -354,7 +355,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
       update_batch["ref_logprobs"] = policy.ref_logprobs(update_batch, update_noise)
     update_metrics = {}
     for it in range(int(config.rl.num_iterations)):
-      state, update_metrics = policy.update(state, update_batch, update_noise,
+      state, update_metrics = policy.update(state, update_batch, update_noise, step,
                                             jax.random.fold_in(keys.update, it))
     update_metrics = _scalar_metrics(jax.device_get(update_metrics))
     t3 = time.perf_counter()
@@ -460,3 +461,20 @@ def run(config: ml_collections.ConfigDict, workdir: str, **kwargs) -> dict:
     from qerl_jax import plotting
     plotting.plot_runs([workdir], os.path.join(workdir, "plots"))
   return summary
+
+
+def update_config(config: ml_collections.ConfigDict) -> dict:
+  """The ``qerl_jax.update`` options (TRL / Hugging Face names) of a trainer config."""
+  rl, o = config.rl, config.optim
+  return {
+      "loss_type": str(rl.loss_type), "epsilon": float(rl.epsilon),
+      "epsilon_high": None if rl.epsilon_high is None else float(rl.epsilon_high),
+      "beta": float(rl.beta), "kl_estimator": str(rl.kl_estimator),
+      "max_completion_length": int(config.sampling.max_completion_length),
+      "mask_truncated_completions": bool(rl.mask_truncated_completions),
+      "gradient_accumulation_steps": int(rl.batch_size) // int(rl.micro_batch_size),
+      "learning_rate": float(o.learning_rate), "adam_beta1": float(o.b1), "adam_beta2": float(o.b2),
+      "weight_decay": float(o.weight_decay), "max_grad_norm": float(o.max_grad_norm),
+      "lr_scheduler_type": str(o.lr_schedule), "warmup_ratio": float(o.warmup_ratio),
+      "max_steps": int(config.train.total_steps) * int(rl.num_iterations),
+  }
