@@ -171,7 +171,8 @@ class Policy:
     update_noise: ``(noise) -> noise`` used by the update (None for the paper's rollout-only AQN).
     sigma: ``step -> float``, the AQN sigma (0 when off).
     generate: ``(params, noise, prompt_tokens [B, P], prompt_mask [B, P], key, *,
-      num_generations, greedy, max_new_tokens) -> sampling.Rollout`` with ``B * G`` rows.
+      num_generations, greedy, max_new_tokens, temperature=None) -> sampling.Rollout`` with
+      ``B * G`` rows (``params=None``: LoRA off; ``temperature=None``: the config's).
     ref_logprobs: ``(batch, noise) -> float32 [N, T]`` with LoRA off (for the KL term).
     update: ``(state, batch, noise, step, key) -> (state, metrics)``: one optimizer step over the
       whole batch (micro-batched inside), ``batch`` as built by :func:`_update_batch`.
@@ -206,17 +207,20 @@ def _update_batch(prompt_tokens, prompt_mask, rollout, advantages) -> dict:
 
 def evaluate(policy: Policy, params: Any, examples: Sequence[Example], reward_fn, *,
              batch_size: int, max_new_tokens: int, key: jax.Array | None = None,
-             num_samples: int = 1, noise: Any = None) -> dict:
+             num_samples: int = 1, temperature: float | None = None, noise: Any = None) -> dict:
   """Accuracy on ``examples``: pass@1 greedy (``num_samples=1``) or pass@k sampled.
 
   Greedy decoding (temperature 0) is used when ``num_samples == 1``; otherwise
-  ``num_samples`` completions per prompt are sampled with ``key`` and a prompt counts as solved
-  when any of them is correct (pass@k, k = num_samples). Correct means reward > 0 under
-  ``reward_fn`` (the task's answer check).
+  ``num_samples`` completions per prompt are sampled with ``key`` (at ``temperature``, default
+  the policy's) and a prompt counts as solved when any of them is correct (pass@k with n = k
+  samples, Chen et al. 2021). Correct means reward > 0 under ``reward_fn`` (the task's answer
+  check). ``params=None`` evaluates the base model (LoRA off). The last batch is padded by
+  repeating its last prompt, so every call compiles one shape.
 
   Returns:
-    ``{"accuracy": float in [0, 1], "mean_length": tokens, "num_prompts": int,
-    "completions": [str] (the first sample of each prompt), "correct": [bool]}``.
+    ``{"accuracy": pass@k in [0, 1], "sample_accuracy": mean correctness over all samples,
+    "mean_length": tokens, "num_prompts": int, "completions": [str] (the first sample of each
+    prompt), "correct": [bool] per prompt}``.
 
   Raises:
     ValueError: no examples.
@@ -224,7 +228,7 @@ def evaluate(policy: Policy, params: Any, examples: Sequence[Example], reward_fn
   if not examples:
     raise ValueError("evaluate: no examples")
   greedy = num_samples == 1
-  correct, lengths, texts = [], [], []
+  correct, sample_ok, lengths, texts = [], [], [], []
   for start in range(0, len(examples), batch_size):
     chunk = list(examples[start:start + batch_size])
     n_real = len(chunk)
@@ -232,7 +236,7 @@ def evaluate(policy: Policy, params: Any, examples: Sequence[Example], reward_fn
     pt, pm = left_pad(chunk, policy.pad_id)
     k = jax.random.fold_in(key if key is not None else jax.random.PRNGKey(0), start)
     ro = policy.generate(params, noise, pt, pm, k, num_generations=num_samples, greedy=greedy,
-                         max_new_tokens=max_new_tokens)
+                         max_new_tokens=max_new_tokens, temperature=temperature)
     toks, lens = np.asarray(ro.tokens), np.asarray(ro.lengths)
     comps = [policy.tokenizer.decode(toks[i, :lens[i]], skip_special_tokens=True)
              for i in range(n_real * num_samples)]
@@ -240,9 +244,11 @@ def evaluate(policy: Policy, params: Any, examples: Sequence[Example], reward_fn
     rewards, _ = score_completions(reward_fn, comps, answers)
     ok = np.nan_to_num(rewards, nan=0.0).reshape(n_real, num_samples) > 0
     correct.extend(ok.any(axis=1).tolist())
+    sample_ok.extend(ok.reshape(-1).tolist())
     lengths.extend(lens[:n_real * num_samples].tolist())
     texts.extend(comps[::num_samples])
-  return {"accuracy": float(np.mean(correct)), "mean_length": float(np.mean(lengths)),
+  return {"accuracy": float(np.mean(correct)), "sample_accuracy": float(np.mean(sample_ok)),
+          "mean_length": float(np.mean(lengths)),
           "num_prompts": len(examples), "completions": texts, "correct": correct}
 
 
@@ -442,6 +448,21 @@ def summarize(workdir: str, total_steps: int) -> dict:
   }
 
 
+def restore_train_state(config, policy: Policy, workdir: str, *, step: int | None = None):
+  """The train state and metadata of a run's checkpoint (newest when ``step`` is None).
+
+  Raises:
+    FileNotFoundError: the workdir has no complete checkpoint.
+  """
+  c = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
+  try:
+    fresh = policy.init_state(jax.random.PRNGKey(0))
+    saved, meta = c.restore(step, _state_to_save(fresh, 0, int(config.seed)))
+  finally:
+    c.close()
+  return saved["train_state"], meta
+
+
 def run(config: ml_collections.ConfigDict, workdir: str, **kwargs) -> dict:
   """Validates ``config``, trains (or resumes) in ``workdir``, prints a summary table, plots.
 
@@ -478,3 +499,234 @@ def update_config(config: ml_collections.ConfigDict) -> dict:
       "lr_scheduler_type": str(o.lr_schedule), "warmup_ratio": float(o.warmup_ratio),
       "max_steps": int(config.train.total_steps) * int(rl.num_iterations),
   }
+
+
+# ---------------------------------------------------------------------------------- building the job
+
+_AQN_STREAM = 0xA0
+_LORA_STREAM = 0x1A0A
+
+
+def load_policy(config: ml_collections.ConfigDict) -> Policy:
+  """Loads the frozen base (quantized as ``config.model.quant``) and builds the jitted functions.
+
+  The base is read once from ``config.model.path`` (a Hugging Face folder, or ``random:tiny``
+  for a random tiny model: a stand-in until the embedded model exists) and passed to every
+  jitted function as an argument, never baked in as a constant. LoRA (``config.lora``) is
+  initialised as PEFT does (B = 0, so step 0 is the base model), AQN noise
+  (``config.aqn``) is drawn per step from ``fold_in(PRNGKey(seed), 0xA0)`` and the step.
+
+  Raises:
+    ValueError / FileNotFoundError: from the checkpoint loader (unsupported architecture,
+      missing files).
+  """
+  from qerl_jax import aqn, lora, models as model, update
+
+  model_cfg, base, tokenizer, eos_ids = _load_base(config)
+  pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+  lora_cfg = lora.LoRAConfig(r=int(config.lora.rank), lora_alpha=float(config.lora.alpha),
+                             use_rslora=bool(config.lora.use_rslora),
+                             target_modules=tuple(config.lora.target_modules),
+                             train_norms=bool(config.lora.train_norms))
+  scale = lora.scale(lora_cfg)
+  upd_cfg = update_config(config)
+  optimizer = update.make_optimizer(upd_cfg)
+  remat = bool(config.model.remat)
+
+  aqn_on = bool(config.aqn.enabled)
+  aqn_cfg = aqn.AQNConfig(kind=str(config.aqn.schedule) if aqn_on else "off",
+                          sigma_start=float(config.aqn.sigma_start),
+                          sigma_end=float(config.aqn.sigma_end),
+                          num_stages=int(config.aqn.num_stages),
+                          total_steps=int(config.train.total_steps),
+                          noise_in_update=not bool(config.aqn.rollout_only))
+  aqn_key = jax.random.fold_in(jax.random.PRNGKey(int(config.seed)), _AQN_STREAM)
+  norm_shapes = aqn.norm_shapes_of(model_cfg)
+  noise_fn = jax.jit(lambda step: aqn.noise(aqn_key, step, norm_shapes, aqn_cfg))
+
+  def noise(step):
+    return noise_fn(jnp.asarray(step, jnp.int32)) if aqn_on else None
+
+  def sigma(step):
+    return float(aqn.schedule_sigma(aqn_cfg, int(step))) if aqn_on else 0.0
+
+  def init_state(key):
+    params = lora.init_lora(key, model_cfg, lora_cfg, base)
+    return update.make_train_state(params, optimizer)
+
+  def completion_logprobs(params, base_, noise_, prompt_tokens, prompt_mask, tokens, mask):
+    """log p and entropy [N, T] of the completion tokens (float32), prompt + completion forward."""
+    full = jnp.concatenate([prompt_tokens, tokens], axis=1)
+    full_mask = jnp.concatenate([prompt_mask, mask], axis=1)
+    positions = model.positions_from_mask(full_mask)
+    lp, ent = model.token_logprobs(model_cfg, base_, full, positions, lora=params, lora_cfg=scale,
+                                   norm_noise=noise_, attn_mask=full_mask, remat=remat)
+    p = prompt_tokens.shape[1]
+    return lp[:, p:], ent[:, p:]
+
+  def logprob_fn(params, mb):
+    sh = mb["shared"]
+    return completion_logprobs(params, sh["base"], sh.get("noise"), mb["prompt_tokens"],
+                               mb["prompt_mask"], mb["completion_tokens"], mb["completion_mask"])
+
+  update_step = update.make_update_step(logprob_fn, upd_cfg, optimizer=optimizer)
+
+  def do_update(state, batch, noise_, step, key):
+    shared = {"base": base} if noise_ is None else {"base": base, "noise": noise_}
+    return update_step(state, {**batch, "shared": shared}, step, key)
+
+  ref_jit = jax.jit(lambda base_, pt, pm, t, m: completion_logprobs(None, base_, None, pt, pm, t, m)[0])
+
+  def ref_logprobs(batch, noise_):
+    del noise_  # the reference is the base policy: LoRA off, no AQN noise
+    return ref_jit(base, batch["prompt_tokens"], batch["prompt_mask"], batch["completion_tokens"],
+                   batch["completion_mask"])
+
+  generate = _make_generate(config, model_cfg, base, scale, eos_ids, pad_id)
+  return Policy(tokenizer=tokenizer, pad_id=int(pad_id), init_state=init_state, noise=noise,
+                update_noise=lambda z: None if aqn_cfg.noise_in_update is False else z,
+                sigma=sigma, generate=generate, ref_logprobs=ref_logprobs, update=do_update,
+                description=f"{config.model.path} ({config.model.quant})")
+
+
+def _load_base(config):
+  """``(model_cfg, base, tokenizer, eos_ids)`` from ``config.model`` (quantized as configured)."""
+  from qerl_jax import hf
+  path = str(config.model.path)
+  if path.startswith("random:"):
+    path = _random_tiny_checkpoint(path.split(":", 1)[1], int(config.seed))
+  pre = hf.load_pretrained(path, quant=str(config.model.quant))
+  if pre.tokenizer is None:
+    raise ValueError(f"model.path={config.model.path!r} has no tokenizer; the trainer needs one")
+  eos = tuple(int(i) for i in pre.generation_config.get("eos_token_ids") or ())
+  if not eos:
+    eos = (int(pre.tokenizer.eos_token_id),)
+  return pre.cfg, pre.base, pre.tokenizer, eos
+
+
+def _random_tiny_checkpoint(name: str, seed: int) -> str:
+  """Writes a random tiny Qwen2 checkpoint + char-level tokenizer to a temp folder; returns it.
+
+  A stand-in for the embedded model while ``assets/`` does not have it: it exercises the whole
+  pipeline (load, quantize, sample, score, update) but learns nothing useful.
+  """
+  import tempfile
+  from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
+  from transformers import PreTrainedTokenizerFast
+  from qerl_jax import hf, models
+
+  if name != "tiny":
+    raise ValueError(f"model.path='random:{name}': only 'random:tiny' exists")
+  folder = tempfile.mkdtemp(prefix="qerl-random-tiny-")
+  specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+  chars = [chr(c) for c in range(32, 127)] + ["\n"]
+  vocab = {t: i for i, t in enumerate(specials + chars)}
+  tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="<|endoftext|>"))
+  tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+  tok.decoder = decoders.Fuse()
+  tok.add_special_tokens(specials)
+  template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+              "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+              "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+  fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                 pad_token="<|endoftext|>", chat_template=template)
+  fast.save_pretrained(folder)
+  hf_cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+            "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "tie_word_embeddings": True, "eos_token_id": vocab["<|im_end|>"],
+            "pad_token_id": vocab["<|endoftext|>"], "torch_dtype": "float32"}
+  cfg = models.ModelConfig.from_hf(hf_cfg)
+  base = models.init_params(cfg, jax.random.PRNGKey(seed), dtype=jnp.float32)
+  hf.save_pretrained(folder, cfg, base)
+  with open(os.path.join(folder, "config.json"), "w") as f:
+    json.dump(hf_cfg, f)
+  return folder
+
+
+def _make_generate(config, model_cfg, base, lora_scale, eos_ids, pad_id):
+  """The rollout function of :class:`Policy` over ``sampling.generate`` (one jit per bucket)."""
+  from qerl_jax import sampling
+  s = config.sampling
+
+  def generate(params, noise, prompt_tokens, prompt_mask, key, *, num_generations, greedy,
+               max_new_tokens, temperature=None):
+    temp = 0.0 if greedy else float(s.temperature if temperature is None else temperature)
+    scfg = sampling.SamplingConfig(
+        max_new_tokens=int(max_new_tokens), eos_token_ids=tuple(eos_ids), pad_id=int(pad_id),
+        temperature=temp, top_p=float(s.top_p), top_k=int(s.top_k),
+        num_generations=int(num_generations))
+    return sampling.generate(model_cfg, base, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask),
+                             key, scfg, lora=params, lora_cfg=lora_scale, norm_noise=noise)
+
+  return generate
+
+
+# ---------------------------------------------------------------------------------- data and rewards
+
+def load_examples(spec: str, task: str, tokenizer, config) -> list[Example]:
+  """Prompts of a data set as :class:`Example` (chat template, system prompt, length filter).
+
+  Args:
+    spec: a JSONL path, or ``hub:<id>[:<config>]:<split>`` (Hugging Face ``datasets``).
+    task: ``"gsm8k"`` (fields question/answer, gold after ``####``) or ``"math"``
+      (problem/answer, or the last ``\\boxed{}`` of solution).
+    tokenizer: a transformers tokenizer with a chat template.
+    config: the trainer config (``data.system_prompt``, ``data.max_prompt_length``).
+
+  Malformed rows (bad JSON, missing fields) and prompts longer than
+  ``data.max_prompt_length`` tokens are skipped and counted (printed), never fatal.
+
+  Raises:
+    FileNotFoundError: a missing JSONL file. ValueError: no usable row at all.
+  """
+  from qerl_jax import data as data_lib
+  rows, skipped = data_lib.load_rows(spec, task)
+  out, too_long = [], 0
+  for r in rows:
+    messages = data_lib.prompt_messages(r["question"], str(config.data.system_prompt or ""))
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) > int(config.data.max_prompt_length):
+      too_long += 1
+      continue
+    out.append(Example(prompt=text, prompt_ids=tuple(int(i) for i in ids), answer=str(r["answer"])))
+  if skipped or too_long:
+    print(f"data {spec}: skipped {skipped} malformed rows and {too_long} prompts longer than "
+          f"{config.data.max_prompt_length} tokens; kept {len(out)}", file=sys.stderr)
+  if not out:
+    raise ValueError(f"data {spec!r}: no usable rows ({skipped} malformed, {too_long} too long)")
+  return out
+
+
+def load_datasets(config, tokenizer) -> tuple[list[Example], list[Example]]:
+  """``(train, eval)`` examples of ``config.data`` (eval truncated to ``data.eval_size``)."""
+  train_set = load_examples(str(config.data.train), str(config.data.task), tokenizer, config)
+  eval_set = []
+  if config.data.eval:
+    eval_set = load_examples(str(config.data.eval), str(config.data.task), tokenizer, config)
+    if int(config.data.eval_size):
+      eval_set = eval_set[:int(config.data.eval_size)]
+  return train_set, eval_set
+
+
+def make_reward_fns(config, *, task: str | None = None) -> tuple[Callable, Callable]:
+  """``(correctness, training reward)`` functions ``(completions, answers) -> list[float]``.
+
+  Correctness is the task's answer check (``rewards.gsm8k_reward`` / ``rewards.math_reward``,
+  1.0 or 0.0); the training reward adds ``rl.format_reward_weight * rewards.format_reward``.
+  """
+  from qerl_jax import rewards
+  task = task or str(config.data.task)
+  correctness = {"gsm8k": rewards.gsm8k_reward, "math": rewards.math_reward}[task]
+  w = float(config.rl.format_reward_weight)
+  if w == 0:
+    return correctness, correctness
+
+  def with_format(completions, answers):
+    acc = correctness(completions, answers)
+    fmt = rewards.format_reward(completions)
+    return [a + w * f for a, f in zip(acc, fmt)]
+
+  return correctness, with_format

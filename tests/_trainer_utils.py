@@ -36,7 +36,7 @@ class ToyRollout:
 
 
 def _generate(params, noise, prompt_tokens, prompt_mask, key, *, num_generations, greedy,
-              max_new_tokens):
+              max_new_tokens, temperature=None):
   n = prompt_tokens.shape[0] * num_generations
   logits = params["logits"] + (0.0 if noise is None else noise["bias"])
   if greedy:

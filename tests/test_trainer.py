@@ -27,11 +27,7 @@ def _deterministic(rows):
 
 
 def _final_params(workdir, config, policy):
-  c = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
-  fresh = policy.init_state(jax.random.PRNGKey(0))
-  saved, meta = c.restore(None, trainer._state_to_save(fresh, 0, config.seed))
-  c.close()
-  return saved["train_state"], meta
+  return trainer.restore_train_state(config, policy, workdir)
 
 
 def _toy_run(config, workdir, **kw):
