@@ -41,6 +41,19 @@ def unpack_nibbles(packed: jax.Array) -> jax.Array:
   return codes.reshape(*packed.shape[:-2], packed.shape[-2] * 2, packed.shape[-1])
 
 
+def exact_divide(a: jax.Array, b) -> jax.Array:
+  """``a / b`` with ``b`` broadcast to ``a``'s shape, correctly rounded (IEEE division).
+
+  XLA's algebraic simplifier rewrites ``a / broadcast(b)`` (and ``a / constant``)
+  into ``a * (1 / b)``, which is off by one ulp for about a third of the inputs and
+  would break bit-exactness with the PyTorch recipes. Adding ``a * 0`` gives the
+  divisor ``a``'s shape without changing its value for finite ``a`` (a NaN/Inf in
+  ``a`` is rejected by the callers' checks), so XLA keeps a true division, fused
+  in the same loop.
+  """
+  return a / (b + a * 0)
+
+
 def decode(codes: jax.Array, codebook: np.ndarray, dtype=jnp.float32) -> jax.Array:
   """Looks codes up in a 16-entry codebook: ``codebook[codes]`` cast to ``dtype``."""
   table = jnp.asarray(codebook, dtype=jnp.float32)
@@ -58,11 +71,12 @@ def check_finite(w, name: str) -> None:
   bad = ~np.isfinite(arr)
   n_bad = int(bad.sum())
   if n_bad:
-    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    where = [tuple(int(i) for i in idx) for idx in np.argwhere(bad)[:5]]
     n_nan = int(np.isnan(arr).sum())
+    more = f" (and {n_bad - len(where)} more)" if n_bad > len(where) else ""
     raise ValueError(
         f"{name}: input of shape {arr.shape} has {n_bad} non-finite values "
-        f"({n_nan} NaN, {n_bad - n_nan} Inf); first at index {first}")
+        f"({n_nan} NaN, {n_bad - n_nan} Inf) at indices {where}{more}")
 
 
 def check_block_multiple(shape, block: int, name: str, pad: bool):

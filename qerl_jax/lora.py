@@ -91,6 +91,11 @@ class LoRAConfig:
     if not self.lora_alpha > 0:
       raise ValueError(f"LoRAConfig.lora_alpha={self.lora_alpha}; must be > 0")
 
+  @property
+  def scale(self) -> float:
+    """Same as :func:`scale` (the model's ``forward(lora_cfg=...)`` reads this)."""
+    return scale(self)
+
 
 def scale(cfg: LoRAConfig) -> float:
   """The LoRA scale: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA (PEFT's convention)."""

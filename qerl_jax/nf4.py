@@ -69,24 +69,41 @@ def _quantize_core(w: jax.Array) -> NF4Tensor:
   blocks = w.reshape(*w.shape[:-2], k // BLOCK_SIZE, BLOCK_SIZE, n)
   absmax = jnp.max(jnp.abs(blocks), axis=-2)  # [..., K/64, N]
   safe = jnp.where(absmax > 0, absmax, 1.0)
-  normed = blocks / safe[..., :, None, :]
-  # Nearest level: count the midpoints below the value (ties go up, as in bitsandbytes).
-  codes = jnp.sum(normed[..., None] >= jnp.asarray(_MIDPOINTS), axis=-1).astype(jnp.uint8)
-  return NF4Tensor(_packing.pack_nibbles(codes.reshape(w.shape)), absmax, (k, n))
+  normed = _packing.exact_divide(blocks, safe[..., :, None, :])
+  # Nearest level: count the midpoints strictly below the value, so a value exactly
+  # on a midpoint takes the lower level (bitsandbytes' dQuantizeNF4 tests `x > midpoint`).
+  codes = jnp.sum(normed[..., None] > jnp.asarray(_MIDPOINTS), axis=-1).astype(jnp.uint8)
+  finite = jnp.all(jnp.isfinite(absmax))  # NaN/Inf anywhere in w reach the block absmax
+  return NF4Tensor(_packing.pack_nibbles(codes.reshape(w.shape)), absmax, (k, n)), finite
 
 
 def quantize(w, *, pad: bool = False) -> NF4Tensor:
   """Quantizes ``w`` ``[..., K, N]`` to NF4 (blocks of 64 along K, float32 absmax).
 
+  Each value becomes the index of the nearest NormalFloat level to ``w / absmax``
+  (a value exactly between two levels takes the lower one). An all-zero block
+  keeps absmax 0 and dequantizes to exact zeros.
+
+  Args:
+    w: float array ``[..., K, N]`` (computed in float32).
+    pad: zero-pad K up to a multiple of 64 instead of raising.
+
+  Returns:
+    :class:`NF4Tensor` of logical shape ``(K, N)``.
+
   Raises:
-    ValueError: K not a multiple of 64 (unless ``pad``), or NaN/Inf in a concrete ``w``.
+    ValueError: K not a multiple of 64 (unless ``pad``), a rank below 2, or
+      NaN/Inf in a concrete ``w`` (how many and where). Works under ``jax.jit``
+      (the value check is then skipped).
   """
   n_pad = _packing.check_block_multiple(tuple(w.shape), BLOCK_SIZE, "nf4.quantize", pad)
-  _packing.check_finite(w, "nf4.quantize")
   w = jnp.asarray(w)
   if n_pad:
     w = jnp.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, n_pad), (0, 0)])
-  return _quantize_core(w)
+  t, finite = _quantize_core(w)
+  if not isinstance(finite, jax.core.Tracer) and not bool(finite):
+    _packing.check_finite(w, "nf4.quantize")  # raises with the count and location
+  return t
 
 
 def dequantize(t: NF4Tensor, dtype=jnp.float32) -> jax.Array:

@@ -109,32 +109,49 @@ def round_to_e2m1(x: jax.Array) -> jax.Array:
   return code | sign
 
 
-def compute_global_scale(w: jax.Array) -> jax.Array:
-  """``448 * 6 / amax(|w|)`` over the trailing ``[K, N]`` axes, float32 ``[...]``.
-
-  An all-zero matrix gets 1.0 (any value gives exact zeros); a result that
-  overflows float32 saturates to float32 max.
-  """
-  amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(-2, -1))
+def _global_scale_from_amax(amax: jax.Array) -> jax.Array:
   gs = jnp.float32(E4M3_MAX * E2M1_MAX) / jnp.where(amax > 0, amax, 1.0)
   gs = jnp.where(amax > 0, gs, 1.0)
   return jnp.minimum(gs, jnp.finfo(jnp.float32).max).astype(jnp.float32)
 
 
 @jax.jit
-def _quantize_core(w: jax.Array, global_scale: jax.Array) -> NVFP4Tensor:
+def compute_global_scale(w: jax.Array) -> jax.Array:
+  """The NVFP4 global scale ``448 * 6 / amax(|w|)`` over the trailing ``[K, N]`` axes.
+
+  Args:
+    w: float array ``[..., K, N]`` (computed in float32).
+
+  Returns:
+    float32 ``[...]``, a divisor (compressed-tensors ``generate_gparam``). An
+    all-zero matrix gets 1.0 (any value gives exact zeros); a result that
+    overflows float32 saturates to float32 max.
+  """
+  amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(-2, -1))
+  return _global_scale_from_amax(amax)
+
+
+@jax.jit
+def _quantize_core(w: jax.Array, global_scale) -> tuple[NVFP4Tensor, jax.Array]:
+  """The jit-able recipe, one pass over ``w``; returns the tensor and an all-finite flag."""
   k, n = w.shape[-2:]
   w = w.astype(jnp.float32)
-  gs = global_scale.astype(jnp.float32)
   blocks = w.reshape(*w.shape[:-2], k // BLOCK_SIZE, BLOCK_SIZE, n)
   amax_block = jnp.max(jnp.abs(blocks), axis=-2)  # [..., K/16, N]
+  amax = jnp.max(amax_block, axis=(-2, -1))  # [...], NaN/Inf when w has any
+  finite = jnp.all(jnp.isfinite(amax))
+  gs = _global_scale_from_amax(amax) if global_scale is None else global_scale.astype(jnp.float32)
   gs_b = gs[..., None, None]
-  s = jnp.clip(gs_b * amax_block / E2M1_MAX, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+  # compressed-tensors calculate_qparams: global_scale * (amax_block / 6), clamp, cast to E4M3.
+  # (Divisions go through exact_divide: XLA would otherwise turn them into reciprocal
+  # multiplies that are one ulp off.)
+  s = jnp.clip(gs_b * _packing.exact_divide(amax_block, E2M1_MAX), -E4M3_MAX, E4M3_MAX)
+  s = s.astype(jnp.float8_e4m3fn)
   s = jnp.where(s.astype(jnp.float32) == 0, jnp.float8_e4m3fn(ZERO_BLOCK_SCALE), s)
-  scale = s.astype(jnp.float32) / gs_b  # [..., K/16, N]
-  scaled = jnp.clip(blocks / scale[..., :, None, :], -E2M1_MAX, E2M1_MAX)
+  scale = _packing.exact_divide(s.astype(jnp.float32), gs_b)  # [..., K/16, N]
+  scaled = jnp.clip(_packing.exact_divide(blocks, scale[..., :, None, :]), -E2M1_MAX, E2M1_MAX)
   codes = round_to_e2m1(scaled).reshape(w.shape)
-  return NVFP4Tensor(_packing.pack_nibbles(codes), s, gs, (k, n))
+  return NVFP4Tensor(_packing.pack_nibbles(codes), s, gs, (k, n)), finite
 
 
 def quantize(w, *, global_scale=None, pad: bool = False) -> NVFP4Tensor:
@@ -142,9 +159,10 @@ def quantize(w, *, global_scale=None, pad: bool = False) -> NVFP4Tensor:
 
   Args:
     w: float array ``[..., K, N]`` (any float dtype; computed in float32).
-    global_scale: optional float32 divisor ``[...]`` to use instead of
-      ``448 * 6 / amax(|w|)``; fused projections (q/k/v, gate/up) share one,
-      the smallest of the group, as vLLM requires.
+      Leading dims (stacked layers) each get their own global scale.
+    global_scale: optional float32 divisor, a scalar or ``[...]``, to use
+      instead of ``448 * 6 / amax(|w|)``; fused projections (q/k/v, gate/up)
+      share one, the smallest of the group, as vLLM requires.
     pad: zero-pad K up to a multiple of 16 instead of raising. The padded rows
       are part of the stored tensor (``shape[0]`` is the padded K).
 
@@ -153,18 +171,18 @@ def quantize(w, *, global_scale=None, pad: bool = False) -> NVFP4Tensor:
 
   Raises:
     ValueError: K not a multiple of 16 (and ``pad`` is False), a rank below 2,
-      or NaN/Inf in a concrete ``w`` (the message says how many and where).
-      Traced inputs (inside ``jit``) are not checked for NaN/Inf.
+      a global scale that is not finite and > 0, or NaN/Inf in a concrete ``w``
+      (the message says how many and where). Traced inputs (inside ``jit``) are
+      not checked for NaN/Inf.
+
+  Works under ``jax.jit`` (the checks on values are then skipped).
   """
   shape = tuple(w.shape)
   n_pad = _packing.check_block_multiple(shape, BLOCK_SIZE, "nvfp4.quantize", pad)
-  _packing.check_finite(w, "nvfp4.quantize")
   w = jnp.asarray(w)
   if n_pad:
     w = jnp.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, n_pad), (0, 0)])
-  if global_scale is None:
-    global_scale = compute_global_scale(w)
-  else:
+  if global_scale is not None:
     global_scale = jnp.asarray(global_scale, jnp.float32)
     if not isinstance(global_scale, jax.core.Tracer):
       gs_np = np.asarray(global_scale)
@@ -172,7 +190,10 @@ def quantize(w, *, global_scale=None, pad: bool = False) -> NVFP4Tensor:
         raise ValueError(f"nvfp4.quantize: global_scale must be finite and > 0, got {gs_np}")
     global_scale = jnp.broadcast_to(global_scale.reshape(global_scale.shape[:w.ndim - 2]),
                                     w.shape[:-2])
-  return _quantize_core(w, global_scale)
+  t, finite = _quantize_core(w, global_scale)
+  if not isinstance(finite, jax.core.Tracer) and not bool(finite):
+    _packing.check_finite(w, "nvfp4.quantize")  # raises with the count and location
+  return t
 
 
 def dequantize(t: NVFP4Tensor, dtype=jnp.float32) -> jax.Array:
@@ -190,7 +211,8 @@ def dequantize(t: NVFP4Tensor, dtype=jnp.float32) -> jax.Array:
   k, n = t.shape
   codes = _packing.unpack_nibbles(t.packed)
   values = _packing.decode(codes, E2M1_CODEBOOK)  # [..., K, N] f32
-  scale = t.block_scale.astype(jnp.float32) / t.global_scale.astype(jnp.float32)[..., None, None]
+  scale = _packing.exact_divide(t.block_scale.astype(jnp.float32),
+                                t.global_scale.astype(jnp.float32)[..., None, None])
   lead = values.shape[:-2]
   out = values.reshape(*lead, k // BLOCK_SIZE, BLOCK_SIZE, n) * scale[..., :, None, :]
   return out.reshape(*lead, k, n).astype(dtype)

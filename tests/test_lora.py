@@ -1,0 +1,286 @@
+"""Tests for qerl_jax.lora: scale, init, the adapter math, merging, PEFT I/O."""
+
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qerl_jax import lora as L
+from qerl_jax import nvfp4
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyCfg:
+  """Stand-in for the model's ModelConfig (only the fields LoRA reads)."""
+  num_layers: int = 2
+  hidden_size: int = 32
+  intermediate_size: int = 48
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 8
+
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _random_lora(key, cfg, lora_cfg, base=None):
+  """An adapter with non-zero B, so tests see the adapter's effect."""
+  t = L.init_lora(key, cfg, lora_cfg, base)
+  leaves, treedef = jax.tree_util.tree_flatten(t)
+  keys = jax.random.split(jax.random.fold_in(key, 99), len(leaves))
+  leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+# ------------------------------------------------------------------ config ---
+
+def test_scale_plain_and_rslora():
+  assert L.scale(L.LoRAConfig(r=16, lora_alpha=16)) == 1.0
+  assert L.scale(L.LoRAConfig(r=16, lora_alpha=16, use_rslora=True)) == 4.0
+  assert L.scale(L.LoRAConfig(r=8, lora_alpha=32)) == 4.0
+  assert L.scale(L.LoRAConfig(r=8, lora_alpha=32, use_rslora=True)) == pytest.approx(32 / math.sqrt(8))
+
+
+def test_config_validation_and_canonical_order():
+  c = L.LoRAConfig(target_modules=["down", "q"])
+  assert c.target_modules == ("q", "down")
+  hash(c)  # usable as a jit static argument
+  with pytest.raises(ValueError, match="q_proj"):
+    L.LoRAConfig(target_modules=("q_proj",))
+  with pytest.raises(TypeError, match="string"):
+    L.LoRAConfig(target_modules="q")
+  with pytest.raises(ValueError, match="r=0"):
+    L.LoRAConfig(r=0)
+
+
+# -------------------------------------------------------------------- init ---
+
+def test_init_shapes_subset_and_zero_b():
+  cfg = TinyCfg()
+  t = L.init_lora(jax.random.key(0), cfg, L.LoRAConfig(r=4, target_modules=("q", "v", "down")))
+  shapes = jax.tree_util.tree_map(lambda x: x.shape, t)
+  assert shapes == {"layers": {"attn": {"q": {"a": (2, 32, 4), "b": (2, 4, 32)},
+                                        "v": {"a": (2, 32, 4), "b": (2, 4, 16)}},
+                               "mlp": {"down": {"a": (2, 48, 4), "b": (2, 4, 32)}}}}
+  for leaf_path, x in jax.tree_util.tree_leaves_with_path(t):
+    assert x.dtype == jnp.float32
+    if leaf_path[-1].key == "b":
+      assert not np.any(np.asarray(x))
+  # Module draws do not depend on which other modules are targeted.
+  t_all = L.init_lora(jax.random.key(0), cfg, L.LoRAConfig(r=4))
+  np.testing.assert_array_equal(np.asarray(t["layers"]["attn"]["v"]["a"]),
+                                np.asarray(t_all["layers"]["attn"]["v"]["a"]))
+  assert not np.array_equal(np.asarray(t_all["layers"]["attn"]["q"]["a"][0]),
+                            np.asarray(t_all["layers"]["attn"]["q"]["a"][1]))
+
+
+def test_init_a_matches_torch_kaiming_uniform():
+  torch = pytest.importorskip("torch")
+  k_in, r = 512, 64
+  cfg = TinyCfg(num_layers=1, hidden_size=k_in, num_heads=8, head_dim=64)
+  a = np.asarray(L.init_lora(jax.random.key(1), cfg, L.LoRAConfig(r=r, target_modules=("q",)))
+                 ["layers"]["attn"]["q"]["a"][0], np.float64)
+  # What PEFT does for its [r, K] lora_A.weight.
+  ref = torch.empty(r, k_in, dtype=torch.float64)
+  torch.manual_seed(0)
+  torch.nn.init.kaiming_uniform_(ref, a=math.sqrt(5))
+  ref = ref.numpy().T
+  bound = 1 / math.sqrt(k_in)
+  assert np.abs(a).max() <= bound
+  assert np.abs(a).max() > 0.99 * bound and np.abs(ref).max() > 0.99 * bound
+  assert np.abs(ref).max() <= bound * (1 + 1e-12)
+  assert a.std() == pytest.approx(ref.std(), rel=0.02)  # both ~ bound / sqrt(3)
+  assert a.std() == pytest.approx(bound / math.sqrt(3), rel=0.02)
+
+
+def test_init_train_norms_copies_base_norms():
+  cfg = TinyCfg()
+  base_layers = {"input_norm": 1 + 0.1 * jnp.arange(64, dtype=jnp.float32).reshape(2, 32),
+                 "post_attn_norm": jnp.full((2, 32), 0.5, jnp.bfloat16)}
+  c = L.LoRAConfig(r=2, target_modules=("q",), train_norms=True)
+  t = L.init_lora(jax.random.key(0), cfg, c, {"layers": base_layers})
+  np.testing.assert_array_equal(np.asarray(t["layers"]["input_norm"]), np.asarray(base_layers["input_norm"]))
+  assert t["layers"]["post_attn_norm"].dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(t["layers"]["post_attn_norm"]), 0.5)
+  with pytest.raises(ValueError, match="train_norms"):
+    L.init_lora(jax.random.key(0), cfg, c)
+
+
+# -------------------------------------------------------------------- math ---
+
+@pytest.mark.parametrize("use_rslora,want_scale", [(False, 1.0), (True, 4.0)])
+def test_hand_example_r16_alpha16_a_b_point_one(use_rslora, want_scale):
+  """x @ W + scale * x @ A @ B with A = B = 0.1, against float64 numpy."""
+  rng = np.random.default_rng(0)
+  k_in, n_out, r = 24, 8, 16
+  x = rng.standard_normal((3, k_in)).astype(np.float32)
+  w = (0.1 * rng.standard_normal((k_in, n_out))).astype(np.float32)
+  a = np.full((k_in, r), 0.1, np.float32)
+  b = np.full((r, n_out), 0.1, np.float32)
+  c = L.LoRAConfig(r=16, lora_alpha=16, use_rslora=use_rslora, target_modules=("q",))
+  s = L.scale(c)
+  assert s == want_scale
+
+  x64, w64, a64, b64 = (v.astype(np.float64) for v in (x, w, a, b))
+  want = x64 @ w64 + want_scale * (x64 @ a64) @ b64
+  # Hand check of the structure: every column of (x @ A) @ B equals r * 0.1 * 0.1 * sum(x)
+  # (0.1 as stored in float32).
+  p1 = float(np.float32(0.1))
+  np.testing.assert_allclose((x64 @ a64) @ b64, np.repeat(16 * p1 * p1 * x64.sum(1, keepdims=True), n_out, 1),
+                             rtol=1e-12)
+
+  y = jnp.dot(x, w, precision=HIGHEST) + L.lora_delta(x, a, b, scale=s, compute_dtype=jnp.float32)
+  np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+
+  # Default bf16 operands with float32 accumulation: within bf16 rounding.
+  y16 = jnp.dot(x, w, precision=HIGHEST) + L.lora_delta(x, a, b, scale=s)
+  np.testing.assert_allclose(np.asarray(y16), want, rtol=2e-2, atol=2e-2 * want_scale)
+
+  # Merging into a float32 base gives the same output to 1e-6.
+  base = {"layers": {"attn": {"q": jnp.asarray(w)[None]}}}
+  tree = {"layers": {"attn": {"q": {"a": jnp.asarray(a)[None], "b": jnp.asarray(b)[None]}}}}
+  merged = L.merge(base, tree, c)["layers"]["attn"]["q"][0]
+  assert merged.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(merged), w64 + want_scale * a64 @ b64, rtol=0, atol=1e-6)
+  y_merged = jnp.dot(x, merged, precision=HIGHEST)
+  np.testing.assert_allclose(np.asarray(y_merged), np.asarray(y), rtol=0, atol=1e-6 * max(1.0, want_scale))
+  np.testing.assert_allclose(np.asarray(y_merged), want, rtol=1e-6, atol=1e-6 * max(1.0, want_scale))
+
+
+def test_fresh_adapter_delta_is_exactly_zero():
+  cfg = TinyCfg()
+  c = L.LoRAConfig(r=4)
+  t = L.init_lora(jax.random.key(0), cfg, c)
+  x = jax.random.normal(jax.random.key(1), (2, 5, 32), jnp.bfloat16)
+  ab = t["layers"]["attn"]["q"]
+  d = L.lora_delta(x, ab["a"][0], ab["b"][0], scale=L.scale(c))
+  assert d.shape == (2, 5, 32) and d.dtype == jnp.float32
+  assert not np.any(np.asarray(d))
+  with pytest.raises(ValueError, match="lora_delta"):
+    L.lora_delta(x, ab["a"][0].T, ab["b"][0], scale=1.0)
+
+
+def test_merge_bf16_and_nvfp4_and_norms():
+  cfg = TinyCfg()
+  rng = np.random.default_rng(0)
+  w_q = jnp.asarray(rng.standard_normal((2, 32, 32)) * 0.05, jnp.bfloat16)
+  w_up = nvfp4.quantize(jnp.asarray(rng.standard_normal((2, 32, 48)) * 0.05, jnp.float32))
+  base = {"embed": jnp.zeros((4, 32), jnp.bfloat16),
+          "layers": {"input_norm": jnp.ones((2, 32), jnp.bfloat16),
+                     "post_attn_norm": jnp.ones((2, 32), jnp.bfloat16),
+                     "attn": {"q": w_q, "k": jnp.zeros((2, 32, 16), jnp.bfloat16)},
+                     "mlp": {"up": w_up}}}
+  c = L.LoRAConfig(r=4, lora_alpha=8, target_modules=("q", "up"), train_norms=True)
+  t = _random_lora(jax.random.key(2), cfg, c, base)
+  with pytest.raises(TypeError, match="dequantize_4bit"):
+    L.merge(base, t, c)
+  m = L.merge(base, t, c, dequantize_4bit=True)
+  a, b = (np.asarray(t["layers"]["mlp"]["up"][n], np.float64) for n in "ab")
+  want_up = np.asarray(nvfp4.dequantize(w_up, jnp.float32), np.float64) + 2.0 * a @ b
+  assert m["layers"]["mlp"]["up"].dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(m["layers"]["mlp"]["up"], np.float64), want_up, rtol=2 ** -8, atol=1e-6)
+  a, b = (np.asarray(t["layers"]["attn"]["q"][n], np.float64) for n in "ab")
+  want_q = np.asarray(w_q, np.float64) + 2.0 * a @ b
+  assert m["layers"]["attn"]["q"].dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(m["layers"]["attn"]["q"], np.float64), want_q, rtol=2 ** -8, atol=1e-6)
+  assert m["layers"]["attn"]["k"] is base["layers"]["attn"]["k"]  # untargeted: shared
+  assert m["layers"]["input_norm"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(m["layers"]["input_norm"]),
+                                np.asarray(t["layers"]["input_norm"].astype(jnp.bfloat16)))
+  assert base["layers"]["attn"]["q"] is w_q  # input not mutated
+
+
+# -------------------------------------------------------------------- PEFT ---
+
+def _tiny_hf_qwen2(seed=0):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  torch.manual_seed(seed)
+  hf_cfg = transformers.Qwen2Config(
+      vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+      tie_word_embeddings=True)
+  return transformers.Qwen2ForCausalLM(hf_cfg).float().eval()
+
+
+@pytest.mark.parametrize("use_rslora,train_norms", [(False, False), (True, True)])
+def test_peft_export_loads_in_peft_with_our_weights(tmp_path, use_rslora, train_norms):
+  torch = pytest.importorskip("torch")
+  peft = pytest.importorskip("peft")
+  hf = _tiny_hf_qwen2()
+  cfg = TinyCfg()
+  c = L.LoRAConfig(r=4, lora_alpha=8, use_rslora=use_rslora,
+                   target_modules=("q", "k", "o", "up", "down"), train_norms=train_norms)
+  base = {"layers": {"input_norm": jnp.ones((2, 32)), "post_attn_norm": jnp.ones((2, 32))}}
+  t = _random_lora(jax.random.key(5), cfg, c, base)
+  L.save_peft_adapter(str(tmp_path), t, cfg, c, "tiny-qwen2")
+  conf = json.loads((tmp_path / "adapter_config.json").read_text())
+  assert conf["r"] == 4 and conf["lora_alpha"] == 8 and conf["use_rslora"] is use_rslora
+  assert sorted(conf["target_modules"]) == sorted(["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"])
+
+  pm = peft.PeftModel.from_pretrained(hf, str(tmp_path))
+  layer = pm.base_model.model.model.layers[1]
+  for ours, mod in (("q", layer.self_attn.q_proj), ("down", layer.mlp.down_proj)):
+    grp = "attn" if ours == "q" else "mlp"
+    ab = t["layers"][grp][ours]
+    np.testing.assert_array_equal(mod.lora_A["default"].weight.detach().numpy(), np.asarray(ab["a"][1]).T)
+    np.testing.assert_array_equal(mod.lora_B["default"].weight.detach().numpy(), np.asarray(ab["b"][1]).T)
+    assert mod.scaling["default"] == pytest.approx(L.scale(c))
+    # PEFT's LoRA linear minus its base equals our delta (float32 operands).
+    x = np.random.default_rng(1).standard_normal((3, ab["a"].shape[1])).astype(np.float32)
+    with torch.no_grad():
+      tx = torch.from_numpy(x)
+      peft_delta = (mod(tx) - mod.base_layer(tx)).numpy()
+    ours_delta = L.lora_delta(x, ab["a"][1], ab["b"][1], scale=L.scale(c), compute_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(ours_delta), peft_delta, rtol=1e-5, atol=1e-6)
+  assert not hasattr(layer.self_attn.v_proj, "lora_A")
+  if train_norms:
+    got = layer.input_layernorm.modules_to_save["default"].weight.detach().numpy()
+    np.testing.assert_array_equal(got, np.asarray(t["layers"]["input_norm"][1]))
+
+  # And back.
+  t2, c2 = L.load_peft_adapter(str(tmp_path))
+  assert c2 == c
+  jax.tree_util.tree_map(lambda u, v: np.testing.assert_array_equal(np.asarray(u), np.asarray(v)), t, t2)
+
+
+def test_load_adapter_written_by_peft(tmp_path):
+  torch = pytest.importorskip("torch")
+  peft = pytest.importorskip("peft")
+  hf = _tiny_hf_qwen2()
+  pc = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["v_proj", "gate_proj"])
+  pm = peft.get_peft_model(hf, pc)
+  with torch.no_grad():
+    for name, p in pm.named_parameters():
+      if "lora_B" in name:
+        p.normal_()
+  pm.save_pretrained(str(tmp_path))
+  t, c = L.load_peft_adapter(str(tmp_path))
+  assert c == L.LoRAConfig(r=4, lora_alpha=16, target_modules=("v", "gate"))
+  assert L.scale(c) == 4.0
+  gate = pm.base_model.model.model.layers[0].mlp.gate_proj
+  np.testing.assert_array_equal(np.asarray(t["layers"]["mlp"]["gate"]["a"][0]),
+                                gate.lora_A["default"].weight.detach().numpy().T)
+  np.testing.assert_array_equal(np.asarray(t["layers"]["mlp"]["gate"]["b"][0]),
+                                gate.lora_B["default"].weight.detach().numpy().T)
+  assert t["layers"]["attn"]["v"]["a"].shape == (2, 32, 4)
+  assert t["layers"]["attn"]["v"]["b"].shape == (2, 4, 16)
+
+
+def test_load_rejects_unsupported(tmp_path):
+  cfg = TinyCfg()
+  c = L.LoRAConfig(r=2, target_modules=("q",))
+  L.save_peft_adapter(str(tmp_path), L.init_lora(jax.random.key(0), cfg, c), cfg, c, "x")
+  conf = json.loads((tmp_path / "adapter_config.json").read_text())
+  conf["use_dora"] = True
+  (tmp_path / "adapter_config.json").write_text(json.dumps(conf))
+  with pytest.raises(ValueError, match="use_dora"):
+    L.load_peft_adapter(str(tmp_path))
+  with pytest.raises(FileNotFoundError):
+    L.load_peft_adapter(str(tmp_path / "missing"))
+  with pytest.raises(ValueError, match="lacks targeted module"):
+    L.save_peft_adapter(str(tmp_path), {"layers": {}}, cfg, c, "x")
