@@ -42,17 +42,19 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 0, "Completion budget (0: the 
 _BATCH = flags.DEFINE_integer("batch_size", 0, "Prompts per generate call (0: config.train.eval_batch_size).")
 _OUT = flags.DEFINE_string("out", None, "Folder for eval_<step>.json (default: --workdir or cwd).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the pass@k sampling.")
+_MAX_PROMPT = flags.DEFINE_integer("max_prompt_length", 1024, "Prompts longer than this (tokens) are skipped and counted.")
 flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
   del argv
   import jax
-  import numpy as np
   from qerl_jax import metrics as metrics_lib
   from qerl_jax import trainer
 
   config = _CONFIG.value
+  with config.unlocked():
+    config.data.max_prompt_length = _MAX_PROMPT.value
   bad = [b for b in _BENCH.value if b not in BENCHMARKS]
   if bad:
     raise app.UsageError(f"unknown benchmark(s) {bad}; choose from {list(BENCHMARKS)}")
@@ -75,8 +77,9 @@ def main(argv):
       examples = examples[:_LIMIT.value]
     correctness = trainer.make_reward_fns(config, task=task)[0]
     res = {"num_prompts": len(examples)}
+    plen = max(len(e.prompt_ids) for e in examples)  # one compiled shape per benchmark
     greedy = trainer.evaluate(policy, params, examples, correctness, batch_size=batch,
-                              max_new_tokens=max_new)
+                              max_new_tokens=max_new, prompt_length=plen)
     res["pass@1_greedy"] = greedy["accuracy"]
     res["mean_length_greedy"] = greedy["mean_length"]
     rows.append((f"{name} pass@1 (greedy)", greedy["accuracy"]))
@@ -85,7 +88,7 @@ def main(argv):
       sampled = trainer.evaluate(policy, params, examples, correctness, batch_size=batch,
                                  max_new_tokens=max_new, num_samples=k,
                                  temperature=_TEMPERATURE.value,
-                                 key=jax.random.PRNGKey(_SEED.value))
+                                 key=jax.random.PRNGKey(_SEED.value), prompt_length=plen)
       res[f"pass@{k}"] = sampled["accuracy"]
       res[f"mean@{k}"] = sampled["sample_accuracy"]
       rows.append((f"{name} pass@{k} (T={_TEMPERATURE.value})", sampled["accuracy"]))

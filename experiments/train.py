@@ -32,7 +32,10 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
+  from absl import logging
   from qerl_jax import train_config, trainer
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   try:
     config = _CONFIG.value
     train_config.validate(config)

@@ -106,13 +106,22 @@ class Example:
   answer: str
 
 
-def left_pad(examples: Sequence[Example], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-  """Left-pads the examples' prompt ids to the longest one.
+def left_pad(examples: Sequence[Example], pad_id: int, *, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """Left-pads the examples' prompt ids to ``length`` (default: the longest prompt).
+
+  The trainer pads every batch to ``data.max_prompt_length`` so that the jitted rollout and
+  update each compile once per run, not once per prompt length.
 
   Returns:
     ``(prompt_tokens int32 [B, P], prompt_mask int32 [B, P])``, 1 on real tokens.
+
+  Raises:
+    ValueError: a prompt longer than ``length``.
   """
-  p = max(len(e.prompt_ids) for e in examples)
+  longest = max(len(e.prompt_ids) for e in examples)
+  p = longest if length is None else int(length)
+  if longest > p:
+    raise ValueError(f"a prompt has {longest} tokens, more than the padded length {p}")
   tokens = np.full((len(examples), p), int(pad_id), np.int32)
   mask = np.zeros((len(examples), p), np.int32)
   for i, e in enumerate(examples):
@@ -197,6 +206,7 @@ def _update_batch(prompt_tokens, prompt_mask, rollout, advantages) -> dict:
       "prompt_mask": jnp.asarray(np.repeat(prompt_mask, g, axis=0)),
       "completion_tokens": rollout.tokens,
       "completion_mask": rollout.mask,
+      "completion_attn_mask": rollout.mask,  # the forward's copy (the loss consumes completion_mask)
       "old_logprobs": rollout.policy_logprobs,
       "truncated": rollout.truncated,
       "advantages": jnp.asarray(advantages, jnp.float32),
@@ -207,7 +217,8 @@ def _update_batch(prompt_tokens, prompt_mask, rollout, advantages) -> dict:
 
 def evaluate(policy: Policy, params: Any, examples: Sequence[Example], reward_fn, *,
              batch_size: int, max_new_tokens: int, key: jax.Array | None = None,
-             num_samples: int = 1, temperature: float | None = None, noise: Any = None) -> dict:
+             num_samples: int = 1, temperature: float | None = None, noise: Any = None,
+             prompt_length: int | None = None) -> dict:
   """Accuracy on ``examples``: pass@1 greedy (``num_samples=1``) or pass@k sampled.
 
   Greedy decoding (temperature 0) is used when ``num_samples == 1``; otherwise
@@ -233,7 +244,7 @@ def evaluate(policy: Policy, params: Any, examples: Sequence[Example], reward_fn
     chunk = list(examples[start:start + batch_size])
     n_real = len(chunk)
     chunk = chunk + [chunk[-1]] * (batch_size - n_real)  # one compiled shape
-    pt, pm = left_pad(chunk, policy.pad_id)
+    pt, pm = left_pad(chunk, policy.pad_id, length=prompt_length)
     k = jax.random.fold_in(key if key is not None else jax.random.PRNGKey(0), start)
     ro = policy.generate(params, noise, pt, pm, k, num_generations=num_samples, greedy=greedy,
                          max_new_tokens=max_new_tokens, temperature=temperature)
@@ -316,7 +327,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
 
   def run_eval(step: int) -> float:
     ev = evaluate(policy, state.params, eval_set, correctness_fn,
-                  batch_size=int(config.train.eval_batch_size), max_new_tokens=eval_max_new)
+                  batch_size=int(config.train.eval_batch_size), max_new_tokens=eval_max_new,
+                  prompt_length=int(config.data.max_prompt_length))
     logger.write(step, {"eval/accuracy": ev["accuracy"], "eval/mean_length": ev["mean_length"]})
     return ev["accuracy"]
 
@@ -336,7 +348,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     # 1. the step's prompts, from the seeded order of the training set
     rows, epoch, position = batch_indices(seed, step, prompts_per_step, len(train_set))
     batch = [train_set[i] for i in rows]
-    prompt_tokens, prompt_mask = left_pad(batch, policy.pad_id)
+    prompt_tokens, prompt_mask = left_pad(batch, policy.pad_id, length=int(config.data.max_prompt_length))
     # 2. that step's AQN noise on the RMSNorm scales
     noise = policy.noise(step)
     # 3. G completions per prompt (rollout)
@@ -567,7 +579,7 @@ def load_policy(config: ml_collections.ConfigDict) -> Policy:
   def logprob_fn(params, mb):
     sh = mb["shared"]
     return completion_logprobs(params, sh["base"], sh.get("noise"), mb["prompt_tokens"],
-                               mb["prompt_mask"], mb["completion_tokens"], mb["completion_mask"])
+                               mb["prompt_mask"], mb["completion_tokens"], mb["completion_attn_mask"])
 
   update_step = update.make_update_step(logprob_fn, upd_cfg, optimizer=optimizer)
 

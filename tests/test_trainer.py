@@ -75,6 +75,10 @@ def test_left_pad():
   t, m = trainer.left_pad(ex, 0)
   np.testing.assert_array_equal(t, [[5, 6], [0, 7]])
   np.testing.assert_array_equal(m, [[1, 1], [0, 1]])
+  t, m = trainer.left_pad(ex, 0, length=4)
+  np.testing.assert_array_equal(t, [[0, 0, 5, 6], [0, 0, 0, 7]])
+  with pytest.raises(ValueError, match="more than the padded length 1"):
+    trainer.left_pad(ex, 0, length=1)
 
 
 # ------------------------------------------------------------------------------ config validation
