@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from pallas_kernels import w4_triton
 from qerl_jax import nf4, nvfp4
+
+BACKENDS = ("auto", "reference", "pallas", "interpret")
 
 
 def _dequantize(w, dtype):
@@ -38,19 +44,81 @@ def reference_matmul(x: jax.Array, w, *, out_dtype=None) -> jax.Array:
   return jnp.dot(x, w_deq, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
+def _zero_cotangent(a):
+  if jnp.issubdtype(a.dtype, jnp.inexact):
+    return jnp.zeros(a.shape, a.dtype)
+  return np.zeros(a.shape, jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _kernel_matmul(x2d, w, out_dtype, interpret):
+  return w4_triton.forward(x2d, w, out_dtype=out_dtype, interpret=interpret)
+
+
+def _kernel_matmul_fwd(x2d, w, out_dtype, interpret):
+  return _kernel_matmul(x2d, w, out_dtype, interpret), w
+
+
+def _kernel_matmul_bwd(out_dtype, interpret, w, dy):
+  del out_dtype
+  dx = w4_triton.dx(dy.astype(jnp.bfloat16) if dy.dtype == jnp.float32 else dy, w,
+                    out_dtype=jnp.bfloat16, interpret=interpret)
+  # W is frozen: its cotangent is zero (float0 for the integer codes).
+  return dx, jax.tree.map(_zero_cotangent, w)
+
+
+_kernel_matmul.defvjp(_kernel_matmul_fwd, _kernel_matmul_bwd)
+
+
+def _on_gpu() -> bool:
+  return jax.default_backend() in ("gpu", "cuda")
+
+
+def _kernel_applies(x, w) -> bool:
+  return (isinstance(w, (nvfp4.NVFP4Tensor, nf4.NF4Tensor)) and w.packed.ndim == 2
+          and x.dtype == jnp.bfloat16)
+
+
 def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto") -> jax.Array:
   """``x @ W`` for a 4-bit ``W``; the one entry point the model calls.
 
+  Differentiable in ``x`` (``jax.custom_vjp`` on the kernel path: the backward
+  ``dx = dy @ W^T`` is a fused kernel too); ``W`` is frozen and gets a zero
+  cotangent.
+
   Args:
     x: ``[..., K]`` bf16 (or float32) activations.
-    w: NVFP4Tensor or NF4Tensor, logical ``[K, N]``.
+    w: NVFP4Tensor or NF4Tensor, logical ``[K, N]`` (no leading dims on the
+      kernel path; stacked weights go through the reference).
     out_dtype: output dtype (default ``x.dtype``); accumulation is float32.
-    backend: ``"auto"`` (kernel on GPU when one wins for this shape, else
-      reference), ``"reference"``.
+    backend: ``"auto"`` (the fused Pallas kernel on a GPU for bf16 ``x``, else
+      the reference), ``"reference"`` (XLA dequantize-then-dot), ``"pallas"``
+      (the fused kernel, Pallas Triton lowering; GPU only), ``"interpret"``
+      (the same kernel in Pallas interpret mode: slow, for CPU tests).
 
   Returns:
-    ``[..., N]``.
+    ``[..., N]`` in ``out_dtype``.
+
+  Raises:
+    ValueError: unknown backend, K mismatch, or a forced kernel backend with
+      an input it does not take (non-bf16 ``x``, stacked ``w``).
+    TypeError: unsupported weight type.
   """
-  if backend not in ("auto", "reference"):
-    raise ValueError(f"unknown backend {backend!r}; expected 'auto' or 'reference'")
-  return reference_matmul(x, w, out_dtype=out_dtype)
+  if backend not in BACKENDS:
+    raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+  if not isinstance(w, (nvfp4.NVFP4Tensor, nf4.NF4Tensor)):
+    raise TypeError(f"expected an NVFP4Tensor or NF4Tensor, got {type(w).__name__}")
+  k, n = w.shape
+  if x.shape[-1] != k:
+    raise ValueError(f"quantized_matmul: x has K={x.shape[-1]} (shape {x.shape}) but the weight is [{k}, {n}]")
+  if backend == "auto":
+    backend = "pallas" if (_on_gpu() and _kernel_applies(x, w)) else "reference"
+  if backend == "reference":
+    return reference_matmul(x, w, out_dtype=out_dtype)
+  if not _kernel_applies(x, w):
+    raise ValueError(f"backend {backend!r} needs bf16 x and a [K, N] weight without leading dims; "
+                     f"got x {x.dtype}{list(x.shape)}, packed {list(w.packed.shape)}")
+  out_dtype = jnp.dtype(out_dtype or x.dtype)
+  lead = x.shape[:-1]
+  y = _kernel_matmul(x.reshape(-1, k), w, out_dtype, backend == "interpret")
+  return y.reshape(*lead, n)

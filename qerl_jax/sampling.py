@@ -367,3 +367,168 @@ def validate_prompts(prompt_tokens, prompt_mask) -> None:
   if not_left.size:
     raise ValueError(f"generate: prompt rows {not_left.tolist()} are not left-padded (mask goes 1 -> 0); "
                      "pad on the left, e.g. tokenizer.padding_side = 'left'")
+
+
+# ----------------------------------------------------------------------------
+# The engine.
+# ----------------------------------------------------------------------------
+
+
+def kv_cache_bytes(cfg_model, batch: int, max_len: int, dtype=jnp.bfloat16) -> int:
+  """Bytes of a KV cache for ``batch`` rows of ``max_len`` slots: keys + values
+  ``2 * L * batch * max_len * Hkv * head_dim * itemsize`` plus the bool slot mask."""
+  kv = 2 * cfg_model.num_layers * batch * max_len * cfg_model.num_kv_heads * cfg_model.head_dim
+  return int(kv * jnp.dtype(dtype).itemsize + batch * max_len)
+
+
+def _grow_cache(cache: dict, groups: int, extra: int) -> dict:
+  """Repeat each prompt's cache ``groups`` times along the batch axis and append ``extra`` empty slots.
+
+  ``{"k","v": [L, B, P, Hkv, hd], "mask": [B, P], "index"}`` ->
+  ``{"k","v": [L, B*G, P+extra, Hkv, hd], "mask": [B*G, P+extra], "index"}``.
+  """
+  def grow_kv(x):
+    x = jnp.repeat(x, groups, axis=1) if groups > 1 else x
+    return jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
+  mask = jnp.repeat(cache["mask"], groups, axis=0) if groups > 1 else cache["mask"]
+  return {"k": grow_kv(cache["k"]), "v": grow_kv(cache["v"]), "mask": jnp.pad(mask, ((0, 0), (0, extra))),
+          "index": cache["index"]}
+
+
+def _generate_impl(cfg_model, config: SamplingConfig, lora_scale: float, base, lora, norm_noise,
+                   prompt_BxP, mask_BxP, key, num_prompts):
+  """The jit-compiled body: one prefill of the B prompts, then decode B*G rows in a while loop."""
+  from qerl_jax import models  # the model package imports nothing from here
+
+  b, p = prompt_BxP.shape
+  g, t_max = config.num_generations, config.max_new_tokens
+  n = b * g
+  end_ids = config.end_ids
+  fwd = dict(lora=lora, lora_cfg=lora_scale, norm_noise=norm_noise)
+
+  # Prefill: B prompts once, cache of P slots; then repeat it G times and add T empty slots.
+  pos_BxP = positions_from_mask(mask_BxP)
+  cache = models.init_cache(cfg_model, b, p, dtype=config.cache_dtype)
+  hidden_BxPxD, cache = models.forward(cfg_model, base, prompt_BxP, pos_BxP, cache=cache, attn_mask=mask_BxP,
+                                       return_hidden=True, **fwd)
+  logits_BxV = models.lm_head_logits(cfg_model, base, hidden_BxPxD[:, -1])  # last column is real (left padding)
+  cache = _grow_cache(cache, g, t_max)
+  logits_NxV = jnp.repeat(logits_BxV, g, axis=0)
+  next_pos_N = jnp.repeat(pos_BxP[:, -1], g, axis=0) + 1  # position of completion token 0
+
+  rows = jnp.arange(n, dtype=jnp.int32)
+  row_keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(rows)
+  done_N = rows >= num_prompts * g  # bucket padding rows start finished
+
+  def choose(t, logits, done, bufs):
+    """Sample completion token ``t`` for every row; rows already ended get pad / mask 0."""
+    tokens_buf, lp_buf, plp_buf, mask_buf = bufs
+    if config.min_new_tokens > 0:
+      logits = forbid_tokens(logits, end_ids, t < config.min_new_tokens)
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(row_keys)
+    tok, lp, plp = sample_tokens(keys, logits, temperature=config.temperature, top_k=config.top_k,
+                                 top_p=config.top_p)
+    live = ~done
+    tok = jnp.where(live, tok, jnp.int32(config.pad_id))
+    col = lambda buf, v: jax.lax.dynamic_update_slice_in_dim(buf, v[:, None].astype(buf.dtype), t, axis=1)
+    bufs = (col(tokens_buf, tok), col(lp_buf, jnp.where(live, lp, 0.0)), col(plp_buf, jnp.where(live, plp, 0.0)),
+            col(mask_buf, live.astype(jnp.int32)))
+    done = done | (live & is_end_token(tok, end_ids))
+    return tok, done, bufs
+
+  bufs = (jnp.full((n, t_max), config.pad_id, jnp.int32), jnp.zeros((n, t_max), jnp.float32),
+          jnp.zeros((n, t_max), jnp.float32), jnp.zeros((n, t_max), jnp.int32))
+  tok, done_N, bufs = choose(jnp.int32(0), logits_NxV, done_N, bufs)
+
+  def cond(state):
+    t, _, _, done, _ = state
+    keep_going = t < t_max
+    if config.early_stop:
+      keep_going = keep_going & ~jnp.all(done)
+    return keep_going
+
+  def body(state):
+    t, cache, tok, done, bufs = state
+    # Feed completion token t-1 (position next_pos + t - 1) and sample token t.
+    logits, cache = models.forward(cfg_model, base, tok[:, None], (next_pos_N + t - 1)[:, None], cache=cache,
+                                   **fwd)
+    tok, done, bufs = choose(t, logits[:, 0], done, bufs)
+    return t + 1, cache, tok, done, bufs
+
+  t_end, _, _, done_N, bufs = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, tok, done_N, bufs))
+  tokens, lp, plp, mask = bufs
+  lengths = jnp.sum(mask, axis=-1).astype(jnp.int32)
+  return tokens, lp, plp, mask, lengths, done_N, t_end - 1
+
+
+_generate_jit = jax.jit(_generate_impl, static_argnums=(0, 1, 2))
+
+
+def generate(cfg_model, base: dict, prompt_tokens, prompt_mask, key: jax.Array, config: SamplingConfig, *,
+             lora: Optional[dict] = None, lora_cfg: Any = None, norm_noise: Optional[dict] = None,
+             min_prompt_bucket: int = 16) -> Rollout:
+  """Sample ``G = config.num_generations`` completions for each of ``B`` left-padded prompts.
+
+  The prompts are padded up to a shape bucket (batch and prompt length each
+  to the next power of two, prompt length at least ``min_prompt_bucket``), so
+  a training run compiles once per bucket; the padding rows are dropped from
+  the result. Inside one jit-compiled call: prefill the ``B`` prompts once
+  (KV cache of the prompt bucket), repeat the cache ``G`` times with
+  ``max_new_tokens`` empty slots, then decode in a ``lax.while_loop`` that
+  stops once every row has emitted an end token (unless
+  ``config.early_stop`` is False). Positions come from the mask
+  (``cumsum - 1``), so a left-padded row generates what it would alone.
+  Randomness of row ``r = b * G + g`` at completion step ``t`` is
+  ``fold_in(fold_in(key, r), t)``: independent of the bucket.
+
+  LoRA and AQN noise go through :func:`qerl_jax.models.forward`, the same code
+  as training.
+
+  Args:
+    cfg_model: :class:`qerl_jax.models.ModelConfig` (``cfg_model.dtype`` is the compute dtype).
+    base: frozen base parameter tree (bf16 or NVFP4/NF4 linears).
+    prompt_tokens: int ``[B, P]`` token ids, left-padded.
+    prompt_mask: int/bool ``[B, P]``, 1 on real tokens (each row's ones at the end).
+    key: a PRNG key (typed or raw uint32 ``[2]``); unused when greedy.
+    config: :class:`SamplingConfig` (a static jit argument).
+    lora: optional adapter tree (see :mod:`qerl_jax.models`).
+    lora_cfg: LoRA scale: None, a float, or anything with ``.scale``.
+    norm_noise: optional AQN noise ``{"input_norm", "post_attn_norm": f32 [L, D]}``.
+    min_prompt_bucket: smallest compiled prompt length (tokens).
+
+  Returns:
+    :class:`Rollout` with ``B * G`` rows (row ``b * G + g``) and ``T =
+    config.max_new_tokens`` columns. ``metrics["kv_cache_bytes"]`` is the size
+    of the decode KV cache (bytes, the padded bucket), which dominates the
+    sampler's activation memory.
+
+  Raises:
+    TypeError: ``config`` is not a :class:`SamplingConfig`.
+    ValueError: bad prompt shapes, a row without tokens, right padding.
+  """
+  from qerl_jax import models
+
+  if not isinstance(config, SamplingConfig):
+    raise TypeError(f"generate: config must be a SamplingConfig, got {type(config).__name__}")
+  validate_prompts(prompt_tokens, prompt_mask)
+  b, p = prompt_tokens.shape
+  bb, pb = bucket(b), bucket(p, min_prompt_bucket)
+  tokens_np, mask_np = pad_prompts(np.asarray(prompt_tokens), np.asarray(prompt_mask), bb, pb, config.pad_id)
+  g = config.num_generations
+  tokens, lp, plp, mask, lengths, done, steps = _generate_jit(
+      cfg_model, config, models.lora_scale_of(lora_cfg), base, lora, norm_noise, jnp.asarray(tokens_np),
+      jnp.asarray(mask_np), key, jnp.int32(b))
+  n = b * g
+  finished = done[:n]
+  metrics = {
+      "kv_cache_bytes": kv_cache_bytes(cfg_model, bb * g, pb + config.max_new_tokens, config.cache_dtype),
+      "decode_steps": steps,
+      "bucket_batch": bb,
+      "bucket_prompt_len": pb,
+      "generated_tokens": jnp.sum(lengths[:n]),
+  }
+  return Rollout(
+      tokens=tokens[:n], logprobs=lp[:n], policy_logprobs=plp[:n], mask=mask[:n], lengths=lengths[:n],
+      finished=finished, truncated=~finished,
+      prompt_tokens=jnp.repeat(jnp.asarray(prompt_tokens, jnp.int32), g, axis=0),
+      prompt_mask=jnp.repeat(jnp.asarray(prompt_mask, jnp.int32), g, axis=0), metrics=metrics)

@@ -30,7 +30,7 @@ __all__ = [
     "BATCH_LOSS_KEYS",
 ]
 
-# Batch entries the loss reads; every other entry is handed to ``logprob_fn`` untouched.
+# Batch entries the loss reads (``logprob_fn`` sees them too, sliced like every other entry).
 BATCH_LOSS_KEYS = ("advantages", "completion_mask", "old_logprobs", "ref_logprobs", "truncated")
 _INJECTED_KEYS = ("step", "key")
 _SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup")
@@ -194,7 +194,8 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
     Args:
       logprob_fn: ``(trainable_params, micro_batch) -> (logprobs [b, T] f32, entropy [b, T] f32)``,
         the per-token log-probs (nats) and entropies of the completion tokens under the policy.
-        ``micro_batch`` holds the caller's batch entries sliced to the micro-batch, the unsliced
+        ``micro_batch`` holds all the caller's batch entries sliced to the micro-batch (including
+        ``completion_mask``, which the model needs for its attention mask), the unsliced
         ``batch["shared"]`` (e.g. AQN norm noise), and ``"step"`` / ``"key"`` from the call
         (so noise can be drawn inside the jit as a pure function of them).
       config: fields (TRL names): ``loss_type`` ["grpo"], ``epsilon`` [0.2], ``epsilon_high``
@@ -256,8 +257,7 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
         extra = {"step": jnp.asarray(step, jnp.int32), "key": key}
 
         def micro_loss(p, mb):
-            inputs = {k: v for k, v in mb.items() if k not in BATCH_LOSS_KEYS}
-            logprobs, entropy = logprob_fn(p, {**inputs, "shared": shared, **extra})
+            logprobs, entropy = logprob_fn(p, {**mb, "shared": shared, **extra})
             terms = grpo.policy_loss_terms(
                 logprobs, mb.get("old_logprobs"), mb["advantages"], mb["completion_mask"],
                 loss_type=loss_type, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
@@ -282,7 +282,7 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
         grads = jax.tree.map(lambda g, p: g.astype(jnp.asarray(p).dtype), grads, params)
         loss, loss_metrics = grpo.finalize_policy_loss(terms, normalizer)
 
-        grad_norm = optax.global_norm(grads)
+        grad_norm = _global_norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = optimizer.update(grads, train_state.opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -304,6 +304,12 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
         return new_state, metrics
 
     return jax.jit(update_step, donate_argnums=(0,) if donate else ())
+
+
+def _global_norm(tree) -> jax.Array:
+    """sqrt of the sum of squares of every leaf (float32); inf/NaN if any leaf is non-finite."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
+                        for x in jax.tree_util.tree_leaves(tree)))
 
 
 def _has_schedule(config: Any) -> bool:

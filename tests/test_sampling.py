@@ -61,23 +61,26 @@ def test_temperature_matches_float64():
     np.testing.assert_allclose(np.asarray(lp), _log_softmax64(logits / t), atol=1e-5)
 
 
+_sample = jax.jit(sampling.sample_tokens, static_argnames=("temperature", "top_k", "top_p"))
+
+
 def test_sample_tokens_greedy_top_k1_and_frequencies():
   rng = np.random.default_rng(1)
   logits = jnp.asarray(rng.normal(size=(4, 50)).astype(np.float32))
-  tok, slp, plp = sampling.sample_tokens(jax.random.key(0), logits, temperature=0.0)
+  tok, slp, plp = _sample(jax.random.key(0), logits, temperature=0.0)
   np.testing.assert_array_equal(np.asarray(tok), np.argmax(np.asarray(logits), -1))
   np.testing.assert_array_equal(np.asarray(slp), 0.0)
   ref = _log_softmax64(np.asarray(logits))
   np.testing.assert_allclose(np.asarray(plp), ref[np.arange(4), np.asarray(tok)], atol=1e-6)
   keys = jax.random.split(jax.random.key(3), 4)
-  tok1, slp1, _ = sampling.sample_tokens(keys, logits, temperature=1.3, top_k=1)
+  tok1, slp1, _ = _sample(keys, logits, temperature=1.3, top_k=1)
   np.testing.assert_array_equal(np.asarray(tok1), np.asarray(tok))
   np.testing.assert_allclose(np.asarray(slp1), 0.0, atol=1e-6)
 
   # Empirical frequencies of 4000 per-row draws from the top-p 0.75 set {0.5, 0.2, 0.15} / 0.85.
   n = 4000
   keys = jax.random.split(jax.random.key(7), n)
-  toks, slp, plp = sampling.sample_tokens(keys, jnp.broadcast_to(jnp.asarray(LOGITS), (n, 5)), temperature=1.0, top_p=0.75)
+  toks, slp, plp = _sample(keys, jnp.broadcast_to(jnp.asarray(LOGITS), (n, 5)), temperature=1.0, top_p=0.75)
   counts = np.bincount(np.asarray(toks), minlength=5) / n
   np.testing.assert_allclose(counts, [0.15 / 0.85, 0, 0.5 / 0.85, 0, 0.2 / 0.85], atol=0.03)
   np.testing.assert_allclose(np.asarray(slp), np.log(PROBS[np.asarray(toks)] / 0.85), atol=1e-5)
@@ -86,9 +89,9 @@ def test_sample_tokens_greedy_top_k1_and_frequencies():
 
 def test_sample_tokens_fixed_key_reproducible():
   logits = jnp.asarray(np.random.default_rng(2).normal(size=(8, 100)).astype(np.float32))
-  a = sampling.sample_tokens(jax.random.key(5), logits, temperature=0.9, top_p=0.9)
-  b = sampling.sample_tokens(jax.random.key(5), logits, temperature=0.9, top_p=0.9)
-  c = sampling.sample_tokens(jax.random.key(6), logits, temperature=0.9, top_p=0.9)
+  a = _sample(jax.random.key(5), logits, temperature=0.9, top_p=0.9)
+  b = _sample(jax.random.key(5), logits, temperature=0.9, top_p=0.9)
+  c = _sample(jax.random.key(6), logits, temperature=0.9, top_p=0.9)
   np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
   assert not np.array_equal(np.asarray(a[0]), np.asarray(c[0]))
 
@@ -147,3 +150,158 @@ def test_validation_errors():
   cfg = SamplingConfig(max_new_tokens=4, eos_token_ids=[1, 2], stop_token_ids=[2, 3], pad_id=0)
   assert cfg.end_ids == (1, 2, 3) and hash(cfg) == hash(SamplingConfig(max_new_tokens=4, eos_token_ids=(1, 2),
                                                                           stop_token_ids=(2, 3), pad_id=0))
+
+
+# ----------------------------------------------------------------------------
+# generate() against transformers (tiny random Qwen2 checkpoint, float32).
+# ----------------------------------------------------------------------------
+
+TINY_QWEN2 = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  """(hf_model, cfg_model, base): a random float32 Qwen2 with peaked logits, converted to our tree."""
+  torch = pytest.importorskip("torch")
+  import transformers as tf
+  from qerl_jax import hf, models
+  torch.manual_seed(0)
+  hf_cfg = tf.Qwen2Config(**TINY_QWEN2)
+  model = tf.Qwen2ForCausalLM(hf_cfg).float().eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight"):
+        p.copy_(1.0 + 0.1 * torch.randn_like(p))
+      elif name.endswith("bias"):
+        p.copy_(0.1 * torch.randn_like(p))
+      else:
+        p.copy_(0.15 * torch.randn_like(p))  # large enough that greedy has no near-ties
+  cfg = models.ModelConfig.from_hf(hf_cfg.to_dict(), dtype="float32")
+  base = hf.base_from_state_dict(cfg, model.state_dict())
+  return model, cfg, base
+
+
+def _prompts():
+  """Three left-padded prompts of lengths 5, 9, 3 in a [3, 9] batch."""
+  rng = np.random.default_rng(0)
+  lengths = [5, 9, 3]
+  tokens = np.zeros((3, 9), np.int32)
+  mask = np.zeros((3, 9), np.int32)
+  for i, n in enumerate(lengths):
+    tokens[i, 9 - n:] = rng.integers(3, 96, size=n)
+    mask[i, 9 - n:] = 1
+  return tokens, mask
+
+
+def _hf_greedy(model, tokens, mask, max_new, eos, pad, min_new=0):
+  """transformers' greedy ``generate`` (PyTorch float32): int [B, max_new] completions, pad after the end."""
+  import torch
+  with torch.no_grad():
+    out = model.generate(input_ids=torch.tensor(tokens, dtype=torch.long),
+                         attention_mask=torch.tensor(mask, dtype=torch.long), do_sample=False,
+                         max_new_tokens=max_new, min_new_tokens=min_new, eos_token_id=list(eos), pad_token_id=pad,
+                         temperature=None, top_p=None, top_k=None)
+  out = out[:, tokens.shape[1]:].numpy()
+  full = np.full((tokens.shape[0], max_new), pad, np.int32)
+  full[:, :out.shape[1]] = out
+  return full
+
+
+MAX_NEW = 12
+PAD = 1  # also an end id, as in Qwen (pad <|endoftext|> is one of the eos ids)
+
+
+@pytest.fixture(scope="module")
+def greedy_case(tiny):
+  """(tokens, mask, eos, r, hf_completions): an end id that row r first emits at completion position 2."""
+  model, _, _ = tiny
+  tokens, mask = _prompts()
+  free = _hf_greedy(model, tokens, mask, MAX_NEW, eos=[95], pad=0)
+  r = next(i for i in range(3) if free[i, 2] not in free[i, :2])
+  eos = (int(free[r, 2]), PAD)
+  return tokens, mask, eos, r, _hf_greedy(model, tokens, mask, MAX_NEW, eos=eos, pad=PAD)
+
+
+def test_greedy_matches_transformers_and_unbatched(tiny, greedy_case):
+  _, cfg, base = tiny
+  tokens, mask, eos, r, ref = greedy_case
+  config = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_ids=eos, pad_id=PAD, temperature=0.0,
+                          cache_dtype=jnp.float32)
+  ro = sampling.generate(cfg, base, tokens, mask, jax.random.key(0), config)
+  got = np.asarray(ro.tokens)
+  np.testing.assert_array_equal(got, ref)
+  # Independent mask: up to and including the first end token of the reference.
+  is_end = np.isin(ref, eos)
+  first = np.where(is_end.any(1), is_end.argmax(1), MAX_NEW)
+  want_mask = (np.arange(MAX_NEW)[None] <= first[:, None]).astype(np.int32)
+  np.testing.assert_array_equal(np.asarray(ro.mask), want_mask)
+  assert ro.mask[r].tolist() == [1, 1, 1] + [0] * (MAX_NEW - 3) and bool(ro.finished[r])
+  assert ro.tokens[r, 3:].tolist() == [PAD] * (MAX_NEW - 3)
+  assert (~np.asarray(ro.finished)).any(), "want a truncated row too"  # rows that never emit an end id
+  np.testing.assert_array_equal(np.asarray(ro.finished), is_end.any(1))
+  np.testing.assert_array_equal(np.asarray(ro.truncated), ~is_end.any(1))
+  np.testing.assert_array_equal(np.asarray(ro.lengths), want_mask.sum(1))
+  np.testing.assert_array_equal(np.asarray(ro.logprobs), 0.0)  # greedy samples from a point mass
+  assert ro.metrics["bucket_batch"] == 4 and ro.metrics["bucket_prompt_len"] == 16
+  # KV cache: 2 (k, v) * L 2 * rows 4 * slots (16 + 12) * Hkv 2 * hd 16 * 4 bytes + the bool slot mask.
+  assert ro.metrics["kv_cache_bytes"] == 2 * 2 * 4 * 28 * 2 * 16 * 4 + 4 * 28
+  # Each row alone (no padding at all) generates the same tokens.
+  for i in range(3):
+    row = tokens[i:i + 1, mask[i] > 0]
+    alone = sampling.generate(cfg, base, row, np.ones_like(row), jax.random.key(0), config)
+    np.testing.assert_array_equal(np.asarray(alone.tokens[0]), got[i])
+
+
+def test_top_k1_groups_and_min_new_tokens_match_greedy(tiny, greedy_case):
+  """top-k 1 at temperature 0.8 is greedy; G=2 rows share a prefill; min_new_tokens as transformers."""
+  model, cfg, base = tiny
+  tokens, mask, eos, _, _ = greedy_case
+  ref = _hf_greedy(model, tokens, mask, MAX_NEW, eos=eos, pad=PAD, min_new=4)
+  config = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_ids=eos, pad_id=PAD, temperature=0.8, top_k=1,
+                          min_new_tokens=4, num_generations=2, cache_dtype=jnp.float32)
+  ro = sampling.generate(cfg, base, tokens, mask, jax.random.key(1), config)
+  np.testing.assert_array_equal(np.asarray(ro.tokens), np.repeat(ref, 2, axis=0))
+  np.testing.assert_array_equal(np.asarray(ro.prompt_tokens), np.repeat(tokens, 2, axis=0))
+  assert (np.asarray(ro.lengths) >= 4).all()
+
+
+def _lora_and_noise(cfg, key):
+  k = jax.random.split(key, 5)
+  L, D, r = cfg.num_layers, cfg.hidden_size, 4
+  lora = {"layers": {
+      "attn": {"q": {"a": 0.2 * jax.random.normal(k[0], (L, D, r)), "b": 0.2 * jax.random.normal(k[1], (L, r, cfg.q_dim))}},
+      "mlp": {"down": {"a": 0.2 * jax.random.normal(k[2], (L, cfg.intermediate_size, r)),
+                       "b": 0.2 * jax.random.normal(k[3], (L, r, D))}}}}
+  noise = {"input_norm": 0.05 * jax.random.normal(k[4], (L, D)), "post_attn_norm": jnp.full((L, D), -0.02)}
+  return lora, noise
+
+
+def test_logprobs_equal_full_forward_with_lora_and_noise(tiny):
+  """At temperature 1 the returned log-probs equal one full forward over prompt + completion (float32)."""
+  from qerl_jax import models
+  _, cfg, base = tiny
+  tokens, mask = _prompts()
+  lora, noise = _lora_and_noise(cfg, jax.random.key(3))
+  config = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_ids=(2, 3), pad_id=PAD, temperature=1.0,
+                          num_generations=2, cache_dtype=jnp.float32)
+  kw = dict(lora=lora, lora_cfg=2.0, norm_noise=noise)
+  ro = sampling.generate(cfg, base, tokens, mask, jax.random.key(4), config, **kw)
+  seq = jnp.concatenate([ro.prompt_tokens, ro.tokens], axis=1)
+  seq_mask = jnp.concatenate([ro.prompt_mask, ro.mask], axis=1)
+  pos = models.positions_from_mask(seq_mask)
+  full_forward = jax.jit(lambda b, s, p, m, l, n: models.forward(cfg, b, s, p, attn_mask=m, lora=l, lora_cfg=2.0,
+                                                                 norm_noise=n))
+  logits, _ = full_forward(base, seq, pos, seq_mask, lora, noise)
+  logp = np.asarray(jax.nn.log_softmax(logits[:, :-1], axis=-1))  # predicts seq[:, 1:]
+  full = np.take_along_axis(logp, np.asarray(seq)[:, 1:, None], axis=-1)[..., 0]
+  want = full[:, tokens.shape[1] - 1:] * np.asarray(ro.mask)
+  np.testing.assert_allclose(np.asarray(ro.logprobs), want, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(ro.policy_logprobs), want, atol=1e-4)
+  assert np.asarray(ro.mask).sum() > 10 and (want < -1e-3).any()  # something non-trivial was sampled
+  # Fixed key: reproducible; another key: different samples.
+  again = sampling.generate(cfg, base, tokens, mask, jax.random.key(4), config, **kw)
+  np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(ro.tokens))
+  other = sampling.generate(cfg, base, tokens, mask, jax.random.key(5), config, **kw)
+  assert not np.array_equal(np.asarray(other.tokens), np.asarray(ro.tokens))

@@ -1,0 +1,288 @@
+"""Benchmark of the fused 4-bit x bf16 matmul kernels against bf16 and XLA dequantize-then-dot.
+
+Prints one table: for Qwen2.5-7B and -32B layer shapes and M in {1, 8, 32, 64,
+128, 256, 2048, 8192}, the kernel's time (median over warm runs), its
+effective HBM bandwidth (bytes it must move: 4-bit weight + scales + x + y,
+over its time), the same-run times of a bf16 ``jnp.dot`` and of XLA
+dequantize-then-dot, and the kernel's speed-up over each. ``--kinds dx`` adds
+the backward for x (``dy @ W^T``) at the training sizes. Every row is first
+checked against the XLA reference (relative error, NaN, a NaN-poisoned output
+buffer that the kernel must fully overwrite).
+
+Timing: each measured program runs the op on R distinct copies of the weight
+(so that no weight sits in the 60 MB L2 from the previous call: R copies hold
+at least --rotate_mb of 4-bit weight), is dispatched --inner times back to back,
+then synchronised (``block_until_ready``); the per-call time is the median over
+--reps such samples divided by R * inner.
+
+Usage (on the GPU):
+  PYTHONUNBUFFERED=1 python experiments/bench_kernels.py --json /tmp/bench.json
+  python experiments/bench_kernels.py --models 7b --ms 1,2048 --kinds fwd   # a quick subset
+  python experiments/bench_kernels.py --sweep                                # tile-config sweep
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import matmul, w4_triton
+from qerl_jax import nvfp4
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("models", "7b,32b", "comma list of 7b, 32b")
+flags.DEFINE_string("ms", "1,8,32,64,128,256,2048,8192", "forward M values")
+flags.DEFINE_string("dx_ms", "2048,8192", "M values for the dx backward")
+flags.DEFINE_string("kinds", "fwd,dx", "fwd and/or dx")
+flags.DEFINE_string("layers", "qkv,o,gate,down", "layers to time")
+flags.DEFINE_integer("reps", 10, "timed samples (median taken)")
+flags.DEFINE_integer("inner", 3, "programs dispatched back to back per sample")
+flags.DEFINE_integer("rotate_mb", 256, "MiB of 4-bit weight copies rotated through per program")
+flags.DEFINE_bool("check", True, "check each row against the XLA reference with a poisoned output")
+flags.DEFINE_bool("ragged", True, "also check ragged shapes (M=1,3,17,100, N/K off the tiles)")
+flags.DEFINE_bool("sweep", False, "sweep tile configs first (winners used for the table)")
+flags.DEFINE_integer("sweep_budget_s", 240, "stop starting new sweep buckets after this many seconds")
+flags.DEFINE_bool("table", True, "time the table")
+flags.DEFINE_string("json", "", "write rows here as JSON")
+flags.DEFINE_bool("smoke", False, "CPU smoke test of this script: tiny shapes, kernels in interpret mode")
+
+# (layer, K, N): q/k/v fused (q + 2 kv heads x 128), o, gate (= up), down.
+SHAPES = {
+    "7b": {"qkv": (3584, 3584 + 2 * 512), "o": (3584, 3584), "gate": (3584, 18944), "down": (18944, 3584)},
+    "32b": {"qkv": (5120, 5120 + 2 * 1024), "o": (5120, 5120), "gate": (5120, 27648), "down": (27648, 5120)},
+}
+
+
+def _rel(a, b):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _copies(tree, r):
+  return [jax.tree.map(lambda a: a.copy() if hasattr(a, "copy") else a, tree) for _ in range(r)]
+
+
+def _time(fn, x, ws, reps, inner):
+  prog = jax.jit(lambda x, ws: tuple(fn(x, w) for w in ws))
+  jax.block_until_ready(prog(x, ws))
+  jax.block_until_ready(prog(x, ws))
+  samples = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    outs = [prog(x, ws) for _ in range(inner)]
+    jax.block_until_ready(outs)
+    samples.append((time.perf_counter() - t0) / (inner * len(ws)))
+    del outs
+  return statistics.median(samples)
+
+
+def _weights(k, n, seed):
+  key = jax.random.PRNGKey(seed)
+  w = jax.random.normal(key, (k, n), jnp.float32) * 0.02
+  return w.astype(jnp.bfloat16), nvfp4.quantize(w)
+
+
+def _row_check(kind, x, wq, cfg=None):
+  if kind == "fwd":
+    y = w4_triton.forward(x, wq, config=cfg, poison_output=True)
+    ref = matmul.reference_matmul(x, wq)
+  else:
+    y = w4_triton.dx(x, wq, config=cfg, poison_output=True)
+    ref = jnp.dot(x, nvfp4.dequantize(wq, jnp.bfloat16).T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+  nan = bool(jnp.isnan(y).any())
+  return _rel(y, ref), nan
+
+
+def _bench_row(model, layer, k, n, m, kind, w_bf16, wq, cfg=None, check=True):
+  key = jax.random.PRNGKey(m * 7 + k)
+  rows_in = (m, k) if kind == "fwd" else (m, n)
+  x = jax.random.normal(key, rows_in, jnp.float32).astype(jnp.bfloat16)
+  err, nan = _row_check(kind, x, wq, cfg) if check else (float("nan"), False)
+  r = int(max(1, min(32, -(-FLAGS.rotate_mb * 2**20 // wq.nbytes))))
+  if m >= 2048:
+    r = 1
+  wqs = _copies(wq, r)
+  wbs = _copies(w_bf16, r)
+  if kind == "fwd":
+    f_kernel = lambda x, w: w4_triton.forward(x, w, config=cfg)
+    f_bf16 = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    f_xla = lambda x, w: matmul.reference_matmul(x, w)
+  else:
+    f_kernel = lambda x, w: w4_triton.dx(x, w, config=cfg)
+    f_bf16 = lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    f_xla = lambda x, w: jnp.dot(x, nvfp4.dequantize(w, jnp.bfloat16).T,
+                                 preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+  t_k = _time(f_kernel, x, wqs, FLAGS.reps, FLAGS.inner)
+  t_b = _time(f_bf16, x, wbs, FLAGS.reps, FLAGS.inner)
+  t_x = _time(f_xla, x, wqs, FLAGS.reps, FLAGS.inner)
+  act = m * (k + n) * 2
+  gbs = (wq.nbytes + act) / t_k / 1e9
+  gbs_b = (k * n * 2 + act) / t_b / 1e9
+  return dict(model=model, layer=layer, K=k, N=n, M=m, kind=kind, us_kernel=t_k * 1e6, us_bf16=t_b * 1e6,
+              us_xla=t_x * 1e6, gbs_kernel=gbs, gbs_bf16=gbs_b, vs_bf16=t_b / t_k, vs_xla=t_x / t_k,
+              rel_err=err, nan=nan, R=r, config=dataclasses.asdict(cfg) if cfg else None)
+
+
+def _print_row(d):
+  print(f"| {d['model']:>3} | {d['layer']:>4} | {d['K']:>5}x{d['N']:<5} | {d['kind']:>3} | {d['M']:>5} | "
+        f"{d['us_kernel']:9.1f} | {d['gbs_kernel']:7.0f} | {d['us_bf16']:9.1f} | {d['gbs_bf16']:7.0f} | "
+        f"{d['us_xla']:9.1f} | {d['vs_bf16']:5.2f}x | {d['vs_xla']:5.2f}x | {d['rel_err']:.1e}{' NaN!' if d['nan'] else ''} |",
+        flush=True)
+
+
+HEADER = ("| model | layer | K x N | kind | M | kernel us | kernel GB/s | bf16 us | bf16 GB/s | XLA deq+dot us | "
+          "vs bf16 | vs XLA | rel err |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+_BACKEND = "pallas"
+
+
+def _interpreted(fn):
+  return lambda *a, **kw: fn(*a, **{**kw, "interpret": True})
+
+
+def _ragged_checks():
+  print("ragged checks (kernel vs XLA reference, poisoned output):")
+  ok = True
+  for (m, k, n) in [(1, 1040, 200), (3, 1040, 200), (17, 3584, 1000), (100, 1040, 4100), (2050, 1040, 200)]:
+    _, wq = _weights(k, n, m)
+    for kind in ("fwd", "dx"):
+      x = jax.random.normal(jax.random.PRNGKey(m), (m, k if kind == "fwd" else n)).astype(jnp.bfloat16)
+      err, nan = _row_check(kind, x, wq)
+      good = err < 1e-2 and not nan
+      ok &= good
+      print(f"  M={m} K={k} N={n} {kind}: rel err {err:.2e} nan={nan} {'ok' if good else 'FAIL'}", flush=True)
+  # gradient through the custom_vjp vs through the reference
+  _, wq = _weights(1040, 200, 5)
+  x = jax.random.normal(jax.random.PRNGKey(1), (17, 1040)).astype(jnp.bfloat16)
+  ct = jax.random.normal(jax.random.PRNGKey(2), (17, 200))
+  loss = lambda x, b: jnp.sum(matmul.quantized_matmul(x, wq, backend=b).astype(jnp.float32) * ct)
+  g_k = jax.grad(loss)(x, _BACKEND)
+  g_r = jax.grad(loss)(x, "reference")
+  err = _rel(g_k, g_r)
+  print(f"  grad x through custom_vjp vs reference: rel err {err:.2e}", flush=True)
+  return ok and err < 1e-2
+
+
+# Per bucket of TUNED: (representative M, [(model, layer)], candidates).
+SWEEP = {
+    ("fwd", 16): (1, [("7b", "qkv"), ("7b", "gate")],
+                  [(16, 128, 256, 4, 4, 264, "registers"), (16, 128, 256, 4, 4, 264, "strided"), (16, 64, 256, 4, 4, 264, "registers"), (16, 256, 256, 4, 4, 264, "registers"),
+                   (16, 128, 512, 4, 4, 264, "registers"), (16, 64, 512, 4, 4, 264, "registers"), (16, 128, 256, 4, 4, 528, "registers"),
+                   (16, 128, 256, 4, 3, 264, "registers"), (16, 128, 256, 8, 4, 264, "registers")]),
+    ("fwd", 32): (32, [("7b", "qkv"), ("7b", "gate")],
+                  [(32, 128, 256, 4, 4, 264, "registers"), (32, 128, 256, 4, 4, 264, "strided"), (32, 64, 256, 4, 4, 264, "registers"), (32, 128, 128, 4, 4, 264, "registers"),
+                   (32, 128, 256, 4, 4, 528, "registers"), (32, 256, 128, 8, 3, 264, "registers")]),
+    ("fwd", 64): (64, [("7b", "qkv"), ("7b", "gate")],
+                  [(64, 128, 256, 4, 4, 264, "registers"), (64, 128, 256, 4, 4, 264, "strided"), (64, 64, 256, 4, 4, 264, "registers"), (64, 128, 128, 4, 3, 264, "registers"),
+                   (64, 128, 128, 8, 3, 264, "registers"), (64, 256, 128, 8, 3, 264, "registers")]),
+    ("fwd", 128): (128, [("7b", "qkv"), ("7b", "gate")],
+                   [(128, 128, 128, 8, 3, 264, "registers"), (128, 128, 128, 8, 3, 264, "strided"), (64, 128, 128, 4, 3, 264, "registers"), (128, 64, 256, 4, 4, 264, "registers"),
+                    (128, 128, 128, 8, 3, 0, "registers"), (128, 256, 64, 8, 3, 264, "registers")]),
+    ("fwd", 256): (256, [("7b", "qkv"), ("7b", "gate")],
+                   [(128, 128, 128, 8, 3, 264, "registers"), (128, 128, 128, 8, 3, 264, "strided"), (64, 128, 128, 4, 3, 264, "registers"), (128, 64, 256, 4, 4, 264, "registers"),
+                    (128, 128, 128, 8, 3, 0, "registers"), (128, 256, 64, 8, 3, 264, "registers")]),
+    ("fwd", None): (8192, [("7b", "gate"), ("7b", "down")],
+                    [(128, 128, 128, 8, 3, 0, "registers"), (128, 128, 128, 8, 3, 0, "strided"), (128, 128, 64, 8, 3, 0, "registers"), (128, 256, 64, 8, 3, 0, "registers"),
+                     (128, 256, 128, 8, 3, 0, "registers"), (64, 256, 64, 4, 4, 0, "registers"), (128, 128, 64, 4, 4, 0, "registers"),
+                     (128, 128, 128, 8, 4, 0, "registers")]),
+    ("dx", None): (8192, [("7b", "gate"), ("7b", "down")],
+                   [(128, 64, 128, 8, 3, 0, "registers"), (128, 64, 128, 8, 3, 0, "strided"), (128, 128, 128, 8, 3, 0, "registers"), (128, 64, 256, 8, 3, 0, "registers"),
+                    (128, 32, 256, 8, 3, 0, "registers"), (64, 64, 128, 4, 3, 0, "registers"), (128, 64, 128, 4, 4, 0, "registers")]),
+}
+
+
+def _sweep(budget_s):
+  """Times each candidate of SWEEP, writes the winners into w4_triton.TUNED (this process only)."""
+  t_start = time.time()
+  winners = {}
+  for (kind, bucket), (m, shapes, cands) in SWEEP.items():
+    if time.time() - t_start > budget_s:
+      print(f"sweep budget spent; keeping {(kind, bucket)} = {w4_triton.TUNED[(kind, bucket)]}")
+      continue
+    data = []
+    for model, layer in shapes:
+      k, n = SHAPES[model][layer]
+      w_bf16, wq = _weights(k, n, 0)
+      x = jax.random.normal(jax.random.PRNGKey(m), (m, k if kind == "fwd" else n)).astype(jnp.bfloat16)
+      r = 1 if m >= 2048 else int(max(1, min(32, -(-FLAGS.rotate_mb * 2**20 // wq.nbytes))))
+      f_bf16 = ((lambda x, w: jnp.dot(x, w)) if kind == "fwd" else (lambda x, w: jnp.dot(x, w.T)))
+      t_b = _time(f_bf16, x, _copies(w_bf16, r), FLAGS.reps, FLAGS.inner)
+      data.append((model, layer, k, n, x, _copies(wq, r), t_b))
+    scores = []
+    for c in cands:
+      table = dict(w4_triton.TUNED)
+      table[(kind, bucket)] = c
+      ratios = []
+      try:
+        for model, layer, k, n, x, wqs, t_b in data:
+          cfg = w4_triton.default_config(m, k, n, kind=kind, table=table)
+          fn = w4_triton.forward if kind == "fwd" else w4_triton.dx
+          t_k = _time(lambda x, w: fn(x, w, config=cfg), x, wqs, FLAGS.reps, FLAGS.inner)
+          ratios.append(t_b / t_k)
+        score = float(np.exp(np.mean(np.log(ratios))))
+        scores.append((score, c))
+        print(f"  {kind} M={m} {c}: vs bf16 " + " ".join(f"{v:.2f}x" for v in ratios) + f"  (geo {score:.2f})",
+              flush=True)
+      except Exception as e:  # a config that does not compile (shared memory, registers) is skipped
+        print(f"  {kind} M={m} {c}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    if scores:
+      best = max(scores)[1]
+      w4_triton.TUNED[(kind, bucket)] = best
+      winners[str((kind, bucket))] = best
+      print(f"sweep {(kind, bucket)} winner {best}", flush=True)
+  print("TUNED = " + repr(w4_triton.TUNED), flush=True)
+  return winners
+
+
+def main(argv):
+  del argv
+  print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
+  global _BACKEND
+  if FLAGS.smoke:
+    _BACKEND = "interpret"
+    for name in ("forward", "dx"):
+      setattr(w4_triton, name, _interpreted(getattr(w4_triton, name)))
+    SHAPES["7b"] = {"qkv": (256, 384), "o": (128, 128), "gate": (128, 320), "down": (320, 128)}
+    SHAPES["32b"] = SHAPES["7b"]
+  winners = _sweep(FLAGS.sweep_budget_s) if FLAGS.sweep else {}
+  if FLAGS.json and winners:
+    with open(FLAGS.json.replace(".json", "_sweep.json"), "w") as f:
+      json.dump({"winners": winners, "tuned": {str(k): v for k, v in w4_triton.TUNED.items()}}, f, indent=1)
+  ok = _ragged_checks() if FLAGS.ragged else True
+  rows = []
+  if not FLAGS.table:
+    return
+  print(HEADER, flush=True)
+  for model in FLAGS.models.split(","):
+    for layer in FLAGS.layers.split(","):
+      k, n = SHAPES[model][layer]
+      w_bf16, wq = _weights(k, n, 0)
+      for kind in FLAGS.kinds.split(","):
+        ms = FLAGS.ms if kind == "fwd" else FLAGS.dx_ms
+        for m in [int(v) for v in ms.split(",")]:
+          d = _bench_row(model, layer, k, n, m, kind, w_bf16, wq, check=FLAGS.check)
+          ok &= (d["rel_err"] < 1e-2 and not d["nan"]) or not FLAGS.check
+          rows.append(d)
+          _print_row(d)
+          if FLAGS.json:
+            with open(FLAGS.json, "w") as f:
+              json.dump(rows, f, indent=1)
+  print("\n" + HEADER)
+  for d in rows:
+    _print_row(d)
+  print("all checks passed" if ok else "SOME CHECKS FAILED")
+  sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+  app.run(main)

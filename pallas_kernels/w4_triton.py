@@ -1,0 +1,404 @@
+"""Fused 4-bit x bf16 matmul kernels on the Pallas Triton backend (W4A16).
+
+Two kernels share one dequantize-in-registers step:
+
+* ``forward``: ``y[M, N] = x[M, K] @ W[K, N]``;
+* ``dx``: ``dx[M, K] = dy[M, N] @ W[K, N]^T`` (the backward for ``x``).
+
+Each program owns one output tile and walks the contraction axis in steps of
+``block_k`` (forward: K; dx: N). A step loads the packed weight tile
+``uint8 [block_k/2, block_n]`` (forward) once, splits each byte into its two
+4-bit codes, decodes them to values in registers and feeds two tensor-core dots:
+byte row ``j`` holds K rows ``2j`` (low nibble) and ``2j+1`` (high nibble), so
+``x @ W = x[:, 0::2] @ W_low + x[:, 1::2] @ W_high``. ``x`` is viewed as
+``[M, K/2, 2]`` (a free reshape) to read its even and odd columns. No bf16 copy
+of ``W`` is ever written to HBM.
+
+Small M (decode) is covered by the same kernels with a 16-row tile and a split
+of the contraction axis over ``splits`` programs (split-K), whose float32
+partial sums XLA adds; large M uses 64-128-row tiles and no split.
+
+Value decoding:
+
+* NVFP4 (E2M1 codes, OCP MX v1.0): the 3 magnitude bits of a code placed at bit
+  9 of a float16 (sign at bit 15) give ``e2m1(code) * 2**-14`` exactly (code 1,
+  0.5, lands on a float16 subnormal); the ``2**14`` is folded into the E4M3
+  block scale, and ``1 / global_scale`` is applied to the float32 accumulator.
+  ``e2m1 * e4m3`` has at most 6 significant bits, so the bf16 weight fed to the
+  tensor cores is exact.
+* NF4 (QLoRA, Dettmers et al. 2023): a 4-level select tree over the 16 levels,
+  times the float32 absmax of each 64-row block.
+
+All refs are whole arrays; tiles are read with masked loads, so any M, any N
+and any K that is a multiple of the format's block size work; tails are masked
+(zeros are loaded for x/dy and weights outside the array).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from qerl_jax import nf4, nvfp4
+
+_EVEN = np.int32(0)  # index of the even / odd K row in x viewed as [M, K/2, 2]
+_ODD = np.int32(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  """Tile sizes and launch parameters of one kernel call.
+
+  Attributes:
+    block_m: rows of x (or dy) per program; a power of 2, at least 16.
+    block_n: output columns per program (forward) or contraction step (dx).
+    block_k: contraction step (forward) or output columns per program (dx), in
+      logical K rows; a power of 2 and a multiple of the format's block size.
+    splits: programs sharing one output tile along the contraction axis; when
+      above 1 the kernel writes float32 partial sums that XLA adds.
+    num_warps, num_stages: Triton launch parameters.
+    split_x: how the even/odd K columns of x (forward) or dx (dx kernel) are
+      separated: ``"registers"`` loads/stores contiguous rows and splits/joins
+      them in registers; ``"strided"`` reads/writes them with stride-2 accesses.
+  """
+  block_m: int = 16
+  block_n: int = 128
+  block_k: int = 128
+  splits: int = 1
+  num_warps: int = 4
+  num_stages: int = 3
+  split_x: str = "registers"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Format:
+  group: int          # rows of K per block scale
+  nvfp4: bool
+
+
+def _format_of(w) -> _Format:
+  if isinstance(w, nvfp4.NVFP4Tensor):
+    return _Format(nvfp4.BLOCK_SIZE, True)
+  if isinstance(w, nf4.NF4Tensor):
+    return _Format(nf4.BLOCK_SIZE, False)
+  raise TypeError(f"expected an NVFP4Tensor or NF4Tensor, got {type(w).__name__}")
+
+
+def _inverse_global_scale(w) -> jax.Array:
+  if isinstance(w, nvfp4.NVFP4Tensor):
+    return (1.0 / w.global_scale.astype(jnp.float32)).reshape(1)
+  return jnp.ones((1,), jnp.float32)
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+_NF4 = [float(v) for v in nf4.NF4_CODEBOOK]
+
+
+def _decode_nf4(codes):
+  """uint8 codes in [0, 16) -> float32 NF4 levels, by a select tree on the 4 bits."""
+  bits = [(codes & (1 << b)) != 0 for b in range(4)]
+  level = [jnp.where(bits[0], _NF4[2 * i + 1], _NF4[2 * i]) for i in range(8)]
+  for b in (1, 2, 3):
+    level = [jnp.where(bits[b], level[2 * i + 1], level[2 * i]) for i in range(len(level) // 2)]
+  return level[0]
+
+
+def _decode_tile(p, s, fmt: _Format, dtype):
+  """Packed uint8 [R, C] and block scales [R*2/group, C] -> (low, high) values [R, C] in dtype.
+
+  The scale here excludes the global scale (applied to the accumulator).
+  """
+  rows, cols = p.shape
+  s = s.astype(jnp.float32)
+  rep = fmt.group // 2  # packed rows per block scale
+  s = jnp.broadcast_to(s[:, None, :], (s.shape[0], rep, cols)).reshape(rows, cols)
+  if fmt.nvfp4:
+    s = s * 16384.0  # 2**14 from the float16 bit trick below
+    p16 = p.astype(jnp.uint16)
+    lo = ((p16 & 7) << 9) | ((p16 & 8) << 12)
+    hi = ((p16 & 0x70) << 5) | ((p16 & 0x80) << 8)
+    lo = lax.bitcast_convert_type(lo, jnp.float16).astype(jnp.float32)
+    hi = lax.bitcast_convert_type(hi, jnp.float16).astype(jnp.float32)
+  else:
+    lo = _decode_nf4(p & 0xF)
+    hi = _decode_nf4(p >> 4)
+  return (lo * s).astype(dtype), (hi * s).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, *refs, m, k, n, cfg: TileConfig,
+                fmt: _Format, steps: int):
+  o_ref = refs[-1]  # refs[0] is the poisoned buffer aliased to the output, when given
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  pid_n, pid_s, pid_m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  m0 = pid_m * bm
+  n0 = pid_n * bn
+  m_mask = (m0 + jnp.arange(bm)) < m
+  n_mask = (n0 + jnp.arange(bn)) < n
+  k_begin = pid_s * (steps * bk)
+
+  def body(i, acc):
+    kb = k_begin + i * bk
+    kp0 = kb // 2
+    kp_mask = (kp0 + jnp.arange(bk // 2)) < k // 2
+    ks_mask = (kb // fmt.group + jnp.arange(bk // fmt.group)) < k // fmt.group
+    if cfg.split_x == "registers":
+      xm = m_mask[:, None] & ((kb + jnp.arange(bk)) < k)[None, :]
+      x = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(kb, bk)], mask=xm, other=0.0)
+      x_even, x_odd = lax.unstack(x.reshape(bm, bk // 2, 2), axis=2)
+    else:
+      xm = m_mask[:, None] & kp_mask[None, :]
+      x_even = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(kp0, bk // 2), _EVEN], mask=xm, other=0.0)
+      x_odd = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(kp0, bk // 2), _ODD], mask=xm, other=0.0)
+    p = plgpu.load(p_ref.at[pl.ds(kp0, bk // 2), pl.ds(n0, bn)],
+                   mask=kp_mask[:, None] & n_mask[None, :], other=0)
+    s = plgpu.load(s_ref.at[pl.ds(kb // fmt.group, bk // fmt.group), pl.ds(n0, bn)],
+                   mask=ks_mask[:, None] & n_mask[None, :], other=0.0)
+    w_lo, w_hi = _decode_tile(p, s, fmt, x_even.dtype)
+    acc += jnp.dot(x_even, w_lo, preferred_element_type=jnp.float32)
+    acc += jnp.dot(x_odd, w_hi, preferred_element_type=jnp.float32)
+    return acc
+
+  acc = lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+  acc = acc * igs_ref[0]
+  out_mask = m_mask[:, None] & n_mask[None, :]
+  if cfg.splits == 1:
+    plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=out_mask)
+  else:
+    plgpu.store(o_ref.at[pid_s, pl.ds(m0, bm), pl.ds(n0, bn)], acc, mask=out_mask)
+
+
+def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, *refs, m, k, n, cfg: TileConfig,
+               fmt: _Format, steps: int):
+  o_ref = refs[-1]
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  pid_k, pid_s, pid_m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  m0 = pid_m * bm
+  kp0 = pid_k * (bk // 2)
+  m_mask = (m0 + jnp.arange(bm)) < m
+  kp_mask = (kp0 + jnp.arange(bk // 2)) < k // 2
+  ks_mask = (pid_k * (bk // fmt.group) + jnp.arange(bk // fmt.group)) < k // fmt.group
+  n_begin = pid_s * (steps * bn)
+  dims = (((1,), (1,)), ((), ()))  # contract dy's N with the weight tile's N
+
+  def body(i, carry):
+    acc_e, acc_o = carry
+    n0 = n_begin + i * bn
+    n_mask = (n0 + jnp.arange(bn)) < n
+    dy = plgpu.load(dy_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)],
+                    mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+    p = plgpu.load(p_ref.at[pl.ds(kp0, bk // 2), pl.ds(n0, bn)],
+                   mask=kp_mask[:, None] & n_mask[None, :], other=0)
+    s = plgpu.load(s_ref.at[pl.ds(pid_k * (bk // fmt.group), bk // fmt.group), pl.ds(n0, bn)],
+                   mask=ks_mask[:, None] & n_mask[None, :], other=0.0)
+    w_lo, w_hi = _decode_tile(p, s, fmt, dy.dtype)
+    acc_e += lax.dot_general(dy, w_lo, dims, preferred_element_type=jnp.float32)
+    acc_o += lax.dot_general(dy, w_hi, dims, preferred_element_type=jnp.float32)
+    return acc_e, acc_o
+
+  zeros = jnp.zeros((bm, bk // 2), jnp.float32)
+  acc_e, acc_o = lax.fori_loop(0, steps, body, (zeros, zeros))
+  igs = igs_ref[0]
+  out_mask = m_mask[:, None] & kp_mask[None, :]
+  lead = () if cfg.splits == 1 else (pid_s,)  # split partials: o_ref is [splits, M, ...]
+  acc_e = (acc_e * igs).astype(o_ref.dtype)
+  acc_o = (acc_o * igs).astype(o_ref.dtype)
+  if cfg.split_x == "registers":  # [M, K]: interleave in registers, store whole rows
+    full_mask = m_mask[:, None] & ((pid_k * bk + jnp.arange(bk)) < k)[None, :]
+    out = jnp.stack([acc_e, acc_o], axis=-1).reshape(bm, bk)
+    plgpu.store(o_ref.at[(*lead, pl.ds(m0, bm), pl.ds(pid_k * bk, bk))], out, mask=full_mask)
+  else:  # [M, K/2, 2]
+    plgpu.store(o_ref.at[(*lead, pl.ds(m0, bm), pl.ds(kp0, bk // 2), _EVEN)], acc_e, mask=out_mask)
+    plgpu.store(o_ref.at[(*lead, pl.ds(m0, bm), pl.ds(kp0, bk // 2), _ODD)], acc_o, mask=out_mask)
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+# Per kind and M bucket (largest M it covers; None: any larger M):
+# (block_m, block_n, block_k, num_warps, num_stages, target_programs, split_x).
+# target_programs > 0 turns on split-K (split-N for dx) until about that many
+# programs run; 0 never splits. Chosen by `experiments/bench_kernels.py --sweep`
+# on an H200 (see docs/benchmarks.md).
+TUNED: dict = {
+    ("fwd", 16): (16, 128, 256, 4, 4, 264, "registers"),
+    ("fwd", 32): (32, 128, 256, 4, 4, 264, "registers"),
+    ("fwd", 64): (64, 128, 256, 4, 4, 264, "registers"),
+    ("fwd", 128): (128, 128, 128, 8, 3, 264, "registers"),
+    ("fwd", 256): (128, 128, 128, 8, 3, 264, "registers"),
+    ("fwd", None): (128, 128, 128, 8, 3, 0, "registers"),
+    ("dx", 64): (64, 128, 128, 4, 4, 264, "registers"),
+    ("dx", None): (128, 64, 128, 8, 3, 0, "registers"),
+}
+
+
+def default_config(m: int, k: int, n: int, *, kind: str = "fwd", group: int = 16,
+                   table: dict | None = None) -> TileConfig:
+  """Tile sizes for an ``[m, k] x [k, n]`` problem, from the tuned table.
+
+  Args:
+    m, k, n: the logical matmul sizes (for ``kind="dx"``: dy is ``[m, n]``,
+      dx is ``[m, k]``).
+    kind: ``"fwd"`` or ``"dx"``.
+    group: the format's block-scale group size (16 NVFP4, 64 NF4); block_k is
+      raised to a multiple of it.
+    table: a table shaped like :data:`TUNED` (default :data:`TUNED`).
+
+  Returns:
+    a :class:`TileConfig`; ``splits`` is set so that about ``target_programs``
+    programs run, at most 32, each with at least two contraction steps, and the
+    float32 partials (written and read once) stay under half the 4-bit
+    weight's bytes.
+  """
+  table = TUNED if table is None else table
+  buckets = sorted((b for (kd, b) in table if kd == kind and b is not None))
+  bucket = next((b for b in buckets if m <= b), None)
+  bm, bn, bk, warps, stages, target, split_x = table[(kind, bucket)]
+  bk = max(bk, group)
+  if kind == "fwd":
+    out_tiles = -(-m // bm) * -(-n // bn)
+    contraction, step, n_out = k, bk, n
+  else:
+    out_tiles = -(-m // bm) * -(-k // bk)
+    contraction, step, n_out = n, bn, k
+  splits = 1
+  if target and out_tiles < target:
+    max_by_bytes = int((k * n / 2) * 0.5 / (m * n_out * 8))
+    splits = max(1, min(-(-target // out_tiles), contraction // (2 * step), max_by_bytes, 32))
+  return TileConfig(bm, bn, bk, splits, warps, stages, split_x)
+
+
+# ----------------------------------------------------------------------------- calls
+
+
+def _check(x, w, fmt: _Format, cfg: TileConfig):
+  if w.packed.ndim != 2:
+    raise ValueError(f"kernel path needs one [K, N] matrix, got packed shape {w.packed.shape}")
+  for name in ("block_m", "block_n", "block_k"):
+    v = getattr(cfg, name)
+    if v & (v - 1) or v < 16:
+      raise ValueError(f"TileConfig.{name} must be a power of 2 >= 16, got {v}")
+  if cfg.block_k % fmt.group:
+    raise ValueError(f"TileConfig.block_k={cfg.block_k} must be a multiple of the block size {fmt.group}")
+  if x.ndim != 2:
+    raise ValueError(f"expected a 2-D operand, got shape {x.shape}")
+
+
+def _call(kernel, grid, out_shape, cfg, interpret, name, poison, *args):
+  aliases = {}
+  if poison:  # start from a NaN-filled output buffer so that unwritten elements show
+    args = args + (jnp.full(out_shape.shape, jnp.nan, out_shape.dtype),)
+    aliases = {len(args) - 1: 0}
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        name=name,
+        input_output_aliases=aliases,
+    )(*args)
+
+
+def forward(x: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None,
+            interpret: bool = False, poison_output: bool = False) -> jax.Array:
+  """``x @ W`` by the fused kernel.
+
+  Args:
+    x: bf16 (or float16) ``[M, K]``.
+    w: NVFP4Tensor or NF4Tensor ``[K, N]`` without leading dims.
+    out_dtype: output dtype (default ``x.dtype``); accumulation is float32.
+    config: tile sizes (default :func:`default_config`).
+    interpret: run in Pallas interpret mode (CPU tests).
+    poison_output: fill the output buffer with NaN before the kernel runs
+      (tests: an element the kernel misses stays NaN).
+
+  Returns:
+    ``[M, N]`` in ``out_dtype``.
+
+  Raises:
+    TypeError: unsupported weight type. ValueError: shape mismatch or bad config.
+  """
+  fmt = _format_of(w)
+  k, n = w.shape
+  m = x.shape[0]
+  if x.shape[-1] != k:
+    raise ValueError(f"forward: x has K={x.shape[-1]} (shape {x.shape}) but the weight is [{k}, {n}]")
+  cfg = config or default_config(m, k, n, kind="fwd", group=fmt.group)
+  _check(x, w, fmt, cfg)
+  out_dtype = jnp.dtype(out_dtype or x.dtype)
+  total_steps = -(-k // cfg.block_k)
+  steps = -(-total_steps // cfg.splits)
+  splits = -(-total_steps // steps)
+  cfg = dataclasses.replace(cfg, splits=splits)
+  grid = (-(-n // cfg.block_n), splits, -(-m // cfg.block_m))
+  if splits == 1:
+    out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
+  else:
+    out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
+  kernel = functools.partial(_fwd_kernel, m=m, k=k, n=n, cfg=cfg, fmt=fmt, steps=steps)
+  x_view = x if cfg.split_x == "registers" else x.reshape(m, k // 2, 2)
+  y = _call(kernel, grid, out_shape, cfg, interpret, "w4a16_fwd", poison_output,
+            x_view, w.packed, w.block_scale, _inverse_global_scale(w))
+  if splits > 1:
+    y = y.sum(axis=0).astype(out_dtype)
+  return y
+
+
+def dx(dy: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None,
+       interpret: bool = False, poison_output: bool = False) -> jax.Array:
+  """``dy @ W^T`` by the fused kernel (the gradient of ``x @ W`` for ``x``).
+
+  Args:
+    dy: bf16 (or float16) ``[M, N]``.
+    w: NVFP4Tensor or NF4Tensor ``[K, N]`` without leading dims.
+    out_dtype: output dtype (default ``dy.dtype``); accumulation is float32.
+    config: tile sizes (default :func:`default_config` with ``kind="dx"``).
+    interpret: run in Pallas interpret mode (CPU tests).
+    poison_output: fill the output buffer with NaN before the kernel runs
+      (tests: an element the kernel misses stays NaN).
+
+  Returns:
+    ``[M, K]`` in ``out_dtype``.
+
+  Raises:
+    TypeError: unsupported weight type. ValueError: shape mismatch or bad config.
+  """
+  fmt = _format_of(w)
+  k, n = w.shape
+  m = dy.shape[0]
+  if dy.shape[-1] != n:
+    raise ValueError(f"dx: dy has N={dy.shape[-1]} (shape {dy.shape}) but the weight is [{k}, {n}]")
+  cfg = config or default_config(m, k, n, kind="dx", group=fmt.group)
+  _check(dy, w, fmt, cfg)
+  out_dtype = jnp.dtype(out_dtype or dy.dtype)
+  total_steps = -(-n // cfg.block_n)
+  steps = -(-total_steps // cfg.splits)
+  splits = -(-total_steps // steps)
+  cfg = dataclasses.replace(cfg, splits=splits)
+  grid = (-(-k // cfg.block_k), splits, -(-m // cfg.block_m))
+  tail = (k,) if cfg.split_x == "registers" else (k // 2, 2)
+  if splits == 1:
+    out_shape = jax.ShapeDtypeStruct((m, *tail), out_dtype)
+  else:
+    out_shape = jax.ShapeDtypeStruct((splits, m, *tail), jnp.float32)
+  kernel = functools.partial(_dx_kernel, m=m, k=k, n=n, cfg=cfg, fmt=fmt, steps=steps)
+  out = _call(kernel, grid, out_shape, cfg, interpret, "w4a16_dx", poison_output,
+              dy, w.packed, w.block_scale, _inverse_global_scale(w))
+  if splits > 1:
+    out = out.sum(axis=0).astype(out_dtype)
+  return out.reshape(m, k)

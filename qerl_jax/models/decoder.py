@@ -1,0 +1,347 @@
+"""The functional decoder: parameters in, logits (and the updated KV cache) out.
+
+Parameter trees are plain nested dicts (see the package docstring). The
+``L`` decoder layers are stacked on a leading axis and run under
+``jax.lax.scan``, so a 64-layer model compiles one layer body.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qerl_jax import nf4, nvfp4
+from qerl_jax.models import layers
+from qerl_jax.models.config import ModelConfig, rope_inv_freq
+
+LINEARS = (("attn", "q"), ("attn", "k"), ("attn", "v"), ("attn", "o"),
+           ("mlp", "gate"), ("mlp", "up"), ("mlp", "down"))
+NORMS = ("input_norm", "post_attn_norm")
+
+
+def _dtype(cfg: ModelConfig):
+  return jnp.dtype(cfg.dtype)
+
+
+def lora_scale_of(lora_cfg: Any) -> float:
+  """The LoRA scale from ``lora_cfg``: None -> 1.0, a number, or an object /
+  mapping with ``scale`` (e.g. ``alpha / r``)."""
+  if lora_cfg is None:
+    return 1.0
+  if isinstance(lora_cfg, (int, float)):
+    return float(lora_cfg)
+  if isinstance(lora_cfg, dict):
+    return float(lora_cfg["scale"])
+  if hasattr(lora_cfg, "scale"):
+    return float(lora_cfg.scale)
+  raise TypeError(f"lora_cfg must be None, a float, or have a 'scale'; got {type(lora_cfg).__name__}")
+
+
+# ----------------------------------------------------------------------------- params
+
+def init_params(cfg: ModelConfig, key: jax.Array, *, dtype=jnp.bfloat16, std: float = 0.02) -> dict:
+  """Random base parameters (normal(0, std) weights, ones for norms, zero biases).
+
+  For tests and for pretraining a tiny model; real weights come from
+  :func:`qerl_jax.hf.load_pretrained`.
+
+  Returns:
+    The base tree: ``embed [V, D]``, ``final_norm [D]``, ``lm_head [D, V]``
+    (absent when tied), ``layers`` stacked over ``L`` with every linear a
+    ``dtype`` array ``[L, K, N]``.
+  """
+  L, D, V = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+  keys = iter(jax.random.split(key, 16))
+  normal = lambda shape: (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+  lay = {"input_norm": jnp.ones((L, D), dtype), "post_attn_norm": jnp.ones((L, D), dtype),
+         "attn": {}, "mlp": {}}
+  for (group, name), (k, n) in cfg.linear_shapes().items():
+    lay[group][name] = normal((L, k, n))
+  if cfg.attention_bias:
+    lay["attn"]["q_bias"] = normal((L, cfg.q_dim))
+    lay["attn"]["k_bias"] = normal((L, cfg.kv_dim))
+    lay["attn"]["v_bias"] = normal((L, cfg.kv_dim))
+  if cfg.qk_norm:
+    lay["attn"]["q_norm"] = jnp.ones((L, cfg.head_dim), dtype)
+    lay["attn"]["k_norm"] = jnp.ones((L, cfg.head_dim), dtype)
+  base = {"embed": normal((V, D)), "final_norm": jnp.ones((D,), dtype), "layers": lay}
+  if not cfg.tie_word_embeddings:
+    base["lm_head"] = normal((D, V))
+  return base
+
+
+def map_linears(fn, base: dict) -> dict:
+  """Returns a copy of ``base`` with ``fn(w)`` applied to each of the 7 stacked linears."""
+  lay = dict(base["layers"])
+  for group in ("attn", "mlp"):
+    lay[group] = dict(lay[group])
+  for group, name in LINEARS:
+    lay[group][name] = fn(lay[group][name])
+  return {**base, "layers": lay}
+
+
+def quantize_base(base: dict, quant: str = "nvfp4") -> dict:
+  """Quantizes every decoder linear (per layer; embeddings, norms, biases, lm_head stay).
+
+  Args:
+    base: a base tree with float linears ``[L, K, N]``.
+    quant: ``"nvfp4"`` (one global scale per layer and matrix), ``"nf4"`` or ``"none"``.
+
+  Raises:
+    ValueError: unknown ``quant``; K not a multiple of the block size (16 / 64).
+  """
+  if quant == "none":
+    return base
+  fns = {"nvfp4": nvfp4.quantize, "nf4": nf4.quantize}
+  if quant not in fns:
+    raise ValueError(f"quant must be 'nvfp4', 'nf4' or 'none', got {quant!r}")
+  return map_linears(lambda w: w if layers.is_quantized(w) else fns[quant](w), base)
+
+
+def dequantize_base(base: dict, dtype=jnp.float32) -> dict:
+  """The float model a quantized base represents: each 4-bit linear dequantized to ``dtype``."""
+  def deq(w):
+    if isinstance(w, nvfp4.NVFP4Tensor):
+      return nvfp4.dequantize(w, dtype)
+    if isinstance(w, nf4.NF4Tensor):
+      return nf4.dequantize(w, dtype)
+    return w
+  return map_linears(deq, base)
+
+
+# ----------------------------------------------------------------------------- cache
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> dict:
+  """An empty KV cache.
+
+  Returns:
+    ``{"k": [L, B, S, Hkv, hd], "v": [L, B, S, Hkv, hd]`` in ``dtype``,
+    ``"mask": bool [B, S]`` (True at written, non-padding slots),
+    ``"index": int32 []`` (next slot to write, shared by all rows)}. ``S = max_len``.
+    Prompts are left-padded so one shared write index serves the batch.
+  """
+  shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+          "mask": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((), jnp.int32)}
+
+
+def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
+  """``max(cumsum(mask) - 1, 0)``: int32 positions so a left-padded row gets the
+  positions it would have alone (padding slots get 0)."""
+  return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- forward
+
+def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, write_at):
+  """One decoder layer. ``kv`` is None or ``(k_cache [B,S,Hkv,hd], v_cache)``."""
+  b, t, _ = h.shape
+  eps = cfg.rms_norm_eps
+  attn, mlp = lp["attn"], lp["mlp"]
+  la, lm = ll.get("attn", {}), ll.get("mlp", {})
+
+  w_in = ll.get("input_norm", lp["input_norm"])
+  x = layers.rms_norm(h, w_in, eps, nn.get("input_norm"))
+  lin = lambda grp, lgrp, name, v: layers.linear(
+      v, grp[name], bias=grp.get(name + "_bias"), lora=lgrp.get(name), lora_scale=lora_scale)
+  q = lin(attn, la, "q", x).reshape(b, t, cfg.num_heads, cfg.head_dim)
+  k = lin(attn, la, "k", x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+  v = lin(attn, la, "v", x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+  if cfg.qk_norm:
+    q = layers.rms_norm(q, attn["q_norm"], eps)
+    k = layers.rms_norm(k, attn["k_norm"], eps)
+  q = layers.rope(q, positions, inv_freq)
+  k = layers.rope(k, positions, inv_freq)
+  if kv is None:
+    keys, values, new_kv = k, v, None
+  else:
+    kc, vc = kv
+    kc = jax.lax.dynamic_update_slice(kc, k.astype(kc.dtype), (0, write_at, 0, 0))
+    vc = jax.lax.dynamic_update_slice(vc, v.astype(vc.dtype), (0, write_at, 0, 0))
+    keys, values, new_kv = kc, vc, (kc, vc)
+  o = layers.attention(q, keys, values, mask_BxTxS).reshape(b, t, cfg.q_dim)
+  h = h + lin(attn, la, "o", o)
+
+  w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
+  x = layers.rms_norm(h, w_post, eps, nn.get("post_attn_norm"))
+  g = lin(mlp, lm, "gate", x)
+  u = lin(mlp, lm, "up", x)
+  y = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(h.dtype)
+  h = h + lin(mlp, lm, "down", y)
+  return h, new_kv
+
+
+def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Array, *,
+            lora: Optional[dict] = None, lora_cfg: Any = None,
+            norm_noise: Optional[dict] = None, cache: Optional[dict] = None,
+            attn_mask: Optional[jax.Array] = None, remat: bool = False,
+            return_hidden: bool = False):
+  """Runs the decoder (optionally against a KV cache: prefill or decode).
+
+  Args:
+    cfg: static config (``cfg.dtype`` is the compute dtype).
+    base: frozen base tree (bf16/f32 arrays, NVFP4Tensor or NF4Tensor linears).
+    tokens: int32 ``[B, T]``.
+    positions: int32 ``[B, T]`` RoPE positions, normally
+      :func:`positions_from_mask` of the attention mask (with a cache: the
+      positions of the new tokens, e.g. last position + 1 when decoding).
+    lora: optional adapter tree ``{"layers": {"attn": {"q": {"a": [L, K, r],
+      "b": [L, r, N]}, ...}, "mlp": {...}, optional "input_norm"/"post_attn_norm"
+      [L, D] replacing the base norm weights}}``.
+    lora_cfg: the LoRA scale: None (1.0), a float, or anything with ``.scale``.
+    norm_noise: optional AQN noise ``{"input_norm": f32 [L, D], "post_attn_norm": f32 [L, D]}``
+      added to the norm weights (QeRL Sec. 3.3).
+    cache: optional KV cache from :func:`init_cache`; the new keys/values are
+      written at slots ``[index, index + T)`` and ``index`` advances by ``T``.
+      The caller keeps ``index + T <= S``.
+    attn_mask: ``[B, T]`` 1/True for real tokens, 0 for padding (default all 1).
+      Causal masking is always applied.
+    remat: ``jax.checkpoint`` each layer body (training memory; same numbers).
+    return_hidden: return the final-normed hidden ``[B, T, D]`` (compute dtype)
+      instead of float32 logits ``[B, T, V]``.
+
+  Returns:
+    ``(logits_or_hidden, new_cache)`` (``new_cache`` is None without a cache).
+
+  Raises:
+    ValueError: tokens/positions/mask shape mismatch.
+  """
+  if tokens.ndim != 2 or positions.shape != tokens.shape:
+    raise ValueError(f"tokens must be [B, T] with positions of the same shape; got tokens "
+                     f"{tokens.shape}, positions {positions.shape}")
+  b, t = tokens.shape
+  if attn_mask is None:
+    attn_mask = jnp.ones((b, t), bool)
+  elif attn_mask.shape != tokens.shape:
+    raise ValueError(f"attn_mask shape {attn_mask.shape} != tokens shape {tokens.shape}")
+  attn_mask = attn_mask.astype(bool)
+  dt = _dtype(cfg)
+  inv_freq = jnp.asarray(rope_inv_freq(cfg))
+  lora_scale = lora_scale_of(lora_cfg)
+  h = jnp.take(base["embed"], tokens, axis=0).astype(dt)
+
+  if cache is None:
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    mask = causal[None] & attn_mask[:, None, :]
+    write_at = None
+  else:
+    s = cache["k"].shape[2]
+    write_at = cache["index"]
+    slot_mask = jax.lax.dynamic_update_slice(cache["mask"], attn_mask, (0, write_at))
+    q_slot = write_at + jnp.arange(t)
+    mask = (jnp.arange(s)[None, :] <= q_slot[:, None])[None] & slot_mask[:, None, :]
+
+  lay_lora = (lora or {}).get("layers", {})
+  noise = norm_noise or {}
+
+  def body(carry, xs):
+    h, kc, vc = carry
+    lp, ll, nn, li = xs
+    if kc is None:
+      h, _ = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, None, mask, positions, None)
+    else:
+      kv = (jax.lax.dynamic_index_in_dim(kc, li, 0, keepdims=False),
+            jax.lax.dynamic_index_in_dim(vc, li, 0, keepdims=False))
+      h, (kl, vl) = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask, positions, write_at)
+      kc = jax.lax.dynamic_update_index_in_dim(kc, kl, li, 0)
+      vc = jax.lax.dynamic_update_index_in_dim(vc, vl, li, 0)
+    return (h, kc, vc), None
+
+  if remat:
+    body = jax.checkpoint(body, prevent_cse=False)
+  kc0 = None if cache is None else cache["k"]
+  vc0 = None if cache is None else cache["v"]
+  xs = (base["layers"], lay_lora, noise, jnp.arange(cfg.num_layers))
+  (h, kc, vc), _ = jax.lax.scan(body, (h, kc0, vc0), xs)
+
+  h = layers.rms_norm(h, base["final_norm"], cfg.rms_norm_eps)
+  new_cache = None
+  if cache is not None:
+    new_cache = {"k": kc, "v": vc, "mask": slot_mask, "index": cache["index"] + t}
+  if return_hidden:
+    return h, new_cache
+  return lm_head_logits(cfg, base, h), new_cache
+
+
+def lm_head_logits(cfg: ModelConfig, base: dict, hidden: jax.Array) -> jax.Array:
+  """float32 logits ``[..., V]`` from final-normed hidden ``[..., D]`` (tied: ``embed.T``)."""
+  dt = hidden.dtype
+  if cfg.tie_word_embeddings or "lm_head" not in base:
+    return jnp.einsum("...d,vd->...v", hidden, base["embed"].astype(dt),
+                      preferred_element_type=jnp.float32)
+  return jnp.dot(hidden, base["lm_head"].astype(dt), preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+def logprobs_from_hidden(cfg: ModelConfig, base: dict, hidden: jax.Array, targets: jax.Array, *,
+                         chunk_size: int = 256, temperature: float = 1.0):
+  """Log-probabilities and entropies from hidden states, chunked over the sequence.
+
+  Each chunk computes ``[B, C, V]`` float32 logits, divides by ``temperature``,
+  takes ``log_softmax``, gathers the target and the entropy
+  ``-sum_v p_v log p_v`` (nats), and is rematerialised in the backward pass, so
+  ``[B, T, V]`` float32 logits never exist at once (forward or gradient).
+
+  Args:
+    hidden: ``[B, T, D]`` final-normed hidden states.
+    targets: int32 ``[B, T]``, the token whose log-probability is read at each position.
+    chunk_size: C, tokens per chunk (T is padded up to a multiple).
+    temperature: logits divisor (> 0).
+
+  Returns:
+    ``(logprobs [B, T] f32, entropy [B, T] f32)``.
+  """
+  b, t, d = hidden.shape
+  c = max(1, min(chunk_size, t))
+  n = -(-t // c)
+  pad = n * c - t
+  if pad:
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+  h_chunks = hidden.reshape(b, n, c, d).swapaxes(0, 1)  # [n, B, C, D]
+  t_chunks = targets.reshape(b, n, c).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one(args):
+    h, tg = args
+    logits = lm_head_logits(cfg, base, h) / temperature
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    lp = jnp.take_along_axis(logp, tg[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    return lp, ent
+
+  lp, ent = jax.lax.map(one, (h_chunks, t_chunks))
+  lp = lp.swapaxes(0, 1).reshape(b, n * c)[:, :t]
+  ent = ent.swapaxes(0, 1).reshape(b, n * c)[:, :t]
+  return lp, ent
+
+
+def token_logprobs(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Array, *,
+                   lora: Optional[dict] = None, lora_cfg: Any = None,
+                   norm_noise: Optional[dict] = None, attn_mask: Optional[jax.Array] = None,
+                   remat: bool = True, chunk_size: int = 256, temperature: float = 1.0):
+  """Log-probability of each token given its prefix, and the entropy of that prediction.
+
+  ``logprobs[b, t] = log p(tokens[b, t] | tokens[b, :t])`` for ``t >= 1``
+  (aligned with ``tokens``, so a completion mask over ``tokens`` applies
+  directly); ``logprobs[:, 0] = 0`` and ``entropy[:, 0] = 0``.
+  ``entropy[b, t]`` is the entropy (nats) of the distribution that predicted
+  ``tokens[b, t]``. Differentiable w.r.t. ``lora`` (and ``norm_noise``).
+
+  Args: as :func:`forward`, plus ``chunk_size`` and ``temperature`` (see
+    :func:`logprobs_from_hidden`). ``remat`` defaults to True (training).
+
+  Returns:
+    ``(logprobs [B, T] f32, entropy [B, T] f32)``.
+  """
+  hidden, _ = forward(cfg, base, tokens, positions, lora=lora, lora_cfg=lora_cfg,
+                      norm_noise=norm_noise, attn_mask=attn_mask, remat=remat, return_hidden=True)
+  lp, ent = logprobs_from_hidden(cfg, base, hidden[:, :-1], tokens[:, 1:],
+                                 chunk_size=chunk_size, temperature=temperature)
+  zeros = jnp.zeros((tokens.shape[0], 1), jnp.float32)
+  return jnp.concatenate([zeros, lp], axis=1), jnp.concatenate([zeros, ent], axis=1)

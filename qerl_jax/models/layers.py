@@ -1,0 +1,130 @@
+"""Building blocks of the decoder: the one linear dispatch, RMSNorm, RoPE, attention.
+
+All functions are pure; shapes use B batch, T new tokens, S key/value slots,
+D hidden, H query heads, Hkv key/value heads, G = H / Hkv, hd head_dim.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from qerl_jax import nf4, nvfp4
+
+MASKED_SCORE = -1e30  # finite, so a fully masked (padding) query row gives no NaN
+
+
+def is_quantized(w) -> bool:
+  """True for an :class:`NVFP4Tensor` or :class:`NF4Tensor`."""
+  return isinstance(w, (nvfp4.NVFP4Tensor, nf4.NF4Tensor))
+
+
+def linear(x: jax.Array, w, *, bias: Optional[jax.Array] = None,
+           lora: Optional[dict] = None, lora_scale: float = 1.0) -> jax.Array:
+  """``x @ W (+ bias) + lora_scale * (x @ A) @ B``: THE one place weights are dispatched.
+
+  * ``W`` a float array ``[K, N]`` -> ``jnp.dot`` in ``x.dtype`` with float32
+    accumulation (``preferred_element_type``);
+  * ``W`` an NVFP4Tensor / NF4Tensor of logical shape ``[K, N]`` ->
+    :func:`pallas_kernels.quantized_matmul` (W4A16 kernel, or its XLA reference);
+  * LoRA (Hu et al. 2021): ``lora = {"a": [K, r], "b": [r, N]}``, both matmuls
+    in ``x.dtype`` with float32 accumulation.
+
+  Args:
+    x: ``[..., K]`` activations in the compute dtype.
+    w: the frozen weight.
+    bias: optional ``[N]``, added in float32.
+    lora: optional adapter dict.
+    lora_scale: ``alpha / r`` (or ``alpha / sqrt(r)`` for rsLoRA), a static float.
+
+  Returns:
+    ``[..., N]`` in ``x.dtype``.
+
+  Raises:
+    TypeError: ``w`` is neither a float array nor a 4-bit tensor.
+    ValueError: K mismatch between ``x`` and ``w``.
+  """
+  dt = x.dtype
+  if is_quantized(w):
+    y = pallas_kernels.quantized_matmul(x, w, out_dtype=jnp.float32)
+  elif hasattr(w, "dtype") and jnp.issubdtype(w.dtype, jnp.floating):
+    if w.shape[-2] != x.shape[-1]:
+      raise ValueError(f"linear: x has K={x.shape[-1]} (shape {x.shape}) but W has shape {w.shape}")
+    y = jnp.dot(x, w.astype(dt), preferred_element_type=jnp.float32)
+  else:
+    raise TypeError(f"linear: unsupported weight type {type(w).__name__} "
+                    f"(expected a float array, NVFP4Tensor or NF4Tensor)")
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
+  if lora is not None:
+    xa = jnp.dot(x, lora["a"].astype(dt), preferred_element_type=jnp.float32)
+    y = y + lora_scale * jnp.dot(xa.astype(dt), lora["b"].astype(dt),
+                                 preferred_element_type=jnp.float32)
+  return y.astype(dt)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float,
+             noise: Optional[jax.Array] = None) -> jax.Array:
+  """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * (weight + noise)``.
+
+  Statistics in float32; ``noise`` (AQN, QeRL Sec. 3.3) is added to the weight
+  in float32. Returns ``x.dtype``, shape of ``x`` ``[..., D]``; weight ``[D]``.
+  """
+  xf = x.astype(jnp.float32)
+  var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+  normed = (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+  w = weight.astype(jnp.float32)
+  if noise is not None:
+    w = w + noise.astype(jnp.float32)
+  return (w * normed.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x_BxTxNxhd: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """Rotary position embedding (RoFormer), HF "rotate half" layout.
+
+  Args:
+    x_BxTxNxhd: queries or keys ``[B, T, heads, hd]``.
+    positions_BxT: int32 token positions.
+    inv_freq: float32 ``[hd / 2]`` from :func:`config.rope_inv_freq`.
+
+  Returns:
+    Same shape and dtype as ``x``; angles and cos/sin in float32.
+  """
+  ang = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+  ang = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]
+  cos = jnp.cos(ang).astype(x_BxTxNxhd.dtype)
+  sin = jnp.sin(ang).astype(x_BxTxNxhd.dtype)
+  half = x_BxTxNxhd.shape[-1] // 2
+  x1, x2 = x_BxTxNxhd[..., :half], x_BxTxNxhd[..., half:]
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return x_BxTxNxhd * cos + rotated * sin
+
+
+def attention(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS) -> jax.Array:
+  """Grouped-query softmax attention (Ainslie et al. 2023), scale ``1/sqrt(hd)``.
+
+  Scores and softmax in float32; masked slots get :data:`MASKED_SCORE` (a row
+  with every slot masked, a left-padding query, gives a finite average).
+
+  Args:
+    q_BxTxHxhd: queries (H = Hkv * G).
+    k_BxSxKxhd, v_BxSxKxhd: keys and values with Hkv heads.
+    mask_BxTxS: bool, True where query t may attend to slot s.
+
+  Returns:
+    ``[B, T, H, hd]`` in q's dtype.
+  """
+  b, t, h, hd = q_BxTxHxhd.shape
+  kh = k_BxSxKxhd.shape[2]
+  dt = q_BxTxHxhd.dtype
+  q = q_BxTxHxhd.reshape(b, t, kh, h // kh, hd)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BxSxKxhd.astype(dt),
+                      preferred_element_type=jnp.float32) * (hd ** -0.5)
+  scores = jnp.where(mask_BxTxS[:, None, None, :, :], scores, MASKED_SCORE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxhd.astype(dt),
+                   preferred_element_type=jnp.float32)
+  return out.reshape(b, t, h, hd).astype(dt)

@@ -1,0 +1,552 @@
+"""Tests for qerl_jax.grpo (advantages, losses, KL, metrics) and qerl_jax.update (the update step).
+
+References are float64 numpy written here, independently of the implementation, or worked by hand.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from qerl_jax import grpo, update
+
+# ---------------------------------------------------------------------------------------------
+# The two-sequence hand example
+# ---------------------------------------------------------------------------------------------
+# Sequence 0 has 3 unmasked tokens and advantage +1, sequence 1 has 2 and advantage -0.5;
+# importance ratios pi/pi_old are chosen round. Masked slots hold NaN to prove they cannot leak.
+RATIOS = np.array([[1.0, 1.5, 0.5, 1.0], [0.7, 1.1, 1.0, 1.0]])
+OLD = np.log(np.array([[0.5, 0.2, 0.3, 0.9], [0.4, 0.6, 0.1, 0.1]]))
+MASK = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], np.int32)
+ADV = np.array([1.0, -0.5])
+EPS, EPS_HIGH = 0.2, 0.28
+
+
+def _hand_inputs():
+    lp = OLD + np.log(RATIOS)
+    lp = np.where(MASK == 1, lp, np.nan)
+    old = np.where(MASK == 1, OLD, np.nan)
+    return lp.astype(np.float32), old.astype(np.float32)
+
+
+def _np_per_token(lp, old, adv, eps_low, eps_high, beta=0.0, ref=None, est="k3"):
+    """float64 reference of the per-token clipped loss (+ beta * KL)."""
+    lp, old = np.asarray(lp, np.float64), np.asarray(old, np.float64)
+    r = np.exp(lp - old)
+    a = np.asarray(adv, np.float64)[:, None]
+    c = np.clip(r, 1 - eps_low, 1 + eps_high)
+    loss = -np.minimum(r * a, c * a)
+    if beta:
+        d = np.asarray(ref, np.float64) - lp
+        kl = {"k1": -d, "k2": 0.5 * d * d, "k3": np.exp(d) - d - 1}[est]
+        loss = loss + beta * kl
+    return loss
+
+
+def _np_reduce(per_token, mask, loss_type, max_len):
+    m = np.asarray(mask, bool)
+    pt = np.where(m, per_token, 0.0)
+    if loss_type == "grpo":
+        n = m.sum(1)
+        keep = n > 0
+        return (pt.sum(1)[keep] / n[keep]).mean() if keep.any() else 0.0
+    if loss_type in ("bnpo", "dapo"):
+        return pt.sum() / max(m.sum(), 1)
+    return pt.sum() / (m.shape[0] * max_len)
+
+
+# Worked fully by hand (epsilon 0.2, epsilon_high 0.28, so the ratio is clipped to [0.8, 1.28]):
+#   seq 0, A = +1:   ratios 1.0, 1.5, 0.5 -> clipped 1.0, 1.28, 0.8
+#                    -min(r*A, clip(r)*A) = -1.0, -1.28, -0.5        sum -2.78, mean -0.926667
+#   seq 1, A = -0.5: ratios 0.7, 1.1     -> clipped 0.8, 1.1
+#                    r*A = -0.35, -0.55; clip*A = -0.40, -0.55
+#                    -min(...) = 0.40, 0.55                          sum  0.95, mean  0.475
+#   grpo    = (-0.926667 + 0.475) / 2        = -0.2258333
+#   bnpo    = dapo = (-2.78 + 0.95) / 5 tokens = -0.366
+#   dr_grpo = (-2.78 + 0.95) / (2 seqs * 4)  = -0.22875
+#   clip metrics over 5 tokens: low (r < 0.8, A < 0) = seq1 tok0 -> 0.2; high (r > 1.28, A > 0) =
+#   seq0 tok1 -> 0.2; region 0.4. (seq0 tok2 has r = 0.5 < 0.8 but A > 0: not low-clipped.)
+HAND = {"grpo": -0.2258333333, "bnpo": -0.366, "dapo": -0.366, "dr_grpo": -0.22875}
+
+
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+def test_hand_example_each_loss_type(loss_type):
+    lp, old = _hand_inputs()
+    loss, met = grpo.policy_loss(lp, old, ADV, MASK, loss_type=loss_type, epsilon=EPS,
+                                 epsilon_high=EPS_HIGH, max_completion_length=4)
+    ref = _np_reduce(_np_per_token(np.nan_to_num(lp), np.nan_to_num(old), ADV, EPS, EPS_HIGH),
+                     MASK, loss_type, 4)
+    np.testing.assert_allclose(float(loss), ref, rtol=1e-6)
+    np.testing.assert_allclose(float(loss), HAND[loss_type], rtol=1e-6)
+    np.testing.assert_allclose(float(met["clip_ratio/low_mean"]), 0.2, rtol=1e-6)
+    np.testing.assert_allclose(float(met["clip_ratio/high_mean"]), 0.2, rtol=1e-6)
+    np.testing.assert_allclose(float(met["clip_ratio/region_mean"]), 0.4, rtol=1e-6)
+    assert float(met["num_tokens"]) == 5
+
+
+def test_hand_example_gradient_grpo():
+    lp, old = _hand_inputs()
+    g = jax.grad(lambda x: grpo.policy_loss(x, old, ADV, MASK, loss_type="grpo", epsilon=EPS,
+                                            epsilon_high=EPS_HIGH)[0])(jnp.asarray(lp))
+    # d/dlogp of -r*A is -r*A where the unclipped branch is active, 0 where clipped; grpo then
+    # divides by the sequence's token count and the number of sequences (2).
+    r, a = RATIOS, ADV[:, None]
+    active = (r * a <= np.clip(r, 1 - EPS, 1 + EPS_HIGH) * a) & (MASK == 1)
+    expected = np.where(active, -r * a, 0.0) / MASK.sum(1, keepdims=True) / 2
+    np.testing.assert_allclose(np.asarray(g), expected, rtol=1e-6, atol=1e-8)
+    assert np.all(np.isfinite(np.asarray(g)))
+
+
+@pytest.mark.parametrize("est", grpo.KL_ESTIMATORS)
+def test_kl_penalty_matches_numpy(est):
+    lp, old = _hand_inputs()
+    ref = np.log(np.array([[0.3, 0.35, 0.1, 0.5], [0.45, 0.5, 0.2, 0.2]])).astype(np.float32)
+    loss, met = grpo.policy_loss(lp, old, ADV, MASK, loss_type="bnpo", epsilon=EPS, beta=0.04,
+                                 ref_logprobs=ref, kl_estimator=est)
+    lp0 = np.nan_to_num(lp)
+    per = _np_per_token(lp0, np.nan_to_num(old), ADV, EPS, EPS, beta=0.04, ref=ref, est=est)
+    np.testing.assert_allclose(float(loss), _np_reduce(per, MASK, "bnpo", 4), rtol=1e-5)
+    d = ref.astype(np.float64) - lp0
+    kl = {"k1": -d, "k2": 0.5 * d * d, "k3": np.exp(d) - d - 1}[est]
+    np.testing.assert_allclose(float(met["kl"]), kl[MASK == 1].mean(), rtol=1e-5)
+
+
+def test_kl_exactly_zero_for_equal_inputs():
+    x = jnp.asarray(np.log(np.linspace(0.01, 0.99, 37)), jnp.float32)
+    for est in grpo.KL_ESTIMATORS:
+        assert np.all(np.asarray(grpo.kl_divergence(x, x, estimator=est)) == 0.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_k3_finite_at_log_ratio_100(dtype, sign):
+    ref = jnp.zeros((3,), dtype)
+    lp = jnp.asarray([-sign * 100.0, -1.0, 0.0], dtype)  # ref - lp = +-100 at token 0
+
+    def f(x):
+        return grpo.kl_divergence(x, ref, estimator="k3").sum()
+
+    val, g = jax.value_and_grad(f)(lp)
+    assert np.isfinite(float(val)) and np.all(np.isfinite(np.asarray(g, np.float32)))
+    k3 = np.asarray(grpo.kl_divergence(lp, ref, estimator="k3"))
+    assert k3[0] >= 0 and np.isfinite(k3[0])
+    if sign < 0:  # d = -100: below the clamp the estimator is exact: e^-100 + 100 - 1
+        np.testing.assert_allclose(k3[0], 99.0, rtol=1e-2)
+    # the whole loss with beta > 0 and a ratio of e^100 to the old policy stays finite too
+    old = jnp.asarray([0.0, -1.0, 0.0], dtype)
+    mask = jnp.ones((1, 3))
+
+    def total(x):
+        return grpo.policy_loss(x[None], old[None], jnp.ones((1,)), mask, beta=0.1,
+                                ref_logprobs=ref[None])[0]
+
+    val, g = jax.value_and_grad(total)(jnp.asarray([sign * 100.0, -1.0, 0.0], dtype))
+    assert np.isfinite(float(val)) and np.all(np.isfinite(np.asarray(g, np.float32)))
+
+
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+def test_zero_mask_gives_zero_loss_and_gradient(loss_type):
+    lp = jnp.full((2, 4), jnp.nan)  # padding may hold anything
+    mask = jnp.zeros((2, 4), jnp.int32)
+
+    def f(x):
+        return grpo.policy_loss(x, None, jnp.array([1.0, -1.0]), mask, loss_type=loss_type,
+                                beta=0.1, ref_logprobs=jnp.zeros((2, 4)))[0]
+
+    val, g = jax.value_and_grad(f)(lp)
+    assert float(val) == 0.0
+    assert np.all(np.asarray(g) == 0.0)
+
+
+def test_grpo_ignores_empty_sequences_and_truncated():
+    lp, old = _hand_inputs()
+    lp3 = np.concatenate([np.nan_to_num(lp), np.zeros((1, 4), np.float32)])
+    old3 = np.concatenate([np.nan_to_num(old), np.zeros((1, 4), np.float32)])
+    mask3 = np.concatenate([MASK, np.zeros((1, 4), np.int32)])
+    adv3 = np.append(ADV, 3.0)
+    loss, _ = grpo.policy_loss(lp3, old3, adv3, mask3, epsilon=EPS, epsilon_high=EPS_HIGH)
+    np.testing.assert_allclose(float(loss), HAND["grpo"], rtol=1e-6)  # still / 2, not / 3
+    # mask_truncated_completions drops sequence 1: only sequence 0's mean remains
+    trunc = np.array([False, True])
+    for lt, expect in [("grpo", -2.78 / 3), ("dapo", -2.78 / 3), ("dr_grpo", -2.78 / 4)]:
+        loss, met = grpo.policy_loss(np.nan_to_num(lp), np.nan_to_num(old), ADV, MASK,
+                                     loss_type=lt, epsilon=EPS, epsilon_high=EPS_HIGH,
+                                     truncated=trunc, mask_truncated_completions=True,
+                                     max_completion_length=4)
+        np.testing.assert_allclose(float(loss), expect, rtol=1e-6)
+        assert float(met["num_tokens"]) == 3
+    with pytest.raises(ValueError, match="truncated"):
+        grpo.policy_loss(lp, old, ADV, MASK, mask_truncated_completions=True)
+
+
+def test_on_policy_ratio_is_one_without_old_logprobs():
+    lp = jnp.asarray(np.nan_to_num(_hand_inputs()[0]))
+    loss, met = grpo.policy_loss(lp, None, ADV, MASK)
+    # ratio 1 everywhere -> per-token loss -A; grpo = mean(-A) over the 2 sequences
+    np.testing.assert_allclose(float(loss), -(1.0 - 0.5) / 2, rtol=1e-6)
+    assert float(met["clip_ratio/region_mean"]) == 0.0
+    g = jax.grad(lambda x: grpo.policy_loss(x, None, ADV, MASK)[0])(lp)
+    expected = np.where(MASK == 1, -ADV[:, None] / MASK.sum(1, keepdims=True) / 2, 0.0)
+    np.testing.assert_allclose(np.asarray(g), expected, rtol=1e-6)
+
+
+def test_policy_loss_errors():
+    lp, old = _hand_inputs()
+    with pytest.raises(ValueError, match="loss_type"):
+        grpo.policy_loss(lp, old, ADV, MASK, loss_type="ppo")
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        grpo.policy_loss(lp, old, ADV, MASK, beta=0.1)
+    with pytest.raises(ValueError, match="advantages"):
+        grpo.policy_loss(lp, old, np.ones(3), MASK)
+    with pytest.raises(ValueError, match="kl_estimator"):
+        grpo.policy_loss(lp, old, ADV, MASK, kl_estimator="k4")
+
+
+def test_entropy_metric():
+    lp, old = _hand_inputs()
+    ent = np.arange(8, dtype=np.float32).reshape(2, 4)
+    _, met = grpo.policy_loss(lp, old, ADV, MASK, entropy=ent)
+    np.testing.assert_allclose(float(met["entropy"]), (0 + 1 + 2 + 4 + 5) / 5, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Advantages
+# ---------------------------------------------------------------------------------------------
+def _np_group_adv(r, g, ddof=1):
+    r = np.asarray(r, np.float64).reshape(-1, g)
+    return ((r - r.mean(1, keepdims=True)) / r.std(1, ddof=ddof, keepdims=True)).reshape(-1)
+
+
+def test_group_advantages_basic_and_scalings():
+    rng = np.random.default_rng(0)
+    r = rng.uniform(size=12).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(grpo.group_advantages(r, 4)), _np_group_adv(r, 4),
+                               rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grpo.group_advantages(r, 4, std_ddof=0)),
+                               _np_group_adv(r, 4, ddof=0), rtol=1e-5)
+    r64 = r.astype(np.float64).reshape(3, 4)
+    centered = (r64 - r64.mean(1, keepdims=True)).reshape(-1)
+    np.testing.assert_allclose(np.asarray(grpo.group_advantages(r, 4, scale_rewards="none")),
+                               centered, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(grpo.group_advantages(r, 4, scale_rewards="batch")),
+                               centered / r64.std(ddof=1), rtol=1e-5, atol=1e-7)
+    # binary rewards in a group of 4: [1, 0, 0, 1] -> mean .5, std sqrt(1/3) -> +-0.866
+    np.testing.assert_allclose(np.asarray(grpo.group_advantages([1.0, 0, 0, 1], 4)),
+                               [math.sqrt(3) / 2, -math.sqrt(3) / 2, -math.sqrt(3) / 2,
+                                math.sqrt(3) / 2], rtol=1e-6)
+
+
+def test_group_advantages_equal_rewards_not_representable():
+    r = jnp.full((8,), 0.1, jnp.float32)
+    # the naive float32 computation divides rounding noise (std ~ 8e-9) and returns -0.935:
+    c = r - r.sum() / 8
+    naive = c / jnp.sqrt((c * c).sum() / 7)
+    assert np.all(np.abs(np.asarray(naive)) > 0.5)
+    for scale in grpo.SCALE_REWARDS:
+        assert np.all(np.asarray(grpo.group_advantages(r, 8, scale_rewards=scale)) == 0.0)
+    assert float(grpo.reward_metrics(r, 8)["frac_reward_zero_std"]) == 1.0
+
+
+def test_group_advantages_nonfinite_and_degenerate_groups():
+    nan, inf = np.nan, np.inf
+    r = np.array([1.0, nan, 0.0, 0.5,     # NaN excluded: stats of [1, 0, .5]
+                  nan, nan, nan, nan,      # all missing
+                  inf, 2.0, -inf, nan,     # one finite value: no std -> 0
+                  3.0, 3.0, 3.0, 3.0], np.float32)  # zero std
+    adv = np.asarray(grpo.group_advantages(r, 4))
+    assert np.all(np.isfinite(adv))
+    np.testing.assert_allclose(adv[[0, 2, 3]], _np_group_adv([1.0, 0.0, 0.5], 3), rtol=1e-5)
+    assert np.all(adv[[1]] == 0) and np.all(adv[4:] == 0)
+    met = grpo.reward_metrics(r, 4)
+    np.testing.assert_allclose(float(met["frac_reward_zero_std"]), 3 / 4)
+    np.testing.assert_allclose(float(met["frac_reward_nonfinite"]), 8 / 16)
+    np.testing.assert_allclose(float(met["reward"]), (1.0 + 0 + 0.5 + 2 + 12) / 8, rtol=1e-6)
+    # reward_std: mean of the group stds where defined (groups 0 and 3)
+    np.testing.assert_allclose(float(met["reward_std"]), np.std([1, 0, .5], ddof=1) / 2,
+                               rtol=1e-5)
+    # a group of one always gets 0
+    assert np.all(np.asarray(grpo.group_advantages([0.3, 1.0, -2.0], 1)) == 0.0)
+    # batch scaling with a missing reward and a zero-std group
+    adv_b = np.asarray(grpo.group_advantages(np.array([1, 0, nan, 2, 2, 2], np.float32), 3,
+                                             scale_rewards="batch"))
+    bstd = np.std([1.0, 0, 2, 2, 2], ddof=1)
+    np.testing.assert_allclose(adv_b, [0.5 / bstd, -0.5 / bstd, 0, 0, 0, 0], rtol=1e-5)
+
+
+def test_group_advantages_errors_and_jit():
+    with pytest.raises(ValueError, match="multiple"):
+        grpo.group_advantages(np.zeros(5), 2)
+    with pytest.raises(ValueError, match="scale_rewards"):
+        grpo.group_advantages(np.zeros(4), 2, scale_rewards="token")
+    with pytest.raises(ValueError, match="group_size"):
+        grpo.group_advantages(np.zeros(4), 0)
+    with pytest.raises(ValueError, match="1-D"):
+        grpo.group_advantages(np.zeros((2, 2)), 2)
+    r = np.array([1.0, 0.0, 0.2, 0.9], np.float32)
+    jitted = jax.jit(grpo.group_advantages, static_argnums=1)(r, 2)
+    np.testing.assert_allclose(np.asarray(jitted), _np_group_adv(r, 2), rtol=1e-5)
+
+
+def test_completion_metrics():
+    mask = np.array([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    met = grpo.completion_metrics(mask, np.array([False, True, False]))
+    np.testing.assert_allclose(float(met["completions/mean_length"]), 8 / 3, rtol=1e-6)
+    assert float(met["completions/min_length"]) == 1
+    assert float(met["completions/max_length"]) == 4
+    np.testing.assert_allclose(float(met["completions/clipped_ratio"]), 1 / 3, rtol=1e-6)
+    assert float(met["completions/mean_terminated_length"]) == 2.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer and update step on a toy differentiable policy
+# ---------------------------------------------------------------------------------------------
+V, D, B, T = 7, 5, 8, 6
+
+
+def toy_logprob_fn(params, batch):
+    """A linear softmax policy over a toy vocabulary: logits = (x * scale) @ w + norm."""
+    x = batch["features"] * batch["shared"]["scale"]
+    logits = jnp.einsum("btd,dv->btv", x, params["w"]) + params["final_norm"]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    lp = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    ent = -(jnp.exp(logp) * logp).sum(-1)
+    return lp, ent
+
+
+def _toy(seed=0, beta=False):
+    rng = np.random.default_rng(seed)
+    params = {"w": jnp.asarray(rng.normal(size=(D, V)), jnp.float32),
+              "final_norm": jnp.asarray(rng.normal(size=(V,)) * 0.1, jnp.float32)}
+    lengths = np.array([6, 3, 0, 5, 1, 6, 4, 2])
+    mask = (np.arange(T)[None] < lengths[:, None]).astype(np.int32)
+    batch = {
+        "features": jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32),
+        "targets": jnp.asarray(rng.integers(0, V, size=(B, T)), jnp.int32),
+        "completion_mask": jnp.asarray(mask),
+        "advantages": jnp.asarray(rng.normal(size=(B,)), jnp.float32),
+        "truncated": jnp.asarray(lengths == T),
+        "shared": {"scale": jnp.float32(0.7)},
+    }
+    lp, _ = toy_logprob_fn(params, batch)
+    batch["old_logprobs"] = lp + jnp.asarray(rng.normal(size=(B, T)) * 0.3, jnp.float32)
+    if beta:
+        batch["ref_logprobs"] = lp + jnp.asarray(rng.normal(size=(B, T)) * 0.2, jnp.float32)
+    return params, batch
+
+
+def test_lr_schedule_warmup_cosine():
+    sched = update.make_lr_schedule({"learning_rate": 1e-5, "max_steps": 100, "warmup_ratio": 0.1})
+    got = [float(sched(c)) for c in (0, 5, 10, 55, 100, 150)]
+    np.testing.assert_allclose(got, [0.0, 0.5e-5, 1e-5, 0.5e-5, 0.0, 0.0], atol=1e-12)
+    with pytest.raises(ValueError, match="max_steps"):
+        update.make_lr_schedule({})
+    with pytest.raises(ValueError, match="lr_scheduler_type"):
+        update.make_lr_schedule({"lr_scheduler_type": "exp", "max_steps": 3})
+
+
+def test_optimizer_first_step_adamw_clip_and_decay_mask():
+    cfg = {"learning_rate": 1e-3, "lr_scheduler_type": "constant", "weight_decay": 0.1,
+           "max_grad_norm": 0.2}
+    opt = update.make_optimizer(cfg)
+    p = {"w": jnp.array([1.0, -2.0, 3.0]), "input_norm": jnp.array([1.0, 2.0])}
+    g = {"w": jnp.array([30.0, -40.0, 0.0]), "input_norm": jnp.array([0.0, 5.0])}
+    upd, _ = opt.update(g, opt.init(p), p)
+    new = optax.apply_updates(p, upd)
+    # first Adam step after clipping to norm 0.2: m_hat = g_c, v_hat = g_c**2 (bias-corrected),
+    # so the step is lr * g_c / (|g_c| + eps); decoupled decay lr * wd * p except on norms.
+    scale = 0.2 / np.sqrt(30**2 + 40**2 + 5**2)
+    for k, wd in (("w", 0.1), ("input_norm", 0.0)):
+        gc = np.asarray(g[k], np.float64) * scale
+        expect = np.asarray(p[k]) - 1e-3 * (gc / (np.abs(gc) + 1e-8) + wd * np.asarray(p[k]))
+        np.testing.assert_allclose(np.asarray(new[k]), expect, rtol=1e-5)
+
+
+def _reference_grad(params, batch, cfg):
+    def f(p):
+        lp, ent = toy_logprob_fn(p, batch)
+        return grpo.policy_loss(
+            lp, batch["old_logprobs"], batch["advantages"], batch["completion_mask"],
+            loss_type=cfg["loss_type"], beta=cfg.get("beta", 0.0),
+            ref_logprobs=batch.get("ref_logprobs"), epsilon_high=cfg.get("epsilon_high"),
+            truncated=batch["truncated"],
+            mask_truncated_completions=cfg.get("mask_truncated_completions", False))[0]
+    return jax.value_and_grad(f)(params)
+
+
+@pytest.mark.parametrize("cfg", [
+    {"loss_type": "grpo"},
+    {"loss_type": "dapo", "epsilon_high": 0.28, "mask_truncated_completions": True},
+    {"loss_type": "bnpo", "beta": 0.04},
+    {"loss_type": "dr_grpo", "beta": 0.04},
+])
+def test_gradient_accumulation_equals_single_batch(cfg):
+    params, batch = _toy(1, beta="beta" in cfg)
+    sgd = optax.sgd(1.0)  # params - grads: exposes the accumulated gradient exactly
+    out = {}
+    for m in (1, 4):
+        step_fn = update.make_update_step(
+            toy_logprob_fn, {**cfg, "gradient_accumulation_steps": m}, optimizer=sgd)
+        state, met = step_fn(update.make_train_state(params, sgd), batch, 3, jax.random.key(0))
+        out[m] = (jax.tree.map(lambda new, old: np.asarray(new) - np.asarray(old), state.params, params),
+                  met)
+    ref_loss, ref_grad = _reference_grad(params, batch, cfg)
+    for m in (1, 4):
+        delta, met = out[m]
+        for k in params:
+            np.testing.assert_allclose(-delta[k], np.asarray(ref_grad[k]), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(float(met["loss"]), float(ref_loss), rtol=1e-5)
+        assert float(met["update_skipped"]) == 0.0
+    for name in ("loss", "clip_ratio/region_mean", "entropy", "grad_norm", "num_tokens"):
+        np.testing.assert_allclose(float(out[4][1][name]), float(out[1][1][name]), rtol=1e-5)
+    assert ("kl" in out[1][1]) == ("beta" in cfg)
+    assert np.abs(out[1][0]["w"]).max() > 0
+
+
+def test_update_step_skips_nonfinite_and_keeps_state_bit_identical():
+    params, batch = _toy(2)
+    cfg = {"max_steps": 10, "warmup_steps": 2, "learning_rate": 1e-2}
+    step_fn = update.make_update_step(toy_logprob_fn, cfg)
+    state = update.make_train_state(params, update.make_optimizer(cfg))
+    state, met = step_fn(state, batch, 0, jax.random.key(0))  # a good step first
+    assert float(met["update_skipped"]) == 0 and int(state.num_updates) == 1
+    before = jax.tree.map(np.asarray, state)
+
+    def sqrt_fn(p, b):  # finite loss, non-finite gradient: d sqrt(x)/dx at 0 is inf
+        lp, ent = toy_logprob_fn(p, b)
+        return lp + 0.0 * jnp.sqrt(p["w"][0, 0] - p["w"][0, 0]), ent
+
+    bad_batches = [(step_fn, {**batch, "advantages": batch["advantages"].at[1].set(jnp.nan)}),
+                   (update.make_update_step(sqrt_fn, cfg), batch)]
+    for i, (fn, bad) in enumerate(bad_batches):
+        state, met = fn(state, bad, 1, jax.random.key(1))
+        assert float(met["update_skipped"]) == 1.0
+        assert int(state.skipped_updates) == i + 1 and int(state.num_updates) == 1
+        for a, b in zip(jax.tree.leaves(before.params) + jax.tree.leaves(before.opt_state),
+                        jax.tree.leaves(state.params) + jax.tree.leaves(state.opt_state)):
+            assert np.array_equal(a, np.asarray(b)) and a.dtype == np.asarray(b).dtype
+    state, met = step_fn(state, batch, 2, jax.random.key(2))
+    assert float(met["update_skipped"]) == 0 and int(state.num_updates) == 2
+    assert float(met["skipped_updates"]) == 2
+    assert not np.array_equal(before.params["w"], np.asarray(state.params["w"]))
+    np.testing.assert_allclose(float(met["learning_rate"]), 1e-2 * 1 / 2,  # warmup, count 1
+                               rtol=1e-5)
+
+
+def test_update_step_passes_step_key_and_shared():
+    params, batch = _toy(3)
+    seen = {}
+
+    def fn(p, b):
+        seen["keys"] = sorted(b)
+        seen["scale_shape"] = b["shared"]["scale"].shape
+        seen["features_shape"] = b["features"].shape
+        return toy_logprob_fn(p, b)
+
+    sgd = optax.sgd(0.1)
+    step_fn = update.make_update_step(fn, {"gradient_accumulation_steps": 2}, optimizer=sgd)
+    step_fn(update.make_train_state(params, sgd), batch, 7, jax.random.key(0))
+    assert seen["keys"] == ["advantages", "completion_mask", "features", "key", "old_logprobs",
+                            "shared", "step", "targets", "truncated"]
+    assert seen["features_shape"] == (B // 2, T, D) and seen["scale_shape"] == ()
+    with pytest.raises(ValueError, match="divisible"):
+        bad = update.make_update_step(fn, {"gradient_accumulation_steps": 3}, optimizer=sgd)
+        bad(update.make_train_state(params, sgd), batch, 0, jax.random.key(0))
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        bad = update.make_update_step(fn, {"beta": 0.1}, optimizer=sgd)
+        bad(update.make_train_state(params, sgd), batch, 0, jax.random.key(0))
+
+
+def test_update_steps_raise_positive_advantage_likelihood():
+    """A few AdamW updates of the default optimizer move the policy the way advantages say."""
+    params, batch = _toy(4)
+    batch.pop("old_logprobs")  # on-policy, num_iterations == 1
+    cfg = {"learning_rate": 0.05, "lr_scheduler_type": "constant", "loss_type": "dapo"}
+    step_fn = update.make_update_step(toy_logprob_fn, cfg)
+    state = update.make_train_state(params, update.make_optimizer(cfg))
+    mask = np.asarray(batch["completion_mask"], bool)
+    adv = np.asarray(batch["advantages"])
+
+    def objective(p):
+        lp = np.asarray(toy_logprob_fn(p, batch)[0])
+        return float((np.where(mask, lp, 0).sum(1) * adv).sum())
+
+    start = objective(params)
+    for i in range(5):
+        state, met = step_fn(state, batch, i, jax.random.key(i))
+        assert np.isfinite(float(met["loss"]))
+    assert objective(state.params) > start
+
+
+# ---------------------------------------------------------------------------------------------
+# The update step through the real decoder: NVFP4 base, LoRA trainable
+# ---------------------------------------------------------------------------------------------
+def test_update_step_through_nvfp4_model_with_lora():
+    from qerl_jax import models, nvfp4
+
+    cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                             num_heads=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+    keys = jax.random.split(jax.random.key(0), 8)
+    base = models.quantize_base(models.init_params(cfg, keys[0]), "nvfp4")
+    assert isinstance(base["layers"]["attn"]["q"], nvfp4.NVFP4Tensor)
+    L, r = cfg.num_layers, 4
+
+    def ab(k, kdim, ndim):
+        ka, kb = jax.random.split(k)
+        return {"a": 0.1 * jax.random.normal(ka, (L, kdim, r), jnp.float32),
+                "b": 0.1 * jax.random.normal(kb, (L, r, ndim), jnp.float32)}
+
+    lora = {"layers": {"attn": {"q": ab(keys[1], 32, 32), "v": ab(keys[2], 32, 16)},
+                       "mlp": {"down": ab(keys[3], 64, 32)},
+                       "input_norm": jnp.ones((L, 32), jnp.float32)}}
+    n, t, prompt = 4, 12, 4
+    tokens = jax.random.randint(keys[4], (n, t), 0, cfg.vocab_size, jnp.int32)
+    lengths = np.array([8, 5, 8, 2])
+    cmask = ((np.arange(t)[None] >= prompt) & (np.arange(t)[None] < prompt + lengths[:, None]))
+    attn = jnp.ones((n, t), jnp.int32)
+    noise = {"input_norm": 0.01 * jax.random.normal(keys[5], (L, 32)),
+             "post_attn_norm": jnp.zeros((L, 32))}
+
+    def logprob_fn(params, mb):
+        return models.token_logprobs(cfg, mb["shared"]["base"], mb["tokens"], mb["positions"],
+                                     lora=params, lora_cfg=2.0, attn_mask=mb["attn_mask"],
+                                     norm_noise=mb["shared"]["noise"], chunk_size=8)
+
+    positions = models.positions_from_mask(attn)
+    lp0, _ = logprob_fn(lora, {"tokens": tokens, "positions": positions, "attn_mask": attn,
+                               "shared": {"base": base, "noise": noise}})
+    ref, _ = models.token_logprobs(cfg, base, tokens, positions, attn_mask=attn, chunk_size=8)
+    adv = grpo.group_advantages(jnp.array([1.0, 0.0, 0.0, 1.0]), 4)
+    batch = {"tokens": tokens, "positions": positions, "attn_mask": attn,
+             "completion_mask": jnp.asarray(cmask), "advantages": adv, "old_logprobs": lp0,
+             "ref_logprobs": ref, "shared": {"base": base, "noise": noise}}
+    upd = {"loss_type": "dapo", "beta": 0.04, "gradient_accumulation_steps": 2,
+           "learning_rate": 1e-3, "lr_scheduler_type": "constant"}
+    step_fn = update.make_update_step(logprob_fn, upd)
+    state0 = update.make_train_state(lora, update.make_optimizer(upd))
+    base_before = jax.tree.map(np.asarray, base)
+    state, met = step_fn(state0, batch, 0, jax.random.key(1))
+
+    # first iteration: old == current, ratio 1, so dapo's loss is the token mean of
+    # -A + beta * k3(ref - logp), computed here in float64 from the model's own log-probs
+    lp64, ref64 = np.asarray(lp0, np.float64), np.asarray(ref, np.float64)
+    d = ref64 - lp64
+    per = -np.asarray(adv, np.float64)[:, None] + 0.04 * (np.exp(d) - d - 1)
+    np.testing.assert_allclose(float(met["loss"]), per[cmask].mean(), rtol=2e-4, atol=1e-6)
+    np.testing.assert_allclose(float(met["kl"]), (np.exp(d) - d - 1)[cmask].mean(), rtol=2e-4,
+                               atol=1e-7)
+    assert float(met["update_skipped"]) == 0 and np.isfinite(float(met["grad_norm"]))
+    assert float(met["grad_norm"]) > 0
+    # every LoRA leaf (and the trainable norm) moved; the frozen NVFP4 base did not
+    assert jax.tree.structure(state.params) == jax.tree.structure(lora)
+    for old, new in zip(jax.tree.leaves(lora), jax.tree.leaves(state.params)):
+        assert not np.array_equal(np.asarray(old), np.asarray(new))
+        assert np.all(np.isfinite(np.asarray(new)))
+    for a, b in zip(jax.tree.leaves(base_before), jax.tree.leaves(base)):
+        assert np.array_equal(a, np.asarray(b)) and a.dtype == np.asarray(b).dtype
+    # a second iteration on the same rollout (num_iterations = 2) sees a ratio != 1
+    state2, met2 = step_fn(state, batch, 0, jax.random.key(1))
+    assert float(met2["update_skipped"]) == 0 and np.isfinite(float(met2["loss"]))
+    assert float(met2["loss"]) != float(met["loss"])

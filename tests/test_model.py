@@ -1,0 +1,336 @@
+"""The decoder against transformers' PyTorch models, its KV cache, 4-bit linears, LoRA and log-probs."""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qerl_jax import hf, models, nvfp4
+from tests._model_utils import left_padded_batch, make_hf_model, torch_logits
+
+ARCHS = [("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True), ("llama", False),
+         ("llama", True)]
+
+
+@functools.lru_cache(maxsize=None)
+def _model(arch, tied):
+  m = make_hf_model(arch, tied=tied)
+  cfg = models.ModelConfig.from_hf(m.config.to_dict(), dtype="float32")
+  base = hf.base_from_state_dict(cfg, m.state_dict())
+  return m, cfg, base
+
+
+@pytest.mark.parametrize("arch,tied", ARCHS)
+def test_logits_match_transformers_left_padded(arch, tied):
+  m, cfg, base = _model(arch, tied)
+  tokens, mask = left_padded_batch(cfg.vocab_size)
+  ref = torch_logits(m, tokens, mask)
+  pos = models.positions_from_mask(jnp.asarray(mask))
+  logits, cache = models.forward(cfg, base, jnp.asarray(tokens), pos, attn_mask=jnp.asarray(mask))
+  assert cache is None
+  logits = np.asarray(logits)
+  real = mask.astype(bool)
+  assert np.abs(logits - ref)[real].max() < 1e-4
+  assert (logits.argmax(-1) == ref.argmax(-1))[real].all()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_logits_match_transformers_far_positions(arch):
+  """Positions near 3000 exercise RoPE (and llama3 frequency scaling) beyond the short batch."""
+  import torch
+  m, cfg, base = _model(arch, False)
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(0, cfg.vocab_size, (2, 8)).astype(np.int32)
+  pos = (np.arange(8)[None] + np.array([[0], [2990]])).astype(np.int32)
+  with torch.no_grad():
+    ref = m(input_ids=torch.tensor(tokens, dtype=torch.long),
+            position_ids=torch.tensor(pos, dtype=torch.long)).logits.numpy()
+  logits, _ = models.forward(cfg, base, jnp.asarray(tokens), jnp.asarray(pos))
+  assert np.abs(np.asarray(logits) - ref).max() < 1e-4
+
+
+def test_rope_inv_freq_matches_transformers_llama3():
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+  m, cfg, _ = _model("llama", False)
+  ref, _ = ROPE_INIT_FUNCTIONS["llama3"](m.config, "cpu")
+  ours = models.rope_inv_freq(cfg)
+  np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-6)
+  plain = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2) / cfg.head_dim))
+  assert not np.allclose(ours, plain)  # the scaling really changes low frequencies
+
+
+def _decode_all(cfg, base, tokens, mask, n_prefill, cache_dtype=jnp.float32, **kw):
+  """Prefill n_prefill tokens, then decode the rest one at a time; logits [B, T, V]."""
+  b, t = tokens.shape
+  pos = models.positions_from_mask(mask)
+  cache = models.init_cache(cfg, b, t + 3, dtype=cache_dtype)
+  out, cache = models.forward(cfg, base, tokens[:, :n_prefill], pos[:, :n_prefill],
+                              attn_mask=mask[:, :n_prefill], cache=cache, **kw)
+  outs = [out]
+  step = jax.jit(lambda c, tok, p, mk: models.forward(cfg, base, tok, p, attn_mask=mk, cache=c, **kw))
+  for i in range(n_prefill, t):
+    out, cache = step(cache, tokens[:, i:i + 1], pos[:, i:i + 1], mask[:, i:i + 1])
+    outs.append(out)
+  assert int(cache["index"]) == t
+  return jnp.concatenate(outs, axis=1), cache
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_prefill_then_decode_equals_full_forward(arch):
+  _, cfg, base = _model(arch, False)
+  tokens, mask = left_padded_batch(cfg.vocab_size, seed=3)
+  tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+  full, _ = models.forward(cfg, base, tokens, models.positions_from_mask(mask), attn_mask=mask)
+  stepped, cache = _decode_all(cfg, base, tokens, mask, n_prefill=8)
+  real = np.asarray(mask).astype(bool)
+  assert np.abs(np.asarray(stepped) - np.asarray(full))[real].max() < 1e-5
+  np.testing.assert_array_equal(np.asarray(cache["mask"][:, :12]), real)
+  assert not np.asarray(cache["mask"][:, 12:]).any()
+
+
+def test_decode_with_lora_noise_and_nvfp4_base_bf16_cache():
+  _, cfg, base = _model("llama", False)
+  qbase = models.quantize_base(base, "nvfp4")
+  lora = _random_lora(cfg, jax.random.key(0))
+  noise = _random_noise(cfg, jax.random.key(1))
+  tokens, mask = left_padded_batch(cfg.vocab_size, seed=4)
+  tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+  kw = dict(lora=lora, lora_cfg=0.5, norm_noise=noise)
+  full, _ = models.forward(cfg, qbase, tokens, models.positions_from_mask(mask), attn_mask=mask, **kw)
+  stepped, _ = _decode_all(cfg, qbase, tokens, mask, n_prefill=10, cache_dtype=jnp.bfloat16, **kw)
+  real = np.asarray(mask).astype(bool)
+  err = np.abs(np.asarray(stepped) - np.asarray(full))[real].max()
+  assert 0 < err < 0.05  # only the bf16 rounding of cached keys/values differs
+
+
+@pytest.mark.parametrize("quant", ["nvfp4", "nf4"])
+def test_quantized_model_equals_float_model_on_dequantized_weights(quant):
+  _, cfg, base = _model("qwen2", False)
+  qbase = models.quantize_base(base, quant)
+  assert isinstance(qbase["layers"]["attn"]["q"], models.layers.nvfp4.NVFP4Tensor) == (quant == "nvfp4")
+  deq = models.dequantize_base(qbase, jnp.float32)
+  tokens, mask = left_padded_batch(cfg.vocab_size, seed=5)
+  tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+  pos = models.positions_from_mask(mask)
+  lq, _ = models.forward(cfg, qbase, tokens, pos, attn_mask=mask)
+  ld, _ = models.forward(cfg, deq, tokens, pos, attn_mask=mask)
+  lf, _ = models.forward(cfg, base, tokens, pos, attn_mask=mask)
+  np.testing.assert_allclose(np.asarray(lq), np.asarray(ld), atol=2e-5)
+  assert np.abs(np.asarray(lq) - np.asarray(lf)).max() > 1e-3  # quantization did change weights
+
+
+def _random_lora(cfg, key, r=4, targets=models.LINEARS):
+  shapes = cfg.linear_shapes()
+  lora = {"attn": {}, "mlp": {}}
+  for i, (group, name) in enumerate(targets):
+    k, n = shapes[(group, name)]
+    ka, kb = jax.random.split(jax.random.fold_in(key, i))
+    lora[group][name] = {"a": 0.1 * jax.random.normal(ka, (cfg.num_layers, k, r)),
+                         "b": 0.1 * jax.random.normal(kb, (cfg.num_layers, r, n))}
+  return {"layers": lora}
+
+
+def _random_noise(cfg, key):
+  k1, k2 = jax.random.split(key)
+  shape = (cfg.num_layers, cfg.hidden_size)
+  return {"input_norm": 0.05 * jax.random.normal(k1, shape),
+          "post_attn_norm": 0.05 * jax.random.normal(k2, shape)}
+
+
+def test_lora_and_norm_noise_equal_merged_float_model():
+  """W + s * A @ B and (norm weight + noise) folded into the base give the same logits."""
+  _, cfg, base = _model("qwen3", False)
+  lora = _random_lora(cfg, jax.random.key(2))
+  noise = _random_noise(cfg, jax.random.key(3))
+  scale = 2.0
+  merged = jax.tree_util.tree_map(lambda x: x, base)
+  for group, name in models.LINEARS:
+    ab = lora["layers"][group][name]
+    merged["layers"][group][name] = base["layers"][group][name] + scale * np.einsum(
+        "lkr,lrn->lkn", np.asarray(ab["a"], np.float64), np.asarray(ab["b"], np.float64)).astype(np.float32)
+  for nm in ("input_norm", "post_attn_norm"):
+    merged["layers"][nm] = base["layers"][nm] + noise[nm]
+  tokens, mask = left_padded_batch(cfg.vocab_size, seed=6)
+  tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+  pos = models.positions_from_mask(mask)
+
+  class Cfg:
+    scale = 2.0
+  a, _ = models.forward(cfg, base, tokens, pos, attn_mask=mask, lora=lora, lora_cfg=Cfg(),
+                        norm_noise=noise)
+  b, _ = models.forward(cfg, merged, tokens, pos, attn_mask=mask)
+  c, _ = models.forward(cfg, base, tokens, pos, attn_mask=mask)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5)
+  assert np.abs(np.asarray(a) - np.asarray(c)).max() > 1e-2
+
+
+def test_trainable_norms_in_lora_replace_base_norms():
+  _, cfg, base = _model("qwen2", False)
+  new_norm = base["layers"]["input_norm"] * 1.5
+  tokens = jnp.asarray(left_padded_batch(cfg.vocab_size)[0])
+  pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  a, _ = models.forward(cfg, base, tokens, pos, lora={"layers": {"input_norm": new_norm}})
+  swapped = {**base, "layers": {**base["layers"], "input_norm": new_norm}}
+  b, _ = models.forward(cfg, swapped, tokens, pos)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_token_logprobs_and_entropy_match_full_log_softmax():
+  _, cfg, base = _model("llama", True)
+  tokens, mask = left_padded_batch(cfg.vocab_size, seed=7)
+  tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+  pos = models.positions_from_mask(mask)
+  logits, _ = models.forward(cfg, base, tokens, pos, attn_mask=mask)
+  temp = 0.7
+  logp = np.asarray(jax.nn.log_softmax(np.asarray(logits, np.float64) / temp, -1))
+  ref_lp = np.take_along_axis(logp[:, :-1], np.asarray(tokens)[:, 1:, None], -1)[..., 0]
+  ref_ent = -(np.exp(logp) * logp).sum(-1)[:, :-1]
+  lp, ent = models.token_logprobs(cfg, base, tokens, pos, attn_mask=mask, chunk_size=5,
+                                  temperature=temp)
+  assert lp.shape == ent.shape == tokens.shape
+  np.testing.assert_allclose(np.asarray(lp)[:, 1:], ref_lp, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(ent)[:, 1:], ref_ent, atol=2e-5)
+  assert (np.asarray(lp)[:, 0] == 0).all() and (np.asarray(ent)[:, 0] == 0).all()
+
+
+def test_token_logprobs_gradient_wrt_lora_matches_unchunked_no_remat():
+  _, cfg, base = _model("qwen2", True)
+  qbase = models.quantize_base(base, "nvfp4")
+  lora = _random_lora(cfg, jax.random.key(4), targets=(("attn", "q"), ("mlp", "down")))
+  tokens, mask = left_padded_batch(cfg.vocab_size, seed=8)
+  tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+  pos = models.positions_from_mask(mask)
+  weights = mask[:, 1:].astype(jnp.float32)
+
+  def loss_chunked(lo):
+    lp, ent = models.token_logprobs(cfg, qbase, tokens, pos, attn_mask=mask, lora=lo, lora_cfg=0.5,
+                                    chunk_size=4, remat=True)
+    return jnp.sum((lp[:, 1:] + 0.1 * ent[:, 1:]) * weights)
+
+  def loss_plain(lo):
+    logits, _ = models.forward(cfg, qbase, tokens, pos, attn_mask=mask, lora=lo, lora_cfg=0.5)
+    logp = jax.nn.log_softmax(logits, -1)[:, :-1]
+    lp = jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+    ent = -jnp.sum(jnp.exp(logp) * logp, -1)
+    return jnp.sum((lp + 0.1 * ent) * weights)
+
+  v1, g1 = jax.jit(jax.value_and_grad(loss_chunked))(lora)
+  v2, g2 = jax.value_and_grad(loss_plain)(lora)
+  np.testing.assert_allclose(float(v1), float(v2), rtol=1e-5)
+  for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+  assert max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(g1)) > 1e-3
+
+
+def test_bf16_compute_close_to_float32():
+  _, cfg, base = _model("qwen3", False)
+  cfg16 = cfg.replace(dtype="bfloat16")
+  base16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), base)
+  tokens, mask = left_padded_batch(cfg.vocab_size, seed=9)
+  tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+  pos = models.positions_from_mask(mask)
+  a, _ = models.forward(cfg, base, tokens, pos, attn_mask=mask)
+  b, _ = models.forward(cfg16, base16, tokens, pos, attn_mask=mask)
+  assert b.dtype == jnp.float32
+  real = np.asarray(mask).astype(bool)
+  err = np.abs(np.asarray(a) - np.asarray(b))[real]
+  assert 0 < err.max() < 0.1
+
+
+def test_linear_dispatch_numpy_reference():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(3, 32)).astype(np.float32)
+  w = rng.normal(size=(32, 16)).astype(np.float32)
+  a = rng.normal(size=(32, 2)).astype(np.float32)
+  b = rng.normal(size=(2, 16)).astype(np.float32)
+  bias = rng.normal(size=(16,)).astype(np.float32)
+  y = models.linear(jnp.asarray(x), jnp.asarray(w), bias=jnp.asarray(bias),
+                    lora={"a": jnp.asarray(a), "b": jnp.asarray(b)}, lora_scale=0.25)
+  ref = x.astype(np.float64) @ w + bias + 0.25 * (x.astype(np.float64) @ a) @ b
+  np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-4)
+  q = nvfp4.quantize(w)
+  yq = models.linear(jnp.asarray(x), q)
+  np.testing.assert_allclose(np.asarray(yq), x.astype(np.float64) @ np.asarray(nvfp4.dequantize(q), np.float64),
+                             rtol=1e-5, atol=1e-4)
+  with pytest.raises(TypeError, match="unsupported weight type"):
+    models.linear(jnp.asarray(x), jnp.zeros((32, 16), jnp.int32))
+  with pytest.raises(ValueError, match="K=32"):
+    models.linear(jnp.asarray(x), jnp.asarray(w[:16]))
+
+
+def test_remat_and_init_params_shapes():
+  cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
+                           num_heads=4, num_kv_heads=1, head_dim=8, dtype="float32",
+                           architecture="Qwen3ForCausalLM", qk_norm=True)
+  base = models.init_params(cfg, jax.random.key(0), dtype=jnp.float32)
+  assert base["layers"]["attn"]["k"].shape == (3, 32, 8)
+  assert base["layers"]["mlp"]["down"].shape == (3, 48, 32)
+  assert "lm_head" in base and base["layers"]["attn"]["q_norm"].shape == (3, 8)
+  tokens = jnp.arange(10, dtype=jnp.int32).reshape(2, 5)
+  pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+  a, _ = models.forward(cfg, base, tokens, pos, remat=True)
+  b, _ = models.forward(cfg, base, tokens, pos, remat=False)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+  with pytest.raises(ValueError, match="positions"):
+    models.forward(cfg, base, tokens, pos[:, :3])
+
+
+def test_positions_from_mask():
+  mask = jnp.asarray([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+  np.testing.assert_array_equal(np.asarray(models.positions_from_mask(mask)),
+                                [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]])
+
+
+# ----------------------------------------------------------------------------- config
+
+def _fixture_config(fixtures_dir, name):
+  return json.loads((fixtures_dir / "configs" / name / "config.json").read_text())
+
+
+def test_config_from_real_qwen25_7b(fixtures_dir):
+  cfg = models.ModelConfig.from_hf(_fixture_config(fixtures_dir, "qwen2.5-7b-base"))
+  assert (cfg.architecture, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+          cfg.head_dim, cfg.intermediate_size, cfg.vocab_size) == (
+              "Qwen2ForCausalLM", 3584, 28, 28, 4, 128, 18944, 152064)
+  assert cfg.attention_bias and not cfg.qk_norm and not cfg.tie_word_embeddings
+  assert cfg.rope_theta == 1e6 and cfg.rms_norm_eps == 1e-6 and cfg.rope_scaling is None
+  hash(cfg)
+
+
+def test_config_from_real_qwen3_8b(fixtures_dir):
+  cfg = models.ModelConfig.from_hf(_fixture_config(fixtures_dir, "qwen3-8b"))
+  assert (cfg.architecture, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+          cfg.head_dim) == ("Qwen3ForCausalLM", 4096, 36, 32, 8, 128)
+  assert cfg.qk_norm and not cfg.attention_bias and cfg.rope_theta == 1e6
+  assert cfg.q_dim == 4096 and cfg.kv_dim == 1024
+
+
+def test_config_from_real_llama32(fixtures_dir):
+  cfg = models.ModelConfig.from_hf(_fixture_config(fixtures_dir, "llama-3.2-1b"))
+  assert cfg.tie_word_embeddings and cfg.rms_norm_eps == 1e-5 and cfg.rope_theta == 500000.0
+  sc = cfg.rope_scaling_dict
+  assert sc["rope_type"] == "llama3" and sc["factor"] == 32.0
+  assert sc["original_max_position_embeddings"] == 8192
+  cfg3 = models.ModelConfig.from_hf(_fixture_config(fixtures_dir, "llama-3.2-3b"))
+  assert (cfg3.hidden_size, cfg3.num_layers, cfg3.num_kv_heads) == (3072, 28, 8)
+
+
+def test_config_defaults_and_errors():
+  base = dict(architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=32,
+              intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+  cfg = models.ModelConfig.from_hf(base)
+  assert cfg.rope_theta == 10000.0 and cfg.num_kv_heads == 4 and cfg.head_dim == 8
+  # transformers>=5 layout
+  cfg5 = models.ModelConfig.from_hf({**base, "rope_parameters": {"rope_theta": 123.0, "rope_type": "default"}})
+  assert cfg5.rope_theta == 123.0 and cfg5.rope_scaling is None
+  with pytest.raises(ValueError, match="supported: Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM"):
+    models.ModelConfig.from_hf({**base, "architectures": ["GemmaForCausalLM"]})
+  with pytest.raises(ValueError, match="yarn"):
+    models.ModelConfig.from_hf({**base, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+  with pytest.raises(ValueError, match="use_sliding_window"):
+    models.ModelConfig.from_hf({**base, "use_sliding_window": True})
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    models.ModelConfig.from_hf({**base, "num_key_value_heads": 3})
