@@ -13,7 +13,7 @@ import os
 from qerl_jax import train_config
 
 _ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-_TINY = os.path.join(_ROOT, "assets", "tiny")
+_TINY = os.path.join(_ROOT, "assets", "tiny-gsm")
 
 
 def get_config():
@@ -33,8 +33,10 @@ def get_config():
   c.aqn.num_stages = 10
 
   c.data.task = "gsm8k"
-  c.data.train = os.path.join(_ROOT, "assets", "tiny", "data", "train.jsonl")
-  c.data.eval = os.path.join(_ROOT, "assets", "tiny", "data", "test.jsonl")
+  # The synthetic GSM8K-like task the tiny model was pretrained on (qerl_jax/synthetic.py):
+  # train and held-out test problems are disjoint by question hash.
+  c.data.train = "synthetic:train:4000:1"
+  c.data.eval = "synthetic:test:64"
   c.data.max_prompt_length = 96
   c.data.eval_size = 32
 

@@ -13,7 +13,8 @@ Layout (units in brackets)::
   lora.rank / alpha / use_rslora / target_modules / train_norms / dropout
   aqn.enabled / schedule ("stages" | "exponential") / sigma_start / sigma_end / num_stages /
      rollout_only (paper variant: noise in the rollout only)
-  data.train / data.eval  JSONL path or hub id (``hub:<id>[:<config>]:<split>``)
+  data.train / data.eval  JSONL path, ``hub:<id>[:<config>]:<split>``, or
+                          ``synthetic:<split>:<num>[:<seed>]`` (the embedded arithmetic task)
   data.task               "gsm8k" | "math" (prompt fields and reward)
   data.system_prompt, data.max_prompt_length [tokens], data.eval_size [prompts]
   rl.loss_type            "grpo" | "bnpo" | "dapo" | "dr_grpo"
@@ -124,7 +125,7 @@ def base_config() -> ml_collections.ConfigDict:
 
 def _looks_like_path(s: str) -> bool:
   """A local path (checked for existence) rather than a hub id ``org/name``, ``hub:...`` or ``random:...``."""
-  if s.startswith(("hub:", "random:")):
+  if s.startswith(("hub:", "random:", "synthetic:")):
     return False
   return s.startswith((".", "/", "~")) or s.endswith((".jsonl", ".json")) or s.count("/") > 1
 

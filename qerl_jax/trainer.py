@@ -206,7 +206,6 @@ def _update_batch(prompt_tokens, prompt_mask, rollout, advantages) -> dict:
       "prompt_mask": jnp.asarray(np.repeat(prompt_mask, g, axis=0)),
       "completion_tokens": rollout.tokens,
       "completion_mask": rollout.mask,
-      "completion_attn_mask": rollout.mask,  # the forward's copy (the loss consumes completion_mask)
       "old_logprobs": rollout.policy_logprobs,
       "truncated": rollout.truncated,
       "advantages": jnp.asarray(advantages, jnp.float32),
@@ -579,7 +578,7 @@ def load_policy(config: ml_collections.ConfigDict) -> Policy:
   def logprob_fn(params, mb):
     sh = mb["shared"]
     return completion_logprobs(params, sh["base"], sh.get("noise"), mb["prompt_tokens"],
-                               mb["prompt_mask"], mb["completion_tokens"], mb["completion_attn_mask"])
+                               mb["prompt_mask"], mb["completion_tokens"], mb["completion_mask"])
 
   update_step = update.make_update_step(logprob_fn, upd_cfg, optimizer=optimizer)
 
@@ -617,34 +616,22 @@ def _load_base(config):
 
 
 def _random_tiny_checkpoint(name: str, seed: int) -> str:
-  """Writes a random tiny Qwen2 checkpoint + char-level tokenizer to a temp folder; returns it.
+  """Writes a random tiny Qwen2 checkpoint + the synthetic task's BPE tokenizer to a temp folder.
 
   A stand-in for the embedded model while ``assets/`` does not have it: it exercises the whole
   pipeline (load, quantize, sample, score, update) but learns nothing useful.
   """
   import tempfile
-  from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
-  from transformers import PreTrainedTokenizerFast
-  from qerl_jax import hf, models
+  from qerl_jax import hf, models, synthetic
 
   if name != "tiny":
     raise ValueError(f"model.path='random:{name}': only 'random:tiny' exists")
   folder = tempfile.mkdtemp(prefix="qerl-random-tiny-")
-  specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-  chars = [chr(c) for c in range(32, 127)] + ["\n"]
-  vocab = {t: i for i, t in enumerate(specials + chars)}
-  tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="<|endoftext|>"))
-  tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-  tok.decoder = decoders.Fuse()
-  tok.add_special_tokens(specials)
-  template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
-              "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
-              "{{ '<|im_start|>assistant\\n' }}{% endif %}")
-  fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                 pad_token="<|endoftext|>", chat_template=template)
-  fast.save_pretrained(folder)
+  tok = synthetic.build_tokenizer(synthetic.training_texts(synthetic.make_split("train", 500)))
+  tok.save_pretrained(folder)
+  vocab = tok.get_vocab()
   hf_cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-            "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+            "vocab_size": len(vocab), "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
             "tie_word_embeddings": True, "eos_token_id": vocab["<|im_end|>"],
@@ -681,7 +668,9 @@ def load_examples(spec: str, task: str, tokenizer, config) -> list[Example]:
   """Prompts of a data set as :class:`Example` (chat template, system prompt, length filter).
 
   Args:
-    spec: a JSONL path, or ``hub:<id>[:<config>]:<split>`` (Hugging Face ``datasets``).
+    spec: a JSONL path, ``hub:<id>[:<config>]:<split>`` (Hugging Face ``datasets``), or
+      ``synthetic:<split>:<num>[:<seed>]`` (the embedded model's arithmetic task,
+      ``qerl_jax.synthetic.make_split``).
     task: ``"gsm8k"`` (fields question/answer, gold after ``####``) or ``"math"``
       (problem/answer, or the last ``\\boxed{}`` of solution).
     tokenizer: a transformers tokenizer with a chat template.
@@ -694,7 +683,10 @@ def load_examples(spec: str, task: str, tokenizer, config) -> list[Example]:
     FileNotFoundError: a missing JSONL file. ValueError: no usable row at all.
   """
   from qerl_jax import data as data_lib
-  rows, skipped = data_lib.load_rows(spec, task)
+  if spec.startswith("synthetic:"):
+    rows, skipped = _synthetic_rows(spec), 0
+  else:
+    rows, skipped = data_lib.load_rows(spec, task)
   out, too_long = [], 0
   for r in rows:
     messages = data_lib.prompt_messages(r["question"], str(config.data.system_prompt or ""))
@@ -710,6 +702,17 @@ def load_examples(spec: str, task: str, tokenizer, config) -> list[Example]:
   if not out:
     raise ValueError(f"data {spec!r}: no usable rows ({skipped} malformed, {too_long} too long)")
   return out
+
+
+def _synthetic_rows(spec: str) -> list[dict]:
+  """Rows ``{"question", "answer"}`` of ``synthetic:<split>:<num>[:<seed>]``."""
+  from qerl_jax import synthetic
+  parts = spec.split(":")
+  if len(parts) not in (3, 4):
+    raise ValueError(f"data spec {spec!r}: expected synthetic:<split>:<num>[:<seed>]")
+  seed = int(parts[3]) if len(parts) == 4 else 0
+  return [{"question": r["question"], "answer": r["gold"]}
+          for r in synthetic.make_split(parts[1], int(parts[2]), seed=seed)]
 
 
 def load_datasets(config, tokenizer) -> tuple[list[Example], list[Example]]:
