@@ -22,6 +22,8 @@ References
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Any, Mapping
 
 import jax
@@ -54,10 +56,21 @@ _ZERO_STD_RTOL = 1e-6
 # --------------------------------------------------------------------------------------------
 # Advantages
 # --------------------------------------------------------------------------------------------
+def _is_int(x) -> bool:
+    """A Python or numpy integer (not a bool)."""
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
+
+
 def _check_rewards(rewards, group_size: int, std_ddof: int, zero_std_rtol: float) -> jax.Array:
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+    if not _is_int(group_size) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-    if isinstance(std_ddof, bool) or not isinstance(std_ddof, int) or std_ddof < 0:
+    if not _is_int(std_ddof) or std_ddof < 0:
         raise ValueError(f"std_ddof must be a non-negative int, got {std_ddof!r}")
     if not zero_std_rtol >= 0.0:
         raise ValueError(f"zero_std_rtol must be >= 0, got {zero_std_rtol!r}")
@@ -104,6 +117,8 @@ def _group_stats(rewards, group_size, std_ddof, zero_std_rtol):
                 has_std=has_std[:, 0], zero_std=zero)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "scale_rewards", "std_ddof",
+                                             "zero_std_rtol"))
 def group_advantages(rewards, group_size: int, *, scale_rewards: str = "group", std_ddof: int = 1,
                      zero_std_rtol: float = _ZERO_STD_RTOL) -> jax.Array:
     """Group-relative advantages of GRPO (DeepSeekMath eq. 3; TRL ``scale_rewards``).
@@ -151,6 +166,7 @@ def group_advantages(rewards, group_size: int, *, scale_rewards: str = "group", 
     return adv.reshape(-1)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "std_ddof", "zero_std_rtol"))
 def reward_metrics(rewards, group_size: int, *, std_ddof: int = 1,
                    zero_std_rtol: float = _ZERO_STD_RTOL) -> dict[str, jax.Array]:
     """Reward statistics of one rollout batch in TRL's metric names.
@@ -182,6 +198,7 @@ def reward_metrics(rewards, group_size: int, *, std_ddof: int = 1,
 # --------------------------------------------------------------------------------------------
 # KL
 # --------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("estimator",))
 def kl_divergence(logprobs, ref_logprobs, *, estimator: str = "k3") -> jax.Array:
     """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman 2020).
 
@@ -284,13 +301,13 @@ def loss_normalizer(mask, *, loss_type: str, max_completion_length: int | None =
     if loss_type in ("bnpo", "dapo"):
         return m.sum().astype(jnp.float32)
     length = m.shape[1] if max_completion_length is None else max_completion_length
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+    if not _is_int(length) or length < 1:
         raise ValueError(f"max_completion_length must be a positive int, got {length!r}")
     if mask_truncated_completions:
         kept = (~jnp.asarray(truncated).astype(bool)).sum().astype(jnp.float32)
     else:
         kept = jnp.float32(m.shape[0])
-    return kept * float(length)
+    return kept * float(operator.index(length))
 
 
 def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "grpo",
@@ -407,6 +424,9 @@ def finalize_policy_loss(terms: Mapping[str, Any], normalizer) -> tuple[jax.Arra
     return loss, metrics
 
 
+@functools.partial(jax.jit, static_argnames=(
+    "loss_type", "epsilon", "epsilon_high", "beta", "max_completion_length", "kl_estimator",
+    "mask_truncated_completions"))
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "grpo",
                 epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
                 ref_logprobs=None, max_completion_length: int | None = None,
@@ -464,6 +484,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "g
 # --------------------------------------------------------------------------------------------
 # Completion metrics
 # --------------------------------------------------------------------------------------------
+@jax.jit
 def completion_metrics(completion_mask, truncated) -> dict[str, jax.Array]:
     """Length statistics of a rollout batch in TRL's names.
 

@@ -38,16 +38,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qerl_jax import hf, nf4, nvfp4
+
 ATTN_MODULES = ("q", "k", "v", "o")
 MLP_MODULES = ("gate", "up", "down")
 ALL_MODULES = ATTN_MODULES + MLP_MODULES
 NORM_NAMES = ("input_norm", "post_attn_norm")
 
-# Our module names <-> Hugging Face / PEFT names.
-_HF_MODULE = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-              "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-              "down": "mlp.down_proj"}
-_HF_NORM = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm"}
+# Our module names -> Hugging Face / PEFT module names (one source of truth: qerl_jax.hf).
+_HF_MODULE = {name: hf_name for (_, name), hf_name in hf.HF_LINEARS.items()}
+_HF_NORM = {name: hf_name.removesuffix(".weight") for name, hf_name in hf.HF_NORMS.items()}
 _PEFT_PREFIX = "base_model.model.model.layers"
 
 
@@ -183,38 +183,7 @@ def init_lora(key: jax.Array, model_cfg, lora_cfg: LoRAConfig, base: Optional[Ma
   return {"layers": layers}
 
 
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, *, scale: float,
-               compute_dtype=jnp.bfloat16) -> jax.Array:
-  """The adapter's contribution ``scale * (x @ A) @ B`` for one layer.
-
-  Operands are cast to ``compute_dtype`` (bf16 by default) and both matmuls
-  accumulate in float32 (``preferred_element_type``); the intermediate
-  ``x @ A`` is rounded back to ``compute_dtype`` before the second matmul.
-
-  Args:
-    x: activations ``[..., K]``.
-    a: ``[K, r]``. b: ``[r, N]``.
-    scale: :func:`scale` of the config (static float).
-    compute_dtype: matmul operand dtype.
-
-  Returns:
-    float32 ``[..., N]``.
-
-  Raises:
-    ValueError: mismatched shapes.
-  """
-  if a.ndim != 2 or b.ndim != 2 or x.shape[-1] != a.shape[0] or a.shape[1] != b.shape[0]:
-    raise ValueError(f"lora_delta shapes: x {x.shape}, a {a.shape}, b {b.shape}; "
-                     "expected x [..., K], a [K, r], b [r, N]")
-  xa = jnp.dot(x.astype(compute_dtype), a.astype(compute_dtype),
-               preferred_element_type=jnp.float32)
-  xab = jnp.dot(xa.astype(compute_dtype), b.astype(compute_dtype),
-                preferred_element_type=jnp.float32)
-  return xab * jnp.float32(scale)
-
-
 def _dequantize_any(w, dtype):
-  from qerl_jax import nf4, nvfp4  # local: keep this module importable alone
   if isinstance(w, nvfp4.NVFP4Tensor):
     return nvfp4.dequantize(w, dtype)
   if isinstance(w, nf4.NF4Tensor):
@@ -475,3 +444,26 @@ def load_peft_adapter(path: str, *, dtype=jnp.float32) -> tuple[dict, LoRAConfig
     if train_norms:
       layers[name] = stack(("norm", name), False)
   return {"layers": layers}, lora_cfg
+
+
+def save_merged_hf(folder: str, model_cfg, base: Mapping, lora: Mapping, lora_cfg: LoRAConfig, *,
+                   dtype=None, **save_kwargs) -> None:
+  """Merge the adapter into the base and write a Hugging Face checkpoint.
+
+  4-bit weights are dequantized (float32), ``scale * A @ B`` is added in
+  float32 and the result is written in ``dtype`` (bf16 by default) by
+  :func:`qerl_jax.hf.save_pretrained`; transformers loads the folder with no
+  PEFT involved.
+
+  Args:
+    folder: output directory.
+    model_cfg: the model's ``ModelConfig``.
+    base, lora, lora_cfg: as in :func:`merge`.
+    dtype: checkpoint dtype (a NumPy/ml_dtypes dtype; default bfloat16).
+    **save_kwargs: passed to ``hf.save_pretrained`` (tokenizer, generation_config, ...).
+  """
+  import ml_dtypes
+  dtype = ml_dtypes.bfloat16 if dtype is None else dtype
+  _check_tree(lora, model_cfg, lora_cfg)
+  merged = merge(base, lora, lora_cfg, dequantize_4bit=True, dtype=jnp.float32)
+  hf.save_pretrained(folder, model_cfg, merged, dtype=dtype, **save_kwargs)

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qerl_jax import models
+
 NEG_INF = -jnp.inf
 
 
@@ -335,15 +337,6 @@ def pad_prompts(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, batch: int, 
   return tokens, mask
 
 
-def positions_from_mask(mask: jax.Array) -> jax.Array:
-  """int32 ``[B, P]`` positions ``cumsum(mask) - 1`` (pad slots get -1 -> clipped to 0).
-
-  With left padding, a row's first real token has position 0, exactly as if
-  the row were alone.
-  """
-  return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
-
-
 def validate_prompts(prompt_tokens, prompt_mask) -> None:
   """Check shapes and left padding of concrete prompt arrays.
 
@@ -398,8 +391,6 @@ def _grow_cache(cache: dict, groups: int, extra: int) -> dict:
 def _generate_impl(cfg_model, config: SamplingConfig, lora_scale: float, base, lora, norm_noise,
                    prompt_BxP, mask_BxP, key, num_prompts):
   """The jit-compiled body: one prefill of the B prompts, then decode B*G rows in a while loop."""
-  from qerl_jax import models  # the model package imports nothing from here
-
   b, p = prompt_BxP.shape
   g, t_max = config.num_generations, config.max_new_tokens
   n = b * g
@@ -407,7 +398,7 @@ def _generate_impl(cfg_model, config: SamplingConfig, lora_scale: float, base, l
   fwd = dict(lora=lora, lora_cfg=lora_scale, norm_noise=norm_noise)
 
   # Prefill: B prompts once, cache of P slots; then repeat it G times and add T empty slots.
-  pos_BxP = positions_from_mask(mask_BxP)
+  pos_BxP = models.positions_from_mask(mask_BxP)
   cache = models.init_cache(cfg_model, b, p, dtype=config.cache_dtype)
   hidden_BxPxD, cache = models.forward(cfg_model, base, prompt_BxP, pos_BxP, cache=cache, attn_mask=mask_BxP,
                                        return_hidden=True, **fwd)
@@ -506,8 +497,6 @@ def generate(cfg_model, base: dict, prompt_tokens, prompt_mask, key: jax.Array, 
     TypeError: ``config`` is not a :class:`SamplingConfig`.
     ValueError: bad prompt shapes, a row without tokens, right padding.
   """
-  from qerl_jax import models
-
   if not isinstance(config, SamplingConfig):
     raise TypeError(f"generate: config must be a SamplingConfig, got {type(config).__name__}")
   validate_prompts(prompt_tokens, prompt_mask)

@@ -1,4 +1,4 @@
-"""Shared test fixtures: the ../shared data folder, GPU skipping, float64-free JAX defaults."""
+"""Shared test fixtures: the ../shared data folder, GPU skipping, the real Qwen2.5 tokenizer."""
 
 import os
 import pathlib
@@ -48,3 +48,14 @@ def fixtures_dir(shared_dir) -> pathlib.Path:
   if not d.is_dir():
     pytest.skip(f"{d} not present")
   return d
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer(fixtures_dir):
+  """The real Qwen2.5-0.5B-Instruct tokenizer from ../shared/fixtures (offline; ~10 s to build
+  once per session, so share this fixture rather than loading it again)."""
+  transformers = pytest.importorskip("transformers")
+  path = fixtures_dir / "qwen2.5-0.5b-instruct"
+  if not path.is_dir():
+    pytest.skip(f"{path} not present")
+  return transformers.AutoTokenizer.from_pretrained(str(path))

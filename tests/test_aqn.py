@@ -147,3 +147,60 @@ def test_update_noise_switch():
   assert aqn.update_noise(z, CFG) is z
   paper = dataclasses.replace(CFG, noise_in_update=False)
   assert aqn.update_noise(z, paper) is None
+
+
+# ------------------------------------------------------- noise in the model ---
+
+@pytest.fixture(scope="module")
+def tiny():
+  """A tiny random bf16 decoder (init once per module: eager init is slow on 2 cores)."""
+  from qerl_jax import models
+  cfg = models.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
+  base = models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16, std=0.1)
+  # Trained norm scales are not exactly 1 (see the bf16 note in docs/lora_aqn.md).
+  lay = dict(base["layers"])
+  for i, name in enumerate(aqn.NORM_NAMES):
+    lay[name] = (1 + 0.1 * jax.random.normal(jax.random.key(10 + i), lay[name].shape)).astype(jnp.bfloat16)
+  base = dict(base, layers=lay)
+  tokens = jax.random.randint(jax.random.key(1), (2, 7), 0, 96, jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7))
+  fwd = jax.jit(models.forward, static_argnums=0)
+  return fwd, cfg, base, tokens, positions, models
+
+
+@pytest.mark.parametrize("quant", ["none", "nvfp4"])
+def test_sigma_zero_leaves_forward_bit_identical(quant, tiny):
+  fwd, cfg, base, tokens, positions, models = tiny
+  if quant != "none":
+    base = models.quantize_base(base, quant)
+  shapes = aqn.norm_shapes_of(cfg)
+  ref, _ = fwd(cfg, base, tokens, positions)
+  for z in (aqn.noise(jax.random.key(0), 2, shapes, CFG),                    # stage 0
+            aqn.noise(jax.random.key(0), 50, shapes, aqn.AQNConfig(kind="off"))):
+    got, _ = fwd(cfg, base, tokens, positions, norm_noise=z)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+  # Even the last stage's sigma (5e-4) moves the bf16 model's logits.
+  z = aqn.noise(jax.random.key(0), 99, shapes, CFG)
+  got, _ = fwd(cfg, base, tokens, positions, norm_noise=z)
+  assert np.abs(np.asarray(got) - np.asarray(ref)).max() > 1e-3
+
+
+def test_noise_equals_float32_norm_weights_plus_z(tiny):
+  """forward(noise=z) == forward with the norm weights replaced by w + z (float32 model)."""
+  fwd, cfg, base, tokens, positions, _ = tiny
+  cfg = cfg.replace(dtype="float32")
+  base = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), base)
+  z = aqn.noise(jax.random.key(4), 15, aqn.norm_shapes_of(cfg), CFG)
+  got, _ = fwd(cfg, base, tokens, positions, norm_noise=z)
+  noisy = dict(base, layers=dict(base["layers"]))
+  for name in aqn.NORM_NAMES:
+    noisy["layers"][name] = base["layers"][name] + z[name]
+  want, _ = fwd(cfg, noisy, tokens, positions)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  plain, _ = fwd(cfg, base, tokens, positions)
+  assert np.abs(np.asarray(got) - np.asarray(plain)).max() > 1e-4
+  # In float32 compute even the last stage's sigma (5e-4) reaches the logits.
+  z = aqn.noise(jax.random.key(4), 99, aqn.norm_shapes_of(cfg), CFG)
+  got, _ = fwd(cfg, base, tokens, positions, norm_noise=z)
+  assert np.abs(np.asarray(got) - np.asarray(plain)).max() > 1e-6

@@ -488,36 +488,46 @@ def test_update_step_through_nvfp4_model_with_lora():
 
     cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                              num_heads=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
-    keys = jax.random.split(jax.random.key(0), 8)
-    base = models.quantize_base(models.init_params(cfg, keys[0]), "nvfp4")
+    base = jax.jit(lambda k: models.quantize_base(models.init_params(cfg, k), "nvfp4"))(
+        jax.random.key(0))
     assert isinstance(base["layers"]["attn"]["q"], nvfp4.NVFP4Tensor)
     L, r = cfg.num_layers, 4
 
-    def ab(k, kdim, ndim):
-        ka, kb = jax.random.split(k)
-        return {"a": 0.1 * jax.random.normal(ka, (L, kdim, r), jnp.float32),
-                "b": 0.1 * jax.random.normal(kb, (L, r, ndim), jnp.float32)}
+    rng = np.random.default_rng(0)  # numpy set-up: no eager XLA op compiles
 
-    lora = {"layers": {"attn": {"q": ab(keys[1], 32, 32), "v": ab(keys[2], 32, 16)},
-                       "mlp": {"down": ab(keys[3], 64, 32)},
+    def ab(kdim, ndim):
+        return {"a": jnp.asarray(0.1 * rng.normal(size=(L, kdim, r)), jnp.float32),
+                "b": jnp.asarray(0.1 * rng.normal(size=(L, r, ndim)), jnp.float32)}
+
+    lora = {"layers": {"attn": {"q": ab(32, 32), "v": ab(32, 16)}, "mlp": {"down": ab(64, 32)},
                        "input_norm": jnp.ones((L, 32), jnp.float32)}}
     n, t, prompt = 4, 12, 4
-    tokens = jax.random.randint(keys[4], (n, t), 0, cfg.vocab_size, jnp.int32)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, size=(n, t)), jnp.int32)
     lengths = np.array([8, 5, 8, 2])
     cmask = ((np.arange(t)[None] >= prompt) & (np.arange(t)[None] < prompt + lengths[:, None]))
     attn = jnp.ones((n, t), jnp.int32)
-    noise = {"input_norm": 0.01 * jax.random.normal(keys[5], (L, 32)),
-             "post_attn_norm": jnp.zeros((L, 32))}
+    noise = {"input_norm": jnp.asarray(0.01 * rng.normal(size=(L, 32)), jnp.float32),
+             "post_attn_norm": jnp.zeros((L, 32), jnp.float32)}
 
     def logprob_fn(params, mb):
         return models.token_logprobs(cfg, mb["shared"]["base"], mb["tokens"], mb["positions"],
                                      lora=params, lora_cfg=2.0, attn_mask=mb["attn_mask"],
-                                     norm_noise=mb["shared"]["noise"], chunk_size=8)
+                                     norm_noise=mb["shared"]["noise"], chunk_size=8, remat=False)
 
-    positions = models.positions_from_mask(attn)
-    lp0, _ = logprob_fn(lora, {"tokens": tokens, "positions": positions, "attn_mask": attn,
-                               "shared": {"base": base, "noise": noise}})
-    ref, _ = models.token_logprobs(cfg, base, tokens, positions, attn_mask=attn, chunk_size=8)
+    positions = jnp.asarray(np.broadcast_to(np.arange(t, dtype=np.int32), (n, t)))
+    inputs = {"tokens": tokens, "positions": positions, "attn_mask": attn,
+              "shared": {"base": base, "noise": noise}}
+    lp_jit = jax.jit(logprob_fn)
+    lp0, _ = lp_jit(lora, inputs)
+    # the reference policy (LoRA off, no noise), through the same compiled function: B = 0 makes
+    # every LoRA delta exactly 0, the trainable input_norm equals the base's ones, noise 0
+    lora_off = jax.tree.map(jnp.zeros_like, lora)
+    lora_off["layers"]["input_norm"] = base["layers"]["input_norm"].astype(jnp.float32)
+    for group in ("attn", "mlp"):
+        for name in lora["layers"][group]:
+            lora_off["layers"][group][name]["a"] = lora["layers"][group][name]["a"]
+    ref, _ = lp_jit(lora_off, {**inputs, "shared": {"base": base,
+                                                    "noise": jax.tree.map(jnp.zeros_like, noise)}})
     adv = grpo.group_advantages(jnp.array([1.0, 0.0, 0.0, 1.0]), 4)
     batch = {"tokens": tokens, "positions": positions, "attn_mask": attn,
              "completion_mask": jnp.asarray(cmask), "advantages": adv, "old_logprobs": lp0,

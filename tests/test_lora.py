@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from qerl_jax import hf, models, nvfp4
 from qerl_jax import lora as L
-from qerl_jax import nvfp4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,9 +22,6 @@ class TinyCfg:
   num_heads: int = 4
   num_kv_heads: int = 2
   head_dim: int = 8
-
-
-HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _random_lora(key, cfg, lora_cfg, base=None):
@@ -116,7 +113,7 @@ def test_init_train_norms_copies_base_norms():
 def test_hand_example_r16_alpha16_a_b_point_one(use_rslora, want_scale):
   """x @ W + scale * x @ A @ B with A = B = 0.1, against float64 numpy."""
   rng = np.random.default_rng(0)
-  k_in, n_out, r = 24, 8, 16
+  k_in, n_out, r = 32, 8, 16
   x = rng.standard_normal((3, k_in)).astype(np.float32)
   w = (0.1 * rng.standard_normal((k_in, n_out))).astype(np.float32)
   a = np.full((k_in, r), 0.1, np.float32)
@@ -133,12 +130,23 @@ def test_hand_example_r16_alpha16_a_b_point_one(use_rslora, want_scale):
   np.testing.assert_allclose((x64 @ a64) @ b64, np.repeat(16 * p1 * p1 * x64.sum(1, keepdims=True), n_out, 1),
                              rtol=1e-12)
 
-  y = jnp.dot(x, w, precision=HIGHEST) + L.lora_delta(x, a, b, scale=s, compute_dtype=jnp.float32)
+  # The model's one linear dispatch, float32 operands.
+  y = models.linear(jnp.asarray(x), jnp.asarray(w), lora={"a": jnp.asarray(a), "b": jnp.asarray(b)},
+                    lora_scale=s)
+  assert y.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
 
-  # Default bf16 operands with float32 accumulation: within bf16 rounding.
-  y16 = jnp.dot(x, w, precision=HIGHEST) + L.lora_delta(x, a, b, scale=s)
-  np.testing.assert_allclose(np.asarray(y16), want, rtol=2e-2, atol=2e-2 * want_scale)
+  # bf16 activations (operands bf16, float32 accumulation): within bf16 rounding.
+  y16 = models.linear(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w),
+                      lora={"a": jnp.asarray(a), "b": jnp.asarray(b)}, lora_scale=s)
+  assert y16.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(y16, np.float64), want, rtol=2e-2, atol=2e-2 * want_scale)
+
+  # A 4-bit W: the adapter adds to the dequantized weight's product.
+  wq = nvfp4.quantize(jnp.asarray(w))
+  yq = models.linear(jnp.asarray(x), wq, lora={"a": jnp.asarray(a), "b": jnp.asarray(b)}, lora_scale=s)
+  wq64 = np.asarray(nvfp4.dequantize(wq, jnp.float32), np.float64)
+  np.testing.assert_allclose(np.asarray(yq), x64 @ wq64 + want_scale * (x64 @ a64) @ b64, rtol=1e-5, atol=1e-5)
 
   # Merging into a float32 base gives the same output to 1e-6.
   base = {"layers": {"attn": {"q": jnp.asarray(w)[None]}}}
@@ -146,22 +154,9 @@ def test_hand_example_r16_alpha16_a_b_point_one(use_rslora, want_scale):
   merged = L.merge(base, tree, c)["layers"]["attn"]["q"][0]
   assert merged.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(merged), w64 + want_scale * a64 @ b64, rtol=0, atol=1e-6)
-  y_merged = jnp.dot(x, merged, precision=HIGHEST)
+  y_merged = models.linear(jnp.asarray(x), merged)
   np.testing.assert_allclose(np.asarray(y_merged), np.asarray(y), rtol=0, atol=1e-6 * max(1.0, want_scale))
   np.testing.assert_allclose(np.asarray(y_merged), want, rtol=1e-6, atol=1e-6 * max(1.0, want_scale))
-
-
-def test_fresh_adapter_delta_is_exactly_zero():
-  cfg = TinyCfg()
-  c = L.LoRAConfig(r=4)
-  t = L.init_lora(jax.random.key(0), cfg, c)
-  x = jax.random.normal(jax.random.key(1), (2, 5, 32), jnp.bfloat16)
-  ab = t["layers"]["attn"]["q"]
-  d = L.lora_delta(x, ab["a"][0], ab["b"][0], scale=L.scale(c))
-  assert d.shape == (2, 5, 32) and d.dtype == jnp.float32
-  assert not np.any(np.asarray(d))
-  with pytest.raises(ValueError, match="lora_delta"):
-    L.lora_delta(x, ab["a"][0].T, ab["b"][0], scale=1.0)
 
 
 def test_merge_bf16_and_nvfp4_and_norms():
@@ -207,47 +202,6 @@ def _tiny_hf_qwen2(seed=0):
   return transformers.Qwen2ForCausalLM(hf_cfg).float().eval()
 
 
-@pytest.mark.parametrize("use_rslora,train_norms", [(False, False), (True, True)])
-def test_peft_export_loads_in_peft_with_our_weights(tmp_path, use_rslora, train_norms):
-  torch = pytest.importorskip("torch")
-  peft = pytest.importorskip("peft")
-  hf = _tiny_hf_qwen2()
-  cfg = TinyCfg()
-  c = L.LoRAConfig(r=4, lora_alpha=8, use_rslora=use_rslora,
-                   target_modules=("q", "k", "o", "up", "down"), train_norms=train_norms)
-  base = {"layers": {"input_norm": jnp.ones((2, 32)), "post_attn_norm": jnp.ones((2, 32))}}
-  t = _random_lora(jax.random.key(5), cfg, c, base)
-  L.save_peft_adapter(str(tmp_path), t, cfg, c, "tiny-qwen2")
-  conf = json.loads((tmp_path / "adapter_config.json").read_text())
-  assert conf["r"] == 4 and conf["lora_alpha"] == 8 and conf["use_rslora"] is use_rslora
-  assert sorted(conf["target_modules"]) == sorted(["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"])
-
-  pm = peft.PeftModel.from_pretrained(hf, str(tmp_path))
-  layer = pm.base_model.model.model.layers[1]
-  for ours, mod in (("q", layer.self_attn.q_proj), ("down", layer.mlp.down_proj)):
-    grp = "attn" if ours == "q" else "mlp"
-    ab = t["layers"][grp][ours]
-    np.testing.assert_array_equal(mod.lora_A["default"].weight.detach().numpy(), np.asarray(ab["a"][1]).T)
-    np.testing.assert_array_equal(mod.lora_B["default"].weight.detach().numpy(), np.asarray(ab["b"][1]).T)
-    assert mod.scaling["default"] == pytest.approx(L.scale(c))
-    # PEFT's LoRA linear minus its base equals our delta (float32 operands).
-    x = np.random.default_rng(1).standard_normal((3, ab["a"].shape[1])).astype(np.float32)
-    with torch.no_grad():
-      tx = torch.from_numpy(x)
-      peft_delta = (mod(tx) - mod.base_layer(tx)).numpy()
-    ours_delta = L.lora_delta(x, ab["a"][1], ab["b"][1], scale=L.scale(c), compute_dtype=jnp.float32)
-    np.testing.assert_allclose(np.asarray(ours_delta), peft_delta, rtol=1e-5, atol=1e-6)
-  assert not hasattr(layer.self_attn.v_proj, "lora_A")
-  if train_norms:
-    got = layer.input_layernorm.modules_to_save["default"].weight.detach().numpy()
-    np.testing.assert_array_equal(got, np.asarray(t["layers"]["input_norm"][1]))
-
-  # And back.
-  t2, c2 = L.load_peft_adapter(str(tmp_path))
-  assert c2 == c
-  jax.tree_util.tree_map(lambda u, v: np.testing.assert_array_equal(np.asarray(u), np.asarray(v)), t, t2)
-
-
 def test_load_adapter_written_by_peft(tmp_path):
   torch = pytest.importorskip("torch")
   peft = pytest.importorskip("peft")
@@ -284,3 +238,129 @@ def test_load_rejects_unsupported(tmp_path):
     L.load_peft_adapter(str(tmp_path / "missing"))
   with pytest.raises(ValueError, match="lacks targeted module"):
     L.save_peft_adapter(str(tmp_path), {"layers": {}}, cfg, c, "x")
+
+
+# ------------------------------------------------------ adapters in the model ---
+
+@pytest.fixture(scope="module")
+def tiny():
+  """A tiny random decoder (bf16 base), its jitted forward and a batch."""
+  cfg = models.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True,
+                           attention_bias=True)
+  base = models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16, std=0.1)
+  tokens = jax.random.randint(jax.random.key(1), (2, 7), 0, 96, jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7))
+  fwd = jax.jit(models.forward, static_argnums=0, static_argnames="lora_cfg")
+  return fwd, cfg, base, tokens, positions
+
+
+@pytest.mark.parametrize("quant", ["none", "nvfp4"])
+def test_fresh_adapter_leaves_output_bit_identical(tiny, quant):
+  fwd, cfg, base, tokens, positions = tiny
+  if quant != "none":
+    base = models.quantize_base(base, quant)
+  ref, _ = fwd(cfg, base, tokens, positions)
+  c = L.LoRAConfig(r=4, lora_alpha=8, train_norms=True)
+  adapter = L.init_lora(jax.random.key(2), cfg, c, base)
+  got, _ = fwd(cfg, base, tokens, positions, lora=adapter, lora_cfg=c)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+  # ...and a trained (non-zero B) adapter does change it.
+  got, _ = fwd(cfg, base, tokens, positions, lora=_random_lora(jax.random.key(2), cfg, c, base), lora_cfg=c)
+  assert np.abs(np.asarray(got) - np.asarray(ref)).max() > 1e-3
+
+
+def test_merged_model_matches_adapter_forward(tiny):
+  fwd, cfg, base, tokens, positions = tiny
+  cfg = cfg.replace(dtype="float32")
+  base = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), base)
+  c = L.LoRAConfig(r=4, lora_alpha=8, use_rslora=True, target_modules=("q", "v", "o", "gate", "down"),
+                   train_norms=True)
+  adapter = _random_lora(jax.random.key(3), cfg, c, base)
+  with_adapter, _ = fwd(cfg, base, tokens, positions, lora=adapter, lora_cfg=c)
+  merged, _ = fwd(cfg, L.merge(base, adapter, c), tokens, positions)
+  np.testing.assert_allclose(np.asarray(merged), np.asarray(with_adapter), rtol=0, atol=1e-5)
+  plain, _ = fwd(cfg, base, tokens, positions)
+  assert np.abs(np.asarray(plain) - np.asarray(with_adapter)).max() > 1e-2
+
+
+def _hf_logits(model, tokens):
+  import torch
+  with torch.no_grad():
+    return model(input_ids=torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
+
+
+@pytest.mark.parametrize("use_rslora,train_norms,targets", [
+    (False, False, L.ALL_MODULES), (True, True, ("q", "k", "o", "up", "down"))])
+def test_peft_round_trip_logits_match_transformers(tmp_path, use_rslora, train_norms, targets):
+  """Our forward with an adapter == PeftModel.from_pretrained(transformers twin, exported adapter)."""
+  torch = pytest.importorskip("torch")
+  peft = pytest.importorskip("peft")
+  transformers = pytest.importorskip("transformers")
+  hf_model = _tiny_hf_qwen2(seed=1)
+  with torch.no_grad():  # weights large enough that the adapter's effect is well above float noise
+    for name, p in hf_model.named_parameters():
+      p.copy_((1.0 + 0.1 * torch.randn_like(p)) if name.endswith("norm.weight") else 0.08 * torch.randn_like(p))
+  hf_model.save_pretrained(str(tmp_path / "base"))
+  pre = hf.load_pretrained(str(tmp_path / "base"), quant="none", dtype=jnp.float32, compute_dtype="float32",
+                           load_tokenizer=False)
+  cfg, base = pre.cfg, pre.base
+  c = L.LoRAConfig(r=4, lora_alpha=8, use_rslora=use_rslora, target_modules=targets,
+                   train_norms=train_norms)
+  adapter = _random_lora(jax.random.key(4), cfg, c, base)
+  tokens = jax.random.randint(jax.random.key(5), (2, 9), 0, cfg.vocab_size, jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
+  ours, _ = models.forward(cfg, base, tokens, positions, lora=adapter, lora_cfg=c)
+  plain, _ = models.forward(cfg, base, tokens, positions)
+
+  L.save_peft_adapter(str(tmp_path / "adapter"), adapter, cfg, c, str(tmp_path / "base"))
+  conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+  assert conf["r"] == 4 and conf["lora_alpha"] == 8 and conf["use_rslora"] is use_rslora
+  assert sorted(conf["target_modules"]) == sorted(L._HF_MODULE[m].split(".")[1] for m in targets)
+  pm = peft.PeftModel.from_pretrained(hf_model, str(tmp_path / "adapter")).eval()
+  # PEFT holds our matrices, transposed, and our scale.
+  layer = pm.base_model.model.model.layers[1]
+  for grp, m, mod in (("attn", "q", layer.self_attn.q_proj), ("mlp", "down", layer.mlp.down_proj)):
+    ab = adapter["layers"][grp][m]
+    np.testing.assert_array_equal(mod.lora_A["default"].weight.detach().numpy(), np.asarray(ab["a"][1]).T)
+    np.testing.assert_array_equal(mod.lora_B["default"].weight.detach().numpy(), np.asarray(ab["b"][1]).T)
+    assert mod.scaling["default"] == pytest.approx(L.scale(c))
+  assert hasattr(layer.self_attn.v_proj, "lora_A") == ("v" in targets)
+  if train_norms:
+    got = layer.input_layernorm.modules_to_save["default"].weight.detach().numpy()
+    np.testing.assert_array_equal(got, np.asarray(adapter["layers"]["input_norm"][1]))
+  theirs = _hf_logits(pm, tokens)
+  assert np.abs(np.asarray(plain) - theirs).max() > 1e-2  # the adapter matters
+  np.testing.assert_allclose(np.asarray(ours), theirs, rtol=0, atol=1e-4)
+
+  # Merged export (float32 here so the comparison is tight): plain transformers, no PEFT.
+  L.save_merged_hf(str(tmp_path / "merged"), cfg, base, adapter, c, dtype=np.float32)
+  merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"),
+                                                             dtype=torch.float32).eval()
+  np.testing.assert_allclose(_hf_logits(merged, tokens), theirs, rtol=0, atol=1e-4)
+
+  # And back: our loader restores the tree and the config exactly.
+  t2, c2 = L.load_peft_adapter(str(tmp_path / "adapter"))
+  assert c2 == c
+  jax.tree_util.tree_map(lambda u, v: np.testing.assert_array_equal(np.asarray(u), np.asarray(v)), adapter, t2)
+
+
+def test_merged_bf16_export_of_nvfp4_base(tmp_path):
+  """The default export: NVFP4 base dequantized, adapter merged, bf16 safetensors."""
+  transformers = pytest.importorskip("transformers")
+  torch = pytest.importorskip("torch")
+  cfg = models.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True,
+                           dtype="float32")
+  base = models.quantize_base(models.init_params(cfg, jax.random.key(0), dtype=jnp.float32, std=0.1), "nvfp4")
+  c = L.LoRAConfig(r=4, lora_alpha=8)
+  adapter = _random_lora(jax.random.key(6), cfg, c)
+  L.save_merged_hf(str(tmp_path), cfg, base, adapter, c)
+  m = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+  assert next(m.parameters()).dtype == torch.float32
+  q = m.model.layers[1].self_attn.q_proj.weight.detach().numpy().astype(np.float64)
+  ab = adapter["layers"]["attn"]["q"]
+  want = (np.asarray(nvfp4.dequantize(jax.tree_util.tree_map(lambda x: x[1], base["layers"]["attn"]["q"]),
+                                      jnp.float32), np.float64)
+          + 2.0 * np.asarray(ab["a"][1], np.float64) @ np.asarray(ab["b"][1], np.float64))
+  np.testing.assert_allclose(q, want.T, rtol=2 ** -8, atol=1e-6)  # bf16 storage

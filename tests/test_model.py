@@ -11,6 +11,10 @@ import pytest
 from qerl_jax import hf, models, nvfp4
 from tests._model_utils import left_padded_batch, make_hf_model, torch_logits
 
+# jit every forward: one compilation per call site is much cheaper than op-by-op dispatch.
+fwd = jax.jit(models.forward, static_argnums=(0,),
+              static_argnames=("lora_cfg", "remat", "return_hidden"))
+
 ARCHS = [("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True), ("llama", False),
          ("llama", True)]
 
@@ -29,7 +33,7 @@ def test_logits_match_transformers_left_padded(arch, tied):
   tokens, mask = left_padded_batch(cfg.vocab_size)
   ref = torch_logits(m, tokens, mask)
   pos = models.positions_from_mask(jnp.asarray(mask))
-  logits, cache = models.forward(cfg, base, jnp.asarray(tokens), pos, attn_mask=jnp.asarray(mask))
+  logits, cache = fwd(cfg, base, jnp.asarray(tokens), pos, attn_mask=jnp.asarray(mask))
   assert cache is None
   logits = np.asarray(logits)
   real = mask.astype(bool)
@@ -48,7 +52,7 @@ def test_logits_match_transformers_far_positions(arch):
   with torch.no_grad():
     ref = m(input_ids=torch.tensor(tokens, dtype=torch.long),
             position_ids=torch.tensor(pos, dtype=torch.long)).logits.numpy()
-  logits, _ = models.forward(cfg, base, jnp.asarray(tokens), jnp.asarray(pos))
+  logits, _ = fwd(cfg, base, jnp.asarray(tokens), jnp.asarray(pos))
   assert np.abs(np.asarray(logits) - ref).max() < 1e-4
 
 
@@ -67,10 +71,9 @@ def _decode_all(cfg, base, tokens, mask, n_prefill, cache_dtype=jnp.float32, **k
   b, t = tokens.shape
   pos = models.positions_from_mask(mask)
   cache = models.init_cache(cfg, b, t + 3, dtype=cache_dtype)
-  out, cache = models.forward(cfg, base, tokens[:, :n_prefill], pos[:, :n_prefill],
-                              attn_mask=mask[:, :n_prefill], cache=cache, **kw)
-  outs = [out]
   step = jax.jit(lambda c, tok, p, mk: models.forward(cfg, base, tok, p, attn_mask=mk, cache=c, **kw))
+  out, cache = step(cache, tokens[:, :n_prefill], pos[:, :n_prefill], mask[:, :n_prefill])
+  outs = [out]
   for i in range(n_prefill, t):
     out, cache = step(cache, tokens[:, i:i + 1], pos[:, i:i + 1], mask[:, i:i + 1])
     outs.append(out)
@@ -83,7 +86,7 @@ def test_prefill_then_decode_equals_full_forward(arch):
   _, cfg, base = _model(arch, False)
   tokens, mask = left_padded_batch(cfg.vocab_size, seed=3)
   tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
-  full, _ = models.forward(cfg, base, tokens, models.positions_from_mask(mask), attn_mask=mask)
+  full, _ = fwd(cfg, base, tokens, models.positions_from_mask(mask), attn_mask=mask)
   stepped, cache = _decode_all(cfg, base, tokens, mask, n_prefill=8)
   real = np.asarray(mask).astype(bool)
   assert np.abs(np.asarray(stepped) - np.asarray(full))[real].max() < 1e-5
@@ -99,7 +102,7 @@ def test_decode_with_lora_noise_and_nvfp4_base_bf16_cache():
   tokens, mask = left_padded_batch(cfg.vocab_size, seed=4)
   tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
   kw = dict(lora=lora, lora_cfg=0.5, norm_noise=noise)
-  full, _ = models.forward(cfg, qbase, tokens, models.positions_from_mask(mask), attn_mask=mask, **kw)
+  full, _ = fwd(cfg, qbase, tokens, models.positions_from_mask(mask), attn_mask=mask, **kw)
   stepped, _ = _decode_all(cfg, qbase, tokens, mask, n_prefill=10, cache_dtype=jnp.bfloat16, **kw)
   real = np.asarray(mask).astype(bool)
   err = np.abs(np.asarray(stepped) - np.asarray(full))[real].max()
@@ -115,9 +118,9 @@ def test_quantized_model_equals_float_model_on_dequantized_weights(quant):
   tokens, mask = left_padded_batch(cfg.vocab_size, seed=5)
   tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
   pos = models.positions_from_mask(mask)
-  lq, _ = models.forward(cfg, qbase, tokens, pos, attn_mask=mask)
-  ld, _ = models.forward(cfg, deq, tokens, pos, attn_mask=mask)
-  lf, _ = models.forward(cfg, base, tokens, pos, attn_mask=mask)
+  lq, _ = fwd(cfg, qbase, tokens, pos, attn_mask=mask)
+  ld, _ = fwd(cfg, deq, tokens, pos, attn_mask=mask)
+  lf, _ = fwd(cfg, base, tokens, pos, attn_mask=mask)
   np.testing.assert_allclose(np.asarray(lq), np.asarray(ld), atol=2e-5)
   assert np.abs(np.asarray(lq) - np.asarray(lf)).max() > 1e-3  # quantization did change weights
 
@@ -159,10 +162,10 @@ def test_lora_and_norm_noise_equal_merged_float_model():
 
   class Cfg:
     scale = 2.0
-  a, _ = models.forward(cfg, base, tokens, pos, attn_mask=mask, lora=lora, lora_cfg=Cfg(),
+  a, _ = fwd(cfg, base, tokens, pos, attn_mask=mask, lora=lora, lora_cfg=Cfg(),
                         norm_noise=noise)
-  b, _ = models.forward(cfg, merged, tokens, pos, attn_mask=mask)
-  c, _ = models.forward(cfg, base, tokens, pos, attn_mask=mask)
+  b, _ = fwd(cfg, merged, tokens, pos, attn_mask=mask)
+  c, _ = fwd(cfg, base, tokens, pos, attn_mask=mask)
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5)
   assert np.abs(np.asarray(a) - np.asarray(c)).max() > 1e-2
 
@@ -172,9 +175,9 @@ def test_trainable_norms_in_lora_replace_base_norms():
   new_norm = base["layers"]["input_norm"] * 1.5
   tokens = jnp.asarray(left_padded_batch(cfg.vocab_size)[0])
   pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-  a, _ = models.forward(cfg, base, tokens, pos, lora={"layers": {"input_norm": new_norm}})
+  a, _ = fwd(cfg, base, tokens, pos, lora={"layers": {"input_norm": new_norm}})
   swapped = {**base, "layers": {**base["layers"], "input_norm": new_norm}}
-  b, _ = models.forward(cfg, swapped, tokens, pos)
+  b, _ = fwd(cfg, swapped, tokens, pos)
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
@@ -183,13 +186,13 @@ def test_token_logprobs_and_entropy_match_full_log_softmax():
   tokens, mask = left_padded_batch(cfg.vocab_size, seed=7)
   tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
   pos = models.positions_from_mask(mask)
-  logits, _ = models.forward(cfg, base, tokens, pos, attn_mask=mask)
+  logits, _ = fwd(cfg, base, tokens, pos, attn_mask=mask)
   temp = 0.7
   logp = np.asarray(jax.nn.log_softmax(np.asarray(logits, np.float64) / temp, -1))
   ref_lp = np.take_along_axis(logp[:, :-1], np.asarray(tokens)[:, 1:, None], -1)[..., 0]
   ref_ent = -(np.exp(logp) * logp).sum(-1)[:, :-1]
-  lp, ent = models.token_logprobs(cfg, base, tokens, pos, attn_mask=mask, chunk_size=5,
-                                  temperature=temp)
+  lp, ent = jax.jit(lambda b: models.token_logprobs(cfg, b, tokens, pos, attn_mask=mask, chunk_size=5,
+                                                    temperature=temp))(base)
   assert lp.shape == ent.shape == tokens.shape
   np.testing.assert_allclose(np.asarray(lp)[:, 1:], ref_lp, atol=2e-5)
   np.testing.assert_allclose(np.asarray(ent)[:, 1:], ref_ent, atol=2e-5)
@@ -211,14 +214,14 @@ def test_token_logprobs_gradient_wrt_lora_matches_unchunked_no_remat():
     return jnp.sum((lp[:, 1:] + 0.1 * ent[:, 1:]) * weights)
 
   def loss_plain(lo):
-    logits, _ = models.forward(cfg, qbase, tokens, pos, attn_mask=mask, lora=lo, lora_cfg=0.5)
+    logits, _ = fwd(cfg, qbase, tokens, pos, attn_mask=mask, lora=lo, lora_cfg=0.5)
     logp = jax.nn.log_softmax(logits, -1)[:, :-1]
     lp = jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
     ent = -jnp.sum(jnp.exp(logp) * logp, -1)
     return jnp.sum((lp + 0.1 * ent) * weights)
 
   v1, g1 = jax.jit(jax.value_and_grad(loss_chunked))(lora)
-  v2, g2 = jax.value_and_grad(loss_plain)(lora)
+  v2, g2 = jax.jit(jax.value_and_grad(loss_plain))(lora)
   np.testing.assert_allclose(float(v1), float(v2), rtol=1e-5)
   for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
@@ -232,8 +235,8 @@ def test_bf16_compute_close_to_float32():
   tokens, mask = left_padded_batch(cfg.vocab_size, seed=9)
   tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
   pos = models.positions_from_mask(mask)
-  a, _ = models.forward(cfg, base, tokens, pos, attn_mask=mask)
-  b, _ = models.forward(cfg16, base16, tokens, pos, attn_mask=mask)
+  a, _ = fwd(cfg, base, tokens, pos, attn_mask=mask)
+  b, _ = fwd(cfg16, base16, tokens, pos, attn_mask=mask)
   assert b.dtype == jnp.float32
   real = np.asarray(mask).astype(bool)
   err = np.abs(np.asarray(a) - np.asarray(b))[real]
@@ -271,11 +274,11 @@ def test_remat_and_init_params_shapes():
   assert "lm_head" in base and base["layers"]["attn"]["q_norm"].shape == (3, 8)
   tokens = jnp.arange(10, dtype=jnp.int32).reshape(2, 5)
   pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
-  a, _ = models.forward(cfg, base, tokens, pos, remat=True)
-  b, _ = models.forward(cfg, base, tokens, pos, remat=False)
+  a, _ = fwd(cfg, base, tokens, pos, remat=True)
+  b, _ = fwd(cfg, base, tokens, pos, remat=False)
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
   with pytest.raises(ValueError, match="positions"):
-    models.forward(cfg, base, tokens, pos[:, :3])
+    fwd(cfg, base, tokens, pos[:, :3])
 
 
 def test_positions_from_mask():

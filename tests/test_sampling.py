@@ -127,8 +127,6 @@ def test_buckets_and_padding():
   pt, pm = sampling.pad_prompts(toks, mask, 4, 5, pad_id=9)
   np.testing.assert_array_equal(pt, [[9, 9, 0, 5, 6], [9, 9, 1, 2, 3], [9] * 5, [9] * 5])
   np.testing.assert_array_equal(pm, [[0, 0, 0, 1, 1], [0, 0, 1, 1, 1], [0, 0, 0, 0, 1], [0, 0, 0, 0, 1]])
-  np.testing.assert_array_equal(np.asarray(sampling.positions_from_mask(jnp.asarray(pm[:2]))),
-                                [[0, 0, 0, 0, 1], [0, 0, 0, 1, 2]])
 
 
 def test_validation_errors():
@@ -252,6 +250,9 @@ def test_greedy_matches_transformers_and_unbatched(tiny, greedy_case):
     row = tokens[i:i + 1, mask[i] > 0]
     alone = sampling.generate(cfg, base, row, np.ones_like(row), jax.random.key(0), config)
     np.testing.assert_array_equal(np.asarray(alone.tokens[0]), got[i])
+    if i == r:  # alone, row r ends at completion position 2: the while loop stops after 2 decode steps
+      assert int(alone.metrics["decode_steps"]) == 2
+  assert int(ro.metrics["decode_steps"]) == MAX_NEW - 1  # a truncated row keeps the batch decoding
 
 
 def test_top_k1_groups_and_min_new_tokens_match_greedy(tiny, greedy_case):

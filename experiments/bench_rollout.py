@@ -1,0 +1,247 @@
+"""Rollout throughput of qerl_jax.sampling.generate: bf16 vs NVFP4 weights, decode step time vs roofline.
+
+Random weights at the Qwen2.5-7B shape (no checkpoint), prompts of 256 random
+tokens, a fixed number of new tokens (``early_stop=False``: every row decodes
+every step), temperature-1 sampling. For each weight format and batch size:
+
+* tokens/s = batch * new_tokens / (prefill + decode wall time), from one timed
+  run of the AOT-compiled ``generate`` body (compile time reported apart);
+* decode step time = (total - prefill) / (new_tokens - 1), prefill timed by
+  a separate jit of the same prefill forward;
+* roofline step time = bytes read per decode step / measured HBM bandwidth,
+  bytes = decoder weights + lm_head + the KV cache. Two KV figures: "ideal"
+  counts the valid slots on average (prompt + new_tokens / 2), "as run"
+  counts every preallocated slot (the decode attention reads the whole
+  cache, masked). HBM bandwidth is measured in the same run by a large
+  device copy (bytes read + bytes written).
+
+Usage (on the H200)::
+
+  python experiments/bench_rollout.py --smoke            # correctness at a tiny shape, then exit
+  python experiments/bench_rollout.py --batches=8,64,256 --new_tokens=2048 --out=/tmp/rollout.md
+
+Prints a markdown table (and writes it, plus JSON, under ``--out``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app, flags
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qerl_jax import models, sampling
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("batches", ["8", "64", "256"], "Batch sizes (prompts; num_generations = 1).")
+flags.DEFINE_list("formats", ["bf16", "nvfp4"], "Weight formats of the decoder linears.")
+flags.DEFINE_integer("prompt_len", 256, "Prompt tokens per row.")
+flags.DEFINE_integer("new_tokens", 2048, "New tokens per row (fixed: no early stop).")
+flags.DEFINE_list("new_tokens_by_batch", [], "Overrides 'batch:new_tokens', e.g. 256:1024 (to fit device time).")
+flags.DEFINE_float("time_budget_s", 1e9, "Skip the remaining runs once this much wall time has passed.")
+flags.DEFINE_string("out", "", "Folder for rollout.md / rollout.json (optional).")
+flags.DEFINE_bool("smoke", False, "Tiny-shape correctness checks on this device, then exit.")
+flags.DEFINE_enum("shape", "qwen2.5-7b", ["qwen2.5-7b", "tiny"], "Model shape (tiny: to try the script on CPU).")
+flags.DEFINE_bool("smoke_first", False, "Run the smoke checks, then the benchmark.")
+
+QWEN25_7B = dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                 num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                 rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)
+TINY = dict(QWEN25_7B, vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2)
+
+
+def kernel_backend() -> str:
+  """Which 4-bit matmul path the model uses on this device (pallas_kernels' own report when it has one)."""
+  import pallas_kernels
+  describe = getattr(pallas_kernels, "describe_backend", None)
+  if describe is not None:
+    return str(describe())
+  return "reference (pallas_kernels XLA path: dequantize to bf16, then dot)"
+
+
+def hbm_bandwidth(gib: float = 4.0, iters: int = 20) -> float:
+  """Measured device-copy bandwidth in bytes/s (bytes read + written), median of ``iters`` runs."""
+  n = int(gib * 2**30) // 2
+  x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+  f = jax.jit(lambda a: a * jnp.bfloat16(1.5))
+  f(x).block_until_ready()
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    f(x).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  del x
+  return 2 * n * 2 / float(np.median(times))
+
+
+def tree_bytes(tree) -> int:
+  return int(sum(np.dtype(x.dtype).itemsize * x.size for x in jax.tree.leaves(tree)))
+
+
+def weight_bytes_per_step(cfg, base, batch: int) -> int:
+  """Bytes of parameters one decode step reads: decoder layers, final norm, lm_head, ``batch`` embedding rows."""
+  head = base["lm_head"] if "lm_head" in base else base["embed"]
+  return tree_bytes(base["layers"]) + tree_bytes(base["final_norm"]) + tree_bytes(head) + batch * cfg.hidden_size * 2
+
+
+def make_base(cfg, fmt: str, bf16_base=None):
+  if fmt == "bf16":
+    return models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+  if fmt == "nvfp4":
+    src = bf16_base if bf16_base is not None else models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+    q = jax.jit(lambda b: models.quantize_base(b, "nvfp4"))(src)
+    jax.block_until_ready(q)
+    return q
+  raise ValueError(f"unknown format {fmt!r}; expected bf16 or nvfp4")
+
+
+def random_prompts(cfg, batch: int, length: int, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  return rng.integers(0, cfg.vocab_size, size=(batch, length)).astype(np.int32), np.ones((batch, length), np.int32)
+
+
+def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth: float) -> dict:
+  config = sampling.SamplingConfig(max_new_tokens=new_tokens, eos_token_ids=(cfg.vocab_size - 1,), pad_id=0,
+                                   temperature=1.0, early_stop=False)
+  tokens_np, mask_np = random_prompts(cfg, batch, prompt_len)
+  bb, pb = sampling.bucket(batch), sampling.bucket(prompt_len, 16)
+  tokens_np, mask_np = sampling.pad_prompts(tokens_np, mask_np, bb, pb, config.pad_id)
+  tokens, mask = jnp.asarray(tokens_np), jnp.asarray(mask_np)
+  key, nprompts = jax.random.key(1), jnp.int32(batch)
+
+  t0 = time.perf_counter()
+  compiled = sampling._generate_jit.lower(cfg, config, 1.0, base, None, None, tokens, mask, key, nprompts).compile()
+  t_compile = time.perf_counter() - t0
+
+  def prefill(base, tokens, mask):
+    cache = models.init_cache(cfg, bb, pb, dtype=config.cache_dtype)
+    h, cache = models.forward(cfg, base, tokens, models.positions_from_mask(mask), cache=cache, attn_mask=mask,
+                              return_hidden=True)
+    return models.lm_head_logits(cfg, base, h[:, -1]), cache
+
+  pre = jax.jit(prefill).lower(base, tokens, mask).compile()
+  jax.block_until_ready(pre(base, tokens, mask))
+  pre_times = []
+  for _ in range(3 if batch <= 64 else 1):
+    t0 = time.perf_counter()
+    jax.block_until_ready(pre(base, tokens, mask))
+    pre_times.append(time.perf_counter() - t0)
+  t_prefill = float(np.median(pre_times))
+
+  t0 = time.perf_counter()
+  out = compiled(base, None, None, tokens, mask, key, nprompts)
+  jax.block_until_ready(out)
+  t_total = time.perf_counter() - t0
+  toks, lp = np.asarray(out[0]), np.asarray(out[1])
+  steps = int(out[6])
+  assert steps == new_tokens - 1, steps
+  assert toks.min() >= 0 and toks.max() < cfg.vocab_size and np.isfinite(lp).all()
+  del out
+
+  step = (t_total - t_prefill) / (new_tokens - 1)
+  w_bytes = weight_bytes_per_step(cfg, base, bb)
+  slots_run = pb + new_tokens
+  kv_per_slot = 2 * cfg.num_layers * bb * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(config.cache_dtype).itemsize
+  kv_run = kv_per_slot * slots_run
+  kv_ideal = kv_per_slot * (prompt_len + new_tokens / 2)
+  return dict(batch=batch, new_tokens=new_tokens, compile_s=t_compile, prefill_s=t_prefill, total_s=t_total,
+              tokens_per_s=batch * new_tokens / t_total, decode_tokens_per_s=batch * (new_tokens - 1) / (t_total - t_prefill),
+              step_ms=1e3 * step, weight_gb=w_bytes / 1e9, kv_cache_gb=sampling.kv_cache_bytes(cfg, bb, slots_run) / 1e9,
+              roofline_ideal_ms=1e3 * (w_bytes + kv_ideal) / bandwidth, roofline_run_ms=1e3 * (w_bytes + kv_run) / bandwidth)
+
+
+def smoke() -> None:
+  """Tiny shape, float32 at highest matmul precision: batched == alone (greedy), logprobs == full forward."""
+  with jax.default_matmul_precision("highest"):
+    cfg = models.ModelConfig.from_hf(TINY, dtype="float32")
+    for fmt in ("bf16", "nvfp4"):
+      base = models.init_params(cfg, jax.random.key(0), dtype=jnp.float32, std=0.1)
+      if fmt == "nvfp4":
+        base = models.quantize_base(base, "nvfp4")
+      rng = np.random.default_rng(0)
+      lengths = [7, 20, 3, 12]
+      toks = np.zeros((4, 20), np.int32)
+      mask = np.zeros((4, 20), np.int32)
+      for i, n in enumerate(lengths):
+        toks[i, 20 - n:] = rng.integers(0, cfg.vocab_size, n)
+        mask[i, 20 - n:] = 1
+      greedy = sampling.SamplingConfig(max_new_tokens=16, eos_token_ids=(5,), pad_id=0, temperature=0.0,
+                                       cache_dtype=jnp.float32)
+      ro = sampling.generate(cfg, base, toks, mask, jax.random.key(0), greedy)
+      for i, n in enumerate(lengths):
+        alone = sampling.generate(cfg, base, toks[i:i + 1, 20 - n:], mask[i:i + 1, 20 - n:], jax.random.key(0), greedy)
+        np.testing.assert_array_equal(np.asarray(alone.tokens[0]), np.asarray(ro.tokens[i]))
+      warm = sampling.SamplingConfig(max_new_tokens=16, eos_token_ids=(5,), pad_id=0, temperature=1.0,
+                                     num_generations=2, cache_dtype=jnp.float32)
+      ro = sampling.generate(cfg, base, toks, mask, jax.random.key(1), warm)
+      seq = jnp.concatenate([ro.prompt_tokens, ro.tokens], 1)
+      m = jnp.concatenate([ro.prompt_mask, ro.mask], 1)
+      lp, _ = models.token_logprobs(cfg, base, seq, models.positions_from_mask(m), attn_mask=m, remat=False)
+      err = float(jnp.max(jnp.abs((lp[:, 20:] - ro.logprobs) * ro.mask)))
+      print(f"smoke {fmt}: greedy batched == alone for {len(lengths)} rows; |logprobs - full forward| max {err:.2e}")
+      assert err < 1e-4, err
+
+
+def main(argv):
+  del argv
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; 4-bit matmul: {kernel_backend()}", flush=True)
+  if FLAGS.smoke or FLAGS.smoke_first:
+    smoke()
+    if FLAGS.smoke:
+      return
+  start = time.perf_counter()
+  bandwidth = hbm_bandwidth(4.0 if FLAGS.shape == "qwen2.5-7b" else 0.25)
+  print(f"measured device copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+  cfg = models.ModelConfig.from_hf(QWEN25_7B if FLAGS.shape == "qwen2.5-7b" else TINY, dtype="bfloat16")
+  overrides = {int(k): int(v) for k, v in (s.split(":") for s in FLAGS.new_tokens_by_batch)}
+  bases = {}
+  bf16 = make_base(cfg, "bf16")
+  for fmt in FLAGS.formats:
+    t0 = time.perf_counter()
+    bases[fmt] = bf16 if fmt == "bf16" else make_base(cfg, fmt, bf16)
+    print(f"{fmt} base ready in {time.perf_counter() - t0:.1f}s: decoder linears + lm_head "
+          f"{weight_bytes_per_step(cfg, bases[fmt], 0) / 1e9:.2f} GB", flush=True)
+  if "bf16" not in FLAGS.formats:
+    del bf16
+  rows = []
+  header = ("| weights | batch | new tokens | tokens/s | decode tokens/s | step ms | roofline ms (ideal KV) | "
+            "% of roofline | roofline ms (KV as run) | prefill s | compile s | KV cache GB |")
+  sep = "|" + "---|" * 12
+  for batch in (int(b) for b in FLAGS.batches):
+    for fmt in FLAGS.formats:
+      if time.perf_counter() - start > FLAGS.time_budget_s:
+        print(f"skipping {fmt} batch {batch}: time budget {FLAGS.time_budget_s}s spent", flush=True)
+        continue
+      r = bench_one(cfg, bases[fmt], batch, FLAGS.prompt_len, overrides.get(batch, FLAGS.new_tokens), bandwidth)
+      r["format"] = fmt
+      rows.append(r)
+      print(json.dumps(r), flush=True)
+  lines = [header, sep]
+  for r in rows:
+    lines.append(f"| {r['format']} | {r['batch']} | {r['new_tokens']} | {r['tokens_per_s']:.0f} | "
+                 f"{r['decode_tokens_per_s']:.0f} | {r['step_ms']:.2f} | {r['roofline_ideal_ms']:.2f} | "
+                 f"{100 * r['roofline_ideal_ms'] / r['step_ms']:.0f}% | {r['roofline_run_ms']:.2f} | "
+                 f"{r['prefill_s']:.3f} | {r['compile_s']:.1f} | {r['kv_cache_gb']:.1f} |")
+  by = {(r["format"], r["batch"]): r for r in rows}
+  for batch in sorted({r["batch"] for r in rows}):
+    if ("bf16", batch) in by and ("nvfp4", batch) in by:
+      lines.append(f"\nbatch {batch}: NVFP4 / bf16 throughput = "
+                   f"{by['nvfp4', batch]['tokens_per_s'] / by['bf16', batch]['tokens_per_s']:.2f}x")
+  table = "\n".join(lines)
+  print(f"\nHBM copy bandwidth {bandwidth / 1e12:.2f} TB/s; 4-bit matmul: {kernel_backend()}\n{table}")
+  if FLAGS.out:
+    os.makedirs(FLAGS.out, exist_ok=True)
+    with open(os.path.join(FLAGS.out, "rollout.md"), "w") as f:
+      f.write(table + "\n")
+    with open(os.path.join(FLAGS.out, "rollout.json"), "w") as f:
+      json.dump(dict(bandwidth=bandwidth, backend=kernel_backend(), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)

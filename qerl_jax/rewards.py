@@ -1,0 +1,329 @@
+"""Rewards for math RL: GSM8K numeric answers, MATH-style LaTeX answers, format.
+
+Every reward function has the signature ``fn(completions, answers) -> list[float]``:
+``completions`` and ``answers`` are equal-length sequences of ``str`` (the model's
+decoded completion text and the gold answer text), and the result holds exactly one
+float per completion, in order. :func:`safe_reward` runs any such function so that one
+that raises or returns the wrong count costs only the affected completions (NaN,
+which the advantage computation treats as missing), never the run.
+
+Host-side, pure Python (no JAX), so it can run while the device works.
+
+References: GSM8K (Cobbe et al. 2021, answers after ``####``); MATH (Hendrycks et al.
+2021, answers in ``\\boxed{}``); math-verify (Hugging Face) for LaTeX equivalence;
+QeRL (NVlabs 2025) for the accuracy + weighted format reward.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import subprocess
+import sys
+import threading
+from decimal import Decimal, InvalidOperation
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
+
+# A number: optional sign (only where no word character or '.' precedes it, so the '-'
+# of "5-3" is an operator), digits with comma thousands separators or plain digits,
+# optional decimals. A comma not followed by exactly three digits is no separator.
+_NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\w.])[-+]?\.\d+")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def _clean(text: str) -> str:
+  """Drops markdown bold, dollar signs (plain and LaTeX-escaped), ``{,}`` separators,
+  LaTeX thin spaces, and maps the Unicode minus to '-'."""
+  text = text.replace("{,}", ",").replace("\\!", "").replace("\\,", "")
+  text = text.replace("\\$", "").replace("$", "").replace("**", "").replace("\u2212", "-")
+  return text
+
+
+def _canonical_number(s: str) -> Optional[str]:
+  """'1,000' -> '1000', '+7' -> '7', '-3.0' -> '-3', '2.50' -> '2.5'; None if not a number."""
+  try:
+    d = Decimal(s.replace(",", ""))
+  except InvalidOperation:
+    return None
+  if not d.is_finite():
+    return None
+  if d == d.to_integral_value():
+    return str(int(d))
+  return format(d.normalize(), "f")
+
+
+def _last_number(text: str) -> Optional[str]:
+  found = _NUMBER.findall(_clean(text))
+  return _canonical_number(found[-1]) if found else None
+
+
+def _first_number(text: str) -> Optional[str]:
+  m = _NUMBER.search(_clean(text))
+  return _canonical_number(m.group(0)) if m else None
+
+
+def extract_boxed(text: str) -> Optional[str]:
+  """The content of the last complete ``\\boxed{...}`` or ``\\fbox{...}`` in ``text``.
+
+  Braces are matched, so ``\\boxed{\\frac{1}{2}}`` gives ``\\frac{1}{2}``; a box whose
+  braces never close gives no answer (None) and an earlier complete box is not used in its
+  place. Returns None when there is no complete box.
+  """
+  last = None
+  for m in _BOX_OPEN.finditer(text):
+    depth, i = 1, m.end()
+    while i < len(text) and depth:
+      c = text[i]
+      if c == "\\" and i + 1 < len(text) and text[i + 1] in "{}":
+        i += 2  # an escaped brace \{ or \} does not count
+        continue
+      depth += (c == "{") - (c == "}")
+      i += 1
+    last = text[m.end():i - 1] if depth == 0 else None
+  return last.strip() if last is not None else None
+
+
+def extract_gsm8k_answer(text: str) -> Optional[str]:
+  """The numeric answer of a GSM8K-style solution, as a canonical number string.
+
+  Looks, in order, at: the text after the last ``####`` (its first number), the last
+  ``<answer>...</answer>`` tag, the last complete ``\\boxed{}`` (its last number), and
+  finally the last number anywhere. Thousands separators (``1,000``, ``$9{,}500``) read as
+  one number; a bare comma is not a number; signs are kept (``-3`` is not ``3``; ``+7`` is
+  ``7``); ``-3.0`` is ``-3``; markdown bold and ``$`` are ignored.
+
+  Args:
+    text: a completion or a gold answer (``"... #### 72"``, or just ``"72"``).
+
+  Returns:
+    e.g. ``"1000"``, ``"-3"``, ``"2.5"``; None when no number is found.
+  """
+  if not isinstance(text, str):
+    raise TypeError(f"extract_gsm8k_answer expects str, got {type(text).__name__}")
+  if "####" in text:
+    ans = _first_number(text[text.rindex("####") + 4:])
+    if ans is not None:
+      return ans
+  tags = _ANSWER_TAG.findall(text)
+  if tags:
+    ans = _last_number(tags[-1])
+    if ans is not None:
+      return ans
+  boxed = extract_boxed(text)
+  if boxed is not None:
+    ans = _last_number(boxed)
+    if ans is not None:
+      return ans
+  return _last_number(text)
+
+
+def _check_lengths(name: str, completions, answers) -> None:
+  if len(completions) != len(answers):
+    raise ValueError(f"{name}: {len(completions)} completions but {len(answers)} answers")
+
+
+def gsm8k_reward(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
+  """1.0 where the completion's number (:func:`extract_gsm8k_answer`) equals the gold
+  answer's number, else 0.0. Gold answers are parsed by the same function.
+
+  Raises:
+    ValueError: if the two sequences differ in length.
+  """
+  _check_lengths("gsm8k_reward", completions, answers)
+  out = []
+  for c, a in zip(completions, answers):
+    gold = extract_gsm8k_answer(str(a))
+    pred = extract_gsm8k_answer(c)
+    out.append(1.0 if gold is not None and pred is not None and Decimal(gold) == Decimal(pred) else 0.0)
+  return out
+
+
+def _normalize_latex(s: str) -> str:
+  return re.sub(r"\s+", "", s).replace("\\left", "").replace("\\right", "").replace("\\!", "")
+
+
+def _verify_one(gold: str, pred: str, timeout_s: int, exact_shortcut: bool = True) -> bool:
+  """math-verify equivalence of two LaTeX answers, each bounded by ``timeout_s`` seconds
+  (math-verify's signal-based timeouts; main thread only)."""
+  from math_verify import parse, verify  # pylint: disable=g-import-not-at-top
+
+  if exact_shortcut and _normalize_latex(gold) == _normalize_latex(pred):
+    return True
+  g = parse("\\boxed{" + gold + "}", parsing_timeout=timeout_s)
+  p = parse("\\boxed{" + pred + "}", parsing_timeout=timeout_s)
+  if not g or not p:
+    return False
+  return bool(verify(g, p, timeout_seconds=timeout_s))
+
+
+def _math_reward_in_process(completions, answers, timeout_s: int) -> list[float]:
+  out = []
+  for c, a in zip(completions, answers):
+    pred = extract_boxed(c)
+    if pred is None:
+      out.append(0.0)
+      continue
+    try:
+      out.append(1.0 if _verify_one(str(a), pred, timeout_s) else 0.0)
+    except Exception as e:  # math-verify raises on timeouts only with raise_on_error; be safe
+      logger.warning("math_reward: verification failed (%s: %s); reward 0", type(e).__name__, e)
+      out.append(0.0)
+  return out
+
+
+def math_reward(completions: Sequence[str], answers: Sequence[str], *, timeout_s: int = 5) -> list[float]:
+  """1.0 where the last complete ``\\boxed{}``/``\\fbox{}`` of the completion is
+  mathematically equal to the gold LaTeX answer (math-verify), else 0.0.
+
+  A completion with no complete box scores 0. Identical answers (up to whitespace and
+  ``\\left``/``\\right``) score 1 without calling math-verify.
+
+  Time is bounded per answer: each parse and each comparison gets ``timeout_s`` seconds
+  (math-verify's own timeout, which uses ``signal.alarm`` and so works only on the main
+  thread). Called from any other thread, the batch runs in a child process (whose main
+  thread applies the same per-answer timeouts), killed after ``4 * timeout_s * len + 60`` s;
+  a killed batch scores 0 everywhere and logs a warning. The child costs about a second.
+
+  Args:
+    completions: completion texts ``[n]``.
+    answers: gold answers ``[n]`` in LaTeX without the box (MATH-500's ``answer`` field).
+    timeout_s: whole seconds per parse / comparison (>= 1).
+
+  Raises:
+    ValueError: lengths differ, or ``timeout_s`` < 1.
+  """
+  _check_lengths("math_reward", completions, answers)
+  timeout_s = int(timeout_s)
+  if timeout_s < 1:
+    raise ValueError(f"math_reward: timeout_s must be >= 1 second, got {timeout_s}")
+  if threading.current_thread() is threading.main_thread():
+    return _math_reward_in_process(completions, answers, timeout_s)
+  payload = json.dumps({"completions": list(completions), "answers": [str(a) for a in answers],
+                        "timeout_s": timeout_s})
+  try:
+    proc = subprocess.run([sys.executable, "-m", "qerl_jax.rewards"], input=payload, text=True,
+                          capture_output=True, timeout=4 * timeout_s * len(completions) + 60, check=True)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+  except (subprocess.SubprocessError, ValueError, IndexError) as e:
+    logger.warning("math_reward: child process failed (%s); rewards 0 for this batch", e)
+    return [0.0] * len(completions)
+  return [float(r) for r in out]
+
+
+def format_reward(completions: Sequence[str], answers: Optional[Sequence[str]] = None, *,
+                  weight: float = 1.0, kind: str = "any") -> list[float]:
+  """``weight`` for each completion that states its answer in the expected form, else 0.
+
+  Args:
+    completions: completion texts ``[n]``.
+    answers: ignored (present so that the signature is that of every reward function).
+    weight: the reward for a well-formatted completion (QeRL adds a small weighted
+      format term to the accuracy reward).
+    kind: ``"hash"`` (a ``#### <number>`` line), ``"answer_tags"``
+      (``<answer>...</answer>`` with something inside), ``"boxed"`` (a complete
+      ``\\boxed{}``), or ``"any"`` of these.
+
+  Raises:
+    ValueError: unknown ``kind``, or ``answers`` of another length.
+  """
+  checks = {
+      "hash": lambda c: re.search(r"####\s*[-+$]?\s*\d", c) is not None,
+      "answer_tags": lambda c: any(t.strip() for t in _ANSWER_TAG.findall(c)),
+      "boxed": lambda c: bool(extract_boxed(c)),
+  }
+  if kind != "any" and kind not in checks:
+    raise ValueError(f"format_reward: unknown kind {kind!r}; expected one of {sorted(checks) + ['any']}")
+  if answers is not None:
+    _check_lengths("format_reward", completions, answers)
+  use = list(checks.values()) if kind == "any" else [checks[kind]]
+  return [float(weight) if any(f(c) for f in use) else 0.0 for c in completions]
+
+
+def _fn_name(fn) -> str:
+  return getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", None) or repr(fn)
+
+
+def safe_reward(fn: RewardFn, completions: Sequence[str], answers: Sequence[str], *,
+                name: Optional[str] = None) -> tuple[np.ndarray, list[str]]:
+  """Runs a reward function so that its failures cost only the affected completions.
+
+  * ``fn`` returns exactly one finite float per completion: that is the result.
+  * ``fn`` raises: it is run again on each completion alone; the ones that still raise get
+    NaN, each reported with its index.
+  * ``fn`` returns the wrong number of values: every reward is NaN (no order can be
+    trusted), reported with both counts.
+  * a value that is not a number, or NaN/Inf: NaN at that index, reported.
+
+  NaN means "missing": the advantage computation excludes it and gives that completion
+  advantage 0. Each problem is also logged (``logging.warning``) with the function's name.
+
+  Args:
+    fn: ``fn(completions, answers) -> Sequence[float]``.
+    completions, answers: equal-length sequences ``[n]``.
+    name: how to name ``fn`` in reports (default: its ``__name__``).
+
+  Returns:
+    ``(rewards, problems)``: float32 ``[n]`` and a list of messages (empty when all went well).
+
+  Raises:
+    ValueError: if ``completions`` and ``answers`` differ in length (a caller bug).
+  """
+  name = name or _fn_name(fn)
+  n = len(completions)
+  _check_lengths(f"safe_reward({name})", completions, answers)
+  problems: list[str] = []
+  rewards = np.full((n,), np.nan, np.float32)
+  try:
+    values = list(fn(completions, answers))
+  except Exception as e:  # find the completions that make it fail
+    problems.append(f"reward fn {name!r} raised {type(e).__name__}: {e} on the batch of {n}; "
+                    "retrying each completion alone")
+    values = []
+    for i in range(n):
+      try:
+        one = list(fn(completions[i:i + 1], answers[i:i + 1]))
+        values.append(one[0] if len(one) == 1 else None)
+        if len(one) != 1:
+          problems.append(f"reward fn {name!r} returned {len(one)} values for the single completion {i}")
+      except Exception as e_i:
+        problems.append(f"reward fn {name!r} raised {type(e_i).__name__}: {e_i} at completion index {i}")
+        values.append(None)
+  if len(values) != n:
+    problems.append(f"reward fn {name!r} returned {len(values)} values for {n} completions; "
+                    "all its rewards for this batch are missing")
+    values = [None] * n
+  for i, v in enumerate(values):
+    if v is None:
+      continue
+    try:
+      f = float(v)
+    except (TypeError, ValueError):
+      problems.append(f"reward fn {name!r} returned a non-number {v!r} at completion index {i}")
+      continue
+    if not math.isfinite(f):
+      problems.append(f"reward fn {name!r} returned {f} at completion index {i}")
+      continue
+    rewards[i] = f
+  for p in problems:
+    logger.warning("%s", p)
+  return rewards, problems
+
+
+def _child_main() -> None:
+  """``python -m qerl_jax.rewards``: math_reward on a JSON batch from stdin (main thread)."""
+  req = json.loads(sys.stdin.read())
+  out = _math_reward_in_process(req["completions"], req["answers"], int(req["timeout_s"]))
+  sys.stdout.write(json.dumps(out) + "\n")
+
+
+if __name__ == "__main__":
+  _child_main()
