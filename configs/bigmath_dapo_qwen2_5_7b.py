@@ -14,7 +14,7 @@ The training set is open-r1/Big-Math-RL-Verified-Processed (level 3-5) through t
 ``utils/data.py``; answers are LaTeX, scored with math-verify. Evaluate on MATH-500.
 """
 
-from qerl_jax import train_config
+from qerl_jax import data, train_config
 
 
 def get_config():
@@ -35,8 +35,7 @@ def get_config():
   c.data.task = "math"
   c.data.train = "hub:open-r1/Big-Math-RL-Verified-Processed:level_3_4_5:train"
   c.data.eval = "../shared/data/math500/test.jsonl"
-  c.data.system_prompt = (
-      "Solve the following math problem step by step. Put the final answer in \\boxed{}.")
+  c.data.user_template = data.MATH_USER_TEMPLATE
   c.data.max_prompt_length = 1024
 
   c.rl.loss_type = "dapo"

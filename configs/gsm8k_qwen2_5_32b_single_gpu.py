@@ -7,7 +7,7 @@ max prompt 256 / completion 2048 for GSM8K, trainable norms. Memory: the NVFP4 3
 18 GB; activations are rematerialised per layer and the update runs in micro-batches of 2.
 """
 
-from qerl_jax import train_config
+from qerl_jax import data, train_config
 
 
 def get_config():
@@ -29,6 +29,7 @@ def get_config():
   c.data.task = "gsm8k"
   c.data.train = "../shared/data/gsm8k/train.jsonl"
   c.data.eval = "../shared/data/gsm8k/test.jsonl"
+  c.data.user_template = data.GSM8K_USER_TEMPLATE
   c.data.max_prompt_length = 256
 
   c.rl.loss_type = "grpo"

@@ -19,7 +19,7 @@ Run: ``python experiments/train.py --config=configs/gsm8k_qwen2_5_7b.py --workdi
 --config.model.path=/path/to/Qwen2.5-7B-Instruct``.
 """
 
-from qerl_jax import train_config
+from qerl_jax import data, train_config
 
 
 def get_config():
@@ -42,6 +42,7 @@ def get_config():
   c.data.task = "gsm8k"
   c.data.train = "../shared/data/gsm8k/train.jsonl"
   c.data.eval = "../shared/data/gsm8k/test.jsonl"
+  c.data.user_template = data.GSM8K_USER_TEMPLATE
   c.data.max_prompt_length = 256
   c.data.eval_size = 0
 

@@ -49,6 +49,7 @@ flags.mark_flags_as_required(["config"])
 def main(argv):
   del argv
   import jax
+  from qerl_jax import data as data_lib
   from qerl_jax import metrics as metrics_lib
   from qerl_jax import trainer
 
@@ -60,6 +61,7 @@ def main(argv):
     raise app.UsageError(f"unknown benchmark(s) {bad}; choose from {list(BENCHMARKS)}")
   if _NUM_SAMPLES.value < 1:
     raise app.UsageError(f"--num_samples={_NUM_SAMPLES.value} must be >= 1")
+  config_task, user_template = str(config.data.task), str(config.data.user_template)
   policy = trainer.load_policy(config)
   params, step = None, "base"
   if _WORKDIR.value:
@@ -72,12 +74,17 @@ def main(argv):
   for name in _BENCH.value:
     task = BENCHMARKS[name]
     path = os.path.join(_DATA_DIR.value, name, "test.jsonl")
-    examples = trainer.load_examples(path, task, policy.tokenizer, config)
+    with config.unlocked():  # the recipe's instruction for its own task, the standard one otherwise
+      config.data.user_template = (user_template if task == config_task else
+                                   {"gsm8k": data_lib.GSM8K_USER_TEMPLATE,
+                                    "math": data_lib.MATH_USER_TEMPLATE}[task])
+    examples = trainer.load_prompts(path, task, policy.tokenizer, config)
     if _LIMIT.value:
       examples = examples[:_LIMIT.value]
     correctness = trainer.make_reward_fns(config, task=task)[0]
     res = {"num_prompts": len(examples)}
-    plen = max(len(e.prompt_ids) for e in examples)  # one compiled shape per benchmark
+    plen = max(len(policy.tokenizer(e.text, add_special_tokens=False)["input_ids"])
+               for e in examples)  # one compiled shape per benchmark
     greedy = trainer.evaluate(policy, params, examples, correctness, batch_size=batch,
                               max_new_tokens=max_new, prompt_length=plen)
     res["pass@1_greedy"] = greedy["accuracy"]

@@ -16,7 +16,8 @@ Layout (units in brackets)::
   data.train / data.eval  JSONL path, ``hub:<id>[:<config>]:<split>``, or
                           ``synthetic:<split>:<num>[:<seed>]`` (the embedded arithmetic task)
   data.task               "gsm8k" | "math" (prompt fields and reward)
-  data.system_prompt, data.max_prompt_length [tokens], data.eval_size [prompts]
+  data.system_prompt, data.user_template ("{question}" + instructions),
+  data.max_prompt_length [tokens], data.eval_size [prompts]
   rl.loss_type            "grpo" | "bnpo" | "dapo" | "dr_grpo"
   rl.num_generations      G, completions per prompt (group size)
   rl.batch_size           completions per step (TRL's convention); prompts per step = batch_size / G
@@ -76,7 +77,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.task = "gsm8k"
   c.data.train = ""
   c.data.eval = ""
-  c.data.system_prompt = ""
+  c.data.system_prompt = ""  # "": no system message (the chat template may add its default)
+  c.data.user_template = "{question}"  # the user message; qerl_jax.data has GSM8K/MATH instructions
   c.data.max_prompt_length = 256
   c.data.eval_size = 0  # 0: the whole eval set
 
@@ -183,6 +185,8 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
 
   need(d.task in TASKS, f"data.task={d.task!r} is not one of {TASKS}")
   need(bool(d.train), "data.train is empty: give a JSONL path or hub:<id>:<split>")
+  need("{question}" in str(d.user_template),
+       f"data.user_template={d.user_template!r} must contain '{{question}}'")
   need(int(d.max_prompt_length) >= 1, f"data.max_prompt_length={d.max_prompt_length} must be >= 1")
   need(int(d.eval_size) >= 0, f"data.eval_size={d.eval_size} must be >= 0")
 

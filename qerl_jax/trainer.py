@@ -18,7 +18,7 @@ Reproducibility: every random draw derives from ``(config.seed, step)`` through
 checkpoint reproduces an uninterrupted run bit for bit on the CPU.
 
 Public: :func:`run` (config, workdir) -> summary dict, :func:`train`, :func:`evaluate`,
-:func:`load_policy`, :func:`step_keys`, :func:`batch_indices`.
+:func:`load_policy`, :func:`load_prompts`, :func:`restore_train_state`, :func:`step_keys`.
 """
 
 from __future__ import annotations
@@ -41,10 +41,15 @@ from qerl_jax import checkpoint as ckpt_lib
 from qerl_jax import metrics as metrics_lib
 from qerl_jax import train_config
 
-__all__ = ["run", "train", "evaluate", "load_policy", "step_keys", "batch_indices", "Policy"]
+__all__ = ["run", "train", "evaluate", "load_policy", "load_prompts", "restore_train_state",
+           "step_keys", "Policy", "Prompt"]
 
 
 # ---------------------------------------------------------------------------------- randomness
+
+_AQN_STREAM = 0xA0   # fold_in(PRNGKey(seed), _AQN_STREAM): the run's AQN key (aqn.noise folds the step)
+_LORA_STREAM = 0x1A0A  # fold_in(PRNGKey(seed), _LORA_STREAM): the LoRA initialisation key
+
 
 @dataclasses.dataclass(frozen=True)
 class StepKeys:
@@ -64,106 +69,37 @@ def step_keys(seed: int, step: int) -> StepKeys:
                   update=jax.random.fold_in(k, 2))
 
 
-@functools.lru_cache(maxsize=4)
-def _epoch_order(seed: int, epoch: int, dataset_size: int) -> np.ndarray:
-  return np.random.default_rng([seed, epoch]).permutation(dataset_size)
-
-
-def batch_indices(seed: int, step: int, num_prompts: int, dataset_size: int) -> tuple[np.ndarray, int, int]:
-  """Dataset rows of step ``step``: consecutive slices of a seeded permutation per epoch.
-
-  Epoch ``e`` uses ``np.random.default_rng([seed, e]).permutation(dataset_size)``; a step that
-  crosses an epoch boundary continues into the next epoch's permutation.
-
-  Returns:
-    ``(indices int64 [num_prompts], epoch, position)``, where ``position`` is the index of
-    the next prompt within that epoch after this step (the data position stored in checkpoints).
-
-  Raises:
-    ValueError: empty dataset or ``num_prompts < 1``.
-  """
-  if dataset_size < 1:
-    raise ValueError(f"the training set is empty (dataset_size={dataset_size})")
-  if num_prompts < 1:
-    raise ValueError(f"num_prompts={num_prompts} must be >= 1")
-  start = int(step) * int(num_prompts)
-  out = []
-  for g in range(start, start + num_prompts):
-    epoch, pos = divmod(g, dataset_size)
-    out.append(_epoch_order(int(seed), epoch, int(dataset_size))[pos])
-  epoch, pos = divmod(start + num_prompts, dataset_size)
-  return np.asarray(out, np.int64), epoch, pos
-
-
-
 # ---------------------------------------------------------------------------------- data
 
 @dataclasses.dataclass(frozen=True)
-class Example:
-  """One prompt of a data set: the chat-formatted prompt text, its token ids, the gold answer."""
-  prompt: str
-  prompt_ids: tuple[int, ...]
+class Prompt:
+  """One prompt of a data set: the chat-formatted text and the gold answer."""
+  text: str
   answer: str
 
 
-def left_pad(examples: Sequence[Example], pad_id: int, *, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-  """Left-pads the examples' prompt ids to ``length`` (default: the longest prompt).
+def _prompt_batch(tokenizer, prompts: Sequence[Prompt], length: int, pad_id: int):
+  """``(tokens int32 [B, length], mask int32 [B, length])``, left-padded (``data.tokenize_prompts``).
 
-  The trainer pads every batch to ``data.max_prompt_length`` so that the jitted rollout and
-  update each compile once per run, not once per prompt length.
-
-  Returns:
-    ``(prompt_tokens int32 [B, P], prompt_mask int32 [B, P])``, 1 on real tokens.
-
-  Raises:
-    ValueError: a prompt longer than ``length``.
+  A fixed ``length`` (``data.max_prompt_length``) keeps the jitted rollout and update at one
+  compiled shape per run.
   """
-  longest = max(len(e.prompt_ids) for e in examples)
-  p = longest if length is None else int(length)
-  if longest > p:
-    raise ValueError(f"a prompt has {longest} tokens, more than the padded length {p}")
-  tokens = np.full((len(examples), p), int(pad_id), np.int32)
-  mask = np.zeros((len(examples), p), np.int32)
-  for i, e in enumerate(examples):
-    n = len(e.prompt_ids)
-    tokens[i, p - n:] = e.prompt_ids
-    mask[i, p - n:] = 1
-  return tokens, mask
+  from qerl_jax import data as data_lib
+  b = data_lib.tokenize_prompts(tokenizer, [p.text for p in prompts], pad_to=length, pad_id=pad_id)
+  return b.tokens, b.mask
 
 
 # ---------------------------------------------------------------------------------- rewards
 
-def score_completions(reward_fn: Callable[[list[str], list[str]], Sequence[float]],
-                      completions: Sequence[str], answers: Sequence[str]) -> tuple[np.ndarray, int]:
-  """Scores completions on the host; a failure makes that completion's reward missing (NaN).
+def score(reward_fn: Callable, completions: Sequence[str], answers: Sequence[str]) -> tuple[np.ndarray, int]:
+  """Host-side rewards via ``rewards.safe_reward``: ``(float32 [N] with NaN = missing, #missing)``.
 
-  ``reward_fn(completions, answers)`` must return one float per completion. When it raises or
-  returns the wrong count, each completion is scored alone; a completion whose own call fails
-  (or returns a non-finite value) gets NaN, which ``grpo.group_advantages`` turns into
-  advantage 0. The run never stops for a reward failure.
-
-  Returns:
-    ``(rewards float32 [N] with NaN for missing, number of missing rewards)``.
+  A reward function that raises or returns a bad value costs only the affected completions:
+  their reward is missing (NaN), which ``grpo.group_advantages`` turns into advantage 0.
   """
-  completions, answers = list(completions), list(answers)
-  try:
-    out = [float(r) for r in reward_fn(completions, answers)]
-    if len(out) != len(completions):
-      raise ValueError(f"reward function returned {len(out)} rewards for {len(completions)} completions")
-  except Exception as e:  # pylint: disable=broad-except
-    print(f"warning: reward function failed on the batch ({type(e).__name__}: {e}); "
-          "scoring completions one by one", file=sys.stderr)
-    out = []
-    for i, (c, a) in enumerate(zip(completions, answers)):
-      try:
-        (r,) = reward_fn([c], [a])
-        out.append(float(r))
-      except Exception as e1:  # pylint: disable=broad-except
-        print(f"warning: reward of completion {i} missing ({type(e1).__name__}: {e1})", file=sys.stderr)
-        out.append(float("nan"))
-  rewards = np.asarray(out, np.float32)
-  rewards[~np.isfinite(rewards)] = np.nan
-  return rewards, int(np.isnan(rewards).sum())
+  from qerl_jax import rewards as rewards_lib
+  r, _ = rewards_lib.safe_reward(reward_fn, list(completions), list(answers))
+  return r, int(np.isnan(r).sum())
 
 
 # ---------------------------------------------------------------------------------- the policy
@@ -214,7 +150,7 @@ def _update_batch(prompt_tokens, prompt_mask, rollout, advantages) -> dict:
 
 # ---------------------------------------------------------------------------------- evaluation
 
-def evaluate(policy: Policy, params: Any, examples: Sequence[Example], reward_fn, *,
+def evaluate(policy: Policy, params: Any, examples: Sequence[Prompt], reward_fn, *,
              batch_size: int, max_new_tokens: int, key: jax.Array | None = None,
              num_samples: int = 1, temperature: float | None = None, noise: Any = None,
              prompt_length: int | None = None) -> dict:
@@ -243,7 +179,7 @@ def evaluate(policy: Policy, params: Any, examples: Sequence[Example], reward_fn
     chunk = list(examples[start:start + batch_size])
     n_real = len(chunk)
     chunk = chunk + [chunk[-1]] * (batch_size - n_real)  # one compiled shape
-    pt, pm = left_pad(chunk, policy.pad_id, length=prompt_length)
+    pt, pm = _prompt_batch(policy.tokenizer, chunk, prompt_length, policy.pad_id)
     k = jax.random.fold_in(key if key is not None else jax.random.PRNGKey(0), start)
     ro = policy.generate(params, noise, pt, pm, k, num_generations=num_samples, greedy=greedy,
                          max_new_tokens=max_new_tokens, temperature=temperature)
@@ -251,7 +187,7 @@ def evaluate(policy: Policy, params: Any, examples: Sequence[Example], reward_fn
     comps = [policy.tokenizer.decode(toks[i, :lens[i]], skip_special_tokens=True)
              for i in range(n_real * num_samples)]
     answers = [e.answer for e in chunk[:n_real] for _ in range(num_samples)]
-    rewards, _ = score_completions(reward_fn, comps, answers)
+    rewards, _ = score(reward_fn, comps, answers)
     ok = np.nan_to_num(rewards, nan=0.0).reshape(n_real, num_samples) > 0
     correct.extend(ok.any(axis=1).tolist())
     sample_ok.extend(ok.reshape(-1).tolist())
@@ -280,7 +216,7 @@ def _scalar_metrics(m: dict) -> dict:
 
 
 def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None = None,
-          datasets: tuple[Sequence[Example], Sequence[Example]] | None = None,
+          datasets: tuple[Sequence[Prompt], Sequence[Prompt]] | None = None,
           reward_fns: tuple[Callable, Callable] | None = None, stop_after: int | None = None,
           progress: bool = True) -> dict:
   """Runs (or resumes) the training loop of ``config`` in ``workdir``; returns the summary.
@@ -313,12 +249,15 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=int(config.train.keep_checkpoints),
                                        async_save=bool(config.train.async_checkpointing))
-  state = policy.init_state(jax.random.fold_in(jax.random.PRNGKey(seed), 0x1A0A))
-  start = 0
+  from qerl_jax import data as data_lib
+  order = data_lib.DataOrder(num_examples=len(train_set), batch_size=prompts_per_step, seed=seed)
+  prompt_length = int(config.data.max_prompt_length)
+  state = policy.init_state(jax.random.fold_in(jax.random.PRNGKey(seed), _LORA_STREAM))
+  start, position = 0, 0  # steps done; batches of prompts served (the data position)
   if checkpointer.latest_step() is not None:
     saved, meta = checkpointer.restore(None, _state_to_save(state, 0, seed))
     state = saved["train_state"]
-    start = int(meta["step"])
+    start, position = int(meta["step"]), int(meta["data_position"])
     print(f"resuming from the checkpoint at step {start} in {checkpointer.directory}", file=sys.stderr)
   logger = metrics_lib.MetricsLogger(workdir, resume_step=start if start > 0 else None)
   with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -327,7 +266,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   def run_eval(step: int) -> float:
     ev = evaluate(policy, state.params, eval_set, correctness_fn,
                   batch_size=int(config.train.eval_batch_size), max_new_tokens=eval_max_new,
-                  prompt_length=int(config.data.max_prompt_length))
+                  prompt_length=prompt_length)
     logger.write(step, {"eval/accuracy": ev["accuracy"], "eval/mean_length": ev["mean_length"]})
     return ev["accuracy"]
 
@@ -345,9 +284,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     t0 = time.perf_counter()
     keys = step_keys(seed, step)
     # 1. the step's prompts, from the seeded order of the training set
-    rows, epoch, position = batch_indices(seed, step, prompts_per_step, len(train_set))
-    batch = [train_set[i] for i in rows]
-    prompt_tokens, prompt_mask = left_pad(batch, policy.pad_id, length=int(config.data.max_prompt_length))
+    batch = [train_set[i] for i in order.batch_indices(position)]
+    position += 1
+    epoch = position // order.batches_per_epoch
+    prompt_tokens, prompt_mask = _prompt_batch(policy.tokenizer, batch, prompt_length, policy.pad_id)
     # 2. that step's AQN noise on the RMSNorm scales
     noise = policy.noise(step)
     # 3. G completions per prompt (rollout)
@@ -359,9 +299,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
                    for i in range(tokens.shape[0])]
     t1 = time.perf_counter()
     # 4. rewards on the host: one float each, failures missing (NaN)
-    answers = [e.answer for e in batch for _ in range(G)]
-    rewards, missing = score_completions(reward_fn, completions, answers)
-    correct, _ = score_completions(correctness_fn, completions, answers)
+    answers = [p.answer for p in batch for _ in range(G)]
+    rewards, missing = score(reward_fn, completions, answers)
+    correct, _ = score(correctness_fn, completions, answers)
     # 5. group-normalised advantages (NaN rewards -> advantage 0)
     advantages = _group_advantages(config, rewards)
     t2 = time.perf_counter()
@@ -401,7 +341,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     every = int(config.train.log_samples_every)
     if every and done % every == 0:
       n = min(int(config.train.num_samples_logged), len(completions))
-      prompts_text = [batch[i // G].prompt for i in range(n)]
+      prompts_text = [batch[i // G].text for i in range(n)]
       logger.write_samples(done, prompts_text, completions[:n], rewards[:n].tolist(), answers[:n])
     if (int(config.train.eval_every) and done % int(config.train.eval_every) == 0
         or done == total) and eval_set:
@@ -513,10 +453,6 @@ def update_config(config: ml_collections.ConfigDict) -> dict:
 
 
 # ---------------------------------------------------------------------------------- building the job
-
-_AQN_STREAM = 0xA0
-_LORA_STREAM = 0x1A0A
-
 
 def load_policy(config: ml_collections.ConfigDict) -> Policy:
   """Loads the frozen base (quantized as ``config.model.quant``) and builds the jitted functions.
@@ -664,38 +600,46 @@ def _make_generate(config, model_cfg, base, lora_scale, eos_ids, pad_id):
 
 # ---------------------------------------------------------------------------------- data and rewards
 
-def load_examples(spec: str, task: str, tokenizer, config) -> list[Example]:
-  """Prompts of a data set as :class:`Example` (chat template, system prompt, length filter).
+def load_prompts(spec: str, task: str, tokenizer, config) -> list[Prompt]:
+  """The prompts of a data set, rendered with the chat template and filtered by length.
 
   Args:
-    spec: a JSONL path, ``hub:<id>[:<config>]:<split>`` (Hugging Face ``datasets``), or
+    spec: a JSONL path, a hub id ``hub:<id>[:<config>]:<split>`` (``datasets``), or
       ``synthetic:<split>:<num>[:<seed>]`` (the embedded model's arithmetic task,
       ``qerl_jax.synthetic.make_split``).
-    task: ``"gsm8k"`` (fields question/answer, gold after ``####``) or ``"math"``
-      (problem/answer, or the last ``\\boxed{}`` of solution).
+    task: ``"gsm8k"`` or ``"math"`` (row fields and gold answers, see ``qerl_jax.data``).
     tokenizer: a transformers tokenizer with a chat template.
-    config: the trainer config (``data.system_prompt``, ``data.max_prompt_length``).
+    config: the trainer config: ``data.system_prompt`` ("" = none), ``data.user_template``,
+      ``data.max_prompt_length`` (tokens).
 
-  Malformed rows (bad JSON, missing fields) and prompts longer than
-  ``data.max_prompt_length`` tokens are skipped and counted (printed), never fatal.
+  Malformed rows are skipped and counted by ``data.load_examples``; prompts longer than
+  ``data.max_prompt_length`` are dropped; both counts are printed. Never fatal for a bad row.
 
   Raises:
-    FileNotFoundError: a missing JSONL file. ValueError: no usable row at all.
+    FileNotFoundError: a missing local file. ValueError: a bad spec, or no usable row.
   """
   from qerl_jax import data as data_lib
   if spec.startswith("synthetic:"):
     rows, skipped = _synthetic_rows(spec), 0
+  elif spec.startswith("hub:"):
+    parts = spec[4:].split(":")
+    if len(parts) not in (2, 3):
+      raise ValueError(f"data spec {spec!r}: expected hub:<id>[:<config>]:<split>")
+    rows, report = data_lib.load_examples(parts[0], kind=task, split=parts[-1],
+                                          hub_config=parts[1] if len(parts) == 3 else None)
+    skipped = report.num_skipped
   else:
-    rows, skipped = data_lib.load_rows(spec, task)
+    rows, report = data_lib.load_examples(spec, kind=task)
+    skipped = report.num_skipped
+  system = str(config.data.system_prompt) or None
   out, too_long = [], 0
   for r in rows:
-    messages = data_lib.prompt_messages(r["question"], str(config.data.system_prompt or ""))
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) > int(config.data.max_prompt_length):
+    text = data_lib.build_prompt(tokenizer, r.question, system_prompt=system,
+                                 user_template=str(config.data.user_template))
+    if len(tokenizer(text, add_special_tokens=False)["input_ids"]) > int(config.data.max_prompt_length):
       too_long += 1
       continue
-    out.append(Example(prompt=text, prompt_ids=tuple(int(i) for i in ids), answer=str(r["answer"])))
+    out.append(Prompt(text=text, answer=r.answer))
   if skipped or too_long:
     print(f"data {spec}: skipped {skipped} malformed rows and {too_long} prompts longer than "
           f"{config.data.max_prompt_length} tokens; kept {len(out)}", file=sys.stderr)
@@ -704,23 +648,24 @@ def load_examples(spec: str, task: str, tokenizer, config) -> list[Example]:
   return out
 
 
-def _synthetic_rows(spec: str) -> list[dict]:
-  """Rows ``{"question", "answer"}`` of ``synthetic:<split>:<num>[:<seed>]``."""
+def _synthetic_rows(spec: str) -> list:
+  """``data.Example`` rows of ``synthetic:<split>:<num>[:<seed>]``."""
   from qerl_jax import synthetic
   parts = spec.split(":")
   if len(parts) not in (3, 4):
     raise ValueError(f"data spec {spec!r}: expected synthetic:<split>:<num>[:<seed>]")
   seed = int(parts[3]) if len(parts) == 4 else 0
-  return [{"question": r["question"], "answer": r["gold"]}
-          for r in synthetic.make_split(parts[1], int(parts[2]), seed=seed)]
+  from qerl_jax import data as data_lib
+  return [data_lib.Example(question=r["question"], answer=r["gold"], kind="gsm8k", row=i)
+          for i, r in enumerate(synthetic.make_split(parts[1], int(parts[2]), seed=seed))]
 
 
-def load_datasets(config, tokenizer) -> tuple[list[Example], list[Example]]:
-  """``(train, eval)`` examples of ``config.data`` (eval truncated to ``data.eval_size``)."""
-  train_set = load_examples(str(config.data.train), str(config.data.task), tokenizer, config)
+def load_datasets(config, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
+  """``(train, eval)`` prompts of ``config.data`` (eval truncated to ``data.eval_size``)."""
+  train_set = load_prompts(str(config.data.train), str(config.data.task), tokenizer, config)
   eval_set = []
   if config.data.eval:
-    eval_set = load_examples(str(config.data.eval), str(config.data.task), tokenizer, config)
+    eval_set = load_prompts(str(config.data.eval), str(config.data.task), tokenizer, config)
     if int(config.data.eval_size):
       eval_set = eval_set[:int(config.data.eval_size)]
   return train_set, eval_set
@@ -741,7 +686,7 @@ def make_reward_fns(config, *, task: str | None = None) -> tuple[Callable, Calla
 
   def with_format(completions, answers):
     acc = correctness(completions, answers)
-    fmt = rewards.format_reward(completions)
+    fmt = rewards.format_reward(completions)  # 1.0 for a '####', <answer> or \\boxed answer
     return [a + w * f for a, f in zip(acc, fmt)]
 
   return correctness, with_format

@@ -20,6 +20,14 @@ T = 3
 
 
 class DigitTokenizer:
+  """Token 0 = end/pad; token d + 1 = the digit d; any other character -> token 10 + 1."""
+
+  pad_token_id = 0
+  eos_token_id = 0
+
+  def __call__(self, text, add_special_tokens=False):
+    return {"input_ids": [int(ch) + 1 if ch.isdigit() else V - 1 for ch in text]}
+
   def decode(self, ids, skip_special_tokens=True):
     return "".join(str(int(i) - 1) for i in ids if int(i) != 0)
 
@@ -83,8 +91,7 @@ def toy_policy(config) -> trainer.Policy:
 
 def toy_datasets(n_train=40, n_eval=8):
   rng = np.random.default_rng(0)
-  mk = lambda i: trainer.Example(prompt=f"q{i}", prompt_ids=(1 + i % 5,) * (1 + i % 3),
-                                 answer=str(int(rng.integers(0, 10))))
+  mk = lambda i: trainer.Prompt(text=f"q{i}", answer=str(int(rng.integers(0, 10))))
   return [mk(i) for i in range(n_train)], [mk(i) for i in range(n_eval)]
 
 
@@ -97,6 +104,7 @@ def toy_config():
   c = train_config.base_config()
   c.model.path = "toy"
   c.data.train = "toy"
+  c.data.max_prompt_length = 3
   c.rl.num_generations = 4
   c.rl.batch_size = 8
   c.rl.micro_batch_size = 4
