@@ -243,6 +243,11 @@ def main(argv):
          "max_new_tokens": FLAGS.max_new_tokens}
   hf.save_pretrained(out, cfg.replace(dtype="bfloat16"), params, dtype=ml_dtypes.bfloat16,
                      tokenizer=tokenizer, generation_config=gen)
+  # The chat template also inside tokenizer_config.json, and a tokenizer class that
+  # transformers 4.x knows too (5.x writes chat_template.jinja and "TokenizersBackend").
+  tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+  tok_cfg.update({"chat_template": synthetic.CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"})
+  (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
   config_json = json.loads((out / "config.json").read_text())  # add the token ids transformers reads
   config_json.update({k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id",
                                                "use_sliding_window")})

@@ -99,7 +99,13 @@ def test_tokenizer_round_trip_and_chat_template(tmp_path):
   recs = synthetic.make_split("train", 300, seed=0)
   tok = synthetic.build_tokenizer(synthetic.training_texts(recs), vocab_size=400)
   tok.save_pretrained(str(tmp_path))
-  tok = AutoTokenizer.from_pretrained(str(tmp_path))
+  # With a qwen2 config.json beside it, AutoTokenizer picks transformers' Qwen2Tokenizer, which
+  # re-applies Qwen2's pre-tokenizer: it must tokenize exactly like the tokenizer we trained.
+  (tmp_path / "config.json").write_text('{"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}')
+  loaded = AutoTokenizer.from_pretrained(str(tmp_path))
+  for text in synthetic.training_texts(recs[:50]):
+    assert loaded(text, add_special_tokens=False)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+  tok = loaded
   assert tok.convert_tokens_to_ids(list(synthetic.SPECIAL_TOKENS)) == [0, 1, 2]
   assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
   for text in [r["answer"] for r in recs[:20]] + ["Unseen wörds & 12345 ∑!\n  tabs\t"]:
