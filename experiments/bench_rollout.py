@@ -43,6 +43,8 @@ flags.DEFINE_list("formats", ["bf16", "nvfp4"], "Weight formats of the decoder l
 flags.DEFINE_integer("prompt_len", 256, "Prompt tokens per row.")
 flags.DEFINE_integer("new_tokens", 2048, "New tokens per row (fixed: no early stop).")
 flags.DEFINE_list("new_tokens_by_batch", [], "Overrides 'batch:new_tokens', e.g. 256:1024 (to fit device time).")
+flags.DEFINE_integer("kv_phases", 1, "SamplingConfig.kv_phases for the table's runs.")
+flags.DEFINE_list("extra_runs", [], "Extra runs 'format:batch:kv_phases' after the table, e.g. bf16:256:4.")
 flags.DEFINE_float("time_budget_s", 1e9, "Skip the remaining runs once this much wall time has passed.")
 flags.DEFINE_string("out", "", "Folder for rollout.md / rollout.json (optional).")
 flags.DEFINE_bool("smoke", False, "Tiny-shape correctness checks on this device, then exit.")
@@ -57,11 +59,13 @@ TINY = dict(QWEN25_7B, vocab_size=256, hidden_size=128, intermediate_size=256, n
 
 
 def kernel_backend() -> str:
-  """Which 4-bit matmul path the model uses on this device (pallas_kernels' own report when it has one)."""
-  import pallas_kernels
-  describe = getattr(pallas_kernels, "describe_backend", None)
+  """Which 4-bit matmul path ``quantized_matmul(backend="auto")`` takes for bf16 activations on this device."""
+  import pallas_kernels.matmul as pm
+  describe = getattr(pm, "describe_backend", None)
   if describe is not None:
     return str(describe())
+  if "pallas" in getattr(pm, "BACKENDS", ()) and jax.default_backend() in ("gpu", "cuda"):
+    return "pallas (pallas_kernels fused W4A16 Triton kernels, backend='auto')"
   return "reference (pallas_kernels XLA path: dequantize to bf16, then dot)"
 
 
@@ -106,9 +110,9 @@ def random_prompts(cfg, batch: int, length: int, seed: int = 0):
   return rng.integers(0, cfg.vocab_size, size=(batch, length)).astype(np.int32), np.ones((batch, length), np.int32)
 
 
-def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth: float) -> dict:
+def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth: float, kv_phases: int = 1) -> dict:
   config = sampling.SamplingConfig(max_new_tokens=new_tokens, eos_token_ids=(cfg.vocab_size - 1,), pad_id=0,
-                                   temperature=1.0, early_stop=False)
+                                   temperature=1.0, early_stop=False, kv_phases=kv_phases)
   tokens_np, mask_np = random_prompts(cfg, batch, prompt_len)
   bb, pb = sampling.bucket(batch), sampling.bucket(prompt_len, 16)
   tokens_np, mask_np = sampling.pad_prompts(tokens_np, mask_np, bb, pb, config.pad_id)
@@ -148,9 +152,10 @@ def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth
   w_bytes = weight_bytes_per_step(cfg, base, bb)
   slots_run = pb + new_tokens
   kv_per_slot = 2 * cfg.num_layers * bb * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(config.cache_dtype).itemsize
-  kv_run = kv_per_slot * slots_run
+  ends = (0,) + config.phase_ends()  # slots each step's attention reads: prompt bucket + the phase's end
+  kv_run = kv_per_slot * (pb + sum((e - s) * e for s, e in zip(ends[:-1], ends[1:])) / new_tokens)
   kv_ideal = kv_per_slot * (prompt_len + new_tokens / 2)
-  return dict(batch=batch, new_tokens=new_tokens, compile_s=t_compile, prefill_s=t_prefill, total_s=t_total,
+  return dict(batch=batch, new_tokens=new_tokens, kv_phases=kv_phases, compile_s=t_compile, prefill_s=t_prefill, total_s=t_total,
               tokens_per_s=batch * new_tokens / t_total, decode_tokens_per_s=batch * (new_tokens - 1) / (t_total - t_prefill),
               step_ms=1e3 * step, weight_gb=w_bytes / 1e9, kv_cache_gb=sampling.kv_cache_bytes(cfg, bb, slots_run) / 1e9,
               roofline_ideal_ms=1e3 * (w_bytes + kv_ideal) / bandwidth, roofline_run_ms=1e3 * (w_bytes + kv_run) / bandwidth)
@@ -210,25 +215,37 @@ def main(argv):
   if "bf16" not in FLAGS.formats:
     del bf16
   rows = []
-  header = ("| weights | batch | new tokens | tokens/s | decode tokens/s | step ms | roofline ms (ideal KV) | "
+  header = ("| weights | batch | new tokens | KV phases | tokens/s | decode tokens/s | step ms | roofline ms (ideal KV) | "
             "% of roofline | roofline ms (KV as run) | prefill s | compile s | KV cache GB |")
-  sep = "|" + "---|" * 12
+  sep = "|" + "---|" * 13
   for batch in (int(b) for b in FLAGS.batches):
     for fmt in FLAGS.formats:
       if time.perf_counter() - start > FLAGS.time_budget_s:
         print(f"skipping {fmt} batch {batch}: time budget {FLAGS.time_budget_s}s spent", flush=True)
         continue
-      r = bench_one(cfg, bases[fmt], batch, FLAGS.prompt_len, overrides.get(batch, FLAGS.new_tokens), bandwidth)
+      r = bench_one(cfg, bases[fmt], batch, FLAGS.prompt_len, overrides.get(batch, FLAGS.new_tokens), bandwidth,
+                    FLAGS.kv_phases)
       r["format"] = fmt
       rows.append(r)
       print(json.dumps(r), flush=True)
+  for spec in FLAGS.extra_runs:
+    fmt, batch, phases = spec.split(":")
+    if time.perf_counter() - start > FLAGS.time_budget_s:
+      print(f"skipping extra run {spec}: time budget {FLAGS.time_budget_s}s spent", flush=True)
+      continue
+    batch = int(batch)
+    r = bench_one(cfg, bases[fmt], batch, FLAGS.prompt_len, overrides.get(batch, FLAGS.new_tokens), bandwidth,
+                  int(phases))
+    r["format"] = fmt
+    rows.append(r)
+    print(json.dumps(r), flush=True)
   lines = [header, sep]
   for r in rows:
-    lines.append(f"| {r['format']} | {r['batch']} | {r['new_tokens']} | {r['tokens_per_s']:.0f} | "
+    lines.append(f"| {r['format']} | {r['batch']} | {r['new_tokens']} | {r['kv_phases']} | {r['tokens_per_s']:.0f} | "
                  f"{r['decode_tokens_per_s']:.0f} | {r['step_ms']:.2f} | {r['roofline_ideal_ms']:.2f} | "
                  f"{100 * r['roofline_ideal_ms'] / r['step_ms']:.0f}% | {r['roofline_run_ms']:.2f} | "
                  f"{r['prefill_s']:.3f} | {r['compile_s']:.1f} | {r['kv_cache_gb']:.1f} |")
-  by = {(r["format"], r["batch"]): r for r in rows}
+  by = {(r["format"], r["batch"]): r for r in rows if r["kv_phases"] == FLAGS.kv_phases}
   for batch in sorted({r["batch"] for r in rows}):
     if ("bf16", batch) in by and ("nvfp4", batch) in by:
       lines.append(f"\nbatch {batch}: NVFP4 / bf16 throughput = "
