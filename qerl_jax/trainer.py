@@ -258,6 +258,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     saved, meta = checkpointer.restore(None, _state_to_save(state, 0, seed))
     state = saved["train_state"]
     start, position = int(meta["step"]), int(meta["data_position"])
+    changed = _changed_keys(meta.get("config", {}), json.loads(config.to_json_best_effort()))
+    if changed:
+      print(f"warning: resuming with a config that differs from the checkpoint's in {changed}; "
+            "the run will not match an uninterrupted one", file=sys.stderr)
     print(f"resuming from the checkpoint at step {start} in {checkpointer.directory}", file=sys.stderr)
   logger = metrics_lib.MetricsLogger(workdir, resume_step=start if start > 0 else None)
   with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -366,6 +370,18 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2, sort_keys=True)
   return summary
+
+
+def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+  """Dotted keys whose values differ between two config dicts (JSON form)."""
+  out = []
+  for k in sorted(set(old) | set(new)):
+    a, b = old.get(k), new.get(k)
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += _changed_keys(a, b, f"{prefix}{k}.")
+    elif a != b:
+      out.append(f"{prefix}{k}")
+  return out
 
 
 def _finite(x) -> bool:

@@ -261,3 +261,22 @@ def test_sigkill_after_second_checkpoint_resumes_bit_for_bit(default_runs):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   ca.close()
   cb.close()
+
+
+def test_unfinished_save_is_ignored_and_cleaned(tmp_path):
+  """A save killed before orbax's final rename leaves '<step>.orbax-checkpoint-tmp': not a checkpoint."""
+  import shutil
+  d = tmp_path / "checkpoints"
+  c = ckpt_lib.Checkpointer(d, keep=3)
+  state = {"w": np.arange(4, dtype=np.float32)}
+  c.save(1, state, {"step": 1})
+  c.save(2, {"w": state["w"] + 1}, {"step": 2})
+  c.close()
+  shutil.copytree(d / "2", d / "3.orbax-checkpoint-tmp")  # what a kill mid-save leaves
+  c = ckpt_lib.Checkpointer(d, keep=3)
+  assert c.latest_step() == 2 and c.all_steps() == [1, 2]
+  restored, meta = c.restore(None, state)
+  np.testing.assert_array_equal(restored["w"], [1, 2, 3, 4])
+  assert meta == {"step": 2}
+  c.close()
+  assert not (d / "3.orbax-checkpoint-tmp").exists()
