@@ -38,17 +38,49 @@ flags.DEFINE_integer("num_train", 20000, "training problems")
 flags.DEFINE_integer("num_eval", 200, "held-out problems for the greedy accuracy")
 flags.DEFINE_integer("vocab_size", 512, "BPE vocabulary size")
 flags.DEFINE_integer("hidden_size", 128, "model width (a multiple of 64 for NF4/NVFP4 blocks)")
-flags.DEFINE_integer("intermediate_size", 384, "MLP width (a multiple of 64)")
-flags.DEFINE_integer("num_layers", 4, "decoder layers")
+flags.DEFINE_integer("intermediate_size", 256, "MLP width (a multiple of 64)")
+flags.DEFINE_integer("num_layers", 3, "decoder layers")
 flags.DEFINE_integer("head_dim", 32, "attention head size")
 flags.DEFINE_integer("num_kv_heads", 2, "key/value heads (GQA)")
-flags.DEFINE_integer("batch_size", 64, "sequences per step")
+flags.DEFINE_integer("batch_size", 32, "sequences per step")
 flags.DEFINE_integer("max_steps", 3000, "step limit")
 flags.DEFINE_float("learning_rate", 3e-3, "peak AdamW learning rate (linear warmup, then constant)")
 flags.DEFINE_integer("warmup_steps", 100, "linear warmup steps")
 flags.DEFINE_integer("eval_every", 100, "steps between held-out greedy evaluations")
 flags.DEFINE_float("stop_at_accuracy", 0.3, "stop once held-out greedy accuracy >= this (fraction)")
 flags.DEFINE_integer("max_new_tokens", 96, "greedy decode length for evaluation")
+
+
+README = """# tiny-gsm: the embedded default model
+
+A {params}-parameter Qwen2-architecture decoder (hidden {d}, MLP {f}, {L} layers, {h} query heads /
+{kv} key-value heads of {hd}, tied embeddings, vocabulary {v}) trained by supervised learning on
+the synthetic GSM8K-like task of `qerl_jax/synthetic.py` (2-3 step arithmetic word problems
+with a worked solution and a final `#### <number>` line). It was stopped **part of the way on
+purpose** (at the first evaluation with held-out greedy accuracy >= {stop}), so that
+reinforcement learning has room to improve it.
+
+Made with (CPU, {time:.0f} s wall time on a shared 2-core machine):
+
+    {command}
+
+| what | value |
+| --- | --- |
+| seed | {seed} |
+| training problems / steps / batch | {n_train} / {steps} / {batch} sequences |
+| optimizer | AdamW (optax), peak lr {lr}, linear warmup then constant, grad-norm clip 1.0 |
+| final training loss (nats/token, solution tokens) | {loss:.3f} |
+| held-out greedy accuracy, float32 weights | {acc:.3f} ({n_eval} problems of the `test` split, seed {seed}) |
+| held-out greedy accuracy, bf16 weights (this checkpoint) | {acc_bf16:.3f} |
+| held-out greedy accuracy, NVFP4 linears | {acc_nvfp4:.3f} |
+
+Files: `config.json` (Qwen2ForCausalLM), `model.safetensors` (bf16), `tokenizer.json` +
+`tokenizer_config.json` (byte-level BPE, digits single tokens, ChatML template without a
+system turn; eos `<|im_end|>`, pad `<|endoftext|>`), `generation_config.json`, `metrics.json`
+(the evaluation history). Prompts are the chat template applied to one user turn holding the
+question (`qerl_jax.synthetic.prompt_messages`). Load with `transformers.AutoModelForCausalLM`
+/ `AutoTokenizer`, or `qerl_jax.hf.load_pretrained("assets/tiny-gsm")`.
+"""
 
 
 def encode(tokenizer, record: dict) -> tuple[list[int], list[int]]:
@@ -144,7 +176,10 @@ def main(argv):
   test = synthetic.make_split("test", FLAGS.num_eval, FLAGS.seed)
   tokenizer = synthetic.build_tokenizer(synthetic.training_texts(train[:5000]), FLAGS.vocab_size)
   pairs = [encode(tokenizer, r) for r in train]
-  seq_len = -(-max(len(p) + len(a) for p, a in pairs) // 16) * 16
+  lengths = np.array([len(p) + len(a) for p, a in pairs])
+  seq_len = -(-int(lengths.max()) // 16) * 16
+  short_len = -(-int(np.percentile(lengths, 75)) // 16) * 16
+  short_idx, long_idx = np.nonzero(lengths <= short_len)[0], np.nonzero(lengths > short_len)[0]
   d = FLAGS.hidden_size
   if d % 64 or FLAGS.intermediate_size % 64:
     raise ValueError(f"hidden_size ({d}) and intermediate_size ({FLAGS.intermediate_size}) must be "
@@ -183,8 +218,10 @@ def main(argv):
   history = []
   acc, step, loss = 0.0, 0, float("nan")
   for step in range(1, FLAGS.max_steps + 1):
-    batch = make_batch(pairs, rng.integers(0, len(pairs), FLAGS.batch_size), tokenizer.pad_token_id,
-                       seq_len)
+    # Two length buckets (two compilations), each batch from one bucket, chosen by bucket size.
+    bucket = short_idx if rng.random() < len(short_idx) / len(pairs) else long_idx
+    idx = bucket[rng.integers(0, len(bucket), FLAGS.batch_size)]
+    batch = make_batch(pairs, idx, tokenizer.pad_token_id, short_len if bucket is short_idx else seq_len)
     params, opt_state, loss = train_step(params, opt_state, batch)
     if step % 25 == 0:
       print(f"step {step}: loss {float(loss):.3f} ({time.time() - t0:.0f} s)", flush=True)
@@ -217,6 +254,12 @@ def main(argv):
              "heldout_greedy_accuracy_nvfp4": acc_nvfp4, "num_eval": FLAGS.num_eval,
              "time_s": round(time.time() - t0, 1), "history": history}
   (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+  (out / "README.md").write_text(README.format(
+      command=metrics["command"], seed=FLAGS.seed, steps=step, batch=FLAGS.batch_size,
+      lr=FLAGS.learning_rate, params=n_params, d=d, f=FLAGS.intermediate_size, L=FLAGS.num_layers,
+      h=num_heads, kv=FLAGS.num_kv_heads, hd=FLAGS.head_dim, v=len(tokenizer), n_train=FLAGS.num_train,
+      n_eval=FLAGS.num_eval, acc=acc, acc_bf16=acc_bf16, acc_nvfp4=acc_nvfp4, loss=float(loss),
+      time=metrics["time_s"], stop=FLAGS.stop_at_accuracy))
   print(json.dumps({k: v for k, v in metrics.items() if k != "history"}, indent=2))
 
 

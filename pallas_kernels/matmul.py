@@ -26,6 +26,9 @@ def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False
   Fused dequantize-in-registers kernel for ``M <= FUSED_MAX_M["fwd"]``, else
   a one-pass Pallas dequantize to bf16 followed by ``jnp.dot`` (float32
   accumulation).
+
+  Raises:
+    TypeError: unsupported weight type. ValueError: K mismatch, stacked ``w``.
   """
   out_dtype = jnp.dtype(out_dtype or x2d.dtype)
   if x2d.shape[0] <= FUSED_MAX_M["fwd"]:
@@ -39,6 +42,9 @@ def kernel_dx(dy2d: jax.Array, w, *, out_dtype=jnp.bfloat16, interpret: bool = F
 
   Fused kernel for ``M <= FUSED_MAX_M["dx"]``, else Pallas dequantize + XLA
   matmul contracting N (no transposed copy of W is made).
+
+  Raises:
+    TypeError: unsupported weight type. ValueError: N mismatch, stacked ``w``.
   """
   if dy2d.shape[0] <= FUSED_MAX_M["dx"]:
     return w4_triton.dx(dy2d, w, out_dtype=out_dtype, interpret=interpret)

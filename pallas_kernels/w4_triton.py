@@ -268,13 +268,13 @@ def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, *refs, m, k, n, cfg: TileConfig,
 # programs run; 0 never splits. Chosen by `experiments/bench_kernels.py --sweep`
 # on an H200 (see docs/benchmarks.md).
 TUNED: dict = {
-    ("fwd", 16): (16, 128, 256, 4, 3, 264, "registers", "bits"),
-    ("fwd", 32): (32, 128, 128, 4, 4, 264, "registers", "bits"),
+    ("fwd", 16): (16, 128, 256, 4, 3, 264, "registers", "asm"),
+    ("fwd", 32): (32, 128, 256, 4, 3, 264, "registers", "asm"),
     ("fwd", 64): (64, 64, 256, 4, 4, 264, "registers", "bits"),
     ("fwd", 128): (64, 128, 128, 4, 3, 264, "registers", "bits"),
     ("fwd", 256): (128, 128, 128, 8, 3, 0, "registers", "bits"),
     ("fwd", None): (128, 128, 64, 4, 4, 0, "registers", "bits"),
-    ("dx", 64): (64, 128, 128, 4, 4, 264, "registers", "bits"),
+    ("dx", 64): (32, 128, 128, 4, 4, 264, "registers", "asm"),
     ("dx", None): (128, 64, 128, 4, 4, 0, "registers", "bits"),
 }
 
@@ -368,32 +368,7 @@ def forward(x: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None
   Raises:
     TypeError: unsupported weight type. ValueError: shape mismatch or bad config.
   """
-  fmt = _format_of(w)
-  k, n = w.shape
-  m = x.shape[0]
-  if x.shape[-1] != k:
-    raise ValueError(f"forward: x has K={x.shape[-1]} (shape {x.shape}) but the weight is [{k}, {n}]")
-  cfg = config or default_config(m, k, n, kind="fwd", group=fmt.group)
-  _check(x, w, fmt, cfg)
-  out_dtype = jnp.dtype(out_dtype or x.dtype)
-  if interpret:
-    cfg = dataclasses.replace(cfg, decode="bits")
-  total_steps = -(-k // cfg.block_k)
-  steps = -(-total_steps // cfg.splits)
-  splits = -(-total_steps // steps)
-  cfg = dataclasses.replace(cfg, splits=splits)
-  grid = (-(-n // cfg.block_n), splits, -(-m // cfg.block_m))
-  if splits == 1:
-    out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
-  else:
-    out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
-  kernel = functools.partial(_fwd_kernel, m=m, k=k, n=n, cfg=cfg, fmt=fmt, steps=steps)
-  x_view = x if cfg.split_x == "registers" else x.reshape(m, k // 2, 2)
-  y = _call(kernel, grid, out_shape, cfg, interpret, "w4a16_fwd", poison_output,
-            x_view, w.packed, w.block_scale, _inverse_global_scale(w))
-  if splits > 1:
-    y = y.sum(axis=0).astype(out_dtype)
-  return y
+  return _run("fwd", x, w, out_dtype, config, interpret, poison_output)
 
 
 def dx(dy: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None,
@@ -415,32 +390,48 @@ def dx(dy: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None,
   Raises:
     TypeError: unsupported weight type. ValueError: shape mismatch or bad config.
   """
+  return _run("dx", dy, w, out_dtype, config, interpret, poison_output)
+
+
+def _run(kind, a, w, out_dtype, config, interpret, poison_output):
+  """Shared launch of the fused kernels; ``a`` is x ``[M, K]`` (fwd) or dy ``[M, N]`` (dx)."""
+  fwd = kind == "fwd"
   fmt = _format_of(w)
   k, n = w.shape
-  m = dy.shape[0]
-  if dy.shape[-1] != n:
-    raise ValueError(f"dx: dy has N={dy.shape[-1]} (shape {dy.shape}) but the weight is [{k}, {n}]")
-  cfg = config or default_config(m, k, n, kind="dx", group=fmt.group)
-  _check(dy, w, fmt, cfg)
-  out_dtype = jnp.dtype(out_dtype or dy.dtype)
+  m = a.shape[0]
+  if a.shape[-1] != (k if fwd else n):
+    name, dim = ("x", "K") if fwd else ("dy", "N")
+    raise ValueError(f"{kind}: {name} has {dim}={a.shape[-1]} (shape {a.shape}) but the weight is [{k}, {n}]")
+  cfg = config or default_config(m, k, n, kind=kind, group=fmt.group)
+  _check(a, w, fmt, cfg)
+  out_dtype = jnp.dtype(out_dtype or a.dtype)
   if interpret:
     cfg = dataclasses.replace(cfg, decode="bits")
-  total_steps = -(-n // cfg.block_n)
+  contraction, step = (k, cfg.block_k) if fwd else (n, cfg.block_n)
+  total_steps = -(-contraction // step)
   steps = -(-total_steps // cfg.splits)
   splits = -(-total_steps // steps)
   cfg = dataclasses.replace(cfg, splits=splits)
-  grid = (-(-k // cfg.block_k), splits, -(-m // cfg.block_m))
-  tail = (k,) if cfg.split_x == "registers" else (k // 2, 2)
+  registers = cfg.split_x == "registers"
+  if fwd:
+    grid = (-(-n // cfg.block_n), splits, -(-m // cfg.block_m))
+    tail = (n,)
+    operand = a if registers else a.reshape(m, k // 2, 2)
+  else:
+    grid = (-(-k // cfg.block_k), splits, -(-m // cfg.block_m))
+    tail = (k,) if registers else (k // 2, 2)
+    operand = a
   if splits == 1:
     out_shape = jax.ShapeDtypeStruct((m, *tail), out_dtype)
   else:
     out_shape = jax.ShapeDtypeStruct((splits, m, *tail), jnp.float32)
-  kernel = functools.partial(_dx_kernel, m=m, k=k, n=n, cfg=cfg, fmt=fmt, steps=steps)
-  out = _call(kernel, grid, out_shape, cfg, interpret, "w4a16_dx", poison_output,
-              dy, w.packed, w.block_scale, _inverse_global_scale(w))
+  kernel = functools.partial(_fwd_kernel if fwd else _dx_kernel, m=m, k=k, n=n, cfg=cfg, fmt=fmt,
+                             steps=steps)
+  out = _call(kernel, grid, out_shape, cfg, interpret, f"w4a16_{kind}", poison_output,
+              operand, w.packed, w.block_scale, _inverse_global_scale(w))
   if splits > 1:
     out = out.sum(axis=0).astype(out_dtype)
-  return out.reshape(m, k)
+  return out.reshape(m, n if fwd else k)
 
 
 # ----------------------------------------------------------------------------- dequantize
@@ -462,7 +453,7 @@ def _dequant_kernel(p_ref, s_ref, igs_ref, o_ref, *, k, n, bkp, bn, fmt: _Format
 
 
 # (block_k2, block_n, num_warps) of the dequantize kernel, tuned on an H200.
-DEQUANT_CONFIG = (64, 256, 4)
+DEQUANT_CONFIG = (32, 256, 4)
 
 
 def dequantize(w, dtype=jnp.bfloat16, *, block_k2: int | None = None, block_n: int | None = None,

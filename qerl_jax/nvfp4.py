@@ -166,9 +166,10 @@ def _quantize_core(w: jax.Array, global_scale) -> tuple[NVFP4Tensor, jax.Array]:
   """The jit-able recipe, one pass over ``w``; returns the tensor and an all-finite flag."""
   k, n = w.shape[-2:]
   low = _reduced(w.dtype)  # compressed-tensors computes the scale statistics in w's dtype
-  w = w.astype(jnp.float32)
   blocks = w.reshape(*w.shape[:-2], k // BLOCK_SIZE, BLOCK_SIZE, n)
-  amax_block = jnp.max(jnp.abs(blocks), axis=-2)  # [..., K/16, N]
+  # |w| and its max are exact in w's own dtype (a bf16 reduction reads half the bytes).
+  amax_block = jnp.max(jnp.abs(blocks), axis=-2).astype(jnp.float32)  # [..., K/16, N]
+  blocks = blocks.astype(jnp.float32)
   amax = jnp.max(amax_block, axis=(-2, -1))  # [...], NaN/Inf when w has any
   finite = jnp.all(jnp.isfinite(amax))
   gs = _global_scale_from_amax(amax, low) if global_scale is None else global_scale.astype(jnp.float32)
@@ -189,7 +190,8 @@ def quantize(w, *, global_scale=None, pad: bool = False) -> NVFP4Tensor:
   """Quantizes a weight to NVFP4 (compressed-tensors NVFP4A16 RTN recipe).
 
   Args:
-    w: float array ``[..., K, N]`` (any float dtype; computed in float32).
+    w: float array ``[..., K, N]``. The scale statistics are computed in ``w``'s dtype
+      when it is bf16/f16 (as compressed-tensors does), everything else in float32.
       Leading dims (stacked layers) each get their own global scale.
     global_scale: optional float32 divisor, a scalar or ``[...]``, to use
       instead of ``448 * 6 / amax(|w|)``; fused projections (q/k/v, gate/up)
@@ -219,8 +221,12 @@ def quantize(w, *, global_scale=None, pad: bool = False) -> NVFP4Tensor:
       gs_np = np.asarray(global_scale)
       if not np.all(np.isfinite(gs_np)) or np.any(gs_np <= 0):
         raise ValueError(f"nvfp4.quantize: global_scale must be finite and > 0, got {gs_np}")
-    global_scale = jnp.broadcast_to(global_scale.reshape(global_scale.shape[:w.ndim - 2]),
-                                    w.shape[:-2])
+    lead = w.shape[:-2]
+    if global_scale.size == 1:
+      global_scale = jnp.broadcast_to(global_scale.reshape(()), lead)
+    elif global_scale.shape != lead:
+      raise ValueError(f"nvfp4.quantize: global_scale of shape {global_scale.shape} matches neither one "
+                       f"scale nor the leading dims {lead} of w of shape {shape}")
   t, finite = _quantize_core(w, global_scale)
   if not isinstance(finite, jax.core.Tracer) and not bool(finite):
     _packing.check_finite(w, "nvfp4.quantize")  # raises with the count and location

@@ -273,6 +273,18 @@ def test_error_missing_shard_and_pickle_only(tmp_root, tmp_path):
     hf.load_pretrained(g)
 
 
+def test_error_unsupported_compressed_tensors_format(tmp_root, tmp_path):
+  _, folder = _saved("qwen2", False, tmp_root)
+  f = _copy(folder, tmp_path / "c")
+  config = json.loads((f / "config.json").read_text())
+  config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mixed-precision",
+                                   "config_groups": {"group_0": {"format": "float-quantized"},
+                                                     "group_1": {"format": "nvfp4-pack-quantized"}}}
+  (f / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match=r"\['float-quantized'\] are not supported"):
+    hf.load_pretrained(f)
+
+
 def test_error_unsupported_quantization(fixtures_dir, tmp_path):
   config = json.loads((fixtures_dir / "configs" / "qwen2.5-7b-instruct-mlx4bit" / "config.json").read_text())
   (tmp_path / "config.json").write_text(json.dumps(config))

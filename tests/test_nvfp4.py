@@ -227,6 +227,8 @@ def test_bad_global_scale_and_rank_raise():
   for gs in (0.0, -1.0, np.nan, np.inf):
     with pytest.raises(ValueError, match="global_scale"):
       nvfp4.quantize(w, global_scale=gs)
+  with pytest.raises(ValueError, match=r"global_scale of shape \(3,\)"):
+    nvfp4.quantize(np.ones((2, 16, 4), np.float32), global_scale=np.ones(3, np.float32))
   with pytest.raises(ValueError, match=r"\(16,\)"):
     nvfp4.quantize(np.ones((16,), np.float32))
   with pytest.raises(TypeError):
