@@ -162,8 +162,8 @@ def test_toy_run_logs_checkpoints_and_resumes_exactly(tmp_path):
 
 # ------------------------------------------------------------------------------ the CPU default, end to end
 
-# The CPU default shrunk to seconds a step: 2 prompts x 4 completions, 24 new tokens.
-_SMALL = ["--config.train.total_steps=3", "--config.train.save_every=1", "--config.train.eval_every=0",
+# The CPU default shrunk to about a second a step: 2 prompts x 4 completions, 24 new tokens.
+_SMALL = ["--config.train.total_steps=4", "--config.train.save_every=1", "--config.train.eval_every=0",
           "--config.data.eval_size=4", "--config.train.eval_batch_size=4",
           "--config.sampling.max_completion_length=24", "--config.rl.batch_size=8",
           "--config.rl.micro_batch_size=4", "--config.train.log_samples_every=1",
@@ -193,7 +193,7 @@ def _complete_steps(workdir):
 
 @pytest.fixture(scope="module")
 def default_runs(tmp_path_factory):
-  """An uninterrupted 3-step run and a run SIGKILLed after its 2nd checkpoint, then resumed."""
+  """An uninterrupted 4-step run and a run SIGKILLed after its 2nd checkpoint, then resumed."""
   import signal
   import time
   base = tmp_path_factory.mktemp("default")
@@ -222,36 +222,37 @@ def test_default_config_runs_end_to_end(default_runs):
   full = default_runs["full"]
   rows = metrics_lib.read_metrics(full)
   train_rows = [r for r in rows if "loss" in r]
-  assert [r["step"] for r in train_rows] == [1, 2, 3]
+  assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
   for r in train_rows:
     assert np.isfinite(r["loss"]) and np.isfinite(r["entropy"]) and r["entropy"] > 0
     assert r["time/rollout_s"] > 0 and r["perf/tokens_per_s"] > 0
-  assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 3]
+  assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 4]
   assert "final_accuracy" in default_runs["stdout"]  # the summary table
   assert os.listdir(os.path.join(full, "tensorboard"))
   samples = [json.loads(l) for l in open(os.path.join(full, "samples.jsonl"))]
-  assert {s["step"] for s in samples} == {1, 2, 3} and all("completion" in s for s in samples)
+  assert {s["step"] for s in samples} == {1, 2, 3, 4} and all("completion" in s for s in samples)
   # the checkpoint restores (see the next test), holds the config, and not the frozen base
-  meta = json.load(open(os.path.join(full, "checkpoints", "3", "meta", "metadata")))
-  assert meta["step"] == 3 and meta["config"]["rl"]["batch_size"] == 8
-  assert meta["data_position"] == 3  # batches of prompts served
+  meta = json.load(open(os.path.join(full, "checkpoints", "4", "meta", "metadata")))
+  assert meta["step"] == 4 and meta["config"]["rl"]["batch_size"] == 8
+  assert meta["data_position"] == 4  # batches of prompts served
   sizes = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in
-              os.walk(os.path.join(full, "checkpoints", "3")) for f in fs)
+              os.walk(os.path.join(full, "checkpoints", "4")) for f in fs)
   assert sizes < 5_000_000, f"a checkpoint of {sizes} bytes: the frozen base must not be saved"
 
 
 def test_sigkill_after_second_checkpoint_resumes_bit_for_bit(default_runs):
   full, killed = default_runs["full"], default_runs["killed"]
-  assert len(default_runs["steps_at_kill"]) >= 2
-  assert "resuming from the checkpoint at step" in default_runs["resume_stderr"]
+  at_kill = default_runs["steps_at_kill"]
+  assert len(at_kill) >= 2 and max(at_kill) < 4, at_kill  # killed mid-run, not after the end
+  assert f"resuming from the checkpoint at step {max(at_kill)}" in default_runs["resume_stderr"]
   a, b = metrics_lib.read_metrics(full), metrics_lib.read_metrics(killed)
   assert _deterministic(a) == _deterministic(b)
   ca = ckpt_lib.Checkpointer(os.path.join(full, "checkpoints"))
   cb = ckpt_lib.Checkpointer(os.path.join(killed, "checkpoints"))
-  assert ca.latest_step() == cb.latest_step() == 3
+  assert ca.latest_step() == cb.latest_step() == 4
   import orbax.checkpoint as ocp
-  ra = ocp.StandardCheckpointer().restore(os.path.join(full, "checkpoints", "3", "state"))
-  rb = ocp.StandardCheckpointer().restore(os.path.join(killed, "checkpoints", "3", "state"))
+  ra = ocp.StandardCheckpointer().restore(os.path.join(full, "checkpoints", "4", "state"))
+  rb = ocp.StandardCheckpointer().restore(os.path.join(killed, "checkpoints", "4", "state"))
   la, lb = jax.tree_util.tree_leaves(ra), jax.tree_util.tree_leaves(rb)
   assert len(la) == len(lb) > 4
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(ra)[0]]
