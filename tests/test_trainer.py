@@ -158,6 +158,14 @@ def test_toy_run_logs_checkpoints_and_resumes_exactly(tmp_path):
   samples = [json.loads(l) for l in open(os.path.join(part, "samples.jsonl"))]
   assert sorted({s["step"] for s in samples}) == [2, 4, 6]
   assert os.listdir(os.path.join(full, "tensorboard"))
+  # plot.py: both runs on one figure per quantity
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "plot.py"),
+                      f"--workdirs={full},{part}", f"--out={tmp_path / 'plots'}"],
+                     capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+  assert r.returncode == 0, r.stderr[-2000:]
+  written = sorted(os.listdir(tmp_path / "plots"))
+  assert {"reward.png", "accuracy.png", "entropy.png", "sigma.png", "response_length.png"} <= set(written)
+  assert all(os.path.getsize(tmp_path / "plots" / f) > 5000 for f in written)
 
 
 # ------------------------------------------------------------------------------ the CPU default, end to end
