@@ -5,7 +5,7 @@ The model is the small Qwen2-architecture checkpoint this project trains itself 
 ``random:tiny`` and the trainer builds a randomly initialised tiny model and char-level
 tokenizer in a temporary folder (it runs end to end but learns nothing useful: say so).
 
-Sizes are chosen for 2 CPU cores: 4 prompts x G = 4 completions per step, 48 new tokens.
+Sizes are chosen for 2 CPU cores: 4 prompts x G = 4 completions per step, at most 72 new tokens.
 """
 
 import os
@@ -36,9 +36,9 @@ def get_config():
   # The synthetic GSM8K-like task the tiny model was pretrained on (qerl_jax/synthetic.py):
   # train and held-out test problems are disjoint by question hash.
   c.data.train = "synthetic:train:4000:1"
-  c.data.eval = "synthetic:test:64"
-  c.data.max_prompt_length = 96
-  c.data.eval_size = 32
+  c.data.eval = "synthetic:test:100"
+  c.data.max_prompt_length = 64  # synthetic prompts: <= 61 tokens with the chat template
+  c.data.eval_size = 100
 
   c.rl.loss_type = "grpo"
   c.rl.num_generations = 4
@@ -50,7 +50,7 @@ def get_config():
   c.rl.beta = 0.0
 
   c.sampling.temperature = 1.0
-  c.sampling.max_completion_length = 48
+  c.sampling.max_completion_length = 72  # worked solutions: <= 67 tokens
 
   c.optim.learning_rate = 1e-3
   c.optim.warmup_ratio = 0.05
@@ -60,6 +60,6 @@ def get_config():
   c.train.save_every = 20
   c.train.keep_checkpoints = 3
   c.train.eval_every = 20
-  c.train.eval_batch_size = 32
+  c.train.eval_batch_size = 50
   c.train.log_samples_every = 10
   return c

@@ -23,7 +23,6 @@ Usage (on the GPU):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import sys
@@ -92,13 +91,20 @@ def _weights(k, n, seed):
 
 
 def _row_check(kind, x, wq, cfg=None):
+  """Relative error of the dispatched kernel path vs the reference; NaN anywhere (the fused
+  kernels write into a NaN-poisoned buffer; the dequantize path is checked bit-exact)."""
+  m = x.shape[0]
+  fused = m <= matmul.FUSED_MAX_M[kind]
+  nan = False
+  if not fused:
+    nan = bool(jnp.any(w4_triton.dequantize(wq, jnp.bfloat16) != nvfp4.dequantize(wq, jnp.bfloat16)))
   if kind == "fwd":
-    y = w4_triton.forward(x, wq, config=cfg, poison_output=True)
+    y = (w4_triton.forward(x, wq, config=cfg, poison_output=True) if fused else matmul.kernel_forward(x, wq))
     ref = matmul.reference_matmul(x, wq)
   else:
-    y = w4_triton.dx(x, wq, config=cfg, poison_output=True)
+    y = (w4_triton.dx(x, wq, config=cfg, poison_output=True) if fused else matmul.kernel_dx(x, wq))
     ref = jnp.dot(x, nvfp4.dequantize(wq, jnp.bfloat16).T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-  nan = bool(jnp.isnan(y).any())
+  nan = nan or bool(jnp.isnan(y).any())
   return _rel(y, ref), nan
 
 
@@ -113,11 +119,11 @@ def _bench_row(model, layer, k, n, m, kind, w_bf16, wq, cfg=None, check=True):
   wqs = _copies(wq, r)
   wbs = _copies(w_bf16, r)
   if kind == "fwd":
-    f_kernel = lambda x, w: w4_triton.forward(x, w, config=cfg)
+    f_kernel = lambda x, w: matmul.kernel_forward(x, w)
     f_bf16 = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     f_xla = lambda x, w: matmul.reference_matmul(x, w)
   else:
-    f_kernel = lambda x, w: w4_triton.dx(x, w, config=cfg)
+    f_kernel = lambda x, w: matmul.kernel_dx(x, w)
     f_bf16 = lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     f_xla = lambda x, w: jnp.dot(x, nvfp4.dequantize(w, jnp.bfloat16).T,
                                  preferred_element_type=jnp.float32).astype(jnp.bfloat16)
@@ -129,18 +135,19 @@ def _bench_row(model, layer, k, n, m, kind, w_bf16, wq, cfg=None, check=True):
   gbs_b = (k * n * 2 + act) / t_b / 1e9
   return dict(model=model, layer=layer, K=k, N=n, M=m, kind=kind, us_kernel=t_k * 1e6, us_bf16=t_b * 1e6,
               us_xla=t_x * 1e6, gbs_kernel=gbs, gbs_bf16=gbs_b, vs_bf16=t_b / t_k, vs_xla=t_x / t_k,
-              rel_err=err, nan=nan, R=r, config=dataclasses.asdict(cfg) if cfg else None)
+              rel_err=err, nan=nan, R=r,
+              path="fused" if m <= matmul.FUSED_MAX_M[kind] else "deq+cublas")
 
 
 def _print_row(d):
   print(f"| {d['model']:>3} | {d['layer']:>4} | {d['K']:>5}x{d['N']:<5} | {d['kind']:>3} | {d['M']:>5} | "
         f"{d['us_kernel']:9.1f} | {d['gbs_kernel']:7.0f} | {d['us_bf16']:9.1f} | {d['gbs_bf16']:7.0f} | "
-        f"{d['us_xla']:9.1f} | {d['vs_bf16']:5.2f}x | {d['vs_xla']:5.2f}x | {d['rel_err']:.1e}{' NaN!' if d['nan'] else ''} |",
+        f"{d['us_xla']:9.1f} | {d['vs_bf16']:5.2f}x | {d['vs_xla']:5.2f}x | {d['rel_err']:.1e}{' NaN!' if d['nan'] else ''} | {d['path']} |",
         flush=True)
 
 
 HEADER = ("| model | layer | K x N | kind | M | kernel us | kernel GB/s | bf16 us | bf16 GB/s | XLA deq+dot us | "
-          "vs bf16 | vs XLA | rel err |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "vs bf16 | vs XLA | rel err | path |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 _BACKEND = "pallas"
@@ -174,31 +181,47 @@ def _ragged_checks():
 
 
 # Per bucket of TUNED: (representative M, [(model, layer)], candidates).
+# Per bucket of TUNED: (representative M, [(model, layer)], candidates).
+_R, _B, _A = "registers", "bits", "asm"
 SWEEP = {
     ("fwd", 16): (1, [("7b", "qkv"), ("7b", "gate")],
-                  [(16, 128, 256, 4, 4, 264, "registers"), (16, 128, 256, 4, 4, 264, "strided"), (16, 64, 256, 4, 4, 264, "registers"), (16, 256, 256, 4, 4, 264, "registers"),
-                   (16, 128, 512, 4, 4, 264, "registers"), (16, 64, 512, 4, 4, 264, "registers"), (16, 128, 256, 4, 4, 528, "registers"),
-                   (16, 128, 256, 4, 3, 264, "registers"), (16, 128, 256, 8, 4, 264, "registers")]),
+                  [(16, 128, 256, 4, 3, 264, _R, _B), (16, 128, 256, 4, 3, 264, _R, _A),
+                   (16, 64, 256, 4, 3, 264, _R, _A), (16, 128, 128, 4, 3, 264, _R, _A),
+                   (16, 128, 256, 4, 3, 528, _R, _A), (16, 256, 256, 8, 3, 264, _R, _A),
+                   (16, 128, 256, 8, 3, 264, _R, _A), (16, 128, 512, 4, 3, 264, _R, _A),
+                   (16, 64, 512, 4, 3, 528, _R, _A)]),
     ("fwd", 32): (32, [("7b", "qkv"), ("7b", "gate")],
-                  [(32, 128, 256, 4, 4, 264, "registers"), (32, 128, 256, 4, 4, 264, "strided"), (32, 64, 256, 4, 4, 264, "registers"), (32, 128, 128, 4, 4, 264, "registers"),
-                   (32, 128, 256, 4, 4, 528, "registers"), (32, 256, 128, 8, 3, 264, "registers")]),
-    ("fwd", 64): (64, [("7b", "qkv"), ("7b", "gate")],
-                  [(64, 128, 256, 4, 4, 264, "registers"), (64, 128, 256, 4, 4, 264, "strided"), (64, 64, 256, 4, 4, 264, "registers"), (64, 128, 128, 4, 3, 264, "registers"),
-                   (64, 128, 128, 8, 3, 264, "registers"), (64, 256, 128, 8, 3, 264, "registers")]),
-    ("fwd", 128): (128, [("7b", "qkv"), ("7b", "gate")],
-                   [(128, 128, 128, 8, 3, 264, "registers"), (128, 128, 128, 8, 3, 264, "strided"), (64, 128, 128, 4, 3, 264, "registers"), (128, 64, 256, 4, 4, 264, "registers"),
-                    (128, 128, 128, 8, 3, 0, "registers"), (128, 256, 64, 8, 3, 264, "registers")]),
-    ("fwd", 256): (256, [("7b", "qkv"), ("7b", "gate")],
-                   [(128, 128, 128, 8, 3, 264, "registers"), (128, 128, 128, 8, 3, 264, "strided"), (64, 128, 128, 4, 3, 264, "registers"), (128, 64, 256, 4, 4, 264, "registers"),
-                    (128, 128, 128, 8, 3, 0, "registers"), (128, 256, 64, 8, 3, 264, "registers")]),
-    ("fwd", None): (8192, [("7b", "gate"), ("7b", "down")],
-                    [(128, 128, 128, 8, 3, 0, "registers"), (128, 128, 128, 8, 3, 0, "strided"), (128, 128, 64, 8, 3, 0, "registers"), (128, 256, 64, 8, 3, 0, "registers"),
-                     (128, 256, 128, 8, 3, 0, "registers"), (64, 256, 64, 4, 4, 0, "registers"), (128, 128, 64, 4, 4, 0, "registers"),
-                     (128, 128, 128, 8, 4, 0, "registers")]),
-    ("dx", None): (8192, [("7b", "gate"), ("7b", "down")],
-                   [(128, 64, 128, 8, 3, 0, "registers"), (128, 64, 128, 8, 3, 0, "strided"), (128, 128, 128, 8, 3, 0, "registers"), (128, 64, 256, 8, 3, 0, "registers"),
-                    (128, 32, 256, 8, 3, 0, "registers"), (64, 64, 128, 4, 3, 0, "registers"), (128, 64, 128, 4, 4, 0, "registers")]),
+                  [(32, 128, 128, 4, 4, 264, _R, _B), (32, 128, 128, 4, 4, 264, _R, _A),
+                   (32, 128, 256, 4, 3, 264, _R, _A), (32, 64, 256, 4, 3, 264, _R, _A),
+                   (32, 128, 128, 4, 4, 528, _R, _A), (32, 256, 128, 8, 3, 264, _R, _A)]),
+    ("dx", 64): (32, [("7b", "gate")],
+                 [(64, 128, 128, 4, 4, 264, _R, _B), (64, 128, 128, 4, 4, 264, _R, _A),
+                  (32, 128, 128, 4, 4, 264, _R, _A)]),
 }
+DEQ_SWEEP = [(64, 256, 4), (32, 512, 4), (128, 128, 4), (64, 256, 8), (128, 256, 8), (32, 256, 4)]
+
+
+def _sweep_dequant():
+  """Times the one-pass dequantize kernel on 7B gate; returns the best (block_k2, block_n, num_warps)."""
+  k, n = SHAPES["7b"]["gate"]
+  _, wq = _weights(k, n, 0)
+  r = int(max(1, min(32, -(-FLAGS.rotate_mb * 2**20 // wq.nbytes))))
+  wqs = _copies(wq, r)
+  ref = nvfp4.dequantize(wq, jnp.bfloat16)
+  best = None
+  for c in DEQ_SWEEP:
+    try:
+      d = w4_triton.dequantize(wq, jnp.bfloat16, block_k2=c[0], block_n=c[1], num_warps=c[2])
+      bad = int(jnp.sum(d != ref))
+      t = _time(lambda x, w: w4_triton.dequantize(w, jnp.bfloat16, block_k2=c[0], block_n=c[1], num_warps=c[2]),
+                None, wqs, FLAGS.reps, FLAGS.inner)
+      gbs = (wq.nbytes + k * n * 2) / t / 1e9
+      print(f"  dequantize {c}: {t * 1e6:8.1f} us {gbs:6.0f} GB/s, {bad} bf16 mismatches vs nvfp4.dequantize", flush=True)
+      if bad == 0 and (best is None or t < best[0]):
+        best = (t, c)
+    except Exception as e:
+      print(f"  dequantize {c}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+  return best[1] if best else None
 
 
 def _sweep(budget_s):
@@ -227,6 +250,12 @@ def _sweep(budget_s):
         for model, layer, k, n, x, wqs, t_b in data:
           cfg = w4_triton.default_config(m, k, n, kind=kind, table=table)
           fn = w4_triton.forward if kind == "fwd" else w4_triton.dx
+          y = fn(x, wqs[0], config=cfg)
+          ref = (matmul.reference_matmul(x, wqs[0]) if kind == "fwd" else
+                 jnp.dot(x, nvfp4.dequantize(wqs[0], jnp.bfloat16).T, preferred_element_type=jnp.float32))
+          err = _rel(y, ref)
+          if not err < 1e-2:
+            raise ValueError(f"wrong result: rel err {err:.2e}")
           t_k = _time(lambda x, w: fn(x, w, config=cfg), x, wqs, FLAGS.reps, FLAGS.inner)
           ratios.append(t_b / t_k)
         score = float(np.exp(np.mean(np.log(ratios))))
@@ -240,6 +269,11 @@ def _sweep(budget_s):
       w4_triton.TUNED[(kind, bucket)] = best
       winners[str((kind, bucket))] = best
       print(f"sweep {(kind, bucket)} winner {best}", flush=True)
+  deq = _sweep_dequant()
+  if deq:
+    winners["dequantize"] = deq
+    w4_triton.DEQUANT_CONFIG = deq
+    print(f"dequantize winner {deq}", flush=True)
   print("TUNED = " + repr(w4_triton.TUNED), flush=True)
   return winners
 
@@ -250,7 +284,7 @@ def main(argv):
   global _BACKEND
   if FLAGS.smoke:
     _BACKEND = "interpret"
-    for name in ("forward", "dx"):
+    for name in ("forward", "dx", "dequantize"):
       setattr(w4_triton, name, _interpreted(getattr(w4_triton, name)))
     SHAPES["7b"] = {"qkv": (256, 384), "o": (128, 128), "gate": (128, 320), "down": (320, 128)}
     SHAPES["32b"] = SHAPES["7b"]

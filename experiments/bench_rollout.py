@@ -6,8 +6,11 @@ every step), temperature-1 sampling. For each weight format and batch size:
 
 * tokens/s = batch * new_tokens / (prefill + decode wall time), from one timed
   run of the AOT-compiled ``generate`` body (compile time reported apart);
-* decode step time = (total - prefill) / (new_tokens - 1), prefill timed by
-  a separate jit of the same prefill forward;
+  no row ever ends (the end id is outside the vocabulary), so every row
+  decodes exactly ``new_tokens`` tokens, through the early-stop while loop RL uses;
+* decode step time = (total - prefill) / (new_tokens - 1), "prefill" timed by
+  the same executable with no live row (the loop exits at once: prefill,
+  cache set-up and the first sample);
 * roofline step time = bytes read per decode step / measured HBM bandwidth,
   bytes = decoder weights + lm_head + the KV cache. Two KV figures: "ideal"
   counts the valid slots on average (prompt + new_tokens / 2), "as run"
@@ -25,6 +28,7 @@ Prints a markdown table (and writes it, plus JSON, under ``--out``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -43,6 +47,8 @@ flags.DEFINE_list("formats", ["bf16", "nvfp4"], "Weight formats of the decoder l
 flags.DEFINE_integer("prompt_len", 256, "Prompt tokens per row.")
 flags.DEFINE_integer("new_tokens", 2048, "New tokens per row (fixed: no early stop).")
 flags.DEFINE_list("new_tokens_by_batch", [], "Overrides 'batch:new_tokens', e.g. 256:1024 (to fit device time).")
+flags.DEFINE_integer("kv_phases", 1, "SamplingConfig.kv_phases for the table's runs.")
+flags.DEFINE_list("extra_runs", [], "Extra runs 'format:batch:kv_phases' after the table, e.g. bf16:256:4.")
 flags.DEFINE_float("time_budget_s", 1e9, "Skip the remaining runs once this much wall time has passed.")
 flags.DEFINE_string("out", "", "Folder for rollout.md / rollout.json (optional).")
 flags.DEFINE_bool("smoke", False, "Tiny-shape correctness checks on this device, then exit.")
@@ -57,11 +63,13 @@ TINY = dict(QWEN25_7B, vocab_size=256, hidden_size=128, intermediate_size=256, n
 
 
 def kernel_backend() -> str:
-  """Which 4-bit matmul path the model uses on this device (pallas_kernels' own report when it has one)."""
-  import pallas_kernels
-  describe = getattr(pallas_kernels, "describe_backend", None)
+  """Which 4-bit matmul path ``quantized_matmul(backend="auto")`` takes for bf16 activations on this device."""
+  import pallas_kernels.matmul as pm
+  describe = getattr(pm, "describe_backend", None)
   if describe is not None:
     return str(describe())
+  if "pallas" in getattr(pm, "BACKENDS", ()) and jax.default_backend() in ("gpu", "cuda"):
+    return "pallas (pallas_kernels fused W4A16 Triton kernels, backend='auto')"
   return "reference (pallas_kernels XLA path: dequantize to bf16, then dot)"
 
 
@@ -106,86 +114,109 @@ def random_prompts(cfg, batch: int, length: int, seed: int = 0):
   return rng.integers(0, cfg.vocab_size, size=(batch, length)).astype(np.int32), np.ones((batch, length), np.int32)
 
 
-def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth: float) -> dict:
-  config = sampling.SamplingConfig(max_new_tokens=new_tokens, eos_token_ids=(cfg.vocab_size - 1,), pad_id=0,
-                                   temperature=1.0, early_stop=False)
+def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth: float, kv_phases: int = 1) -> dict:
+  """One compiled generate at (batch, prompt_len, new_tokens), timed twice: all rows live, and no row live.
+
+  The end id is outside the vocabulary, so no row ever ends and the decode
+  loop runs exactly ``new_tokens - 1`` steps (asserted) through the same
+  early-stop while loop that RL uses. Calling the same executable with zero
+  live prompts makes the loop exit at once: that run times prefill + cache
+  set-up + the first sample, subtracted to get the decode step time.
+  """
+  config = sampling.SamplingConfig(max_new_tokens=new_tokens, eos_token_ids=(cfg.vocab_size + 1,), pad_id=0,
+                                   temperature=1.0, kv_phases=kv_phases)
   tokens_np, mask_np = random_prompts(cfg, batch, prompt_len)
   bb, pb = sampling.bucket(batch), sampling.bucket(prompt_len, 16)
   tokens_np, mask_np = sampling.pad_prompts(tokens_np, mask_np, bb, pb, config.pad_id)
   tokens, mask = jnp.asarray(tokens_np), jnp.asarray(mask_np)
-  key, nprompts = jax.random.key(1), jnp.int32(batch)
+  key = jax.random.key(1)
 
   t0 = time.perf_counter()
-  compiled = sampling._generate_jit.lower(cfg, config, 1.0, base, None, None, tokens, mask, key, nprompts).compile()
+  compiled = sampling._generate_jit.lower(cfg, config, 1.0, base, None, None, tokens, mask, key,
+                                          jnp.int32(batch)).compile()
   t_compile = time.perf_counter() - t0
+  run = lambda live: jax.block_until_ready(compiled(base, None, None, tokens, mask, key, jnp.int32(live)))
 
-  def prefill(base, tokens, mask):
-    cache = models.init_cache(cfg, bb, pb, dtype=config.cache_dtype)
-    h, cache = models.forward(cfg, base, tokens, models.positions_from_mask(mask), cache=cache, attn_mask=mask,
-                              return_hidden=True)
-    return models.lm_head_logits(cfg, base, h[:, -1]), cache
-
-  pre = jax.jit(prefill).lower(base, tokens, mask).compile()
-  jax.block_until_ready(pre(base, tokens, mask))
+  pre = run(0)  # warm-up; the loop exits at once
+  assert int(pre[6]) == 0, int(pre[6])
   pre_times = []
-  for _ in range(3 if batch <= 64 else 1):
+  for _ in range(3):
     t0 = time.perf_counter()
-    jax.block_until_ready(pre(base, tokens, mask))
+    run(0)
     pre_times.append(time.perf_counter() - t0)
   t_prefill = float(np.median(pre_times))
 
   t0 = time.perf_counter()
-  out = compiled(base, None, None, tokens, mask, key, nprompts)
-  jax.block_until_ready(out)
+  out = run(batch)
   t_total = time.perf_counter() - t0
   toks, lp = np.asarray(out[0]), np.asarray(out[1])
   steps = int(out[6])
   assert steps == new_tokens - 1, steps
-  assert toks.min() >= 0 and toks.max() < cfg.vocab_size and np.isfinite(lp).all()
-  del out
+  assert toks.min() >= 0 and toks.max() < cfg.vocab_size and np.isfinite(lp).all() and np.asarray(out[3]).all()
+  del out, pre
 
   step = (t_total - t_prefill) / (new_tokens - 1)
   w_bytes = weight_bytes_per_step(cfg, base, bb)
   slots_run = pb + new_tokens
   kv_per_slot = 2 * cfg.num_layers * bb * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(config.cache_dtype).itemsize
-  kv_run = kv_per_slot * slots_run
+  ends = (0,) + config.phase_ends()  # slots each step's attention reads: prompt bucket + the phase's end
+  kv_run = kv_per_slot * (pb + sum((e - s) * e for s, e in zip(ends[:-1], ends[1:])) / new_tokens)
   kv_ideal = kv_per_slot * (prompt_len + new_tokens / 2)
-  return dict(batch=batch, new_tokens=new_tokens, compile_s=t_compile, prefill_s=t_prefill, total_s=t_total,
+  return dict(batch=batch, new_tokens=new_tokens, kv_phases=kv_phases, compile_s=t_compile, prefill_s=t_prefill, total_s=t_total,
               tokens_per_s=batch * new_tokens / t_total, decode_tokens_per_s=batch * (new_tokens - 1) / (t_total - t_prefill),
               step_ms=1e3 * step, weight_gb=w_bytes / 1e9, kv_cache_gb=sampling.kv_cache_bytes(cfg, bb, slots_run) / 1e9,
               roofline_ideal_ms=1e3 * (w_bytes + kv_ideal) / bandwidth, roofline_run_ms=1e3 * (w_bytes + kv_run) / bandwidth)
 
 
+def _smoke_prompts(vocab: int):
+  rng = np.random.default_rng(0)
+  lengths = [7, 16, 3, 12]
+  toks = np.zeros((4, 16), np.int32)
+  mask = np.zeros((4, 16), np.int32)
+  for i, n in enumerate(lengths):
+    toks[i, 16 - n:] = rng.integers(0, vocab, n)
+    mask[i, 16 - n:] = 1
+  return toks, mask, lengths
+
+
+def _logprob_gap(cfg, base, ro) -> float:
+  """max |rollout logprobs - one full forward over prompt + completion| on the completion mask."""
+  seq = jnp.concatenate([ro.prompt_tokens, ro.tokens], 1)
+  m = jnp.concatenate([ro.prompt_mask, ro.mask], 1)
+  lp, _ = models.token_logprobs(cfg, base, seq, models.positions_from_mask(m), attn_mask=m, remat=False)
+  p = ro.prompt_tokens.shape[1]
+  return float(jnp.max(jnp.abs((lp[:, p:] - ro.logprobs) * ro.mask)))
+
+
 def smoke() -> None:
-  """Tiny shape, float32 at highest matmul precision: batched == alone (greedy), logprobs == full forward."""
+  """Tiny NVFP4 model on this device.
+
+  float32 at highest matmul precision (XLA reference matmul): greedy batched
+  == each row alone, logprobs == full forward (1e-4). bf16 (the Pallas kernel
+  path on a GPU): logprobs within bf16 noise of the full forward.
+  """
+  warm = sampling.SamplingConfig(max_new_tokens=16, eos_token_ids=(5,), pad_id=0, temperature=1.0,
+                                 num_generations=2, cache_dtype=jnp.float32)
   with jax.default_matmul_precision("highest"):
     cfg = models.ModelConfig.from_hf(TINY, dtype="float32")
-    for fmt in ("bf16", "nvfp4"):
-      base = models.init_params(cfg, jax.random.key(0), dtype=jnp.float32, std=0.1)
-      if fmt == "nvfp4":
-        base = models.quantize_base(base, "nvfp4")
-      rng = np.random.default_rng(0)
-      lengths = [7, 20, 3, 12]
-      toks = np.zeros((4, 20), np.int32)
-      mask = np.zeros((4, 20), np.int32)
-      for i, n in enumerate(lengths):
-        toks[i, 20 - n:] = rng.integers(0, cfg.vocab_size, n)
-        mask[i, 20 - n:] = 1
-      greedy = sampling.SamplingConfig(max_new_tokens=16, eos_token_ids=(5,), pad_id=0, temperature=0.0,
-                                       cache_dtype=jnp.float32)
-      ro = sampling.generate(cfg, base, toks, mask, jax.random.key(0), greedy)
-      for i, n in enumerate(lengths):
-        alone = sampling.generate(cfg, base, toks[i:i + 1, 20 - n:], mask[i:i + 1, 20 - n:], jax.random.key(0), greedy)
-        np.testing.assert_array_equal(np.asarray(alone.tokens[0]), np.asarray(ro.tokens[i]))
-      warm = sampling.SamplingConfig(max_new_tokens=16, eos_token_ids=(5,), pad_id=0, temperature=1.0,
-                                     num_generations=2, cache_dtype=jnp.float32)
-      ro = sampling.generate(cfg, base, toks, mask, jax.random.key(1), warm)
-      seq = jnp.concatenate([ro.prompt_tokens, ro.tokens], 1)
-      m = jnp.concatenate([ro.prompt_mask, ro.mask], 1)
-      lp, _ = models.token_logprobs(cfg, base, seq, models.positions_from_mask(m), attn_mask=m, remat=False)
-      err = float(jnp.max(jnp.abs((lp[:, 20:] - ro.logprobs) * ro.mask)))
-      print(f"smoke {fmt}: greedy batched == alone for {len(lengths)} rows; |logprobs - full forward| max {err:.2e}")
-      assert err < 1e-4, err
+    base = models.quantize_base(models.init_params(cfg, jax.random.key(0), dtype=jnp.float32, std=0.1), "nvfp4")
+    toks, mask, lengths = _smoke_prompts(cfg.vocab_size)
+    greedy = sampling.SamplingConfig(max_new_tokens=16, eos_token_ids=(5,), pad_id=0, temperature=0.0,
+                                     cache_dtype=jnp.float32)
+    ro = sampling.generate(cfg, base, toks, mask, jax.random.key(0), greedy)
+    for i, n in enumerate(lengths):
+      alone = sampling.generate(cfg, base, toks[i:i + 1, 16 - n:], mask[i:i + 1, 16 - n:], jax.random.key(0), greedy)
+      np.testing.assert_array_equal(np.asarray(alone.tokens[0]), np.asarray(ro.tokens[i]))
+    err = _logprob_gap(cfg, base, sampling.generate(cfg, base, toks, mask, jax.random.key(1), warm))
+    print(f"smoke float32 nvfp4: greedy batched == alone for {len(lengths)} rows; |logprobs - full forward| "
+          f"max {err:.2e}", flush=True)
+    assert err < 1e-4, err
+  cfg = models.ModelConfig.from_hf(TINY, dtype="bfloat16")
+  base = models.quantize_base(models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16, std=0.1), "nvfp4")
+  err = _logprob_gap(cfg, base, sampling.generate(cfg, base, toks, mask, jax.random.key(1),
+                                                  dataclasses.replace(warm, cache_dtype=jnp.bfloat16)))
+  print(f"smoke bf16 nvfp4 ({kernel_backend()}): |logprobs - full forward| max {err:.2e}", flush=True)
+  assert err < 0.25, err
 
 
 def main(argv):
@@ -210,25 +241,37 @@ def main(argv):
   if "bf16" not in FLAGS.formats:
     del bf16
   rows = []
-  header = ("| weights | batch | new tokens | tokens/s | decode tokens/s | step ms | roofline ms (ideal KV) | "
+  header = ("| weights | batch | new tokens | KV phases | tokens/s | decode tokens/s | step ms | roofline ms (ideal KV) | "
             "% of roofline | roofline ms (KV as run) | prefill s | compile s | KV cache GB |")
-  sep = "|" + "---|" * 12
+  sep = "|" + "---|" * 13
   for batch in (int(b) for b in FLAGS.batches):
     for fmt in FLAGS.formats:
       if time.perf_counter() - start > FLAGS.time_budget_s:
         print(f"skipping {fmt} batch {batch}: time budget {FLAGS.time_budget_s}s spent", flush=True)
         continue
-      r = bench_one(cfg, bases[fmt], batch, FLAGS.prompt_len, overrides.get(batch, FLAGS.new_tokens), bandwidth)
+      r = bench_one(cfg, bases[fmt], batch, FLAGS.prompt_len, overrides.get(batch, FLAGS.new_tokens), bandwidth,
+                    FLAGS.kv_phases)
       r["format"] = fmt
       rows.append(r)
       print(json.dumps(r), flush=True)
+  for spec in FLAGS.extra_runs:
+    fmt, batch, phases = spec.split(":")
+    if time.perf_counter() - start > FLAGS.time_budget_s:
+      print(f"skipping extra run {spec}: time budget {FLAGS.time_budget_s}s spent", flush=True)
+      continue
+    batch = int(batch)
+    r = bench_one(cfg, bases[fmt], batch, FLAGS.prompt_len, overrides.get(batch, FLAGS.new_tokens), bandwidth,
+                  int(phases))
+    r["format"] = fmt
+    rows.append(r)
+    print(json.dumps(r), flush=True)
   lines = [header, sep]
   for r in rows:
-    lines.append(f"| {r['format']} | {r['batch']} | {r['new_tokens']} | {r['tokens_per_s']:.0f} | "
+    lines.append(f"| {r['format']} | {r['batch']} | {r['new_tokens']} | {r['kv_phases']} | {r['tokens_per_s']:.0f} | "
                  f"{r['decode_tokens_per_s']:.0f} | {r['step_ms']:.2f} | {r['roofline_ideal_ms']:.2f} | "
                  f"{100 * r['roofline_ideal_ms'] / r['step_ms']:.0f}% | {r['roofline_run_ms']:.2f} | "
                  f"{r['prefill_s']:.3f} | {r['compile_s']:.1f} | {r['kv_cache_gb']:.1f} |")
-  by = {(r["format"], r["batch"]): r for r in rows}
+  by = {(r["format"], r["batch"]): r for r in rows if r["kv_phases"] == FLAGS.kv_phases}
   for batch in sorted({r["batch"] for r in rows}):
     if ("bf16", batch) in by and ("nvfp4", batch) in by:
       lines.append(f"\nbatch {batch}: NVFP4 / bf16 throughput = "

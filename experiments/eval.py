@@ -49,6 +49,9 @@ flags.mark_flags_as_required(["config"])
 def main(argv):
   del argv
   import jax
+  from absl import logging
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   from qerl_jax import data as data_lib
   from qerl_jax import metrics as metrics_lib
   from qerl_jax import trainer

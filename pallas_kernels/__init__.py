@@ -2,10 +2,13 @@
 
 ``quantized_matmul(x, w)`` computes ``x @ W`` for ``x`` ``[..., K]`` and ``W`` an
 :class:`~qerl_jax.nvfp4.NVFP4Tensor` or :class:`~qerl_jax.nf4.NF4Tensor` of
-logical shape ``[K, N]``. It picks a kernel by backend and shape; on CPU (and
-for formats without a kernel) it runs the pure-XLA reference.
+logical shape ``[K, N]``, differentiable in ``x``. On a GPU with bf16 ``x`` it
+runs the Pallas kernels of :mod:`pallas_kernels.w4_triton` (a fused
+dequantize-in-registers kernel for small M, a one-pass dequantize + cuBLAS
+for large M); on CPU, and for inputs without a kernel, the pure-XLA reference.
+See docs/kernels.md.
 """
 
-from pallas_kernels.matmul import quantized_matmul, reference_matmul
+from pallas_kernels.matmul import FUSED_MAX_M, quantized_matmul, reference_matmul
 
-__all__ = ["quantized_matmul", "reference_matmul"]
+__all__ = ["FUSED_MAX_M", "quantized_matmul", "reference_matmul"]

@@ -13,6 +13,45 @@ from qerl_jax import nf4, nvfp4
 
 BACKENDS = ("auto", "reference", "pallas", "interpret")
 
+# Largest row count (M = prod of x's leading dims) for which the fused kernel
+# runs; above it the kernel path dequantizes W once with a Pallas kernel and
+# calls XLA's bf16 matmul (cuBLAS), which measured faster on an H200 (see
+# docs/benchmarks.md). Per direction: "fwd" (x @ W) and "dx" (dy @ W^T).
+FUSED_MAX_M = {"fwd": 32, "dx": 32}
+
+
+def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False) -> jax.Array:
+  """The kernel path's ``x @ W`` for 2-D bf16 ``x`` ``[M, K]`` -> ``[M, N]`` (no VJP).
+
+  Fused dequantize-in-registers kernel for ``M <= FUSED_MAX_M["fwd"]``, else
+  a one-pass Pallas dequantize to bf16 followed by ``jnp.dot`` (float32
+  accumulation).
+
+  Raises:
+    TypeError: unsupported weight type. ValueError: K mismatch, stacked ``w``.
+  """
+  out_dtype = jnp.dtype(out_dtype or x2d.dtype)
+  if x2d.shape[0] <= FUSED_MAX_M["fwd"]:
+    return w4_triton.forward(x2d, w, out_dtype=out_dtype, interpret=interpret)
+  w_dense = w4_triton.dequantize(w, x2d.dtype, interpret=interpret)
+  return jnp.dot(x2d, w_dense, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def kernel_dx(dy2d: jax.Array, w, *, out_dtype=jnp.bfloat16, interpret: bool = False) -> jax.Array:
+  """The kernel path's ``dy @ W^T`` for 2-D bf16 ``dy`` ``[M, N]`` -> ``[M, K]``.
+
+  Fused kernel for ``M <= FUSED_MAX_M["dx"]``, else Pallas dequantize + XLA
+  matmul contracting N (no transposed copy of W is made).
+
+  Raises:
+    TypeError: unsupported weight type. ValueError: N mismatch, stacked ``w``.
+  """
+  if dy2d.shape[0] <= FUSED_MAX_M["dx"]:
+    return w4_triton.dx(dy2d, w, out_dtype=out_dtype, interpret=interpret)
+  w_dense = w4_triton.dequantize(w, dy2d.dtype, interpret=interpret)
+  return jax.lax.dot_general(dy2d, w_dense, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32).astype(out_dtype)
+
 
 def _dequantize(w, dtype):
   if isinstance(w, nvfp4.NVFP4Tensor):
@@ -52,7 +91,7 @@ def _zero_cotangent(a):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _kernel_matmul(x2d, w, out_dtype, interpret):
-  return w4_triton.forward(x2d, w, out_dtype=out_dtype, interpret=interpret)
+  return kernel_forward(x2d, w, out_dtype=out_dtype, interpret=interpret)
 
 
 def _kernel_matmul_fwd(x2d, w, out_dtype, interpret):
@@ -61,8 +100,7 @@ def _kernel_matmul_fwd(x2d, w, out_dtype, interpret):
 
 def _kernel_matmul_bwd(out_dtype, interpret, w, dy):
   del out_dtype
-  dx = w4_triton.dx(dy.astype(jnp.bfloat16) if dy.dtype == jnp.float32 else dy, w,
-                    out_dtype=jnp.bfloat16, interpret=interpret)
+  dx = kernel_dx(dy.astype(jnp.bfloat16), w, out_dtype=jnp.bfloat16, interpret=interpret)
   # W is frozen: its cotangent is zero (float0 for the integer codes).
   return dx, jax.tree.map(_zero_cotangent, w)
 
@@ -91,10 +129,11 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto") 
     w: NVFP4Tensor or NF4Tensor, logical ``[K, N]`` (no leading dims on the
       kernel path; stacked weights go through the reference).
     out_dtype: output dtype (default ``x.dtype``); accumulation is float32.
-    backend: ``"auto"`` (the fused Pallas kernel on a GPU for bf16 ``x``, else
+    backend: ``"auto"`` (the Pallas kernel path on a GPU for bf16 ``x``, else
       the reference), ``"reference"`` (XLA dequantize-then-dot), ``"pallas"``
-      (the fused kernel, Pallas Triton lowering; GPU only), ``"interpret"``
-      (the same kernel in Pallas interpret mode: slow, for CPU tests).
+      (Pallas Triton lowering, GPU only: the fused kernel for
+      ``M <= FUSED_MAX_M``, else Pallas dequantize + cuBLAS), ``"interpret"``
+      (the same kernels in Pallas interpret mode: slow, for CPU tests).
 
   Returns:
     ``[..., N]`` in ``out_dtype``.

@@ -68,6 +68,9 @@ class TileConfig:
     split_x: how the even/odd K columns of x (forward) or dx (dx kernel) are
       separated: ``"registers"`` loads/stores contiguous rows and splits/joins
       them in registers; ``"strided"`` reads/writes them with stride-2 accesses.
+    decode: NVFP4 code decoding: ``"bits"`` (float16 bit trick in jnp ops) or
+      ``"asm"`` (inline PTX: 4 codes per instruction group, bf16x2 FMAs; GPU
+      only, interpret mode falls back to ``"bits"``).
   """
   block_m: int = 16
   block_n: int = 128
@@ -76,6 +79,7 @@ class TileConfig:
   num_warps: int = 4
   num_stages: int = 3
   split_x: str = "registers"
+  decode: str = "bits"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,14 +117,45 @@ def _decode_nf4(codes):
   return level[0]
 
 
-def _decode_tile(p, s, fmt: _Format, dtype):
+# E2M1 -> bf16 by bit placement, 4 packed bytes per asm instance: the chosen
+# nibble of each byte goes to bf16 bits 15 (sign) and 8..6 (2 exponent bits, 1
+# mantissa bit), giving e2m1 * 2**-126 exactly (code 1 is a bf16 subnormal); a
+# bf16x2 FMA by 2**126 and one by the block scale (adding -0.0) finish it.
+# $0,$1: 4 bf16 values; $2: 4 packed bytes; $3,$4: 4 bf16 block scales.
+# One call per nibble (Pallas' lowering takes one result per inline-asm op).
+def _e2m1_asm(shift_mag: int, shift_sign: int) -> str:
+  lines = ["{", ".reg .b32 t0, t1, a, b, z, c126, nz;", "mov.b32 z, 0;", "mov.b32 c126, 0x7E807E80;",
+           "mov.b32 nz, 0x80008000;", "prmt.b32 t0, $2, z, 0x4140;", "prmt.b32 t1, $2, z, 0x4342;"]
+  for t, out, sc in (("t0", "$0", "$3"), ("t1", "$1", "$4")):
+    lines += [f"shl.b32 a, {t}, {shift_mag};", "and.b32 a, a, 0x01C001C0;",
+              f"shl.b32 b, {t}, {shift_sign};", "and.b32 b, b, 0x80008000;", "or.b32 a, a, b;",
+              "fma.rn.bf16x2 a, a, c126, nz;", f"fma.rn.bf16x2 {out}, a, {sc}, nz;"]
+  return "\n".join(lines + ["}"])
+
+
+_E2M1_ASM_LO = _e2m1_asm(6, 12)
+_E2M1_ASM_HI = _e2m1_asm(2, 8)
+
+
+def _decode_tile(p, s, fmt: _Format, dtype, *, decode: str = "bits", multiplier=None):
   """Packed uint8 [R, C] and block scales [R*2/group, C] -> (low, high) values [R, C] in dtype.
 
-  The scale here excludes the global scale (applied to the accumulator).
+  The scale here excludes the global scale (applied to the accumulator) unless
+  ``multiplier`` (a float32 scalar) is given, which multiplies every value.
   """
   rows, cols = p.shape
   s = s.astype(jnp.float32)
   rep = fmt.group // 2  # packed rows per block scale
+  if multiplier is not None:
+    s = s * multiplier
+  if fmt.nvfp4 and decode == "asm" and dtype == jnp.bfloat16 and multiplier is None:
+    s = s.astype(jnp.bfloat16)
+    s = jnp.broadcast_to(s[:, None, :], (s.shape[0], rep, cols)).reshape(rows, cols)
+    out = [plgpu.elementwise_inline_asm(
+        asm, args=[p, s], constraints="=r,=r,r,r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(p.shape, jnp.bfloat16)])[0]
+           for asm in (_E2M1_ASM_LO, _E2M1_ASM_HI)]
+    return out[0], out[1]
   s = jnp.broadcast_to(s[:, None, :], (s.shape[0], rep, cols)).reshape(rows, cols)
   if fmt.nvfp4:
     s = s * 16384.0  # 2**14 from the float16 bit trick below
@@ -166,7 +201,7 @@ def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, *refs, m, k, n, cfg: TileConfig,
                    mask=kp_mask[:, None] & n_mask[None, :], other=0)
     s = plgpu.load(s_ref.at[pl.ds(kb // fmt.group, bk // fmt.group), pl.ds(n0, bn)],
                    mask=ks_mask[:, None] & n_mask[None, :], other=0.0)
-    w_lo, w_hi = _decode_tile(p, s, fmt, x_even.dtype)
+    w_lo, w_hi = _decode_tile(p, s, fmt, x_even.dtype, decode=cfg.decode)
     acc += jnp.dot(x_even, w_lo, preferred_element_type=jnp.float32)
     acc += jnp.dot(x_odd, w_hi, preferred_element_type=jnp.float32)
     return acc
@@ -203,7 +238,7 @@ def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, *refs, m, k, n, cfg: TileConfig,
                    mask=kp_mask[:, None] & n_mask[None, :], other=0)
     s = plgpu.load(s_ref.at[pl.ds(pid_k * (bk // fmt.group), bk // fmt.group), pl.ds(n0, bn)],
                    mask=ks_mask[:, None] & n_mask[None, :], other=0.0)
-    w_lo, w_hi = _decode_tile(p, s, fmt, dy.dtype)
+    w_lo, w_hi = _decode_tile(p, s, fmt, dy.dtype, decode=cfg.decode)
     acc_e += lax.dot_general(dy, w_lo, dims, preferred_element_type=jnp.float32)
     acc_o += lax.dot_general(dy, w_hi, dims, preferred_element_type=jnp.float32)
     return acc_e, acc_o
@@ -228,19 +263,19 @@ def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, *refs, m, k, n, cfg: TileConfig,
 
 
 # Per kind and M bucket (largest M it covers; None: any larger M):
-# (block_m, block_n, block_k, num_warps, num_stages, target_programs, split_x).
+# (block_m, block_n, block_k, num_warps, num_stages, target_programs, split_x, decode).
 # target_programs > 0 turns on split-K (split-N for dx) until about that many
 # programs run; 0 never splits. Chosen by `experiments/bench_kernels.py --sweep`
 # on an H200 (see docs/benchmarks.md).
 TUNED: dict = {
-    ("fwd", 16): (16, 128, 256, 4, 4, 264, "registers"),
-    ("fwd", 32): (32, 128, 256, 4, 4, 264, "registers"),
-    ("fwd", 64): (64, 128, 256, 4, 4, 264, "registers"),
-    ("fwd", 128): (128, 128, 128, 8, 3, 264, "registers"),
-    ("fwd", 256): (128, 128, 128, 8, 3, 264, "registers"),
-    ("fwd", None): (128, 128, 128, 8, 3, 0, "registers"),
-    ("dx", 64): (64, 128, 128, 4, 4, 264, "registers"),
-    ("dx", None): (128, 64, 128, 8, 3, 0, "registers"),
+    ("fwd", 16): (16, 128, 256, 4, 3, 264, "registers", "asm"),
+    ("fwd", 32): (32, 128, 256, 4, 3, 264, "registers", "asm"),
+    ("fwd", 64): (64, 64, 256, 4, 4, 264, "registers", "bits"),
+    ("fwd", 128): (64, 128, 128, 4, 3, 264, "registers", "bits"),
+    ("fwd", 256): (128, 128, 128, 8, 3, 0, "registers", "bits"),
+    ("fwd", None): (128, 128, 64, 4, 4, 0, "registers", "bits"),
+    ("dx", 64): (32, 128, 128, 4, 4, 264, "registers", "asm"),
+    ("dx", None): (128, 64, 128, 4, 4, 0, "registers", "bits"),
 }
 
 
@@ -265,7 +300,7 @@ def default_config(m: int, k: int, n: int, *, kind: str = "fwd", group: int = 16
   table = TUNED if table is None else table
   buckets = sorted((b for (kd, b) in table if kd == kind and b is not None))
   bucket = next((b for b in buckets if m <= b), None)
-  bm, bn, bk, warps, stages, target, split_x = table[(kind, bucket)]
+  bm, bn, bk, warps, stages, target, split_x, decode = table[(kind, bucket)]
   bk = max(bk, group)
   if kind == "fwd":
     out_tiles = -(-m // bm) * -(-n // bn)
@@ -277,7 +312,7 @@ def default_config(m: int, k: int, n: int, *, kind: str = "fwd", group: int = 16
   if target and out_tiles < target:
     max_by_bytes = int((k * n / 2) * 0.5 / (m * n_out * 8))
     splits = max(1, min(-(-target // out_tiles), contraction // (2 * step), max_by_bytes, 32))
-  return TileConfig(bm, bn, bk, splits, warps, stages, split_x)
+  return TileConfig(bm, bn, bk, splits, warps, stages, split_x, decode)
 
 
 # ----------------------------------------------------------------------------- calls
@@ -333,30 +368,7 @@ def forward(x: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None
   Raises:
     TypeError: unsupported weight type. ValueError: shape mismatch or bad config.
   """
-  fmt = _format_of(w)
-  k, n = w.shape
-  m = x.shape[0]
-  if x.shape[-1] != k:
-    raise ValueError(f"forward: x has K={x.shape[-1]} (shape {x.shape}) but the weight is [{k}, {n}]")
-  cfg = config or default_config(m, k, n, kind="fwd", group=fmt.group)
-  _check(x, w, fmt, cfg)
-  out_dtype = jnp.dtype(out_dtype or x.dtype)
-  total_steps = -(-k // cfg.block_k)
-  steps = -(-total_steps // cfg.splits)
-  splits = -(-total_steps // steps)
-  cfg = dataclasses.replace(cfg, splits=splits)
-  grid = (-(-n // cfg.block_n), splits, -(-m // cfg.block_m))
-  if splits == 1:
-    out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
-  else:
-    out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
-  kernel = functools.partial(_fwd_kernel, m=m, k=k, n=n, cfg=cfg, fmt=fmt, steps=steps)
-  x_view = x if cfg.split_x == "registers" else x.reshape(m, k // 2, 2)
-  y = _call(kernel, grid, out_shape, cfg, interpret, "w4a16_fwd", poison_output,
-            x_view, w.packed, w.block_scale, _inverse_global_scale(w))
-  if splits > 1:
-    y = y.sum(axis=0).astype(out_dtype)
-  return y
+  return _run("fwd", x, w, out_dtype, config, interpret, poison_output)
 
 
 def dx(dy: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None,
@@ -378,27 +390,111 @@ def dx(dy: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None,
   Raises:
     TypeError: unsupported weight type. ValueError: shape mismatch or bad config.
   """
+  return _run("dx", dy, w, out_dtype, config, interpret, poison_output)
+
+
+def _run(kind, a, w, out_dtype, config, interpret, poison_output):
+  """Shared launch of the fused kernels; ``a`` is x ``[M, K]`` (fwd) or dy ``[M, N]`` (dx)."""
+  fwd = kind == "fwd"
   fmt = _format_of(w)
   k, n = w.shape
-  m = dy.shape[0]
-  if dy.shape[-1] != n:
-    raise ValueError(f"dx: dy has N={dy.shape[-1]} (shape {dy.shape}) but the weight is [{k}, {n}]")
-  cfg = config or default_config(m, k, n, kind="dx", group=fmt.group)
-  _check(dy, w, fmt, cfg)
-  out_dtype = jnp.dtype(out_dtype or dy.dtype)
-  total_steps = -(-n // cfg.block_n)
+  m = a.shape[0]
+  if a.shape[-1] != (k if fwd else n):
+    name, dim = ("x", "K") if fwd else ("dy", "N")
+    raise ValueError(f"{kind}: {name} has {dim}={a.shape[-1]} (shape {a.shape}) but the weight is [{k}, {n}]")
+  cfg = config or default_config(m, k, n, kind=kind, group=fmt.group)
+  _check(a, w, fmt, cfg)
+  out_dtype = jnp.dtype(out_dtype or a.dtype)
+  if interpret:
+    cfg = dataclasses.replace(cfg, decode="bits")
+  contraction, step = (k, cfg.block_k) if fwd else (n, cfg.block_n)
+  total_steps = -(-contraction // step)
   steps = -(-total_steps // cfg.splits)
   splits = -(-total_steps // steps)
   cfg = dataclasses.replace(cfg, splits=splits)
-  grid = (-(-k // cfg.block_k), splits, -(-m // cfg.block_m))
-  tail = (k,) if cfg.split_x == "registers" else (k // 2, 2)
+  registers = cfg.split_x == "registers"
+  if fwd:
+    grid = (-(-n // cfg.block_n), splits, -(-m // cfg.block_m))
+    tail = (n,)
+    operand = a if registers else a.reshape(m, k // 2, 2)
+  else:
+    grid = (-(-k // cfg.block_k), splits, -(-m // cfg.block_m))
+    tail = (k,) if registers else (k // 2, 2)
+    operand = a
   if splits == 1:
     out_shape = jax.ShapeDtypeStruct((m, *tail), out_dtype)
   else:
     out_shape = jax.ShapeDtypeStruct((splits, m, *tail), jnp.float32)
-  kernel = functools.partial(_dx_kernel, m=m, k=k, n=n, cfg=cfg, fmt=fmt, steps=steps)
-  out = _call(kernel, grid, out_shape, cfg, interpret, "w4a16_dx", poison_output,
-              dy, w.packed, w.block_scale, _inverse_global_scale(w))
+  kernel = functools.partial(_fwd_kernel if fwd else _dx_kernel, m=m, k=k, n=n, cfg=cfg, fmt=fmt,
+                             steps=steps)
+  out = _call(kernel, grid, out_shape, cfg, interpret, f"w4a16_{kind}", poison_output,
+              operand, w.packed, w.block_scale, _inverse_global_scale(w))
   if splits > 1:
     out = out.sum(axis=0).astype(out_dtype)
-  return out.reshape(m, k)
+  return out.reshape(m, n if fwd else k)
+
+
+# ----------------------------------------------------------------------------- dequantize
+
+
+def _dequant_kernel(p_ref, s_ref, igs_ref, o_ref, *, k, n, bkp, bn, fmt: _Format):
+  pid_k, pid_n = pl.program_id(0), pl.program_id(1)
+  kp0, n0 = pid_k * bkp, pid_n * bn
+  kp_mask = (kp0 + jnp.arange(bkp)) < k // 2
+  ks_mask = (pid_k * (2 * bkp // fmt.group) + jnp.arange(2 * bkp // fmt.group)) < k // fmt.group
+  n_mask = (n0 + jnp.arange(bn)) < n
+  p = plgpu.load(p_ref.at[pl.ds(kp0, bkp), pl.ds(n0, bn)], mask=kp_mask[:, None] & n_mask[None, :], other=0)
+  s = plgpu.load(s_ref.at[pl.ds(pid_k * (2 * bkp // fmt.group), 2 * bkp // fmt.group), pl.ds(n0, bn)],
+                 mask=ks_mask[:, None] & n_mask[None, :], other=0.0)
+  lo, hi = _decode_tile(p, s, fmt, o_ref.dtype, multiplier=igs_ref[0])
+  mask = kp_mask[:, None] & n_mask[None, :]
+  plgpu.store(o_ref.at[pl.ds(kp0, bkp), _EVEN, pl.ds(n0, bn)], lo, mask=mask)
+  plgpu.store(o_ref.at[pl.ds(kp0, bkp), _ODD, pl.ds(n0, bn)], hi, mask=mask)
+
+
+# (block_k2, block_n, num_warps) of the dequantize kernel, tuned on an H200.
+DEQUANT_CONFIG = (32, 256, 4)
+
+
+def dequantize(w, dtype=jnp.bfloat16, *, block_k2: int | None = None, block_n: int | None = None,
+               num_warps: int | None = None, interpret: bool = False) -> jax.Array:
+  """Dequantizes a 4-bit weight to ``dtype`` ``[K, N]`` in one pass (a Pallas kernel).
+
+  Reads the packed codes and scales once and writes the dense weight once; the
+  large-M path feeds the result to XLA's (cuBLAS) matmul. Values equal
+  :func:`qerl_jax.nvfp4.dequantize` / :func:`qerl_jax.nf4.dequantize` up to the
+  final rounding to ``dtype`` (``e2m1 * (s * 2**14 * (1/gs))`` vs
+  ``e2m1 * (s / gs)`` in float32).
+
+  Args:
+    w: NVFP4Tensor or NF4Tensor ``[K, N]`` without leading dims.
+    dtype: output dtype (bf16 or float32).
+    block_k2: packed rows (K/2) per program; a power of 2 and a multiple of
+      group/2 (default from :data:`DEQUANT_CONFIG`).
+    block_n: columns per program (power of 2).
+    num_warps: Triton launch parameter.
+    interpret: Pallas interpret mode (CPU tests).
+
+  Raises:
+    TypeError: unsupported weight type. ValueError: stacked weight.
+  """
+  fmt = _format_of(w)
+  if w.packed.ndim != 2:
+    raise ValueError(f"dequantize kernel needs one [K, N] matrix, got packed shape {w.packed.shape}")
+  k, n = w.shape
+  block_k2 = block_k2 or DEQUANT_CONFIG[0]
+  block_n = block_n or DEQUANT_CONFIG[1]
+  num_warps = num_warps or DEQUANT_CONFIG[2]
+  bkp = max(block_k2, fmt.group // 2)
+  kernel = functools.partial(_dequant_kernel, k=k, n=n, bkp=bkp, bn=block_n, fmt=fmt)
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((k // 2, 2, n), dtype),
+        grid=(-(-(k // 2) // bkp), -(-n // block_n)),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        name="w4_dequantize",
+    )(w.packed, w.block_scale, _inverse_global_scale(w))
+  return out.reshape(k, n)

@@ -13,14 +13,15 @@ The frozen base weights are reloaded from their source (``config.model.path``) o
 Saves are asynchronous (orbax writes in a background thread while the next step computes) and
 atomic: orbax writes into a temporary folder and renames it when the write is complete, so a
 process killed in the middle of a save leaves either the previous checkpoint set or the new
-complete one; ``latest_step`` ignores unfinished temporary folders and they are deleted when a
-new manager is opened (``cleanup_tmp_directories``). The last ``keep`` checkpoints are kept.
+complete one; ``latest_step`` ignores unfinished temporary folders and :class:`Checkpointer`
+deletes them when it opens the folder. The last ``keep`` checkpoints are kept.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Any, Mapping
 
 import jax
@@ -46,6 +47,7 @@ class Checkpointer:
     if int(keep) < 1:
       raise ValueError(f"checkpoint keep must be >= 1, got keep={keep}")
     self.directory = os.path.abspath(os.fspath(directory))
+    _remove_unfinished(self.directory)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=int(keep),
         create=True,
@@ -112,6 +114,20 @@ class Checkpointer:
     """Waits for pending saves and releases the manager's threads."""
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+def _remove_unfinished(directory: str) -> None:
+  """Deletes the temporary folders of saves that never finished (a process killed mid-save).
+
+  Orbax writes ``<step>.orbax-checkpoint-tmp*`` and renames it to ``<step>`` only when the save
+  is complete; such a folder is never a checkpoint, and a later save of the same step would
+  collide with it. Single-writer assumption: only the training process writes here.
+  """
+  if not os.path.isdir(directory):
+    return
+  for name in os.listdir(directory):
+    if ".orbax-checkpoint-tmp" in name:
+      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
 def _jsonable(x: Any) -> Any:

@@ -286,6 +286,34 @@ def tokenize_prompts(tokenizer, prompts: Sequence[str], *, pad_to: Optional[int]
   return PromptBatch(tokens, mask, np.asarray([len(x) for x in ids], np.int32))
 
 
+def default_user_template(kind: str) -> str:
+  """:data:`GSM8K_USER_TEMPLATE` for ``"gsm8k"``, :data:`MATH_USER_TEMPLATE` for ``"math"``."""
+  if kind not in KINDS:
+    raise ValueError(f"unknown data kind {kind!r}; expected one of {KINDS}")
+  return GSM8K_USER_TEMPLATE if kind == "gsm8k" else MATH_USER_TEMPLATE
+
+
+def prompt_batch(tokenizer, examples: Sequence[Example], indices: Sequence[int], *,
+                 pad_to: Optional[int] = None, system_prompt: Optional[str] = None,
+                 user_template: Optional[str] = None) -> tuple[PromptBatch, list[str]]:
+  """Renders and tokenizes ``examples[i] for i in indices`` (e.g. from :class:`DataOrder`).
+
+  Args:
+    tokenizer: a Hugging Face tokenizer.
+    examples: the data set.
+    indices: ``B`` example indices.
+    pad_to, system_prompt: as in :func:`tokenize_prompts` / :func:`build_prompt`.
+    user_template: default :func:`default_user_template` of each example's kind.
+
+  Returns:
+    ``(batch, answers)``: the left-padded :class:`PromptBatch` and the ``B`` gold answers.
+  """
+  chosen = [examples[int(i)] for i in indices]
+  prompts = [build_prompt(tokenizer, e.question, system_prompt=system_prompt,
+                          user_template=user_template or default_user_template(e.kind)) for e in chosen]
+  return tokenize_prompts(tokenizer, prompts, pad_to=pad_to), [e.answer for e in chosen]
+
+
 def filter_by_length(tokenizer, examples: Sequence[Example], max_prompt_len: int, **prompt_kwargs
                      ) -> tuple[list[Example], int]:
   """Drops the examples whose rendered prompt is longer than ``max_prompt_len`` tokens.

@@ -5,8 +5,9 @@
 ``generation_config.json``. Each decoder linear is read one layer at a time,
 transposed to the model's ``x @ W`` layout and quantized at once, and each
 stacked ``[L, K, N]`` weight is moved to the device before the next is built,
-so host memory stays near one stacked quantized linear plus one float matrix
-(plus the bf16 embeddings), never the bf16 model.
+so host memory stays near one float matrix plus the bf16 embeddings; the
+stacked ``[L, K, N]`` weights are preallocated on the device and filled layer
+by layer in place (buffer donation). The bf16 model never exists at once.
 
 Already-NVFP4 checkpoints load without requantizing:
 
@@ -23,6 +24,7 @@ Pickle checkpoints (``pytorch_model.bin``) are never read.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -218,6 +220,13 @@ def _check_quantization_config(config: dict, folder: pathlib.Path) -> None:
   if method not in ("compressed-tensors", "modelopt"):
     raise ValueError(f"quantization_config.quant_method {method!r} is not supported; supported: "
                      "'compressed-tensors' (nvfp4-pack-quantized) and 'modelopt' (NVFP4)")
+  if method == "compressed-tensors":
+    formats = {g.get("format") or qc.get("format") for g in (qc.get("config_groups") or {}).values()}
+    formats = formats or {qc.get("format")}
+    bad = sorted(str(f) for f in formats - {"nvfp4-pack-quantized", "dense", None})
+    if bad:
+      raise ValueError(f"compressed-tensors format(s) {bad} are not supported; only "
+                       "'nvfp4-pack-quantized' (NVFP4A16) checkpoints load")
 
 
 class _LinearSource(NamedTuple):
@@ -252,45 +261,46 @@ def _read_nvfp4(reader: CheckpointReader, src: _LinearSource, k: int, n: int) ->
   return nvfp4.from_compressed_tensors(packed, scale, gs)
 
 
-def _host(tree):
-  return jax.tree_util.tree_map(np.asarray, tree)
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(buf, x, i):
+  """``buf[i] = x`` in place (the donated stacked buffer is reused)."""
+  return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), i, 0)
 
 
 def _load_stacked_linear(reader, cfg, group, name, quant, param_dtype, shared_gs):
-  """One stacked ``[L, K, N]`` linear, built layer by layer on the host."""
+  """One stacked ``[L, K, N]`` linear, written layer by layer into preallocated device buffers."""
   k, n = cfg.linear_shapes()[(group, name)]
   L = cfg.num_layers
-  bufs = None
+  bufs = first_def = None
   for i in range(L):
     prefix = f"model.layers.{i}.{HF_LINEARS[(group, name)]}"
     src = _linear_source(reader, prefix)
     if src.kind != "float":
       t = _read_nvfp4(reader, src, k, n)
       if quant == "nvfp4":
-        q = _host(t)
+        q = t
       else:
-        w = np.asarray(nvfp4.dequantize(t, jnp.float32))
-        q = _host(nf4.quantize(w)) if quant == "nf4" else w.astype(param_dtype)
+        w = nvfp4.dequantize(t, jnp.float32)
+        q = nf4.quantize(w) if quant == "nf4" else w.astype(param_dtype)
     else:
       w = reader.read(prefix + ".weight", (n, k)).astype(np.float32).T  # [K, N]
       if quant == "nvfp4":
         gs = None if shared_gs is None else shared_gs[i]
-        q = _host(nvfp4.quantize(w, global_scale=gs))
+        q = nvfp4.quantize(w, global_scale=gs)
       elif quant == "nf4":
-        q = _host(nf4.quantize(w))
+        q = nf4.quantize(w)
       else:
         q = np.ascontiguousarray(w.astype(param_dtype))
       del w
     leaves, treedef = jax.tree_util.tree_flatten(q)
     if bufs is None:
-      bufs = [np.empty((L,) + leaf.shape, leaf.dtype) for leaf in leaves]
+      bufs = [jnp.zeros((L,) + tuple(leaf.shape), leaf.dtype) for leaf in leaves]
       first_def = treedef
     elif treedef != first_def:
-      raise ValueError(f"layer {i} of {prefix.rsplit('.', 1)[0]}: layers mix weight formats")
-    for b, leaf in zip(bufs, leaves):
-      b[i] = leaf
-  out = jax.tree_util.tree_unflatten(first_def, [jax.device_put(b) for b in bufs])
-  return out
+      raise ValueError(f"layer {i} of {prefix}: the layers of one linear mix weight formats")
+    bufs = [_set_layer(b, leaf, i) for b, leaf in zip(bufs, leaves)]
+    del q, leaves
+  return jax.tree_util.tree_unflatten(first_def, bufs)
 
 
 def _shared_global_scales(reader, cfg, names, group) -> Optional[np.ndarray]:

@@ -1,17 +1,24 @@
 """NVFP4 weights: E2M1 codes, E4M3 block scales of 16, one float32 global scale.
 
 The recipe is compressed-tensors' ``NVFP4A16`` round-to-nearest (the format
-QeRL's checkpoints use, read by vLLM and written by llm-compressor). For a
-weight ``w`` of shape ``[K, N]`` (K = input features, the contraction axis;
+QeRL's checkpoints use, read by vLLM and written by llm-compressor), reproduced
+bit for bit (tested against compressed-tensors 0.20 on float32 and bf16 weights).
+For a weight ``w`` of shape ``[K, N]`` (K = input features, the contraction axis;
 blocks of 16 run along K):
 
 * global scale ``gs = 448 * 6 / amax(|w|)`` (float32, a *divisor*; ModelOpt
-  stores its inverse as ``weight_scale_2``);
-* block scale ``s = float8_e4m3fn(clamp(gs * amax_block / 6, -448, 448))``; a
-  block scale that is 0 becomes 0.125;
-* code ``q = RNE_E2M1(clamp(w / (float32(s) / gs), -6, 6))``, E2M1 magnitudes
-  {0, 0.5, 1, 1.5, 2, 3, 4, 6}, bit 3 the sign;
+  stores its inverse as ``weight_scale_2``), evaluated as PyTorch does,
+  ``2688 * (1 / amax)``, rounded to ``w``'s dtype at each step when ``w`` is
+  bf16/f16;
+* block scale ``s = float8_e4m3fn(clamp(gs * (amax_block / 6), -448, 448))``
+  (the division in ``w``'s dtype, the product in float32); a block scale that is
+  0 becomes 0.125;
+* code ``q = RNE_E2M1(clamp(w / (float32(s) / gs), -6, 6))`` in float32, E2M1
+  magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}, bit 3 the sign;
 * dequantized value ``e2m1(q) * (float32(s) / gs)``.
+
+One deliberate difference: an all-zero matrix gets ``gs = 1`` (exact zeros), where
+compressed-tensors would divide by zero.
 
 References: OCP Microscaling Formats (MX) v1.0 spec (E2M1, E4M3); NVIDIA
 NVFP4 (two-level scaling, 16-element blocks); compressed-tensors
@@ -109,43 +116,68 @@ def round_to_e2m1(x: jax.Array) -> jax.Array:
   return code | sign
 
 
-def _global_scale_from_amax(amax: jax.Array) -> jax.Array:
-  gs = jnp.float32(E4M3_MAX * E2M1_MAX) / jnp.where(amax > 0, amax, 1.0)
+_REDUCED_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _round_to(x: jax.Array, dtype) -> jax.Array:
+  """Float32 ``x`` rounded (RNE) to ``dtype`` and back; the identity for float32."""
+  return x if dtype is None else x.astype(dtype).astype(jnp.float32)
+
+
+def _global_scale_from_amax(amax: jax.Array, dtype=None) -> jax.Array:
+  """``2688 * (1 / amax)`` with the rounding of compressed-tensors' ``generate_gparam``.
+
+  PyTorch evaluates ``scalar / tensor`` as ``tensor.reciprocal() * scalar``, each step
+  rounded to the tensor's dtype; ``dtype`` (bf16/f16, or None for float32) is that dtype.
+  """
+  safe = jnp.where(amax > 0, amax, 1.0).astype(jnp.float32)
+  recip = _round_to(_packing.exact_divide(jnp.ones_like(safe), safe), dtype)
+  gs = _round_to(recip * jnp.float32(E4M3_MAX * E2M1_MAX), dtype)
   gs = jnp.where(amax > 0, gs, 1.0)
   return jnp.minimum(gs, jnp.finfo(jnp.float32).max).astype(jnp.float32)
+
+
+def _reduced(dtype):
+  return jnp.dtype(dtype) if jnp.dtype(dtype) in _REDUCED_FLOATS else None
 
 
 @jax.jit
 def compute_global_scale(w: jax.Array) -> jax.Array:
   """The NVFP4 global scale ``448 * 6 / amax(|w|)`` over the trailing ``[K, N]`` axes.
 
+  Computed as compressed-tensors' ``generate_gparam`` does in PyTorch:
+  ``2688 * (1 / amax)``, each step rounded to ``w``'s dtype when that is bf16/f16 (so a
+  bf16 weight gets a bf16-valued global scale), in float32 otherwise.
+
   Args:
-    w: float array ``[..., K, N]`` (computed in float32).
+    w: float array ``[..., K, N]``.
 
   Returns:
-    float32 ``[...]``, a divisor (compressed-tensors ``generate_gparam``). An
-    all-zero matrix gets 1.0 (any value gives exact zeros); a result that
-    overflows float32 saturates to float32 max.
+    float32 ``[...]``, a divisor. An all-zero matrix gets 1.0 (any value gives exact
+    zeros; compressed-tensors would produce inf there); a result that overflows float32
+    saturates to float32 max.
   """
   amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(-2, -1))
-  return _global_scale_from_amax(amax)
+  return _global_scale_from_amax(amax, _reduced(w.dtype))
 
 
 @jax.jit
 def _quantize_core(w: jax.Array, global_scale) -> tuple[NVFP4Tensor, jax.Array]:
   """The jit-able recipe, one pass over ``w``; returns the tensor and an all-finite flag."""
   k, n = w.shape[-2:]
-  w = w.astype(jnp.float32)
+  low = _reduced(w.dtype)  # compressed-tensors computes the scale statistics in w's dtype
   blocks = w.reshape(*w.shape[:-2], k // BLOCK_SIZE, BLOCK_SIZE, n)
-  amax_block = jnp.max(jnp.abs(blocks), axis=-2)  # [..., K/16, N]
+  # |w| and its max are exact in w's own dtype (a bf16 reduction reads half the bytes).
+  amax_block = jnp.max(jnp.abs(blocks), axis=-2).astype(jnp.float32)  # [..., K/16, N]
+  blocks = blocks.astype(jnp.float32)
   amax = jnp.max(amax_block, axis=(-2, -1))  # [...], NaN/Inf when w has any
   finite = jnp.all(jnp.isfinite(amax))
-  gs = _global_scale_from_amax(amax) if global_scale is None else global_scale.astype(jnp.float32)
+  gs = _global_scale_from_amax(amax, low) if global_scale is None else global_scale.astype(jnp.float32)
   gs_b = gs[..., None, None]
-  # compressed-tensors calculate_qparams: global_scale * (amax_block / 6), clamp, cast to E4M3.
-  # (Divisions go through exact_divide: XLA would otherwise turn them into reciprocal
-  # multiplies that are one ulp off.)
-  s = jnp.clip(gs_b * _packing.exact_divide(amax_block, E2M1_MAX), -E4M3_MAX, E4M3_MAX)
+  # compressed-tensors calculate_qparams: global_scale * (amax_block / 6) with the division in
+  # w's dtype and the product in float32, clamp, cast to E4M3. (Divisions go through
+  # exact_divide: XLA would otherwise turn them into reciprocal multiplies, one ulp off.)
+  s = jnp.clip(gs_b * _round_to(_packing.exact_divide(amax_block, E2M1_MAX), low), -E4M3_MAX, E4M3_MAX)
   s = s.astype(jnp.float8_e4m3fn)
   s = jnp.where(s.astype(jnp.float32) == 0, jnp.float8_e4m3fn(ZERO_BLOCK_SCALE), s)
   scale = _packing.exact_divide(s.astype(jnp.float32), gs_b)  # [..., K/16, N]
@@ -158,7 +190,8 @@ def quantize(w, *, global_scale=None, pad: bool = False) -> NVFP4Tensor:
   """Quantizes a weight to NVFP4 (compressed-tensors NVFP4A16 RTN recipe).
 
   Args:
-    w: float array ``[..., K, N]`` (any float dtype; computed in float32).
+    w: float array ``[..., K, N]``. The scale statistics are computed in ``w``'s dtype
+      when it is bf16/f16 (as compressed-tensors does), everything else in float32.
       Leading dims (stacked layers) each get their own global scale.
     global_scale: optional float32 divisor, a scalar or ``[...]``, to use
       instead of ``448 * 6 / amax(|w|)``; fused projections (q/k/v, gate/up)
@@ -188,8 +221,12 @@ def quantize(w, *, global_scale=None, pad: bool = False) -> NVFP4Tensor:
       gs_np = np.asarray(global_scale)
       if not np.all(np.isfinite(gs_np)) or np.any(gs_np <= 0):
         raise ValueError(f"nvfp4.quantize: global_scale must be finite and > 0, got {gs_np}")
-    global_scale = jnp.broadcast_to(global_scale.reshape(global_scale.shape[:w.ndim - 2]),
-                                    w.shape[:-2])
+    lead = w.shape[:-2]
+    if global_scale.size == 1:
+      global_scale = jnp.broadcast_to(global_scale.reshape(()), lead)
+    elif global_scale.shape != lead:
+      raise ValueError(f"nvfp4.quantize: global_scale of shape {global_scale.shape} matches neither one "
+                       f"scale nor the leading dims {lead} of w of shape {shape}")
   t, finite = _quantize_core(w, global_scale)
   if not isinstance(finite, jax.core.Tracer) and not bool(finite):
     _packing.check_finite(w, "nvfp4.quantize")  # raises with the count and location

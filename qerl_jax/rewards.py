@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import subprocess
 import sys
@@ -209,8 +210,11 @@ def math_reward(completions: Sequence[str], answers: Sequence[str], *, timeout_s
     return _math_reward_in_process(completions, answers, timeout_s)
   payload = json.dumps({"completions": list(completions), "answers": [str(a) for a in answers],
                         "timeout_s": timeout_s})
+  # The child must import this very package, installed or not.
+  pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")])))
   try:
-    proc = subprocess.run([sys.executable, "-m", "qerl_jax.rewards"], input=payload, text=True,
+    proc = subprocess.run([sys.executable, "-m", "qerl_jax.rewards"], input=payload, text=True, env=env,
                           capture_output=True, timeout=4 * timeout_s * len(completions) + 60, check=True)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
   except (subprocess.SubprocessError, ValueError, IndexError) as e:
@@ -246,6 +250,19 @@ def format_reward(completions: Sequence[str], answers: Optional[Sequence[str]] =
     _check_lengths("format_reward", completions, answers)
   use = list(checks.values()) if kind == "any" else [checks[kind]]
   return [float(weight) if any(f(c) for f in use) else 0.0 for c in completions]
+
+
+def accuracy_reward_fn(kind: str) -> RewardFn:
+  """The accuracy reward for a data kind: ``"gsm8k"`` -> :func:`gsm8k_reward`,
+  ``"math"`` -> :func:`math_reward` (``qerl_jax.data.Example.kind``).
+
+  Raises:
+    ValueError: unknown kind.
+  """
+  fns = {"gsm8k": gsm8k_reward, "math": math_reward}
+  if kind not in fns:
+    raise ValueError(f"accuracy_reward_fn: unknown kind {kind!r}; expected one of {sorted(fns)}")
+  return fns[kind]
 
 
 def _fn_name(fn) -> str:

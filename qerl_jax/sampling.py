@@ -56,6 +56,12 @@ class SamplingConfig:
     early_stop: stop decoding when every row has ended (``False`` always runs
       ``T`` steps: benchmarks).
     cache_dtype: dtype of the KV cache (bf16 by default).
+    kv_phases: decode in this many phases with a growing KV cache: phase ``i``
+      holds ``prompt bucket + ceil(T * (i + 1) / kv_phases)`` slots, so the
+      decode attention reads fewer empty slots (about ``(n + 1) / 2n`` of the
+      completion slots on average instead of all). Each phase compiles its
+      own decode step; the cache is copied once per phase boundary. 1 = one
+      cache of ``prompt bucket + T`` slots from the start.
   """
 
   max_new_tokens: int
@@ -69,6 +75,7 @@ class SamplingConfig:
   num_generations: int = 1
   early_stop: bool = True
   cache_dtype: Any = jnp.bfloat16
+  kv_phases: int = 1
 
   def __post_init__(self):
     # Accept lists for the id fields but store tuples (hashable).
@@ -87,6 +94,8 @@ class SamplingConfig:
       raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p!r}")
     if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
       raise ValueError(f"SamplingConfig.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+    if not isinstance(self.kv_phases, (int, np.integer)) or not 1 <= self.kv_phases <= self.max_new_tokens:
+      raise ValueError(f"SamplingConfig.kv_phases must be an int in [1, max_new_tokens], got {self.kv_phases!r}")
     if not isinstance(self.num_generations, (int, np.integer)) or self.num_generations < 1:
       raise ValueError(f"SamplingConfig.num_generations must be an int >= 1, got {self.num_generations!r}")
 
@@ -98,6 +107,11 @@ class SamplingConfig:
   @property
   def greedy(self) -> bool:
     return self.temperature == 0
+
+  def phase_ends(self) -> tuple[int, ...]:
+    """Completion steps at which each decode phase ends: ``ceil(T * (i + 1) / kv_phases)``."""
+    n, t = self.kv_phases, self.max_new_tokens
+    return tuple(-(-t * (i + 1) // n) for i in range(n))
 
 
 def _as_ids(ids, name) -> tuple:
@@ -348,9 +362,10 @@ def validate_prompts(prompt_tokens, prompt_mask) -> None:
     raise ValueError(f"generate: prompt_tokens must be [B, P], got shape {prompt_tokens.shape}")
   if prompt_mask.shape != prompt_tokens.shape:
     raise ValueError(f"generate: prompt_mask shape {prompt_mask.shape} != prompt_tokens shape {prompt_tokens.shape}")
-  if isinstance(prompt_mask, jax.core.Tracer):
-    return
-  m = np.asarray(prompt_mask)
+  try:
+    m = np.asarray(prompt_mask)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return  # traced: values unknown here
   if not np.all((m == 0) | (m == 1)):
     raise ValueError("generate: prompt_mask must hold only 0 and 1")
   empty = np.nonzero(m.sum(-1) == 0)[0]
@@ -374,18 +389,23 @@ def kv_cache_bytes(cfg_model, batch: int, max_len: int, dtype=jnp.bfloat16) -> i
   return int(kv * jnp.dtype(dtype).itemsize + batch * max_len)
 
 
+def _extend_cache(cache: dict, extra: int) -> dict:
+  """Append ``extra`` empty slots to every row of a KV cache (k, v ``[L, B, S, Hkv, hd]``, mask ``[B, S]``)."""
+  return {"k": jnp.pad(cache["k"], ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))),
+          "v": jnp.pad(cache["v"], ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))),
+          "mask": jnp.pad(cache["mask"], ((0, 0), (0, extra))), "index": cache["index"]}
+
+
 def _grow_cache(cache: dict, groups: int, extra: int) -> dict:
   """Repeat each prompt's cache ``groups`` times along the batch axis and append ``extra`` empty slots.
 
   ``{"k","v": [L, B, P, Hkv, hd], "mask": [B, P], "index"}`` ->
   ``{"k","v": [L, B*G, P+extra, Hkv, hd], "mask": [B*G, P+extra], "index"}``.
   """
-  def grow_kv(x):
-    x = jnp.repeat(x, groups, axis=1) if groups > 1 else x
-    return jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
-  mask = jnp.repeat(cache["mask"], groups, axis=0) if groups > 1 else cache["mask"]
-  return {"k": grow_kv(cache["k"]), "v": grow_kv(cache["v"]), "mask": jnp.pad(mask, ((0, 0), (0, extra))),
-          "index": cache["index"]}
+  if groups > 1:
+    cache = {"k": jnp.repeat(cache["k"], groups, axis=1), "v": jnp.repeat(cache["v"], groups, axis=1),
+             "mask": jnp.repeat(cache["mask"], groups, axis=0), "index": cache["index"]}
+  return _extend_cache(cache, extra)
 
 
 def _generate_impl(cfg_model, config: SamplingConfig, lora_scale: float, base, lora, norm_noise,
@@ -403,7 +423,8 @@ def _generate_impl(cfg_model, config: SamplingConfig, lora_scale: float, base, l
   hidden_BxPxD, cache = models.forward(cfg_model, base, prompt_BxP, pos_BxP, cache=cache, attn_mask=mask_BxP,
                                        return_hidden=True, **fwd)
   logits_BxV = models.lm_head_logits(cfg_model, base, hidden_BxPxD[:, -1])  # last column is real (left padding)
-  cache = _grow_cache(cache, g, t_max)
+  ends = config.phase_ends()
+  cache = _grow_cache(cache, g, ends[0])
   logits_NxV = jnp.repeat(logits_BxV, g, axis=0)
   next_pos_N = jnp.repeat(pos_BxP[:, -1], g, axis=0) + 1  # position of completion token 0
 
@@ -431,22 +452,28 @@ def _generate_impl(cfg_model, config: SamplingConfig, lora_scale: float, base, l
           jnp.zeros((n, t_max), jnp.float32), jnp.zeros((n, t_max), jnp.int32))
   tok, done_N, bufs = choose(jnp.int32(0), logits_NxV, done_N, bufs)
 
-  def cond(state):
-    t, _, _, done, _ = state
-    keep_going = t < t_max
-    if config.early_stop:
-      keep_going = keep_going & ~jnp.all(done)
-    return keep_going
-
   def body(state):
     t, cache, tok, done, bufs = state
-    # Feed completion token t-1 (position next_pos + t - 1) and sample token t.
+    # Feed completion token t-1 (position next_pos + t - 1, cache slot P + t - 1) and sample token t.
     logits, cache = models.forward(cfg_model, base, tok[:, None], (next_pos_N + t - 1)[:, None], cache=cache,
                                    **fwd)
     tok, done, bufs = choose(t, logits[:, 0], done, bufs)
     return t + 1, cache, tok, done, bufs
 
-  t_end, _, _, done_N, bufs = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, tok, done_N, bufs))
+  state = (jnp.int32(1), cache, tok, done_N, bufs)
+  for i, end in enumerate(ends):  # kv_phases while loops, each over a longer cache
+    if i > 0:
+      state = (state[0], _extend_cache(state[1], end - ends[i - 1])) + state[2:]
+
+    def cond(state, end=end):
+      t, _, _, done, _ = state
+      keep_going = t < end
+      if config.early_stop:
+        keep_going = keep_going & ~jnp.all(done)
+      return keep_going
+
+    state = jax.lax.while_loop(cond, body, state)
+  t_end, _, _, done_N, bufs = state
   tokens, lp, plp, mask = bufs
   lengths = jnp.sum(mask, axis=-1).astype(jnp.int32)
   return tokens, lp, plp, mask, lengths, done_N, t_end - 1

@@ -38,6 +38,8 @@ import ml_collections
 import numpy as np
 
 from qerl_jax import checkpoint as ckpt_lib
+from qerl_jax import data as data_lib
+from qerl_jax import grpo
 from qerl_jax import metrics as metrics_lib
 from qerl_jax import train_config
 
@@ -84,7 +86,6 @@ def _prompt_batch(tokenizer, prompts: Sequence[Prompt], length: int, pad_id: int
   A fixed ``length`` (``data.max_prompt_length``) keeps the jitted rollout and update at one
   compiled shape per run.
   """
-  from qerl_jax import data as data_lib
   b = data_lib.tokenize_prompts(tokenizer, [p.text for p in prompts], pad_to=length, pad_id=pad_id)
   return b.tokens, b.mask
 
@@ -183,9 +184,8 @@ def evaluate(policy: Policy, params: Any, examples: Sequence[Prompt], reward_fn,
     k = jax.random.fold_in(key if key is not None else jax.random.PRNGKey(0), start)
     ro = policy.generate(params, noise, pt, pm, k, num_generations=num_samples, greedy=greedy,
                          max_new_tokens=max_new_tokens, temperature=temperature)
-    toks, lens = np.asarray(ro.tokens), np.asarray(ro.lengths)
-    comps = [policy.tokenizer.decode(toks[i, :lens[i]], skip_special_tokens=True)
-             for i in range(n_real * num_samples)]
+    lens = np.asarray(ro.lengths)
+    comps = _decode(policy.tokenizer, ro)[:n_real * num_samples]
     answers = [e.answer for e in chunk[:n_real] for _ in range(num_samples)]
     rewards, _ = score(reward_fn, comps, answers)
     ok = np.nan_to_num(rewards, nan=0.0).reshape(n_real, num_samples) > 0
@@ -207,10 +207,11 @@ def _state_to_save(state, step: int, seed: int) -> dict:
 
 
 def _scalar_metrics(m: dict) -> dict:
+  """The scalar entries of a metrics dict as Python floats (arrays of other shapes dropped)."""
   out = {}
-  for k, v in m.items():
+  for k, v in jax.device_get(m).items():
     a = np.asarray(v)
-    if a.size == 1 and np.issubdtype(a.dtype, np.number) or a.dtype == bool and a.size == 1:
+    if a.size == 1 and (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
       out[k] = float(a)
   return out
 
@@ -249,7 +250,6 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=int(config.train.keep_checkpoints),
                                        async_save=bool(config.train.async_checkpointing))
-  from qerl_jax import data as data_lib
   order = data_lib.DataOrder(num_examples=len(train_set), batch_size=prompts_per_step, seed=seed)
   prompt_length = int(config.data.max_prompt_length)
   state = policy.init_state(jax.random.fold_in(jax.random.PRNGKey(seed), _LORA_STREAM))
@@ -258,6 +258,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     saved, meta = checkpointer.restore(None, _state_to_save(state, 0, seed))
     state = saved["train_state"]
     start, position = int(meta["step"]), int(meta["data_position"])
+    changed = _changed_keys(meta.get("config", {}), json.loads(config.to_json_best_effort()))
+    if changed:
+      print(f"warning: resuming with a config that differs from the checkpoint's in {changed}; "
+            "the run will not match an uninterrupted one", file=sys.stderr)
     print(f"resuming from the checkpoint at step {start} in {checkpointer.directory}", file=sys.stderr)
   logger = metrics_lib.MetricsLogger(workdir, resume_step=start if start > 0 else None)
   with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -284,9 +288,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     t0 = time.perf_counter()
     keys = step_keys(seed, step)
     # 1. the step's prompts, from the seeded order of the training set
+    epoch = position // order.batches_per_epoch
     batch = [train_set[i] for i in order.batch_indices(position)]
     position += 1
-    epoch = position // order.batches_per_epoch
     prompt_tokens, prompt_mask = _prompt_batch(policy.tokenizer, batch, prompt_length, policy.pad_id)
     # 2. that step's AQN noise on the RMSNorm scales
     noise = policy.noise(step)
@@ -294,46 +298,35 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     rollout = policy.generate(state.params, noise, prompt_tokens, prompt_mask, keys.sample,
                               num_generations=G, greedy=False,
                               max_new_tokens=int(config.sampling.max_completion_length))
-    tokens, lengths = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
-    completions = [policy.tokenizer.decode(tokens[i, :lengths[i]], skip_special_tokens=True)
-                   for i in range(tokens.shape[0])]
+    completions = _decode(policy.tokenizer, rollout)
     t1 = time.perf_counter()
     # 4. rewards on the host: one float each, failures missing (NaN)
     answers = [p.answer for p in batch for _ in range(G)]
     rewards, missing = score(reward_fn, completions, answers)
     correct, _ = score(correctness_fn, completions, answers)
     # 5. group-normalised advantages (NaN rewards -> advantage 0)
-    advantages = _group_advantages(config, rewards)
+    advantages = grpo.group_advantages(jnp.asarray(rewards), G, scale_rewards=str(config.rl.scale_rewards))
     t2 = time.perf_counter()
-    # 6-7. reference log-probs (LoRA off) when beta > 0, then num_iterations updates
+    # 6. reference log-probs (LoRA off) when beta > 0
     update_batch = _update_batch(prompt_tokens, prompt_mask, rollout, advantages)
     update_noise = policy.update_noise(noise)
     if float(config.rl.beta) > 0:
       update_batch["ref_logprobs"] = policy.ref_logprobs(update_batch, update_noise)
-    update_metrics = {}
+    # 7. num_iterations optimizer updates over micro-batches
     for it in range(int(config.rl.num_iterations)):
       state, update_metrics = policy.update(state, update_batch, update_noise, step,
                                             jax.random.fold_in(keys.update, it))
-    update_metrics = _scalar_metrics(jax.device_get(update_metrics))
     t3 = time.perf_counter()
     # 8. log, checkpoint, evaluate
     done = step + 1
-    gen_tokens = int(lengths.sum())
-    row = {
-        **update_metrics,
-        "reward": float(np.nanmean(rewards)) if missing < len(rewards) else float("nan"),
-        "reward_std": float(np.nanstd(rewards)) if missing < len(rewards) else float("nan"),
-        "reward/missing": missing,
-        "accuracy": float(np.mean(np.nan_to_num(correct, nan=0.0) > 0)),
-        "completions/mean_length": float(lengths.mean()),
-        "completions/clipped_ratio": float(np.asarray(rollout.truncated).mean()),
-        "aqn/sigma": float(policy.sigma(step)),
-        "data/epoch": epoch,
-        "data/position": position,
-        "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2,
-        "time/step_s": t3 - t0,
-        "perf/tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
-    }
+    row = {**_scalar_metrics(update_metrics),
+           **_scalar_metrics(grpo.reward_metrics(jnp.asarray(rewards), G)),
+           **_scalar_metrics(grpo.completion_metrics(rollout.mask, rollout.truncated)),
+           "reward/missing": missing, "accuracy": float(np.mean(np.nan_to_num(correct) > 0)),
+           "aqn/sigma": float(policy.sigma(step)), "data/epoch": epoch, "data/position": position,
+           "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2,
+           "time/step_s": t3 - t0,
+           "perf/tokens_per_s": float(np.asarray(rollout.lengths).sum()) / max(t1 - t0, 1e-9)}
     mem = metrics_lib.peak_device_memory_bytes()
     if mem is not None:
       row["perf/peak_memory_bytes"] = mem
@@ -368,15 +361,27 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   return summary
 
 
+def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+  """Dotted keys whose values differ between two config dicts (JSON form)."""
+  out = []
+  for k in sorted(set(old) | set(new)):
+    a, b = old.get(k), new.get(k)
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += _changed_keys(a, b, f"{prefix}{k}.")
+    elif a != b:
+      out.append(f"{prefix}{k}")
+  return out
+
+
 def _finite(x) -> bool:
   return x is not None and math.isfinite(float(x))
 
 
-def _group_advantages(config, rewards: np.ndarray) -> np.ndarray:
-  from qerl_jax import grpo
-  adv = grpo.group_advantages(jnp.asarray(rewards), int(config.rl.num_generations),
-                              scale_rewards=str(config.rl.scale_rewards))
-  return np.asarray(adv, np.float32)
+def _decode(tokenizer, rollout) -> list[str]:
+  """Completion texts of a rollout (each row up to its length, special tokens dropped)."""
+  tokens, lengths = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
+  return [tokenizer.decode(tokens[i, :lengths[i]], skip_special_tokens=True)
+          for i in range(tokens.shape[0])]
 
 
 def summarize(workdir: str, total_steps: int) -> dict:
@@ -618,7 +623,6 @@ def load_prompts(spec: str, task: str, tokenizer, config) -> list[Prompt]:
   Raises:
     FileNotFoundError: a missing local file. ValueError: a bad spec, or no usable row.
   """
-  from qerl_jax import data as data_lib
   if spec.startswith("synthetic:"):
     rows, skipped = _synthetic_rows(spec), 0
   elif spec.startswith("hub:"):
@@ -655,7 +659,6 @@ def _synthetic_rows(spec: str) -> list:
   if len(parts) not in (3, 4):
     raise ValueError(f"data spec {spec!r}: expected synthetic:<split>:<num>[:<seed>]")
   seed = int(parts[3]) if len(parts) == 4 else 0
-  from qerl_jax import data as data_lib
   return [data_lib.Example(question=r["question"], answer=r["gold"], kind="gsm8k", row=i)
           for i, r in enumerate(synthetic.make_split(parts[1], int(parts[2]), seed=seed))]
 

@@ -159,3 +159,17 @@ def test_data_order_resumes_identically():
     data.DataOrder(num_examples=4, batch_size=8)
   with pytest.raises(ValueError):
     order.batch_indices(-1)
+
+
+def test_prompt_batch_from_order(tokenizer, data_dir):
+  examples, _ = data.load_examples(str(data_dir / "gsm8k" / "test.jsonl"))
+  order = data.DataOrder(len(examples), batch_size=4, seed=1)
+  idx = order.batch_indices(5)
+  batch, answers = data.prompt_batch(tokenizer, examples, idx, pad_to=256, system_prompt="S")
+  assert batch.tokens.shape == (4, 256) and answers == [examples[i].answer for i in idx]
+  first = tokenizer.decode(batch.tokens[0][batch.mask[0] == 1])
+  assert first == data.build_prompt(tokenizer, examples[idx[0]].question, system_prompt="S",
+                                    user_template=data.GSM8K_USER_TEMPLATE)
+  assert data.default_user_template("math") == data.MATH_USER_TEMPLATE
+  with pytest.raises(ValueError):
+    data.default_user_template("mmlu")

@@ -273,8 +273,62 @@ def test_error_missing_shard_and_pickle_only(tmp_root, tmp_path):
     hf.load_pretrained(g)
 
 
+def test_error_unsupported_compressed_tensors_format(tmp_root, tmp_path):
+  _, folder = _saved("qwen2", False, tmp_root)
+  f = _copy(folder, tmp_path / "c")
+  config = json.loads((f / "config.json").read_text())
+  config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mixed-precision",
+                                   "config_groups": {"group_0": {"format": "float-quantized"},
+                                                     "group_1": {"format": "nvfp4-pack-quantized"}}}
+  (f / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match=r"\['float-quantized'\] are not supported"):
+    hf.load_pretrained(f)
+
+
 def test_error_unsupported_quantization(fixtures_dir, tmp_path):
   config = json.loads((fixtures_dir / "configs" / "qwen2.5-7b-instruct-mlx4bit" / "config.json").read_text())
   (tmp_path / "config.json").write_text(json.dumps(config))
   with pytest.raises(ValueError, match="quant_method"):
     hf.load_pretrained(tmp_path)
+
+
+def test_real_modelopt_header_layout(fixtures_dir, tmp_path):
+  """The header of nvidia/Llama-3.1-8B-Instruct-NVFP4 shard 1, as a sparse file with known bytes
+  written into layer 0's q_proj: detected as ModelOpt, shapes checked against the 8B config, row 0
+  dequantizes to e2m1 * weight_scale * weight_scale_2."""
+  src = fixtures_dir / "nvfp4" / "modelopt" / "nvidia-Llama-3.1-8B-Instruct-NVFP4"
+  header_bytes = (src / "model-00001-of-00002.safetensors.header.json").read_bytes()
+  header = json.loads(header_bytes)
+  path = tmp_path / "model-00001-of-00002.safetensors"
+  data_start = 8 + len(header_bytes)
+  end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+  with open(path, "wb") as f:
+    f.write(len(header_bytes).to_bytes(8, "little"))
+    f.write(header_bytes)
+    f.truncate(data_start + end)  # sparse: no real data on disk
+  rng = np.random.default_rng(0)
+  pre = "model.layers.0.self_attn.q_proj"
+  codes = rng.integers(0, 16, 4096).astype(np.uint8)  # row 0 (output feature 0), K = 4096
+  row_bytes = (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
+  scale_row = np.full(256, 3.0, np.float32).astype(ml_dtypes.float8_e4m3fn)
+  ws2 = np.float32(0.25)
+  with open(path, "r+b") as f:
+    for key, blob in ((pre + ".weight", row_bytes), (pre + ".weight_scale", scale_row),
+                      (pre + ".weight_scale_2", np.array(ws2, np.float32))):
+      f.seek(data_start + header[key]["data_offsets"][0])
+      f.write(blob.tobytes())
+  st = hf.SafetensorsFile(path)
+  reader = hf.CheckpointReader.__new__(hf.CheckpointReader)
+  reader._files, reader._where = {path.name: st}, {k: path.name for k in st.keys()}
+  cfg = models.ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                           num_heads=32, num_kv_heads=8, head_dim=128, architecture="LlamaForCausalLM")
+  for (group, name), hf_name in hf.HF_LINEARS.items():
+    src_kind = hf._linear_source(reader, f"model.layers.0.{hf_name}")
+    assert src_kind.kind == "modelopt"
+    k, n = cfg.linear_shapes()[(group, name)]
+    assert reader.shape(src_kind.prefix + ".weight") == (n, k // 2)
+    assert reader.shape(src_kind.prefix + ".weight_scale") == (n, k // 16)
+  t = hf._read_nvfp4(reader, hf._linear_source(reader, pre), 4096, 4096)
+  assert float(t.global_scale) == 4.0
+  col0 = np.asarray(nvfp4.dequantize(t, jnp.float32))[:, 0]  # output feature 0 over K
+  np.testing.assert_array_equal(col0, E2M1[codes] * np.float32(3.0) * ws2)

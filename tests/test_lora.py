@@ -364,3 +364,22 @@ def test_merged_bf16_export_of_nvfp4_base(tmp_path):
                                       jnp.float32), np.float64)
           + 2.0 * np.asarray(ab["a"][1], np.float64) @ np.asarray(ab["b"][1], np.float64))
   np.testing.assert_allclose(q, want.T, rtol=2 ** -8, atol=1e-6)  # bf16 storage
+
+
+def test_fresh_adapter_gradients_flow_to_b_and_norms_not_a(tiny):
+  """At init (B = 0): dL/dA = 0 exactly, dL/dB != 0, and trainable norms get gradient."""
+  _, cfg, base, tokens, positions = tiny
+  c = L.LoRAConfig(r=4, lora_alpha=8, target_modules=("q", "down"), train_norms=True)
+  adapter = L.init_lora(jax.random.key(7), cfg, c, base)
+
+  def loss(ad):
+    logits, _ = models.forward(cfg, base, tokens, positions, lora=ad, lora_cfg=c)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+  g = jax.jit(jax.grad(loss))(adapter)
+  for grp, m in (("attn", "q"), ("mlp", "down")):
+    assert not np.any(np.asarray(g["layers"][grp][m]["a"]))
+    assert np.abs(np.asarray(g["layers"][grp][m]["b"])).max() > 0
+  for name in L.NORM_NAMES:
+    assert g["layers"][name].shape == (2, 32)
+    assert np.abs(np.asarray(g["layers"][name])).max() > 0

@@ -200,6 +200,7 @@ def test_token_logprobs_and_entropy_match_full_log_softmax():
 
 
 def test_token_logprobs_gradient_wrt_lora_matches_unchunked_no_remat():
+  """Chunked lm_head, query-chunked attention and remat give the plain forward's value and gradient."""
   _, cfg, base = _model("qwen2", True)
   qbase = models.quantize_base(base, "nvfp4")
   lora = _random_lora(cfg, jax.random.key(4), targets=(("attn", "q"), ("mlp", "down")))
@@ -210,7 +211,7 @@ def test_token_logprobs_gradient_wrt_lora_matches_unchunked_no_remat():
 
   def loss_chunked(lo):
     lp, ent = models.token_logprobs(cfg, qbase, tokens, pos, attn_mask=mask, lora=lo, lora_cfg=0.5,
-                                    chunk_size=4, remat=True)
+                                    chunk_size=4, remat=True, attn_chunk=5)
     return jnp.sum((lp[:, 1:] + 0.1 * ent[:, 1:]) * weights)
 
   def loss_plain(lo):
@@ -279,6 +280,13 @@ def test_remat_and_init_params_shapes():
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
   with pytest.raises(ValueError, match="positions"):
     fwd(cfg, base, tokens, pos[:, :3])
+
+
+def test_summarize_lists_formats_and_bytes():
+  _, cfg, base = _model("qwen2", False)
+  text = models.summarize(models.quantize_base(base, "nvfp4"))
+  assert "layers/attn/q" in text and "NVFP4Tensor" in text and "[2, 64, 64]" in text
+  assert "embed" in text and "float32 [160, 64]" in text and "total" in text
 
 
 def test_positions_from_mask():

@@ -27,6 +27,13 @@ def f32(x):
   return np.asarray(x, np.float64).astype(np.float32).astype(np.float64)
 
 
+def bf16(x):
+  """Round-to-nearest-even to bfloat16 by bit arithmetic on the float32 value (float64 out)."""
+  u = np.asarray(x, np.float64).astype(np.float32).view(np.uint32).astype(np.uint64)
+  u = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+  return u.view(np.float32).astype(np.float64)
+
+
 def ref_round_e4m3(v):
   """Round-to-nearest-even onto the E4M3 (fn) grid for 0 <= v <= 448, float64 out."""
   v = np.asarray(v, np.float64)
@@ -47,19 +54,25 @@ def ref_e2m1_code(x):
   return (idx + np.where(x < 0, 8, 0)).astype(np.uint8)
 
 
-def ref_quantize(w, global_scale=None):
-  """The full recipe on [..., K, N] -> (packed uint8 [..., K/2, N], scale f64 [..., K/16, N], gs f64 [...])."""
+def ref_quantize(w, global_scale=None, low=f32):
+  """The full recipe on [..., K, N] -> (packed uint8 [..., K/2, N], scale f64 [..., K/16, N], gs f64 [...]).
+
+  ``low`` rounds to the weight's dtype (``f32``, or ``bf16`` for a bf16 weight): PyTorch's
+  compressed-tensors computes ``2688 / amax`` as ``reciprocal(amax) * 2688`` and
+  ``amax_block / 6`` in that dtype; everything after is float32.
+  """
   w = f32(np.asarray(w, np.float32))
   *lead, k, n = w.shape
   blocks = w.reshape(*lead, k // 16, 16, n)
   amax_b = np.abs(blocks).max(axis=-2)
   amax = amax_b.max(axis=(-2, -1))
   if global_scale is None:
-    gs = np.where(amax > 0, f32(2688.0 / np.where(amax > 0, amax, 1.0)), 1.0)
+    recip = low(f32(1.0 / np.where(amax > 0, amax, 1.0)))
+    gs = np.where(amax > 0, low(f32(recip * 2688.0)), 1.0)
   else:
     gs = np.broadcast_to(f32(global_scale), amax.shape)
   gs_b = gs[..., None, None]
-  s = ref_round_e4m3(np.clip(f32(gs_b * f32(amax_b / 6.0)), 0.0, 448.0))
+  s = ref_round_e4m3(np.clip(f32(gs_b * low(f32(amax_b / 6.0))), 0.0, 448.0))
   s = np.where(s == 0, 0.125, s)
   scale = f32(s / gs_b)
   scaled = np.clip(f32(blocks / scale[..., :, None, :]), -6.0, 6.0)
@@ -81,8 +94,8 @@ def block_scales_f64(t):
   return np.asarray(t.block_scale).astype(np.float64)
 
 
-def assert_matches_reference(w, t, global_scale=None):
-  packed, s, gs = ref_quantize(w, global_scale)
+def assert_matches_reference(w, t, global_scale=None, low=f32):
+  packed, s, gs = ref_quantize(w, global_scale, low)
   np.testing.assert_array_equal(np.asarray(t.packed), packed)
   np.testing.assert_array_equal(block_scales_f64(t), s)
   np.testing.assert_array_equal(np.asarray(t.global_scale, np.float64), gs)
@@ -149,7 +162,7 @@ def test_outlier_keeps_peak_and_finite_block_scales():
   w[40, 5] = 10000.0  # the outlier
   t = nvfp4.quantize(w)
   gs = float(t.global_scale)
-  assert gs == np.float32(2688.0 / 10000.0)
+  assert gs == np.float32(np.float32(1 / 10000.0) * np.float32(2688.0))  # reciprocal, then multiply
   assert abs(gs - 0.2688) < 1e-6
   s = block_scales_f64(t)
   assert np.all(np.isfinite(s))
@@ -157,7 +170,7 @@ def test_outlier_keeps_peak_and_finite_block_scales():
   assert s[1, 3] == 11 / 256  # E4M3(0.2688 / 6 = 0.0448) = 0.04296875, hand-worked
   deq = np.asarray(nvfp4.dequantize(t))
   assert abs(deq[40, 5] - 10000.0) / 10000.0 < 1e-6
-  assert deq[16, 3] == pytest.approx(6 * (11 / 256) / np.float32(0.2688), rel=1e-6)  # 1.0 -> 0.959
+  assert deq[16, 3] == pytest.approx(6 * (11 / 256) / 0.2688, rel=1e-6)  # 1.0 -> 0.959
   assert np.all(np.isfinite(deq))
   assert_matches_reference(w, t)
 
@@ -214,6 +227,8 @@ def test_bad_global_scale_and_rank_raise():
   for gs in (0.0, -1.0, np.nan, np.inf):
     with pytest.raises(ValueError, match="global_scale"):
       nvfp4.quantize(w, global_scale=gs)
+  with pytest.raises(ValueError, match=r"global_scale of shape \(3,\)"):
+    nvfp4.quantize(np.ones((2, 16, 4), np.float32), global_scale=np.ones(3, np.float32))
   with pytest.raises(ValueError, match=r"\(16,\)"):
     nvfp4.quantize(np.ones((16,), np.float32))
   with pytest.raises(TypeError):
@@ -271,7 +286,8 @@ def test_bf16_input_and_jit_agree_with_reference():
   rng = np.random.default_rng(3)
   w = jnp.asarray(rng.standard_normal((2, 64, 32)), jnp.bfloat16)
   t = nvfp4.quantize(w)
-  assert_matches_reference(np.asarray(w.astype(jnp.float32)), t)
+  assert_matches_reference(np.asarray(w.astype(jnp.float32)), t, low=bf16)
+  assert float(t.global_scale[0]) == bf16(float(t.global_scale[0]))  # a bf16 weight has a bf16-valued gs
   tj = jax.jit(nvfp4.quantize)(w)
   for a, b in zip(jax.tree_util.tree_leaves(t), jax.tree_util.tree_leaves(tj)):
     np.testing.assert_array_equal(np.atleast_1d(np.asarray(a)).view(np.uint8), np.atleast_1d(np.asarray(b)).view(np.uint8))
@@ -320,3 +336,28 @@ def test_from_compressed_tensors_rejects_bad_layout():
     nvfp4.from_compressed_tensors(packed, good_scale.astype(np.float32), np.ones(1, np.float32))
   with pytest.raises(ValueError, match="uint8"):
     nvfp4.from_compressed_tensors(packed.astype(np.int32), good_scale, np.ones(1, np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bit_exact_with_compressed_tensors(dtype):
+  """The real library: compressed-tensors' own NVFP4A16 functions in PyTorch."""
+  torch = pytest.importorskip("torch")
+  pytest.importorskip("compressed_tensors")
+  from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
+  from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
+  from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+  from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+  args = PRESET_SCHEMES["NVFP4A16"]["weights"]
+  rng = np.random.default_rng(11)
+  w = _random_weight(rng, (512, 96))  # [K, N], block magnitudes over 8 decades
+  w_t = torch.from_numpy(np.ascontiguousarray(w.T)).to(getattr(torch, dtype))  # [N, K], the torch layout
+  gs = generate_gparam(w_t.amin().reshape(1), w_t.amax().reshape(1))
+  groups = w_t.reshape(96, 512 // 16, 16)
+  scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), args, global_scale=gs)
+  packed = pack_fp4_to_uint8(ct_quantize(w_t, scale, zero_point, args, global_scale=gs))
+
+  ct = nvfp4.to_compressed_tensors(nvfp4.quantize(jnp.asarray(w_t.float().numpy().T, dtype)))
+  np.testing.assert_array_equal(ct["weight_packed"], packed.numpy())
+  np.testing.assert_array_equal(ct["weight_scale"].astype(np.float32), scale.float().numpy())
+  np.testing.assert_array_equal(ct["weight_global_scale"], gs.float().numpy())

@@ -171,3 +171,10 @@ def test_safe_reward_reports_wrong_count_and_bad_values():
 
   with pytest.raises(ValueError, match="2 completions but 1 answers"):
     safe_reward(gsm8k_reward, ["a", "b"], ["1"])
+
+
+def test_accuracy_reward_fn():
+  assert rewards.accuracy_reward_fn("gsm8k") is gsm8k_reward
+  assert rewards.accuracy_reward_fn("math") is math_reward
+  with pytest.raises(ValueError, match="unknown kind"):
+    rewards.accuracy_reward_fn("code")

@@ -94,6 +94,8 @@ def test_sample_tokens_fixed_key_reproducible():
   c = _sample(jax.random.key(6), logits, temperature=0.9, top_p=0.9)
   np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
   assert not np.array_equal(np.asarray(a[0]), np.asarray(c[0]))
+  raw = _sample(jax.random.split(jax.random.PRNGKey(5), 8), logits, temperature=0.9, top_p=0.9)  # raw uint32 keys
+  assert raw[0].shape == (8,) and np.isfinite(np.asarray(raw[1])).all()
 
 
 def test_forbid_tokens():
@@ -154,31 +156,15 @@ def test_validation_errors():
 # generate() against transformers (tiny random Qwen2 checkpoint, float32).
 # ----------------------------------------------------------------------------
 
-TINY_QWEN2 = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True)
-
-
 @pytest.fixture(scope="module")
 def tiny():
-  """(hf_model, cfg_model, base): a random float32 Qwen2 with peaked logits, converted to our tree."""
-  torch = pytest.importorskip("torch")
-  import transformers as tf
+  """(hf_model, cfg_model, base): a random float32 Qwen2 (tests/_model_utils), converted to our tree."""
+  pytest.importorskip("torch")
   from qerl_jax import hf, models
-  torch.manual_seed(0)
-  hf_cfg = tf.Qwen2Config(**TINY_QWEN2)
-  model = tf.Qwen2ForCausalLM(hf_cfg).float().eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if name.endswith("norm.weight"):
-        p.copy_(1.0 + 0.1 * torch.randn_like(p))
-      elif name.endswith("bias"):
-        p.copy_(0.1 * torch.randn_like(p))
-      else:
-        p.copy_(0.15 * torch.randn_like(p))  # large enough that greedy has no near-ties
-  cfg = models.ModelConfig.from_hf(hf_cfg.to_dict(), dtype="float32")
-  base = hf.base_from_state_dict(cfg, model.state_dict())
-  return model, cfg, base
+  from tests._model_utils import make_hf_model
+  model = make_hf_model("qwen2")
+  cfg = models.ModelConfig.from_hf(model.config.to_dict(), dtype="float32")
+  return model, cfg, hf.base_from_state_dict(cfg, model.state_dict())
 
 
 def _prompts():
@@ -188,7 +174,7 @@ def _prompts():
   tokens = np.zeros((3, 9), np.int32)
   mask = np.zeros((3, 9), np.int32)
   for i, n in enumerate(lengths):
-    tokens[i, 9 - n:] = rng.integers(3, 96, size=n)
+    tokens[i, 9 - n:] = rng.integers(3, 160, size=n)
     mask[i, 9 - n:] = 1
   return tokens, mask
 
@@ -216,8 +202,8 @@ def greedy_case(tiny):
   """(tokens, mask, eos, r, hf_completions): an end id that row r first emits at completion position 2."""
   model, _, _ = tiny
   tokens, mask = _prompts()
-  free = _hf_greedy(model, tokens, mask, MAX_NEW, eos=[95], pad=0)
-  r = next(i for i in range(3) if free[i, 2] not in free[i, :2])
+  free = _hf_greedy(model, tokens, mask, MAX_NEW, eos=[159], pad=0)
+  r = next(i for i in range(3) if free[i, 2] not in free[i, :2])  # StopIteration: pick other prompts
   eos = (int(free[r, 2]), PAD)
   return tokens, mask, eos, r, _hf_greedy(model, tokens, mask, MAX_NEW, eos=eos, pad=PAD)
 
@@ -256,13 +242,15 @@ def test_greedy_matches_transformers_and_unbatched(tiny, greedy_case):
 
 
 def test_top_k1_groups_and_min_new_tokens_match_greedy(tiny, greedy_case):
-  """top-k 1 at temperature 0.8 is greedy; G=2 rows share a prefill; min_new_tokens as transformers."""
+  """top-k 1 at temperature 0.8 is greedy; G=2 rows share a prefill; min_new_tokens as transformers;
+  decoding in 3 phases of growing KV cache changes nothing."""
   model, cfg, base = tiny
   tokens, mask, eos, _, _ = greedy_case
   ref = _hf_greedy(model, tokens, mask, MAX_NEW, eos=eos, pad=PAD, min_new=4)
   config = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_ids=eos, pad_id=PAD, temperature=0.8, top_k=1,
-                          min_new_tokens=4, num_generations=2, cache_dtype=jnp.float32)
-  ro = sampling.generate(cfg, base, tokens, mask, jax.random.key(1), config)
+                          min_new_tokens=4, num_generations=2, cache_dtype=jnp.float32, kv_phases=3)
+  assert config.phase_ends() == (4, 8, 12)
+  ro = sampling.generate(cfg, base, tokens, mask, jax.random.key(1), config)  # 3 decode phases, growing cache
   np.testing.assert_array_equal(np.asarray(ro.tokens), np.repeat(ref, 2, axis=0))
   np.testing.assert_array_equal(np.asarray(ro.prompt_tokens), np.repeat(tokens, 2, axis=0))
   assert (np.asarray(ro.lengths) >= 4).all()

@@ -158,12 +158,20 @@ def test_toy_run_logs_checkpoints_and_resumes_exactly(tmp_path):
   samples = [json.loads(l) for l in open(os.path.join(part, "samples.jsonl"))]
   assert sorted({s["step"] for s in samples}) == [2, 4, 6]
   assert os.listdir(os.path.join(full, "tensorboard"))
+  # plot.py: both runs on one figure per quantity
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "plot.py"),
+                      f"--workdirs={full},{part}", f"--out={tmp_path / 'plots'}"],
+                     capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+  assert r.returncode == 0, r.stderr[-2000:]
+  written = sorted(os.listdir(tmp_path / "plots"))
+  assert {"reward.png", "accuracy.png", "entropy.png", "sigma.png", "response_length.png"} <= set(written)
+  assert all(os.path.getsize(tmp_path / "plots" / f) > 5000 for f in written)
 
 
 # ------------------------------------------------------------------------------ the CPU default, end to end
 
-# The CPU default shrunk to seconds a step: 2 prompts x 4 completions, 24 new tokens.
-_SMALL = ["--config.train.total_steps=3", "--config.train.save_every=1", "--config.train.eval_every=0",
+# The CPU default shrunk to about a second a step: 2 prompts x 4 completions, 24 new tokens.
+_SMALL = ["--config.train.total_steps=4", "--config.train.save_every=1", "--config.train.eval_every=0",
           "--config.data.eval_size=4", "--config.train.eval_batch_size=4",
           "--config.sampling.max_completion_length=24", "--config.rl.batch_size=8",
           "--config.rl.micro_batch_size=4", "--config.train.log_samples_every=1",
@@ -193,7 +201,7 @@ def _complete_steps(workdir):
 
 @pytest.fixture(scope="module")
 def default_runs(tmp_path_factory):
-  """An uninterrupted 3-step run and a run SIGKILLed after its 2nd checkpoint, then resumed."""
+  """An uninterrupted 4-step run and a run SIGKILLed after its 2nd checkpoint, then resumed."""
   import signal
   import time
   base = tmp_path_factory.mktemp("default")
@@ -222,46 +230,62 @@ def test_default_config_runs_end_to_end(default_runs):
   full = default_runs["full"]
   rows = metrics_lib.read_metrics(full)
   train_rows = [r for r in rows if "loss" in r]
-  assert [r["step"] for r in train_rows] == [1, 2, 3]
+  assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
   for r in train_rows:
     assert np.isfinite(r["loss"]) and np.isfinite(r["entropy"]) and r["entropy"] > 0
     assert r["time/rollout_s"] > 0 and r["perf/tokens_per_s"] > 0
-  assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 3]
+  assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 4]
   assert "final_accuracy" in default_runs["stdout"]  # the summary table
   assert os.listdir(os.path.join(full, "tensorboard"))
   samples = [json.loads(l) for l in open(os.path.join(full, "samples.jsonl"))]
-  assert {s["step"] for s in samples} == {1, 2, 3} and all("completion" in s for s in samples)
-  # the checkpoint restores, holds LoRA + norms + optimizer state, and not the base
-  from ml_collections import config_flags  # noqa: F401  (config files import qerl_jax only)
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("default_cfg", os.path.join(ROOT, "configs", "default.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  config = mod.get_config()
-  meta = json.load(open(os.path.join(full, "checkpoints", "3", "meta", "metadata")))
-  assert meta["step"] == 3 and meta["config"]["rl"]["batch_size"] == 8
-  assert meta["data_position"] == 6  # 3 steps x 2 prompts
+  assert {s["step"] for s in samples} == {1, 2, 3, 4} and all("completion" in s for s in samples)
+  # the checkpoint restores (see the next test), holds the config, and not the frozen base
+  meta = json.load(open(os.path.join(full, "checkpoints", "4", "meta", "metadata")))
+  assert meta["step"] == 4 and meta["config"]["rl"]["batch_size"] == 8
+  assert meta["data_position"] == 4  # batches of prompts served
   sizes = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in
-              os.walk(os.path.join(full, "checkpoints", "3")) for f in fs)
+              os.walk(os.path.join(full, "checkpoints", "4")) for f in fs)
   assert sizes < 5_000_000, f"a checkpoint of {sizes} bytes: the frozen base must not be saved"
-  del config
 
 
 def test_sigkill_after_second_checkpoint_resumes_bit_for_bit(default_runs):
   full, killed = default_runs["full"], default_runs["killed"]
-  assert len(default_runs["steps_at_kill"]) >= 2
-  assert "resuming from the checkpoint at step" in default_runs["resume_stderr"]
+  at_kill = default_runs["steps_at_kill"]
+  assert len(at_kill) >= 2 and max(at_kill) < 4, at_kill  # killed mid-run, not after the end
+  assert f"resuming from the checkpoint at step {max(at_kill)}" in default_runs["resume_stderr"]
   a, b = metrics_lib.read_metrics(full), metrics_lib.read_metrics(killed)
   assert _deterministic(a) == _deterministic(b)
   ca = ckpt_lib.Checkpointer(os.path.join(full, "checkpoints"))
   cb = ckpt_lib.Checkpointer(os.path.join(killed, "checkpoints"))
-  assert ca.latest_step() == cb.latest_step() == 3
+  assert ca.latest_step() == cb.latest_step() == 4
   import orbax.checkpoint as ocp
-  ra = ocp.StandardCheckpointer().restore(os.path.join(full, "checkpoints", "3", "state"))
-  rb = ocp.StandardCheckpointer().restore(os.path.join(killed, "checkpoints", "3", "state"))
+  ra = ocp.StandardCheckpointer().restore(os.path.join(full, "checkpoints", "4", "state"))
+  rb = ocp.StandardCheckpointer().restore(os.path.join(killed, "checkpoints", "4", "state"))
   la, lb = jax.tree_util.tree_leaves(ra), jax.tree_util.tree_leaves(rb)
   assert len(la) == len(lb) > 4
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(ra)[0]]
+  assert any("'a'" in p for p in paths) and any("input_norm" in p for p in paths)  # LoRA + norms
+  assert not any("embed" in p or "'q'" in p and "'a'" not in p and "'b'" not in p for p in paths)
   for x, y in zip(la, lb):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   ca.close()
   cb.close()
+
+
+def test_unfinished_save_is_ignored_and_cleaned(tmp_path):
+  """A save killed before orbax's final rename leaves '<step>.orbax-checkpoint-tmp': not a checkpoint."""
+  import shutil
+  d = tmp_path / "checkpoints"
+  c = ckpt_lib.Checkpointer(d, keep=3)
+  state = {"w": np.arange(4, dtype=np.float32)}
+  c.save(1, state, {"step": 1})
+  c.save(2, {"w": state["w"] + 1}, {"step": 2})
+  c.close()
+  shutil.copytree(d / "2", d / "3.orbax-checkpoint-tmp")  # what a kill mid-save leaves
+  c = ckpt_lib.Checkpointer(d, keep=3)
+  assert c.latest_step() == 2 and c.all_steps() == [1, 2]
+  restored, meta = c.restore(None, state)
+  np.testing.assert_array_equal(restored["w"], [1, 2, 3, 4])
+  assert meta == {"step": 2}
+  c.close()
+  assert not (d / "3.orbax-checkpoint-tmp").exists()

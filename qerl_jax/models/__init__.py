@@ -6,6 +6,7 @@ API summary (all pure functions over plain nested dicts)::
   cfg = models.ModelConfig.from_hf(config_json_dict, dtype="bfloat16")   # frozen, hashable: jit static arg
   base = models.init_params(cfg, key)                 # or qerl_jax.hf.load_pretrained(path).base
   base = models.quantize_base(base, "nvfp4")          # every decoder linear -> NVFP4Tensor [L, K, N]
+  print(models.summarize(base))                       # path, format, shape, bytes of every weight
 
   # full forward (training / scoring); logits float32 [B, T, V]
   pos = models.positions_from_mask(mask)              # int32 [B, T], cumsum(mask) - 1 (left padding OK)
@@ -22,7 +23,8 @@ API summary (all pure functions over plain nested dicts)::
   # GRPO: log p(tokens[t] | tokens[:t]) and entropy (nats), aligned with tokens, [:, 0] = 0,
   # chunked over T so [B, T, V] f32 logits never exist; differentiable w.r.t. lora; remat on by default
   logprobs, entropy = models.token_logprobs(cfg, base, tokens, pos, attn_mask=mask, lora=lora,
-                                            lora_cfg=..., norm_noise=noise, chunk_size=256, temperature=1.0)
+                                            lora_cfg=..., norm_noise=noise, chunk_size=256, temperature=1.0,
+                                            attn_chunk=512)   # attn_chunk: query-chunked attention (memory)
 
 Parameter trees:
 
@@ -47,12 +49,12 @@ from qerl_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, rope_in
 from qerl_jax.models.decoder import (LINEARS, dequantize_base, forward, init_cache, init_params,
                                      lm_head_logits, logprobs_from_hidden, lora_scale_of,
                                      map_linears, positions_from_mask, quantize_base,
-                                     token_logprobs)
+                                     summarize, token_logprobs)
 from qerl_jax.models.layers import linear, is_quantized
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "ModelConfig", "rope_inv_freq", "LINEARS", "dequantize_base",
     "forward", "init_cache", "init_params", "lm_head_logits", "logprobs_from_hidden",
-    "lora_scale_of", "map_linears", "positions_from_mask", "quantize_base", "token_logprobs",
+    "lora_scale_of", "map_linears", "positions_from_mask", "quantize_base", "summarize", "token_logprobs",
     "linear", "is_quantized",
 ]

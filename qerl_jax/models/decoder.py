@@ -113,6 +113,30 @@ def dequantize_base(base: dict, dtype=jnp.float32) -> dict:
   return map_linears(deq, base)
 
 
+def summarize(tree: dict) -> str:
+  """A table of every leaf of a parameter tree: path, format (dtype or 4-bit type),
+  logical shape and bytes, plus the total; e.g. ``print(models.summarize(base))``."""
+  rows = []
+
+  def walk(node, path):
+    if isinstance(node, dict):
+      for k in node:
+        walk(node[k], path + (str(k),))
+      return
+    name = "/".join(path)
+    if layers.is_quantized(node):
+      shape = list(node.packed.shape[:-2]) + list(node.shape)
+      rows.append((name, type(node).__name__, shape, node.nbytes))
+    else:
+      rows.append((name, str(node.dtype), list(node.shape), int(node.size * node.dtype.itemsize)))
+
+  walk(tree, ())
+  width = max([len(r[0]) for r in rows] + [5])
+  lines = [f"{n:<{width}}  {fmt} {shape}  {nb / 2**20:.2f} MiB" for n, fmt, shape, nb in rows]
+  lines.append(f"{'total':<{width}}  {sum(r[3] for r in rows) / 2**20:.2f} MiB")
+  return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- cache
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> dict:
@@ -137,7 +161,7 @@ def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
 
 # ----------------------------------------------------------------------------- forward
 
-def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, write_at):
+def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, write_at, q_chunk):
   """One decoder layer. ``kv`` is None or ``(k_cache [B,S,Hkv,hd], v_cache)``."""
   b, t, _ = h.shape
   eps = cfg.rms_norm_eps
@@ -163,7 +187,7 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
     kc = jax.lax.dynamic_update_slice(kc, k.astype(kc.dtype), (0, write_at, 0, 0))
     vc = jax.lax.dynamic_update_slice(vc, v.astype(vc.dtype), (0, write_at, 0, 0))
     keys, values, new_kv = kc, vc, (kc, vc)
-  o = layers.attention(q, keys, values, mask_BxTxS).reshape(b, t, cfg.q_dim)
+  o = layers.attention(q, keys, values, mask_BxTxS, q_chunk=q_chunk).reshape(b, t, cfg.q_dim)
   h = h + lin(attn, la, "o", o)
 
   w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
@@ -179,7 +203,7 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
             lora: Optional[dict] = None, lora_cfg: Any = None,
             norm_noise: Optional[dict] = None, cache: Optional[dict] = None,
             attn_mask: Optional[jax.Array] = None, remat: bool = False,
-            return_hidden: bool = False):
+            return_hidden: bool = False, attn_chunk: Optional[int] = None):
   """Runs the decoder (optionally against a KV cache: prefill or decode).
 
   Args:
@@ -203,12 +227,16 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     remat: ``jax.checkpoint`` each layer body (training memory; same numbers).
     return_hidden: return the final-normed hidden ``[B, T, D]`` (compute dtype)
       instead of float32 logits ``[B, T, V]``.
+    attn_chunk: run attention in query chunks of this many tokens so float32
+      scores are ``[B, H, attn_chunk, S]`` at a time, not ``[B, H, T, S]``
+      (long training sequences); None = one piece. Same numbers.
 
   Returns:
     ``(logits_or_hidden, new_cache)`` (``new_cache`` is None without a cache).
 
   Raises:
-    ValueError: tokens/positions/mask shape mismatch.
+    ValueError: tokens/positions/mask shape mismatch, or more new tokens
+      than cache slots.
   """
   if tokens.ndim != 2 or positions.shape != tokens.shape:
     raise ValueError(f"tokens must be [B, T] with positions of the same shape; got tokens "
@@ -230,6 +258,8 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     write_at = None
   else:
     s = cache["k"].shape[2]
+    if t > s:
+      raise ValueError(f"{t} new tokens do not fit a KV cache of {s} slots")
     write_at = cache["index"]
     slot_mask = jax.lax.dynamic_update_slice(cache["mask"], attn_mask, (0, write_at))
     q_slot = write_at + jnp.arange(t)
@@ -242,11 +272,13 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     h, kc, vc = carry
     lp, ll, nn, li = xs
     if kc is None:
-      h, _ = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, None, mask, positions, None)
+      h, _ = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, None, mask, positions, None,
+                    attn_chunk)
     else:
       kv = (jax.lax.dynamic_index_in_dim(kc, li, 0, keepdims=False),
             jax.lax.dynamic_index_in_dim(vc, li, 0, keepdims=False))
-      h, (kl, vl) = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask, positions, write_at)
+      h, (kl, vl) = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask, positions, write_at,
+                           attn_chunk)
       kc = jax.lax.dynamic_update_index_in_dim(kc, kl, li, 0)
       vc = jax.lax.dynamic_update_index_in_dim(vc, vl, li, 0)
     return (h, kc, vc), None
@@ -324,7 +356,8 @@ def logprobs_from_hidden(cfg: ModelConfig, base: dict, hidden: jax.Array, target
 def token_logprobs(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Array, *,
                    lora: Optional[dict] = None, lora_cfg: Any = None,
                    norm_noise: Optional[dict] = None, attn_mask: Optional[jax.Array] = None,
-                   remat: bool = True, chunk_size: int = 256, temperature: float = 1.0):
+                   remat: bool = True, chunk_size: int = 256, temperature: float = 1.0,
+                   attn_chunk: Optional[int] = None):
   """Log-probability of each token given its prefix, and the entropy of that prediction.
 
   ``logprobs[b, t] = log p(tokens[b, t] | tokens[b, :t])`` for ``t >= 1``
@@ -333,14 +366,15 @@ def token_logprobs(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: j
   ``entropy[b, t]`` is the entropy (nats) of the distribution that predicted
   ``tokens[b, t]``. Differentiable w.r.t. ``lora`` (and ``norm_noise``).
 
-  Args: as :func:`forward`, plus ``chunk_size`` and ``temperature`` (see
-    :func:`logprobs_from_hidden`). ``remat`` defaults to True (training).
+  Args: as :func:`forward` (including ``attn_chunk``), plus ``chunk_size`` and
+    ``temperature`` (see :func:`logprobs_from_hidden`). ``remat`` defaults to True (training).
 
   Returns:
     ``(logprobs [B, T] f32, entropy [B, T] f32)``.
   """
   hidden, _ = forward(cfg, base, tokens, positions, lora=lora, lora_cfg=lora_cfg,
-                      norm_noise=norm_noise, attn_mask=attn_mask, remat=remat, return_hidden=True)
+                      norm_noise=norm_noise, attn_mask=attn_mask, remat=remat, return_hidden=True,
+                      attn_chunk=attn_chunk)
   lp, ent = logprobs_from_hidden(cfg, base, hidden[:, :-1], tokens[:, 1:],
                                  chunk_size=chunk_size, temperature=temperature)
   zeros = jnp.zeros((tokens.shape[0], 1), jnp.float32)

@@ -103,7 +103,8 @@ def rope(x_BxTxNxhd: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -
   return x_BxTxNxhd * cos + rotated * sin
 
 
-def attention(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS) -> jax.Array:
+def attention(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS, *,
+              q_chunk: Optional[int] = None) -> jax.Array:
   """Grouped-query softmax attention (Ainslie et al. 2023), scale ``1/sqrt(hd)``.
 
   Scores and softmax in float32; masked slots get :data:`MASKED_SCORE` (a row
@@ -113,10 +114,32 @@ def attention(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS) -> jax.Array:
     q_BxTxHxhd: queries (H = Hkv * G).
     k_BxSxKxhd, v_BxSxKxhd: keys and values with Hkv heads.
     mask_BxTxS: bool, True where query t may attend to slot s.
+    q_chunk: if set and smaller than T, queries run in chunks of this many
+      tokens under ``lax.map`` with each chunk rematerialised in the backward
+      pass, so the float32 scores ``[B, H, T, S]`` never exist at once (only
+      ``[B, H, q_chunk, S]``). Same numbers.
 
   Returns:
     ``[B, T, H, hd]`` in q's dtype.
   """
+  t = q_BxTxHxhd.shape[1]
+  if q_chunk is not None and q_chunk < t:
+    n = -(-t // q_chunk)
+    pad = n * q_chunk - t
+    q, m = q_BxTxHxhd, mask_BxTxS
+    if pad:
+      q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+      m = jnp.pad(m, ((0, 0), (0, pad), (0, 0)))
+    b, _, h, hd = q.shape
+    qc = q.reshape(b, n, q_chunk, h, hd).swapaxes(0, 1)
+    mc = m.reshape(b, n, q_chunk, m.shape[-1]).swapaxes(0, 1)
+    one = jax.checkpoint(lambda a: _attention(a[0], k_BxSxKxhd, v_BxSxKxhd, a[1]))
+    out = jax.lax.map(one, (qc, mc)).swapaxes(0, 1).reshape(b, n * q_chunk, h, hd)
+    return out[:, :t]
+  return _attention(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS)
+
+
+def _attention(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS) -> jax.Array:
   b, t, h, hd = q_BxTxHxhd.shape
   kh = k_BxSxKxhd.shape[2]
   dt = q_BxTxHxhd.dtype

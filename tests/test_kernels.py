@@ -1,0 +1,184 @@
+"""Tests of the 4-bit x bf16 matmul kernels (pallas_kernels/).
+
+On CPU every kernel runs in Pallas interpret mode on small, ragged shapes
+(M = 1, 3, 17, 40, 100; N not a multiple of the tile; K a multiple of 16 but
+not of the tile) and is compared with a float64 numpy product of the
+dequantized weight and with the XLA reference; outputs start NaN-poisoned so
+an unwritten element fails. GPU tests (marked ``gpu``) run the compiled
+kernels at model shapes.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import matmul, quantized_matmul, reference_matmul, w4_triton
+from qerl_jax import nf4, nvfp4
+
+SMALL = w4_triton.TileConfig(block_m=16, block_n=32, block_k=64, splits=1, num_warps=4, num_stages=2)
+SMALL_SPLIT = w4_triton.TileConfig(block_m=16, block_n=32, block_k=64, splits=2, num_warps=4, num_stages=2)
+
+
+def _rel(a, b):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _weight(fmt, k, n, seed):
+  w = np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32) * 0.05
+  return (nvfp4 if fmt == "nvfp4" else nf4).quantize(w)
+
+
+def _dense64(wq):
+  mod = nvfp4 if isinstance(wq, nvfp4.NVFP4Tensor) else nf4
+  return np.asarray(mod.dequantize(wq, jnp.float32), np.float64)
+
+
+def _act(shape, seed):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("m,k,n,cfg", [
+    (1, 160, 40, SMALL),        # K=160: a multiple of 16, not of block_k=64; N=40 not of 32
+    (3, 96, 72, SMALL_SPLIT),   # split-K partial sums
+    (17, 160, 40, SMALL),       # M spans two row tiles
+])
+def test_fused_forward_nvfp4_matches_float64(m, k, n, cfg):
+  wq = _weight("nvfp4", k, n, m)
+  x = _act((m, k), m + 1)
+  y = w4_triton.forward(x, wq, config=cfg, interpret=True, poison_output=True, out_dtype=jnp.float32)
+  assert not np.isnan(np.asarray(y)).any()
+  want = np.asarray(x, np.float64) @ _dense64(wq)
+  # bf16 products of exact E2M1 x E4M3 values with float32 accumulation: far under 1e-2
+  assert _rel(y, want) < 1e-4
+  assert _rel(y, reference_matmul(x, wq, out_dtype=jnp.float32)) < 1e-2
+
+
+@pytest.mark.parametrize("m,k,n,cfg", [(3, 160, 40, SMALL), (17, 96, 72, SMALL_SPLIT)])
+def test_fused_dx_nvfp4_matches_float64(m, k, n, cfg):
+  wq = _weight("nvfp4", k, n, 10 + m)
+  dy = _act((m, n), m)
+  g = w4_triton.dx(dy, wq, config=cfg, interpret=True, poison_output=True, out_dtype=jnp.float32)
+  assert g.shape == (m, k)
+  assert not np.isnan(np.asarray(g)).any()
+  assert _rel(g, np.asarray(dy, np.float64) @ _dense64(wq).T) < 1e-4
+
+
+def test_fused_strided_split_matches_registers():
+  wq = _weight("nvfp4", 96, 40, 3)
+  x = _act((5, 96), 4)
+  cfg = w4_triton.TileConfig(16, 32, 64, 1, 4, 2, split_x="strided")
+  y = w4_triton.forward(x, wq, config=cfg, interpret=True, poison_output=True, out_dtype=jnp.float32)
+  assert _rel(y, np.asarray(x, np.float64) @ _dense64(wq)) < 1e-4
+
+
+def test_nf4_forward_and_dx():
+  wq = _weight("nf4", 192, 40, 7)
+  x = _act((3, 192), 8)
+  y = w4_triton.forward(x, wq, config=SMALL, interpret=True, poison_output=True, out_dtype=jnp.float32)
+  dense = _dense64(wq)
+  # NF4 levels are not exact in bf16: the kernel rounds the weight like the reference does
+  assert _rel(y, np.asarray(x, np.float64) @ dense) < 1e-2
+  assert _rel(y, reference_matmul(x, wq, out_dtype=jnp.float32)) < 1e-4
+  dy = _act((3, 40), 9)
+  g = w4_triton.dx(dy, wq, config=SMALL, interpret=True, poison_output=True, out_dtype=jnp.float32)
+  assert _rel(g, np.asarray(dy, np.float64) @ dense.T) < 1e-2
+
+
+@pytest.mark.parametrize("fmt,k,n", [("nvfp4", 160, 200), ("nf4", 192, 72)])
+def test_dequantize_kernel_bit_exact(fmt, k, n):
+  wq = _weight(fmt, k, n, 11)
+  mod = nvfp4 if fmt == "nvfp4" else nf4
+  got = w4_triton.dequantize(wq, jnp.bfloat16, block_k2=32, block_n=64, interpret=True)
+  np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                np.asarray(mod.dequantize(wq, jnp.bfloat16), np.float32))
+
+
+@pytest.mark.parametrize("m", [3, 40])  # fused path, then dequantize + dot path
+def test_quantized_matmul_and_grad_match_reference(m):
+  assert (m <= matmul.FUSED_MAX_M["fwd"]) == (m == 3)
+  k, n = 160, 72
+  wq = _weight("nvfp4", k, n, m)
+  x = _act((m, k), 2 * m)
+  ct = jnp.asarray(np.random.default_rng(m).standard_normal((m, n)), jnp.float32)
+  y = quantized_matmul(x, wq, backend="interpret")
+  assert y.dtype == jnp.bfloat16 and y.shape == (m, n)
+  assert _rel(y, np.asarray(x, np.float64) @ _dense64(wq)) < 1e-2
+
+  def loss(x, backend):
+    return jnp.sum(quantized_matmul(x, wq, backend=backend).astype(jnp.float32) * ct)
+
+  g = jax.grad(loss)(x, "interpret")
+  g_ref = jax.grad(loss)(x, "reference")
+  assert g.dtype == jnp.bfloat16
+  assert _rel(g, g_ref) < 1e-2
+  assert _rel(g, np.asarray(ct, np.float64) @ _dense64(wq).T) < 1e-2
+
+
+def test_leading_dims_and_out_dtype():
+  wq = _weight("nvfp4", 96, 40, 5)
+  x = _act((2, 3, 96), 6)
+  y = quantized_matmul(x, wq, backend="interpret", out_dtype=jnp.float32)
+  assert y.shape == (2, 3, 40) and y.dtype == jnp.float32
+  want = np.asarray(x, np.float64).reshape(6, 96) @ _dense64(wq)
+  assert _rel(np.asarray(y).reshape(6, 40), want) < 1e-4
+
+
+def test_auto_on_cpu_is_reference():
+  if jax.default_backend() != "cpu":
+    pytest.skip("CPU dispatch only")
+  wq = _weight("nvfp4", 96, 40, 1)
+  x = _act((4, 96), 2)
+  np.testing.assert_array_equal(np.asarray(quantized_matmul(x, wq), np.float32),
+                                np.asarray(reference_matmul(x, wq), np.float32))
+
+
+def test_bad_inputs_raise():
+  wq = _weight("nvfp4", 96, 40, 1)
+  with pytest.raises(ValueError, match="unknown backend"):
+    quantized_matmul(_act((2, 96), 0), wq, backend="cuda")
+  with pytest.raises(ValueError, match="K=64"):
+    quantized_matmul(_act((2, 64), 0), wq)
+  with pytest.raises(ValueError, match="bf16"):
+    quantized_matmul(jnp.ones((2, 96), jnp.float32), wq, backend="interpret")
+  with pytest.raises(TypeError, match="NVFP4Tensor or NF4Tensor"):
+    quantized_matmul(_act((2, 96), 0), jnp.ones((96, 40)))
+  with pytest.raises(ValueError, match="block_k"):
+    w4_triton.forward(_act((2, 96), 0), wq, config=w4_triton.TileConfig(16, 32, 48), interpret=True)
+
+
+@pytest.mark.parametrize("m,k,n,kind", [(1, 3584, 18944, "fwd"), (8, 18944, 3584, "fwd"),
+                                        (256, 5120, 7168, "fwd"), (4096, 3584, 4608, "dx")])
+def test_default_config_is_valid(m, k, n, kind):
+  cfg = w4_triton.default_config(m, k, n, kind=kind)
+  for v in (cfg.block_m, cfg.block_n, cfg.block_k):
+    assert v >= 16 and v & (v - 1) == 0
+  assert cfg.block_k % 16 == 0 and 1 <= cfg.splits <= 32
+  if m >= 2048:
+    assert cfg.splits == 1
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 17, 64, 2048])
+@pytest.mark.parametrize("k,n", [(3584, 4608), (18944, 3584), (1040, 200)])
+def test_gpu_kernels_match_reference(m, k, n):
+  key = jax.random.PRNGKey(m + k)
+  wq = nvfp4.quantize(jax.random.normal(key, (k, n), jnp.float32) * 0.02)
+  x = jax.random.normal(jax.random.PRNGKey(1), (m, k), jnp.float32).astype(jnp.bfloat16)
+  dy = jax.random.normal(jax.random.PRNGKey(2), (m, n), jnp.float32).astype(jnp.bfloat16)
+  ref = reference_matmul(x, wq)
+  y = quantized_matmul(x, wq, backend="pallas")
+  assert not bool(jnp.isnan(y).any())
+  assert _rel(y, ref) < 1e-2
+  y_fused = w4_triton.forward(x, wq, poison_output=True)
+  assert not bool(jnp.isnan(y_fused).any()) and _rel(y_fused, ref) < 1e-2
+  g_fused = w4_triton.dx(dy, wq, poison_output=True)
+  g_ref = jnp.dot(dy, nvfp4.dequantize(wq, jnp.bfloat16).T, preferred_element_type=jnp.float32)
+  assert not bool(jnp.isnan(g_fused).any()) and _rel(g_fused, g_ref) < 1e-2
+  g = jax.grad(lambda x: jnp.sum(quantized_matmul(x, wq, backend="pallas").astype(jnp.float32) * dy))(x)
+  assert _rel(g, g_ref) < 1e-2
