@@ -1,0 +1,149 @@
+r"""Runs a sweep of config variants one after another and compares them.
+
+  python experiments/ablate.py --config=configs/ablations/qerl.py --workdir=workdirs/ablate_qerl
+
+An ablation config (``configs/ablations/*.py``) has three fields:
+
+* ``base``: a full trainer config (e.g. ``configs/default.get_config()``);
+* ``variants``: ``((name, ((dotted_key, value), ...)), ...)``, overrides applied to ``base``;
+* ``seeds``: the seeds every variant runs with.
+
+Each (variant, seed) trains in ``<workdir>/<name>/seed<k>`` through the trainer's in-process
+``qerl_jax.trainer.run(config, workdir)`` (a finished run is resumed, i.e. skipped). At the
+end the program prints a table (mean +- std over seeds of the initial and final greedy
+held-out accuracy, the mean policy entropy over the first quarter of training, and the wall
+time), writes it to ``<workdir>/results.md`` and ``results.json``, and draws one figure with
+every run (``<workdir>/ablation.png``: greedy accuracy, reward and entropy against step).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import sys
+
+_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+import numpy as np  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "An ablation config file (configs/ablations/<name>.py).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Folder for the runs, the table and the plot.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+COLUMNS = (("initial_accuracy", "initial acc"), ("final_accuracy", "final acc"),
+           ("mean_entropy_first_quarter", "entropy 1st quarter"), ("wall_time_s", "time (s)"))
+
+
+def apply_overrides(base, overrides):
+  """A deep copy of the ConfigDict ``base`` with ``((dotted_key, value), ...)`` set.
+
+  Raises:
+    KeyError: a dotted key the base config does not have (named in the message).
+  """
+  cfg = copy.deepcopy(base)
+  for key, value in overrides:
+    *parents, leaf = key.split(".")
+    node = cfg
+    for p in parents:
+      if p not in node:
+        raise KeyError(f"override {key!r}: the base config has no {p!r}")
+      node = node[p]
+    if leaf not in node:
+      raise KeyError(f"override {key!r}: the base config has no {leaf!r}")
+    node[leaf] = value
+  return cfg
+
+
+def _fmt(values) -> str:
+  vals = [v for v in values if v is not None and math.isfinite(float(v))]
+  if not vals:
+    return "-"
+  if len(vals) == 1:
+    return f"{vals[0]:.3f}"
+  return f"{np.mean(vals):.3f} ± {np.std(vals):.3f}"
+
+
+def results_table(results: dict) -> str:
+  """A markdown table: one row per variant, mean ± std over seeds of :data:`COLUMNS`."""
+  head = "| variant | seeds | " + " | ".join(label for _, label in COLUMNS) + " |"
+  lines = [head, "|" + "---|" * (2 + len(COLUMNS))]
+  for name, runs in results.items():
+    cells = [_fmt([r.get(k) for r in runs]) for k, _ in COLUMNS]
+    lines.append(f"| {name} | {len(runs)} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def plot_all(workdirs: dict, path: str) -> None:
+  """One figure, three panels (greedy accuracy, reward, entropy vs step), one line per run,
+  one colour per variant."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from qerl_jax import metrics as metrics_lib
+
+  panels = (("eval/accuracy", "greedy held-out accuracy"), ("reward", "mean reward"),
+            ("entropy", "policy entropy (nats/token)"))
+  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+  colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  for i, (name, dirs) in enumerate(workdirs.items()):
+    for j, d in enumerate(dirs):
+      rows = metrics_lib.read_metrics(d)
+      for ax, (key, _) in zip(axes, panels):
+        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        if pts:
+          xs, ys = zip(*pts)
+          ax.plot(xs, ys, color=colours[i % len(colours)], alpha=0.8, marker="." if key == "eval/accuracy" else None,
+                  label=name if j == 0 else None)
+  for ax, (_, label) in zip(axes, panels):
+    ax.set_xlabel("step")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+  axes[0].legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
+  from absl import logging
+  from qerl_jax import train_config, trainer
+  logging.set_verbosity(logging.WARNING)
+  ab = _CONFIG.value
+  out = _WORKDIR.value
+  os.makedirs(out, exist_ok=True)
+  seeds = [int(s) for s in (ab.seeds if isinstance(ab.seeds, (tuple, list)) else [ab.seeds])]
+  # Build and validate every variant before any compute.
+  plan = []
+  for name, overrides in ab.variants:
+    for seed in seeds:
+      cfg = apply_overrides(ab.base, tuple(overrides) + (("seed", seed),))
+      train_config.validate(cfg)
+      plan.append((name, seed, cfg))
+  results, workdirs = {}, {}
+  for k, (name, seed, cfg) in enumerate(plan):
+    wd = os.path.join(out, name, f"seed{seed}")
+    print(f"=== [{k + 1}/{len(plan)}] {name} seed {seed} -> {wd}", flush=True)
+    summary = trainer.run(cfg, wd)
+    results.setdefault(name, []).append({key: summary.get(key) for key, _ in COLUMNS} | {"seed": seed})
+    workdirs.setdefault(name, []).append(wd)
+  table = results_table(results)
+  print(table)
+  with open(os.path.join(out, "results.md"), "w") as f:
+    f.write(table + "\n")
+  with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump(results, f, indent=2)
+  plot_all(workdirs, os.path.join(out, "ablation.png"))
+  print(f"wrote {os.path.join(out, 'results.md')} and {os.path.join(out, 'ablation.png')}")
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)

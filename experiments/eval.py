@@ -1,0 +1,118 @@
+r"""Evaluate a base model or a trained checkpoint on GSM8K test, MATH-500, AIME24 and AMC23.
+
+  # the base model of a recipe (no LoRA), greedy pass@1 on every benchmark
+  python experiments/eval.py --config=configs/gsm8k_qwen2_5_7b.py
+  # a training run's newest checkpoint, plus pass@8 with sampling at temperature 0.6
+  python experiments/eval.py --config=configs/default.py --workdir=workdirs/default \
+      --num_samples=8 --temperature=0.6 --benchmarks=gsm8k
+
+The model, quantization, LoRA shape, system prompt and prompt length come from the config
+(``--config.<key>=value`` overrides work as in train.py). Benchmarks are read from
+``--data_dir`` (default ``../shared/data``): ``<name>/test.jsonl``. GSM8K is scored with the
+GSM8K answer check, the others with math-verify. Prints a table and writes
+``<workdir or --out>/eval_<step>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+BENCHMARKS = {"gsm8k": "gsm8k", "math500": "math", "aime24": "math", "amc23": "math"}
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe config file (configs/<name>.py).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training run folder; its newest checkpoint is evaluated. "
+                               "Omit to evaluate the base model (LoRA off).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the newest).")
+_BENCH = flags.DEFINE_list("benchmarks", list(BENCHMARKS), f"Subset of {list(BENCHMARKS)}.")
+_DATA_DIR = flags.DEFINE_string("data_dir", os.path.join(_ROOT, "..", "shared", "data"),
+                                "Folder with <benchmark>/test.jsonl.")
+_LIMIT = flags.DEFINE_integer("limit", 0, "Evaluate only the first N prompts of each benchmark (0: all).")
+_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "k of pass@k; 1 = greedy pass@1 only.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "Sampling temperature for pass@k (k > 1).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 0, "Completion budget (0: the config's).")
+_BATCH = flags.DEFINE_integer("batch_size", 0, "Prompts per generate call (0: config.train.eval_batch_size).")
+_OUT = flags.DEFINE_string("out", None, "Folder for eval_<step>.json (default: --workdir or cwd).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the pass@k sampling.")
+_MAX_PROMPT = flags.DEFINE_integer("max_prompt_length", 1024, "Prompts longer than this (tokens) are skipped and counted.")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv):
+  del argv
+  import jax
+  from absl import logging
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+  from qerl_jax import data as data_lib
+  from qerl_jax import metrics as metrics_lib
+  from qerl_jax import trainer
+
+  config = _CONFIG.value
+  with config.unlocked():
+    config.data.max_prompt_length = _MAX_PROMPT.value
+  bad = [b for b in _BENCH.value if b not in BENCHMARKS]
+  if bad:
+    raise app.UsageError(f"unknown benchmark(s) {bad}; choose from {list(BENCHMARKS)}")
+  if _NUM_SAMPLES.value < 1:
+    raise app.UsageError(f"--num_samples={_NUM_SAMPLES.value} must be >= 1")
+  config_task, user_template = str(config.data.task), str(config.data.user_template)
+  policy = trainer.load_policy(config)
+  params, step = None, "base"
+  if _WORKDIR.value:
+    state, meta = trainer.restore_train_state(config, policy, _WORKDIR.value, step=_STEP.value)
+    params, step = state.params, int(meta["step"])
+  max_new = _MAX_NEW.value or int(config.train.eval_max_completion_length
+                                  or config.sampling.max_completion_length)
+  batch = _BATCH.value or int(config.train.eval_batch_size)
+  results, rows = {}, []
+  for name in _BENCH.value:
+    task = BENCHMARKS[name]
+    path = os.path.join(_DATA_DIR.value, name, "test.jsonl")
+    with config.unlocked():  # the recipe's instruction for its own task, the standard one otherwise
+      config.data.user_template = (user_template if task == config_task else
+                                   {"gsm8k": data_lib.GSM8K_USER_TEMPLATE,
+                                    "math": data_lib.MATH_USER_TEMPLATE}[task])
+    examples = trainer.load_prompts(path, task, policy.tokenizer, config)
+    if _LIMIT.value:
+      examples = examples[:_LIMIT.value]
+    correctness = trainer.make_reward_fns(config, task=task)[0]
+    res = {"num_prompts": len(examples)}
+    plen = max(len(policy.tokenizer(e.text, add_special_tokens=False)["input_ids"])
+               for e in examples)  # one compiled shape per benchmark
+    greedy = trainer.evaluate(policy, params, examples, correctness, batch_size=batch,
+                              max_new_tokens=max_new, prompt_length=plen)
+    res["pass@1_greedy"] = greedy["accuracy"]
+    res["mean_length_greedy"] = greedy["mean_length"]
+    rows.append((f"{name} pass@1 (greedy)", greedy["accuracy"]))
+    k = _NUM_SAMPLES.value
+    if k > 1:
+      sampled = trainer.evaluate(policy, params, examples, correctness, batch_size=batch,
+                                 max_new_tokens=max_new, num_samples=k,
+                                 temperature=_TEMPERATURE.value,
+                                 key=jax.random.PRNGKey(_SEED.value), prompt_length=plen)
+      res[f"pass@{k}"] = sampled["accuracy"]
+      res[f"mean@{k}"] = sampled["sample_accuracy"]
+      rows.append((f"{name} pass@{k} (T={_TEMPERATURE.value})", sampled["accuracy"]))
+      rows.append((f"{name} mean@{k}", sampled["sample_accuracy"]))
+    results[name] = res
+  print(metrics_lib.format_summary_table(rows))
+  out_dir = _OUT.value or _WORKDIR.value or os.getcwd()
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, f"eval_{step}.json")
+  with open(path, "w") as f:
+    json.dump({"step": step, "model": config.model.path, "results": results}, f, indent=2)
+  print(path)
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)

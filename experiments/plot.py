@@ -1,0 +1,39 @@
+r"""Plot training curves of one or more runs (several runs on one figure, for ablations).
+
+  python experiments/plot.py --workdirs=workdirs/a,workdirs/b --out=plots/
+
+Reads each workdir's ``metrics.jsonl`` and writes one PNG per quantity (reward, accuracy,
+entropy, KL, response length, AQN sigma) with one line per run, labelled by the workdir's name
+(or ``--labels``). Quantities that no run logged are skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+from absl import app, flags  # noqa: E402
+
+from qerl_jax import plotting  # noqa: E402
+
+_WORKDIRS = flags.DEFINE_list("workdirs", None, "Comma-separated run folders (each with metrics.jsonl).")
+_LABELS = flags.DEFINE_list("labels", None, "Optional labels, one per workdir.")
+_OUT = flags.DEFINE_string("out", None, "Output folder for the PNGs (default: the first workdir's plots/).")
+flags.mark_flags_as_required(["workdirs"])
+
+
+def main(argv):
+  del argv
+  out = _OUT.value or os.path.join(_WORKDIRS.value[0], "plots")
+  paths = plotting.plot_runs(_WORKDIRS.value, out, labels=_LABELS.value)
+  for p in paths:
+    print(p)
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,69 @@
+r"""Train a policy with QeRL (NVFP4 base + LoRA + AQN + GRPO/DAPO) from a config file.
+
+  python experiments/train.py --config=configs/default.py --workdir=workdirs/default
+  python experiments/train.py --config=configs/gsm8k_qwen2_5_7b.py --workdir=workdirs/7b \
+      --config.model.path=/models/Qwen2.5-7B-Instruct --config.rl.num_generations=16
+
+Every setting lives in the config (``--config.<dotted.key>=value`` overrides one); nothing is
+read from environment variables. Re-running with the ``--workdir`` of an interrupted run
+resumes from its last complete checkpoint. The config is validated before any compute: an
+unknown key or an impossible setting stops the program with a message naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+if _ROOT not in sys.path:  # so `configs/*.py` can `import qerl_jax` from a plain checkout
+  sys.path.insert(0, _ROOT)
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to a config file (configs/<name>.py), then --config.<key>=value overrides.",
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Folder for checkpoints, metrics, samples and plots.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
+  from absl import logging
+  from qerl_jax import train_config, trainer
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  try:
+    config = _CONFIG.value
+    train_config.validate(config)
+  except OSError as e:  # ml_collections could not load the config file
+    detail = " ".join(str(e).split()).split("Attempted", 1)[-1]
+    print(f"error: could not load the config file --config: {detail}", file=sys.stderr)
+    return 2
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  summary = trainer.run(config, _WORKDIR.value)
+  return 0 if summary.get("status") == "ok" else 1
+
+
+def _explain_flag_error(argv):
+  """Runs flag parsing and turns ml_collections' unknown-key error into one clear line."""
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError) as e:  # ml_collections: a key the config does not have
+    msg = str(e.args[0] if e.args else e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
+    bad = [a for a in argv[1:] if a.startswith("--config.")]
+    print(f"error: unknown config key among {bad}: {msg}\n"
+          "  (every key is listed in qerl_jax/train_config.py base_config())", file=sys.stderr)
+    sys.exit(2)
+  except flags.Error as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=_explain_flag_error)

@@ -1,0 +1,145 @@
+"""Training checkpoints with orbax: the trainable state only, never the frozen base.
+
+One checkpoint (a numbered folder under ``<workdir>/checkpoints``) holds
+
+* ``state``: a pytree with the LoRA tree (plus trainable RMSNorm scales when they are trained),
+  the optax optimizer state, the step counter (int32 scalar) and the run's PRNG key
+  (``uint32 [2]`` raw key data);
+* ``meta``: JSON with the step, the data position (index of the next prompt in the seeded
+  order), the epoch, and the full config as JSON, so a checkpoint says how it was made.
+
+The frozen base weights are reloaded from their source (``config.model.path``) on resume.
+
+Saves are asynchronous (orbax writes in a background thread while the next step computes) and
+atomic: orbax writes into a temporary folder and renames it when the write is complete, so a
+process killed in the middle of a save leaves either the previous checkpoint set or the new
+complete one; ``latest_step`` ignores unfinished temporary folders and :class:`Checkpointer`
+deletes them when it opens the folder. The last ``keep`` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+__all__ = ["Checkpointer"]
+
+
+class Checkpointer:
+  """A thin wrapper over ``orbax.checkpoint.CheckpointManager`` for the training state.
+
+  Args:
+    directory: folder for the numbered checkpoints (created when missing); str or path.
+    keep: how many of the most recent checkpoints to keep (>= 1).
+    async_save: write in a background thread (default True). ``wait()`` blocks until done.
+
+  Raises:
+    ValueError: ``keep < 1``.
+  """
+
+  def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
+    if int(keep) < 1:
+      raise ValueError(f"checkpoint keep must be >= 1, got keep={keep}")
+    self.directory = os.path.abspath(os.fspath(directory))
+    _remove_unfinished(self.directory)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=int(keep),
+        create=True,
+        cleanup_tmp_directories=True,
+        enable_async_checkpointing=bool(async_save),
+    )
+    self._manager = ocp.CheckpointManager(
+        self.directory, options=options, item_names=("state", "meta"))
+
+  def latest_step(self) -> int | None:
+    """The step of the newest complete checkpoint, or None when there is none."""
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    """Steps of all complete checkpoints, ascending."""
+    return sorted(self._manager.all_steps())
+
+  def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> None:
+    """Starts saving ``state`` (a pytree of arrays) and ``meta`` (JSON-serialisable) at ``step``.
+
+    Returns as soon as the arrays are copied to host memory; the write continues in the
+    background. A save at a step that already exists is skipped (orbax refuses it).
+    """
+    if step in self._manager.all_steps():
+      return
+    self._manager.save(
+        int(step),
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            meta=ocp.args.JsonSave(_jsonable(dict(meta))),
+        ),
+    )
+
+  def restore(self, step: int | None, target: Any) -> tuple[Any, dict]:
+    """Restores ``(state, meta)`` of ``step`` (None: the latest).
+
+    Args:
+      step: checkpoint step, or None for the latest.
+      target: a pytree with the same structure, shapes and dtypes as the saved state
+        (e.g. a freshly initialised state); the restored arrays take its dtypes.
+
+    Raises:
+      FileNotFoundError: no complete checkpoint in the directory.
+    """
+    if step is None:
+      step = self.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"no complete checkpoint under {self.directory}")
+    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
+    restored = self._manager.restore(
+        int(step),
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract),
+            meta=ocp.args.JsonRestore(),
+        ),
+    )
+    return restored["state"], dict(restored["meta"])
+
+  def wait(self) -> None:
+    """Blocks until every pending asynchronous save has been written."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for pending saves and releases the manager's threads."""
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+
+def _remove_unfinished(directory: str) -> None:
+  """Deletes the temporary folders of saves that never finished (a process killed mid-save).
+
+  Orbax writes ``<step>.orbax-checkpoint-tmp*`` and renames it to ``<step>`` only when the save
+  is complete; such a folder is never a checkpoint, and a later save of the same step would
+  collide with it. Single-writer assumption: only the training process writes here.
+  """
+  if not os.path.isdir(directory):
+    return
+  for name in os.listdir(directory):
+    if ".orbax-checkpoint-tmp" in name:
+      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def _jsonable(x: Any) -> Any:
+  """Converts numpy scalars/arrays and tuples inside ``x`` to plain JSON types."""
+  if isinstance(x, Mapping):
+    return {str(k): _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if isinstance(x, np.generic):
+    return x.item()
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  if isinstance(x, (str, int, float, bool)) or x is None:
+    return x
+  return json.loads(json.dumps(x, default=str))

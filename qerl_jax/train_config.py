@@ -1,0 +1,247 @@
+"""The training job's config schema (an ml_collections ConfigDict) and its validation.
+
+``base_config()`` returns every key the trainer reads, with neutral defaults; each recipe in
+``configs/*.py`` starts from it and writes out the values it uses. ``validate(config)`` checks
+a config before any compute and raises ``ValueError`` naming every impossible setting at once.
+
+Layout (units in brackets)::
+
+  seed                    int, the one seed every random draw derives from (with the step)
+  model.path              HF folder or hub id of the base model
+  model.quant             "nvfp4" | "nf4" | "none" (bf16 base)
+  model.remat             rematerialise each layer in the update step
+  lora.rank / alpha / use_rslora / target_modules / train_norms / dropout
+  aqn.enabled / schedule ("stages" | "exponential") / sigma_start / sigma_end / num_stages /
+     rollout_only (paper variant: noise in the rollout only)
+  data.train / data.eval  JSONL path, ``hub:<id>[:<config>]:<split>``, or
+                          ``synthetic:<split>:<num>[:<seed>]`` (the embedded arithmetic task)
+  data.task               "gsm8k" | "math" (prompt fields and reward)
+  data.system_prompt, data.user_template ("{question}" + instructions),
+  data.max_prompt_length [tokens], data.eval_size [prompts]
+  rl.loss_type            "grpo" | "bnpo" | "dapo" | "dr_grpo"
+  rl.num_generations      G, completions per prompt (group size)
+  rl.batch_size           completions per step (TRL's convention); prompts per step = batch_size / G
+  rl.micro_batch_size     completions per gradient-accumulation micro-batch
+  rl.num_iterations, epsilon, epsilon_high, beta, kl_estimator, scale_rewards,
+  rl.mask_truncated_completions, format_reward_weight
+  sampling.temperature / top_p / top_k / max_completion_length [tokens]
+  optim.learning_rate / b1 / b2 / weight_decay / warmup_ratio / lr_schedule / max_grad_norm
+  train.total_steps, save_every, keep_checkpoints, eval_every, eval_batch_size,
+     eval_max_completion_length, log_samples_every, num_samples_logged, async_checkpointing
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+__all__ = ["base_config", "validate", "LORA_MODULES", "LOSS_TYPES"]
+
+LORA_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+QUANTS = ("nvfp4", "nf4", "none")
+TASKS = ("gsm8k", "math")
+SCALE_REWARDS = ("group", "batch", "none")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+AQN_SCHEDULES = ("stages", "exponential")
+LR_SCHEDULES = ("cosine", "constant", "linear")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every key the trainer reads, with neutral defaults (a recipe overrides what it uses)."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  c.model = ml_collections.ConfigDict()
+  c.model.path = ""
+  c.model.quant = "nvfp4"
+  c.model.remat = True
+
+  c.lora = ml_collections.ConfigDict()
+  c.lora.rank = 32
+  c.lora.alpha = 32.0
+  c.lora.use_rslora = False
+  c.lora.target_modules = LORA_MODULES
+  c.lora.train_norms = True  # QeRL's `--ln True`: attention-input and MLP-input RMSNorm scales
+
+  c.aqn = ml_collections.ConfigDict()
+  c.aqn.enabled = True
+  c.aqn.schedule = "stages"
+  c.aqn.sigma_start = 1e-2
+  c.aqn.sigma_end = 5e-4
+  c.aqn.num_stages = 10
+  c.aqn.rollout_only = False
+
+  c.data = ml_collections.ConfigDict()
+  c.data.task = "gsm8k"
+  c.data.train = ""
+  c.data.eval = ""
+  c.data.system_prompt = ""  # "": no system message (the chat template may add its default)
+  c.data.user_template = "{question}"  # the user message; qerl_jax.data has GSM8K/MATH instructions
+  c.data.max_prompt_length = 256
+  c.data.eval_size = 0  # 0: the whole eval set
+
+  c.rl = ml_collections.ConfigDict()
+  c.rl.loss_type = "grpo"
+  c.rl.num_generations = 8
+  c.rl.batch_size = 64
+  c.rl.micro_batch_size = 8
+  c.rl.num_iterations = 1
+  c.rl.epsilon = 0.2
+  c.rl.epsilon_high = 0.28
+  c.rl.beta = 0.0
+  c.rl.kl_estimator = "k3"
+  c.rl.scale_rewards = "group"
+  c.rl.mask_truncated_completions = True
+  c.rl.format_reward_weight = 0.0
+
+  c.sampling = ml_collections.ConfigDict()
+  c.sampling.temperature = 1.0
+  c.sampling.top_p = 1.0
+  c.sampling.top_k = 0  # 0: off
+  c.sampling.max_completion_length = 2048
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.learning_rate = 1e-5
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.99
+  c.optim.weight_decay = 0.1
+  c.optim.warmup_ratio = 0.1
+  c.optim.lr_schedule = "cosine"
+  c.optim.max_grad_norm = 0.2
+
+  c.train = ml_collections.ConfigDict()
+  c.train.total_steps = 100
+  c.train.save_every = 50
+  c.train.keep_checkpoints = 5
+  c.train.async_checkpointing = True
+  c.train.eval_every = 0  # 0: only at the start and the end
+  c.train.eval_batch_size = 64
+  c.train.eval_max_completion_length = 0  # 0: sampling.max_completion_length
+  c.train.log_samples_every = 10
+  c.train.num_samples_logged = 4
+  c.train.plot = True
+  return c
+
+
+def _looks_like_path(s: str) -> bool:
+  """A local path (checked for existence) rather than a hub id ``org/name``, ``hub:...`` or ``random:...``."""
+  if s.startswith(("hub:", "random:", "synthetic:")):
+    return False
+  return s.startswith((".", "/", "~")) or s.endswith((".jsonl", ".json")) or s.count("/") > 1
+
+
+def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
+  """Checks that ``config`` can work, before any compute starts.
+
+  Collects every problem and raises one ValueError listing them, each naming the key, its value
+  and why it is impossible (e.g. ``rl.batch_size=12 is not a multiple of
+  rl.num_generations=8``).
+
+  Args:
+    config: a config with the ``base_config()`` layout.
+    check_paths: also check that local model and data paths exist.
+
+  Raises:
+    ValueError: one or more impossible settings, or a missing section/key.
+  """
+  errors: list[str] = []
+
+  def need(cond: bool, msg: str) -> None:
+    if not cond:
+      errors.append(msg)
+
+  missing = [k for k in ("model", "lora", "aqn", "data", "rl", "sampling", "optim", "train")
+             if k not in config]
+  if missing:
+    raise ValueError(f"config is missing the section(s) {missing}; start recipes from "
+                     "qerl_jax.train_config.base_config()")
+  m, lo, aqn, d, rl, s, o, t = (config.model, config.lora, config.aqn, config.data, config.rl,
+                                config.sampling, config.optim, config.train)
+
+  need(bool(m.path), "model.path is empty: give a Hugging Face folder or hub id")
+  need(m.quant in QUANTS, f"model.quant={m.quant!r} is not one of {QUANTS}")
+
+  need(int(lo.rank) >= 1, f"lora.rank={lo.rank} must be >= 1 (LoRA adapters are the only "
+       "trained parameters)")
+  need(float(lo.alpha) > 0, f"lora.alpha={lo.alpha} must be > 0")
+  bad = [x for x in lo.target_modules if x not in LORA_MODULES]
+  need(not bad and len(lo.target_modules) > 0,
+       f"lora.target_modules={tuple(lo.target_modules)} must be a non-empty subset of {LORA_MODULES}")
+
+  if aqn.enabled:
+    need(aqn.schedule in AQN_SCHEDULES, f"aqn.schedule={aqn.schedule!r} is not one of {AQN_SCHEDULES}")
+    need(float(aqn.sigma_start) > 0, f"aqn.sigma_start={aqn.sigma_start} must be > 0 when "
+         "aqn.enabled (set aqn.enabled=False to turn AQN off)")
+    need(float(aqn.sigma_end) >= 0, f"aqn.sigma_end={aqn.sigma_end} must be >= 0")
+    need(float(aqn.sigma_end) <= float(aqn.sigma_start),
+         f"aqn.sigma_end={aqn.sigma_end} > aqn.sigma_start={aqn.sigma_start}: AQN noise must decay")
+    if aqn.schedule == "stages":
+      need(float(aqn.sigma_end) > 0, f"aqn.sigma_end={aqn.sigma_end} must be > 0 for the "
+           "geometric 'stages' schedule")
+      need(int(aqn.num_stages) >= 3, f"aqn.num_stages={aqn.num_stages} must be >= 3 (stage 0 is "
+           "noise-free; stages 1..K-1 decay from sigma_start to sigma_end)")
+
+  need(d.task in TASKS, f"data.task={d.task!r} is not one of {TASKS}")
+  need(bool(d.train), "data.train is empty: give a JSONL path or hub:<id>:<split>")
+  need("{question}" in str(d.user_template),
+       f"data.user_template={d.user_template!r} must contain '{{question}}'")
+  need(int(d.max_prompt_length) >= 1, f"data.max_prompt_length={d.max_prompt_length} must be >= 1")
+  need(int(d.eval_size) >= 0, f"data.eval_size={d.eval_size} must be >= 0")
+
+  G, B, mb = int(rl.num_generations), int(rl.batch_size), int(rl.micro_batch_size)
+  need(rl.loss_type in LOSS_TYPES, f"rl.loss_type={rl.loss_type!r} is not one of {LOSS_TYPES}")
+  need(G >= 2, f"rl.num_generations={G} must be >= 2: a group of one has advantage 0 and "
+       "learns nothing")
+  need(B >= 1 and G >= 1 and B % G == 0,
+       f"rl.batch_size={B} is not a multiple of rl.num_generations={G} (batch_size counts "
+       "completions; prompts per step = batch_size / num_generations)")
+  need(mb >= 1 and B % mb == 0,
+       f"rl.micro_batch_size={mb} must be >= 1 and divide rl.batch_size={B}")
+  need(int(rl.num_iterations) >= 1, f"rl.num_iterations={rl.num_iterations} must be >= 1")
+  need(float(rl.epsilon) > 0, f"rl.epsilon={rl.epsilon} must be > 0")
+  if rl.epsilon_high is not None:
+    need(float(rl.epsilon_high) >= float(rl.epsilon),
+         f"rl.epsilon_high={rl.epsilon_high} must be >= rl.epsilon={rl.epsilon}")
+  need(float(rl.beta) >= 0, f"rl.beta={rl.beta} must be >= 0")
+  need(rl.kl_estimator in KL_ESTIMATORS, f"rl.kl_estimator={rl.kl_estimator!r} is not one of "
+       f"{KL_ESTIMATORS}")
+  need(rl.scale_rewards in SCALE_REWARDS, f"rl.scale_rewards={rl.scale_rewards!r} is not one of "
+       f"{SCALE_REWARDS}")
+  need(float(rl.format_reward_weight) >= 0, f"rl.format_reward_weight={rl.format_reward_weight} "
+       "must be >= 0")
+
+  need(float(s.temperature) >= 0, f"sampling.temperature={s.temperature} must be >= 0 "
+       "(0 is greedy)")
+  need(0 < float(s.top_p) <= 1, f"sampling.top_p={s.top_p} must be in (0, 1]")
+  need(int(s.top_k) >= 0, f"sampling.top_k={s.top_k} must be >= 0 (0 turns it off)")
+  need(int(s.max_completion_length) >= 1,
+       f"sampling.max_completion_length={s.max_completion_length} must be >= 1")
+
+  need(float(o.learning_rate) > 0, f"optim.learning_rate={o.learning_rate} must be > 0")
+  need(0 <= float(o.b1) < 1 and 0 <= float(o.b2) < 1,
+       f"optim.b1={o.b1}, optim.b2={o.b2} must be in [0, 1)")
+  need(float(o.weight_decay) >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
+  need(0 <= float(o.warmup_ratio) < 1, f"optim.warmup_ratio={o.warmup_ratio} must be in [0, 1)")
+  need(o.lr_schedule in LR_SCHEDULES, f"optim.lr_schedule={o.lr_schedule!r} is not one of "
+       f"{LR_SCHEDULES}")
+  need(float(o.max_grad_norm) > 0, f"optim.max_grad_norm={o.max_grad_norm} must be > 0")
+
+  need(int(t.total_steps) >= 1, f"train.total_steps={t.total_steps} must be >= 1")
+  need(int(t.save_every) >= 1, f"train.save_every={t.save_every} must be >= 1")
+  need(int(t.keep_checkpoints) >= 1, f"train.keep_checkpoints={t.keep_checkpoints} must be >= 1")
+  need(int(t.eval_every) >= 0, f"train.eval_every={t.eval_every} must be >= 0 (0: start and end only)")
+  need(int(t.eval_batch_size) >= 1, f"train.eval_batch_size={t.eval_batch_size} must be >= 1")
+  need(int(t.eval_max_completion_length) >= 0,
+       f"train.eval_max_completion_length={t.eval_max_completion_length} must be >= 0")
+  need(int(t.log_samples_every) >= 0, f"train.log_samples_every={t.log_samples_every} must be >= 0")
+
+  if check_paths:
+    for key, value in (("model.path", m.path), ("data.train", d.train), ("data.eval", d.eval)):
+      if value and _looks_like_path(str(value)) and not os.path.exists(os.path.expanduser(str(value))):
+        errors.append(f"{key}={value!r} does not exist (relative paths are read from the "
+                      f"current directory {os.getcwd()!r})")
+
+  if errors:
+    raise ValueError("impossible config:\n  - " + "\n  - ".join(errors))

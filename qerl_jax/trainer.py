@@ -1,0 +1,695 @@
+"""The training job: rollout -> reward -> advantage -> update, checkpointed and resumable.
+
+One step of :func:`train` (QeRL, arXiv:2510.11696, Alg. 1 with GRPO, Shao et al. 2024):
+
+1. take the step's batch of prompts from a seeded order of the training set;
+2. draw that step's AQN noise for the RMSNorm scales (``aqn.noise``; sigma from the schedule);
+3. sample ``num_generations`` completions per prompt with the 4-bit base + LoRA + noise
+   (``sampling.generate``);
+4. score each completion on the host (bounded time, one float each; a failed score is missing,
+   NaN, and gets advantage 0);
+5. group-normalised advantages (``grpo.group_advantages``);
+6. reference log-probs with LoRA off when ``rl.beta > 0``;
+7. ``num_iterations`` updates over micro-batches (``grpo`` objective, optax AdamW);
+8. log; checkpoint every ``train.save_every`` steps; greedy evaluation every ``train.eval_every``.
+
+Reproducibility: every random draw derives from ``(config.seed, step)`` through
+:func:`step_keys`, and the data order from ``(config.seed, epoch)``, so a run resumed from a
+checkpoint reproduces an uninterrupted run bit for bit on the CPU.
+
+Public: :func:`run` (config, workdir) -> summary dict, :func:`train`, :func:`evaluate`,
+:func:`load_policy`, :func:`load_prompts`, :func:`restore_train_state`, :func:`step_keys`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from qerl_jax import checkpoint as ckpt_lib
+from qerl_jax import data as data_lib
+from qerl_jax import grpo
+from qerl_jax import metrics as metrics_lib
+from qerl_jax import train_config
+
+__all__ = ["run", "train", "evaluate", "load_policy", "load_prompts", "restore_train_state",
+           "step_keys", "Policy", "Prompt"]
+
+
+# ---------------------------------------------------------------------------------- randomness
+
+_AQN_STREAM = 0xA0   # fold_in(PRNGKey(seed), _AQN_STREAM): the run's AQN key (aqn.noise folds the step)
+_LORA_STREAM = 0x1A0A  # fold_in(PRNGKey(seed), _LORA_STREAM): the LoRA initialisation key
+
+
+@dataclasses.dataclass(frozen=True)
+class StepKeys:
+  """PRNG keys of one step, all derived from ``(seed, step)``."""
+  noise: jax.Array
+  sample: jax.Array
+  update: jax.Array
+
+
+def step_keys(seed: int, step: int) -> StepKeys:
+  """The keys of training step ``step`` (0-based): ``fold_in(fold_in(PRNGKey(seed), step), i)``.
+
+  Pure function of ``(seed, step)``: a resumed run draws exactly the keys of an uninterrupted one.
+  """
+  k = jax.random.fold_in(jax.random.PRNGKey(int(seed)), int(step))
+  return StepKeys(noise=jax.random.fold_in(k, 0), sample=jax.random.fold_in(k, 1),
+                  update=jax.random.fold_in(k, 2))
+
+
+# ---------------------------------------------------------------------------------- data
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+  """One prompt of a data set: the chat-formatted text and the gold answer."""
+  text: str
+  answer: str
+
+
+def _prompt_batch(tokenizer, prompts: Sequence[Prompt], length: int, pad_id: int):
+  """``(tokens int32 [B, length], mask int32 [B, length])``, left-padded (``data.tokenize_prompts``).
+
+  A fixed ``length`` (``data.max_prompt_length``) keeps the jitted rollout and update at one
+  compiled shape per run.
+  """
+  b = data_lib.tokenize_prompts(tokenizer, [p.text for p in prompts], pad_to=length, pad_id=pad_id)
+  return b.tokens, b.mask
+
+
+# ---------------------------------------------------------------------------------- rewards
+
+def score(reward_fn: Callable, completions: Sequence[str], answers: Sequence[str]) -> tuple[np.ndarray, int]:
+  """Host-side rewards via ``rewards.safe_reward``: ``(float32 [N] with NaN = missing, #missing)``.
+
+  A reward function that raises or returns a bad value costs only the affected completions:
+  their reward is missing (NaN), which ``grpo.group_advantages`` turns into advantage 0.
+  """
+  from qerl_jax import rewards as rewards_lib
+  r, _ = rewards_lib.safe_reward(reward_fn, list(completions), list(answers))
+  return r, int(np.isnan(r).sum())
+
+
+# ---------------------------------------------------------------------------------- the policy
+
+@dataclasses.dataclass
+class Policy:
+  """The frozen model and the functions the loop calls on it (built by :func:`load_policy`).
+
+  Attributes:
+    tokenizer: a transformers tokenizer (``decode``).
+    pad_id: id written into left padding and after a completion's end.
+    init_state: ``key -> update.TrainState`` (trainable tree, optax state, counters).
+    noise: ``step -> norm_noise`` (AQN, float32 ``{"input_norm": [L, D], ...}``) or None.
+    update_noise: ``(noise) -> noise`` used by the update (None for the paper's rollout-only AQN).
+    sigma: ``step -> float``, the AQN sigma (0 when off).
+    generate: ``(params, noise, prompt_tokens [B, P], prompt_mask [B, P], key, *,
+      num_generations, greedy, max_new_tokens, temperature=None) -> sampling.Rollout`` with
+      ``B * G`` rows (``params=None``: LoRA off; ``temperature=None``: the config's).
+    ref_logprobs: ``(batch, noise) -> float32 [N, T]`` with LoRA off (for the KL term).
+    update: ``(state, batch, noise, step, key) -> (state, metrics)``: one optimizer step over the
+      whole batch (micro-batched inside), ``batch`` as built by :func:`_update_batch`.
+  """
+  tokenizer: Any
+  pad_id: int
+  init_state: Callable[[jax.Array], dict]
+  noise: Callable[[int], Any]
+  update_noise: Callable[[Any], Any]
+  sigma: Callable[[int], float]
+  generate: Callable[..., Any]
+  ref_logprobs: Callable[[dict, Any], jax.Array]
+  update: Callable[..., tuple[Any, dict]]
+  description: str = ""
+
+
+def _update_batch(prompt_tokens, prompt_mask, rollout, advantages) -> dict:
+  """The arrays one update consumes, ``N = B * G`` rows (prompts repeated G times)."""
+  g = rollout.tokens.shape[0] // prompt_tokens.shape[0]
+  return {
+      "prompt_tokens": jnp.asarray(np.repeat(prompt_tokens, g, axis=0)),
+      "prompt_mask": jnp.asarray(np.repeat(prompt_mask, g, axis=0)),
+      "completion_tokens": rollout.tokens,
+      "completion_mask": rollout.mask,
+      "old_logprobs": rollout.policy_logprobs,
+      "truncated": rollout.truncated,
+      "advantages": jnp.asarray(advantages, jnp.float32),
+  }
+
+
+# ---------------------------------------------------------------------------------- evaluation
+
+def evaluate(policy: Policy, params: Any, examples: Sequence[Prompt], reward_fn, *,
+             batch_size: int, max_new_tokens: int, key: jax.Array | None = None,
+             num_samples: int = 1, temperature: float | None = None, noise: Any = None,
+             prompt_length: int | None = None) -> dict:
+  """Accuracy on ``examples``: pass@1 greedy (``num_samples=1``) or pass@k sampled.
+
+  Greedy decoding (temperature 0) is used when ``num_samples == 1``; otherwise
+  ``num_samples`` completions per prompt are sampled with ``key`` (at ``temperature``, default
+  the policy's) and a prompt counts as solved when any of them is correct (pass@k with n = k
+  samples, Chen et al. 2021). Correct means reward > 0 under ``reward_fn`` (the task's answer
+  check). ``params=None`` evaluates the base model (LoRA off). The last batch is padded by
+  repeating its last prompt, so every call compiles one shape.
+
+  Returns:
+    ``{"accuracy": pass@k in [0, 1], "sample_accuracy": mean correctness over all samples,
+    "mean_length": tokens, "num_prompts": int, "completions": [str] (the first sample of each
+    prompt), "correct": [bool] per prompt}``.
+
+  Raises:
+    ValueError: no examples.
+  """
+  if not examples:
+    raise ValueError("evaluate: no examples")
+  greedy = num_samples == 1
+  correct, sample_ok, lengths, texts = [], [], [], []
+  for start in range(0, len(examples), batch_size):
+    chunk = list(examples[start:start + batch_size])
+    n_real = len(chunk)
+    chunk = chunk + [chunk[-1]] * (batch_size - n_real)  # one compiled shape
+    pt, pm = _prompt_batch(policy.tokenizer, chunk, prompt_length, policy.pad_id)
+    k = jax.random.fold_in(key if key is not None else jax.random.PRNGKey(0), start)
+    ro = policy.generate(params, noise, pt, pm, k, num_generations=num_samples, greedy=greedy,
+                         max_new_tokens=max_new_tokens, temperature=temperature)
+    lens = np.asarray(ro.lengths)
+    comps = _decode(policy.tokenizer, ro)[:n_real * num_samples]
+    answers = [e.answer for e in chunk[:n_real] for _ in range(num_samples)]
+    rewards, _ = score(reward_fn, comps, answers)
+    ok = np.nan_to_num(rewards, nan=0.0).reshape(n_real, num_samples) > 0
+    correct.extend(ok.any(axis=1).tolist())
+    sample_ok.extend(ok.reshape(-1).tolist())
+    lengths.extend(lens[:n_real * num_samples].tolist())
+    texts.extend(comps[::num_samples])
+  return {"accuracy": float(np.mean(correct)), "sample_accuracy": float(np.mean(sample_ok)),
+          "mean_length": float(np.mean(lengths)),
+          "num_prompts": len(examples), "completions": texts, "correct": correct}
+
+
+# ---------------------------------------------------------------------------------- the loop
+
+def _state_to_save(state, step: int, seed: int) -> dict:
+  """What a checkpoint holds: the train state (LoRA + norms, optax state, counters), step, key."""
+  return {"train_state": state, "step": jnp.asarray(step, jnp.int32),
+          "key": jax.random.PRNGKey(int(seed))}
+
+
+def _scalar_metrics(m: dict) -> dict:
+  """The scalar entries of a metrics dict as Python floats (arrays of other shapes dropped)."""
+  out = {}
+  for k, v in jax.device_get(m).items():
+    a = np.asarray(v)
+    if a.size == 1 and (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
+      out[k] = float(a)
+  return out
+
+
+def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None = None,
+          datasets: tuple[Sequence[Prompt], Sequence[Prompt]] | None = None,
+          reward_fns: tuple[Callable, Callable] | None = None, stop_after: int | None = None,
+          progress: bool = True) -> dict:
+  """Runs (or resumes) the training loop of ``config`` in ``workdir``; returns the summary.
+
+  Args:
+    config: a validated config (``qerl_jax.train_config`` layout).
+    workdir: run folder: ``checkpoints/``, ``metrics.jsonl``, ``samples.jsonl``,
+      ``tensorboard/``, ``config.json``, ``summary.json``, ``plots/``. When it holds a
+      checkpoint, training resumes from the newest complete one.
+    policy, datasets, reward_fns: injected components (tests); default: built from ``config``
+      by :func:`load_policy`, :func:`load_datasets`, :func:`make_reward_fns`.
+    stop_after: stop after this many steps of this call (the run stays resumable).
+    progress: show a tqdm bar.
+
+  Returns:
+    A summary dict: ``status``, ``steps``, ``final_accuracy``, ``initial_accuracy``,
+    ``best_accuracy``, ``final_reward``, ``mean_entropy_first_quarter``, ``wall_time_s``,
+    ``workdir``.
+  """
+  t_start = time.perf_counter()
+  seed, total = int(config.seed), int(config.train.total_steps)
+  G = int(config.rl.num_generations)
+  prompts_per_step = int(config.rl.batch_size) // G
+  os.makedirs(workdir, exist_ok=True)
+  policy = policy or load_policy(config)
+  train_set, eval_set = datasets or load_datasets(config, policy.tokenizer)
+  correctness_fn, reward_fn = reward_fns or make_reward_fns(config)
+  eval_max_new = int(config.train.eval_max_completion_length or config.sampling.max_completion_length)
+
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                       keep=int(config.train.keep_checkpoints),
+                                       async_save=bool(config.train.async_checkpointing))
+  order = data_lib.DataOrder(num_examples=len(train_set), batch_size=prompts_per_step, seed=seed)
+  prompt_length = int(config.data.max_prompt_length)
+  state = policy.init_state(jax.random.fold_in(jax.random.PRNGKey(seed), _LORA_STREAM))
+  start, position = 0, 0  # steps done; batches of prompts served (the data position)
+  if checkpointer.latest_step() is not None:
+    saved, meta = checkpointer.restore(None, _state_to_save(state, 0, seed))
+    state = saved["train_state"]
+    start, position = int(meta["step"]), int(meta["data_position"])
+    changed = _changed_keys(meta.get("config", {}), json.loads(config.to_json_best_effort()))
+    if changed:
+      print(f"warning: resuming with a config that differs from the checkpoint's in {changed}; "
+            "the run will not match an uninterrupted one", file=sys.stderr)
+    print(f"resuming from the checkpoint at step {start} in {checkpointer.directory}", file=sys.stderr)
+  logger = metrics_lib.MetricsLogger(workdir, resume_step=start if start > 0 else None)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+
+  def run_eval(step: int) -> float:
+    ev = evaluate(policy, state.params, eval_set, correctness_fn,
+                  batch_size=int(config.train.eval_batch_size), max_new_tokens=eval_max_new,
+                  prompt_length=prompt_length)
+    logger.write(step, {"eval/accuracy": ev["accuracy"], "eval/mean_length": ev["mean_length"]})
+    return ev["accuracy"]
+
+  if start == 0 and eval_set:
+    run_eval(0)
+
+  bar = None
+  if progress:
+    from tqdm import tqdm
+    bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True,
+               file=sys.stderr)
+  last_acc = None
+  end = total if stop_after is None else min(total, start + int(stop_after))
+  for step in range(start, end):
+    t0 = time.perf_counter()
+    keys = step_keys(seed, step)
+    # 1. the step's prompts, from the seeded order of the training set
+    epoch = position // order.batches_per_epoch
+    batch = [train_set[i] for i in order.batch_indices(position)]
+    position += 1
+    prompt_tokens, prompt_mask = _prompt_batch(policy.tokenizer, batch, prompt_length, policy.pad_id)
+    # 2. that step's AQN noise on the RMSNorm scales
+    noise = policy.noise(step)
+    # 3. G completions per prompt (rollout)
+    rollout = policy.generate(state.params, noise, prompt_tokens, prompt_mask, keys.sample,
+                              num_generations=G, greedy=False,
+                              max_new_tokens=int(config.sampling.max_completion_length))
+    completions = _decode(policy.tokenizer, rollout)
+    t1 = time.perf_counter()
+    # 4. rewards on the host: one float each, failures missing (NaN)
+    answers = [p.answer for p in batch for _ in range(G)]
+    rewards, missing = score(reward_fn, completions, answers)
+    correct, _ = score(correctness_fn, completions, answers)
+    # 5. group-normalised advantages (NaN rewards -> advantage 0)
+    advantages = grpo.group_advantages(jnp.asarray(rewards), G, scale_rewards=str(config.rl.scale_rewards))
+    t2 = time.perf_counter()
+    # 6. reference log-probs (LoRA off) when beta > 0
+    update_batch = _update_batch(prompt_tokens, prompt_mask, rollout, advantages)
+    update_noise = policy.update_noise(noise)
+    if float(config.rl.beta) > 0:
+      update_batch["ref_logprobs"] = policy.ref_logprobs(update_batch, update_noise)
+    # 7. num_iterations optimizer updates over micro-batches
+    for it in range(int(config.rl.num_iterations)):
+      state, update_metrics = policy.update(state, update_batch, update_noise, step,
+                                            jax.random.fold_in(keys.update, it))
+    t3 = time.perf_counter()
+    # 8. log, checkpoint, evaluate
+    done = step + 1
+    row = {**_scalar_metrics(update_metrics),
+           **_scalar_metrics(grpo.reward_metrics(jnp.asarray(rewards), G)),
+           **_scalar_metrics(grpo.completion_metrics(rollout.mask, rollout.truncated)),
+           "reward/missing": missing, "accuracy": float(np.mean(np.nan_to_num(correct) > 0)),
+           "aqn/sigma": float(policy.sigma(step)), "data/epoch": epoch, "data/position": position,
+           "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2,
+           "time/step_s": t3 - t0,
+           "perf/tokens_per_s": float(np.asarray(rollout.lengths).sum()) / max(t1 - t0, 1e-9)}
+    mem = metrics_lib.peak_device_memory_bytes()
+    if mem is not None:
+      row["perf/peak_memory_bytes"] = mem
+    logger.write(done, row)
+    every = int(config.train.log_samples_every)
+    if every and done % every == 0:
+      n = min(int(config.train.num_samples_logged), len(completions))
+      prompts_text = [batch[i // G].text for i in range(n)]
+      logger.write_samples(done, prompts_text, completions[:n], rewards[:n].tolist(), answers[:n])
+    if (int(config.train.eval_every) and done % int(config.train.eval_every) == 0
+        or done == total) and eval_set:
+      last_acc = run_eval(done)
+    if done % int(config.train.save_every) == 0 or done == total:
+      checkpointer.save(done, _state_to_save(state, done, seed),
+                        {"step": done, "epoch": epoch, "data_position": position, "seed": seed,
+                         "config": json.loads(config.to_json_best_effort())})
+    if bar is not None:
+      bar.update(1)
+      post = {"reward": f"{row['reward']:.3f}", "tok/s": f"{row['perf/tokens_per_s']:.0f}"}
+      if last_acc is not None:
+        post["acc"] = f"{last_acc:.3f}"
+      bar.set_postfix(post)
+  if bar is not None:
+    bar.close()
+  checkpointer.close()
+  logger.close()
+  summary = summarize(workdir, total)
+  summary["wall_time_s"] = time.perf_counter() - t_start
+  summary["status"] = "ok" if _finite(summary.get("final_reward")) or end < total else "non-finite"
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2, sort_keys=True)
+  return summary
+
+
+def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+  """Dotted keys whose values differ between two config dicts (JSON form)."""
+  out = []
+  for k in sorted(set(old) | set(new)):
+    a, b = old.get(k), new.get(k)
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += _changed_keys(a, b, f"{prefix}{k}.")
+    elif a != b:
+      out.append(f"{prefix}{k}")
+  return out
+
+
+def _finite(x) -> bool:
+  return x is not None and math.isfinite(float(x))
+
+
+def _decode(tokenizer, rollout) -> list[str]:
+  """Completion texts of a rollout (each row up to its length, special tokens dropped)."""
+  tokens, lengths = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
+  return [tokenizer.decode(tokens[i, :lengths[i]], skip_special_tokens=True)
+          for i in range(tokens.shape[0])]
+
+
+def summarize(workdir: str, total_steps: int) -> dict:
+  """Summary of a run from its metrics.jsonl (used at the end of :func:`train`)."""
+  rows = metrics_lib.read_metrics(workdir)
+  train_rows = [r for r in rows if "reward" in r]
+  evals = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
+  quarter = max(1, total_steps // 4)
+  ent = [r["entropy"] for r in train_rows if r["step"] <= quarter and r.get("entropy") is not None]
+  last = train_rows[-1] if train_rows else {}
+  return {
+      "workdir": workdir,
+      "steps": int(last.get("step", 0)),
+      "initial_accuracy": evals[0][1] if evals and evals[0][0] == 0 else None,
+      "final_accuracy": evals[-1][1] if evals else None,
+      "best_accuracy": max(a for _, a in evals) if evals else None,
+      "final_reward": last.get("reward"),
+      "mean_entropy_first_quarter": float(np.mean(ent)) if ent else None,
+      "mean_step_time_s": float(np.mean([r["time/step_s"] for r in train_rows])) if train_rows else None,
+  }
+
+
+def restore_train_state(config, policy: Policy, workdir: str, *, step: int | None = None):
+  """The train state and metadata of a run's checkpoint (newest when ``step`` is None).
+
+  Raises:
+    FileNotFoundError: the workdir has no complete checkpoint.
+  """
+  c = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
+  try:
+    fresh = policy.init_state(jax.random.PRNGKey(0))
+    saved, meta = c.restore(step, _state_to_save(fresh, 0, int(config.seed)))
+  finally:
+    c.close()
+  return saved["train_state"], meta
+
+
+def run(config: ml_collections.ConfigDict, workdir: str, **kwargs) -> dict:
+  """Validates ``config``, trains (or resumes) in ``workdir``, prints a summary table, plots.
+
+  The in-process entry point (``experiments/ablate.py`` calls it per variant).
+
+  Returns:
+    The summary dict of :func:`train`.
+
+  Raises:
+    ValueError: an impossible config (before any compute).
+  """
+  train_config.validate(config, check_paths=kwargs.get("policy") is None)
+  summary = train(config, workdir, **kwargs)
+  print(metrics_lib.format_summary_table(
+      [(k, v) for k, v in summary.items() if k != "workdir" and v is not None]))
+  if bool(config.train.plot):
+    from qerl_jax import plotting
+    plotting.plot_runs([workdir], os.path.join(workdir, "plots"))
+  return summary
+
+
+def update_config(config: ml_collections.ConfigDict) -> dict:
+  """The ``qerl_jax.update`` options (TRL / Hugging Face names) of a trainer config."""
+  rl, o = config.rl, config.optim
+  return {
+      "loss_type": str(rl.loss_type), "epsilon": float(rl.epsilon),
+      "epsilon_high": None if rl.epsilon_high is None else float(rl.epsilon_high),
+      "beta": float(rl.beta), "kl_estimator": str(rl.kl_estimator),
+      "max_completion_length": int(config.sampling.max_completion_length),
+      "mask_truncated_completions": bool(rl.mask_truncated_completions),
+      "gradient_accumulation_steps": int(rl.batch_size) // int(rl.micro_batch_size),
+      "learning_rate": float(o.learning_rate), "adam_beta1": float(o.b1), "adam_beta2": float(o.b2),
+      "weight_decay": float(o.weight_decay), "max_grad_norm": float(o.max_grad_norm),
+      "lr_scheduler_type": str(o.lr_schedule), "warmup_ratio": float(o.warmup_ratio),
+      "max_steps": int(config.train.total_steps) * int(rl.num_iterations),
+  }
+
+
+# ---------------------------------------------------------------------------------- building the job
+
+def load_policy(config: ml_collections.ConfigDict) -> Policy:
+  """Loads the frozen base (quantized as ``config.model.quant``) and builds the jitted functions.
+
+  The base is read once from ``config.model.path`` (a Hugging Face folder, or ``random:tiny``
+  for a random tiny model: a stand-in until the embedded model exists) and passed to every
+  jitted function as an argument, never baked in as a constant. LoRA (``config.lora``) is
+  initialised as PEFT does (B = 0, so step 0 is the base model), AQN noise
+  (``config.aqn``) is drawn per step from ``fold_in(PRNGKey(seed), 0xA0)`` and the step.
+
+  Raises:
+    ValueError / FileNotFoundError: from the checkpoint loader (unsupported architecture,
+      missing files).
+  """
+  from qerl_jax import aqn, lora, models as model, update
+
+  model_cfg, base, tokenizer, eos_ids = _load_base(config)
+  pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+  lora_cfg = lora.LoRAConfig(r=int(config.lora.rank), lora_alpha=float(config.lora.alpha),
+                             use_rslora=bool(config.lora.use_rslora),
+                             target_modules=tuple(config.lora.target_modules),
+                             train_norms=bool(config.lora.train_norms))
+  scale = lora.scale(lora_cfg)
+  upd_cfg = update_config(config)
+  optimizer = update.make_optimizer(upd_cfg)
+  remat = bool(config.model.remat)
+
+  aqn_on = bool(config.aqn.enabled)
+  aqn_cfg = aqn.AQNConfig(kind=str(config.aqn.schedule) if aqn_on else "off",
+                          sigma_start=float(config.aqn.sigma_start),
+                          sigma_end=float(config.aqn.sigma_end),
+                          num_stages=int(config.aqn.num_stages),
+                          total_steps=int(config.train.total_steps),
+                          noise_in_update=not bool(config.aqn.rollout_only))
+  aqn_key = jax.random.fold_in(jax.random.PRNGKey(int(config.seed)), _AQN_STREAM)
+  norm_shapes = aqn.norm_shapes_of(model_cfg)
+  noise_fn = jax.jit(lambda step: aqn.noise(aqn_key, step, norm_shapes, aqn_cfg))
+
+  def noise(step):
+    return noise_fn(jnp.asarray(step, jnp.int32)) if aqn_on else None
+
+  def sigma(step):
+    return float(aqn.schedule_sigma(aqn_cfg, int(step))) if aqn_on else 0.0
+
+  def init_state(key):
+    params = lora.init_lora(key, model_cfg, lora_cfg, base)
+    return update.make_train_state(params, optimizer)
+
+  def completion_logprobs(params, base_, noise_, prompt_tokens, prompt_mask, tokens, mask):
+    """log p and entropy [N, T] of the completion tokens (float32), prompt + completion forward."""
+    full = jnp.concatenate([prompt_tokens, tokens], axis=1)
+    full_mask = jnp.concatenate([prompt_mask, mask], axis=1)
+    positions = model.positions_from_mask(full_mask)
+    lp, ent = model.token_logprobs(model_cfg, base_, full, positions, lora=params, lora_cfg=scale,
+                                   norm_noise=noise_, attn_mask=full_mask, remat=remat)
+    p = prompt_tokens.shape[1]
+    return lp[:, p:], ent[:, p:]
+
+  def logprob_fn(params, mb):
+    sh = mb["shared"]
+    return completion_logprobs(params, sh["base"], sh.get("noise"), mb["prompt_tokens"],
+                               mb["prompt_mask"], mb["completion_tokens"], mb["completion_mask"])
+
+  update_step = update.make_update_step(logprob_fn, upd_cfg, optimizer=optimizer)
+
+  def do_update(state, batch, noise_, step, key):
+    shared = {"base": base} if noise_ is None else {"base": base, "noise": noise_}
+    return update_step(state, {**batch, "shared": shared}, step, key)
+
+  ref_jit = jax.jit(lambda base_, pt, pm, t, m: completion_logprobs(None, base_, None, pt, pm, t, m)[0])
+
+  def ref_logprobs(batch, noise_):
+    del noise_  # the reference is the base policy: LoRA off, no AQN noise
+    return ref_jit(base, batch["prompt_tokens"], batch["prompt_mask"], batch["completion_tokens"],
+                   batch["completion_mask"])
+
+  generate = _make_generate(config, model_cfg, base, scale, eos_ids, pad_id)
+  return Policy(tokenizer=tokenizer, pad_id=int(pad_id), init_state=init_state, noise=noise,
+                update_noise=lambda z: None if aqn_cfg.noise_in_update is False else z,
+                sigma=sigma, generate=generate, ref_logprobs=ref_logprobs, update=do_update,
+                description=f"{config.model.path} ({config.model.quant})")
+
+
+def _load_base(config):
+  """``(model_cfg, base, tokenizer, eos_ids)`` from ``config.model`` (quantized as configured)."""
+  from qerl_jax import hf
+  path = str(config.model.path)
+  if path.startswith("random:"):
+    path = _random_tiny_checkpoint(path.split(":", 1)[1], int(config.seed))
+  pre = hf.load_pretrained(path, quant=str(config.model.quant))
+  if pre.tokenizer is None:
+    raise ValueError(f"model.path={config.model.path!r} has no tokenizer; the trainer needs one")
+  eos = tuple(int(i) for i in pre.generation_config.get("eos_token_ids") or ())
+  if not eos:
+    eos = (int(pre.tokenizer.eos_token_id),)
+  return pre.cfg, pre.base, pre.tokenizer, eos
+
+
+def _random_tiny_checkpoint(name: str, seed: int) -> str:
+  """Writes a random tiny Qwen2 checkpoint + the synthetic task's BPE tokenizer to a temp folder.
+
+  A stand-in for the embedded model while ``assets/`` does not have it: it exercises the whole
+  pipeline (load, quantize, sample, score, update) but learns nothing useful.
+  """
+  import tempfile
+  from qerl_jax import hf, models, synthetic
+
+  if name != "tiny":
+    raise ValueError(f"model.path='random:{name}': only 'random:tiny' exists")
+  folder = tempfile.mkdtemp(prefix="qerl-random-tiny-")
+  tok = synthetic.build_tokenizer(synthetic.training_texts(synthetic.make_split("train", 500)))
+  tok.save_pretrained(folder)
+  vocab = tok.get_vocab()
+  hf_cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+            "vocab_size": len(vocab), "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "tie_word_embeddings": True, "eos_token_id": vocab["<|im_end|>"],
+            "pad_token_id": vocab["<|endoftext|>"], "torch_dtype": "float32"}
+  cfg = models.ModelConfig.from_hf(hf_cfg)
+  base = models.init_params(cfg, jax.random.PRNGKey(seed), dtype=jnp.float32)
+  hf.save_pretrained(folder, cfg, base)
+  with open(os.path.join(folder, "config.json"), "w") as f:
+    json.dump(hf_cfg, f)
+  return folder
+
+
+def _make_generate(config, model_cfg, base, lora_scale, eos_ids, pad_id):
+  """The rollout function of :class:`Policy` over ``sampling.generate`` (one jit per bucket)."""
+  from qerl_jax import sampling
+  s = config.sampling
+
+  def generate(params, noise, prompt_tokens, prompt_mask, key, *, num_generations, greedy,
+               max_new_tokens, temperature=None):
+    temp = 0.0 if greedy else float(s.temperature if temperature is None else temperature)
+    scfg = sampling.SamplingConfig(
+        max_new_tokens=int(max_new_tokens), eos_token_ids=tuple(eos_ids), pad_id=int(pad_id),
+        temperature=temp, top_p=float(s.top_p), top_k=int(s.top_k),
+        num_generations=int(num_generations))
+    return sampling.generate(model_cfg, base, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask),
+                             key, scfg, lora=params, lora_cfg=lora_scale, norm_noise=noise)
+
+  return generate
+
+
+# ---------------------------------------------------------------------------------- data and rewards
+
+def load_prompts(spec: str, task: str, tokenizer, config) -> list[Prompt]:
+  """The prompts of a data set, rendered with the chat template and filtered by length.
+
+  Args:
+    spec: a JSONL path, a hub id ``hub:<id>[:<config>]:<split>`` (``datasets``), or
+      ``synthetic:<split>:<num>[:<seed>]`` (the embedded model's arithmetic task,
+      ``qerl_jax.synthetic.make_split``).
+    task: ``"gsm8k"`` or ``"math"`` (row fields and gold answers, see ``qerl_jax.data``).
+    tokenizer: a transformers tokenizer with a chat template.
+    config: the trainer config: ``data.system_prompt`` ("" = none), ``data.user_template``,
+      ``data.max_prompt_length`` (tokens).
+
+  Malformed rows are skipped and counted by ``data.load_examples``; prompts longer than
+  ``data.max_prompt_length`` are dropped; both counts are printed. Never fatal for a bad row.
+
+  Raises:
+    FileNotFoundError: a missing local file. ValueError: a bad spec, or no usable row.
+  """
+  if spec.startswith("synthetic:"):
+    rows, skipped = _synthetic_rows(spec), 0
+  elif spec.startswith("hub:"):
+    parts = spec[4:].split(":")
+    if len(parts) not in (2, 3):
+      raise ValueError(f"data spec {spec!r}: expected hub:<id>[:<config>]:<split>")
+    rows, report = data_lib.load_examples(parts[0], kind=task, split=parts[-1],
+                                          hub_config=parts[1] if len(parts) == 3 else None)
+    skipped = report.num_skipped
+  else:
+    rows, report = data_lib.load_examples(spec, kind=task)
+    skipped = report.num_skipped
+  system = str(config.data.system_prompt) or None
+  out, too_long = [], 0
+  for r in rows:
+    text = data_lib.build_prompt(tokenizer, r.question, system_prompt=system,
+                                 user_template=str(config.data.user_template))
+    if len(tokenizer(text, add_special_tokens=False)["input_ids"]) > int(config.data.max_prompt_length):
+      too_long += 1
+      continue
+    out.append(Prompt(text=text, answer=r.answer))
+  if skipped or too_long:
+    print(f"data {spec}: skipped {skipped} malformed rows and {too_long} prompts longer than "
+          f"{config.data.max_prompt_length} tokens; kept {len(out)}", file=sys.stderr)
+  if not out:
+    raise ValueError(f"data {spec!r}: no usable rows ({skipped} malformed, {too_long} too long)")
+  return out
+
+
+def _synthetic_rows(spec: str) -> list:
+  """``data.Example`` rows of ``synthetic:<split>:<num>[:<seed>]``."""
+  from qerl_jax import synthetic
+  parts = spec.split(":")
+  if len(parts) not in (3, 4):
+    raise ValueError(f"data spec {spec!r}: expected synthetic:<split>:<num>[:<seed>]")
+  seed = int(parts[3]) if len(parts) == 4 else 0
+  return [data_lib.Example(question=r["question"], answer=r["gold"], kind="gsm8k", row=i)
+          for i, r in enumerate(synthetic.make_split(parts[1], int(parts[2]), seed=seed))]
+
+
+def load_datasets(config, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
+  """``(train, eval)`` prompts of ``config.data`` (eval truncated to ``data.eval_size``)."""
+  train_set = load_prompts(str(config.data.train), str(config.data.task), tokenizer, config)
+  eval_set = []
+  if config.data.eval:
+    eval_set = load_prompts(str(config.data.eval), str(config.data.task), tokenizer, config)
+    if int(config.data.eval_size):
+      eval_set = eval_set[:int(config.data.eval_size)]
+  return train_set, eval_set
+
+
+def make_reward_fns(config, *, task: str | None = None) -> tuple[Callable, Callable]:
+  """``(correctness, training reward)`` functions ``(completions, answers) -> list[float]``.
+
+  Correctness is the task's answer check (``rewards.gsm8k_reward`` / ``rewards.math_reward``,
+  1.0 or 0.0); the training reward adds ``rl.format_reward_weight * rewards.format_reward``.
+  """
+  from qerl_jax import rewards
+  task = task or str(config.data.task)
+  correctness = {"gsm8k": rewards.gsm8k_reward, "math": rewards.math_reward}[task]
+  w = float(config.rl.format_reward_weight)
+  if w == 0:
+    return correctness, correctness
+
+  def with_format(completions, answers):
+    acc = correctness(completions, answers)
+    fmt = rewards.format_reward(completions)  # 1.0 for a '####', <answer> or \\boxed answer
+    return [a + w * f for a, f in zip(acc, fmt)]
+
+  return correctness, with_format

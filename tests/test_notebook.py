@@ -1,0 +1,26 @@
+"""Executes notebooks/quickstart.ipynb top to bottom on the CPU (nbclient) and checks its outputs."""
+
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
+
+
+@pytest.mark.skipif(not (ROOT / "assets" / "tiny-gsm" / "model.safetensors").is_file(),
+                    reason="assets/tiny-gsm not built")
+def test_quickstart_runs_top_to_bottom():
+  nbformat = pytest.importorskip("nbformat")
+  nbclient = pytest.importorskip("nbclient")
+  nb = nbformat.read(str(NOTEBOOK), as_version=4)
+  client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                   resources={"metadata": {"path": str(ROOT / "notebooks")}})
+  client.execute()
+  text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                   if o.get("output_type") == "stream")
+  assert "relative Frobenius error" in text
+  # NVFP4 error of a Gaussian-like weight is a few percent to ~15%, never 0 and never ~1.
+  errs = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if "relative Frobenius error" in line]
+  assert errs and all(0.01 < e < 0.3 for e in errs), errs
+  assert "final_accuracy" in text

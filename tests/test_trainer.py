@@ -1,0 +1,291 @@
+"""Tests of the training job: loop, checkpoint/resume exactness, config validation, launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from qerl_jax import checkpoint as ckpt_lib
+from qerl_jax import metrics as metrics_lib
+from qerl_jax import train_config, trainer
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _trainer_utils as toy  # noqa: E402
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+
+
+def _deterministic(rows):
+  """Metric rows without wall-time keys (the only ones that may differ between two runs)."""
+  return [{k: v for k, v in r.items() if not k.startswith(metrics_lib.TIMING_KEYS)} for r in rows]
+
+
+def _final_params(workdir, config, policy):
+  return trainer.restore_train_state(config, policy, workdir)
+
+
+def _toy_run(config, workdir, **kw):
+  return trainer.train(config, workdir, policy=toy.toy_policy(config), datasets=toy.toy_datasets(),
+                       reward_fns=(toy.contains_answer, toy.contains_answer), progress=False, **kw)
+
+
+# ------------------------------------------------------------------------------ pure helpers
+
+def test_step_keys_depend_only_on_seed_and_step():
+  a, b, c = trainer.step_keys(3, 5), trainer.step_keys(3, 5), trainer.step_keys(3, 6)
+  np.testing.assert_array_equal(a.sample, b.sample)
+  assert not np.array_equal(a.sample, c.sample)
+  assert not np.array_equal(a.sample, a.update)
+
+
+def test_score_marks_failed_rewards_missing():
+  def flaky(completions, answers):
+    if len(completions) > 1:
+      raise RuntimeError("batch failure")
+    if completions[0] == "boom":
+      raise ValueError("cannot parse")
+    return [1.0 if completions[0] == answers[0] else 0.0]
+  r, missing = trainer.score(flaky, ["4", "boom", "5"], ["4", "4", "4"])
+  assert missing == 1
+  np.testing.assert_array_equal(np.isnan(r), [False, True, False])
+  assert r[0] == 1.0 and r[2] == 0.0
+
+
+def test_load_prompts_skips_malformed_and_long_rows(tmp_path):
+  """The real GSM8K test file with malformed rows appended: counted and skipped, never fatal."""
+  src = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
+  if not os.path.exists(src):
+    pytest.skip("../shared/data is absent")
+  lines = open(src).read().splitlines()[:20]
+  path = tmp_path / "gsm8k.jsonl"
+  path.write_text("\n".join(lines + ["{not json", json.dumps({"question": "q"}),
+                                       json.dumps({"question": "x " * 3000, "answer": "#### 1"})]) + "\n")
+  from qerl_jax import synthetic
+  tok = synthetic.build_tokenizer(synthetic.training_texts(synthetic.make_split("train", 50)))
+  c = toy.toy_config()
+  c.data.max_prompt_length = 512
+  prompts = trainer.load_prompts(str(path), "gsm8k", tok, c)
+  assert len(prompts) == 20
+  gold = json.loads(lines[0])["answer"].split("####")[-1].strip().replace(",", "")
+  assert prompts[0].answer == gold
+  assert json.loads(lines[0])["question"] in prompts[0].text
+  assert prompts[0].text.endswith("<|im_start|>assistant\n")
+
+
+# ------------------------------------------------------------------------------ config validation
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("rl.batch_size", 10, "not a multiple of rl.num_generations"),
+    ("lora.rank", 0, "lora.rank=0"),
+    ("aqn.sigma_end", 0.1, "aqn.sigma_end=0.1 > aqn.sigma_start=0.01"),
+    ("rl.num_generations", 1, "rl.num_generations=1 must be >= 2"),
+    ("rl.micro_batch_size", 5, "rl.micro_batch_size=5"),
+    ("rl.loss_type", "ppo", "rl.loss_type='ppo'"),
+    ("sampling.top_p", 0.0, "sampling.top_p=0.0"),
+    ("model.quant", "int3", "model.quant='int3'"),
+])
+def test_validate_names_the_impossible_setting(key, value, needle):
+  c = toy.toy_config()
+  section, name = key.split(".")
+  c[section][name] = value
+  with pytest.raises(ValueError, match="impossible config") as e:
+    train_config.validate(c, check_paths=False)
+  assert needle in str(e.value)
+
+
+def test_validate_missing_local_path():
+  c = toy.toy_config()
+  c.data.train = "/nonexistent/train.jsonl"
+  with pytest.raises(ValueError, match="data.train='/nonexistent/train.jsonl' does not exist"):
+    train_config.validate(c)
+
+
+def test_every_recipe_is_valid():
+  import importlib.util
+  for name in ("gsm8k_qwen2_5_7b", "bigmath_dapo_qwen2_5_7b", "gsm8k_qwen2_5_32b_single_gpu", "default"):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    train_config.validate(mod.get_config(), check_paths=False)
+
+
+def _launch(*args, timeout=120):
+  return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "train.py"), *args],
+                        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                        env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"})
+
+
+def test_launcher_rejects_unknown_key_and_impossible_config(tmp_path):
+  r = _launch("--config=configs/gsm8k_qwen2_5_7b.py", f"--workdir={tmp_path}",
+              "--config.rl.num_generatons=16")
+  assert r.returncode == 2
+  assert "unknown config key" in r.stderr and "num_generations" in r.stderr  # did-you-mean
+  r = _launch("--config=configs/gsm8k_qwen2_5_7b.py", f"--workdir={tmp_path}",
+              "--config.rl.num_generations=6", "--config.lora.rank=0")
+  assert r.returncode == 2
+  assert "rl.batch_size=64 is not a multiple of rl.num_generations=6" in r.stderr
+  assert "lora.rank=0" in r.stderr
+  assert not os.listdir(tmp_path)  # nothing computed, nothing written
+
+
+# ------------------------------------------------------------------------------ loop on the toy policy
+
+def test_toy_run_logs_checkpoints_and_resumes_exactly(tmp_path):
+  config = toy.toy_config()
+  full, part = str(tmp_path / "full"), str(tmp_path / "part")
+  _toy_run(config, full)
+  _toy_run(config, part, stop_after=3)  # checkpoints at 2; the step-3 lines must be dropped
+  assert ckpt_lib.Checkpointer(os.path.join(part, "checkpoints")).latest_step() == 2
+  _toy_run(config, part)
+
+  a, b = metrics_lib.read_metrics(full), metrics_lib.read_metrics(part)
+  assert [r["step"] for r in a] == [0, 1, 2, 3, 3, 4, 5, 6, 6]  # eval rows at 0, 3, 6
+  assert [r["data/position"] for r in a if "loss" in r] == [1, 2, 3, 4, 5, 6]
+  assert _deterministic(a) == _deterministic(b)
+  sa, meta_a = _final_params(full, config, toy.toy_policy(config))
+  sb, meta_b = _final_params(part, config, toy.toy_policy(config))
+  for x, y in zip(jax.tree_util.tree_leaves(sa), jax.tree_util.tree_leaves(sb)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert meta_a["step"] == 6 and meta_a["data_position"] == meta_b["data_position"]
+  assert meta_a["config"]["rl"]["num_generations"] == 4
+  assert int(sa.num_updates) == 6
+  samples = [json.loads(l) for l in open(os.path.join(part, "samples.jsonl"))]
+  assert sorted({s["step"] for s in samples}) == [2, 4, 6]
+  assert os.listdir(os.path.join(full, "tensorboard"))
+  # plot.py: both runs on one figure per quantity
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "plot.py"),
+                      f"--workdirs={full},{part}", f"--out={tmp_path / 'plots'}"],
+                     capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+  assert r.returncode == 0, r.stderr[-2000:]
+  written = sorted(os.listdir(tmp_path / "plots"))
+  assert {"reward.png", "accuracy.png", "entropy.png", "sigma.png", "response_length.png"} <= set(written)
+  assert all(os.path.getsize(tmp_path / "plots" / f) > 5000 for f in written)
+
+
+# ------------------------------------------------------------------------------ the CPU default, end to end
+
+# The CPU default shrunk to about a second a step: 2 prompts x 4 completions, 24 new tokens.
+_SMALL = ["--config.train.total_steps=4", "--config.train.save_every=1", "--config.train.eval_every=0",
+          "--config.data.eval_size=4", "--config.train.eval_batch_size=4",
+          "--config.sampling.max_completion_length=24", "--config.rl.batch_size=8",
+          "--config.rl.micro_batch_size=4", "--config.train.log_samples_every=1",
+          "--config.train.plot=False", "--config.train.keep_checkpoints=5",
+          "--config.rl.mask_truncated_completions=False"]
+
+
+def _env(cache_dir):
+  # A shared persistent compilation cache makes the 2nd and 3rd process skip compilation.
+  return {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
+          "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+
+def _train_cmd(workdir):
+  return [sys.executable, os.path.join(ROOT, "experiments", "train.py"),
+          "--config=configs/default.py", f"--workdir={workdir}", *_SMALL]
+
+
+def _complete_steps(workdir):
+  d = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(d):
+    return []
+  return sorted(int(n) for n in os.listdir(d) if n.isdigit())
+
+
+@pytest.fixture(scope="module")
+def default_runs(tmp_path_factory):
+  """An uninterrupted 4-step run and a run SIGKILLed after its 2nd checkpoint, then resumed."""
+  import signal
+  import time
+  base = tmp_path_factory.mktemp("default")
+  cache = base / "jax_cache"
+  full, killed = base / "full", base / "killed"
+  r = subprocess.run(_train_cmd(full), cwd=ROOT, env=_env(cache), capture_output=True, text=True,
+                     timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+
+  p = subprocess.Popen(_train_cmd(killed), cwd=ROOT, env=_env(cache), stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+  deadline = time.time() + 600
+  while len(_complete_steps(killed)) < 2 and p.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  p.send_signal(signal.SIGKILL)
+  p.wait()
+  steps_at_kill = _complete_steps(killed)
+  r2 = subprocess.run(_train_cmd(killed), cwd=ROOT, env=_env(cache), capture_output=True,
+                      text=True, timeout=900)
+  assert r2.returncode == 0, r2.stderr[-3000:]
+  return {"full": str(full), "killed": str(killed), "steps_at_kill": steps_at_kill,
+          "stdout": r.stdout, "resume_stderr": r2.stderr}
+
+
+def test_default_config_runs_end_to_end(default_runs):
+  full = default_runs["full"]
+  rows = metrics_lib.read_metrics(full)
+  train_rows = [r for r in rows if "loss" in r]
+  assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
+  for r in train_rows:
+    assert np.isfinite(r["loss"]) and np.isfinite(r["entropy"]) and r["entropy"] > 0
+    assert r["time/rollout_s"] > 0 and r["perf/tokens_per_s"] > 0
+  assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 4]
+  assert "final_accuracy" in default_runs["stdout"]  # the summary table
+  assert os.listdir(os.path.join(full, "tensorboard"))
+  samples = [json.loads(l) for l in open(os.path.join(full, "samples.jsonl"))]
+  assert {s["step"] for s in samples} == {1, 2, 3, 4} and all("completion" in s for s in samples)
+  # the checkpoint restores (see the next test), holds the config, and not the frozen base
+  meta = json.load(open(os.path.join(full, "checkpoints", "4", "meta", "metadata")))
+  assert meta["step"] == 4 and meta["config"]["rl"]["batch_size"] == 8
+  assert meta["data_position"] == 4  # batches of prompts served
+  sizes = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in
+              os.walk(os.path.join(full, "checkpoints", "4")) for f in fs)
+  assert sizes < 5_000_000, f"a checkpoint of {sizes} bytes: the frozen base must not be saved"
+
+
+def test_sigkill_after_second_checkpoint_resumes_bit_for_bit(default_runs):
+  full, killed = default_runs["full"], default_runs["killed"]
+  at_kill = default_runs["steps_at_kill"]
+  assert len(at_kill) >= 2 and max(at_kill) < 4, at_kill  # killed mid-run, not after the end
+  assert f"resuming from the checkpoint at step {max(at_kill)}" in default_runs["resume_stderr"]
+  a, b = metrics_lib.read_metrics(full), metrics_lib.read_metrics(killed)
+  assert _deterministic(a) == _deterministic(b)
+  ca = ckpt_lib.Checkpointer(os.path.join(full, "checkpoints"))
+  cb = ckpt_lib.Checkpointer(os.path.join(killed, "checkpoints"))
+  assert ca.latest_step() == cb.latest_step() == 4
+  import orbax.checkpoint as ocp
+  ra = ocp.StandardCheckpointer().restore(os.path.join(full, "checkpoints", "4", "state"))
+  rb = ocp.StandardCheckpointer().restore(os.path.join(killed, "checkpoints", "4", "state"))
+  la, lb = jax.tree_util.tree_leaves(ra), jax.tree_util.tree_leaves(rb)
+  assert len(la) == len(lb) > 4
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(ra)[0]]
+  assert any("'a'" in p for p in paths) and any("input_norm" in p for p in paths)  # LoRA + norms
+  assert not any("embed" in p or "'q'" in p and "'a'" not in p and "'b'" not in p for p in paths)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  ca.close()
+  cb.close()
+
+
+def test_unfinished_save_is_ignored_and_cleaned(tmp_path):
+  """A save killed before orbax's final rename leaves '<step>.orbax-checkpoint-tmp': not a checkpoint."""
+  import shutil
+  d = tmp_path / "checkpoints"
+  c = ckpt_lib.Checkpointer(d, keep=3)
+  state = {"w": np.arange(4, dtype=np.float32)}
+  c.save(1, state, {"step": 1})
+  c.save(2, {"w": state["w"] + 1}, {"step": 2})
+  c.close()
+  shutil.copytree(d / "2", d / "3.orbax-checkpoint-tmp")  # what a kill mid-save leaves
+  c = ckpt_lib.Checkpointer(d, keep=3)
+  assert c.latest_step() == 2 and c.all_steps() == [1, 2]
+  restored, meta = c.restore(None, state)
+  np.testing.assert_array_equal(restored["w"], [1, 2, 3, 4])
+  assert meta == {"step": 2}
+  c.close()
+  assert not (d / "3.orbax-checkpoint-tmp").exists()
