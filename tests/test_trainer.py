@@ -173,7 +173,8 @@ def test_toy_run_logs_checkpoints_and_resumes_exactly(tmp_path):
 # The CPU default shrunk to about a second a step: 2 prompts x 4 completions, 24 new tokens.
 _SMALL = ["--config.train.total_steps=4", "--config.train.save_every=1", "--config.train.eval_every=0",
           "--config.data.eval_size=4", "--config.train.eval_batch_size=4",
-          "--config.sampling.max_completion_length=24", "--config.rl.batch_size=8",
+          "--config.sampling.max_completion_length=24", "--config.rl.num_generations=4",
+          "--config.rl.batch_size=8",
           "--config.rl.micro_batch_size=4", "--config.train.log_samples_every=1",
           "--config.train.plot=False", "--config.train.keep_checkpoints=5",
           "--config.rl.mask_truncated_completions=False"]
@@ -235,6 +236,8 @@ def test_default_config_runs_end_to_end(default_runs):
     assert np.isfinite(r["loss"]) and np.isfinite(r["entropy"]) and r["entropy"] > 0
     assert r["time/rollout_s"] > 0 and r["perf/tokens_per_s"] > 0
   assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 4]
+  if "tiny-gsm" in json.load(open(os.path.join(full, "config.json")))["model"]["path"]:
+    assert any(r["grad_norm"] > 0 for r in train_rows)  # the embedded model learns: LoRA moves
   assert "final_accuracy" in default_runs["stdout"]  # the summary table
   assert os.listdir(os.path.join(full, "tensorboard"))
   samples = [json.loads(l) for l in open(os.path.join(full, "samples.jsonl"))]
