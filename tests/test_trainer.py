@@ -292,3 +292,24 @@ def test_unfinished_save_is_ignored_and_cleaned(tmp_path):
   assert meta == {"step": 2}
   c.close()
   assert not (d / "3.orbax-checkpoint-tmp").exists()
+
+
+def test_evaluate_greedy_and_pass_at_k_on_the_toy_policy():
+  config = toy.toy_config()
+  policy = toy.toy_policy(config)
+  logits = np.full((toy.V,), -5.0, np.float32)
+  logits[1] = 5.0  # greedy emits token 1 = the digit '0' at every position: "000"
+  params = {"logits": jax.numpy.asarray(logits)}
+  _, prompts = toy.toy_datasets(n_eval=8)
+  expected = np.mean([p.answer == "0" for p in prompts])  # "000" contains only the answer 0
+  assert expected == 3 / 8
+  ev = trainer.evaluate(policy, params, prompts, toy.contains_answer, batch_size=3,
+                        max_new_tokens=toy.T, prompt_length=3)
+  assert ev["accuracy"] == expected and ev["num_prompts"] == 8 and len(ev["completions"]) == 8
+  assert set(ev["completions"]) == {"000"}
+  # pass@k: a prompt counts when any of its k samples is right; never below the per-sample mean
+  params = {"logits": jax.numpy.zeros((toy.V,))}
+  ev = trainer.evaluate(policy, params, prompts, toy.contains_answer, batch_size=4,
+                        max_new_tokens=toy.T, prompt_length=3, num_samples=4,
+                        key=jax.random.PRNGKey(1))
+  assert ev["sample_accuracy"] <= ev["accuracy"] <= 1.0 and ev["accuracy"] > 0
