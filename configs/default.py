@@ -5,7 +5,9 @@ The model is the small Qwen2-architecture checkpoint this project trains itself 
 ``random:tiny`` and the trainer builds a randomly initialised tiny model and char-level
 tokenizer in a temporary folder (it runs end to end but learns nothing useful: say so).
 
-Sizes are chosen for 2 CPU cores: 4 prompts x G = 4 completions per step, at most 72 new tokens.
+Sizes are chosen for 2 CPU cores: 8 prompts x G = 8 completions per step, at most 72 new tokens,
+120 steps. Measured on a shared 2-core machine (seed 0): held-out greedy accuracy 0.38 -> 0.58
+(100 problems) in 250 s wall, about 1 s a step after compilation.
 """
 
 import os
@@ -41,9 +43,9 @@ def get_config():
   c.data.eval_size = 100
 
   c.rl.loss_type = "grpo"
-  c.rl.num_generations = 4
-  c.rl.batch_size = 16
-  c.rl.micro_batch_size = 8
+  c.rl.num_generations = 8
+  c.rl.batch_size = 64  # 8 prompts x 8 completions
+  c.rl.micro_batch_size = 32
   c.rl.num_iterations = 1
   c.rl.epsilon = 0.2
   c.rl.epsilon_high = 0.28
@@ -56,8 +58,8 @@ def get_config():
   c.optim.warmup_ratio = 0.05
   c.optim.max_grad_norm = 1.0
 
-  c.train.total_steps = 60
-  c.train.save_every = 20
+  c.train.total_steps = 120
+  c.train.save_every = 40
   c.train.keep_checkpoints = 3
   c.train.eval_every = 20
   c.train.eval_batch_size = 50

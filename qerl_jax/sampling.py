@@ -368,6 +368,7 @@ def validate_prompts(prompt_tokens, prompt_mask) -> None:
     return  # traced: values unknown here
   if not np.all((m == 0) | (m == 1)):
     raise ValueError("generate: prompt_mask must hold only 0 and 1")
+  m = m.astype(np.int32)  # bool masks too: np.diff of bools would be XOR
   empty = np.nonzero(m.sum(-1) == 0)[0]
   if empty.size:
     raise ValueError(f"generate: prompt rows {empty.tolist()} have no tokens (all-zero prompt_mask)")

@@ -24,7 +24,6 @@ Public: :func:`run` (config, workdir) -> summary dict, :func:`train`, :func:`eva
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -55,8 +54,11 @@ _LORA_STREAM = 0x1A0A  # fold_in(PRNGKey(seed), _LORA_STREAM): the LoRA initiali
 
 @dataclasses.dataclass(frozen=True)
 class StepKeys:
-  """PRNG keys of one step, all derived from ``(seed, step)``."""
-  noise: jax.Array
+  """PRNG keys of one step, derived from ``(seed, step)``: rollout sampling, update.
+
+  (The step's AQN noise comes from ``aqn.noise(fold_in(PRNGKey(seed), 0xA0), step, ...)``,
+  also a pure function of the seed and the step.)
+  """
   sample: jax.Array
   update: jax.Array
 
@@ -67,8 +69,7 @@ def step_keys(seed: int, step: int) -> StepKeys:
   Pure function of ``(seed, step)``: a resumed run draws exactly the keys of an uninterrupted one.
   """
   k = jax.random.fold_in(jax.random.PRNGKey(int(seed)), int(step))
-  return StepKeys(noise=jax.random.fold_in(k, 0), sample=jax.random.fold_in(k, 1),
-                  update=jax.random.fold_in(k, 2))
+  return StepKeys(sample=jax.random.fold_in(k, 1), update=jax.random.fold_in(k, 2))
 
 
 # ---------------------------------------------------------------------------------- data

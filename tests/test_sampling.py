@@ -135,6 +135,8 @@ def test_validation_errors():
   ok = np.ones((2, 3), np.int32)
   with pytest.raises(ValueError, match="not left-padded"):
     sampling.validate_prompts(ok, np.array([[1, 1, 0], [1, 1, 1]]))
+  with pytest.raises(ValueError, match="not left-padded"):
+    sampling.validate_prompts(ok, np.array([[True, True, False], [True, True, True]]))
   with pytest.raises(ValueError, match="no tokens"):
     sampling.validate_prompts(ok, np.array([[0, 0, 0], [1, 1, 1]]))
   with pytest.raises(ValueError, match="shape"):

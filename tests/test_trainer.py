@@ -173,7 +173,8 @@ def test_toy_run_logs_checkpoints_and_resumes_exactly(tmp_path):
 # The CPU default shrunk to about a second a step: 2 prompts x 4 completions, 24 new tokens.
 _SMALL = ["--config.train.total_steps=4", "--config.train.save_every=1", "--config.train.eval_every=0",
           "--config.data.eval_size=4", "--config.train.eval_batch_size=4",
-          "--config.sampling.max_completion_length=24", "--config.rl.batch_size=8",
+          "--config.sampling.max_completion_length=24", "--config.rl.num_generations=4",
+          "--config.rl.batch_size=8",
           "--config.rl.micro_batch_size=4", "--config.train.log_samples_every=1",
           "--config.train.plot=False", "--config.train.keep_checkpoints=5",
           "--config.rl.mask_truncated_completions=False"]
@@ -235,6 +236,8 @@ def test_default_config_runs_end_to_end(default_runs):
     assert np.isfinite(r["loss"]) and np.isfinite(r["entropy"]) and r["entropy"] > 0
     assert r["time/rollout_s"] > 0 and r["perf/tokens_per_s"] > 0
   assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 4]
+  if "tiny-gsm" in json.load(open(os.path.join(full, "config.json")))["model"]["path"]:
+    assert any(r["grad_norm"] > 0 for r in train_rows)  # the embedded model learns: LoRA moves
   assert "final_accuracy" in default_runs["stdout"]  # the summary table
   assert os.listdir(os.path.join(full, "tensorboard"))
   samples = [json.loads(l) for l in open(os.path.join(full, "samples.jsonl"))]
@@ -289,3 +292,24 @@ def test_unfinished_save_is_ignored_and_cleaned(tmp_path):
   assert meta == {"step": 2}
   c.close()
   assert not (d / "3.orbax-checkpoint-tmp").exists()
+
+
+def test_evaluate_greedy_and_pass_at_k_on_the_toy_policy():
+  config = toy.toy_config()
+  policy = toy.toy_policy(config)
+  logits = np.full((toy.V,), -5.0, np.float32)
+  logits[1] = 5.0  # greedy emits token 1 = the digit '0' at every position: "000"
+  params = {"logits": jax.numpy.asarray(logits)}
+  _, prompts = toy.toy_datasets(n_eval=8)
+  expected = np.mean([p.answer == "0" for p in prompts])  # "000" contains only the answer 0
+  assert expected == 3 / 8
+  ev = trainer.evaluate(policy, params, prompts, toy.contains_answer, batch_size=3,
+                        max_new_tokens=toy.T, prompt_length=3)
+  assert ev["accuracy"] == expected and ev["num_prompts"] == 8 and len(ev["completions"]) == 8
+  assert set(ev["completions"]) == {"000"}
+  # pass@k: a prompt counts when any of its k samples is right; never below the per-sample mean
+  params = {"logits": jax.numpy.zeros((toy.V,))}
+  ev = trainer.evaluate(policy, params, prompts, toy.contains_answer, batch_size=4,
+                        max_new_tokens=toy.T, prompt_length=3, num_samples=4,
+                        key=jax.random.PRNGKey(1))
+  assert ev["sample_accuracy"] <= ev["accuracy"] <= 1.0 and ev["accuracy"] > 0
