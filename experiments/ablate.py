@@ -79,16 +79,16 @@ def results_table(results: dict) -> str:
   return "\n".join(lines)
 
 
-def plot_all(workdirs: dict, path: str) -> None:
+def plot_all(workdirs: dict, path: str, *, smooth: int = 10) -> None:
   """One figure, three panels (greedy accuracy, reward, entropy vs step), one line per run,
-  one colour per variant."""
+  one colour per variant; reward and entropy as a moving average over ``smooth`` steps."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   from qerl_jax import metrics as metrics_lib
 
-  panels = (("eval/accuracy", "greedy held-out accuracy"), ("reward", "mean reward"),
-            ("entropy", "policy entropy (nats/token)"))
+  panels = (("eval/accuracy", "greedy held-out accuracy"), ("reward", f"mean reward ({smooth}-step avg)"),
+            ("entropy", f"policy entropy, nats/token ({smooth}-step avg)"))
   fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
   colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   for i, (name, dirs) in enumerate(workdirs.items()):
@@ -98,6 +98,9 @@ def plot_all(workdirs: dict, path: str) -> None:
         pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
         if pts:
           xs, ys = zip(*pts)
+          if key != "eval/accuracy" and len(ys) >= smooth:  # per-step metrics: moving average
+            ys = np.convolve(ys, np.ones(smooth) / smooth, mode="valid")
+            xs = xs[smooth - 1:]
           ax.plot(xs, ys, color=colours[i % len(colours)], alpha=0.8, marker="." if key == "eval/accuracy" else None,
                   label=name if j == 0 else None)
   for ax, (_, label) in zip(axes, panels):

@@ -5,8 +5,8 @@ numbers, and comes with a worked solution in GSM8K's style: one line per step,
 each step an equation ``a op b = c``, then a final line ``#### <number>``
 (the format of GSM8K, Cobbe et al. 2021, "Training Verifiers to Solve Math Word
 Problems"). Problems have 2 or 3 steps, every intermediate value is an integer
-in [0, 99], and a solution is about 30-60 tokens with the tiny tokenizer in
-:mod:`qerl_jax.tiny_tokenizer`, so that a model of about a million parameters
+in [0, 99], and a solution is about 30-80 tokens with the tokenizer of
+:func:`build_tokenizer`, so that a model of about half a million parameters
 learns it on a CPU in minutes and GRPO can improve it further.
 
 Records have GSM8K's fields, so the rest of the project treats them like

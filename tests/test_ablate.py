@@ -1,0 +1,45 @@
+"""experiments/ablate.py helpers: overrides on a trainer config and the comparison table."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+import functools
+
+
+@functools.lru_cache(maxsize=None)  # ablate.py defines absl flags: import it once
+def _load(path):
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_ablation_config_variants_apply_and_validate():
+  ablate = _load(ROOT / "experiments" / "ablate.py")
+  ab = _load(ROOT / "configs" / "ablations" / "qerl.py").get_config()
+  names = [n for n, _ in ab.variants]
+  assert names == ["bf16_lora", "nf4_lora", "nvfp4_lora", "nvfp4_lora_aqn"]
+  seen = {}
+  for name, overrides in ab.variants:
+    cfg = ablate.apply_overrides(ab.base, tuple(overrides) + (("seed", 5),))
+    seen[name] = (cfg.model.quant, cfg.aqn.enabled, cfg.seed)
+  assert seen == {"bf16_lora": ("none", False, 5), "nf4_lora": ("nf4", False, 5),
+                  "nvfp4_lora": ("nvfp4", False, 5), "nvfp4_lora_aqn": ("nvfp4", True, 5)}
+  assert ab.base.seed == 0  # the base is copied, never modified
+  with pytest.raises(KeyError, match="no 'quantt'"):
+    ablate.apply_overrides(ab.base, (("model.quantt", "nf4"),))
+
+
+def test_results_table_mean_and_std():
+  ablate = _load(ROOT / "experiments" / "ablate.py")
+  table = ablate.results_table({
+      "a": [{"initial_accuracy": 0.2, "final_accuracy": 0.4, "mean_entropy_first_quarter": 0.1, "wall_time_s": 10.0},
+            {"initial_accuracy": 0.2, "final_accuracy": 0.6, "mean_entropy_first_quarter": None, "wall_time_s": 30.0}]})
+  row = table.splitlines()[2]
+  # mean 0.5, population std 0.1 of (0.4, 0.6); a missing entropy is skipped
+  assert row == "| a | 2 | 0.200 ± 0.000 | 0.500 ± 0.100 | 0.100 | 20.000 ± 10.000 |"
