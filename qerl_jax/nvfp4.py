@@ -171,7 +171,8 @@ def _quantize_core(w: jax.Array, global_scale) -> tuple[NVFP4Tensor, jax.Array]:
   amax_block = jnp.max(jnp.abs(blocks), axis=-2).astype(jnp.float32)  # [..., K/16, N]
   blocks = blocks.astype(jnp.float32)
   amax = jnp.max(amax_block, axis=(-2, -1))  # [...], NaN/Inf when w has any
-  finite = jnp.all(jnp.isfinite(amax))
+  # (Checked on the values themselves: XLA's CPU max reduction may drop a NaN.)
+  finite = jnp.all(jnp.isfinite(blocks))
   gs = _global_scale_from_amax(amax, low) if global_scale is None else global_scale.astype(jnp.float32)
   gs_b = gs[..., None, None]
   # compressed-tensors calculate_qparams: global_scale * (amax_block / 6) with the division in
