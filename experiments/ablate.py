@@ -25,6 +25,8 @@ import os
 import sys
 
 _ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+# transformers warns at import that PyTorch is absent; the project never needs PyTorch.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 

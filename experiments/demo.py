@@ -9,8 +9,6 @@ the model stores them (``[L, K, N]``, ``x @ W`` layout), quantizes them to NF4
 held and the relative Frobenius error of the weights and of a
 ``quantized_matmul`` output against the float32 product. q/k/v share one NVFP4
 global scale (the smallest of the three), as vLLM requires for fused projections.
-
-This is the README's first command until the training job lands.
 """
 
 import argparse

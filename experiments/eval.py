@@ -20,6 +20,8 @@ import os
 import sys
 
 _ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+# transformers warns at import that PyTorch is absent; the project never needs PyTorch.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
@@ -64,6 +66,16 @@ def main(argv):
     raise app.UsageError(f"unknown benchmark(s) {bad}; choose from {list(BENCHMARKS)}")
   if _NUM_SAMPLES.value < 1:
     raise app.UsageError(f"--num_samples={_NUM_SAMPLES.value} must be >= 1")
+  missing = [os.path.join(_DATA_DIR.value, b, "test.jsonl") for b in _BENCH.value
+             if not os.path.isfile(os.path.join(_DATA_DIR.value, b, "test.jsonl"))]
+  if missing:  # checked before the model loads
+    print(
+        f"error: benchmark data not found: {missing}. --data_dir (now {_DATA_DIR.value!r}) must hold "
+        f"<benchmark>/test.jsonl files: JSON lines with 'question' and 'answer' ('#### <number>') "
+        f"for gsm8k, 'problem' and 'answer' for math500, aime24 and amc23. The repository ships "
+        f"none; GSM8K and MATH-500 are on the Hugging Face hub (openai/gsm8k, "
+        f"HuggingFaceH4/MATH-500). Choose a subset with --benchmarks.", file=sys.stderr)
+    return 2
   config_task, user_template = str(config.data.task), str(config.data.user_template)
   policy = trainer.load_policy(config)
   params, step = None, "base"

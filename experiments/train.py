@@ -16,6 +16,8 @@ import os
 import sys
 
 _ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+# transformers warns at import that PyTorch is absent; the project never needs PyTorch.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 if _ROOT not in sys.path:  # so `configs/*.py` can `import qerl_jax` from a plain checkout
   sys.path.insert(0, _ROOT)
 
@@ -47,6 +49,10 @@ def main(argv):
     print(f"error: {e}", file=sys.stderr)
     return 2
   summary = trainer.run(config, _WORKDIR.value)
+  workdir = os.path.abspath(_WORKDIR.value)
+  print(f"\nOutputs in {workdir}: metrics.jsonl, summary.json, samples.jsonl, plots/, "
+        f"checkpoints; TensorBoard events (tensorboard --logdir {workdir}; tensorboard is not "
+        f"installed by this project).")
   return 0 if summary.get("status") == "ok" else 1
 
 

@@ -356,6 +356,15 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   logger.close()
   summary = summarize(workdir, total)
   summary["wall_time_s"] = time.perf_counter() - t_start
+  prev_path = os.path.join(workdir, "summary.json")
+  if start > 0 and os.path.exists(prev_path):
+    # A resumed run adds its time to the earlier invocations' (a no-op re-run of a
+    # finished run must not replace the run's wall time with a few seconds).
+    try:
+      with open(prev_path) as f:
+        summary["wall_time_s"] += float(json.load(f).get("wall_time_s", 0.0))
+    except (OSError, ValueError, TypeError):
+      pass
   summary["status"] = "ok" if _finite(summary.get("final_reward")) or end < total else "non-finite"
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2, sort_keys=True)
