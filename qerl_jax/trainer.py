@@ -556,8 +556,14 @@ def _load_base(config):
   from qerl_jax import hf
   path = str(config.model.path)
   if path.startswith("random:"):
+    import shutil
     path = _random_tiny_checkpoint(path.split(":", 1)[1], int(config.seed))
-  pre = hf.load_pretrained(path, quant=str(config.model.quant))
+    try:  # everything is in memory once loaded; leave no temp folder behind
+      pre = hf.load_pretrained(path, quant=str(config.model.quant))
+    finally:
+      shutil.rmtree(path, ignore_errors=True)
+  else:
+    pre = hf.load_pretrained(path, quant=str(config.model.quant))
   if pre.tokenizer is None:
     raise ValueError(f"model.path={config.model.path!r} has no tokenizer; the trainer needs one")
   eos = tuple(int(i) for i in pre.generation_config.get("eos_token_ids") or ())
