@@ -162,7 +162,16 @@ def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- forward
 
 def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, write_at, q_chunk):
-  """One decoder layer. ``kv`` is None or ``(k_cache [B,S,Hkv,hd], v_cache)``."""
+  """One decoder layer.
+
+  ``kv`` is None or ``(k_LxBxSxHxD, v_LxBxSxHxD, layer)``: the whole stacked
+  cache and this layer's index. Only the ``T`` new slots
+  ``[layer, :, write_at:write_at + T]`` are written (an in-place
+  dynamic-update-slice of the carried buffer), then this layer's keys/values are
+  read back with a dynamic slice for attention; returns the updated stacked
+  ``(k, v)`` as ``new_kv``. (Slicing the layer out, updating it and writing the
+  whole layer back costs a full KV-cache copy per decode step.)
+  """
   b, t, _ = h.shape
   eps = cfg.rms_norm_eps
   attn, mlp = lp["attn"], lp["mlp"]
@@ -183,10 +192,13 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   if kv is None:
     keys, values, new_kv = k, v, None
   else:
-    kc, vc = kv
-    kc = jax.lax.dynamic_update_slice(kc, k.astype(kc.dtype), (0, write_at, 0, 0))
-    vc = jax.lax.dynamic_update_slice(vc, v.astype(vc.dtype), (0, write_at, 0, 0))
-    keys, values, new_kv = kc, vc, (kc, vc)
+    kc, vc, li = kv
+    at = (li, 0, write_at, 0, 0)
+    kc = jax.lax.dynamic_update_slice(kc, k[None].astype(kc.dtype), at)
+    vc = jax.lax.dynamic_update_slice(vc, v[None].astype(vc.dtype), at)
+    keys = jax.lax.dynamic_index_in_dim(kc, li, 0, keepdims=False)
+    values = jax.lax.dynamic_index_in_dim(vc, li, 0, keepdims=False)
+    new_kv = (kc, vc)
   o = layers.attention(q, keys, values, mask_BxTxS, q_chunk=q_chunk).reshape(b, t, cfg.q_dim)
   h = h + lin(attn, la, "o", o)
 
@@ -275,12 +287,9 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
       h, _ = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, None, mask, positions, None,
                     attn_chunk)
     else:
-      kv = (jax.lax.dynamic_index_in_dim(kc, li, 0, keepdims=False),
-            jax.lax.dynamic_index_in_dim(vc, li, 0, keepdims=False))
-      h, (kl, vl) = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask, positions, write_at,
-                           attn_chunk)
-      kc = jax.lax.dynamic_update_index_in_dim(kc, kl, li, 0)
-      vc = jax.lax.dynamic_update_index_in_dim(vc, vl, li, 0)
+      # The stacked cache rides in the carry so XLA updates it in place.
+      h, (kc, vc) = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, (kc, vc, li), mask,
+                           positions, write_at, attn_chunk)
     return (h, kc, vc), None
 
   if remat:
