@@ -219,7 +219,7 @@ def _scalar_metrics(m: dict) -> dict:
 
 def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None = None,
           datasets: tuple[Sequence[Prompt], Sequence[Prompt]] | None = None,
-          reward_fns: tuple[Callable, Callable] | None = None, stop_after: int | None = None,
+          reward_fns: tuple[Callable, Callable | None] | None = None, stop_after: int | None = None,
           progress: bool = True) -> dict:
   """Runs (or resumes) the training loop of ``config`` in ``workdir``; returns the summary.
 
@@ -245,7 +245,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   os.makedirs(workdir, exist_ok=True)
   policy = policy or load_policy(config)
   train_set, eval_set = datasets or load_datasets(config, policy.tokenizer)
-  correctness_fn, reward_fn = reward_fns or make_reward_fns(config)
+  correctness_fn, bonus_fn = reward_fns or make_reward_fns(config)
   eval_max_new = int(config.train.eval_max_completion_length or config.sampling.max_completion_length)
 
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
@@ -301,10 +301,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
                               max_new_tokens=int(config.sampling.max_completion_length))
     completions = _decode(policy.tokenizer, rollout)
     t1 = time.perf_counter()
-    # 4. rewards on the host: one float each, failures missing (NaN)
+    # 4. rewards on the host: one float each, failures missing (NaN); the answer check runs
+    #    once and the training reward adds the optional bonus (format) to it
     answers = [p.answer for p in batch for _ in range(G)]
-    rewards, missing = score(reward_fn, completions, answers)
     correct, _ = score(correctness_fn, completions, answers)
+    rewards = correct if bonus_fn is None else correct + score(bonus_fn, completions, answers)[0]
+    missing = int(np.isnan(rewards).sum())
     # 5. group-normalised advantages (NaN rewards -> advantage 0)
     advantages = grpo.group_advantages(jnp.asarray(rewards), G, scale_rewards=str(config.rl.scale_rewards))
     t2 = time.perf_counter()
@@ -690,22 +692,24 @@ def load_datasets(config, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
   return train_set, eval_set
 
 
-def make_reward_fns(config, *, task: str | None = None) -> tuple[Callable, Callable]:
-  """``(correctness, training reward)`` functions ``(completions, answers) -> list[float]``.
+def make_reward_fns(config, *, task: str | None = None) -> tuple[Callable, Callable | None]:
+  """``(correctness, bonus)`` functions ``(completions, answers) -> list[float]``.
 
   Correctness is the task's answer check (``rewards.gsm8k_reward`` / ``rewards.math_reward``,
-  1.0 or 0.0); the training reward adds ``rl.format_reward_weight * rewards.format_reward``.
+  1.0 or 0.0). The training reward is ``correctness + bonus``; the bonus is
+  ``rl.format_reward_weight * rewards.format_reward`` (None when the weight is 0), so the
+  answer check, math-verify's included, runs once per completion.
   """
   from qerl_jax import rewards
   task = task or str(config.data.task)
   correctness = {"gsm8k": rewards.gsm8k_reward, "math": rewards.math_reward}[task]
   w = float(config.rl.format_reward_weight)
   if w == 0:
-    return correctness, correctness
+    return correctness, None
 
-  def with_format(completions, answers):
-    acc = correctness(completions, answers)
-    fmt = rewards.format_reward(completions)  # 1.0 for a '####', <answer> or \\boxed answer
-    return [a + w * f for a, f in zip(acc, fmt)]
+  def format_bonus(completions, answers):
+    del answers
+    # 1.0 for a '####', <answer> or \boxed answer
+    return [w * f for f in rewards.format_reward(completions)]
 
-  return correctness, with_format
+  return correctness, format_bonus
