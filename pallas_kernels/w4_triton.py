@@ -175,7 +175,7 @@ def _decode_tile(p, s, fmt: _Format, dtype, *, decode: str = "bits", multiplier=
 
 def _fwd_step(x_ref, p_ref, s_ref, *, m0, bm, m_mask, n0, bn, n_mask, kb, bk, k, fmt: _Format,
               split_x: str, decode: str):
-  """Loads and decodes one K step of ``x @ W`` (shared by the fused kernel and ``w4_gemv``).
+  """Loads and decodes one K step of ``x @ W`` for the fused forward kernel.
 
   Returns ``x_even, x_odd`` (x's even / odd K columns, ``[bm, bk/2]``) and
   ``w_lo, w_hi`` (the decoded weight rows ``2j`` / ``2j+1``, ``[bk/2, bn]``),
