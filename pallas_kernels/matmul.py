@@ -20,35 +20,37 @@ BACKENDS = ("auto", "reference", "pallas", "interpret")
 FUSED_MAX_M = {"fwd": 32, "dx": 32}
 
 
-def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False) -> jax.Array:
+def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False, index=None) -> jax.Array:
   """The kernel path's ``x @ W`` for 2-D bf16 ``x`` ``[M, K]`` -> ``[M, N]`` (no VJP).
 
   Fused dequantize-in-registers kernel for ``M <= FUSED_MAX_M["fwd"]``, else
   a one-pass Pallas dequantize to bf16 followed by ``jnp.dot`` (float32
-  accumulation).
+  accumulation). With ``index`` (int32 scalar), ``w`` is a stack ``[L, K, N]``
+  and layer ``index`` is read in place.
 
   Raises:
     TypeError: unsupported weight type. ValueError: K mismatch, stacked ``w``.
   """
   out_dtype = jnp.dtype(out_dtype or x2d.dtype)
   if x2d.shape[0] <= FUSED_MAX_M["fwd"]:
-    return w4_triton.forward(x2d, w, out_dtype=out_dtype, interpret=interpret)
-  w_dense = w4_triton.dequantize(w, x2d.dtype, interpret=interpret)
+    return w4_triton.forward(x2d, w, out_dtype=out_dtype, interpret=interpret, index=index)
+  w_dense = w4_triton.dequantize(w, x2d.dtype, interpret=interpret, index=index)
   return jnp.dot(x2d, w_dense, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def kernel_dx(dy2d: jax.Array, w, *, out_dtype=jnp.bfloat16, interpret: bool = False) -> jax.Array:
+def kernel_dx(dy2d: jax.Array, w, *, out_dtype=jnp.bfloat16, interpret: bool = False, index=None) -> jax.Array:
   """The kernel path's ``dy @ W^T`` for 2-D bf16 ``dy`` ``[M, N]`` -> ``[M, K]``.
 
   Fused kernel for ``M <= FUSED_MAX_M["dx"]``, else Pallas dequantize + XLA
-  matmul contracting N (no transposed copy of W is made).
+  matmul contracting N (no transposed copy of W is made). ``index``: as in
+  :func:`kernel_forward`.
 
   Raises:
     TypeError: unsupported weight type. ValueError: N mismatch, stacked ``w``.
   """
   if dy2d.shape[0] <= FUSED_MAX_M["dx"]:
-    return w4_triton.dx(dy2d, w, out_dtype=out_dtype, interpret=interpret)
-  w_dense = w4_triton.dequantize(w, dy2d.dtype, interpret=interpret)
+    return w4_triton.dx(dy2d, w, out_dtype=out_dtype, interpret=interpret, index=index)
+  w_dense = w4_triton.dequantize(w, dy2d.dtype, interpret=interpret, index=index)
   return jax.lax.dot_general(dy2d, w_dense, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32).astype(out_dtype)
 
@@ -89,20 +91,21 @@ def _zero_cotangent(a):
   return np.zeros(a.shape, jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _kernel_matmul(x2d, w, out_dtype, interpret):
-  return kernel_forward(x2d, w, out_dtype=out_dtype, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _kernel_matmul(x2d, w, index, out_dtype, interpret):
+  return kernel_forward(x2d, w, out_dtype=out_dtype, interpret=interpret, index=index)
 
 
-def _kernel_matmul_fwd(x2d, w, out_dtype, interpret):
-  return _kernel_matmul(x2d, w, out_dtype, interpret), w
+def _kernel_matmul_fwd(x2d, w, index, out_dtype, interpret):
+  return _kernel_matmul(x2d, w, index, out_dtype, interpret), (w, index)
 
 
-def _kernel_matmul_bwd(out_dtype, interpret, w, dy):
+def _kernel_matmul_bwd(out_dtype, interpret, res, dy):
   del out_dtype
-  dx = kernel_dx(dy.astype(jnp.bfloat16), w, out_dtype=jnp.bfloat16, interpret=interpret)
-  # W is frozen: its cotangent is zero (float0 for the integer codes).
-  return dx, jax.tree.map(_zero_cotangent, w)
+  w, index = res
+  dx = kernel_dx(dy.astype(jnp.bfloat16), w, out_dtype=jnp.bfloat16, interpret=interpret, index=index)
+  # W is frozen: its cotangent is zero (float0 for the integer codes and the layer index).
+  return dx, jax.tree.map(_zero_cotangent, w), (None if index is None else _zero_cotangent(index))
 
 
 _kernel_matmul.defvjp(_kernel_matmul_fwd, _kernel_matmul_bwd)
@@ -112,12 +115,26 @@ def _on_gpu() -> bool:
   return jax.default_backend() in ("gpu", "cuda")
 
 
-def _kernel_applies(x, w) -> bool:
-  return (isinstance(w, (nvfp4.NVFP4Tensor, nf4.NF4Tensor)) and w.packed.ndim == 2
+def _kernel_applies(x, w, index=None) -> bool:
+  return (isinstance(w, (nvfp4.NVFP4Tensor, nf4.NF4Tensor)) and w.packed.ndim == (2 if index is None else 3)
           and x.dtype == jnp.bfloat16)
 
 
-def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto") -> jax.Array:
+def layer_of(w, index):
+  """Layer ``index`` (int32 scalar, traced or not) of a stacked 4-bit tensor ``[L, K, N]`` as a ``[K, N]`` tensor.
+
+  An XLA dynamic slice (a copy of the layer on a GPU); the kernel path reads
+  the layer in place instead.
+
+  Raises:
+    ValueError: ``w`` has no single leading (layer) dim.
+  """
+  if w.packed.ndim != 3:
+    raise ValueError(f"expected a stack of 4-bit matrices [L, K, N], got packed shape {w.packed.shape}")
+  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False), w)
+
+
+def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", index=None) -> jax.Array:
   """``x @ W`` for a 4-bit ``W``; the one entry point the model calls.
 
   Differentiable in ``x`` (``jax.custom_vjp`` on the kernel path: the backward
@@ -127,13 +144,19 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto") 
   Args:
     x: ``[..., K]`` bf16 (or float32) activations.
     w: NVFP4Tensor or NF4Tensor, logical ``[K, N]`` (no leading dims on the
-      kernel path; stacked weights go through the reference).
+      kernel path; stacked weights go through the reference), or with
+      ``index``, a stack of ``L`` such matrices (one leading dim).
     out_dtype: output dtype (default ``x.dtype``); accumulation is float32.
     backend: ``"auto"`` (the Pallas kernel path on a GPU for bf16 ``x``, else
       the reference), ``"reference"`` (XLA dequantize-then-dot), ``"pallas"``
       (Pallas Triton lowering, GPU only: the fused kernel for
       ``M <= FUSED_MAX_M``, else Pallas dequantize + cuBLAS), ``"interpret"``
       (the same kernels in Pallas interpret mode: slow, for CPU tests).
+    index: optional int32 scalar (may be traced): multiply by layer ``index``
+      of a stacked ``w``. The kernels read that layer in place, so a layer
+      ``scan`` over stacked weights copies no weight per step (an XLA dynamic
+      slice feeding a custom call is a device copy); the reference slices.
+      Clamped to ``[0, L)`` like ``lax.dynamic_index_in_dim``.
 
   Returns:
     ``[..., N]`` in ``out_dtype``.
@@ -150,14 +173,19 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto") 
   k, n = w.shape
   if x.shape[-1] != k:
     raise ValueError(f"quantized_matmul: x has K={x.shape[-1]} (shape {x.shape}) but the weight is [{k}, {n}]")
+  if index is not None and w.packed.ndim != 3:
+    raise ValueError(f"quantized_matmul: index given but the weight is not a stack [L, K, N] "
+                     f"(packed shape {w.packed.shape})")
   if backend == "auto":
-    backend = "pallas" if (_on_gpu() and _kernel_applies(x, w)) else "reference"
+    backend = "pallas" if (_on_gpu() and _kernel_applies(x, w, index)) else "reference"
   if backend == "reference":
-    return reference_matmul(x, w, out_dtype=out_dtype)
-  if not _kernel_applies(x, w):
-    raise ValueError(f"backend {backend!r} needs bf16 x and a [K, N] weight without leading dims; "
-                     f"got x {x.dtype}{list(x.shape)}, packed {list(w.packed.shape)}")
+    return reference_matmul(x, w if index is None else layer_of(w, index), out_dtype=out_dtype)
+  if not _kernel_applies(x, w, index):
+    raise ValueError(f"backend {backend!r} needs bf16 x and a [K, N] weight without leading dims "
+                     f"(or a stack [L, K, N] with index); got x {x.dtype}{list(x.shape)}, packed {list(w.packed.shape)}")
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   lead = x.shape[:-1]
-  y = _kernel_matmul(x.reshape(-1, k), w, out_dtype, backend == "interpret")
+  if index is not None:
+    index = jnp.asarray(index, jnp.int32)
+  y = _kernel_matmul(x.reshape(-1, k), w, index, out_dtype, backend == "interpret")
   return y.reshape(*lead, n)

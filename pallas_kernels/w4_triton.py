@@ -71,6 +71,8 @@ class TileConfig:
     decode: NVFP4 code decoding: ``"bits"`` (float16 bit trick in jnp ops) or
       ``"asm"`` (inline PTX: 4 codes per instruction group, bf16x2 FMAs; GPU
       only, interpret mode falls back to ``"bits"``).
+    unroll: unroll the contraction loop at trace time (a Python loop), so the
+      compiler can issue every step's loads before the first use.
   """
   block_m: int = 16
   block_n: int = 128
@@ -80,6 +82,7 @@ class TileConfig:
   num_stages: int = 3
   split_x: str = "registers"
   decode: str = "bits"
+  unroll: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +177,7 @@ def _decode_tile(p, s, fmt: _Format, dtype, *, decode: str = "bits", multiplier=
 
 
 def _fwd_step(x_ref, p_ref, s_ref, *, m0, bm, m_mask, n0, bn, n_mask, kb, bk, k, fmt: _Format,
-              split_x: str, decode: str):
+              split_x: str, decode: str, prow=0, srow=0):
   """Loads and decodes one K step of ``x @ W`` for the fused forward kernel.
 
   Returns ``x_even, x_odd`` (x's even / odd K columns, ``[bm, bk/2]``) and
@@ -192,15 +195,24 @@ def _fwd_step(x_ref, p_ref, s_ref, *, m0, bm, m_mask, n0, bn, n_mask, kb, bk, k,
     xm = m_mask[:, None] & kp_mask[None, :]
     x_even = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(kp0, bk // 2), _EVEN], mask=xm, other=0.0)
     x_odd = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(kp0, bk // 2), _ODD], mask=xm, other=0.0)
-  p = plgpu.load(p_ref.at[pl.ds(kp0, bk // 2), pl.ds(n0, bn)],
+  p = plgpu.load(p_ref.at[pl.ds(prow + kp0, bk // 2), pl.ds(n0, bn)],
                  mask=kp_mask[:, None] & n_mask[None, :], other=0)
-  s = plgpu.load(s_ref.at[pl.ds(kb // fmt.group, bk // fmt.group), pl.ds(n0, bn)],
+  s = plgpu.load(s_ref.at[pl.ds(srow + kb // fmt.group, bk // fmt.group), pl.ds(n0, bn)],
                  mask=ks_mask[:, None] & n_mask[None, :], other=0.0)
   w_lo, w_hi = _decode_tile(p, s, fmt, x_even.dtype, decode=decode)
   return x_even, x_odd, w_lo, w_hi
 
 
-def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, *refs, m, k, n, cfg: TileConfig,
+def _loop(steps, body, init, unroll):
+  if not unroll:
+    return lax.fori_loop(0, steps, body, init)
+  carry = init
+  for i in range(steps):
+    carry = body(i, carry)
+  return carry
+
+
+def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: TileConfig,
                 fmt: _Format, steps: int):
   o_ref = refs[-1]  # refs[0] is the poisoned buffer aliased to the output, when given
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -210,16 +222,19 @@ def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, *refs, m, k, n, cfg: TileConfig,
   m_mask = (m0 + jnp.arange(bm)) < m
   n_mask = (n0 + jnp.arange(bn)) < n
   k_begin = pid_s * (steps * bk)
+  layer = idx_ref[0]  # stacked weight: rows of this layer start at layer * K/2 (codes), layer * K/group (scales)
+  prow, srow = layer * (k // 2), layer * (k // fmt.group)
 
   def body(i, acc):
     x_even, x_odd, w_lo, w_hi = _fwd_step(
         x_ref, p_ref, s_ref, m0=m0, bm=bm, m_mask=m_mask, n0=n0, bn=bn, n_mask=n_mask,
-        kb=k_begin + i * bk, bk=bk, k=k, fmt=fmt, split_x=cfg.split_x, decode=cfg.decode)
+        kb=k_begin + i * bk, bk=bk, k=k, fmt=fmt, split_x=cfg.split_x, decode=cfg.decode,
+        prow=prow, srow=srow)
     acc += jnp.dot(x_even, w_lo, preferred_element_type=jnp.float32)
     acc += jnp.dot(x_odd, w_hi, preferred_element_type=jnp.float32)
     return acc
 
-  acc = lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+  acc = _loop(steps, body, jnp.zeros((bm, bn), jnp.float32), cfg.unroll)
   acc = acc * igs_ref[0]
   out_mask = m_mask[:, None] & n_mask[None, :]
   if cfg.splits == 1:
@@ -228,7 +243,7 @@ def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, *refs, m, k, n, cfg: TileConfig,
     plgpu.store(o_ref.at[pid_s, pl.ds(m0, bm), pl.ds(n0, bn)], acc, mask=out_mask)
 
 
-def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, *refs, m, k, n, cfg: TileConfig,
+def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: TileConfig,
                fmt: _Format, steps: int):
   o_ref = refs[-1]
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -239,6 +254,8 @@ def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, *refs, m, k, n, cfg: TileConfig,
   kp_mask = (kp0 + jnp.arange(bk // 2)) < k // 2
   ks_mask = (pid_k * (bk // fmt.group) + jnp.arange(bk // fmt.group)) < k // fmt.group
   n_begin = pid_s * (steps * bn)
+  layer = idx_ref[0]
+  prow, srow = layer * (k // 2), layer * (k // fmt.group)
   dims = (((1,), (1,)), ((), ()))  # contract dy's N with the weight tile's N
 
   def body(i, carry):
@@ -247,9 +264,9 @@ def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, *refs, m, k, n, cfg: TileConfig,
     n_mask = (n0 + jnp.arange(bn)) < n
     dy = plgpu.load(dy_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)],
                     mask=m_mask[:, None] & n_mask[None, :], other=0.0)
-    p = plgpu.load(p_ref.at[pl.ds(kp0, bk // 2), pl.ds(n0, bn)],
+    p = plgpu.load(p_ref.at[pl.ds(prow + kp0, bk // 2), pl.ds(n0, bn)],
                    mask=kp_mask[:, None] & n_mask[None, :], other=0)
-    s = plgpu.load(s_ref.at[pl.ds(pid_k * (bk // fmt.group), bk // fmt.group), pl.ds(n0, bn)],
+    s = plgpu.load(s_ref.at[pl.ds(srow + pid_k * (bk // fmt.group), bk // fmt.group), pl.ds(n0, bn)],
                    mask=ks_mask[:, None] & n_mask[None, :], other=0.0)
     w_lo, w_hi = _decode_tile(p, s, fmt, dy.dtype, decode=cfg.decode)
     acc_e += lax.dot_general(dy, w_lo, dims, preferred_element_type=jnp.float32)
@@ -257,7 +274,7 @@ def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, *refs, m, k, n, cfg: TileConfig,
     return acc_e, acc_o
 
   zeros = jnp.zeros((bm, bk // 2), jnp.float32)
-  acc_e, acc_o = lax.fori_loop(0, steps, body, (zeros, zeros))
+  acc_e, acc_o = _loop(steps, body, (zeros, zeros), cfg.unroll)
   igs = igs_ref[0]
   out_mask = m_mask[:, None] & kp_mask[None, :]
   lead = () if cfg.splits == 1 else (pid_s,)  # split partials: o_ref is [splits, M, ...]
@@ -331,9 +348,11 @@ def default_config(m: int, k: int, n: int, *, kind: str = "fwd", group: int = 16
 # ----------------------------------------------------------------------------- calls
 
 
-def _check(x, w, fmt: _Format, cfg: TileConfig):
-  if w.packed.ndim != 2:
-    raise ValueError(f"kernel path needs one [K, N] matrix, got packed shape {w.packed.shape}")
+def _check(x, w, fmt: _Format, cfg: TileConfig, index=None):
+  want = 2 if index is None else 3
+  if w.packed.ndim != want:
+    what = "one [K, N] matrix" if index is None else "a stack [L, K, N] (index given)"
+    raise ValueError(f"kernel path needs {what}, got packed shape {w.packed.shape}")
   for name in ("block_m", "block_n", "block_k"):
     v = getattr(cfg, name)
     if v & (v - 1) or v < 16:
@@ -363,17 +382,21 @@ def _call(kernel, grid, out_shape, cfg, interpret, name, poison, *args):
 
 
 def forward(x: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None,
-            interpret: bool = False, poison_output: bool = False) -> jax.Array:
+            interpret: bool = False, poison_output: bool = False, index=None) -> jax.Array:
   """``x @ W`` by the fused kernel.
 
   Args:
     x: bf16 (or float16) ``[M, K]``.
-    w: NVFP4Tensor or NF4Tensor ``[K, N]`` without leading dims.
+    w: NVFP4Tensor or NF4Tensor ``[K, N]`` without leading dims, or a stack
+      ``[L, K, N]`` (one leading dim) when ``index`` is given.
     out_dtype: output dtype (default ``x.dtype``); accumulation is float32.
     config: tile sizes (default :func:`default_config`).
     interpret: run in Pallas interpret mode (CPU tests).
     poison_output: fill the output buffer with NaN before the kernel runs
       (tests: an element the kernel misses stays NaN).
+    index: optional int32 scalar: multiply by layer ``index`` of a stacked
+      ``w`` read in place (no slice of the stack is copied; used inside the
+      decoder's layer scan). Out-of-range values are clamped to [0, L).
 
   Returns:
     ``[M, N]`` in ``out_dtype``.
@@ -381,21 +404,24 @@ def forward(x: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None
   Raises:
     TypeError: unsupported weight type. ValueError: shape mismatch or bad config.
   """
-  return _run("fwd", x, w, out_dtype, config, interpret, poison_output)
+  return _run("fwd", x, w, out_dtype, config, interpret, poison_output, index)
 
 
 def dx(dy: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None,
-       interpret: bool = False, poison_output: bool = False) -> jax.Array:
+       interpret: bool = False, poison_output: bool = False, index=None) -> jax.Array:
   """``dy @ W^T`` by the fused kernel (the gradient of ``x @ W`` for ``x``).
 
   Args:
     dy: bf16 (or float16) ``[M, N]``.
-    w: NVFP4Tensor or NF4Tensor ``[K, N]`` without leading dims.
+    w: NVFP4Tensor or NF4Tensor ``[K, N]`` without leading dims, or a stack
+      ``[L, K, N]`` when ``index`` is given.
     out_dtype: output dtype (default ``dy.dtype``); accumulation is float32.
     config: tile sizes (default :func:`default_config` with ``kind="dx"``).
     interpret: run in Pallas interpret mode (CPU tests).
     poison_output: fill the output buffer with NaN before the kernel runs
       (tests: an element the kernel misses stays NaN).
+
+    index: optional int32 scalar: layer of a stacked ``w`` (see :func:`forward`).
 
   Returns:
     ``[M, K]`` in ``out_dtype``.
@@ -403,10 +429,26 @@ def dx(dy: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None,
   Raises:
     TypeError: unsupported weight type. ValueError: shape mismatch or bad config.
   """
-  return _run("dx", dy, w, out_dtype, config, interpret, poison_output)
+  return _run("dx", dy, w, out_dtype, config, interpret, poison_output, index)
 
 
-def _run(kind, a, w, out_dtype, config, interpret, poison_output):
+def _layer_operands(w, fmt: _Format, index):
+  """Codes, block scales (2-D, layers folded into rows: a free reshape), 1/global scale [1], layer [1]."""
+  k, n = w.shape
+  if index is None:
+    return w.packed, w.block_scale, _inverse_global_scale(w), jnp.zeros((1,), jnp.int32)
+  num = w.packed.shape[0]
+  li = jnp.clip(jnp.asarray(index, jnp.int32).reshape(()), 0, num - 1)
+  if isinstance(w, nvfp4.NVFP4Tensor):
+    gs = jax.lax.dynamic_index_in_dim(w.global_scale.reshape(num), li, 0, keepdims=True)
+    igs = 1.0 / gs.astype(jnp.float32)
+  else:
+    igs = jnp.ones((1,), jnp.float32)
+  return (w.packed.reshape(num * (k // 2), n), w.block_scale.reshape(num * (k // fmt.group), n), igs,
+          li.reshape(1))
+
+
+def _run(kind, a, w, out_dtype, config, interpret, poison_output, index=None):
   """Shared launch of the fused kernels; ``a`` is x ``[M, K]`` (fwd) or dy ``[M, N]`` (dx)."""
   fwd = kind == "fwd"
   fmt = _format_of(w)
@@ -416,7 +458,7 @@ def _run(kind, a, w, out_dtype, config, interpret, poison_output):
     name, dim = ("x", "K") if fwd else ("dy", "N")
     raise ValueError(f"{kind}: {name} has {dim}={a.shape[-1]} (shape {a.shape}) but the weight is [{k}, {n}]")
   cfg = config or default_config(m, k, n, kind=kind, group=fmt.group)
-  _check(a, w, fmt, cfg)
+  _check(a, w, fmt, cfg, index)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   if interpret:
     cfg = dataclasses.replace(cfg, decode="bits")
@@ -441,7 +483,7 @@ def _run(kind, a, w, out_dtype, config, interpret, poison_output):
   kernel = functools.partial(_fwd_kernel if fwd else _dx_kernel, m=m, k=k, n=n, cfg=cfg, fmt=fmt,
                              steps=steps)
   out = _call(kernel, grid, out_shape, cfg, interpret, f"w4a16_{kind}", poison_output,
-              operand, w.packed, w.block_scale, _inverse_global_scale(w))
+              operand, *_layer_operands(w, fmt, index))
   if splits > 1:
     out = out.sum(axis=0).astype(out_dtype)
   return out.reshape(m, n if fwd else k)
@@ -450,14 +492,15 @@ def _run(kind, a, w, out_dtype, config, interpret, poison_output):
 # ----------------------------------------------------------------------------- dequantize
 
 
-def _dequant_kernel(p_ref, s_ref, igs_ref, o_ref, *, k, n, bkp, bn, fmt: _Format):
+def _dequant_kernel(p_ref, s_ref, igs_ref, idx_ref, o_ref, *, k, n, bkp, bn, fmt: _Format):
   pid_k, pid_n = pl.program_id(0), pl.program_id(1)
+  prow, srow = idx_ref[0] * (k // 2), idx_ref[0] * (k // fmt.group)
   kp0, n0 = pid_k * bkp, pid_n * bn
   kp_mask = (kp0 + jnp.arange(bkp)) < k // 2
   ks_mask = (pid_k * (2 * bkp // fmt.group) + jnp.arange(2 * bkp // fmt.group)) < k // fmt.group
   n_mask = (n0 + jnp.arange(bn)) < n
-  p = plgpu.load(p_ref.at[pl.ds(kp0, bkp), pl.ds(n0, bn)], mask=kp_mask[:, None] & n_mask[None, :], other=0)
-  s = plgpu.load(s_ref.at[pl.ds(pid_k * (2 * bkp // fmt.group), 2 * bkp // fmt.group), pl.ds(n0, bn)],
+  p = plgpu.load(p_ref.at[pl.ds(prow + kp0, bkp), pl.ds(n0, bn)], mask=kp_mask[:, None] & n_mask[None, :], other=0)
+  s = plgpu.load(s_ref.at[pl.ds(srow + pid_k * (2 * bkp // fmt.group), 2 * bkp // fmt.group), pl.ds(n0, bn)],
                  mask=ks_mask[:, None] & n_mask[None, :], other=0.0)
   lo, hi = _decode_tile(p, s, fmt, o_ref.dtype, multiplier=igs_ref[0])
   mask = kp_mask[:, None] & n_mask[None, :]
@@ -470,7 +513,7 @@ DEQUANT_CONFIG = (32, 256, 4)
 
 
 def dequantize(w, dtype=jnp.bfloat16, *, block_k2: int | None = None, block_n: int | None = None,
-               num_warps: int | None = None, interpret: bool = False) -> jax.Array:
+               num_warps: int | None = None, interpret: bool = False, index=None) -> jax.Array:
   """Dequantizes a 4-bit weight to ``dtype`` ``[K, N]`` in one pass (a Pallas kernel).
 
   Reads the packed codes and scales once and writes the dense weight once; the
@@ -487,13 +530,18 @@ def dequantize(w, dtype=jnp.bfloat16, *, block_k2: int | None = None, block_n: i
     block_n: columns per program (power of 2).
     num_warps: Triton launch parameter.
     interpret: Pallas interpret mode (CPU tests).
+    index: optional int32 scalar: dequantize layer ``index`` of a stacked
+      ``w`` ``[L, K, N]`` in place (see :func:`forward`).
 
   Raises:
-    TypeError: unsupported weight type. ValueError: stacked weight.
+    TypeError: unsupported weight type. ValueError: stacked weight without
+      ``index`` (or an index for an unstacked one).
   """
   fmt = _format_of(w)
-  if w.packed.ndim != 2:
-    raise ValueError(f"dequantize kernel needs one [K, N] matrix, got packed shape {w.packed.shape}")
+  want = 2 if index is None else 3
+  if w.packed.ndim != want:
+    raise ValueError(f"dequantize kernel needs {'one [K, N] matrix' if index is None else 'a stack [L, K, N] (index given)'}, "
+                     f"got packed shape {w.packed.shape}")
   k, n = w.shape
   block_k2 = block_k2 or DEQUANT_CONFIG[0]
   block_n = block_n or DEQUANT_CONFIG[1]
@@ -509,5 +557,5 @@ def dequantize(w, dtype=jnp.bfloat16, *, block_k2: int | None = None, block_n: i
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         name="w4_dequantize",
-    )(w.packed, w.block_scale, _inverse_global_scale(w))
+    )(*_layer_operands(w, fmt, index))
   return out.reshape(k, n)

@@ -160,6 +160,51 @@ def test_default_config_is_valid(m, k, n, kind):
     assert cfg.splits == 1
 
 
+@pytest.mark.parametrize("fmt,m", [("nvfp4", 3), ("nvfp4", 40), ("nf4", 5)])
+def test_stacked_index_reads_the_right_layer(fmt, m):
+  # A stack of 3 different layers; index traced under jit: the kernels read layer i in place.
+  k, n = (160, 40) if fmt == "nvfp4" else (128, 40)
+  rng = np.random.default_rng(m)
+  w = rng.standard_normal((3, k, n)).astype(np.float32) * np.array([0.02, 0.05, 0.1], np.float32)[:, None, None]
+  wq = (nvfp4 if fmt == "nvfp4" else nf4).quantize(w)
+  x = _act((m, k), 7)
+  dy = np.random.default_rng(8).standard_normal((m, n))
+  f = jax.jit(lambda x, i: quantized_matmul(x, wq, out_dtype=jnp.float32, backend="interpret", index=i))
+  g = jax.jit(jax.grad(lambda x, i: jnp.sum(quantized_matmul(x, wq, out_dtype=jnp.float32, backend="interpret",
+                                                             index=i) * jnp.asarray(dy, jnp.float32))))
+  dense = np.asarray((nvfp4 if fmt == "nvfp4" else nf4).dequantize(wq, jnp.float32), np.float64)
+  # NVFP4 fused kernel (M <= 32): exact bf16 weights, so float32-accumulation error
+  # only; M > 32 dequantizes W times 1/global scale to bf16 (rounded) first, and NF4
+  # levels times the absmax are rounded to bf16 too. A wrong layer is off by O(1).
+  tol = 1e-4 if (fmt == "nvfp4" and m <= matmul.FUSED_MAX_M["fwd"]) else 1e-2
+  for i in (2, 0, 1):
+    want = np.asarray(x, np.float64) @ dense[i]
+    assert _rel(f(x, jnp.int32(i)), want) < tol
+    # dx = dy @ W_i^T goes through the fused dx kernel (bf16 dy, bf16 output): bf16 rounding only
+    assert _rel(g(x, jnp.int32(i)), dy @ dense[i].T) < 1e-2
+  ref = quantized_matmul(x, wq, out_dtype=jnp.float32, backend="reference", index=jnp.int32(1))
+  # the reference dequantizes to x's dtype (bf16): W is rounded, hence 1e-2
+  assert _rel(ref, np.asarray(x, np.float64) @ dense[1]) < 1e-2
+
+
+def test_stacked_index_errors():
+  wq = nvfp4.quantize(np.ones((32, 16), np.float32))
+  with pytest.raises(ValueError, match="not a stack"):
+    quantized_matmul(_act((2, 32), 0), wq, index=0)
+  stack = nvfp4.quantize(np.ones((2, 32, 16), np.float32))
+  with pytest.raises(ValueError, match=r"one \[K, N\] matrix, got packed shape \(2, 16, 16\)"):
+    w4_triton.forward(_act((2, 32), 0), stack, interpret=True)
+
+
+def test_unrolled_contraction_loop_matches_float64():
+  import dataclasses
+  wq = _weight("nvfp4", 224, 40, 3)
+  x = _act((5, 224), 4)
+  cfg = dataclasses.replace(SMALL, unroll=True)
+  y = w4_triton.forward(x, wq, config=cfg, interpret=True, poison_output=True, out_dtype=jnp.float32)
+  assert _rel(y, np.asarray(x, np.float64) @ _dense64(wq)) < 1e-4
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
@@ -182,3 +227,17 @@ def test_gpu_kernels_match_reference(m, k, n):
   assert not bool(jnp.isnan(g_fused).any()) and _rel(g_fused, g_ref) < 1e-2
   g = jax.grad(lambda x: jnp.sum(quantized_matmul(x, wq, backend="pallas").astype(jnp.float32) * dy))(x)
   assert _rel(g, g_ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [8, 64])
+def test_gpu_stacked_index_matches_reference(m):
+  k, n = 3584, 4608
+  w = jax.random.normal(jax.random.PRNGKey(m), (3, k, n), jnp.float32) * 0.02
+  wq = nvfp4.quantize(w)
+  x = jax.random.normal(jax.random.PRNGKey(1), (m, k), jnp.float32).astype(jnp.bfloat16)
+  f = jax.jit(lambda x, i: quantized_matmul(x, wq, backend="pallas", index=i))
+  for i in (2, 0):
+    y = f(x, jnp.int32(i))
+    ref = reference_matmul(x, matmul.layer_of(wq, i))
+    assert not bool(jnp.isnan(y).any()) and _rel(y, ref) < 1e-2

@@ -211,6 +211,27 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   return h, new_kv
 
 
+def _split_quantized(tree: dict):
+  """(4-bit leaves, the rest) of a nested dict of layer weights, as two nested dicts."""
+  quant, rest = {}, {}
+  for name, v in tree.items():
+    if isinstance(v, dict):
+      quant[name], rest[name] = _split_quantized(v)
+    elif layers.is_quantized(v):
+      quant[name] = v
+    else:
+      rest[name] = v
+  return quant, rest
+
+
+def _bind_stacked(rest: dict, quant: dict, li) -> dict:
+  """``rest`` with each 4-bit stack of ``quant`` added back as layer ``li`` (a :class:`layers.StackedWeight`)."""
+  out = dict(rest)
+  for name, v in quant.items():
+    out[name] = _bind_stacked(rest.get(name, {}), v, li) if isinstance(v, dict) else layers.StackedWeight(v, li)
+  return out
+
+
 def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Array, *,
             lora: Optional[dict] = None, lora_cfg: Any = None,
             norm_noise: Optional[dict] = None, cache: Optional[dict] = None,
@@ -280,9 +301,18 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
   lay_lora = (lora or {}).get("layers", {})
   noise = norm_noise or {}
 
+  # With a KV cache (prefill / decode), 4-bit weights stay out of the scanned
+  # xs: the kernels read layer li of the stack in place (layers.StackedWeight),
+  # where slicing them would copy every layer's weights on every decode step.
+  if cache is not None:
+    stacked, scanned = _split_quantized(base["layers"])
+  else:
+    stacked, scanned = {}, base["layers"]
+
   def body(carry, xs):
     h, kc, vc = carry
     lp, ll, nn, li = xs
+    lp = _bind_stacked(lp, stacked, li)
     if kc is None:
       h, _ = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, None, mask, positions, None,
                     attn_chunk)
@@ -296,7 +326,7 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     body = jax.checkpoint(body, prevent_cse=False)
   kc0 = None if cache is None else cache["k"]
   vc0 = None if cache is None else cache["v"]
-  xs = (base["layers"], lay_lora, noise, jnp.arange(cfg.num_layers))
+  xs = (scanned, lay_lora, noise, jnp.arange(cfg.num_layers))
   (h, kc, vc), _ = jax.lax.scan(body, (h, kc0, vc0), xs)
 
   h = layers.rms_norm(h, base["final_norm"], cfg.rms_norm_eps)

@@ -6,7 +6,7 @@ D hidden, H query heads, Hkv key/value heads, G = H / Hkv, hd head_dim.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,22 @@ import pallas_kernels
 from qerl_jax import nf4, nvfp4
 
 MASKED_SCORE = -1e30  # finite, so a fully masked (padding) query row gives no NaN
+
+
+class StackedWeight(NamedTuple):
+  """Layer ``index`` of a stacked 4-bit weight ``[L, K, N]``, read in place by the kernels.
+
+  The decoder's layer ``scan`` wraps its 4-bit weights in this instead of
+  slicing them (on a GPU an XLA slice feeding a kernel is a device copy of the
+  layer's weight, every decode step). Not a pytree: it lives only inside a
+  traced layer body.
+
+  Attributes:
+    tensor: NVFP4Tensor or NF4Tensor with one leading (layer) dim.
+    index: int32 scalar layer index (traced).
+  """
+  tensor: Any
+  index: Any
 
 
 def is_quantized(w) -> bool:
@@ -35,7 +51,8 @@ def linear(x: jax.Array, w, *, bias: Optional[jax.Array] = None,
 
   Args:
     x: ``[..., K]`` activations in the compute dtype.
-    w: the frozen weight.
+    w: the frozen weight (or a :class:`StackedWeight`: one layer of a stacked
+      4-bit weight, read in place).
     bias: optional ``[N]``, added in float32.
     lora: optional adapter dict.
     lora_scale: ``alpha / r`` (or ``alpha / sqrt(r)`` for rsLoRA), a static float.
@@ -48,7 +65,9 @@ def linear(x: jax.Array, w, *, bias: Optional[jax.Array] = None,
     ValueError: K mismatch between ``x`` and ``w``.
   """
   dt = x.dtype
-  if is_quantized(w):
+  if isinstance(w, StackedWeight):
+    y = pallas_kernels.quantized_matmul(x, w.tensor, out_dtype=jnp.float32, index=w.index)
+  elif is_quantized(w):
     y = pallas_kernels.quantized_matmul(x, w, out_dtype=jnp.float32)
   elif hasattr(w, "dtype") and jnp.issubdtype(w.dtype, jnp.floating):
     if w.shape[-2] != x.shape[-1]:
