@@ -73,6 +73,8 @@ class TileConfig:
       only, interpret mode falls back to ``"bits"``).
     unroll: unroll the contraction loop at trace time (a Python loop), so the
       compiler can issue every step's loads before the first use.
+    prefetch: forward kernel only: load step i+1's tiles (carried in registers)
+      before decoding and multiplying step i's.
   """
   block_m: int = 16
   block_n: int = 128
@@ -83,6 +85,7 @@ class TileConfig:
   split_x: str = "registers"
   decode: str = "bits"
   unroll: bool = False
+  prefetch: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,20 +179,18 @@ def _decode_tile(p, s, fmt: _Format, dtype, *, decode: str = "bits", multiplier=
 # ----------------------------------------------------------------------------- kernels
 
 
-def _fwd_step(x_ref, p_ref, s_ref, *, m0, bm, m_mask, n0, bn, n_mask, kb, bk, k, fmt: _Format,
-              split_x: str, decode: str, prow=0, srow=0):
-  """Loads and decodes one K step of ``x @ W`` for the fused forward kernel.
-
-  Returns ``x_even, x_odd`` (x's even / odd K columns, ``[bm, bk/2]``) and
-  ``w_lo, w_hi`` (the decoded weight rows ``2j`` / ``2j+1``, ``[bk/2, bn]``),
-  all in x's dtype; out-of-range rows, columns and K rows are zeros.
-  """
+def _fwd_load(x_ref, p_ref, s_ref, *, m0, bm, m_mask, n0, bn, n_mask, kb, bk, k, fmt: _Format,
+              split_x: str, prow=0, srow=0, valid=None):
+  """Loads one K step of the fused forward: ``x_even, x_odd`` ``[bm, bk/2]``, codes ``[bk/2, bn]``
+  and block scales ``[bk/group, bn]``; ``valid`` (a traced bool) masks the whole step off."""
   kp0 = kb // 2
   kp_mask = (kp0 + jnp.arange(bk // 2)) < k // 2
   ks_mask = (kb // fmt.group + jnp.arange(bk // fmt.group)) < k // fmt.group
+  xk_mask = (kb + jnp.arange(bk)) < k
+  if valid is not None:
+    kp_mask, ks_mask, xk_mask = kp_mask & valid, ks_mask & valid, xk_mask & valid
   if split_x == "registers":
-    xm = m_mask[:, None] & ((kb + jnp.arange(bk)) < k)[None, :]
-    x = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(kb, bk)], mask=xm, other=0.0)
+    x = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(kb, bk)], mask=m_mask[:, None] & xk_mask[None, :], other=0.0)
     x_even, x_odd = lax.unstack(x.reshape(bm, bk // 2, 2), axis=2)
   else:
     xm = m_mask[:, None] & kp_mask[None, :]
@@ -199,7 +200,18 @@ def _fwd_step(x_ref, p_ref, s_ref, *, m0, bm, m_mask, n0, bn, n_mask, kb, bk, k,
                  mask=kp_mask[:, None] & n_mask[None, :], other=0)
   s = plgpu.load(s_ref.at[pl.ds(srow + kb // fmt.group, bk // fmt.group), pl.ds(n0, bn)],
                  mask=ks_mask[:, None] & n_mask[None, :], other=0.0)
-  w_lo, w_hi = _decode_tile(p, s, fmt, x_even.dtype, decode=decode)
+  return x_even, x_odd, p, s
+
+
+def _fwd_step(x_ref, p_ref, s_ref, *, decode: str, **kw):
+  """Loads (:func:`_fwd_load`) and decodes one K step of ``x @ W`` for the fused forward kernel.
+
+  Returns ``x_even, x_odd`` (x's even / odd K columns, ``[bm, bk/2]``) and
+  ``w_lo, w_hi`` (the decoded weight rows ``2j`` / ``2j+1``, ``[bk/2, bn]``),
+  all in x's dtype; out-of-range rows, columns and K rows are zeros.
+  """
+  x_even, x_odd, p, s = _fwd_load(x_ref, p_ref, s_ref, **kw)
+  w_lo, w_hi = _decode_tile(p, s, kw["fmt"], x_even.dtype, decode=decode)
   return x_even, x_odd, w_lo, w_hi
 
 
@@ -234,7 +246,24 @@ def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
     acc += jnp.dot(x_odd, w_hi, preferred_element_type=jnp.float32)
     return acc
 
-  acc = _loop(steps, body, jnp.zeros((bm, bn), jnp.float32), cfg.unroll)
+  load = functools.partial(_fwd_load, x_ref, p_ref, s_ref, m0=m0, bm=bm, m_mask=m_mask, n0=n0, bn=bn,
+                           n_mask=n_mask, bk=bk, k=k, fmt=fmt, split_x=cfg.split_x, prow=prow, srow=srow)
+
+  def prefetch_body(i, carry):
+    # Issue step i+1's loads before step i's decode and dots use the tiles loaded
+    # one iteration earlier, so memory latency overlaps compute.
+    acc, x_even, x_odd, p, s = carry
+    nxt = load(kb=k_begin + (i + 1) * bk, valid=i + 1 < steps)
+    w_lo, w_hi = _decode_tile(p, s, fmt, x_even.dtype, decode=cfg.decode)
+    acc += jnp.dot(x_even, w_lo, preferred_element_type=jnp.float32)
+    acc += jnp.dot(x_odd, w_hi, preferred_element_type=jnp.float32)
+    return (acc, *nxt)
+
+  zeros = jnp.zeros((bm, bn), jnp.float32)
+  if cfg.prefetch:
+    acc = _loop(steps, prefetch_body, (zeros, *load(kb=k_begin)), cfg.unroll)[0]
+  else:
+    acc = _loop(steps, body, zeros, cfg.unroll)
   acc = acc * igs_ref[0]
   out_mask = m_mask[:, None] & n_mask[None, :]
   if cfg.splits == 1:
@@ -293,13 +322,15 @@ def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
 
 
 # Per kind and M bucket (largest M it covers; None: any larger M):
-# (block_m, block_n, block_k, num_warps, num_stages, target_programs, split_x, decode).
+# (block_m, block_n, block_k, num_warps, num_stages, target_programs, split_x, decode[, prefetch]).
 # target_programs > 0 turns on split-K (split-N for dx) until about that many
 # programs run; 0 never splits. Chosen by `experiments/bench_kernels.py --sweep`
-# on an H200 (see docs/benchmarks.md).
+# on an H200 (see docs/benchmarks.md); the M <= 32 rows were then changed to
+# block_k 128, twice the programs and prefetch, which measured 9-27% less device
+# time on 3 of 4 7B shapes at M = 1, 8, 32 (docs/benchmarks.md, "session 2").
 TUNED: dict = {
-    ("fwd", 16): (16, 128, 256, 4, 3, 264, "registers", "asm"),
-    ("fwd", 32): (32, 128, 256, 4, 3, 264, "registers", "asm"),
+    ("fwd", 16): (16, 128, 128, 4, 3, 528, "registers", "asm", True),
+    ("fwd", 32): (32, 128, 128, 4, 3, 528, "registers", "asm", True),
     ("fwd", 64): (64, 64, 256, 4, 4, 264, "registers", "bits"),
     ("fwd", 128): (64, 128, 128, 4, 3, 264, "registers", "bits"),
     ("fwd", 256): (128, 128, 128, 8, 3, 0, "registers", "bits"),
@@ -330,7 +361,8 @@ def default_config(m: int, k: int, n: int, *, kind: str = "fwd", group: int = 16
   table = TUNED if table is None else table
   buckets = sorted((b for (kd, b) in table if kd == kind and b is not None))
   bucket = next((b for b in buckets if m <= b), None)
-  bm, bn, bk, warps, stages, target, split_x, decode = table[(kind, bucket)]
+  bm, bn, bk, warps, stages, target, split_x, decode, *rest = table[(kind, bucket)]
+  prefetch = bool(rest[0]) if rest else False
   bk = max(bk, group)
   if kind == "fwd":
     out_tiles = -(-m // bm) * -(-n // bn)
@@ -342,7 +374,7 @@ def default_config(m: int, k: int, n: int, *, kind: str = "fwd", group: int = 16
   if target and out_tiles < target:
     max_by_bytes = int((k * n / 2) * 0.5 / (m * n_out * 8))
     splits = max(1, min(-(-target // out_tiles), contraction // (2 * step), max_by_bytes, 32))
-  return TileConfig(bm, bn, bk, splits, warps, stages, split_x, decode)
+  return TileConfig(bm, bn, bk, splits, warps, stages, split_x, decode, prefetch=prefetch and kind == "fwd")
 
 
 # ----------------------------------------------------------------------------- calls

@@ -196,11 +196,15 @@ def test_stacked_index_errors():
     w4_triton.forward(_act((2, 32), 0), stack, interpret=True)
 
 
-def test_unrolled_contraction_loop_matches_float64():
+@pytest.mark.parametrize("unroll,prefetch,splits", [(True, False, 1), (False, True, 1), (True, True, 2),
+                                                    (False, True, 3)])
+def test_unrolled_and_prefetching_loops_match_float64(unroll, prefetch, splits):
+  # K = 224: 4 steps of 64 (the last one ragged); splits=3 becomes 2 programs of 2 steps, and
+  # each program's prefetch of the step past its range is masked off.
   import dataclasses
   wq = _weight("nvfp4", 224, 40, 3)
   x = _act((5, 224), 4)
-  cfg = dataclasses.replace(SMALL, unroll=True)
+  cfg = dataclasses.replace(SMALL, unroll=unroll, prefetch=prefetch, splits=splits)
   y = w4_triton.forward(x, wq, config=cfg, interpret=True, poison_output=True, out_dtype=jnp.float32)
   assert _rel(y, np.asarray(x, np.float64) @ _dense64(wq)) < 1e-4
 
