@@ -11,9 +11,13 @@ buffer that the kernel must fully overwrite).
 
 Timing: each measured program runs the op on R distinct copies of the weight
 (so that no weight sits in the 60 MB L2 from the previous call: R copies hold
-at least --rotate_mb of 4-bit weight), is dispatched --inner times back to back,
-then synchronised (``block_until_ready``); the per-call time is the median over
---reps such samples divided by R * inner.
+at least --rotate_mb of 4-bit weight) and is dispatched --inner times back to
+back. ``--timer=device`` (default): the per-call time is the summed device time
+of the kernels in one profiled run of that (``jax.profiler`` trace, see
+experiments/devtime.py) divided by R * inner, so launch gaps are not counted;
+where the trace has no device events (CPU) it falls back to ``--timer=wall``:
+the median over --reps synchronised (``block_until_ready``) samples of wall
+time, divided by R * inner.
 
 Usage (on the GPU):
   PYTHONUNBUFFERED=1 python experiments/bench_kernels.py --json /tmp/bench.json
@@ -33,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import devtime  # experiments/devtime.py (this script's folder is on sys.path)
 from pallas_kernels import matmul, w4_triton
 from qerl_jax import nvfp4
 
@@ -42,7 +47,10 @@ flags.DEFINE_string("ms", "1,8,32,64,128,256,2048,8192", "forward M values")
 flags.DEFINE_string("dx_ms", "2048,8192", "M values for the dx backward")
 flags.DEFINE_string("kinds", "fwd,dx", "fwd and/or dx")
 flags.DEFINE_string("layers", "qkv,o,gate,down", "layers to time")
-flags.DEFINE_integer("reps", 10, "timed samples (median taken)")
+flags.DEFINE_integer("reps", 10, "timed samples (median taken; --timer=wall)")
+flags.DEFINE_enum("timer", "device", ["device", "wall"],
+                  "device: summed kernel time from a jax.profiler trace (no launch gaps; wall where no device events); "
+                  "wall: synchronised wall clock")
 flags.DEFINE_integer("inner", 3, "programs dispatched back to back per sample")
 flags.DEFINE_integer("rotate_mb", 256, "MiB of 4-bit weight copies rotated through per program")
 flags.DEFINE_bool("check", True, "check each row against the XLA reference with a poisoned output")
@@ -74,6 +82,10 @@ def _time(fn, x, ws, reps, inner):
   prog = jax.jit(lambda x, ws: tuple(fn(x, w) for w in ws))
   jax.block_until_ready(prog(x, ws))
   jax.block_until_ready(prog(x, ws))
+  if FLAGS.timer == "device":
+    t = devtime.device_time(lambda: [prog(x, ws) for _ in range(inner)])
+    if t is not None:
+      return t / (inner * len(ws))
   samples = []
   for _ in range(reps):
     t0 = time.perf_counter()
