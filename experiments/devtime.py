@@ -51,13 +51,12 @@ def kernel_durations(trace_file: str, device_marker: str = "/device:GPU") -> dic
   return dict(out)
 
 
-def device_time(fn: Callable, *args, name_prefix: Optional[str] = None) -> Optional[float]:
-  """Seconds of device kernel time that one call ``fn(*args)`` takes, or None without device events.
+def trace_durations(fn: Callable, *args) -> dict[str, list[float]]:
+  """Kernel durations (µs, by name) of one call ``fn(*args)``, after one warm-up call.
 
-  ``fn`` is called once to warm up, then once under ``jax.profiler.trace``;
-  the durations of every kernel in that call (or of those whose name starts
-  with ``name_prefix``) are summed. Gaps between kernels are not counted.
-  Divide by the number of operations ``fn`` runs to get a per-op time.
+  Returns:
+    :func:`kernel_durations` of a ``jax.profiler`` trace of the second call;
+    empty without device events (CPU).
 
   Raises:
     whatever ``fn`` raises.
@@ -67,8 +66,20 @@ def device_time(fn: Callable, *args, name_prefix: Optional[str] = None) -> Optio
     with jax.profiler.trace(d, create_perfetto_trace=True):
       jax.block_until_ready(fn(*args))
     files = glob.glob(os.path.join(d, "**", "*perfetto_trace.json*"), recursive=True)
-    if not files:
-      return None
-    durs = kernel_durations(files[0])
+    return kernel_durations(files[0]) if files else {}
+
+
+def device_time(fn: Callable, *args, name_prefix: Optional[str] = None) -> Optional[float]:
+  """Seconds of device kernel time that one call ``fn(*args)`` takes, or None without device events.
+
+  The durations of every kernel of one traced call (:func:`trace_durations`),
+  or of those whose name starts with ``name_prefix``, are summed; gaps between
+  kernels are not counted. Divide by the number of operations ``fn`` runs to
+  get a per-op time.
+
+  Raises:
+    whatever ``fn`` raises.
+  """
+  durs = trace_durations(fn, *args)
   total = sum(sum(v) for k, v in durs.items() if name_prefix is None or k.startswith(name_prefix))
   return total * 1e-6 if durs else None

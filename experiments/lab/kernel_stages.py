@@ -8,8 +8,9 @@ bf16). The last two give wrong numbers on purpose: they bound what decoding cost
   PYTHONPATH=$PWD python3 experiments/lab/kernel_stages.py
 """
 import collections, dataclasses, glob, gzip, json, os, sys
-sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "experiments"))
 import jax, jax.numpy as jnp, numpy as np
+import devtime
 from jax import lax
 from pallas_kernels import w4_triton
 from pallas_kernels.matmul import reference_matmul
@@ -39,14 +40,10 @@ def scale3d(p, s, fmt, dtype, *, decode="bits", multiplier=None):
 
 VARIANTS = {"asis": ORIG, "bits": None, "scale3d": scale3d, "noscale": no_scale, "nodecode": no_decode}
 
-def device_us(fn, args, d):
-  jax.block_until_ready(fn(*args))
-  with jax.profiler.trace(d, create_perfetto_trace=True):
-    for _ in range(3): jax.block_until_ready(fn(*args))
-  f = glob.glob(os.path.join(d, "**", "*perfetto_trace.json.gz"), recursive=True)[0]
-  ev = json.load(gzip.open(f)); ev = ev["traceEvents"] if isinstance(ev, dict) else ev
-  ts = [e["dur"] for e in ev if e.get("ph") == "X" and e.get("name", "").startswith("w4a16_fwd")]
-  return float(np.median(ts)), len(ts)
+def device_us(fn, args, d=None):
+  """Median device time (µs) of the fused forward kernels in one traced call."""
+  durs = devtime.trace_durations(fn, *args)
+  return float(np.median([t for name, ts in durs.items() if name.startswith("w4a16_fwd") for t in ts]))
 
 out = os.environ.get("OUT", "/tmp")
 for name, (k, n) in {"7b_gate": (3584, 18944), "7b_down": (18944, 3584), "7b_qkv": (3584, 4608)}.items():
@@ -73,4 +70,3 @@ for name, (k, n) in {"7b_gate": (3584, 18944), "7b_down": (18944, 3584), "7b_qkv
       finally:
         w4_triton._decode_tile = ORIG
     print(f"{name} M={m} cfg=({base.block_m},{base.block_n},{base.block_k},s{base.splits},{base.decode}): " + " | ".join(line), flush=True)
-os.system(f"rm -rf {out}/t_*")

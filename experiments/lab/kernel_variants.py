@@ -9,21 +9,17 @@ output first; device time = median over a jax.profiler trace of 8+ calls on rota
 import dataclasses, glob, gzip, json, os, sys, time
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "experiments"))  # bench_rollout
 import jax, jax.numpy as jnp, numpy as np
+import devtime
 from pallas_kernels import w4_triton
 from pallas_kernels.matmul import reference_matmul
 from qerl_jax import nvfp4
 OUT = os.environ.get("OUT", "/tmp")
 T0 = time.time()
 
-def device_us(fn, args, d):
-  jax.block_until_ready(fn(*args))
-  with jax.profiler.trace(d, create_perfetto_trace=True):
-    jax.block_until_ready(fn(*args))
-  f = glob.glob(os.path.join(d, "**", "*perfetto_trace.json.gz"), recursive=True)[0]
-  ev = json.load(gzip.open(f)); ev = ev["traceEvents"] if isinstance(ev, dict) else ev
-  ts = [e["dur"] for e in ev if e.get("ph") == "X" and e.get("name", "").startswith("w4a16_fwd")]
-  os.system(f"rm -rf {d}")
-  return float(np.median(ts))
+def device_us(fn, args, d=None):
+  """Median device time (µs) of the fused forward kernels in one traced call."""
+  durs = devtime.trace_durations(fn, *args)
+  return float(np.median([t for name, ts in durs.items() if name.startswith("w4a16_fwd") for t in ts]))
 
 def variants(base):
   r = dataclasses.replace
