@@ -62,7 +62,7 @@ for name, (k, n) in {"7b_gate": (3584, 18944), "7b_down": (18944, 3584), "7b_qkv
       try:
         y = w4_triton.forward(x, q0, config=cfg, out_dtype=jnp.float32)
         err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
-        us, cnt = device_us(jax.jit(lambda x, qs, cfg=cfg: [w4_triton.forward(x, q, config=cfg) for q in qs]), (x, qs),
+        us = device_us(jax.jit(lambda x, qs, cfg=cfg: [w4_triton.forward(x, q, config=cfg) for q in qs]), (x, qs),
                             os.path.join(out, f"t_{name}_{m}_{vname}"))
         line.append(f"{vname} {us:6.1f}us ({(k*n*9/16)/us/1e3:5.0f} GB/s, err {err:.0e})")
       except Exception as e:
