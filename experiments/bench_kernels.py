@@ -15,7 +15,7 @@ at least --rotate_mb of 4-bit weight) and is dispatched --inner times back to
 back. ``--timer=device`` (default): the per-call time is the summed device time
 of the kernels in one profiled run of that (``jax.profiler`` trace, see
 experiments/devtime.py) divided by R * inner, so launch gaps are not counted;
-where the trace has no device events (CPU) it falls back to ``--timer=wall``:
+on a CPU, or where the trace has no device events, it falls back to ``--timer=wall``:
 the median over --reps synchronised (``block_until_ready``) samples of wall
 time, divided by R * inner.
 
@@ -82,7 +82,7 @@ def _time(fn, x, ws, reps, inner):
   prog = jax.jit(lambda x, ws: tuple(fn(x, w) for w in ws))
   jax.block_until_ready(prog(x, ws))
   jax.block_until_ready(prog(x, ws))
-  if FLAGS.timer == "device":
+  if FLAGS.timer == "device" and jax.default_backend() in ("gpu", "cuda"):
     t = devtime.device_time(lambda: [prog(x, ws) for _ in range(inner)])
     if t is not None:
       return t / (inner * len(ws))
