@@ -69,17 +69,15 @@ def trace_durations(fn: Callable, *args) -> dict[str, list[float]]:
     return kernel_durations(files[0]) if files else {}
 
 
-def device_time(fn: Callable, *args, name_prefix: Optional[str] = None) -> Optional[float]:
+def device_time(fn: Callable, *args) -> Optional[float]:
   """Seconds of device kernel time that one call ``fn(*args)`` takes, or None without device events.
 
-  The durations of every kernel of one traced call (:func:`trace_durations`),
-  or of those whose name starts with ``name_prefix``, are summed; gaps between
-  kernels are not counted. Divide by the number of operations ``fn`` runs to
+  The durations of every kernel of one traced call (:func:`trace_durations`)
+  are summed; gaps between kernels are not counted. Divide by the number of operations ``fn`` runs to
   get a per-op time.
 
   Raises:
     whatever ``fn`` raises.
   """
   durs = trace_durations(fn, *args)
-  total = sum(sum(v) for k, v in durs.items() if name_prefix is None or k.startswith(name_prefix))
-  return total * 1e-6 if durs else None
+  return sum(sum(v) for v in durs.values()) * 1e-6 if durs else None

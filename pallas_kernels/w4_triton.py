@@ -203,16 +203,10 @@ def _fwd_load(x_ref, p_ref, s_ref, *, m0, bm, m_mask, n0, bn, n_mask, kb, bk, k,
   return x_even, x_odd, p, s
 
 
-def _fwd_step(x_ref, p_ref, s_ref, *, decode: str, **kw):
-  """Loads (:func:`_fwd_load`) and decodes one K step of ``x @ W`` for the fused forward kernel.
-
-  Returns ``x_even, x_odd`` (x's even / odd K columns, ``[bm, bk/2]``) and
-  ``w_lo, w_hi`` (the decoded weight rows ``2j`` / ``2j+1``, ``[bk/2, bn]``),
-  all in x's dtype; out-of-range rows, columns and K rows are zeros.
-  """
-  x_even, x_odd, p, s = _fwd_load(x_ref, p_ref, s_ref, **kw)
-  w_lo, w_hi = _decode_tile(p, s, kw["fmt"], x_even.dtype, decode=decode)
-  return x_even, x_odd, w_lo, w_hi
+def _layer_rows(idx_ref, k: int, fmt: _Format):
+  """First row of the layer ``idx_ref[0]`` in the folded codes (``layer * K/2``) and scales (``layer * K/group``)."""
+  layer = idx_ref[0]
+  return layer * (k // 2), layer * (k // fmt.group)
 
 
 def _loop(steps, body, init, unroll):
@@ -234,30 +228,24 @@ def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
   m_mask = (m0 + jnp.arange(bm)) < m
   n_mask = (n0 + jnp.arange(bn)) < n
   k_begin = pid_s * (steps * bk)
-  layer = idx_ref[0]  # stacked weight: rows of this layer start at layer * K/2 (codes), layer * K/group (scales)
-  prow, srow = layer * (k // 2), layer * (k // fmt.group)
-
-  def body(i, acc):
-    x_even, x_odd, w_lo, w_hi = _fwd_step(
-        x_ref, p_ref, s_ref, m0=m0, bm=bm, m_mask=m_mask, n0=n0, bn=bn, n_mask=n_mask,
-        kb=k_begin + i * bk, bk=bk, k=k, fmt=fmt, split_x=cfg.split_x, decode=cfg.decode,
-        prow=prow, srow=srow)
-    acc += jnp.dot(x_even, w_lo, preferred_element_type=jnp.float32)
-    acc += jnp.dot(x_odd, w_hi, preferred_element_type=jnp.float32)
-    return acc
-
+  prow, srow = _layer_rows(idx_ref, k, fmt)
   load = functools.partial(_fwd_load, x_ref, p_ref, s_ref, m0=m0, bm=bm, m_mask=m_mask, n0=n0, bn=bn,
                            n_mask=n_mask, bk=bk, k=k, fmt=fmt, split_x=cfg.split_x, prow=prow, srow=srow)
+
+  def multiply(acc, x_even, x_odd, p, s):
+    """Decodes one step's codes and adds its two tensor-core products to the accumulator."""
+    w_lo, w_hi = _decode_tile(p, s, fmt, x_even.dtype, decode=cfg.decode)
+    acc += jnp.dot(x_even, w_lo, preferred_element_type=jnp.float32)
+    return acc + jnp.dot(x_odd, w_hi, preferred_element_type=jnp.float32)
+
+  def body(i, acc):
+    return multiply(acc, *load(kb=k_begin + i * bk))
 
   def prefetch_body(i, carry):
     # Issue step i+1's loads before step i's decode and dots use the tiles loaded
     # one iteration earlier, so memory latency overlaps compute.
-    acc, x_even, x_odd, p, s = carry
     nxt = load(kb=k_begin + (i + 1) * bk, valid=i + 1 < steps)
-    w_lo, w_hi = _decode_tile(p, s, fmt, x_even.dtype, decode=cfg.decode)
-    acc += jnp.dot(x_even, w_lo, preferred_element_type=jnp.float32)
-    acc += jnp.dot(x_odd, w_hi, preferred_element_type=jnp.float32)
-    return (acc, *nxt)
+    return (multiply(*carry), *nxt)
 
   zeros = jnp.zeros((bm, bn), jnp.float32)
   if cfg.prefetch:
@@ -283,8 +271,7 @@ def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
   kp_mask = (kp0 + jnp.arange(bk // 2)) < k // 2
   ks_mask = (pid_k * (bk // fmt.group) + jnp.arange(bk // fmt.group)) < k // fmt.group
   n_begin = pid_s * (steps * bn)
-  layer = idx_ref[0]
-  prow, srow = layer * (k // 2), layer * (k // fmt.group)
+  prow, srow = _layer_rows(idx_ref, k, fmt)
   dims = (((1,), (1,)), ((), ()))  # contract dy's N with the weight tile's N
 
   def body(i, carry):
@@ -380,11 +367,15 @@ def default_config(m: int, k: int, n: int, *, kind: str = "fwd", group: int = 16
 # ----------------------------------------------------------------------------- calls
 
 
+def _check_stacking(w, index, what: str):
+  """One ``[K, N]`` matrix without ``index``, a stack ``[L, K, N]`` with it; else ValueError."""
+  if w.packed.ndim != (2 if index is None else 3):
+    need = "one [K, N] matrix" if index is None else "a stack [L, K, N] (index given)"
+    raise ValueError(f"{what} needs {need}, got packed shape {w.packed.shape}")
+
+
 def _check(x, w, fmt: _Format, cfg: TileConfig, index=None):
-  want = 2 if index is None else 3
-  if w.packed.ndim != want:
-    what = "one [K, N] matrix" if index is None else "a stack [L, K, N] (index given)"
-    raise ValueError(f"kernel path needs {what}, got packed shape {w.packed.shape}")
+  _check_stacking(w, index, "kernel path")
   for name in ("block_m", "block_n", "block_k"):
     v = getattr(cfg, name)
     if v & (v - 1) or v < 16:
@@ -452,7 +443,6 @@ def dx(dy: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None,
     interpret: run in Pallas interpret mode (CPU tests).
     poison_output: fill the output buffer with NaN before the kernel runs
       (tests: an element the kernel misses stays NaN).
-
     index: optional int32 scalar: layer of a stacked ``w`` (see :func:`forward`).
 
   Returns:
@@ -526,7 +516,7 @@ def _run(kind, a, w, out_dtype, config, interpret, poison_output, index=None):
 
 def _dequant_kernel(p_ref, s_ref, igs_ref, idx_ref, o_ref, *, k, n, bkp, bn, fmt: _Format):
   pid_k, pid_n = pl.program_id(0), pl.program_id(1)
-  prow, srow = idx_ref[0] * (k // 2), idx_ref[0] * (k // fmt.group)
+  prow, srow = _layer_rows(idx_ref, k, fmt)
   kp0, n0 = pid_k * bkp, pid_n * bn
   kp_mask = (kp0 + jnp.arange(bkp)) < k // 2
   ks_mask = (pid_k * (2 * bkp // fmt.group) + jnp.arange(2 * bkp // fmt.group)) < k // fmt.group
@@ -570,10 +560,7 @@ def dequantize(w, dtype=jnp.bfloat16, *, block_k2: int | None = None, block_n: i
       ``index`` (or an index for an unstacked one).
   """
   fmt = _format_of(w)
-  want = 2 if index is None else 3
-  if w.packed.ndim != want:
-    raise ValueError(f"dequantize kernel needs {'one [K, N] matrix' if index is None else 'a stack [L, K, N] (index given)'}, "
-                     f"got packed shape {w.packed.shape}")
+  _check_stacking(w, index, "dequantize kernel")
   k, n = w.shape
   block_k2 = block_k2 or DEQUANT_CONFIG[0]
   block_n = block_n or DEQUANT_CONFIG[1]
