@@ -22,8 +22,8 @@ class StackedWeight(NamedTuple):
 
   The decoder's layer ``scan`` wraps its 4-bit weights in this instead of
   slicing them (on a GPU an XLA slice feeding a kernel is a device copy of the
-  layer's weight, every decode step). Not a pytree: it lives only inside a
-  traced layer body.
+  layer's weight, every decode step). It is built only inside a traced
+  layer body and never stored in a parameter tree.
 
   Attributes:
     tensor: NVFP4Tensor or NF4Tensor with one leading (layer) dim.
