@@ -125,18 +125,35 @@ def _decode_nf4(codes):
 
 # E2M1 -> bf16 by bit placement, 4 packed bytes per asm instance: the chosen
 # nibble of each byte goes to bf16 bits 15 (sign) and 8..6 (2 exponent bits, 1
-# mantissa bit), giving e2m1 * 2**-126 exactly (code 1 is a bf16 subnormal); a
-# bf16x2 FMA by 2**126 and one by the block scale (adding -0.0) finish it.
-# $0,$1: 4 bf16 values; $2: 4 packed bytes; $3,$4: 4 bf16 block scales.
+# mantissa bit), giving e2m1 * 2**-126 exactly (code 1 is a bf16 subnormal); one
+# bf16x2 multiply by the block scale pre-multiplied by 2**118 (adding -0.0)
+# finishes it, so the decoded value is e2m1 * scale * 2**-8, exact in bf16
+# (at most 6 significant bits, smallest magnitude 2**-18), and the caller
+# multiplies the float32 accumulator by 2**8 (_ASM_GAIN). 448 * 2**118 < 2**127
+# stays below bf16's largest finite value.
+# $0,$1: 4 bf16 values; $2: 4 packed bytes; $3,$4: 4 bf16 scales (times 2**118).
 # One call per nibble (Pallas' lowering takes one result per inline-asm op).
 def _e2m1_asm(shift_mag: int, shift_sign: int) -> str:
-  lines = ["{", ".reg .b32 t0, t1, a, b, z, c126, nz;", "mov.b32 z, 0;", "mov.b32 c126, 0x7E807E80;",
+  lines = ["{", ".reg .b32 t0, t1, a, b, z, nz;", "mov.b32 z, 0;",
            "mov.b32 nz, 0x80008000;", "prmt.b32 t0, $2, z, 0x4140;", "prmt.b32 t1, $2, z, 0x4342;"]
   for t, out, sc in (("t0", "$0", "$3"), ("t1", "$1", "$4")):
     lines += [f"shl.b32 a, {t}, {shift_mag};", "and.b32 a, a, 0x01C001C0;",
               f"shl.b32 b, {t}, {shift_sign};", "and.b32 b, b, 0x80008000;", "or.b32 a, a, b;",
-              "fma.rn.bf16x2 a, a, c126, nz;", f"fma.rn.bf16x2 {out}, a, {sc}, nz;"]
+              f"fma.rn.bf16x2 {out}, a, {sc}, nz;"]
   return "\n".join(lines + ["}"])
+
+
+_ASM_SCALE_BIAS = 2.0 ** 118  # folded into the block scale before the asm decode
+_ASM_GAIN = 2.0 ** 8          # 2**126 / 2**118: multiplies the accumulator afterwards
+
+
+def _uses_asm(fmt, decode: str, dtype) -> bool:
+  return fmt.nvfp4 and decode == "asm" and jnp.dtype(dtype) == jnp.bfloat16
+
+
+def _asm_scales(s):
+  """E4M3 block scales -> bf16 times 2**118 (exact), the scale operand of the asm decode."""
+  return (s.astype(jnp.float32) * _ASM_SCALE_BIAS).astype(jnp.bfloat16)
 
 
 _E2M1_ASM_LO = _e2m1_asm(6, 12)
@@ -147,21 +164,24 @@ def _decode_tile(p, s, fmt: _Format, dtype, *, decode: str = "bits", multiplier=
   """Packed uint8 [R, C] and block scales [R*2/group, C] -> (low, high) values [R, C] in dtype.
 
   The scale here excludes the global scale (applied to the accumulator) unless
-  ``multiplier`` (a float32 scalar) is given, which multiplies every value.
+  ``multiplier`` (a float32 scalar) is given, which multiplies every value. With
+  the inline-PTX decode (``_uses_asm``) the values are ``1 / _ASM_GAIN`` of the true
+  ones; the caller multiplies its accumulator by ``_ASM_GAIN``.
   """
   rows, cols = p.shape
-  s = s.astype(jnp.float32)
   rep = fmt.group // 2  # packed rows per block scale
-  if multiplier is not None:
-    s = s * multiplier
-  if fmt.nvfp4 and decode == "asm" and dtype == jnp.bfloat16 and multiplier is None:
-    s = s.astype(jnp.bfloat16)
+  if multiplier is None and _uses_asm(fmt, decode, dtype):
+    if s.dtype != jnp.bfloat16:  # else already converted by _asm_scales
+      s = _asm_scales(s)
     s = jnp.broadcast_to(s[:, None, :], (s.shape[0], rep, cols)).reshape(rows, cols)
     out = [plgpu.elementwise_inline_asm(
         asm, args=[p, s], constraints="=r,=r,r,r,r", pack=4,
         result_shape_dtypes=[jax.ShapeDtypeStruct(p.shape, jnp.bfloat16)])[0]
            for asm in (_E2M1_ASM_LO, _E2M1_ASM_HI)]
     return out[0], out[1]
+  s = s.astype(jnp.float32)
+  if multiplier is not None:
+    s = s * multiplier
   s = jnp.broadcast_to(s[:, None, :], (s.shape[0], rep, cols)).reshape(rows, cols)
   if fmt.nvfp4:
     s = s * 16384.0  # 2**14 from the float16 bit trick below
@@ -180,9 +200,11 @@ def _decode_tile(p, s, fmt: _Format, dtype, *, decode: str = "bits", multiplier=
 
 
 def _fwd_load(x_ref, p_ref, s_ref, *, m0, bm, m_mask, n0, bn, n_mask, kb, bk, k, fmt: _Format,
-              split_x: str, prow=0, srow=0, valid=None):
+              split_x: str, prow=0, srow=0, valid=None, asm=False):
   """Loads one K step of the fused forward: ``x_even, x_odd`` ``[bm, bk/2]``, codes ``[bk/2, bn]``
-  and block scales ``[bk/group, bn]``; ``valid`` (a traced bool) masks the whole step off."""
+  and block scales ``[bk/group, bn]`` (already :func:`_asm_scales` when ``asm``, so that a
+  prefetched step carries the converted scales); ``valid`` (a traced bool) masks the whole
+  step off."""
   kp0 = kb // 2
   kp_mask = (kp0 + jnp.arange(bk // 2)) < k // 2
   ks_mask = (kb // fmt.group + jnp.arange(bk // fmt.group)) < k // fmt.group
@@ -200,7 +222,7 @@ def _fwd_load(x_ref, p_ref, s_ref, *, m0, bm, m_mask, n0, bn, n_mask, kb, bk, k,
                  mask=kp_mask[:, None] & n_mask[None, :], other=0)
   s = plgpu.load(s_ref.at[pl.ds(srow + kb // fmt.group, bk // fmt.group), pl.ds(n0, bn)],
                  mask=ks_mask[:, None] & n_mask[None, :], other=0.0)
-  return x_even, x_odd, p, s
+  return x_even, x_odd, p, (_asm_scales(s) if asm else s)
 
 
 def _layer_rows(idx_ref, k: int, fmt: _Format):
@@ -230,7 +252,8 @@ def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
   k_begin = pid_s * (steps * bk)
   prow, srow = _layer_rows(idx_ref, k, fmt)
   load = functools.partial(_fwd_load, x_ref, p_ref, s_ref, m0=m0, bm=bm, m_mask=m_mask, n0=n0, bn=bn,
-                           n_mask=n_mask, bk=bk, k=k, fmt=fmt, split_x=cfg.split_x, prow=prow, srow=srow)
+                           n_mask=n_mask, bk=bk, k=k, fmt=fmt, split_x=cfg.split_x, prow=prow, srow=srow,
+                           asm=_uses_asm(fmt, cfg.decode, x_ref.dtype))
 
   def multiply(acc, x_even, x_odd, p, s):
     """Decodes one step's codes and adds its two tensor-core products to the accumulator."""
@@ -252,7 +275,8 @@ def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
     acc = _loop(steps, prefetch_body, (zeros, *load(kb=k_begin)), cfg.unroll)[0]
   else:
     acc = _loop(steps, body, zeros, cfg.unroll)
-  acc = acc * igs_ref[0]
+  gain = _ASM_GAIN if _uses_asm(fmt, cfg.decode, x_ref.dtype) else 1.0
+  acc = acc * (igs_ref[0] * gain)
   out_mask = m_mask[:, None] & n_mask[None, :]
   if cfg.splits == 1:
     plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=out_mask)
@@ -291,7 +315,7 @@ def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
 
   zeros = jnp.zeros((bm, bk // 2), jnp.float32)
   acc_e, acc_o = _loop(steps, body, (zeros, zeros), cfg.unroll)
-  igs = igs_ref[0]
+  igs = igs_ref[0] * (_ASM_GAIN if _uses_asm(fmt, cfg.decode, dy_ref.dtype) else 1.0)
   out_mask = m_mask[:, None] & kp_mask[None, :]
   lead = () if cfg.splits == 1 else (pid_s,)  # split partials: o_ref is [splits, M, ...]
   acc_e = (acc_e * igs).astype(o_ref.dtype)
