@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.decode_attention import decode_attention
 from qerl_jax import nf4, nvfp4
 from qerl_jax.models import layers
 from qerl_jax.models.config import ModelConfig, rope_inv_freq
@@ -161,16 +162,20 @@ def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
 
 # ----------------------------------------------------------------------------- forward
 
-def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, write_at, q_chunk):
+def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, write_at, q_chunk,
+           slot_mask=None):
   """One decoder layer.
 
   ``kv`` is None or ``(k_LxBxSxHxD, v_LxBxSxHxD, layer)``: the whole stacked
   cache and this layer's index. Only the ``T`` new slots
   ``[layer, :, write_at:write_at + T]`` are written (an in-place
-  dynamic-update-slice of the carried buffer), then this layer's keys/values are
-  read back with a dynamic slice for attention; returns the updated stacked
+  dynamic-update-slice of the carried buffer); returns the updated stacked
   ``(k, v)`` as ``new_kv``. (Slicing the layer out, updating it and writing the
-  whole layer back costs a full KV-cache copy per decode step.)
+  whole layer back costs a full KV-cache copy per decode step.) For attention,
+  a decode step (``slot_mask`` ``[B, S]`` given, T = 1) calls
+  :func:`pallas_kernels.decode_attention.decode_attention`, which on a GPU
+  reads the layer in place and only the written slots; prefill reads the layer
+  back with a dynamic slice.
   """
   b, t, _ = h.shape
   eps = cfg.rms_norm_eps
@@ -196,10 +201,14 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
     at = (li, 0, write_at, 0, 0)
     kc = jax.lax.dynamic_update_slice(kc, k[None].astype(kc.dtype), at)
     vc = jax.lax.dynamic_update_slice(vc, v[None].astype(vc.dtype), at)
-    keys = jax.lax.dynamic_index_in_dim(kc, li, 0, keepdims=False)
-    values = jax.lax.dynamic_index_in_dim(vc, li, 0, keepdims=False)
     new_kv = (kc, vc)
-  o = layers.attention(q, keys, values, mask_BxTxS, q_chunk=q_chunk).reshape(b, t, cfg.q_dim)
+    if slot_mask is None:
+      keys = jax.lax.dynamic_index_in_dim(kc, li, 0, keepdims=False)
+      values = jax.lax.dynamic_index_in_dim(vc, li, 0, keepdims=False)
+  if kv is not None and slot_mask is not None:
+    o = decode_attention(q[:, 0], kc, vc, li, slot_mask, write_at + 1).reshape(b, t, cfg.q_dim)
+  else:
+    o = layers.attention(q, keys, values, mask_BxTxS, q_chunk=q_chunk).reshape(b, t, cfg.q_dim)
   h = h + lin(attn, la, "o", o)
 
   w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
@@ -319,7 +328,7 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     else:
       # The stacked cache rides in the carry so XLA updates it in place.
       h, (kc, vc) = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, (kc, vc, li), mask,
-                           positions, write_at, attn_chunk)
+                           positions, write_at, attn_chunk, slot_mask=slot_mask if t == 1 else None)
     return (h, kc, vc), None
 
   if remat:
