@@ -17,7 +17,7 @@ BACKENDS = ("auto", "reference", "pallas", "interpret")
 # runs; above it the kernel path dequantizes W once with a Pallas kernel and
 # calls XLA's bf16 matmul (cuBLAS), which measured faster on an H200 (see
 # docs/benchmarks.md). Per direction: "fwd" (x @ W) and "dx" (dy @ W^T).
-FUSED_MAX_M = {"fwd": 32, "dx": 32}
+FUSED_MAX_M = {"fwd": 64, "dx": 32}
 
 
 def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False, index=None) -> jax.Array:

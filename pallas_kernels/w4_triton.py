@@ -338,11 +338,13 @@ def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
 # programs run; 0 never splits. Chosen by `experiments/bench_kernels.py --sweep`
 # on an H200 (see docs/benchmarks.md); the M <= 32 rows were then changed to
 # block_k 128, twice the programs and prefetch, which measured 9-27% less device
-# time on 3 of 4 7B shapes at M = 1, 8, 32 (docs/benchmarks.md, "session 2").
+# time on 3 of 4 7B shapes at M = 1, 8, 32 (docs/benchmarks.md, "session 2"). The M <= 64 row
+# (session 3, experiments/lab/fused_mid_m.py) made the fused kernel beat dequantize + cuBLAS there:
+# 155 vs 255 us summed over the four 7B shapes at M = 64.
 TUNED: dict = {
     ("fwd", 16): (16, 128, 128, 4, 3, 528, "registers", "asm", True),
     ("fwd", 32): (32, 128, 128, 4, 3, 528, "registers", "asm", True),
-    ("fwd", 64): (64, 64, 256, 4, 4, 264, "registers", "bits"),
+    ("fwd", 64): (64, 64, 128, 4, 3, 528, "registers", "asm", True),
     ("fwd", 128): (64, 128, 128, 4, 3, 264, "registers", "bits"),
     ("fwd", 256): (128, 128, 128, 8, 3, 0, "registers", "bits"),
     ("fwd", None): (128, 128, 64, 4, 4, 0, "registers", "bits"),
