@@ -338,13 +338,15 @@ def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
 # programs run; 0 never splits. Chosen by `experiments/bench_kernels.py --sweep`
 # on an H200 (see docs/benchmarks.md); the M <= 32 rows were then changed to
 # block_k 128, twice the programs and prefetch, which measured 9-27% less device
-# time on 3 of 4 7B shapes at M = 1, 8, 32 (docs/benchmarks.md, "session 2"). The M <= 64 row
-# (session 3, experiments/lab/fused_mid_m.py) made the fused kernel beat dequantize + cuBLAS there:
-# 155 vs 255 us summed over the four 7B shapes at M = 64.
+# time on 3 of 4 7B shapes at M = 1, 8, 32 (docs/benchmarks.md, "session 2"). Session 3 (after the
+# asm decode's scale fold): experiments/lab/sweep_small_m.py picked block_k 64, about 1056 programs,
+# no prefetch for M <= 32 (summed over the four 7B shapes at M = 8: 94.1 -> 82.8 us; M = 32: 125.6 ->
+# 117.7 us) and block_n 64 with prefetch for M <= 64, where the fused kernel now runs instead of
+# dequantize + cuBLAS (151 vs 255 us at M = 64, experiments/lab/fused_mid_m.py).
 TUNED: dict = {
-    ("fwd", 16): (16, 128, 128, 4, 3, 528, "registers", "asm", True),
-    ("fwd", 32): (32, 128, 128, 4, 3, 528, "registers", "asm", True),
-    ("fwd", 64): (64, 64, 128, 4, 3, 528, "registers", "asm", True),
+    ("fwd", 16): (16, 128, 64, 4, 3, 1056, "registers", "asm", False),
+    ("fwd", 32): (32, 128, 64, 4, 3, 1056, "registers", "asm", False),
+    ("fwd", 64): (64, 64, 128, 4, 3, 1056, "registers", "asm", True),
     ("fwd", 128): (64, 128, 128, 4, 3, 264, "registers", "bits"),
     ("fwd", 256): (128, 128, 128, 8, 3, 0, "registers", "bits"),
     ("fwd", None): (128, 128, 64, 4, 4, 0, "registers", "bits"),
@@ -385,7 +387,9 @@ def default_config(m: int, k: int, n: int, *, kind: str = "fwd", group: int = 16
     contraction, step, n_out = n, bn, k
   splits = 1
   if target and out_tiles < target:
-    max_by_bytes = int((k * n / 2) * 0.5 / (m * n_out * 8))
+    # Above M = 64, cap the float32 partials' traffic (written and read back) at half the weight's
+    # bytes; at M <= 64 the sweeps measured the uncapped split counts (partials are small there).
+    max_by_bytes = int((k * n / 2) * 0.5 / (m * n_out * 8)) if m > 64 else 32
     splits = max(1, min(-(-target // out_tiles), contraction // (2 * step), max_by_bytes, 32))
   return TileConfig(bm, bn, bk, splits, warps, stages, split_x, decode, prefetch=prefetch and kind == "fwd")
 

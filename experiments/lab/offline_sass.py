@@ -61,9 +61,11 @@ def run(tag, m=8, k=3584, n=18944, kind="fwd", **over):
   sass = subprocess.check_output([NV + "/cuobjdump", "-sass", f"{OUT}/{tag}.cubin"]).decode()
   open(f"{OUT}/{tag}.sass", "w").write(sass)
   nloop, ops, total = loop_hist(sass)
+  usage = subprocess.check_output([NV + "/cuobjdump", "--dump-resource-usage", f"{OUT}/{tag}.cubin"]).decode()
+  regs = int(re.search(r"REG:(\d+)", usage).group(1))
   vals = cfg.block_k * cfg.block_n // (32 * cfg.num_warps)  # weight values per thread per step
   print(f"{tag:14s} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} pf={cfg.prefetch} dec={cfg.decode}: "
-        f"loop {nloop} instr/warp-step = {nloop / vals:.2f}/value  smem={kk.metadata.shared}  top={ops.most_common(9)}")
+        f"regs {regs} smem {kk.metadata.shared} loop {nloop} instr/warp-step = {nloop / vals:.2f}/value  top={ops.most_common(6)}")
 
 if __name__ == "__main__":
   for spec in sys.argv[1:]:
