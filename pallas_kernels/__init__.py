@@ -8,7 +8,8 @@ dequantize-in-registers kernel for small M, a one-pass dequantize + cuBLAS
 for large M); on CPU, and for inputs without a kernel, the pure-XLA reference.
 ``quantized_matmul(x, w_stack, index=i)`` multiplies by layer ``i`` of a stacked
 ``[L, K, N]`` weight, read in place by the kernels (the decoder's layer scan uses it).
-See docs/kernels.md.
+:mod:`pallas_kernels.decode_attention` holds the decode-step attention kernel that reads
+one layer of the stacked KV cache in place. See docs/kernels.md.
 """
 
 from pallas_kernels.matmul import FUSED_MAX_M, quantized_matmul, reference_matmul
