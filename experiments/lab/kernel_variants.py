@@ -6,13 +6,12 @@ output first; device time = median over a jax.profiler trace of 8+ calls on rota
 
   PYTHONPATH=$PWD python3 experiments/lab/kernel_variants.py
 """
-import dataclasses, glob, gzip, json, os, sys, time
-sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "experiments"))  # bench_rollout
+import dataclasses, json, os, sys, time
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax, jax.numpy as jnp, numpy as np
 import devtime
+from labcommon import SHAPES_7B as SHAPES, activations, checked_error, rotating_weights
 from pallas_kernels import w4_triton
-from pallas_kernels.matmul import reference_matmul
-from qerl_jax import nvfp4
 OUT = os.environ.get("OUT", "/tmp")
 T0 = time.time()
 
@@ -27,21 +26,15 @@ def variants(base):
           "pf_bk128": r(base, prefetch=True, block_k=128, splits=min(32, base.splits * 2)),
           "pf_split2x": r(base, prefetch=True, splits=min(32, base.splits * 2))}
 
-SHAPES = {"7b_gate": (3584, 18944), "7b_down": (18944, 3584), "7b_qkv": (3584, 4608), "7b_o": (3584, 3584)}
 totals = {}
 for name, (k, n) in SHAPES.items():
-  q0 = nvfp4.quantize(jax.random.normal(jax.random.key(0), (k, n), jnp.float32) * 0.02)
-  r = max(2, -(-(256 << 20) // (k * n // 2)))
-  qs = [jax.tree.map(lambda a, i=i: a ^ jnp.uint8(i % 2) if a.dtype == jnp.uint8 else a, q0) for i in range(r)]
+  q0, qs = rotating_weights(k, n)
   for m in (1, 8, 32):
-    x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
-    ref = reference_matmul(x, q0, out_dtype=jnp.float32)
+    x = activations(m, k)
     line = []
     for vname, cfg in variants(w4_triton.default_config(m, k, n)).items():
       try:
-        y = w4_triton.forward(x, q0, config=cfg, out_dtype=jnp.float32, poison_output=True)
-        err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
-        assert err < 1e-2 and not bool(jnp.isnan(y).any()), err
+        checked_error(lambda x, w, cfg=cfg, **kw: w4_triton.forward(x, w, config=cfg, **kw), x, q0)
         us = device_us(jax.jit(lambda x, qs, cfg=cfg: [w4_triton.forward(x, q, config=cfg) for q in qs]), (x, qs),
                        os.path.join(OUT, "t"))
         totals.setdefault(m, {}).setdefault(vname, 0.0); totals[m][vname] += us

@@ -9,12 +9,9 @@ device time per call (fused kernel + split-K sum) over rotating weight copies.
   PYTHONPATH=$PWD python3 experiments/lab/sweep_small_m.py
 """
 import os, sys, time
-sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "experiments"))
-import jax, jax.numpy as jnp, numpy as np
-import devtime
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from labcommon import SHAPES_7B, activations, checked_error, rotating_weights, us_per_call
 from pallas_kernels import w4_triton
-from pallas_kernels.matmul import reference_matmul
-from qerl_jax import nvfp4
 
 VARIANTS = {  # block_n, block_k, warps, stages, target programs, prefetch
     "tuned": (128, 128, 4, 3, 528, True),
@@ -27,16 +24,12 @@ VARIANTS = {  # block_n, block_k, warps, stages, target programs, prefetch
     "nopf": (128, 128, 4, 3, 528, False),
     "n64_k256": (64, 256, 4, 3, 528, True),
 }
-SHAPES = {"7b_qkv": (3584, 4608), "7b_o": (3584, 3584), "7b_gate": (3584, 18944), "7b_down": (18944, 3584)}
 T0 = time.time()
 totals = {}
-for name, (k, n) in SHAPES.items():
-  q0 = nvfp4.quantize(jax.random.normal(jax.random.key(0), (k, n), jnp.float32) * 0.02)
-  r = max(2, -(-(256 << 20) // (k * n // 2)))
-  qs = [jax.tree.map(lambda a, i=i: a ^ jnp.uint8(i % 2) if a.dtype == jnp.uint8 else a, q0) for i in range(r)]
+for name, (k, n) in SHAPES_7B.items():
+  q0, qs = rotating_weights(k, n)
   for m in (8, 32, 64):
-    x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
-    ref = reference_matmul(x, q0, out_dtype=jnp.float32)
+    x = activations(m, k)
     line = []
     for tag, (bn, bk, warps, stages, target, pf) in VARIANTS.items():
       bm = max(16, m)
@@ -45,12 +38,9 @@ for name, (k, n) in SHAPES.items():
       cfg = w4_triton.TileConfig(block_m=bm, block_n=bn, block_k=bk, splits=splits, num_warps=warps,
                                  num_stages=stages, split_x="registers", decode="asm", prefetch=pf)
       try:
-        y = w4_triton.forward(x, q0, config=cfg, out_dtype=jnp.float32, poison_output=True)
-        err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
-        assert err < 1e-2 and not bool(jnp.isnan(y).any()), err
-        f = jax.jit(lambda x, qs, cfg=cfg: [w4_triton.forward(x, q, config=cfg) for q in qs])
-        durs = devtime.trace_durations(f, x, qs)
-        us = float(sum(sum(v) for v in durs.values())) / len(qs)
+        fwd = lambda x, w, cfg=cfg, **kw: w4_triton.forward(x, w, config=cfg, **kw)
+        checked_error(fwd, x, q0)
+        us = us_per_call(fwd, x, qs)
         totals[(m, tag)] = totals.get((m, tag), 0.0) + us
         line.append(f"{tag} {us:5.1f}")
       except Exception as e:

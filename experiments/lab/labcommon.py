@@ -1,0 +1,46 @@
+"""Shared setup of the GPU lab scripts: 7B layer shapes, rotating weight copies, checked timing."""
+import os
+import sys
+
+sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.join(os.getcwd(), "experiments"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import devtime  # noqa: E402
+from pallas_kernels.matmul import reference_matmul  # noqa: E402
+from qerl_jax import nvfp4  # noqa: E402
+
+SHAPES_7B = {"7b_qkv": (3584, 4608), "7b_o": (3584, 3584), "7b_gate": (3584, 18944), "7b_down": (18944, 3584)}
+
+
+def rotating_weights(k: int, n: int, min_mb: int = 256):
+  """(q0, copies): an NVFP4 ``[k, n]`` weight and enough distinct copies (codes XOR 1 on odd ones)
+  to hold ``min_mb`` MiB of codes, so timed calls never hit the L2."""
+  q0 = nvfp4.quantize(jax.random.normal(jax.random.key(0), (k, n), jnp.float32) * 0.02)
+  r = max(2, -(-(min_mb << 20) // (k * n // 2)))
+  copies = [jax.tree.map(lambda a, i=i: a ^ jnp.uint8(i % 2) if a.dtype == jnp.uint8 else a, q0)
+            for i in range(r)]
+  return q0, copies
+
+
+def activations(m: int, k: int):
+  """bf16 ``[m, k]`` standard-normal activations and a float32 reference matmul maker."""
+  return jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
+
+
+def checked_error(forward, x, q0) -> float:
+  """Relative error of ``forward(x, q0, out_dtype=f32, poison_output=True)`` vs the XLA reference;
+  AssertionError above 1e-2 or with any NaN left in the poisoned output."""
+  ref = reference_matmul(x, q0, out_dtype=jnp.float32)
+  y = forward(x, q0, out_dtype=jnp.float32, poison_output=True)
+  err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+  assert err < 1e-2 and not bool(jnp.isnan(y).any()), err
+  return err
+
+
+def us_per_call(fn, x, copies) -> float:
+  """Device time (µs) of all kernels of ``fn(x, w)`` per copy, from one traced call over all copies."""
+  durs = devtime.trace_durations(jax.jit(lambda x, ws: [fn(x, w) for w in ws]), x, copies)
+  return float(sum(sum(v) for v in durs.values())) / len(copies)
