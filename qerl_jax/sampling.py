@@ -57,9 +57,11 @@ class SamplingConfig:
       ``T`` steps: benchmarks).
     cache_dtype: dtype of the KV cache (bf16 by default).
     kv_phases: decode in this many phases with a growing KV cache: phase ``i``
-      holds ``prompt bucket + ceil(T * (i + 1) / kv_phases)`` slots, so the
-      decode attention reads fewer empty slots (about ``(n + 1) / 2n`` of the
-      completion slots on average instead of all). Each phase compiles its
+      holds ``prompt bucket + ceil(T * (i + 1) / kv_phases)`` slots. The XLA
+      attention path (CPU, float32 models) then reads fewer empty slots (about
+      ``(n + 1) / 2n`` of the completion slots on average instead of all); the
+      GPU decode-attention kernel reads only written slots anyway, so there it
+      only lowers the cache's memory in early phases. Each phase compiles its
       own decode step; the cache is copied once per phase boundary. 1 = one
       cache of ``prompt bucket + T`` slots from the start.
   """
