@@ -54,13 +54,15 @@ def reference(q_BxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length):
   return out.reshape(b, h, d).astype(q_BxHxD.dtype)
 
 
-def _kernel(q_ref, k_ref, v_ref, mask_ref, meta_ref, o_ref, m_ref, l_ref, *, batch, slots, heads_kv,
-            head_dim, block_s, chunk):
+def _kernel(q_ref, k_ref, v_ref, mask_ref, meta_ref, o_ref, m_ref, l_ref, *, batch, slots, head_dim,
+            block_s, chunk):
   b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   layer, length = meta_ref[0], meta_ref[1]
   q = q_ref[b, kvh]  # [G, D]
   g = q.shape[0]
-  row0 = (layer * batch + b) * slots  # first row of (layer, b) in the folded cache
+  # First row of (layer, b) in the cache folded to [L*B*S, Hkv*hd]: an int32 row index (below
+  # 2**31 for any cache that fits a GPU); Pallas widens offsets to 64 bits for arrays over 4 GiB.
+  row0 = (layer * batch + b) * slots
   col = pl.ds(kvh * head_dim, head_dim)
   s_begin = split * chunk
   s_end = jnp.minimum(s_begin + chunk, length)
@@ -166,7 +168,7 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
   nsplit = splits or _choose_splits(b, kh, s, block_s, target_programs)
   chunk = -(-(-(-s // nsplit)) // block_s) * block_s  # slots per split, a multiple of block_s
   nsplit = -(-s // chunk)
-  kernel = functools.partial(_kernel, batch=b, slots=s, heads_kv=kh, head_dim=d, block_s=block_s, chunk=chunk)
+  kernel = functools.partial(_kernel, batch=b, slots=s, head_dim=d, block_s=block_s, chunk=chunk)
   out_shape = (jax.ShapeDtypeStruct((nsplit, b, kh, g_pad, d), jnp.float32),
                jax.ShapeDtypeStruct((nsplit, b, kh, g_pad), jnp.float32),
                jax.ShapeDtypeStruct((nsplit, b, kh, g_pad), jnp.float32))
