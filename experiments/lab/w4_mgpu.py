@@ -18,7 +18,10 @@ the library's [K/16, N] layout, one contiguous row per group). Known costs to at
 the scale broadcast is a chain of 7 selects per element, the decode uses integer compares rather
 than bit placement (bit placement makes code 1 a bf16 subnormal, which the CPU interpreter
 flushes), every step waits for its wgmmas before the next decode (no double-buffered A tile), and
-the codes are transposed once from the library's [K/2, N] (`prepare`).
+the codes are transposed once from the library's [K/2, N] (`prepare`). Tried and not lowering yet:
+16-column chunks (A tiles with 32-byte swizzle, codes as [K/32, N, 16], one select per element
+between two scale groups) pass the interpreter but fail Mosaic GPU's layout inference ("Failed to
+infer a possible set of layouts", with an empty constraint dump).
 
   python3 experiments/lab/w4_mgpu.py   # jax 0.11.x: on a CPU, interpreter checks + lowering;
                                               # on a GPU, checks + device times vs the Triton kernel
