@@ -33,14 +33,17 @@ Parameter trees:
   "attn": {"q","k","v","o": W, "q_bias"/"k_bias"/"v_bias": [L, N] (Qwen2),
   "q_norm"/"k_norm": [L, hd] (Qwen3)}, "mlp": {"gate","up","down": W}}}``; W is a
   float array ``[L, K, N]`` (x @ W layout, K = in features) or an
-  ``NVFP4Tensor`` / ``NF4Tensor`` with leading L.
+  ``NVFP4Tensor`` / ``NF4Tensor`` with leading L. ``fuse_projections(base)`` replaces
+  q/k/v (and their biases) with ``attn/qkv`` and gate/up with ``mlp/gate_up``,
+  concatenated along N (fewer kernel launches per decode step; same results).
 * lora: ``{"layers": {"attn": {"q": {"a": [L, K, r], "b": [L, r, N]}, ...}, "mlp": {...},
   optional "input_norm"/"post_attn_norm": [L, D] replacing the base norms}}`` (only
   targeted modules). Output += ``scale * (x @ a) @ b``; ``lora_cfg`` gives ``scale``.
 * norm_noise (AQN): ``{"input_norm": f32 [L, D], "post_attn_norm": f32 [L, D]}`` added to
   the RMSNorm weights in float32.
 
-The only weight dispatch is :func:`qerl_jax.models.layers.linear` (float ->
+The only weight dispatch is :func:`qerl_jax.models.layers.linear` (and
+:func:`~qerl_jax.models.layers.fused_linear` for fused projections; float ->
 ``jnp.dot`` with float32 accumulation, 4-bit -> ``pallas_kernels.quantized_matmul``).
 Hugging Face import/export lives in :mod:`qerl_jax.hf`.
 """
@@ -50,11 +53,12 @@ from qerl_jax.models.decoder import (LINEARS, dequantize_base, forward, init_cac
                                      lm_head_logits, logprobs_from_hidden, lora_scale_of,
                                      map_linears, positions_from_mask, quantize_base,
                                      summarize, token_logprobs)
+from qerl_jax.models.fuse import fuse_projections, is_fused
 from qerl_jax.models.layers import linear, is_quantized
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "ModelConfig", "rope_inv_freq", "LINEARS", "dequantize_base",
     "forward", "init_cache", "init_params", "lm_head_logits", "logprobs_from_hidden",
     "lora_scale_of", "map_linears", "positions_from_mask", "quantize_base", "summarize", "token_logprobs",
-    "linear", "is_quantized",
+    "linear", "is_quantized", "fuse_projections", "is_fused",
 ]

@@ -21,6 +21,8 @@ from qerl_jax.models.config import ModelConfig, rope_inv_freq
 
 LINEARS = (("attn", "q"), ("attn", "k"), ("attn", "v"), ("attn", "o"),
            ("mlp", "gate"), ("mlp", "up"), ("mlp", "down"))
+# With fused projections (models.fuse_projections) a base has these in place of q/k/v and gate/up.
+FUSED_LINEARS = (("attn", "qkv"), ("mlp", "gate_up"))
 NORMS = ("input_norm", "post_attn_norm")
 
 
@@ -76,12 +78,14 @@ def init_params(cfg: ModelConfig, key: jax.Array, *, dtype=jnp.bfloat16, std: fl
 
 
 def map_linears(fn, base: dict) -> dict:
-  """Returns a copy of ``base`` with ``fn(w)`` applied to each of the 7 stacked linears."""
+  """Returns a copy of ``base`` with ``fn(w)`` applied to each stacked linear it holds
+  (the 7 of :data:`LINEARS`, or with fused projections ``qkv``, ``o``, ``gate_up``, ``down``)."""
   lay = dict(base["layers"])
   for group in ("attn", "mlp"):
     lay[group] = dict(lay[group])
-  for group, name in LINEARS:
-    lay[group][name] = fn(lay[group][name])
+  for group, name in LINEARS + FUSED_LINEARS:
+    if name in lay[group]:
+      lay[group][name] = fn(lay[group][name])
   return {**base, "layers": lay}
 
 
@@ -186,9 +190,15 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   x = layers.rms_norm(h, w_in, eps, nn.get("input_norm"))
   lin = lambda grp, lgrp, name, v: layers.linear(
       v, grp[name], bias=grp.get(name + "_bias"), lora=lgrp.get(name), lora_scale=lora_scale)
-  q = lin(attn, la, "q", x).reshape(b, t, cfg.num_heads, cfg.head_dim)
-  k = lin(attn, la, "k", x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-  v = lin(attn, la, "v", x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+  if "qkv" in attn:  # fused projections (models.fuse_projections): one matmul, split back
+    q, k, v = layers.fused_linear(x, attn["qkv"], (cfg.q_dim, cfg.kv_dim, cfg.kv_dim),
+                                  bias=attn.get("qkv_bias"), loras=(la.get("q"), la.get("k"), la.get("v")),
+                                  lora_scale=lora_scale)
+  else:
+    q, k, v = lin(attn, la, "q", x), lin(attn, la, "k", x), lin(attn, la, "v", x)
+  q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+  k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+  v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
   if cfg.qk_norm:
     q = layers.rms_norm(q, attn["q_norm"], eps)
     k = layers.rms_norm(k, attn["k_norm"], eps)
@@ -213,8 +223,11 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
 
   w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
   x = layers.rms_norm(h, w_post, eps, nn.get("post_attn_norm"))
-  g = lin(mlp, lm, "gate", x)
-  u = lin(mlp, lm, "up", x)
+  if "gate_up" in mlp:
+    g, u = layers.fused_linear(x, mlp["gate_up"], (cfg.intermediate_size,) * 2,
+                               loras=(lm.get("gate"), lm.get("up")), lora_scale=lora_scale)
+  else:
+    g, u = lin(mlp, lm, "gate", x), lin(mlp, lm, "up", x)
   y = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(h.dtype)
   h = h + lin(mlp, lm, "down", y)
   return h, new_kv

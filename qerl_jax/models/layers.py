@@ -38,6 +38,26 @@ def is_quantized(w) -> bool:
   return isinstance(w, (nvfp4.NVFP4Tensor, nf4.NF4Tensor))
 
 
+def _matmul_f32(x: jax.Array, w) -> jax.Array:
+  """``x @ W`` in float32 for a float, 4-bit or :class:`StackedWeight` ``W`` (see :func:`linear`)."""
+  if isinstance(w, StackedWeight):
+    return pallas_kernels.quantized_matmul(x, w.tensor, out_dtype=jnp.float32, index=w.index)
+  if is_quantized(w):
+    return pallas_kernels.quantized_matmul(x, w, out_dtype=jnp.float32)
+  if hasattr(w, "dtype") and jnp.issubdtype(w.dtype, jnp.floating):
+    if w.shape[-2] != x.shape[-1]:
+      raise ValueError(f"linear: x has K={x.shape[-1]} (shape {x.shape}) but W has shape {w.shape}")
+    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+  raise TypeError(f"linear: unsupported weight type {type(w).__name__} "
+                  f"(expected a float array, NVFP4Tensor or NF4Tensor)")
+
+
+def _lora_f32(x: jax.Array, lora: dict, lora_scale: float) -> jax.Array:
+  dt = x.dtype
+  xa = jnp.dot(x, lora["a"].astype(dt), preferred_element_type=jnp.float32)
+  return lora_scale * jnp.dot(xa.astype(dt), lora["b"].astype(dt), preferred_element_type=jnp.float32)
+
+
 def linear(x: jax.Array, w, *, bias: Optional[jax.Array] = None,
            lora: Optional[dict] = None, lora_scale: float = 1.0) -> jax.Array:
   """``x @ W (+ bias) + lora_scale * (x @ A) @ B``: THE one place weights are dispatched.
@@ -64,25 +84,51 @@ def linear(x: jax.Array, w, *, bias: Optional[jax.Array] = None,
     TypeError: ``w`` is neither a float array nor a 4-bit tensor.
     ValueError: K mismatch between ``x`` and ``w``.
   """
-  dt = x.dtype
-  if isinstance(w, StackedWeight):
-    y = pallas_kernels.quantized_matmul(x, w.tensor, out_dtype=jnp.float32, index=w.index)
-  elif is_quantized(w):
-    y = pallas_kernels.quantized_matmul(x, w, out_dtype=jnp.float32)
-  elif hasattr(w, "dtype") and jnp.issubdtype(w.dtype, jnp.floating):
-    if w.shape[-2] != x.shape[-1]:
-      raise ValueError(f"linear: x has K={x.shape[-1]} (shape {x.shape}) but W has shape {w.shape}")
-    y = jnp.dot(x, w.astype(dt), preferred_element_type=jnp.float32)
-  else:
-    raise TypeError(f"linear: unsupported weight type {type(w).__name__} "
-                    f"(expected a float array, NVFP4Tensor or NF4Tensor)")
+  y = _matmul_f32(x, w)
   if bias is not None:
     y = y + bias.astype(jnp.float32)
   if lora is not None:
-    xa = jnp.dot(x, lora["a"].astype(dt), preferred_element_type=jnp.float32)
-    y = y + lora_scale * jnp.dot(xa.astype(dt), lora["b"].astype(dt),
-                                 preferred_element_type=jnp.float32)
-  return y.astype(dt)
+    y = y + _lora_f32(x, lora, lora_scale)
+  return y.astype(x.dtype)
+
+
+def fused_linear(x: jax.Array, w, sizes: tuple[int, ...], *, bias: Optional[jax.Array] = None,
+                 loras: tuple = (), lora_scale: float = 1.0) -> tuple[jax.Array, ...]:
+  """One matmul by column-concatenated weights ``[W_1 | W_2 | ...]``, split back into its parts.
+
+  Part ``i`` equals ``linear(x, W_i, bias=b_i, lora=loras[i])``: the base product
+  and bias are computed once for all parts (one kernel launch instead of one per
+  part, e.g. q/k/v or gate/up in a decode step), then each part gets its own LoRA
+  delta. See :func:`qerl_jax.models.fuse.fuse_projections`.
+
+  Args:
+    x: ``[..., K]`` activations.
+    w: the fused weight ``[K, sum(sizes)]`` (float, 4-bit, or a :class:`StackedWeight`).
+    sizes: output width of each part, in order.
+    bias: optional fused bias ``[sum(sizes)]``.
+    loras: one adapter dict or None per part (missing trailing entries = None).
+    lora_scale: as in :func:`linear`.
+
+  Returns:
+    One ``[..., sizes[i]]`` array per part, in ``x.dtype``.
+
+  Raises:
+    ValueError: ``sizes`` do not add up to the weight's output width.
+  """
+  y = _matmul_f32(x, w)
+  if y.shape[-1] != sum(sizes):
+    raise ValueError(f"fused_linear: part sizes {sizes} add up to {sum(sizes)}, but W has {y.shape[-1]} columns")
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
+  outs, start = [], 0
+  for i, size in enumerate(sizes):
+    part = y[..., start:start + size]
+    lora = loras[i] if i < len(loras) else None
+    if lora is not None:
+      part = part + _lora_f32(x, lora, lora_scale)
+    outs.append(part.astype(x.dtype))
+    start += size
+  return tuple(outs)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float,

@@ -1,0 +1,90 @@
+"""Fused projections: q/k/v and gate/up stored as one column-concatenated matrix each.
+
+A decode step multiplies a handful of rows by every weight, so each linear is one
+small, launch- and latency-bound kernel. Storing ``[W_q | W_k | W_v]`` and
+``[W_gate | W_up]`` as single matrices (as vLLM's ``qkv_proj`` / ``gate_up_proj``
+do) turns five kernels a layer into two; the decoder splits the product back into
+its parts and adds each part's LoRA delta separately
+(:func:`qerl_jax.models.layers.fused_linear`), so the LoRA tree, AQN and every
+result are unchanged.
+
+NVFP4 keeps one global scale per matrix, so the parts must share it: quantize the
+fused float matrices (``quantize_base(fuse_projections(float_base))``), or load a
+checkpoint with ``hf.load_pretrained(..., share_fused_global_scale=True)`` and
+fuse after loading.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qerl_jax import nf4, nvfp4
+
+# (group, fused name) -> the parts, in column order.
+FUSED = {("attn", "qkv"): ("q", "k", "v"), ("mlp", "gate_up"): ("gate", "up")}
+
+
+def is_fused(base: dict) -> bool:
+  """True when ``base`` stores fused projections (``attn/qkv`` and ``mlp/gate_up``)."""
+  return all(name in base["layers"][group] for group, name in FUSED)
+
+
+def fuse_projections(base: dict) -> dict:
+  """Returns ``base`` with q/k/v and gate/up (and q/k/v biases) concatenated along the output axis.
+
+  Every leaf keeps its leading (layer) dims; ``attn/qkv`` is ``[L, D, q_dim + 2 kv_dim]``,
+  ``mlp/gate_up`` is ``[L, D, 2 I]`` (float arrays, NVFP4Tensor or NF4Tensor, as the parts).
+  The forward pass gives the same results with the fused tree (tested), with one matmul
+  where there were three (attention) and two (MLP).
+
+  Args:
+    base: a base tree (``models.init_params`` / ``hf.load_pretrained`` layout).
+
+  Returns:
+    A new base tree; ``base`` is not modified.
+
+  Raises:
+    ValueError: already fused; parts of different formats; NVFP4 parts whose global
+      scales differ (or are traced, so cannot be compared: call this outside ``jit``);
+      only some of q/k/v carry a bias.
+  """
+  if any(name in base["layers"][group] for group, name in FUSED):
+    raise ValueError("fuse_projections: the base is already fused (has attn/qkv or mlp/gate_up)")
+  lay = dict(base["layers"])
+  for (group, fused_name), parts in FUSED.items():
+    g = dict(lay[group])
+    g[fused_name] = _concat([g.pop(p) for p in parts], f"{group}/{'+'.join(parts)}")
+    biases = [p + "_bias" for p in parts if p + "_bias" in g]
+    if biases:
+      if len(biases) != len(parts):
+        raise ValueError(f"fuse_projections: only {biases} of {group}/{parts} have biases")
+      g[fused_name + "_bias"] = jnp.concatenate([g.pop(b) for b in biases], axis=-1)
+    lay[group] = g
+  return {**base, "layers": lay}
+
+
+def _concat(ws: list, what: str):
+  if all(isinstance(w, nvfp4.NVFP4Tensor) for w in ws):
+    try:
+      scales = [np.asarray(w.global_scale) for w in ws]
+    except jax.errors.TracerArrayConversionError:
+      raise ValueError(f"fuse_projections: {what} global scales are traced; call it outside jit") from None
+    if any(not np.array_equal(scales[0], s) for s in scales[1:]):
+      raise ValueError(
+          f"fuse_projections: the NVFP4 parts of {what} have different global scales; quantize the fused "
+          "float matrices instead (quantize_base(fuse_projections(float_base))) or load with "
+          "hf.load_pretrained(..., share_fused_global_scale=True)")
+    return nvfp4.NVFP4Tensor(jnp.concatenate([w.packed for w in ws], axis=-1),
+                             jnp.concatenate([w.block_scale for w in ws], axis=-1), ws[0].global_scale,
+                             shape=(ws[0].shape[0], sum(w.shape[1] for w in ws)))
+  if all(isinstance(w, nf4.NF4Tensor) for w in ws):
+    return nf4.NF4Tensor(jnp.concatenate([w.packed for w in ws], axis=-1),
+                         jnp.concatenate([w.block_scale for w in ws], axis=-1),
+                         shape=(ws[0].shape[0], sum(w.shape[1] for w in ws)))
+  if all(hasattr(w, "dtype") and jnp.issubdtype(w.dtype, jnp.floating) for w in ws):
+    if len({w.dtype for w in ws}) != 1:
+      raise ValueError(f"fuse_projections: {what} parts have different dtypes {[str(w.dtype) for w in ws]}")
+    return jnp.concatenate(ws, axis=-1)
+  raise ValueError(f"fuse_projections: {what} parts mix formats {[type(w).__name__ for w in ws]}")

@@ -1,0 +1,129 @@
+"""Fused q/k/v and gate/up projections give the results of the separate ones (float, NVFP4, NF4, LoRA, cache)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qerl_jax import lora as lora_lib
+from qerl_jax import models, nf4, nvfp4
+from qerl_jax.models import layers
+from tests._model_utils import left_padded_batch
+
+CFG = models.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, dtype="float32", attention_bias=True)
+
+
+def _base(seed=0):
+  base = models.init_params(CFG, jax.random.key(seed), dtype=jnp.float32, std=0.1)
+  lay = base["layers"]
+  for name in ("q_bias", "k_bias", "v_bias"):  # make sure every bias shifts its part
+    lay["attn"][name] = lay["attn"][name] + 0.05
+  return base
+
+
+def _lora_and_noise():
+  lora = lora_lib.init_lora(jax.random.key(3), CFG, lora_lib.LoRAConfig(r=4, lora_alpha=2.0))
+  # init_lora zeroes B; give every adapter a nonzero B so each part's delta matters
+  lora = jax.tree.map(lambda a: a + 0.03 * jax.random.normal(jax.random.key(a.size), a.shape, a.dtype), lora)
+  noise = {k: 0.01 * jax.random.normal(jax.random.key(i), (CFG.num_layers, CFG.hidden_size))
+           for i, k in enumerate(("input_norm", "post_attn_norm"))}
+  return lora, noise
+
+
+def _split_parts(fused_base):
+  """The unfused base holding exactly the fused tensors' columns (same NVFP4 global scale)."""
+  lay = {**fused_base["layers"], "attn": dict(fused_base["layers"]["attn"]), "mlp": dict(fused_base["layers"]["mlp"])}
+  sizes = {("attn", "qkv"): (("q", CFG.q_dim), ("k", CFG.kv_dim), ("v", CFG.kv_dim)),
+           ("mlp", "gate_up"): (("gate", CFG.intermediate_size), ("up", CFG.intermediate_size))}
+  for (group, fused), parts in sizes.items():
+    w = lay[group].pop(fused)
+    bias = lay[group].pop(fused + "_bias", None)
+    start = 0
+    for name, size in parts:
+      cols = slice(start, start + size)
+      if isinstance(w, nvfp4.NVFP4Tensor):
+        lay[group][name] = nvfp4.NVFP4Tensor(w.packed[..., cols], w.block_scale[..., cols], w.global_scale,
+                                             shape=(w.shape[0], size))
+      elif isinstance(w, nf4.NF4Tensor):
+        lay[group][name] = nf4.NF4Tensor(w.packed[..., cols], w.block_scale[..., cols], shape=(w.shape[0], size))
+      else:
+        lay[group][name] = w[..., cols]
+      if bias is not None:
+        lay[group][name + "_bias"] = bias[..., cols]
+      start += size
+  return {**fused_base, "layers": lay}
+
+
+def test_fused_linear_matches_float64():
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((3, 5, 8)).astype(np.float32)
+  w1, w2 = rng.standard_normal((8, 6)), rng.standard_normal((8, 4))
+  b = rng.standard_normal(10)
+  lo = {"a": rng.standard_normal((8, 2)), "b": rng.standard_normal((2, 4))}
+  y1, y2 = layers.fused_linear(jnp.asarray(x), jnp.asarray(np.concatenate([w1, w2], 1), jnp.float32), (6, 4),
+                               bias=jnp.asarray(b, jnp.float32),
+                               loras=(None, jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), lo)), lora_scale=0.5)
+  x64 = x.astype(np.float64)
+  np.testing.assert_allclose(np.asarray(y1), x64 @ w1 + b[:6], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(y2), x64 @ w2 + b[6:] + 0.5 * (x64 @ lo["a"]) @ lo["b"], rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="add up to"):
+    layers.fused_linear(jnp.asarray(x), jnp.zeros((8, 10)), (6, 5))
+
+
+@pytest.mark.parametrize("quant", ["none", "nvfp4", "nf4"])
+def test_fused_forward_equals_separate_with_lora_and_noise(quant):
+  fused = models.quantize_base(models.fuse_projections(_base()), quant)
+  assert models.is_fused(fused) and "q" not in fused["layers"]["attn"] and "qkv_bias" in fused["layers"]["attn"]
+  separate = _split_parts(fused)
+  assert not models.is_fused(separate)
+  lora, noise = _lora_and_noise()
+  tokens, mask = (jnp.asarray(a) for a in left_padded_batch(CFG.vocab_size, seed=2))
+  pos = models.positions_from_mask(mask)
+  kw = dict(attn_mask=mask, lora=lora, lora_cfg=0.5, norm_noise=noise)
+  a, _ = models.forward(CFG, fused, tokens, pos, **kw)
+  b, _ = models.forward(CFG, separate, tokens, pos, **kw)
+  real = np.asarray(mask).astype(bool)
+  assert np.abs(np.asarray(a) - np.asarray(b))[real].max() < 1e-5
+
+  # LoRA gradients (what the trainer differentiates) agree too
+  loss = lambda base, lo: jnp.sum(jnp.where(mask[..., None], models.forward(CFG, base, tokens, pos, attn_mask=mask,
+                                                                            lora=lo, lora_cfg=0.5)[0], 0.0) ** 2)
+  ga, gb = jax.grad(loss, argnums=1)(fused, lora), jax.grad(loss, argnums=1)(separate, lora)
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-4)
+
+
+def test_fused_nvfp4_prefill_then_decode_equals_full_forward():
+  fused = models.quantize_base(models.fuse_projections(_base(1)), "nvfp4")
+  tokens, mask = (jnp.asarray(a) for a in left_padded_batch(CFG.vocab_size, seed=4))
+  pos = models.positions_from_mask(mask)
+  full, _ = models.forward(CFG, fused, tokens, pos, attn_mask=mask)
+  cache = models.init_cache(CFG, 3, 14, dtype=jnp.float32)
+  step = jax.jit(lambda c, tok, p, mk: models.forward(CFG, fused, tok, p, attn_mask=mk, cache=c))
+  out, cache = step(cache, tokens[:, :7], pos[:, :7], mask[:, :7])
+  outs = [out]
+  for i in range(7, 12):
+    out, cache = step(cache, tokens[:, i:i + 1], pos[:, i:i + 1], mask[:, i:i + 1])
+    outs.append(out)
+  real = np.asarray(mask).astype(bool)
+  assert np.abs(np.asarray(jnp.concatenate(outs, axis=1)) - np.asarray(full))[real].max() < 1e-4
+
+
+def test_fuse_errors_name_the_problem():
+  base = _base()
+  with pytest.raises(ValueError, match="already fused"):
+    models.fuse_projections(models.fuse_projections(base))
+  q = models.quantize_base(base, "nvfp4")  # q, k, v quantized separately: different global scales
+  with pytest.raises(ValueError, match="different global scales"):
+    models.fuse_projections(q)
+  mixed = {**base, "layers": {**base["layers"], "attn": {**base["layers"]["attn"],
+                                                         "q": nvfp4.quantize(base["layers"]["attn"]["q"])}}}
+  with pytest.raises(ValueError, match="mix formats"):
+    models.fuse_projections(mixed)
+  one_bias = {**base, "layers": {**base["layers"], "attn": {
+      k: v for k, v in base["layers"]["attn"].items() if k not in ("k_bias", "v_bias")}}}
+  with pytest.raises(ValueError, match="biases"):
+    models.fuse_projections(one_bias)
+  with pytest.raises(ValueError, match="outside jit"):
+    jax.jit(lambda b: models.fuse_projections(models.quantize_base(b, "nvfp4")))(_base())
