@@ -43,7 +43,8 @@ from qerl_jax import models, sampling
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("batches", ["8", "64", "256"], "Batch sizes (prompts; num_generations = 1).")
-flags.DEFINE_list("formats", ["bf16", "nvfp4"], "Weight formats of the decoder linears.")
+flags.DEFINE_list("formats", ["bf16", "nvfp4"], "Weight formats of the decoder linears: bf16, nvfp4, "
+                  "bf16_fused, nvfp4_fused (q/k/v and gate/up fused, models.fuse_projections).")
 flags.DEFINE_integer("prompt_len", 256, "Prompt tokens per row.")
 flags.DEFINE_integer("new_tokens", 2048, "New tokens per row (fixed: no early stop).")
 flags.DEFINE_list("new_tokens_by_batch", [], "Overrides 'batch:new_tokens', e.g. 256:1024 (to fit device time).")
@@ -98,15 +99,22 @@ def weight_bytes_per_step(cfg, base, batch: int) -> int:
   return tree_bytes(base["layers"]) + tree_bytes(base["final_norm"]) + tree_bytes(head) + batch * cfg.hidden_size * 2
 
 
+FORMATS = ("bf16", "nvfp4", "bf16_fused", "nvfp4_fused")
+
+
 def make_base(cfg, fmt: str, bf16_base=None):
-  if fmt == "bf16":
-    return models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
-  if fmt == "nvfp4":
-    src = bf16_base if bf16_base is not None else models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
-    q = jax.jit(lambda b: models.quantize_base(b, "nvfp4"))(src)
-    jax.block_until_ready(q)
-    return q
-  raise ValueError(f"unknown format {fmt!r}; expected bf16 or nvfp4")
+  """The random base of one format; ``*_fused`` stores q/k/v and gate/up fused (models.fuse_projections;
+  for NVFP4 the fused float matrices are quantized, so each shares one global scale)."""
+  if fmt not in FORMATS:
+    raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
+  src = bf16_base if bf16_base is not None else models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+  if fmt.endswith("_fused"):
+    src = models.fuse_projections(src)
+  if fmt.startswith("bf16"):
+    return src
+  q = jax.jit(lambda b: models.quantize_base(b, "nvfp4"))(src)
+  jax.block_until_ready(q)
+  return q
 
 
 def random_prompts(cfg, batch: int, length: int, seed: int = 0):
