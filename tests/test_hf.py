@@ -81,6 +81,21 @@ def test_shared_fused_global_scale(tmp_root):
   assert gq[0] <= min(own) * 1.01
 
 
+def test_shared_global_scale_checkpoint_fuses_to_the_same_logits(tmp_root):
+  """The documented path: load with shared global scales, fuse q/k/v and gate/up, same logits."""
+  _, folder = _saved("qwen2", False, tmp_root)
+  cfg, base, _, _ = hf.load_pretrained(folder, quant="nvfp4", share_fused_global_scale=True, dtype=jnp.float32,
+                                       compute_dtype="float32", load_tokenizer=False)
+  fused = models.fuse_projections(base)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+  pos = jnp.tile(jnp.arange(9, dtype=jnp.int32), (2, 1))
+  a, _ = models.forward(cfg, base, tokens, pos)
+  b, _ = models.forward(cfg, fused, tokens, pos)
+  np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="different global scales"):  # without sharing: a clear error
+    models.fuse_projections(hf.load_pretrained(folder, quant="nvfp4", load_tokenizer=False)[1])
+
+
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
