@@ -59,3 +59,24 @@ def torch_logits(model, tokens, mask):
                 attention_mask=torch.tensor(mask, dtype=torch.long),
                 position_ids=torch.tensor(pos, dtype=torch.long))
   return out.logits.float().numpy()
+
+
+def decode_all(cfg, base, tokens, mask, n_prefill, cache_dtype=None, **kw):
+  """Prefill ``n_prefill`` tokens into a KV cache, then decode the rest one at a time.
+
+  Returns (logits ``[B, T, V]`` of every position, the final cache); ``kw`` goes to ``models.forward``.
+  """
+  import jax
+  import jax.numpy as jnp
+  from qerl_jax import models
+  b, t = tokens.shape
+  pos = models.positions_from_mask(mask)
+  cache = models.init_cache(cfg, b, t + 3, dtype=cache_dtype or jnp.float32)
+  step = jax.jit(lambda c, tok, p, mk: models.forward(cfg, base, tok, p, attn_mask=mk, cache=c, **kw))
+  out, cache = step(cache, tokens[:, :n_prefill], pos[:, :n_prefill], mask[:, :n_prefill])
+  outs = [out]
+  for i in range(n_prefill, t):
+    out, cache = step(cache, tokens[:, i:i + 1], pos[:, i:i + 1], mask[:, i:i + 1])
+    outs.append(out)
+  assert int(cache["index"]) == t
+  return jnp.concatenate(outs, axis=1), cache

@@ -7,7 +7,7 @@ import pytest
 
 from pallas_kernels import decode_attention as da
 from qerl_jax import models
-from tests._model_utils import left_padded_batch
+from tests._model_utils import decode_all, left_padded_batch
 
 
 def _np_attention(q, k, v, layer, mask, length):
@@ -103,18 +103,10 @@ def test_decoder_decode_steps_through_the_kernel(monkeypatch):
                            num_kv_heads=2, head_dim=16, dtype="float32")
   base = models.init_params(cfg, jax.random.key(0), dtype=jnp.float32, std=0.1)
   tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=5))
-  pos = models.positions_from_mask(mask)
-  full, _ = models.forward(cfg, base, tokens, pos, attn_mask=mask)
-  cache = models.init_cache(cfg, 3, 14, dtype=jnp.float32)
-  step = jax.jit(lambda c, tok, p, mk: models.forward(cfg, base, tok, p, attn_mask=mk, cache=c))
-  out, cache = step(cache, tokens[:, :6], pos[:, :6], mask[:, :6])
-  outs = [out]
-  for i in range(6, 12):
-    out, cache = step(cache, tokens[:, i:i + 1], pos[:, i:i + 1], mask[:, i:i + 1])
-    outs.append(out)
+  full, _ = models.forward(cfg, base, tokens, models.positions_from_mask(mask), attn_mask=mask)
+  stepped, _ = decode_all(cfg, base, tokens, mask, n_prefill=6)
   real = np.asarray(mask).astype(bool)
-  err = np.abs(np.asarray(jnp.concatenate(outs, axis=1)) - np.asarray(full))[real].max()
-  assert err < 1e-4
+  assert np.abs(np.asarray(stepped) - np.asarray(full))[real].max() < 1e-4
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ import pytest
 from qerl_jax import lora as lora_lib
 from qerl_jax import models, nf4, nvfp4
 from qerl_jax.models import layers
-from tests._model_utils import left_padded_batch
+from tests._model_utils import decode_all, left_padded_batch
 
 CFG = models.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=16, dtype="float32", attention_bias=True)
@@ -97,17 +97,10 @@ def test_fused_forward_equals_separate_with_lora_and_noise(quant):
 def test_fused_nvfp4_prefill_then_decode_equals_full_forward():
   fused = models.quantize_base(models.fuse_projections(_base(1)), "nvfp4")
   tokens, mask = (jnp.asarray(a) for a in left_padded_batch(CFG.vocab_size, seed=4))
-  pos = models.positions_from_mask(mask)
-  full, _ = models.forward(CFG, fused, tokens, pos, attn_mask=mask)
-  cache = models.init_cache(CFG, 3, 14, dtype=jnp.float32)
-  step = jax.jit(lambda c, tok, p, mk: models.forward(CFG, fused, tok, p, attn_mask=mk, cache=c))
-  out, cache = step(cache, tokens[:, :7], pos[:, :7], mask[:, :7])
-  outs = [out]
-  for i in range(7, 12):
-    out, cache = step(cache, tokens[:, i:i + 1], pos[:, i:i + 1], mask[:, i:i + 1])
-    outs.append(out)
+  full, _ = models.forward(CFG, fused, tokens, models.positions_from_mask(mask), attn_mask=mask)
+  stepped, _ = decode_all(CFG, fused, tokens, mask, n_prefill=7)
   real = np.asarray(mask).astype(bool)
-  assert np.abs(np.asarray(jnp.concatenate(outs, axis=1)) - np.asarray(full))[real].max() < 1e-4
+  assert np.abs(np.asarray(stepped) - np.asarray(full))[real].max() < 1e-4
 
 
 def test_fuse_errors_name_the_problem():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from qerl_jax import hf, models, nvfp4
-from tests._model_utils import left_padded_batch, make_hf_model, torch_logits
+from tests._model_utils import decode_all as _decode_all, left_padded_batch, make_hf_model, torch_logits
 
 # jit every forward: one compilation per call site is much cheaper than op-by-op dispatch.
 fwd = jax.jit(models.forward, static_argnums=(0,),
@@ -64,21 +64,6 @@ def test_rope_inv_freq_matches_transformers_llama3():
   np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-6)
   plain = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2) / cfg.head_dim))
   assert not np.allclose(ours, plain)  # the scaling really changes low frequencies
-
-
-def _decode_all(cfg, base, tokens, mask, n_prefill, cache_dtype=jnp.float32, **kw):
-  """Prefill n_prefill tokens, then decode the rest one at a time; logits [B, T, V]."""
-  b, t = tokens.shape
-  pos = models.positions_from_mask(mask)
-  cache = models.init_cache(cfg, b, t + 3, dtype=cache_dtype)
-  step = jax.jit(lambda c, tok, p, mk: models.forward(cfg, base, tok, p, attn_mask=mk, cache=c, **kw))
-  out, cache = step(cache, tokens[:, :n_prefill], pos[:, :n_prefill], mask[:, :n_prefill])
-  outs = [out]
-  for i in range(n_prefill, t):
-    out, cache = step(cache, tokens[:, i:i + 1], pos[:, i:i + 1], mask[:, i:i + 1])
-    outs.append(out)
-  assert int(cache["index"]) == t
-  return jnp.concatenate(outs, axis=1), cache
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
