@@ -17,8 +17,10 @@ swizzle tiles (so no 8-column slices), and a swizzled ref must be contiguous (so
 the library's [K/16, N] layout, one contiguous row per group). Known costs to attack once it runs:
 the scale broadcast is a chain of 7 selects per element, the decode uses integer compares rather
 than bit placement (bit placement makes code 1 a bf16 subnormal, which the CPU interpreter
-flushes), every step waits for its wgmmas before the next decode (no double-buffered A tile), and
-the codes are transposed once from the library's [K/2, N] (`prepare`). Tried and not lowering yet:
+flushes), each step waits for its wgmmas before the next decode unless ``overlap=True`` (double-
+buffered A tiles; the interpreter's race detector, ``InterpretGPUParams(detect_races=True)``, does
+not model wgmma's asynchrony, so only the GPU can tell whether that schedule is safe), and the
+codes are transposed once from the library's [K/2, N] (`prepare`). Tried and not lowering yet:
 16-column chunks (A tiles with 32-byte swizzle, codes as [K/32, N, 16], one select per element
 between two scale groups) pass the interpreter but fail Mosaic GPU's layout inference ("Failed to
 infer a possible set of layouts", with an empty constraint dump).
@@ -47,13 +49,16 @@ def _e2m1_x2(c):
 
 
 def w4_gemv(x_even, x_odd, codes_t, scales, *, tile_n=64, tile_k=128, splits=1, stages=4, num_sms=132,
-            interpret=None):
+            overlap=False, interpret=None):
   """Split-K partials of y^T: [splits, N, Mp] float32, summing to W^T x^T.
 
   x_even, x_odd: bf16 [Mp, K/2], the even and odd columns of x (Mp a multiple of 8).
   codes_t: uint8 [N, K/2] (K-contiguous; byte j: low nibble K=2j, high nibble K=2j+1).
   scales: bf16 [K/16, N] (the library's block-scale layout): block scale / 2 (the decode gives
     2 * e2m1); the caller applies the inverse global scale.
+  overlap: double-buffer the shared-memory A tiles so a step decodes into one slot while the
+    previous step's wgmmas still read the other (x tiles are released a step late for the same
+    reason); False waits for each step's wgmmas before the next decode.
   """
   mp, k2 = x_even.shape
   k = 2 * k2
@@ -76,31 +81,40 @@ def w4_gemv(x_even, x_odd, codes_t, scales, *, tile_n=64, tile_k=128, splits=1, 
       si = info.index[0] % splits
 
       def acc_scope(acc_ref):
-        def step(_, xe_s, xo_s, c_s, s_s):
+        def step(idx, xe_s, xo_s, c_s, s_s):
+          if overlap:  # slot kk % 2 was last read by step kk - 2's wgmmas: let only step kk - 1's pair run on
+            plgpu.wgmma_wait(2)
+            slot = idx[0] % 2
+            lo_ref, hi_ref = a_lo.at[slot], a_hi.at[slot]
+          else:
+            lo_ref, hi_ref = a_lo, a_hi
           p = c_s[...]                                   # uint8 [tile_n, tk2]
           col = plgpu.broadcasted_iota(jnp.int32, (tile_n, tk2), 1, layout=plgpu.Layout.WGMMA)
           sb = lax.broadcast_in_dim(s_s[0], (tile_n, tk2), [0])
           for g in range(1, groups):                     # scale of group g on columns [8g, 8g+8)
             sb = jnp.where(col >= 8 * g, lax.broadcast_in_dim(s_s[g], (tile_n, tk2), [0]), sb)
           p16 = p.astype(jnp.uint16)
-          a_lo[...] = _e2m1_x2(p16 & 15) * sb
-          a_hi[...] = _e2m1_x2(p16 >> 4) * sb
+          lo_ref[...] = _e2m1_x2(p16 & 15) * sb
+          hi_ref[...] = _e2m1_x2(p16 >> 4) * sb
           plgpu.commit_smem()
-          plgpu.wgmma(acc_ref, a_lo, xe_s.transpose((1, 0)))
-          plgpu.wgmma(acc_ref, a_hi, xo_s.transpose((1, 0)))
-          plgpu.wgmma_wait(0)
+          plgpu.wgmma(acc_ref, lo_ref, xe_s.transpose((1, 0)))
+          plgpu.wgmma(acc_ref, hi_ref, xo_s.transpose((1, 0)))
+          if not overlap:
+            plgpu.wgmma_wait(0)
 
         plgpu.emit_pipeline(
             step,
             grid=(steps,),
             in_specs=[
-                plgpu.BlockSpec((mp, tk2), lambda kk: (0, si * steps + kk), transforms=tr),
-                plgpu.BlockSpec((mp, tk2), lambda kk: (0, si * steps + kk), transforms=tr),
+                plgpu.BlockSpec((mp, tk2), lambda kk: (0, si * steps + kk), transforms=tr, delay_release=int(overlap)),
+                plgpu.BlockSpec((mp, tk2), lambda kk: (0, si * steps + kk), transforms=tr, delay_release=int(overlap)),
                 plgpu.BlockSpec((tile_n, tk2), lambda kk: (ni, si * steps + kk)),
                 plgpu.BlockSpec((groups, tile_n), lambda kk: (si * steps + kk, ni)),
             ],
             max_concurrent_steps=stages,
         )(xe_g, xo_g, c_g, s_g)
+        if overlap:
+          plgpu.wgmma_wait(0)
         return acc_ref[...]
 
       acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, mp)))
@@ -114,8 +128,8 @@ def w4_gemv(x_even, x_odd, codes_t, scales, *, tile_n=64, tile_k=128, splits=1, 
       out_type=jax.ShapeDtypeStruct((splits, n, mp), jnp.float32),
       grid=(num_sms,),
       grid_names=("sm",),
-      scratch_types=dict(a_lo=plgpu.SMEM((tile_n, tk2), jnp.bfloat16, transforms=tr),
-                         a_hi=plgpu.SMEM((tile_n, tk2), jnp.bfloat16, transforms=tr),
+      scratch_types=dict(a_lo=plgpu.SMEM((2, tile_n, tk2) if overlap else (tile_n, tk2), jnp.bfloat16, transforms=tr),
+                         a_hi=plgpu.SMEM((2, tile_n, tk2) if overlap else (tile_n, tk2), jnp.bfloat16, transforms=tr),
                          o_smem=plgpu.SMEM((tile_n, mp), jnp.float32)),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=interpret,
@@ -149,13 +163,14 @@ def _check_on_cpu():
   from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
   from qerl_jax import nvfp4
   rng = np.random.default_rng(0)
-  for m, k, n, splits in [(8, 256, 128, 1), (1, 512, 64, 2), (13, 256, 192, 2), (64, 256, 64, 1)]:
+  for m, k, n, splits, overlap in [(8, 256, 128, 1, False), (1, 512, 64, 2, False), (13, 256, 192, 2, False),
+                                   (64, 256, 64, 1, False), (8, 512, 128, 1, True), (13, 768, 64, 2, True)]:
     w = nvfp4.quantize(jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.float32))
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     ref = np.asarray(x, np.float64) @ np.asarray(nvfp4.dequantize(w, jnp.float32), np.float64)
-    y = forward(x, prepare(w), splits=splits, num_sms=3, interpret=InterpretGPUParams())
+    y = forward(x, prepare(w), splits=splits, overlap=overlap, num_sms=3, interpret=InterpretGPUParams())
     err = np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref)
-    print(f"interpret M={m} K={k} N={n} splits={splits}: rel err {err:.1e}", flush=True)
+    print(f"interpret M={m} K={k} N={n} splits={splits} overlap={overlap}: rel err {err:.1e}", flush=True)
     assert err < 1e-4, err
 
 
@@ -175,16 +190,18 @@ def _bench_on_gpu():
       ref = reference_matmul(x, q0, out_dtype=jnp.float32)
       line = [f"triton {us_per_call(w4_triton.forward, x, qs):6.1f}", f"bf16 {us_per_call(jnp.dot, x, ws):6.1f}"]
       for splits in (1, 2, 4):
-        if (k // 128) % splits:
-          continue
-        try:
-          y = forward(x, preps[0], splits=splits)
-          err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
-          assert err < 1e-2 and not bool(jnp.isnan(y).any()), err
-          us = us_per_call(lambda x, p, s=splits: forward(x, p, splits=s), x, preps)
-          line.append(f"mgpu s{splits} {us:6.1f} (err {err:.0e})")
-        except Exception as e:  # a lab: report and go on
-          line.append(f"mgpu s{splits} FAIL {repr(e)[:120]}")
+        for overlap in (False, True):
+          if (k // 128) % splits:
+            continue
+          tag = f"mgpu s{splits}{' ov' if overlap else ''}"
+          try:
+            y = forward(x, preps[0], splits=splits, overlap=overlap)
+            err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+            assert err < 1e-2 and not bool(jnp.isnan(y).any()), err
+            us = us_per_call(lambda x, p, s=splits, o=overlap: forward(x, p, splits=s, overlap=o), x, preps)
+            line.append(f"{tag} {us:6.1f} (err {err:.0e})")
+          except Exception as e:  # a lab: report and go on
+            line.append(f"{tag} FAIL {repr(e)[:120]}")
       print(f"{name:8s} M={m:2d} us: " + " | ".join(line), flush=True)
 
 
@@ -197,8 +214,9 @@ if __name__ == "__main__":
   else:
     _bench_on_gpu()
   m, k, n = 16, 3584, 4608
-  f = jax.jit(w4_gemv)
-  lo = f.trace(jax.ShapeDtypeStruct((m, k // 2), jnp.bfloat16), jax.ShapeDtypeStruct((m, k // 2), jnp.bfloat16),
-               jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
-               jax.ShapeDtypeStruct((k // 16, n), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
-  print("lowered", len(lo.as_text()))
+  for overlap in (False, True):
+    f = jax.jit(functools.partial(w4_gemv, overlap=overlap))
+    lo = f.trace(jax.ShapeDtypeStruct((m, k // 2), jnp.bfloat16), jax.ShapeDtypeStruct((m, k // 2), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
+                 jax.ShapeDtypeStruct((k // 16, n), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+    print(f"lowered for CUDA (overlap={overlap}): {len(lo.as_text())} characters of IR")
