@@ -29,8 +29,9 @@ MASKED_SCORE = -1e30  # same finite fill as qerl_jax.models.layers.MASKED_SCORE
 BACKENDS = ("auto", "reference", "pallas", "interpret")
 
 
-def _auto_backend(dtype) -> str:
-  """The kernel on a GPU for 16-bit queries (float32 stays on XLA: Triton's float32 dots are TF32)."""
+def auto_backend(dtype) -> str:
+  """What ``backend="auto"`` runs for queries of ``dtype``: ``"pallas"`` on a GPU for 16-bit
+  queries, else ``"reference"`` (float32 stays on XLA: Triton's float32 dots are TF32)."""
   on_gpu = jax.default_backend() in ("gpu", "cuda")
   return "pallas" if on_gpu and jnp.dtype(dtype).itemsize == 2 else "reference"
 
@@ -155,7 +156,7 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
   layer = jnp.clip(jnp.asarray(layer, jnp.int32).reshape(()), 0, num_layers - 1)
   length = jnp.asarray(length, jnp.int32).reshape(())
   if backend == "auto":
-    backend = _auto_backend(q_BxHxD.dtype)
+    backend = auto_backend(q_BxHxD.dtype)
   if backend == "reference":
     return reference(q_BxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length)
 

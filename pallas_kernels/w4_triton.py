@@ -251,9 +251,10 @@ def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
   n_mask = (n0 + jnp.arange(bn)) < n
   k_begin = pid_s * (steps * bk)
   prow, srow = _layer_rows(idx_ref, k, fmt)
+  asm = _uses_asm(fmt, cfg.decode, x_ref.dtype)
   load = functools.partial(_fwd_load, x_ref, p_ref, s_ref, m0=m0, bm=bm, m_mask=m_mask, n0=n0, bn=bn,
                            n_mask=n_mask, bk=bk, k=k, fmt=fmt, split_x=cfg.split_x, prow=prow, srow=srow,
-                           asm=_uses_asm(fmt, cfg.decode, x_ref.dtype))
+                           asm=asm)
 
   def multiply(acc, x_even, x_odd, p, s):
     """Decodes one step's codes and adds its two tensor-core products to the accumulator."""
@@ -275,8 +276,7 @@ def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
     acc = _loop(steps, prefetch_body, (zeros, *load(kb=k_begin)), cfg.unroll)[0]
   else:
     acc = _loop(steps, body, zeros, cfg.unroll)
-  gain = _ASM_GAIN if _uses_asm(fmt, cfg.decode, x_ref.dtype) else 1.0
-  acc = acc * (igs_ref[0] * gain)
+  acc = acc * (igs_ref[0] * (_ASM_GAIN if asm else 1.0))
   out_mask = m_mask[:, None] & n_mask[None, :]
   if cfg.splits == 1:
     plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=out_mask)

@@ -98,7 +98,7 @@ def test_errors_name_the_problem():
 
 def test_decoder_decode_steps_through_the_kernel(monkeypatch):
   """Prefill, then decode one token at a time with the kernel (interpret mode) == one full forward."""
-  monkeypatch.setattr(da, "_auto_backend", lambda dtype: "interpret")
+  monkeypatch.setattr(da, "auto_backend", lambda dtype: "interpret")
   cfg = models.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                            num_kv_heads=2, head_dim=16, dtype="float32")
   base = models.init_params(cfg, jax.random.key(0), dtype=jnp.float32, std=0.1)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels import decode_attention as decode_attn
 from qerl_jax import nf4, nvfp4
 from qerl_jax.models import layers
 from qerl_jax.models.config import ModelConfig, rope_inv_freq
@@ -176,10 +176,12 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   dynamic-update-slice of the carried buffer); returns the updated stacked
   ``(k, v)`` as ``new_kv``. (Slicing the layer out, updating it and writing the
   whole layer back costs a full KV-cache copy per decode step.) For attention,
-  a decode step (``slot_mask`` ``[B, S]`` given, T = 1) calls
-  :func:`pallas_kernels.decode_attention.decode_attention`, which on a GPU
-  reads the layer in place and only the written slots; prefill reads the layer
-  back with a dynamic slice.
+  a decode step (``slot_mask`` ``[B, S]`` given, T = 1) where the kernel applies
+  (:func:`pallas_kernels.decode_attention.auto_backend`: a GPU and 16-bit
+  queries) calls :func:`pallas_kernels.decode_attention.decode_attention`,
+  which reads the layer in place and only the written slots; otherwise (prefill,
+  CPU, float32) the layer is read back with a dynamic slice for
+  :func:`layers.attention`.
   """
   b, t, _ = h.shape
   eps = cfg.rms_norm_eps
@@ -205,21 +207,22 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   q = layers.rope(q, positions, inv_freq)
   k = layers.rope(k, positions, inv_freq)
   if kv is None:
-    keys, values, new_kv = k, v, None
+    new_kv = None
+    o = layers.attention(q, k, v, mask_BxTxS, q_chunk=q_chunk)
   else:
     kc, vc, li = kv
     at = (li, 0, write_at, 0, 0)
     kc = jax.lax.dynamic_update_slice(kc, k[None].astype(kc.dtype), at)
     vc = jax.lax.dynamic_update_slice(vc, v[None].astype(vc.dtype), at)
     new_kv = (kc, vc)
-    if slot_mask is None:
+    if slot_mask is not None and decode_attn.auto_backend(q.dtype) != "reference":
+      # Decode step on the kernel: layer li of the stacked cache is read in place.
+      o = decode_attn.decode_attention(q[:, 0], kc, vc, li, slot_mask, write_at + 1)
+    else:
       keys = jax.lax.dynamic_index_in_dim(kc, li, 0, keepdims=False)
       values = jax.lax.dynamic_index_in_dim(vc, li, 0, keepdims=False)
-  if kv is not None and slot_mask is not None:
-    o = decode_attention(q[:, 0], kc, vc, li, slot_mask, write_at + 1).reshape(b, t, cfg.q_dim)
-  else:
-    o = layers.attention(q, keys, values, mask_BxTxS, q_chunk=q_chunk).reshape(b, t, cfg.q_dim)
-  h = h + lin(attn, la, "o", o)
+      o = layers.attention(q, keys, values, mask_BxTxS, q_chunk=q_chunk)
+  h = h + lin(attn, la, "o", o.reshape(b, t, cfg.q_dim))
 
   w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
   x = layers.rms_norm(h, w_post, eps, nn.get("post_attn_norm"))
