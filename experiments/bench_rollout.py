@@ -43,8 +43,9 @@ from qerl_jax import models, sampling
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("batches", ["8", "64", "256"], "Batch sizes (prompts; num_generations = 1).")
-flags.DEFINE_list("formats", ["bf16", "nvfp4"], "Weight formats of the decoder linears: bf16, nvfp4, "
-                  "bf16_fused, nvfp4_fused (q/k/v and gate/up fused, models.fuse_projections).")
+flags.DEFINE_list("formats", ["bf16_fused", "nvfp4_fused"], "Weight formats of the decoder linears: bf16, "
+                  "nvfp4, bf16_fused, nvfp4_fused (q/k/v and gate/up fused, models.fuse_projections: "
+                  "the trainer's default, model.fuse_projections=True).")
 flags.DEFINE_integer("prompt_len", 256, "Prompt tokens per row.")
 flags.DEFINE_integer("new_tokens", 2048, "New tokens per row (fixed: no early stop).")
 flags.DEFINE_list("new_tokens_by_batch", [], "Overrides 'batch:new_tokens', e.g. 256:1024 (to fit device time).")
@@ -281,9 +282,10 @@ def main(argv):
                  f"{r['prefill_s']:.3f} | {r['compile_s']:.1f} | {r['kv_cache_gb']:.1f} |")
   by = {(r["format"], r["batch"]): r for r in rows if r["kv_phases"] == FLAGS.kv_phases}
   for batch in sorted({r["batch"] for r in rows}):
-    if ("bf16", batch) in by and ("nvfp4", batch) in by:
-      lines.append(f"\nbatch {batch}: NVFP4 / bf16 throughput = "
-                   f"{by['nvfp4', batch]['tokens_per_s'] / by['bf16', batch]['tokens_per_s']:.2f}x")
+    for suffix in ("", "_fused"):
+      if ("bf16" + suffix, batch) in by and ("nvfp4" + suffix, batch) in by:
+        lines.append(f"\nbatch {batch}{' (fused projections)' if suffix else ''}: NVFP4 / bf16 throughput = "
+                     f"{by['nvfp4' + suffix, batch]['tokens_per_s'] / by['bf16' + suffix, batch]['tokens_per_s']:.2f}x")
   table = "\n".join(lines)
   print(f"\nHBM copy bandwidth {bandwidth / 1e12:.2f} TB/s; 4-bit matmul: {kernel_backend()}\n{table}")
   if FLAGS.out:

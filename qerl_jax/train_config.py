@@ -10,6 +10,8 @@ Layout (units in brackets)::
   model.path              HF folder or hub id of the base model
   model.quant             "nvfp4" | "nf4" | "none" (bf16 base)
   model.remat             rematerialise each layer in the update step
+  model.fuse_projections  one matrix for q/k/v and one for gate/up (fewer, larger matmuls: about
+                          9% more rollout tokens/s on the H200; results unchanged)
   lora.rank / alpha / use_rslora / target_modules / train_norms / dropout
   aqn.enabled / schedule ("stages" | "exponential") / sigma_start / sigma_end / num_stages /
      rollout_only (paper variant: noise in the rollout only)
@@ -57,6 +59,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.path = ""
   c.model.quant = "nvfp4"
   c.model.remat = True
+  c.model.fuse_projections = True  # models.fuse_projections after loading (LoRA tree unchanged)
 
   c.lora = ml_collections.ConfigDict()
   c.lora.rank = 32

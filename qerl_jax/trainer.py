@@ -554,18 +554,29 @@ def load_policy(config: ml_collections.ConfigDict) -> Policy:
 
 
 def _load_base(config):
-  """``(model_cfg, base, tokenizer, eos_ids)`` from ``config.model`` (quantized as configured)."""
+  """``(model_cfg, base, tokenizer, eos_ids)`` from ``config.model`` (quantized as configured).
+
+  With ``model.fuse_projections`` (the default) q/k/v and gate/up are concatenated into one
+  matrix each (:func:`qerl_jax.models.fuse_projections`); NVFP4 parts are then quantized with
+  one global scale per group (``hf.load_pretrained(share_fused_global_scale=True)``). The
+  concatenation holds the unfused and fused copies of those matrices at once for a moment.
+  """
   from qerl_jax import hf
   path = str(config.model.path)
+  fuse = bool(config.model.get("fuse_projections", True))
+  kwargs = dict(quant=str(config.model.quant), share_fused_global_scale=fuse)
   if path.startswith("random:"):
     import shutil
     path = _random_tiny_checkpoint(path.split(":", 1)[1], int(config.seed))
     try:  # everything is in memory once loaded; leave no temp folder behind
-      pre = hf.load_pretrained(path, quant=str(config.model.quant))
+      pre = hf.load_pretrained(path, **kwargs)
     finally:
       shutil.rmtree(path, ignore_errors=True)
   else:
-    pre = hf.load_pretrained(path, quant=str(config.model.quant))
+    pre = hf.load_pretrained(path, **kwargs)
+  if fuse:
+    from qerl_jax import models
+    pre = pre._replace(base=models.fuse_projections(pre.base))
   if pre.tokenizer is None:
     raise ValueError(f"model.path={config.model.path!r} has no tokenizer; the trainer needs one")
   eos = tuple(int(i) for i in pre.generation_config.get("eos_token_ids") or ())

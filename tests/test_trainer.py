@@ -115,6 +115,30 @@ def test_every_recipe_is_valid():
     train_config.validate(mod.get_config(), check_paths=False)
 
 
+def test_load_base_fuses_projections_and_keeps_the_function():
+  """model.fuse_projections (default on) gives a fused base whose forward equals the unfused one
+  (float base: the same numbers concatenated, so float32 logits agree to rounding)."""
+  from qerl_jax import models
+  from qerl_jax.trainer import _load_base
+  c = toy.toy_config()
+  c.model.path = "random:tiny"
+  c.model.quant = "none"
+  cfg, fused, _, _ = _load_base(c)
+  c.model.fuse_projections = False
+  cfg2, plain, _, _ = _load_base(c)
+  assert models.is_fused(fused) and not models.is_fused(plain)
+  lay = fused["layers"]
+  assert {"qkv", "o"} <= set(lay["attn"]) and "q" not in lay["attn"] and "gate_up" in lay["mlp"]
+  np.testing.assert_array_equal(np.asarray(lay["attn"]["qkv"][:, :, :cfg.q_dim]),
+                                np.asarray(plain["layers"]["attn"]["q"]))
+  tokens = jax.numpy.asarray([[3, 5, 7, 11, 13, 2]], jax.numpy.int32)
+  positions = jax.numpy.arange(6, dtype=jax.numpy.int32)[None]
+  a, _ = models.forward(cfg, fused, tokens, positions)
+  b, _ = models.forward(cfg2, plain, tokens, positions)
+  assert np.abs(np.asarray(b)).max() > 0.1  # a real signal, not all zeros
+  np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=2e-5, atol=2e-5)
+
+
 def _launch(*args, timeout=120):
   return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "train.py"), *args],
                         cwd=ROOT, capture_output=True, text=True, timeout=timeout,

@@ -28,7 +28,7 @@ infer a possible set of layouts", with an empty constraint dump).
   python3 experiments/lab/w4_mgpu.py   # jax 0.11.x: on a CPU, interpreter checks + lowering;
                                               # on a GPU, checks + device times vs the Triton kernel
 """
-import functools, math
+import functools, math, os, sys
 import jax, jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -174,6 +174,9 @@ def _check_on_cpu():
     assert err < 1e-4, err
 
 
+OVERLAPS = tuple({"0": (False,), "1": (True,)}.get(os.environ.get("W4_OVERLAP", ""), (False, True)))
+
+
 def _bench_on_gpu():
   """7B shapes, M = 1, 8, 32, 64: check against the XLA reference, then device time (kernels of a
   call summed, including the pad / even-odd split / split-K sum) vs the Triton kernel and bf16."""
@@ -190,7 +193,7 @@ def _bench_on_gpu():
       ref = reference_matmul(x, q0, out_dtype=jnp.float32)
       line = [f"triton {us_per_call(w4_triton.forward, x, qs):6.1f}", f"bf16 {us_per_call(jnp.dot, x, ws):6.1f}"]
       for splits in (1, 2, 4):
-        for overlap in (False, True):
+        for overlap in OVERLAPS:
           if (k // 128) % splits:
             continue
           tag = f"mgpu s{splits}{' ov' if overlap else ''}"
@@ -206,7 +209,6 @@ def _bench_on_gpu():
 
 
 if __name__ == "__main__":
-  import os, sys
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
   from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
   if jax.default_backend() == "cpu":
