@@ -36,6 +36,8 @@ import numpy as np  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "An ablation config file (configs/ablations/<name>.py).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder for the runs, the table and the plot.")
+_XLA = flags.DEFINE_bool("recommended_xla_flags", True, "Add qerl_jax.xla_flags.RECOMMENDED_GPU_FLAGS to XLA_FLAGS "
+                          "(cuBLAS reads stacked bf16 weights in place; GPU only, flags you set win).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 COLUMNS = (("initial_accuracy", "initial acc"), ("final_accuracy", "final acc"),
@@ -118,6 +120,8 @@ def plot_all(workdirs: dict, path: str, *, smooth: int = 10) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
+  from qerl_jax import xla_flags
+  xla_flags.apply_recommended(_XLA.value)  # before the first computation: XLA reads XLA_FLAGS once
   from absl import logging
   from qerl_jax import train_config, trainer
   logging.set_verbosity(logging.WARNING)

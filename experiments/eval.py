@@ -45,11 +45,15 @@ _BATCH = flags.DEFINE_integer("batch_size", 0, "Prompts per generate call (0: co
 _OUT = flags.DEFINE_string("out", None, "Folder for eval_<step>.json (default: --workdir or cwd).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the pass@k sampling.")
 _MAX_PROMPT = flags.DEFINE_integer("max_prompt_length", 1024, "Prompts longer than this (tokens) are skipped and counted.")
+_XLA = flags.DEFINE_bool("recommended_xla_flags", True, "Add qerl_jax.xla_flags.RECOMMENDED_GPU_FLAGS to XLA_FLAGS "
+                          "(cuBLAS reads stacked bf16 weights in place; GPU only, flags you set win).")
 flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
   del argv
+  from qerl_jax import xla_flags
+  xla_flags.apply_recommended(_XLA.value)  # before the first computation: XLA reads XLA_FLAGS once
   import jax
   from absl import logging
   if not flags.FLAGS["verbosity"].present:

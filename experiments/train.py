@@ -28,12 +28,16 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file (configs/<name>.py), then --config.<key>=value overrides.",
     lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder for checkpoints, metrics, samples and plots.")
+_XLA = flags.DEFINE_bool("recommended_xla_flags", True, "Add qerl_jax.xla_flags.RECOMMENDED_GPU_FLAGS to XLA_FLAGS "
+                          "(cuBLAS reads stacked bf16 weights in place; GPU only, flags you set win).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
+  from qerl_jax import xla_flags
+  xla_flags.apply_recommended(_XLA.value)  # before the first computation: XLA reads XLA_FLAGS once
   from absl import logging
   from qerl_jax import train_config, trainer
   if not flags.FLAGS["verbosity"].present:

@@ -106,7 +106,7 @@ def kperm(a):
 
 
 def kernel(x_ref, p_ref, s_ref, igs_ref, o_ref, *, m, bm, bn, bk, steps, layout, decode, prefetch,
-           permute=False):
+           permute=False, swap=True):
   pid_n, pid_s, pid_m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   n0, m0 = pid_n * bn, pid_m * bm
   m_mask = (m0 + jnp.arange(bm)) < m
@@ -128,11 +128,14 @@ def kernel(x_ref, p_ref, s_ref, igs_ref, o_ref, *, m, bm, bn, bk, steps, layout,
     lo, hi = decode_t(p, s, decode)  # [bn, bk/2]
     if permute:
       lo, hi, xe, xo = kperm(lo), kperm(hi), kperm(xe), kperm(xo)
+    if not swap:  # plain orientation: acc [bm, bn] (the K-contiguous codes as a transposed B operand)
+      acc_t += jnp.dot(xe, lo.T, preferred_element_type=jnp.float32)
+      return acc_t + jnp.dot(xo, hi.T, preferred_element_type=jnp.float32)
     acc_t += jnp.dot(lo, xe.T, preferred_element_type=jnp.float32)  # [bn, bm]
     return acc_t + jnp.dot(hi, xo.T, preferred_element_type=jnp.float32)
 
   st0 = pid_s * steps
-  zeros = jnp.zeros((bn, bm), jnp.float32)
+  zeros = jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32)
   if prefetch:
     def body(i, c):
       nxt = load(st0 + jnp.minimum(i + 1, steps - 1))
@@ -141,11 +144,12 @@ def kernel(x_ref, p_ref, s_ref, igs_ref, o_ref, *, m, bm, bn, bk, steps, layout,
   else:
     acc_t = lax.fori_loop(0, steps, lambda i, a: mult(a, *load(st0 + i)), zeros)
   acc_t = acc_t * (igs_ref[0] * (W._ASM_GAIN if asm else 1.0))
-  plgpu.store(o_ref.at[pid_s, pl.ds(m0, bm), pl.ds(n0, bn)], acc_t.T, mask=m_mask[:, None])
+  plgpu.store(o_ref.at[pid_s, pl.ds(m0, bm), pl.ds(n0, bn)], acc_t.T if swap else acc_t, mask=m_mask[:, None])
 
 
 def forward(x, codes, scales, inv_global_scale, *, layout="nk", bm=8, bn=128, bk=128, splits=4,
-            num_warps=4, num_stages=3, decode="asm", prefetch=False, permute=False, interpret=False):
+            num_warps=4, num_stages=3, decode="asm", prefetch=False, permute=False, swap=True,
+            interpret=False):
   """Swap-AB fused W4A16 forward: float32 ``[M, N] = x @ W``.
 
   Args:
@@ -170,7 +174,7 @@ def forward(x, codes, scales, inv_global_scale, *, layout="nk", bm=8, bn=128, bk
     decode = "bits"
   steps = k // bk // splits
   f = functools.partial(kernel, m=m, bm=bm, bn=bn, bk=bk, steps=steps, layout=layout,
-                        decode=decode, prefetch=prefetch, permute=permute)
+                        decode=decode, prefetch=prefetch, permute=permute, swap=swap)
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
     out = pl.pallas_call(f, out_shape=jax.ShapeDtypeStruct((splits, m, n), jnp.float32),

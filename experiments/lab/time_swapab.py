@@ -37,6 +37,24 @@ VARIANT_SETS = {  # tag: forward kwargs (layout "nk" unless given)
         "nk_bm16": dict(bm=16, bn=128, bk=128, num_stages=2, permute=True),
         "nk_bm64": dict(bm=64, bn=128, bk=128, num_stages=2, permute=True),
     },
+    "large": {  # M = 128, 256: one or two row tiles per weight tile (the decode is not repeated per 64 rows)
+        "bm64_bn64": dict(layout="kn", bm=64, bn=64, bk=128, num_stages=3, permute=True),
+        "bm128_bn64": dict(layout="kn", bm=128, bn=64, bk=128, num_stages=3, permute=True),
+        "bm128_bn64_s2": dict(layout="kn", bm=128, bn=64, bk=128, num_stages=2, permute=True),
+        "bm128_bn128_w8": dict(layout="kn", bm=128, bn=128, bk=128, num_stages=3, num_warps=8, permute=True),
+        "bm256_bn64": dict(layout="kn", bm=256, bn=64, bk=128, num_stages=2, permute=True),
+        "bm256_bn128_w8": dict(layout="kn", bm=256, bn=128, bk=128, num_stages=2, num_warps=8, permute=True),
+        "bm128_bn64_bk64": dict(layout="kn", bm=128, bn=64, bk=64, num_stages=4, permute=True),
+    },
+    "plain_nk": {  # no swap: acc [bm, bn] += x @ decode([bn, bk/2]).T, codes K-contiguous
+        "nk_plain_16x128x64": dict(bm=16, bn=128, bk=64, num_stages=3, swap=False),
+        "nk_plain_16x128x128": dict(bm=16, bn=128, bk=128, num_stages=3, swap=False),
+        "nk_plain_32x128x64": dict(bm=32, bn=128, bk=64, num_stages=3, swap=False),
+        "nk_plain_64x64x128": dict(bm=64, bn=64, bk=128, num_stages=3, swap=False),
+        "nk_plain_64x128x64": dict(bm=64, bn=128, bk=64, num_stages=3, swap=False),
+        "nk_swap_8x64x128": dict(bm=8, bn=64, bk=128, num_stages=3),
+        "nk_swap_8x128x256": dict(bm=8, bn=128, bk=256, num_stages=3),
+    },
 }
 VARIANTS = VARIANT_SETS[os.environ.get("SWAPAB_SET", "small")]
 
@@ -61,7 +79,7 @@ def main():
       row = {"tuned": us_per_call(lambda x, w: w4_triton.forward(x, w, out_dtype=jnp.float32), x, qs),
              "bf16": us_per_call(jnp.dot, x, ws)}
       for tag, kw in VARIANTS.items():
-        if kw["bm"] > max(16, m):
+        if kw["bm"] > max(16, 2 * m):
           continue
         lay_ops = ops[kw.get("layout", "nk")]
         best = None
