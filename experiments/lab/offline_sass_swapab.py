@@ -1,5 +1,10 @@
 """Lab (no GPU needed): SASS of a swap-AB small-M forward (decoded weight = the MMA's A operand).
 
+Timed on the H200 in session 4 (``time_swapab.py``; docs/benchmarks.md, "Session 4"): with
+K-contiguous codes and bm = 8 it is 24-26% faster than the library kernel at M <= 8, but the same
+layout makes M = 32-64 slower, so the library keeps its ``[K/2, N]`` layout. ``swap=False`` is
+the plain orientation on K-contiguous codes (``acc [bm, bn] += x @ decode(codes).T``).
+
 The tuned M <= 32 kernel computes ``acc[bm, bn] += x_even @ w_lo + x_odd @ w_hi`` with bm = 16;
 Triton then uses mma.sync (MMAv2) and the decoded weight, the B operand, is converted to the
 MMA layout through shared memory. This lab kernel computes the transposed accumulator instead,

@@ -1,4 +1,9 @@
-"""Lab: W4A16 GEMV on Mosaic GPU, the decoded weight as the wgmma A operand (not yet run on a GPU).
+"""Lab: W4A16 GEMV on Mosaic GPU, the decoded weight as the wgmma A operand (a dead end so far).
+
+First GPU run (session 4, H200, jax 0.11.2): correct (rel err 2e-3 against the XLA reference) but
+3-4x slower than the Triton kernel: 7B qkv at M = 1 took 37-48 µs (splits 1-4) against 11.3 µs
+(Triton) and 10.1 µs (bf16); the next shape then printed nothing before a 200 s timeout, and
+``overlap=True`` printed nothing in 110 s (docs/bench_runs/session4_lab_output.txt).
 
 Status (session 3, jax 0.11.2 on the CPU): a ``plgpu.kernel`` (unlike a Mosaic GPU ``pallas_call``)
 lowers off-GPU with ``jit(...).trace(...).lower(lowering_platforms=("cuda",))`` once
