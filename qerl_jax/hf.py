@@ -437,9 +437,13 @@ def to_hf_state_dict(cfg: ModelConfig, base: dict, dtype=ml_dtypes.bfloat16) -> 
   """The base as a Hugging Face state dict: ``{hf_key: np.ndarray}`` in ``dtype``.
 
   Linears are transposed back to ``[out, in]``; 4-bit linears are dequantized
-  (merge LoRA into a float base first to export a merged model). Tied models
-  get no ``lm_head.weight``.
+  (merge LoRA into a float base first to export a merged model); fused
+  projections are split back into q/k/v and gate/up. Tied models get no
+  ``lm_head.weight``.
   """
+  from qerl_jax.models import fuse
+  if fuse.is_fused(base):
+    base = fuse.unfuse_projections(base, cfg)
   out = {}
   np_dt = np.dtype(dtype)
   f = lambda a: np.asarray(jnp.asarray(a).astype(jnp.float32)).astype(np_dt)

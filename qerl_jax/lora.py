@@ -213,8 +213,12 @@ def merge(base: Mapping, lora: Mapping, lora_cfg: LoRAConfig, *, dequantize_4bit
 
   Raises:
     TypeError: a targeted weight is 4-bit and ``dequantize_4bit`` is False.
-    ValueError: shape mismatch between W and A @ B.
+    ValueError: shape mismatch between W and A @ B; a base with fused projections.
   """
+  from qerl_jax.models import fuse
+  if fuse.is_fused(base):
+    raise ValueError("merge: the base has fused projections (attn/qkv, mlp/gate_up); split them first with "
+                     "models.unfuse_projections(base, model_cfg) (save_merged_hf does this itself)")
   s = scale(lora_cfg)
   out = _copy_dicts(base)
   llayers = lora.get("layers", {})
@@ -458,12 +462,15 @@ def save_merged_hf(folder: str, model_cfg, base: Mapping, lora: Mapping, lora_cf
   Args:
     folder: output directory.
     model_cfg: the model's ``ModelConfig``.
-    base, lora, lora_cfg: as in :func:`merge`.
+    base, lora, lora_cfg: as in :func:`merge` (a base with fused projections is split first).
     dtype: checkpoint dtype (a NumPy/ml_dtypes dtype; default bfloat16).
     **save_kwargs: passed to ``hf.save_pretrained`` (tokenizer, generation_config, ...).
   """
   import ml_dtypes
   dtype = ml_dtypes.bfloat16 if dtype is None else dtype
   _check_tree(lora, model_cfg, lora_cfg)
+  from qerl_jax.models import fuse
+  if fuse.is_fused(base):  # the trainer's default base: split q/k/v and gate/up back (exact)
+    base = fuse.unfuse_projections(base, model_cfg)
   merged = merge(base, lora, lora_cfg, dequantize_4bit=True, dtype=jnp.float32)
   hf.save_pretrained(folder, model_cfg, merged, dtype=dtype, **save_kwargs)

@@ -120,3 +120,60 @@ def test_fuse_errors_name_the_problem():
     models.fuse_projections(one_bias)
   with pytest.raises(ValueError, match="outside jit"):
     jax.jit(lambda b: models.fuse_projections(models.quantize_base(b, "nvfp4")))(_base())
+
+
+@pytest.mark.parametrize("quant", ["none", "nvfp4", "nf4"])
+def test_unfuse_inverts_fuse_exactly(quant):
+  float_base = _base()
+  fused = models.fuse_projections(float_base)
+  if quant != "none":
+    fused = models.quantize_base(fused, quant)
+  split = models.unfuse_projections(fused, CFG)
+  want = float_base if quant == "none" else _split_parts(fused)  # the test's own column slicing
+  assert not models.is_fused(split)
+  assert jax.tree.structure(split) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  refused = models.fuse_projections(split)
+  for a, b in zip(jax.tree.leaves(refused), jax.tree.leaves(fused)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_unfuse_errors_name_the_problem():
+  base = _base()
+  with pytest.raises(ValueError, match="has no fused projections"):
+    models.unfuse_projections(base, CFG)
+  wrong = models.ModelConfig(**{**{f: getattr(CFG, f) for f in ("vocab_size", "hidden_size", "num_layers",
+                                                                  "num_heads", "num_kv_heads", "head_dim")},
+                                "intermediate_size": 96})
+  with pytest.raises(ValueError, match="mlp/gate_up has 256 columns but the config's parts"):
+    models.unfuse_projections(models.fuse_projections(base), wrong)
+
+
+def test_export_and_merge_accept_the_trainers_fused_base(tmp_path):
+  """hf.to_hf_state_dict and lora.save_merged_hf split a fused base back; lora.merge refuses it by name."""
+  from qerl_jax import hf
+  fused_float = models.fuse_projections(_base())
+  fused = models.quantize_base(fused_float, "nvfp4")
+  plain = _split_parts(fused)
+  sd_fused = hf.to_hf_state_dict(CFG, fused, np.float32)
+  sd_plain = hf.to_hf_state_dict(CFG, plain, np.float32)
+  assert sorted(sd_fused) == sorted(sd_plain) and "model.layers.1.self_attn.k_proj.weight" in sd_fused
+  for k in sd_plain:
+    np.testing.assert_array_equal(sd_fused[k], sd_plain[k])
+  lora, _ = _lora_and_noise()
+  c = lora_lib.LoRAConfig(r=4, lora_alpha=2.0)
+  with pytest.raises(ValueError, match="unfuse_projections"):
+    lora_lib.merge(fused, lora, c, dequantize_4bit=True)
+  lora_lib.save_merged_hf(str(tmp_path / "f"), CFG, fused, lora, c, dtype=np.float32)
+  lora_lib.save_merged_hf(str(tmp_path / "p"), CFG, plain, lora, c, dtype=np.float32)
+  from safetensors.numpy import load_file
+  a, b = load_file(str(tmp_path / "f" / "model.safetensors")), load_file(str(tmp_path / "p" / "model.safetensors"))
+  assert sorted(a) == sorted(b)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k])
+  # and the merge really added the adapter: q of layer 0 differs from the dequantized base by s * A @ B
+  q0 = np.asarray(nvfp4.dequantize(jax.tree.map(lambda x: x[0], plain["layers"]["attn"]["q"]), jnp.float32), np.float64)
+  ab = lora["layers"]["attn"]["q"]
+  want = q0 + lora_lib.scale(c) * np.asarray(ab["a"][0], np.float64) @ np.asarray(ab["b"][0], np.float64)
+  np.testing.assert_allclose(a["model.layers.0.self_attn.q_proj.weight"].T, want, rtol=1e-5, atol=1e-6)

@@ -35,7 +35,8 @@ Parameter trees:
   float array ``[L, K, N]`` (x @ W layout, K = in features) or an
   ``NVFP4Tensor`` / ``NF4Tensor`` with leading L. ``fuse_projections(base)`` replaces
   q/k/v (and their biases) with ``attn/qkv`` and gate/up with ``mlp/gate_up``,
-  concatenated along N (fewer kernel launches per decode step; same results).
+  concatenated along N (fewer kernel launches per decode step; same results; the trainer's
+  default); ``unfuse_projections(base, cfg)`` splits them back.
 * lora: ``{"layers": {"attn": {"q": {"a": [L, K, r], "b": [L, r, N]}, ...}, "mlp": {...},
   optional "input_norm"/"post_attn_norm": [L, D] replacing the base norms}}`` (only
   targeted modules). Output += ``scale * (x @ a) @ b``; ``lora_cfg`` gives ``scale``.
@@ -53,12 +54,12 @@ from qerl_jax.models.decoder import (LINEARS, dequantize_base, forward, init_cac
                                      lm_head_logits, logprobs_from_hidden, lora_scale_of,
                                      map_linears, positions_from_mask, quantize_base,
                                      summarize, token_logprobs)
-from qerl_jax.models.fuse import fuse_projections, is_fused
+from qerl_jax.models.fuse import fuse_projections, is_fused, unfuse_projections
 from qerl_jax.models.layers import linear, is_quantized
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "ModelConfig", "rope_inv_freq", "LINEARS", "dequantize_base",
     "forward", "init_cache", "init_params", "lm_head_logits", "logprobs_from_hidden",
     "lora_scale_of", "map_linears", "positions_from_mask", "quantize_base", "summarize", "token_logprobs",
-    "linear", "is_quantized", "fuse_projections", "is_fused",
+    "linear", "is_quantized", "fuse_projections", "is_fused", "unfuse_projections",
 ]

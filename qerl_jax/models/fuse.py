@@ -11,7 +11,9 @@ result are unchanged.
 NVFP4 keeps one global scale per matrix, so the parts must share it: quantize the
 fused float matrices (``quantize_base(fuse_projections(float_base))``), or load a
 checkpoint with ``hf.load_pretrained(..., share_fused_global_scale=True)`` and
-fuse after loading.
+fuse after loading. :func:`unfuse_projections` splits a fused tree back into the seven
+separate matrices (exactly: the columns are only regrouped); the Hugging Face export and
+``lora.save_merged_hf`` call it.
 """
 
 from __future__ import annotations
@@ -63,6 +65,63 @@ def fuse_projections(base: dict) -> dict:
       g[fused_name + "_bias"] = jnp.concatenate([g.pop(b) for b in biases], axis=-1)
     lay[group] = g
   return {**base, "layers": lay}
+
+
+def part_sizes(cfg) -> dict:
+  """``{(group, fused name): ((part, columns), ...)}`` for a ``ModelConfig``: q/k/v are
+  ``q_dim, kv_dim, kv_dim`` wide, gate/up ``intermediate_size`` each."""
+  return {("attn", "qkv"): (("q", cfg.q_dim), ("k", cfg.kv_dim), ("v", cfg.kv_dim)),
+          ("mlp", "gate_up"): (("gate", cfg.intermediate_size), ("up", cfg.intermediate_size))}
+
+
+def unfuse_projections(base: dict, cfg) -> dict:
+  """The inverse of :func:`fuse_projections`: q/k/v and gate/up (and biases) as separate matrices.
+
+  The parts are column slices of the fused tensors (NVFP4 parts keep the shared global scale),
+  so ``unfuse_projections(fuse_projections(b), cfg)`` equals ``b`` bit for bit when ``b``'s
+  NVFP4 parts already shared one global scale.
+
+  Args:
+    base: a fused base tree (:func:`is_fused`).
+    cfg: its ``ModelConfig`` (the part widths: q_dim, kv_dim, intermediate_size).
+
+  Returns:
+    A new base tree with ``attn/{q,k,v}``, ``mlp/{gate,up}`` (``[L, K, part]``) and, where the
+    fused tree had ``qkv_bias``, ``attn/{q,k,v}_bias``.
+
+  Raises:
+    ValueError: ``base`` is not fused, or a fused matrix's width is not the sum of ``cfg``'s
+      part widths (names both).
+  """
+  if not is_fused(base):
+    raise ValueError("unfuse_projections: the base has no fused projections (attn/qkv, mlp/gate_up)")
+  lay = dict(base["layers"])
+  for (group, fused_name), parts in part_sizes(cfg).items():
+    g = dict(lay[group])
+    w = g.pop(fused_name)
+    bias = g.pop(fused_name + "_bias", None)
+    width = w.shape[-1]
+    if width != sum(n for _, n in parts):
+      raise ValueError(f"unfuse_projections: {group}/{fused_name} has {width} columns but the config's parts "
+                       f"{dict(parts)} add up to {sum(n for _, n in parts)}")
+    start = 0
+    for name, size in parts:
+      g[name] = _columns(w, start, size)
+      if bias is not None:
+        g[name + "_bias"] = bias[..., start:start + size]
+      start += size
+    lay[group] = g
+  return {**base, "layers": lay}
+
+
+def _columns(w, start: int, size: int):
+  cols = slice(start, start + size)
+  if isinstance(w, nvfp4.NVFP4Tensor):
+    return nvfp4.NVFP4Tensor(w.packed[..., cols], w.block_scale[..., cols], w.global_scale,
+                             shape=(w.shape[0], size))
+  if isinstance(w, nf4.NF4Tensor):
+    return nf4.NF4Tensor(w.packed[..., cols], w.block_scale[..., cols], shape=(w.shape[0], size))
+  return w[..., cols]
 
 
 def _concat(ws: list, what: str):
