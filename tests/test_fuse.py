@@ -94,6 +94,24 @@ def test_fused_forward_equals_separate_with_lora_and_noise(quant):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-4)
 
 
+def test_fused_forward_with_lora_on_some_parts_only():
+  """LoRA on q, v and up only (k and gate have no adapter inside the fused matrices)."""
+  fused = models.quantize_base(models.fuse_projections(_base()), "nvfp4")
+  separate = _split_parts(fused)
+  c = lora_lib.LoRAConfig(r=4, lora_alpha=2.0, target_modules=("q", "v", "up"))
+  lora = lora_lib.init_lora(jax.random.key(5), CFG, c)
+  lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(a.size + 1), a.shape, a.dtype), lora)
+  assert set(lora["layers"]["attn"]) == {"q", "v"} and set(lora["layers"]["mlp"]) == {"up"}
+  tokens, mask = (jnp.asarray(a) for a in left_padded_batch(CFG.vocab_size, seed=4))
+  pos = models.positions_from_mask(mask)
+  a, _ = models.forward(CFG, fused, tokens, pos, attn_mask=mask, lora=lora, lora_cfg=c)
+  b, _ = models.forward(CFG, separate, tokens, pos, attn_mask=mask, lora=lora, lora_cfg=c)
+  off, _ = models.forward(CFG, separate, tokens, pos, attn_mask=mask)
+  real = np.asarray(mask).astype(bool)
+  assert np.abs(np.asarray(b) - np.asarray(off))[real].max() > 1e-3  # the adapters matter
+  assert np.abs(np.asarray(a) - np.asarray(b))[real].max() < 1e-5
+
+
 def test_fused_nvfp4_prefill_then_decode_equals_full_forward():
   fused = models.quantize_base(models.fuse_projections(_base(1)), "nvfp4")
   tokens, mask = (jnp.asarray(a) for a in left_padded_batch(CFG.vocab_size, seed=4))
