@@ -558,8 +558,10 @@ def _load_base(config):
 
   With ``model.fuse_projections`` (the default) q/k/v and gate/up are concatenated into one
   matrix each (:func:`qerl_jax.models.fuse_projections`); NVFP4 parts are then quantized with
-  one global scale per group (``hf.load_pretrained(share_fused_global_scale=True)``). The
-  concatenation holds the unfused and fused copies of those matrices at once for a moment.
+  one global scale per group (``hf.load_pretrained(share_fused_global_scale=True)``); a
+  pre-quantized checkpoint is kept as stored and fused only if its groups already share one
+  (otherwise it stays unfused, with a warning). The concatenation holds the unfused and fused
+  copies of those matrices at once for a moment.
   """
   from qerl_jax import hf
   path = str(config.model.path)
@@ -575,14 +577,26 @@ def _load_base(config):
   else:
     pre = hf.load_pretrained(path, **kwargs)
   if fuse:
-    from qerl_jax import models
-    pre = pre._replace(base=models.fuse_projections(pre.base))
+    pre = pre._replace(base=_fuse_or_keep(pre.base))
   if pre.tokenizer is None:
     raise ValueError(f"model.path={config.model.path!r} has no tokenizer; the trainer needs one")
   eos = tuple(int(i) for i in pre.generation_config.get("eos_token_ids") or ())
   if not eos:
     eos = (int(pre.tokenizer.eos_token_id),)
   return pre.cfg, pre.base, pre.tokenizer, eos
+
+
+def _fuse_or_keep(base: dict) -> dict:
+  """``models.fuse_projections(base)``, or ``base`` unchanged with a warning on stderr when its
+  parts cannot be fused (a pre-quantized NVFP4 checkpoint whose q/k/v or gate/up global scales
+  differ, mixed formats, biases on only some of q/k/v): the model then runs unfused, as before."""
+  from qerl_jax import models
+  try:
+    return models.fuse_projections(base)
+  except ValueError as e:
+    print(f"warning: model.fuse_projections: keeping q/k/v and gate/up as separate matrices ({e})",
+          file=sys.stderr)
+    return base
 
 
 def _random_tiny_checkpoint(name: str, seed: int) -> str:

@@ -139,6 +139,23 @@ def test_load_base_fuses_projections_and_keeps_the_function():
   np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=2e-5, atol=2e-5)
 
 
+def test_unfusable_base_stays_unfused_with_a_warning(capsys):
+  """A pre-quantized NVFP4 base whose q/k/v global scales differ cannot be fused: the trainer keeps
+  it as loaded (and says so) rather than stopping."""
+  from qerl_jax import models
+  from qerl_jax.trainer import _fuse_or_keep
+  cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                           num_kv_heads=1, head_dim=16, dtype="float32")
+  base = models.quantize_base(models.init_params(cfg, jax.random.key(0), dtype=jax.numpy.float32), "nvfp4")
+  gs = [float(base["layers"]["attn"][n].global_scale[0]) for n in ("q", "k", "v")]
+  assert len(set(gs)) > 1  # quantized one matrix at a time: different global scales
+  out = _fuse_or_keep(base)
+  assert out is base and not models.is_fused(out)
+  assert "keeping q/k/v and gate/up as separate matrices" in capsys.readouterr().err
+  fused = _fuse_or_keep(models.init_params(cfg, jax.random.key(0), dtype=jax.numpy.float32))  # float: fusable
+  assert models.is_fused(fused) and capsys.readouterr().err == ""
+
+
 def _launch(*args, timeout=120):
   return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "train.py"), *args],
                         cwd=ROOT, capture_output=True, text=True, timeout=timeout,
