@@ -44,7 +44,9 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 0, "Completion budget (0: the 
 _BATCH = flags.DEFINE_integer("batch_size", 0, "Prompts per generate call (0: config.train.eval_batch_size).")
 _OUT = flags.DEFINE_string("out", None, "Folder for eval_<step>.json (default: --workdir or cwd).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the pass@k sampling.")
-_MAX_PROMPT = flags.DEFINE_integer("max_prompt_length", 1024, "Prompts longer than this (tokens) are skipped and counted.")
+_MAX_PROMPT = flags.DEFINE_integer("max_prompt_length", 1024, "Prompts longer than this (tokens) are skipped and "
+                                   "counted (default: 1024, or less when the tokenizer's model_max_length "
+                                   "minus the completion budget is smaller).")
 _XLA = flags.DEFINE_bool("recommended_xla_flags", True, "Add qerl_jax.xla_flags.RECOMMENDED_GPU_FLAGS to XLA_FLAGS "
                           "(cuBLAS reads stacked bf16 weights in place; GPU only, flags you set win).")
 flags.mark_flags_as_required(["config"])
@@ -63,8 +65,6 @@ def main(argv):
   from qerl_jax import trainer
 
   config = _CONFIG.value
-  with config.unlocked():
-    config.data.max_prompt_length = _MAX_PROMPT.value
   bad = [b for b in _BENCH.value if b not in BENCHMARKS]
   if bad:
     raise app.UsageError(f"unknown benchmark(s) {bad}; choose from {list(BENCHMARKS)}")
@@ -88,6 +88,12 @@ def main(argv):
     params, step = state.params, int(meta["step"])
   max_new = _MAX_NEW.value or int(config.train.eval_max_completion_length
                                   or config.sampling.max_completion_length)
+  max_prompt = _MAX_PROMPT.value
+  context = int(getattr(policy.tokenizer, "model_max_length", 0) or 0)
+  if not flags.FLAGS["max_prompt_length"].present and 0 < context < 10 ** 7:
+    max_prompt = min(max_prompt, max(1, context - max_new))  # prompt + completion fit the model
+  with config.unlocked():
+    config.data.max_prompt_length = max_prompt
   batch = _BATCH.value or int(config.train.eval_batch_size)
   results, rows = {}, []
   for name in _BENCH.value:
@@ -105,7 +111,7 @@ def main(argv):
     plen = max(len(policy.tokenizer(e.text, add_special_tokens=False)["input_ids"])
                for e in examples)  # one compiled shape per benchmark
     greedy = trainer.evaluate(policy, params, examples, correctness, batch_size=batch,
-                              max_new_tokens=max_new, prompt_length=plen)
+                              max_new_tokens=max_new, prompt_length=plen, progress=f"{name} greedy")
     res["pass@1_greedy"] = greedy["accuracy"]
     res["mean_length_greedy"] = greedy["mean_length"]
     rows.append((f"{name} pass@1 (greedy)", greedy["accuracy"]))
@@ -114,7 +120,8 @@ def main(argv):
       sampled = trainer.evaluate(policy, params, examples, correctness, batch_size=batch,
                                  max_new_tokens=max_new, num_samples=k,
                                  temperature=_TEMPERATURE.value,
-                                 key=jax.random.PRNGKey(_SEED.value), prompt_length=plen)
+                                 key=jax.random.PRNGKey(_SEED.value), prompt_length=plen,
+                                 progress=f"{name} pass@{k}")
       res[f"pass@{k}"] = sampled["accuracy"]
       res[f"mean@{k}"] = sampled["sample_accuracy"]
       rows.append((f"{name} pass@{k} (T={_TEMPERATURE.value})", sampled["accuracy"]))

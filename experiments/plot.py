@@ -29,7 +29,11 @@ flags.mark_flags_as_required(["workdirs"])
 def main(argv):
   del argv
   out = _OUT.value or os.path.join(_WORKDIRS.value[0], "plots")
-  paths = plotting.plot_runs(_WORKDIRS.value, out, labels=_LABELS.value)
+  try:
+    paths = plotting.plot_runs(_WORKDIRS.value, out, labels=_LABELS.value)
+  except (FileNotFoundError, ValueError) as e:  # a workdir without metrics, mismatched --labels
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   for p in paths:
     print(p)
   return 0

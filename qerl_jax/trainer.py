@@ -155,7 +155,7 @@ def _update_batch(prompt_tokens, prompt_mask, rollout, advantages) -> dict:
 def evaluate(policy: Policy, params: Any, examples: Sequence[Prompt], reward_fn, *,
              batch_size: int, max_new_tokens: int, key: jax.Array | None = None,
              num_samples: int = 1, temperature: float | None = None, noise: Any = None,
-             prompt_length: int | None = None) -> dict:
+             prompt_length: int | None = None, progress: str | None = None) -> dict:
   """Accuracy on ``examples``: pass@1 greedy (``num_samples=1``) or pass@k sampled.
 
   Greedy decoding (temperature 0) is used when ``num_samples == 1``; otherwise
@@ -163,7 +163,8 @@ def evaluate(policy: Policy, params: Any, examples: Sequence[Prompt], reward_fn,
   the policy's) and a prompt counts as solved when any of them is correct (pass@k with n = k
   samples, Chen et al. 2021). Correct means reward > 0 under ``reward_fn`` (the task's answer
   check). ``params=None`` evaluates the base model (LoRA off). The last batch is padded by
-  repeating its last prompt, so every call compiles one shape.
+  repeating its last prompt, so every call compiles one shape. ``progress``: a label for a tqdm
+  bar over the batches (on stderr); None shows none.
 
   Returns:
     ``{"accuracy": pass@k in [0, 1], "sample_accuracy": mean correctness over all samples,
@@ -177,7 +178,11 @@ def evaluate(policy: Policy, params: Any, examples: Sequence[Prompt], reward_fn,
     raise ValueError("evaluate: no examples")
   greedy = num_samples == 1
   correct, sample_ok, lengths, texts = [], [], [], []
-  for start in range(0, len(examples), batch_size):
+  starts = range(0, len(examples), batch_size)
+  if progress:
+    from tqdm import tqdm
+    starts = tqdm(starts, desc=progress, unit="batch", dynamic_ncols=True, file=sys.stderr)
+  for start in starts:
     chunk = list(examples[start:start + batch_size])
     n_real = len(chunk)
     chunk = chunk + [chunk[-1]] * (batch_size - n_real)  # one compiled shape

@@ -207,6 +207,11 @@ def test_toy_run_logs_checkpoints_and_resumes_exactly(tmp_path):
   written = sorted(os.listdir(tmp_path / "plots"))
   assert {"reward.png", "accuracy.png", "entropy.png", "sigma.png", "response_length.png"} <= set(written)
   assert all(os.path.getsize(tmp_path / "plots" / f) > 5000 for f in written)
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "plot.py"),
+                      f"--workdirs={full},{tmp_path / 'no-such-run'}", f"--out={tmp_path / 'plots2'}"],
+                     capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+  assert r.returncode == 2 and "Traceback" not in r.stderr
+  assert f"error: no metrics.jsonl in workdir '{tmp_path / 'no-such-run'}'" in r.stderr
 
 
 # ------------------------------------------------------------------------------ the CPU default, end to end
