@@ -267,56 +267,51 @@ def _set_layer(buf, x, i):
   return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), i, 0)
 
 
-def _load_stacked_linear(reader, cfg, group, name, quant, param_dtype, shared_gs):
-  """One stacked ``[L, K, N]`` linear, written layer by layer into preallocated device buffers."""
-  k, n = cfg.linear_shapes()[(group, name)]
-  L = cfg.num_layers
-  bufs = first_def = None
-  for i in range(L):
-    prefix = f"model.layers.{i}.{HF_LINEARS[(group, name)]}"
-    src = _linear_source(reader, prefix)
-    if src.kind != "float":
-      t = _read_nvfp4(reader, src, k, n)
-      if quant == "nvfp4":
-        q = t
-      else:
-        w = nvfp4.dequantize(t, jnp.float32)
-        q = nf4.quantize(w) if quant == "nf4" else w.astype(param_dtype)
-    else:
-      w = reader.read(prefix + ".weight", (n, k)).astype(np.float32).T  # [K, N]
-      if quant == "nvfp4":
-        gs = None if shared_gs is None else shared_gs[i]
-        q = nvfp4.quantize(w, global_scale=gs)
-      elif quant == "nf4":
-        q = nf4.quantize(w)
-      else:
-        q = np.ascontiguousarray(w.astype(param_dtype))
-      del w
-    leaves, treedef = jax.tree_util.tree_flatten(q)
-    if bufs is None:
-      bufs = [jnp.zeros((L,) + tuple(leaf.shape), leaf.dtype) for leaf in leaves]
-      first_def = treedef
-    elif treedef != first_def:
-      raise ValueError(f"layer {i} of {prefix}: the layers of one linear mix weight formats")
-    bufs = [_set_layer(b, leaf, i) for b, leaf in zip(bufs, leaves)]
-    del q, leaves
-  return jax.tree_util.tree_unflatten(first_def, bufs)
+def _load_stacked_linears(reader, cfg, group, names, quant, param_dtype, share_global_scale=False):
+  """Stacked ``[L, K, N]`` linears ``names`` of ``group``, written layer by layer into preallocated
+  device buffers; ``{name: array or 4-bit tensor}``.
 
-
-def _shared_global_scales(reader, cfg, names, group) -> Optional[np.ndarray]:
-  """Smallest NVFP4 global scale over fused projections (q/k/v or gate/up), per layer."""
-  gss = []
-  for name in names:
-    k, n = cfg.linear_shapes()[(group, name)]
-    per_layer = []
-    for i in range(cfg.num_layers):
-      prefix = f"model.layers.{i}.{HF_LINEARS[(group, name)]}"
-      if _linear_source(reader, prefix).kind != "float":
-        return None
-      w = reader.read(prefix + ".weight", (n, k)).astype(np.float32)
-      per_layer.append(float(nvfp4.compute_global_scale(w)))
-    gss.append(per_layer)
-  return np.min(np.asarray(gss, np.float32), axis=0)
+  ``share_global_scale`` (NVFP4 from float weights): in each layer the parts are quantized with one
+  global scale, the smallest of their own (what vLLM's fused q/k/v and gate/up kernels require);
+  each weight is still read once, the parts of one layer held together in host memory. A layer
+  whose parts are pre-quantized keeps the checkpoint's scales.
+  """
+  shapes = {name: cfg.linear_shapes()[(group, name)] for name in names}
+  bufs, first_def = {}, {}
+  for i in range(cfg.num_layers):
+    srcs = {name: _linear_source(reader, f"model.layers.{i}.{HF_LINEARS[(group, name)]}") for name in names}
+    read = lambda name: reader.read(srcs[name].prefix + ".weight", shapes[name][::-1]).astype(np.float32).T
+    floats, gs = {}, None
+    if share_global_scale and quant == "nvfp4" and all(src.kind == "float" for src in srcs.values()):
+      floats = {name: read(name) for name in names}  # [K, N] each
+      gs = np.min(np.asarray([nvfp4.compute_global_scale(w) for w in floats.values()], np.float32))
+    for name in names:
+      src, (k, n) = srcs[name], shapes[name]
+      if src.kind != "float":
+        t = _read_nvfp4(reader, src, k, n)
+        if quant == "nvfp4":
+          q = t
+        else:
+          w = nvfp4.dequantize(t, jnp.float32)
+          q = nf4.quantize(w) if quant == "nf4" else w.astype(param_dtype)
+      else:
+        w = floats.pop(name) if name in floats else read(name)  # [K, N]
+        if quant == "nvfp4":
+          q = nvfp4.quantize(w, global_scale=gs)
+        elif quant == "nf4":
+          q = nf4.quantize(w)
+        else:
+          q = np.ascontiguousarray(w.astype(param_dtype))
+        del w
+      leaves, treedef = jax.tree_util.tree_flatten(q)
+      if name not in bufs:
+        bufs[name] = [jnp.zeros((cfg.num_layers,) + tuple(leaf.shape), leaf.dtype) for leaf in leaves]
+        first_def[name] = treedef
+      elif treedef != first_def[name]:
+        raise ValueError(f"layer {i} of {src.prefix}: the layers of one linear mix weight formats")
+      bufs[name] = [_set_layer(b, leaf, i) for b, leaf in zip(bufs[name], leaves)]
+      del q, leaves
+  return {name: jax.tree_util.tree_unflatten(first_def[name], bufs[name]) for name in names}
 
 
 def _read_float(reader, key, shape, dtype) -> jax.Array:
@@ -337,8 +332,10 @@ def load_pretrained(path_or_hub_id, *, quant: str = "nvfp4", dtype=jnp.bfloat16,
       and linears when ``quant="none"``); bf16 by default, float32 for parity tests.
     compute_dtype: ``ModelConfig.dtype`` of the returned config.
     share_fused_global_scale: give q/k/v (and gate/up) one NVFP4 global scale
-      per layer, the smallest of the group (what vLLM's fused kernels require;
-      reads those weights twice).
+      per layer, the smallest of the group (what vLLM's fused kernels and
+      ``models.fuse_projections`` require; the group's float weights of one
+      layer are then held in host memory together). A pre-quantized checkpoint
+      keeps its own scales.
     load_tokenizer: load the tokenizer with ``transformers.AutoTokenizer``.
 
   Returns:
@@ -378,13 +375,12 @@ def load_pretrained(path_or_hub_id, *, quant: str = "nvfp4", dtype=jnp.bfloat16,
   for ours, hf_name in HF_NORMS.items():
     lay[ours] = jax.device_put(np.stack([reader.read(f"model.layers.{i}.{hf_name}", (D,)).astype(dtype)
                                          for i in range(L)]))
-  shared = {}
-  if share_fused_global_scale and quant == "nvfp4":
-    shared["attn"] = _shared_global_scales(reader, cfg, ("q", "k", "v"), "attn")
-    shared["mlp"] = _shared_global_scales(reader, cfg, ("gate", "up"), "mlp")
-  for (group, name) in decoder.LINEARS:
-    gs = shared.get(group) if name in ("q", "k", "v", "gate", "up") else None
-    lay[group][name] = _load_stacked_linear(reader, cfg, group, name, quant, dtype, gs)
+  for group, names in (("attn", ("q", "k", "v")), ("attn", ("o",)), ("mlp", ("gate", "up")), ("mlp", ("down",))):
+    if share_fused_global_scale:
+      lay[group].update(_load_stacked_linears(reader, cfg, group, names, quant, dtype, share_global_scale=True))
+    else:  # one matrix at a time: the least host memory
+      for name in names:
+        lay[group].update(_load_stacked_linears(reader, cfg, group, (name,), quant, dtype))
   if cfg.attention_bias:
     sizes = {"q_bias": cfg.q_dim, "k_bias": cfg.kv_dim, "v_bias": cfg.kv_dim}
     for ours, hf_name in HF_BIASES.items():

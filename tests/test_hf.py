@@ -70,15 +70,29 @@ def test_load_quantizes_each_linear_like_quantize_base(tmp_root):
 
 
 def test_shared_fused_global_scale(tmp_root):
-  _, folder = _saved("qwen3", False, tmp_root)
+  """Each layer's q/k/v (gate/up) get the smallest of their own global scales, 448 * 6 / amax,
+  computed here from the PyTorch weights; the codes are those of quantizing with that scale."""
+  m, folder = _saved("qwen3", False, tmp_root)
   _, base, _, _ = hf.load_pretrained(folder, quant="nvfp4", share_fused_global_scale=True)
-  att, mlp = base["layers"]["attn"], base["layers"]["mlp"]
-  gq, gk, gv = (np.asarray(att[n].global_scale) for n in "qkv")
-  np.testing.assert_array_equal(gq, gk)
-  np.testing.assert_array_equal(gq, gv)
-  np.testing.assert_array_equal(np.asarray(mlp["gate"].global_scale), np.asarray(mlp["up"].global_scale))
-  own = [float(nvfp4.compute_global_scale(nvfp4.dequantize(att[n])[0])) for n in "qkv"]
-  assert gq[0] <= min(own) * 1.01
+  sd = {k: v.detach().numpy().astype(np.float32) for k, v in m.state_dict().items()}
+  for group, parts, hf_names in (("attn", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                                 ("mlp", ("gate", "up"), ("mlp.gate_proj", "mlp.up_proj"))):
+    for i in range(m.config.num_hidden_layers):
+      ws = [sd[f"model.layers.{i}.{h}.weight"].T for h in hf_names]  # [K, N]
+      want = min(np.float32(448 * 6) * (np.float32(1) / np.abs(w).max()) for w in ws)
+      for name, w in zip(parts, ws):
+        t = jax.tree_util.tree_map(lambda a: a[i], base["layers"][group][name])
+        np.testing.assert_allclose(float(t.global_scale), want, rtol=1e-6)
+        ref = nvfp4.quantize(jnp.asarray(w), global_scale=t.global_scale)
+        np.testing.assert_array_equal(np.asarray(t.packed), np.asarray(ref.packed))
+        np.testing.assert_array_equal(np.asarray(t.block_scale).view(np.uint8),
+                                      np.asarray(ref.block_scale).view(np.uint8))
+    own = [float(jax.tree_util.tree_map(lambda a: a[0], base["layers"][group][n]).global_scale) for n in parts]
+    assert len(set(own)) == 1
+  # without sharing each matrix keeps its own scale, so at least one part differs somewhere
+  _, plain, _, _ = hf.load_pretrained(folder, quant="nvfp4")
+  assert any(not np.array_equal(np.asarray(plain["layers"]["attn"][n].global_scale),
+                                np.asarray(base["layers"]["attn"][n].global_scale)) for n in "qkv")
 
 
 def test_shared_global_scale_checkpoint_fuses_to_the_same_logits(tmp_root):
