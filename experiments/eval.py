@@ -6,8 +6,10 @@ r"""Evaluate a base model or a trained checkpoint on GSM8K test, MATH-500, AIME2
   python experiments/eval.py --config=configs/default.py --workdir=workdirs/default \
       --num_samples=8 --temperature=0.6 --benchmarks=gsm8k
 
-The model, quantization, LoRA shape, system prompt and prompt length come from the config
-(``--config.<key>=value`` overrides work as in train.py). Benchmarks are read from
+The model, quantization, LoRA shape and system prompt come from the config
+(``--config.<key>=value`` overrides work as in train.py); a checkpoint whose saved config built
+a different base (``model.*``) gets a warning naming the flag that matches it. Prompts longer
+than ``--max_prompt_length`` are skipped. Benchmarks are read from
 ``--data_dir`` (default ``../shared/data``): ``<name>/test.jsonl``. GSM8K is scored with the
 GSM8K answer check, the others with math-verify. Prints a table and writes
 ``<workdir or --out>/eval_<step>.json``.
@@ -86,12 +88,19 @@ def main(argv):
   if _WORKDIR.value:
     state, meta = trainer.restore_train_state(config, policy, _WORKDIR.value, step=_STEP.value)
     params, step = state.params, int(meta["step"])
+    for key, saved, now in trainer.checkpoint_config_mismatch(meta, config):
+      print(f"warning: the checkpoint was trained with {key}={saved!r} but --config gives {now!r}: the "
+            f"adapter sits on a different base; pass --config.{key}={saved} to evaluate the run as trained",
+            file=sys.stderr)
   max_new = _MAX_NEW.value or int(config.train.eval_max_completion_length
                                   or config.sampling.max_completion_length)
   max_prompt = _MAX_PROMPT.value
   context = int(getattr(policy.tokenizer, "model_max_length", 0) or 0)
-  if not flags.FLAGS["max_prompt_length"].present and 0 < context < 10 ** 7:
-    max_prompt = min(max_prompt, max(1, context - max_new))  # prompt + completion fit the model
+  if (not flags.FLAGS["max_prompt_length"].present and 0 < context < 10 ** 7
+      and context - max_new >= 16 and context - max_new < max_prompt):
+    max_prompt = context - max_new  # prompt + completion fit the model's context
+    print(f"eval: prompts longer than {max_prompt} tokens are skipped (the tokenizer's context of "
+          f"{context} minus {max_new} new tokens; --max_prompt_length overrides)", file=sys.stderr)
   with config.unlocked():
     config.data.max_prompt_length = max_prompt
   batch = _BATCH.value or int(config.train.eval_batch_size)

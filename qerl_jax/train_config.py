@@ -11,7 +11,11 @@ Layout (units in brackets)::
   model.quant             "nvfp4" | "nf4" | "none" (bf16 base)
   model.remat             rematerialise each layer in the update step
   model.fuse_projections  one matrix for q/k/v and one for gate/up (fewer, larger matmuls: about
-                          9% more rollout tokens/s on the H200; results unchanged)
+                          9% more rollout tokens/s on the H200). The model function is the same;
+                          NVFP4 parts of a group share one global scale (vLLM's convention), so
+                          those weights round differently than with False (same error level).
+                          Loading holds both copies of those matrices for a moment (7B bf16:
+                          about 8.5 GB extra).
   lora.rank / alpha / use_rslora / target_modules / train_norms / dropout
   aqn.enabled / schedule ("stages" | "exponential") / sigma_start / sigma_end / num_stages /
      rollout_only (paper variant: noise in the rollout only)
@@ -59,7 +63,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.path = ""
   c.model.quant = "nvfp4"
   c.model.remat = True
-  c.model.fuse_projections = True  # models.fuse_projections after loading (LoRA tree unchanged)
+  c.model.fuse_projections = True  # models.fuse_projections after loading (LoRA tree unchanged);
+  # runs saved before this key existed were unfused: pass False to reproduce them
 
   c.lora = ml_collections.ConfigDict()
   c.lora.rank = 32

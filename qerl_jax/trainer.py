@@ -378,15 +378,39 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   return summary
 
 
+# Keys added to the config after runs were saved, with the value that reproduces those runs.
+_LEGACY_VALUES = {"model.fuse_projections": False}
+
+
 def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
-  """Dotted keys whose values differ between two config dicts (JSON form)."""
+  """Dotted keys whose values differ between two config dicts (JSON form); a key the old config
+  predates counts as its :data:`_LEGACY_VALUES` entry."""
   out = []
   for k in sorted(set(old) | set(new)):
-    a, b = old.get(k), new.get(k)
+    a, b = old.get(k, _LEGACY_VALUES.get(f"{prefix}{k}")), new.get(k)
     if isinstance(a, dict) and isinstance(b, dict):
       out += _changed_keys(a, b, f"{prefix}{k}.")
     elif a != b:
       out.append(f"{prefix}{k}")
+  return out
+
+
+def checkpoint_config_mismatch(meta: dict, config) -> list[tuple[str, Any, Any]]:
+  """``(key, saved value, current value)`` for each config key that builds the frozen base
+  (``model.*`` but ``model.remat``) and differs between a checkpoint's saved config
+  (``meta["config"]``) and ``config``. An adapter restored onto a different base does not
+  reproduce its run, e.g. a run saved before ``model.fuse_projections`` existed (unfused)
+  evaluated with the fused default. Keys the saved config predates count as
+  :data:`_LEGACY_VALUES`."""
+  saved = meta.get("config") or {}
+  if not saved:
+    return []
+  now = json.loads(config.to_json_best_effort())
+  out = []
+  for key in _changed_keys(saved, now):
+    section, _, name = key.partition(".")
+    if section == "model" and name != "remat":
+      out.append((key, saved.get(section, {}).get(name, _LEGACY_VALUES.get(key)), now.get(section, {}).get(name)))
   return out
 
 

@@ -139,6 +139,20 @@ def test_load_base_fuses_projections_and_keeps_the_function():
   np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=2e-5, atol=2e-5)
 
 
+def test_checkpoint_config_mismatch_reads_keys_older_runs_lack_as_their_legacy_value():
+  c = toy.toy_config()
+  saved = json.loads(c.to_json_best_effort())
+  del saved["model"]["fuse_projections"]  # a run saved before the key existed (unfused)
+  saved["model"]["remat"] = not c.model.remat  # remat does not change the base: not reported
+  assert trainer.checkpoint_config_mismatch({"config": saved}, c) == [("model.fuse_projections", False, True)]
+  c.model.fuse_projections = False
+  assert trainer.checkpoint_config_mismatch({"config": saved}, c) == []
+  assert trainer._changed_keys(saved, json.loads(c.to_json_best_effort())) == ["model.remat"]
+  saved["model"]["quant"] = "nf4"
+  assert trainer.checkpoint_config_mismatch({"config": saved}, c) == [("model.quant", "nf4", "nvfp4")]
+  assert trainer.checkpoint_config_mismatch({}, c) == []
+
+
 def test_unfusable_base_stays_unfused_with_a_warning(capsys):
   """A pre-quantized NVFP4 base whose q/k/v global scales differ cannot be fused: the trainer keeps
   it as loaded (and says so) rather than stopping."""
