@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qerl_jax import lora as lora_lib
 from qerl_jax import models, sampling
 
 FLAGS = flags.FLAGS
@@ -53,6 +54,9 @@ flags.DEFINE_integer("kv_phases", 1, "SamplingConfig.kv_phases for the table's r
 flags.DEFINE_list("extra_runs", [], "Extra runs 'format:batch:kv_phases' after the table, e.g. bf16:256:4.")
 flags.DEFINE_float("time_budget_s", 1e9, "Skip the remaining runs once this much wall time has passed.")
 flags.DEFINE_string("out", "", "Folder for rollout.md / rollout.json (optional).")
+flags.DEFINE_integer("lora_rank", 0, "Attach a LoRA adapter of this rank to all 7 linears and train-style norms "
+                     "(what a training rollout runs; 0: none, the base alone).")
+flags.DEFINE_bool("aqn", False, "Fold AQN noise into the RMSNorm weights, as a training rollout does.")
 flags.DEFINE_bool("smoke", False, "Tiny-shape correctness checks on this device, then exit.")
 flags.DEFINE_enum("shape", "qwen2.5-7b", ["qwen2.5-7b", "tiny"], "Model shape (tiny: to try the script on CPU).")
 flags.DEFINE_bool("smoke_first", False, "Run the smoke checks, then the benchmark.")
@@ -123,7 +127,25 @@ def random_prompts(cfg, batch: int, length: int, seed: int = 0):
   return rng.integers(0, cfg.vocab_size, size=(batch, length)).astype(np.int32), np.ones((batch, length), np.int32)
 
 
-def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth: float, kv_phases: int = 1) -> dict:
+def adapter_and_noise(cfg, base, rank: int, aqn: bool):
+  """``(lora, lora_scale, noise)`` as a training rollout passes them: a rank-``rank`` adapter on all
+  7 linears with trainable norms (float32, B random so nothing is skipped; None when rank is 0),
+  and AQN norm noise (float32 ``[L, D]``; None unless ``aqn``)."""
+  lora, scale = None, 1.0
+  if rank:
+    lcfg = lora_lib.LoRAConfig(r=rank, lora_alpha=float(rank), train_norms=True)
+    lora = lora_lib.init_lora(jax.random.key(2), cfg, lcfg, base)
+    lora = jax.tree.map(lambda a: a + 1e-3 * jax.random.normal(jax.random.key(a.size), a.shape, a.dtype), lora)
+    scale = lora_lib.scale(lcfg)
+  noise = None
+  if aqn:
+    noise = {k: 1e-3 * jax.random.normal(jax.random.key(i), (cfg.num_layers, cfg.hidden_size), jnp.float32)
+             for i, k in enumerate(("input_norm", "post_attn_norm"))}
+  return lora, scale, noise
+
+
+def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth: float, kv_phases: int = 1,
+              lora=None, lora_scale: float = 1.0, noise=None) -> dict:
   """One compiled generate at (batch, prompt_len, new_tokens), timed twice: all rows live, and no row live.
 
   The end id is outside the vocabulary, so no row ever ends and the decode
@@ -141,10 +163,10 @@ def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth
   key = jax.random.key(1)
 
   t0 = time.perf_counter()
-  compiled = sampling._generate_jit.lower(cfg, config, 1.0, base, None, None, tokens, mask, key,
+  compiled = sampling._generate_jit.lower(cfg, config, lora_scale, base, lora, noise, tokens, mask, key,
                                           jnp.int32(batch)).compile()
   t_compile = time.perf_counter() - t0
-  run = lambda live: jax.block_until_ready(compiled(base, None, None, tokens, mask, key, jnp.int32(live)))
+  run = lambda live: jax.block_until_ready(compiled(base, lora, noise, tokens, mask, key, jnp.int32(live)))
 
   pre = run(0)  # warm-up; the loop exits at once
   assert int(pre[6]) == 0, int(pre[6])
@@ -165,7 +187,7 @@ def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth
   del out, pre
 
   step = (t_total - t_prefill) / (new_tokens - 1)
-  w_bytes = weight_bytes_per_step(cfg, base, bb)
+  w_bytes = weight_bytes_per_step(cfg, base, bb) + (tree_bytes(lora) if lora is not None else 0)  # adapters too
   slots_run = pb + new_tokens
   kv_per_slot = 2 * cfg.num_layers * bb * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(config.cache_dtype).itemsize
   ends = (0,) + config.phase_ends()  # slots each step's attention reads: prompt bucket + the phase's end
@@ -228,6 +250,11 @@ def smoke() -> None:
   assert err < 0.25, err
 
 
+def _suffix() -> str:
+  """The table label's note on what rides along: '+lora32', '+aqn'."""
+  return (f"+lora{FLAGS.lora_rank}" if FLAGS.lora_rank else "") + ("+aqn" if FLAGS.aqn else "")
+
+
 def main(argv):
   del argv
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; 4-bit matmul: {kernel_backend()}", flush=True)
@@ -258,9 +285,10 @@ def main(argv):
       if time.perf_counter() - start > FLAGS.time_budget_s:
         print(f"skipping {fmt} batch {batch}: time budget {FLAGS.time_budget_s}s spent", flush=True)
         continue
+      lora, scale, noise = adapter_and_noise(cfg, bases[fmt], FLAGS.lora_rank, FLAGS.aqn)
       r = bench_one(cfg, bases[fmt], batch, FLAGS.prompt_len, overrides.get(batch, FLAGS.new_tokens), bandwidth,
-                    FLAGS.kv_phases)
-      r["format"] = fmt
+                    FLAGS.kv_phases, lora, scale, noise)
+      r["format"] = fmt + _suffix()
       rows.append(r)
       print(json.dumps(r), flush=True)
   for spec in FLAGS.extra_runs:
@@ -269,9 +297,10 @@ def main(argv):
       print(f"skipping extra run {spec}: time budget {FLAGS.time_budget_s}s spent", flush=True)
       continue
     batch = int(batch)
+    lora, scale, noise = adapter_and_noise(cfg, bases[fmt], FLAGS.lora_rank, FLAGS.aqn)
     r = bench_one(cfg, bases[fmt], batch, FLAGS.prompt_len, overrides.get(batch, FLAGS.new_tokens), bandwidth,
-                  int(phases))
-    r["format"] = fmt
+                  int(phases), lora, scale, noise)
+    r["format"] = fmt + _suffix()
     rows.append(r)
     print(json.dumps(r), flush=True)
   lines = [header, sep]
@@ -283,8 +312,10 @@ def main(argv):
   by = {(r["format"], r["batch"]): r for r in rows if r["kv_phases"] == FLAGS.kv_phases}
   for batch in sorted({r["batch"] for r in rows}):
     for suffix in ("", "_fused"):
+      suffix += _suffix()
       if ("bf16" + suffix, batch) in by and ("nvfp4" + suffix, batch) in by:
-        lines.append(f"\nbatch {batch}{' (fused projections)' if suffix else ''}: NVFP4 / bf16 throughput = "
+        lines.append(f"\nbatch {batch}{' (fused projections)' if suffix.startswith('_fused') else ''}"
+                     f"{' with ' + _suffix()[1:] if _suffix() else ''}: NVFP4 / bf16 throughput = "
                      f"{by['nvfp4' + suffix, batch]['tokens_per_s'] / by['bf16' + suffix, batch]['tokens_per_s']:.2f}x")
   table = "\n".join(lines)
   print(f"\nHBM copy bandwidth {bandwidth / 1e12:.2f} TB/s; 4-bit matmul: {kernel_backend()}\n{table}")
