@@ -9,8 +9,11 @@ TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 def make_hf_model(arch: str, *, tied: bool = False, seed: int = 0, **overrides):
-  """A float32 transformers model with random weights (biases and norms randomised too)."""
-  import torch
+  """A float32 transformers model with random weights (biases and norms randomised too).
+
+  Skips the calling test when PyTorch is absent (a dev extra: ``pip install -e ".[dev]"``)."""
+  import pytest
+  torch = pytest.importorskip("torch", reason="PyTorch (a dev extra) builds the reference checkpoints")
   import transformers as tf
   kw = dict(TINY, tie_word_embeddings=tied, rms_norm_eps=1e-5, **overrides)
   if arch == "qwen2":
