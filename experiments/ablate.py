@@ -32,12 +32,13 @@ if _ROOT not in sys.path:
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
+
+from qerl_jax import xla_flags  # noqa: E402
 import numpy as np  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "An ablation config file (configs/ablations/<name>.py).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder for the runs, the table and the plot.")
-_XLA = flags.DEFINE_bool("recommended_xla_flags", True, "Add qerl_jax.xla_flags.RECOMMENDED_GPU_FLAGS to XLA_FLAGS "
-                          "(cuBLAS reads stacked bf16 weights in place; GPU only, flags you set win).")
+_XLA = xla_flags.define_launcher_flag()
 flags.mark_flags_as_required(["config", "workdir"])
 
 COLUMNS = (("initial_accuracy", "initial acc"), ("final_accuracy", "final acc"),
@@ -120,7 +121,6 @@ def plot_all(workdirs: dict, path: str, *, smooth: int = 10) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
-  from qerl_jax import xla_flags
   xla_flags.apply_recommended(_XLA.value)  # before the first computation: XLA reads XLA_FLAGS once
   from absl import logging
   from qerl_jax import train_config, trainer

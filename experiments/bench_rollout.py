@@ -267,11 +267,12 @@ def main(argv):
   print(f"measured device copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
   cfg = models.ModelConfig.from_hf(QWEN25_7B if FLAGS.shape == "qwen2.5-7b" else TINY, dtype="bfloat16")
   overrides = {int(k): int(v) for k, v in (s.split(":") for s in FLAGS.new_tokens_by_batch)}
-  bases = {}
+  bases, extras = {}, {}
   bf16 = make_base(cfg, "bf16")
   for fmt in FLAGS.formats:
     t0 = time.perf_counter()
     bases[fmt] = bf16 if fmt == "bf16" else make_base(cfg, fmt, bf16)
+    extras[fmt] = adapter_and_noise(cfg, bases[fmt], FLAGS.lora_rank, FLAGS.aqn)  # (lora, scale, noise)
     print(f"{fmt} base ready in {time.perf_counter() - t0:.1f}s: decoder linears + lm_head "
           f"{weight_bytes_per_step(cfg, bases[fmt], 0) / 1e9:.2f} GB", flush=True)
   if "bf16" not in FLAGS.formats:
@@ -285,9 +286,8 @@ def main(argv):
       if time.perf_counter() - start > FLAGS.time_budget_s:
         print(f"skipping {fmt} batch {batch}: time budget {FLAGS.time_budget_s}s spent", flush=True)
         continue
-      lora, scale, noise = adapter_and_noise(cfg, bases[fmt], FLAGS.lora_rank, FLAGS.aqn)
       r = bench_one(cfg, bases[fmt], batch, FLAGS.prompt_len, overrides.get(batch, FLAGS.new_tokens), bandwidth,
-                    FLAGS.kv_phases, lora, scale, noise)
+                    FLAGS.kv_phases, *extras[fmt])
       r["format"] = fmt + _suffix()
       rows.append(r)
       print(json.dumps(r), flush=True)
@@ -297,9 +297,8 @@ def main(argv):
       print(f"skipping extra run {spec}: time budget {FLAGS.time_budget_s}s spent", flush=True)
       continue
     batch = int(batch)
-    lora, scale, noise = adapter_and_noise(cfg, bases[fmt], FLAGS.lora_rank, FLAGS.aqn)
     r = bench_one(cfg, bases[fmt], batch, FLAGS.prompt_len, overrides.get(batch, FLAGS.new_tokens), bandwidth,
-                  int(phases), lora, scale, noise)
+                  int(phases), *extras[fmt])
     r["format"] = fmt + _suffix()
     rows.append(r)
     print(json.dumps(r), flush=True)
@@ -311,12 +310,13 @@ def main(argv):
                  f"{r['prefill_s']:.3f} | {r['compile_s']:.1f} | {r['kv_cache_gb']:.1f} |")
   by = {(r["format"], r["batch"]): r for r in rows if r["kv_phases"] == FLAGS.kv_phases}
   for batch in sorted({r["batch"] for r in rows}):
-    for suffix in ("", "_fused"):
-      suffix += _suffix()
-      if ("bf16" + suffix, batch) in by and ("nvfp4" + suffix, batch) in by:
-        lines.append(f"\nbatch {batch}{' (fused projections)' if suffix.startswith('_fused') else ''}"
-                     f"{' with ' + _suffix()[1:] if _suffix() else ''}: NVFP4 / bf16 throughput = "
-                     f"{by['nvfp4' + suffix, batch]['tokens_per_s'] / by['bf16' + suffix, batch]['tokens_per_s']:.2f}x")
+    extra = _suffix()
+    for fused in ("", "_fused"):
+      q4, b16 = by.get(("nvfp4" + fused + extra, batch)), by.get(("bf16" + fused + extra, batch))
+      if q4 and b16:
+        label = (" (fused projections)" if fused else "") + (f" with {extra[1:]}" if extra else "")
+        lines.append(f"\nbatch {batch}{label}: NVFP4 / bf16 throughput = "
+                     f"{q4['tokens_per_s'] / b16['tokens_per_s']:.2f}x")
   table = "\n".join(lines)
   print(f"\nHBM copy bandwidth {bandwidth / 1e12:.2f} TB/s; 4-bit matmul: {kernel_backend()}\n{table}")
   if FLAGS.out:

@@ -30,6 +30,8 @@ if _ROOT not in sys.path:
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from qerl_jax import xla_flags  # noqa: E402
+
 BENCHMARKS = {"gsm8k": "gsm8k", "math500": "math", "aime24": "math", "amc23": "math"}
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe config file (configs/<name>.py).")
@@ -49,14 +51,12 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the pass@k sampling.")
 _MAX_PROMPT = flags.DEFINE_integer("max_prompt_length", 1024, "Prompts longer than this (tokens) are skipped and "
                                    "counted (default: 1024, or less when the tokenizer's model_max_length "
                                    "minus the completion budget is smaller).")
-_XLA = flags.DEFINE_bool("recommended_xla_flags", True, "Add qerl_jax.xla_flags.RECOMMENDED_GPU_FLAGS to XLA_FLAGS "
-                          "(cuBLAS reads stacked bf16 weights in place; GPU only, flags you set win).")
+_XLA = xla_flags.define_launcher_flag()
 flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
   del argv
-  from qerl_jax import xla_flags
   xla_flags.apply_recommended(_XLA.value)  # before the first computation: XLA reads XLA_FLAGS once
   import jax
   from absl import logging

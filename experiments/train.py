@@ -24,19 +24,19 @@ if _ROOT not in sys.path:  # so `configs/*.py` can `import qerl_jax` from a plai
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from qerl_jax import xla_flags  # noqa: E402
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file (configs/<name>.py), then --config.<key>=value overrides.",
     lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder for checkpoints, metrics, samples and plots.")
-_XLA = flags.DEFINE_bool("recommended_xla_flags", True, "Add qerl_jax.xla_flags.RECOMMENDED_GPU_FLAGS to XLA_FLAGS "
-                          "(cuBLAS reads stacked bf16 weights in place; GPU only, flags you set win).")
+_XLA = xla_flags.define_launcher_flag()
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
-  from qerl_jax import xla_flags
   xla_flags.apply_recommended(_XLA.value)  # before the first computation: XLA reads XLA_FLAGS once
   from absl import logging
   from qerl_jax import train_config, trainer

@@ -382,17 +382,22 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
 _LEGACY_VALUES = {"model.fuse_projections": False}
 
 
-def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
-  """Dotted keys whose values differ between two config dicts (JSON form); a key the old config
-  predates counts as its :data:`_LEGACY_VALUES` entry."""
+def _config_diff(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
+  """``(dotted key, old value, new value)`` for each key whose value differs between two config
+  dicts (JSON form); a key the old config predates counts as its :data:`_LEGACY_VALUES` entry."""
   out = []
   for k in sorted(set(old) | set(new)):
     a, b = old.get(k, _LEGACY_VALUES.get(f"{prefix}{k}")), new.get(k)
     if isinstance(a, dict) and isinstance(b, dict):
-      out += _changed_keys(a, b, f"{prefix}{k}.")
+      out += _config_diff(a, b, f"{prefix}{k}.")
     elif a != b:
-      out.append(f"{prefix}{k}")
+      out.append((f"{prefix}{k}", a, b))
   return out
+
+
+def _changed_keys(old: dict, new: dict) -> list[str]:
+  """Dotted keys whose values differ between two config dicts (:func:`_config_diff`)."""
+  return [key for key, _, _ in _config_diff(old, new)]
 
 
 def checkpoint_config_mismatch(meta: dict, config) -> list[tuple[str, Any, Any]]:
@@ -405,13 +410,8 @@ def checkpoint_config_mismatch(meta: dict, config) -> list[tuple[str, Any, Any]]
   saved = meta.get("config") or {}
   if not saved:
     return []
-  now = json.loads(config.to_json_best_effort())
-  out = []
-  for key in _changed_keys(saved, now):
-    section, _, name = key.partition(".")
-    if section == "model" and name != "remat":
-      out.append((key, saved.get(section, {}).get(name, _LEGACY_VALUES.get(key)), now.get(section, {}).get(name)))
-  return out
+  return [d for d in _config_diff(saved, json.loads(config.to_json_best_effort()))
+          if d[0].startswith("model.") and d[0] != "model.remat"]
 
 
 def _finite(x) -> bool:

@@ -10,7 +10,8 @@ in place and handle every dense matmul: bf16 rollouts at batch 8 went from 709 t
 change (1669 vs 1661 tokens/s). The flags only concern GPU compilation; CPU runs ignore them.
 
 XLA reads ``XLA_FLAGS`` once, when the first backend starts, so :func:`apply_recommended` must run
-before any computation (the launchers call it first thing in ``main``).
+before any computation (the launchers call it first thing in ``main``, with the value of the
+``--[no]recommended_xla_flags`` flag that :func:`define_launcher_flag` defines).
 """
 from __future__ import annotations
 
@@ -76,3 +77,11 @@ def apply_recommended(enabled: bool = True) -> str:
                     f"{RECOMMENDED_GPU_FLAGS} take effect only in a new process", RuntimeWarning, stacklevel=2)
     os.environ["XLA_FLAGS"] = merged
   return merged
+
+
+def define_launcher_flag():
+  """Defines the launchers' absl flag ``--[no]recommended_xla_flags`` (default True) and returns
+  its holder; pass ``holder.value`` to :func:`apply_recommended` at the start of ``main``."""
+  from absl import flags
+  return flags.DEFINE_bool("recommended_xla_flags", True, "Add qerl_jax.xla_flags.RECOMMENDED_GPU_FLAGS to "
+                           "XLA_FLAGS (cuBLAS reads stacked bf16 weights in place; GPU only, flags you set win).")
