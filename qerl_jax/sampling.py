@@ -411,6 +411,23 @@ def _grow_cache(cache: dict, groups: int, extra: int) -> dict:
   return _extend_cache(cache, extra)
 
 
+def _decode_adapter(cfg_model, base, lora):
+  """The adapter as prefill and decode use it, built once per rollout outside the decode loop:
+  ``a`` / ``b`` cast to the compute dtype (the forward would cast them on every step) and,
+  for a fused base, regrouped by :func:`models.fuse_adapter` (two matmuls per fused
+  projection instead of two per part). Same results as the per-part float32 tree."""
+  if lora is None:
+    return None
+  dt = jnp.dtype(cfg_model.dtype)
+  if models.is_fused(base):
+    return models.fuse_adapter(lora, cfg_model, dtype=dt)
+  lay = dict(lora.get("layers", {}))
+  for group in ("attn", "mlp"):
+    if group in lay:
+      lay[group] = {name: {k: v.astype(dt) for k, v in ad.items()} for name, ad in lay[group].items()}
+  return {**lora, "layers": lay}
+
+
 def _generate_impl(cfg_model, config: SamplingConfig, lora_scale: float, base, lora, norm_noise,
                    prompt_BxP, mask_BxP, key, num_prompts):
   """The jit-compiled body: one prefill of the B prompts, then decode B*G rows in a while loop."""
@@ -418,7 +435,7 @@ def _generate_impl(cfg_model, config: SamplingConfig, lora_scale: float, base, l
   g, t_max = config.num_generations, config.max_new_tokens
   n = b * g
   end_ids = config.end_ids
-  fwd = dict(lora=lora, lora_cfg=lora_scale, norm_noise=norm_noise)
+  fwd = dict(lora=_decode_adapter(cfg_model, base, lora), lora_cfg=lora_scale, norm_noise=norm_noise)
 
   # Prefill: B prompts once, cache of P slots; then repeat it G times and add T empty slots.
   pos_BxP = models.positions_from_mask(mask_BxP)

@@ -112,6 +112,68 @@ def test_fused_forward_with_lora_on_some_parts_only():
   assert np.abs(np.asarray(a) - np.asarray(b))[real].max() < 1e-5
 
 
+def test_fuse_adapter_matches_per_part_lora_float64():
+  """One fused adapter (a side by side, b block diagonal) gives each part x @ W_i + s (x @ A_i) @ B_i,
+  with parts of different ranks and one part without an adapter."""
+  rng = np.random.default_rng(1)
+  cfg = models.ModelConfig(vocab_size=11, hidden_size=8, intermediate_size=6, num_layers=1, num_heads=2,
+                           num_kv_heads=1, head_dim=4, dtype="float32")
+  sizes = (cfg.q_dim, cfg.kv_dim, cfg.kv_dim)  # 8, 4, 4
+  x = rng.standard_normal((2, 3, 8))
+  w = rng.standard_normal((8, sum(sizes)))
+  ranks = {"q": 3, "v": 2}  # k has no adapter
+  parts = {n: {"a": rng.standard_normal((1, 8, r)), "b": rng.standard_normal((1, r, sizes[("q", "k", "v").index(n)]))}
+           for n, r in ranks.items()}
+  lora = {"layers": {"attn": {**parts, "o": {"a": rng.standard_normal((1, 8, 2)), "b": rng.standard_normal((1, 2, 8))}},
+                     "input_norm": rng.standard_normal((1, 8))}}
+  lora = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), lora)
+  fused = models.fuse_adapter(lora, cfg)
+  qkv = fused["layers"]["attn"]["qkv"]
+  assert qkv["a"].shape == (1, 8, 5) and qkv["b"].shape == (1, 5, 16)
+  assert set(fused["layers"]["attn"]) == {"qkv", "o"} and "mlp" not in fused["layers"]
+  np.testing.assert_array_equal(np.asarray(fused["layers"]["input_norm"]), np.asarray(lora["layers"]["input_norm"]))
+  b = np.asarray(qkv["b"][0])  # block diagonal: q's rows over q's columns, v's over v's, zeros elsewhere
+  np.testing.assert_array_equal(b[:3, :8], np.asarray(parts["q"]["b"][0], np.float32))
+  np.testing.assert_array_equal(b[3:, 12:], np.asarray(parts["v"]["b"][0], np.float32))
+  assert not b[:3, 8:].any() and not b[3:, :12].any()
+  got = layers.fused_linear(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), sizes,
+                            lora=jax.tree.map(lambda a: a[0], qkv), lora_scale=0.5)
+  start = 0
+  for name, size, y in zip(("q", "k", "v"), sizes, got):
+    want = x @ w[:, start:start + size]
+    if name in parts:
+      want = want + 0.5 * (x @ parts[name]["a"][0]) @ parts[name]["b"][0]
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+    start += size
+  bf16 = models.fuse_adapter(lora, cfg, dtype=jnp.bfloat16)
+  assert {a.dtype for a in jax.tree.leaves(bf16["layers"]["attn"])} == {jnp.dtype(jnp.bfloat16)}
+  assert bf16["layers"]["input_norm"].dtype == jnp.float32  # norms are not matmul factors
+  assert models.fuse_adapter(None, cfg) is None
+  with pytest.raises(ValueError, match="already has attn/qkv"):
+    models.fuse_adapter(fused, cfg)
+  bad = {"layers": {"attn": {"k": {"a": jnp.zeros((1, 8, 2)), "b": jnp.zeros((1, 2, 5))}}}}
+  with pytest.raises(ValueError, match="attn/k"):
+    models.fuse_adapter(bad, cfg)
+  with pytest.raises(ValueError, match="not both"):
+    layers.fused_linear(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), sizes,
+                        loras=(jax.tree.map(lambda a: a[0], parts["q"]),), lora=jax.tree.map(lambda a: a[0], qkv))
+
+
+def test_fused_adapter_forward_equals_per_part_forward():
+  """The whole model with the fused adapter (as the sampler runs it) equals the per-part tree."""
+  fused = models.quantize_base(models.fuse_projections(_base()), "nvfp4")
+  lora, noise = _lora_and_noise()
+  tokens, mask = (jnp.asarray(a) for a in left_padded_batch(CFG.vocab_size, seed=2))
+  pos = models.positions_from_mask(mask)
+  kw = dict(attn_mask=mask, lora_cfg=0.5, norm_noise=noise)
+  a, _ = models.forward(CFG, fused, tokens, pos, lora=models.fuse_adapter(lora, CFG), **kw)
+  b, _ = models.forward(CFG, fused, tokens, pos, lora=lora, **kw)
+  off, _ = models.forward(CFG, fused, tokens, pos, **kw)
+  real = np.asarray(mask).astype(bool)
+  assert np.abs(np.asarray(b) - np.asarray(off))[real].max() > 1e-3  # the adapters matter
+  assert np.abs(np.asarray(a) - np.asarray(b))[real].max() < 1e-5
+
+
 def test_fused_nvfp4_prefill_then_decode_equals_full_forward():
   fused = models.quantize_base(models.fuse_projections(_base(1)), "nvfp4")
   tokens, mask = (jnp.asarray(a) for a in left_padded_batch(CFG.vocab_size, seed=4))

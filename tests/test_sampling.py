@@ -259,20 +259,29 @@ def test_top_k1_groups_and_min_new_tokens_match_greedy(tiny, greedy_case):
 
 
 def _lora_and_noise(cfg, key):
-  k = jax.random.split(key, 5)
-  L, D, r = cfg.num_layers, cfg.hidden_size, 4
+  """Adapters on q, v, up and down (k, o and gate without), rank 4 except v (2); AQN-style noise."""
+  k = jax.random.split(key, 9)
+  L, D, r, I = cfg.num_layers, cfg.hidden_size, 4, cfg.intermediate_size
+  ad = lambda ka, kb, k_in, rank, n: {"a": 0.2 * jax.random.normal(ka, (L, k_in, rank)),
+                                      "b": 0.2 * jax.random.normal(kb, (L, rank, n))}
   lora = {"layers": {
-      "attn": {"q": {"a": 0.2 * jax.random.normal(k[0], (L, D, r)), "b": 0.2 * jax.random.normal(k[1], (L, r, cfg.q_dim))}},
-      "mlp": {"down": {"a": 0.2 * jax.random.normal(k[2], (L, cfg.intermediate_size, r)),
-                       "b": 0.2 * jax.random.normal(k[3], (L, r, D))}}}}
+      "attn": {"q": ad(k[0], k[1], D, r, cfg.q_dim), "v": ad(k[5], k[6], D, 2, cfg.kv_dim)},
+      "mlp": {"down": ad(k[2], k[3], I, r, D), "up": ad(k[7], k[8], D, r, I)}}}
   noise = {"input_norm": 0.05 * jax.random.normal(k[4], (L, D)), "post_attn_norm": jnp.full((L, D), -0.02)}
   return lora, noise
 
 
-def test_logprobs_equal_full_forward_with_lora_and_noise(tiny):
-  """At temperature 1 the returned log-probs equal one full forward over prompt + completion (float32)."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_logprobs_equal_full_forward_with_lora_and_noise(tiny, fused):
+  """At temperature 1 the returned log-probs equal one full forward over prompt + completion (float32).
+
+  With a fused base the sampler runs the regrouped adapter (models.fuse_adapter); the reference
+  forward uses the per-part tree on the unfused base, as the trainer does."""
   from qerl_jax import models
   _, cfg, base = tiny
+  ref_base = base
+  if fused:
+    base = models.fuse_projections(base)
   tokens, mask = _prompts()
   lora, noise = _lora_and_noise(cfg, jax.random.key(3))
   config = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_ids=(2, 3), pad_id=PAD, temperature=1.0,
@@ -284,7 +293,7 @@ def test_logprobs_equal_full_forward_with_lora_and_noise(tiny):
   pos = models.positions_from_mask(seq_mask)
   full_forward = jax.jit(lambda b, s, p, m, l, n: models.forward(cfg, b, s, p, attn_mask=m, lora=l, lora_cfg=2.0,
                                                                  norm_noise=n))
-  logits, _ = full_forward(base, seq, pos, seq_mask, lora, noise)
+  logits, _ = full_forward(ref_base, seq, pos, seq_mask, lora, noise)
   logp = np.asarray(jax.nn.log_softmax(logits[:, :-1], axis=-1))  # predicts seq[:, 1:]
   full = np.take_along_axis(logp, np.asarray(seq)[:, 1:, None], axis=-1)[..., 0]
   want = full[:, tokens.shape[1] - 1:] * np.asarray(ro.mask)

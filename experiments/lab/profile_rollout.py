@@ -2,9 +2,12 @@
 
 Compiles ``sampling.generate`` like experiments/bench_rollout.py (random Qwen2.5-7B-shape
 weights, 256-token prompts, no early stop), runs it once under ``jax.profiler.trace`` with a
-perfetto trace, and prints the kernels by total device time. Arguments: ``format:batch:new_tokens``.
+perfetto trace, and prints the kernels by total device time. Arguments:
+``format:batch:new_tokens[:lora_rank[:aqn]]`` (a LoRA rank > 0 attaches a training-style adapter on all 7
+linears, as ``bench_rollout.py --lora_rank``; a fifth field ``aqn`` adds AQN norm noise).
+``PROFILE_TOP`` sets how many kernels are listed (default 22).
 
-  PYTHONPATH=$PWD python3 experiments/lab/profile_rollout.py nvfp4:8:64 bf16:8:64
+  PYTHONPATH=$PWD python3 experiments/lab/profile_rollout.py nvfp4:8:64 bf16:8:64 nvfp4_fused:8:64:32:aqn
 """
 import os, sys, time
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "experiments"))
@@ -15,25 +18,27 @@ flags.FLAGS(["prof"])
 import bench_rollout as br
 from qerl_jax import models, sampling
 
-def profile(fmt, batch, new_tokens, out):
+def profile(fmt, batch, new_tokens, out, rank=0, aqn=False):
   cfg = models.ModelConfig.from_hf(br.QWEN25_7B)
   base = br.make_base(cfg, fmt)
+  lora, scale, noise = br.adapter_and_noise(cfg, base, rank, aqn)
   config = sampling.SamplingConfig(max_new_tokens=new_tokens, eos_token_ids=(cfg.vocab_size + 1,), pad_id=0, temperature=1.0)
   t, m = br.random_prompts(cfg, batch, 256)
   tokens, mask = jnp.asarray(t), jnp.asarray(m)
-  c = sampling._generate_jit.lower(cfg, config, 1.0, base, None, None, tokens, mask, jax.random.key(1), jnp.int32(batch)).compile()
-  run = lambda live: jax.block_until_ready(c(base, None, None, tokens, mask, jax.random.key(1), jnp.int32(live)))
+  c = sampling._generate_jit.lower(cfg, config, scale, base, lora, noise, tokens, mask, jax.random.key(1),
+                                   jnp.int32(batch)).compile()
+  run = lambda live: jax.block_until_ready(c(base, lora, noise, tokens, mask, jax.random.key(1), jnp.int32(live)))
   t0 = time.perf_counter()
   durs = devtime.trace_durations(lambda: run(batch))
   wall = time.perf_counter() - t0
   agg = {name: [sum(ts), len(ts)] for name, ts in durs.items()}
   tot = sum(v[0] for v in agg.values())
   steps = new_tokens - 1
-  print(f"\n== {fmt} batch {batch}: wall (warm-up + traced run) {wall*1e3:.0f} ms, device busy {tot/1e3:.0f} ms, "
+  print(f"\n== {fmt} batch {batch} lora {rank} aqn {aqn}: wall (warm-up + traced run) {wall*1e3:.0f} ms, device busy {tot/1e3:.0f} ms, "
         f"kernels {sum(v[1] for v in agg.values())}, per step busy {tot/steps/1e3:.2f} ms")
-  for name, (us, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:22]:
+  for name, (us, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:int(os.environ.get("PROFILE_TOP", 22))]:
     print(f"  {us/1e3:9.1f} ms {n:7d}x {us/n:8.1f} us  {name}")
 
 for spec in sys.argv[1:]:
-  fmt, b, nt = spec.split(":")
-  profile(fmt, int(b), int(nt), os.environ.get("OUT", "/tmp"))
+  fmt, b, nt, *rest = spec.split(":")
+  profile(fmt, int(b), int(nt), os.environ.get("OUT", "/tmp"), int(rest[0]) if rest else 0, rest[1:] == ["aqn"])

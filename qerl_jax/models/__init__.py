@@ -40,6 +40,8 @@ Parameter trees:
 * lora: ``{"layers": {"attn": {"q": {"a": [L, K, r], "b": [L, r, N]}, ...}, "mlp": {...},
   optional "input_norm"/"post_attn_norm": [L, D] replacing the base norms}}`` (only
   targeted modules). Output += ``scale * (x @ a) @ b``; ``lora_cfg`` gives ``scale``.
+  ``fuse_adapter(lora, cfg)`` regroups it as ``attn/qkv`` and ``mlp/gate_up`` adapters for a
+  fused base (``a`` side by side, ``b`` block diagonal; what the sampler runs).
 * norm_noise (AQN): ``{"input_norm": f32 [L, D], "post_attn_norm": f32 [L, D]}`` added to
   the RMSNorm weights in float32.
 
@@ -54,12 +56,12 @@ from qerl_jax.models.decoder import (LINEARS, dequantize_base, forward, init_cac
                                      lm_head_logits, logprobs_from_hidden, lora_scale_of,
                                      map_linears, positions_from_mask, quantize_base,
                                      summarize, token_logprobs)
-from qerl_jax.models.fuse import fuse_projections, is_fused, unfuse_projections
+from qerl_jax.models.fuse import fuse_adapter, fuse_projections, is_fused, unfuse_projections
 from qerl_jax.models.layers import linear, is_quantized
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "ModelConfig", "rope_inv_freq", "LINEARS", "dequantize_base",
     "forward", "init_cache", "init_params", "lm_head_logits", "logprobs_from_hidden",
     "lora_scale_of", "map_linears", "positions_from_mask", "quantize_base", "summarize", "token_logprobs",
-    "linear", "is_quantized", "fuse_projections", "is_fused", "unfuse_projections",
+    "linear", "is_quantized", "fuse_adapter", "fuse_projections", "is_fused", "unfuse_projections",
 ]

@@ -195,7 +195,7 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   if "qkv" in attn:  # fused projections (models.fuse_projections): one matmul, split back
     q, k, v = layers.fused_linear(x, attn["qkv"], (cfg.q_dim, cfg.kv_dim, cfg.kv_dim),
                                   bias=attn.get("qkv_bias"), loras=(la.get("q"), la.get("k"), la.get("v")),
-                                  lora_scale=lora_scale)
+                                  lora=la.get("qkv"), lora_scale=lora_scale)
   else:
     q, k, v = lin(attn, la, "q", x), lin(attn, la, "k", x), lin(attn, la, "v", x)
   q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -228,7 +228,8 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   x = layers.rms_norm(h, w_post, eps, nn.get("post_attn_norm"))
   if "gate_up" in mlp:
     g, u = layers.fused_linear(x, mlp["gate_up"], (cfg.intermediate_size,) * 2,
-                               loras=(lm.get("gate"), lm.get("up")), lora_scale=lora_scale)
+                               loras=(lm.get("gate"), lm.get("up")), lora=lm.get("gate_up"),
+                               lora_scale=lora_scale)
   else:
     g, u = lin(mlp, lm, "gate", x), lin(mlp, lm, "up", x)
   y = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(h.dtype)

@@ -14,6 +14,10 @@ checkpoint with ``hf.load_pretrained(..., share_fused_global_scale=True)`` and
 fuse after loading. :func:`unfuse_projections` splits a fused tree back into the seven
 separate matrices (exactly: the columns are only regrouped); the Hugging Face export and
 ``lora.save_merged_hf`` call it.
+
+:func:`fuse_adapter` gives a LoRA tree the same grouping for sampling: the parts' ``A``
+factors side by side and their ``B`` factors as one block-diagonal matrix, so a fused
+projection's adapter costs two small matmuls a step instead of two per part.
 """
 
 from __future__ import annotations
@@ -147,3 +151,65 @@ def _concat(ws: list, what: str):
       raise ValueError(f"fuse_projections: {what} parts have different dtypes {[str(w.dtype) for w in ws]}")
     return jnp.concatenate(ws, axis=-1)
   raise ValueError(f"fuse_projections: {what} parts mix formats {[type(w).__name__ for w in ws]}")
+
+
+def fuse_adapter(lora, cfg, dtype=None):
+  """A LoRA tree regrouped like a fused base: one adapter for q/k/v and one for gate/up.
+
+  For a fused group with parts ``i`` of widths ``n_i`` (:func:`part_sizes`) that carry
+  adapters ``A_i [L, K, r_i]``, ``B_i [L, r_i, n_i]``, the fused adapter is
+  ``A = [A_1 | A_2 | ...]`` ``[L, K, sum r_i]`` and ``B`` ``[L, sum r_i, sum n_i]``, block
+  diagonal: rows of ``B_i`` sit over part ``i``'s output columns and every other entry is
+  exactly 0. Then ``(x @ A) @ B`` restricted to part ``i``'s columns is ``(x @ A_i) @ B_i``
+  (LoRA, Hu et al. 2021), so :func:`qerl_jax.models.layers.fused_linear` applies it to the
+  whole fused output before splitting, and the model's results do not change (up to float32
+  summation order). Parts without an adapter get zero columns in ``B``. ``o``, ``down`` and the
+  trainable norms are kept as they are.
+
+  The sampler calls this once per rollout, outside its decode loop (with ``dtype`` the compute
+  dtype, so the per-step casts of the float32 factors disappear too); the trainer's forward
+  keeps the per-part tree, whose gradients it needs.
+
+  Args:
+    lora: an adapter tree (:mod:`qerl_jax.models` layout; ``{"layers": {...}}``), or None.
+    cfg: the ``ModelConfig`` (the part widths).
+    dtype: cast every ``a`` / ``b`` factor to this dtype (e.g. ``jnp.bfloat16``); None keeps
+      the dtypes (the parts of a group must then share one).
+
+  Returns:
+    A new tree with ``attn/qkv`` and ``mlp/gate_up`` adapters in place of the parts (groups
+    with no adapter on any part are left out), or None when ``lora`` is None.
+
+  Raises:
+    ValueError: the tree already has a fused adapter, or a part's ``b`` width differs from its
+      ``cfg`` width, or its ``a`` / ``b`` ranks or leading dims disagree (names the part).
+  """
+  if lora is None:
+    return None
+  lay = dict(lora.get("layers", {}))
+  cast = (lambda v: v) if dtype is None else (lambda v: v.astype(dtype))
+  for (group, fused_name), parts in part_sizes(cfg).items():
+    g = dict(lay.get(group, {}))
+    if fused_name in g:
+      raise ValueError(f"fuse_adapter: the adapter already has {group}/{fused_name}")
+    if not any(name in g for name, _ in parts):
+      continue
+    total = sum(size for _, size in parts)
+    a_parts, b_parts, col = [], [], 0
+    for name, size in parts:
+      ad = g.pop(name, None)
+      if ad is not None:
+        a, b = cast(ad["a"]), cast(ad["b"])
+        if b.shape[-1] != size or a.shape[-1] != b.shape[-2] or a.shape[:-2] != b.shape[:-2]:
+          raise ValueError(f"fuse_adapter: {group}/{name} has a {tuple(a.shape)}, b {tuple(b.shape)}; expected "
+                           f"a [..., K, r] and b [..., r, {size}] with the same leading dims")
+        a_parts.append(a)
+        b_parts.append(jnp.pad(b, [(0, 0)] * (b.ndim - 1) + [(col, total - col - size)]))
+      col += size
+    g[fused_name] = {"a": jnp.concatenate(a_parts, axis=-1), "b": jnp.concatenate(b_parts, axis=-2)}
+    lay[group] = g
+  if dtype is not None:
+    for group in ("attn", "mlp"):
+      if group in lay:
+        lay[group] = {name: {k: cast(v) for k, v in ad.items()} for name, ad in lay[group].items()}
+  return {**lora, "layers": lay}

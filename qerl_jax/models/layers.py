@@ -93,7 +93,8 @@ def linear(x: jax.Array, w, *, bias: Optional[jax.Array] = None,
 
 
 def fused_linear(x: jax.Array, w, sizes: tuple[int, ...], *, bias: Optional[jax.Array] = None,
-                 loras: tuple = (), lora_scale: float = 1.0) -> tuple[jax.Array, ...]:
+                 loras: tuple = (), lora: Optional[dict] = None,
+                 lora_scale: float = 1.0) -> tuple[jax.Array, ...]:
   """One matmul by column-concatenated weights ``[W_1 | W_2 | ...]``, split back into its parts.
 
   Part ``i`` equals ``linear(x, W_i, bias=b_i, lora=loras[i])``: the base product
@@ -107,19 +108,27 @@ def fused_linear(x: jax.Array, w, sizes: tuple[int, ...], *, bias: Optional[jax.
     sizes: output width of each part, in order.
     bias: optional fused bias ``[sum(sizes)]``.
     loras: one adapter dict or None per part (missing trailing entries = None).
+    lora: one adapter ``{"a": [K, R], "b": [R, sum(sizes)]}`` for the whole fused output
+      (:func:`qerl_jax.models.fuse.fuse_adapter`: the parts' adapters side by side, ``b``
+      block diagonal), added before the split; at most one of ``loras`` and ``lora``.
     lora_scale: as in :func:`linear`.
 
   Returns:
     One ``[..., sizes[i]]`` array per part, in ``x.dtype``.
 
   Raises:
-    ValueError: ``sizes`` do not add up to the weight's output width.
+    ValueError: ``sizes`` do not add up to the weight's output width; both ``loras`` and
+      ``lora`` given.
   """
   y = _matmul_f32(x, w)
   if y.shape[-1] != sum(sizes):
     raise ValueError(f"fused_linear: part sizes {sizes} add up to {sum(sizes)}, but W has {y.shape[-1]} columns")
+  if lora is not None and any(l is not None for l in loras):
+    raise ValueError("fused_linear: give per-part `loras` or one fused `lora`, not both")
   if bias is not None:
     y = y + bias.astype(jnp.float32)
+  if lora is not None:
+    y = y + _lora_f32(x, lora, lora_scale)
   outs, start = [], 0
   for i, size in enumerate(sizes):
     part = y[..., start:start + size]
