@@ -257,3 +257,18 @@ def test_export_and_merge_accept_the_trainers_fused_base(tmp_path):
   ab = lora["layers"]["attn"]["q"]
   want = q0 + lora_lib.scale(c) * np.asarray(ab["a"][0], np.float64) @ np.asarray(ab["b"][0], np.float64)
   np.testing.assert_allclose(a["model.layers.0.self_attn.q_proj.weight"].T, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_lora_product_split_along_k_matches_float64(rows):
+  """x @ A for few rows is summed from 16 partial products along K (a decode step); many rows use one dot.
+  Both give the float64 product, and the delta (x @ A) @ B * scale on top of it."""
+  rng = np.random.default_rng(rows)
+  k, r, n = 2048, 24, 40
+  x = rng.standard_normal((rows, 1, k)).astype(np.float32)
+  a, b = rng.standard_normal((k, r)) / np.sqrt(k), rng.standard_normal((r, n))
+  got = layers._x_at_a(jnp.asarray(x), jnp.asarray(a, jnp.float32))
+  assert got.shape == (rows, 1, r)
+  np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ a, rtol=1e-4, atol=1e-5)
+  delta = layers._lora_f32(jnp.asarray(x), {"a": jnp.asarray(a, jnp.float32), "b": jnp.asarray(b, jnp.float32)}, 0.5)
+  np.testing.assert_allclose(np.asarray(delta), 0.5 * (x.astype(np.float64) @ a) @ b, rtol=1e-4, atol=1e-4)
