@@ -68,9 +68,12 @@ class TileConfig:
     split_x: how the even/odd K columns of x (forward) or dx (dx kernel) are
       separated: ``"registers"`` loads/stores contiguous rows and splits/joins
       them in registers; ``"strided"`` reads/writes them with stride-2 accesses.
-    decode: NVFP4 code decoding: ``"bits"`` (float16 bit trick in jnp ops) or
-      ``"asm"`` (inline PTX: 4 codes per instruction group, bf16x2 FMAs; GPU
-      only, interpret mode falls back to ``"bits"``).
+    decode: NVFP4 code decoding: ``"bits"`` (float16 bit trick in jnp ops),
+      ``"asm"`` (inline PTX: 4 codes per instruction group, bf16x2 FMAs) or
+      ``"e4m3"`` (forward only: inline PTX through Hopper's E4M3 -> float16
+      conversion, float16 tensor-core operands; experimental, not in the tuned
+      table). The inline-PTX modes are GPU only; interpret mode falls back to
+      ``"bits"``.
     unroll: unroll the contraction loop at trace time (a Python loop), so the
       compiler can issue every step's loads before the first use.
     prefetch: forward kernel only: load step i+1's tiles (carried in registers)
@@ -151,6 +154,12 @@ def _uses_asm(fmt, decode: str, dtype) -> bool:
   return fmt.nvfp4 and decode == "asm" and jnp.dtype(dtype) == jnp.bfloat16
 
 
+def _uses_e4m3(fmt, decode: str, dtype) -> bool:
+  """The float16 E4M3-conversion decode applies: NVFP4, ``decode="e4m3"``, and ``x`` already
+  converted to float16 by :func:`_run` (scaled by ``_F16_X_SCALE``)."""
+  return fmt.nvfp4 and decode == "e4m3" and jnp.dtype(dtype) == jnp.float16
+
+
 def _asm_scales(s):
   """E4M3 block scales -> bf16 times 2**118 (exact), the scale operand of the asm decode."""
   return (s.astype(jnp.float32) * _ASM_SCALE_BIAS).astype(jnp.bfloat16)
@@ -158,6 +167,33 @@ def _asm_scales(s):
 
 _E2M1_ASM_LO = _e2m1_asm(6, 12)
 _E2M1_ASM_HI = _e2m1_asm(2, 8)
+
+
+# E2M1 -> float16 through Hopper's FP8 conversion (``decode="e4m3"``), 4 packed bytes per asm
+# instance: a code's magnitude bits at bits 4..2 of a byte and its sign at bit 7 make the E4M3
+# byte of e2m1(code) * 2**-6, exactly (code 1, 0.5, lands on an E4M3 subnormal);
+# ``cvt.rn.f16x2.e4m3x2`` turns two such bytes into two float16 values (sm_89 and newer), and
+# one f16x2 multiply by the block scale times 2**6 finishes them: e2m1 * scale, exact in float16
+# (at most 6 significant bits, between 2**-10 and 6 * 448). About 15 instructions per 8 values
+# against 28 for the bf16 bit placement above. x is fed to the tensor cores as float16 times
+# 2**-_F16_X_SHIFT (see _F16_X_SCALE).
+def _e4m3_asm(low_nibble: bool) -> str:
+  if low_nibble:  # magnitude bits 2..0 -> 4..2, sign bit 3 -> 7
+    body = ["shl.b32 a, $2, 2;", "and.b32 a, a, 0x1C1C1C1C;", "shl.b32 b, $2, 4;", "and.b32 b, b, 0x80808080;"]
+  else:           # magnitude bits 6..4 -> 4..2, sign bit 7 stays
+    body = ["shr.b32 a, $2, 2;", "and.b32 a, a, 0x1C1C1C1C;", "and.b32 b, $2, 0x80808080;"]
+  return "\n".join(["{", ".reg .b32 a, b, e;", ".reg .b16 e0, e1;", *body, "or.b32 e, a, b;",
+                    "mov.b32 {e0, e1}, e;", "cvt.rn.f16x2.e4m3x2 $0, e0;", "cvt.rn.f16x2.e4m3x2 $1, e1;",
+                    "mul.rn.f16x2 $0, $0, $3;", "mul.rn.f16x2 $1, $1, $4;", "}"])
+
+
+_E4M3_ASM_LO = _e4m3_asm(True)
+_E4M3_ASM_HI = _e4m3_asm(False)
+# With decode="e4m3" the tensor cores multiply float16 operands. x (bf16) is scaled by 2**-4
+# before its conversion, so values up to 65504 * 16 (about 1e6) stay finite; the accumulator is
+# multiplied back by 2**4. Values below 2**-10 in magnitude lose relative precision as float16
+# subnormals (their absolute error stays below 2**-28).
+_F16_X_SCALE = 2.0 ** -4
 
 
 def _decode_tile(p, s, fmt: _Format, dtype, *, decode: str = "bits", multiplier=None):
@@ -170,6 +206,14 @@ def _decode_tile(p, s, fmt: _Format, dtype, *, decode: str = "bits", multiplier=
   """
   rows, cols = p.shape
   rep = fmt.group // 2  # packed rows per block scale
+  if multiplier is None and _uses_e4m3(fmt, decode, dtype):
+    s = (s.astype(jnp.float32) * 64.0).astype(jnp.float16)  # 2**6 undoes the E4M3 bytes' 2**-6
+    s = jnp.broadcast_to(s[:, None, :], (s.shape[0], rep, cols)).reshape(rows, cols)
+    out = [plgpu.elementwise_inline_asm(
+        asm, args=[p, s], constraints="=r,=r,r,r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(p.shape, jnp.float16)])[0]
+           for asm in (_E4M3_ASM_LO, _E4M3_ASM_HI)]
+    return out[0], out[1]
   if multiplier is None and _uses_asm(fmt, decode, dtype):
     if s.dtype != jnp.bfloat16:  # else already converted by _asm_scales
       s = _asm_scales(s)
@@ -256,6 +300,8 @@ def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
                            n_mask=n_mask, bk=bk, k=k, fmt=fmt, split_x=cfg.split_x, prow=prow, srow=srow,
                            asm=asm)
 
+  e4m3 = _uses_e4m3(fmt, cfg.decode, x_ref.dtype)
+
   def multiply(acc, x_even, x_odd, p, s):
     """Decodes one step's codes and adds its two tensor-core products to the accumulator."""
     w_lo, w_hi = _decode_tile(p, s, fmt, x_even.dtype, decode=cfg.decode)
@@ -276,7 +322,7 @@ def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
     acc = _loop(steps, prefetch_body, (zeros, *load(kb=k_begin)), cfg.unroll)[0]
   else:
     acc = _loop(steps, body, zeros, cfg.unroll)
-  acc = acc * (igs_ref[0] * (_ASM_GAIN if asm else 1.0))
+  acc = acc * (igs_ref[0] * (_ASM_GAIN if asm else 1.0 / _F16_X_SCALE if e4m3 else 1.0))
   out_mask = m_mask[:, None] & n_mask[None, :]
   if cfg.splits == 1:
     plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=out_mask)
@@ -412,6 +458,8 @@ def _check(x, w, fmt: _Format, cfg: TileConfig, index=None):
       raise ValueError(f"TileConfig.{name} must be a power of 2 >= 16, got {v}")
   if cfg.block_k % fmt.group:
     raise ValueError(f"TileConfig.block_k={cfg.block_k} must be a multiple of the block size {fmt.group}")
+  if cfg.decode not in ("bits", "asm", "e4m3"):
+    raise ValueError(f"TileConfig.decode must be 'bits', 'asm' or 'e4m3', got {cfg.decode!r}")
   if x.ndim != 2:
     raise ValueError(f"expected a 2-D operand, got shape {x.shape}")
 
@@ -511,7 +559,11 @@ def _run(kind, a, w, out_dtype, config, interpret, poison_output, index=None):
     raise ValueError(f"{kind}: {name} has {dim}={a.shape[-1]} (shape {a.shape}) but the weight is [{k}, {n}]")
   cfg = config or default_config(m, k, n, kind=kind, group=fmt.group)
   _check(a, w, fmt, cfg, index)
+  if cfg.decode == "e4m3" and not fwd:
+    raise ValueError("TileConfig.decode='e4m3' is for the forward kernel only; use 'asm' or 'bits' for dx")
   out_dtype = jnp.dtype(out_dtype or a.dtype)
+  if cfg.decode == "e4m3" and not interpret and fmt.nvfp4 and a.dtype == jnp.bfloat16:
+    a = (a.astype(jnp.float32) * _F16_X_SCALE).astype(jnp.float16)  # float16 tensor-core operands
   if interpret:
     cfg = dataclasses.replace(cfg, decode="bits")
   contraction, step = (k, cfg.block_k) if fwd else (n, cfg.block_n)

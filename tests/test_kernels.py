@@ -8,6 +8,8 @@ an unwritten element fails. GPU tests (marked ``gpu``) run the compiled
 kernels at model shapes.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,6 +149,10 @@ def test_bad_inputs_raise():
     quantized_matmul(_act((2, 96), 0), jnp.ones((96, 40)))
   with pytest.raises(ValueError, match="block_k"):
     w4_triton.forward(_act((2, 96), 0), wq, config=w4_triton.TileConfig(16, 32, 48), interpret=True)
+  with pytest.raises(ValueError, match="decode must be"):
+    w4_triton.forward(_act((2, 96), 0), wq, config=w4_triton.TileConfig(decode="fp4"), interpret=True)
+  with pytest.raises(ValueError, match="forward kernel only"):
+    w4_triton.dx(_act((2, 40), 0), wq, config=w4_triton.TileConfig(decode="e4m3"), interpret=True)
 
 
 @pytest.mark.parametrize("m,k,n,kind", [(1, 3584, 18944, "fwd"), (8, 18944, 3584, "fwd"),
@@ -245,3 +251,16 @@ def test_gpu_stacked_index_matches_reference(m):
     y = f(x, jnp.int32(i))
     ref = reference_matmul(x, matmul.layer_of(wq, i))
     assert not bool(jnp.isnan(y).any()) and _rel(y, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 17, 64])
+@pytest.mark.parametrize("k,n", [(3584, 4608), (1040, 200)])
+def test_gpu_e4m3_decode_matches_reference(m, k, n):
+  """decode="e4m3" (float16 operands via Hopper's E4M3 conversion) on a NaN-poisoned output,
+  with activations large enough that the 2**-4 pre-scale matters."""
+  wq = nvfp4.quantize(jax.random.normal(jax.random.PRNGKey(m + n), (k, n), jnp.float32) * 0.02)
+  x = (30 * jax.random.normal(jax.random.PRNGKey(3), (m, k), jnp.float32)).astype(jnp.bfloat16)
+  cfg = dataclasses.replace(w4_triton.default_config(m, k, n), decode="e4m3")
+  y = w4_triton.forward(x, wq, config=cfg, poison_output=True, out_dtype=jnp.float32)
+  assert not bool(jnp.isnan(y).any()) and _rel(y, reference_matmul(x, wq, out_dtype=jnp.float32)) < 1e-2

@@ -4,7 +4,9 @@ Lowers ``w4_triton.forward`` (or ``dx``) for a tile config on the CPU to Triton 
 (Pallas' Triton lowering with ``lowering_platforms=("cuda",)``), compiles that IR for
 sm_90 with the pip ``triton`` package (3.6; not a project dependency: ``pip install
 triton==3.6.0``), disassembles the cubin and counts the instructions of the longest
-loop, per warp and K step, and per decoded weight value. XLA's bundled Triton on the
+loop, per warp and K step, and per decoded weight value. The captured TTIR is first
+canonicalized and combined (``prepare_ttir``) as the GPU's pipeline does; session-5 counts
+include that, earlier ones (6.5/value at M = 8) counted an extra float add per accumulator and dot. XLA's bundled Triton on the
 GPU image is a different build, so counts are a guide, not the GPU's truth; session 3
 used them to find that the M <= 32 kernel issues about 6-7 instructions per weight
 value (ALU-bound, docs/benchmarks.md).
@@ -47,6 +49,20 @@ def loop_hist(sass):
   ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
   return len(body), ops, len(ins)
 
+def prepare_ttir(text):
+  """Canonicalize + combine the Pallas TTIR as the GPU's pipeline does before TTGIR (a .ttir input to
+  triton.compile skips them; without them each ``acc += dot`` keeps a float add per accumulator)."""
+  from triton._C.libtriton import ir, passes
+  from triton.compiler.compiler import make_backend
+  ctx = ir.context(); ir.load_dialects(ctx); make_backend(GPUTarget("cuda", 90, 32)).load_dialects(ctx)
+  tmp = os.path.join(OUT, "_raw.ttir"); open(tmp, "w").write(text)
+  mod = ir.parse_mlir_module(tmp, ctx); mod.context = ctx
+  pm = ir.pass_manager(ctx)
+  passes.common.add_inliner(pm); passes.common.add_canonicalizer(pm); passes.ttir.add_combine(pm)
+  passes.common.add_canonicalizer(pm)
+  pm.run(mod, "make_ttir")
+  return str(mod)
+
 def run(tag, m=8, k=3584, n=18944, kind="fwd", **over):
   cfg = w4_triton.default_config(m, k, n, kind=kind)
   cfg = dataclasses.replace(cfg, **over)
@@ -55,7 +71,7 @@ def run(tag, m=8, k=3584, n=18944, kind="fwd", **over):
   fn = w4_triton.forward if kind == "fwd" else w4_triton.dx
   captured.clear()
   jax.jit(lambda x, w: fn(x, w, config=cfg)).trace(x, w).lower(lowering_platforms=("cuda",))
-  path = f"{OUT}/{tag}.ttir"; open(path, "w").write(captured[-1])
+  path = f"{OUT}/{tag}.ttir"; open(path, "w").write(prepare_ttir(captured[-1]))
   kk = triton.compile(path, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
   open(f"{OUT}/{tag}.ttgir", "w").write(kk.asm["ttgir"]); open(f"{OUT}/{tag}.cubin", "wb").write(kk.asm["cubin"])
   sass = subprocess.check_output([NV + "/cuobjdump", "-sass", f"{OUT}/{tag}.cubin"]).decode()
