@@ -20,22 +20,32 @@ BACKENDS = ("auto", "reference", "pallas", "interpret")
 FUSED_MAX_M = {"fwd": 64, "dx": 32}
 
 
-def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False, index=None) -> jax.Array:
+def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False, index=None,
+                   lora=None) -> jax.Array:
   """The kernel path's ``x @ W`` for 2-D bf16 ``x`` ``[M, K]`` -> ``[M, N]`` (no VJP).
 
   Fused dequantize-in-registers kernel for ``M <= FUSED_MAX_M["fwd"]``, else
   a one-pass Pallas dequantize to bf16 followed by ``jnp.dot`` (float32
   accumulation). With ``index`` (int32 scalar), ``w`` is a stack ``[L, K, N]``
-  and layer ``index`` is read in place.
+  and layer ``index`` is read in place. ``lora = (xa [M, R], b [R, N], scale)``
+  adds ``scale * xa @ b``: in the fused kernel's epilogue, else by XLA.
 
   Raises:
     TypeError: unsupported weight type. ValueError: K mismatch, stacked ``w``.
   """
   out_dtype = jnp.dtype(out_dtype or x2d.dtype)
   if x2d.shape[0] <= FUSED_MAX_M["fwd"]:
-    return w4_triton.forward(x2d, w, out_dtype=out_dtype, interpret=interpret, index=index)
+    return w4_triton.forward(x2d, w, out_dtype=out_dtype, interpret=interpret, index=index, lora=lora)
   w_dense = w4_triton.dequantize(w, x2d.dtype, interpret=interpret, index=index)
-  return jnp.dot(x2d, w_dense, preferred_element_type=jnp.float32).astype(out_dtype)
+  y = jnp.dot(x2d, w_dense, preferred_element_type=jnp.float32)
+  if lora is not None:
+    y = y + _lora_delta(*lora)
+  return y.astype(out_dtype)
+
+
+def _lora_delta(xa, b, scale):
+  """``scale * xa @ b`` in float32 (bf16 operands, as the kernel's epilogue)."""
+  return scale * jnp.dot(xa.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
 
 
 def kernel_dx(dy2d: jax.Array, w, *, out_dtype=jnp.bfloat16, interpret: bool = False, index=None) -> jax.Array:
@@ -111,6 +121,27 @@ def _kernel_matmul_bwd(out_dtype, interpret, res, dy):
 _kernel_matmul.defvjp(_kernel_matmul_fwd, _kernel_matmul_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _kernel_matmul_lora(x2d, w, index, xa, b, scale, out_dtype, interpret):
+  return kernel_forward(x2d, w, out_dtype=out_dtype, interpret=interpret, index=index, lora=(xa, b, scale))
+
+
+def _kernel_matmul_lora_fwd(x2d, w, index, xa, b, scale, out_dtype, interpret):
+  return _kernel_matmul_lora(x2d, w, index, xa, b, scale, out_dtype, interpret), (w, index, xa, b)
+
+
+def _kernel_matmul_lora_bwd(scale, out_dtype, interpret, res, dy):
+  w, index, xa, b = res
+  dx, dw, dindex = _kernel_matmul_bwd(out_dtype, interpret, (w, index), dy)
+  dy32 = dy.astype(jnp.float32)
+  dxa = (scale * jnp.dot(dy32, b.astype(jnp.float32).T)).astype(xa.dtype)
+  db = (scale * jnp.dot(xa.astype(jnp.float32).T, dy32)).astype(b.dtype)
+  return dx, dw, dindex, dxa, db
+
+
+_kernel_matmul_lora.defvjp(_kernel_matmul_lora_fwd, _kernel_matmul_lora_bwd)
+
+
 def _on_gpu() -> bool:
   return jax.default_backend() in ("gpu", "cuda")
 
@@ -134,8 +165,9 @@ def layer_of(w, index):
   return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False), w)
 
 
-def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", index=None) -> jax.Array:
-  """``x @ W`` for a 4-bit ``W``; the one entry point the model calls.
+def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", index=None,
+                     lora=None) -> jax.Array:
+  """``x @ W`` (``+ scale * xa @ b``) for a 4-bit ``W``; the one entry point the model calls.
 
   Differentiable in ``x`` (``jax.custom_vjp`` on the kernel path: the backward
   ``dx = dy @ W^T`` is a fused kernel too); ``W`` is frozen and gets a zero
@@ -157,13 +189,20 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
       ``scan`` over stacked weights copies no weight per step (an XLA dynamic
       slice feeding a custom call is a device copy); the reference slices.
       Clamped to ``[0, L)`` like ``lax.dynamic_index_in_dim``.
+    lora: optional ``(xa, b, scale)``: a LoRA delta ``scale * xa @ b`` (Hu et
+      al. 2021) added to the product, with ``xa = x @ A`` ``[..., R]`` (x's
+      leading dims), ``b`` ``[R, N]`` and a static float ``scale``; both
+      factors are multiplied in bf16 with float32 accumulation. The fused
+      kernel adds it in its epilogue (no separate GEMM); differentiable in
+      ``xa`` and ``b``.
 
   Returns:
     ``[..., N]`` in ``out_dtype``.
 
   Raises:
-    ValueError: unknown backend, K mismatch, or a forced kernel backend with
-      an input it does not take (non-bf16 ``x``, stacked ``w``).
+    ValueError: unknown backend, K mismatch, ``lora`` shapes that do not match,
+      or a forced kernel backend with an input it does not take (non-bf16
+      ``x``, stacked ``w``).
     TypeError: unsupported weight type.
   """
   if backend not in BACKENDS:
@@ -176,10 +215,18 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
   if index is not None and w.packed.ndim != 3:
     raise ValueError(f"quantized_matmul: index given but the weight is not a stack [L, K, N] "
                      f"(packed shape {w.packed.shape})")
+  if lora is not None:
+    xa, b, scale = lora
+    if xa.shape[:-1] != x.shape[:-1] or b.ndim != 2 or b.shape != (xa.shape[-1], n):
+      raise ValueError(f"quantized_matmul: lora needs xa [..., R] with x's leading dims {x.shape[:-1]} and "
+                       f"b [R, {n}]; got xa {xa.shape}, b {b.shape}")
   if backend == "auto":
     backend = "pallas" if (_on_gpu() and _kernel_applies(x, w, index)) else "reference"
   if backend == "reference":
-    return reference_matmul(x, w if index is None else layer_of(w, index), out_dtype=out_dtype)
+    y = reference_matmul(x, w if index is None else layer_of(w, index), out_dtype=jnp.float32)
+    if lora is not None:
+      y = y + _lora_delta(*lora)
+    return y.astype(out_dtype or x.dtype)
   if not _kernel_applies(x, w, index):
     raise ValueError(f"backend {backend!r} needs bf16 x and a [K, N] weight without leading dims "
                      f"(or a stack [L, K, N] with index); got x {x.dtype}{list(x.shape)}, packed {list(w.packed.shape)}")
@@ -187,5 +234,10 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
   lead = x.shape[:-1]
   if index is not None:
     index = jnp.asarray(index, jnp.int32)
-  y = _kernel_matmul(x.reshape(-1, k), w, index, out_dtype, backend == "interpret")
+  interpret = backend == "interpret"
+  if lora is None:
+    y = _kernel_matmul(x.reshape(-1, k), w, index, out_dtype, interpret)
+  else:
+    y = _kernel_matmul_lora(x.reshape(-1, k), w, index, xa.reshape(-1, xa.shape[-1]), b, float(scale), out_dtype,
+                            interpret)
   return y.reshape(*lead, n)

@@ -285,8 +285,10 @@ def _loop(steps, body, init, unroll):
 
 
 def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: TileConfig,
-                fmt: _Format, steps: int):
-  o_ref = refs[-1]  # refs[0] is the poisoned buffer aliased to the output, when given
+                fmt: _Format, steps: int, lora_rank: int = 0, lora_scale: float = 1.0):
+  # refs: (xa, b) when lora_rank > 0, then the poisoned buffer aliased to the output when given,
+  # then the output.
+  o_ref = refs[-1]
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   pid_n, pid_s, pid_m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   m0 = pid_m * bm
@@ -323,6 +325,16 @@ def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
   else:
     acc = _loop(steps, body, zeros, cfg.unroll)
   acc = acc * (igs_ref[0] * (_ASM_GAIN if asm else 1.0 / _F16_X_SCALE if e4m3 else 1.0))
+  if lora_rank:  # LoRA epilogue: + scale * xa[m-tile] @ B[:, n-tile], added by split 0 only
+    xa_ref, b_ref = refs[0], refs[1]
+    rp = max(16, pl.next_power_of_2(lora_rank))
+    r_mask = jnp.arange(rp) < lora_rank
+    first = pid_s == 0  # the other splits' loads are masked off (no traffic; their dot adds zeros)
+    xa = plgpu.load(xa_ref.at[pl.ds(m0, bm), pl.ds(0, rp)], mask=m_mask[:, None] & r_mask[None, :] & first,
+                    other=0.0)
+    bt = plgpu.load(b_ref.at[pl.ds(0, rp), pl.ds(n0, bn)], mask=r_mask[:, None] & n_mask[None, :] & first,
+                    other=0.0)
+    acc += lora_scale * jnp.dot(xa, bt, preferred_element_type=jnp.float32)
   out_mask = m_mask[:, None] & n_mask[None, :]
   if cfg.splits == 1:
     plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=out_mask)
@@ -483,8 +495,8 @@ def _call(kernel, grid, out_shape, cfg, interpret, name, poison, *args):
 
 
 def forward(x: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None,
-            interpret: bool = False, poison_output: bool = False, index=None) -> jax.Array:
-  """``x @ W`` by the fused kernel.
+            interpret: bool = False, poison_output: bool = False, index=None, lora=None) -> jax.Array:
+  """``x @ W`` (``+ scale * xa @ B`` with ``lora``) by the fused kernel.
 
   Args:
     x: bf16 (or float16) ``[M, K]``.
@@ -498,6 +510,10 @@ def forward(x: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None
     index: optional int32 scalar: multiply by layer ``index`` of a stacked
       ``w`` read in place (no slice of the stack is copied; used inside the
       decoder's layer scan). Out-of-range values are clamped to [0, L).
+    lora: optional ``(xa, b, scale)``: the LoRA down-projection ``xa = x @ A``
+      ``[M, R]``, the up-projection ``b`` ``[R, N]`` (both in x's dtype) and a
+      static float ``scale``; the kernel's epilogue adds ``scale * xa @ b`` to
+      each output tile (LoRA, Hu et al. 2021), after the weight scales.
 
   Returns:
     ``[M, N]`` in ``out_dtype``.
@@ -505,7 +521,7 @@ def forward(x: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None
   Raises:
     TypeError: unsupported weight type. ValueError: shape mismatch or bad config.
   """
-  return _run("fwd", x, w, out_dtype, config, interpret, poison_output, index)
+  return _run("fwd", x, w, out_dtype, config, interpret, poison_output, index, lora)
 
 
 def dx(dy: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None,
@@ -548,7 +564,7 @@ def _layer_operands(w, fmt: _Format, index):
           li.reshape(1))
 
 
-def _run(kind, a, w, out_dtype, config, interpret, poison_output, index=None):
+def _run(kind, a, w, out_dtype, config, interpret, poison_output, index=None, lora=None):
   """Shared launch of the fused kernels; ``a`` is x ``[M, K]`` (fwd) or dy ``[M, N]`` (dx)."""
   fwd = kind == "fwd"
   fmt = _format_of(w)
@@ -584,10 +600,18 @@ def _run(kind, a, w, out_dtype, config, interpret, poison_output, index=None):
     out_shape = jax.ShapeDtypeStruct((m, *tail), out_dtype)
   else:
     out_shape = jax.ShapeDtypeStruct((splits, m, *tail), jnp.float32)
+  extra, lora_kw = (), {}
+  if lora is not None:
+    xa, b, scale = lora
+    if not fwd or xa.ndim != 2 or b.ndim != 2 or xa.shape[0] != m or b.shape != (xa.shape[1], n):
+      raise ValueError(f"{kind}: lora must be (xa [M={m}, R], b [R, N={n}], scale) for the forward kernel; got "
+                       f"xa {getattr(xa, 'shape', None)}, b {getattr(b, 'shape', None)}")
+    extra = (xa.astype(jnp.bfloat16), b.astype(jnp.bfloat16))  # bf16 x bf16 -> float32 in the epilogue
+    lora_kw = dict(lora_rank=int(xa.shape[1]), lora_scale=float(scale))
   kernel = functools.partial(_fwd_kernel if fwd else _dx_kernel, m=m, k=k, n=n, cfg=cfg, fmt=fmt,
-                             steps=steps)
+                             steps=steps, **lora_kw)
   out = _call(kernel, grid, out_shape, cfg, interpret, f"w4a16_{kind}", poison_output,
-              operand, *_layer_operands(w, fmt, index))
+              operand, *_layer_operands(w, fmt, index), *extra)
   if splits > 1:
     out = out.sum(axis=0).astype(out_dtype)
   return out.reshape(m, n if fwd else k)

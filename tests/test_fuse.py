@@ -272,3 +272,36 @@ def test_lora_product_split_along_k_matches_float64(rows):
   np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ a, rtol=1e-4, atol=1e-5)
   delta = layers._lora_f32(jnp.asarray(x), {"a": jnp.asarray(a, jnp.float32), "b": jnp.asarray(b, jnp.float32)}, 0.5)
   np.testing.assert_allclose(np.asarray(delta), 0.5 * (x.astype(np.float64) @ a) @ b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_lora_epilogue_routing_gives_the_same_model_output(monkeypatch, fused):
+  """With layers.LORA_EPILOGUE on, a bf16 NVFP4 model hands (x @ A, B, scale) to quantized_matmul for
+  few rows (on CPU its reference path adds them); logits equal the default routing's."""
+  import dataclasses
+  cfg = dataclasses.replace(CFG, dtype="bfloat16")
+  base = _base()
+  if fused:
+    base = models.fuse_projections(base)
+  base = models.quantize_base(jax.tree.map(lambda a: a.astype(jnp.bfloat16), base), "nvfp4")
+  lora, noise = _lora_and_noise()
+  if fused:
+    lora = models.fuse_adapter(lora, cfg)
+  tokens, mask = (jnp.asarray(a) for a in left_padded_batch(CFG.vocab_size, seed=2))
+  pos = models.positions_from_mask(mask)
+  run = lambda: models.forward(cfg, base, tokens, pos, attn_mask=mask, lora=lora, lora_cfg=0.5, norm_noise=noise)[0]
+  calls = []
+  real_qm = layers.pallas_kernels.quantized_matmul
+  monkeypatch.setattr(layers.pallas_kernels, "quantized_matmul",
+                      lambda *a, **kw: calls.append(kw.get("lora") is not None) or real_qm(*a, **kw))
+  off = run()
+  assert calls and not any(calls)
+  calls.clear()
+  monkeypatch.setattr(layers, "LORA_EPILOGUE", True)
+  on = run()
+  assert all(calls) and len(calls) == (4 if fused else 7)  # every adapted linear took the epilogue route
+  no_adapter = models.forward(cfg, base, tokens, pos, attn_mask=mask, norm_noise=noise)[0]
+  real = np.asarray(mask).astype(bool)
+  a, b, c = (np.asarray(v, np.float32)[real] for v in (on, off, no_adapter))
+  tol = 5e-3 * np.abs(b).max()  # bf16 rounding of a different summation order
+  assert np.abs(a - b).max() <= tol and np.abs(b - c).max() > 10 * tol  # the adapter's delta is in both

@@ -119,6 +119,40 @@ def test_quantized_matmul_and_grad_match_reference(m):
   assert _rel(g, np.asarray(ct, np.float64) @ _dense64(wq).T) < 1e-2
 
 
+@pytest.mark.parametrize("m", [3, 17, 70])
+def test_lora_epilogue_matches_float64_and_its_gradients(m):
+  """quantized_matmul(lora=(xa, b, scale)) = x @ W + scale * xa @ b: in the fused kernel's epilogue
+  (M <= 64, incl. split-K and two row tiles) and after dequantize + dot (M = 70); gradients for x,
+  xa and b equal the reference backend's and the float64 ones."""
+  k, n, r, scale = 160, 72, 24, 0.5
+  wq = _weight("nvfp4", k, n, m)
+  x = _act((1, m, k), 2 * m)  # a leading dim: xa carries it too
+  xa, b = _act((1, m, r), 5), _act((r, n), 6)
+  want = (np.asarray(x, np.float64) @ _dense64(wq) + scale * np.asarray(xa, np.float64) @ np.asarray(b, np.float64))
+  for backend in ("interpret", "reference"):
+    y = quantized_matmul(x, wq, backend=backend, out_dtype=jnp.float32, lora=(xa, b, scale))
+    assert y.shape == (1, m, n) and _rel(y, want) < 1e-2, backend
+  if m <= matmul.FUSED_MAX_M["fwd"]:  # the epilogue writes every element (NaN-poisoned output)
+    cfg = w4_triton.TileConfig(16, 32, 32, 3)
+    y = w4_triton.forward(x[0], wq, out_dtype=jnp.float32, config=cfg, interpret=True, poison_output=True,
+                          lora=(xa[0], b, scale))
+    assert not bool(jnp.isnan(y).any()) and _rel(y, want[0]) < 1e-2
+  ct = jnp.asarray(np.random.default_rng(m).standard_normal((1, m, n)), jnp.float32)
+
+  def loss(x, xa, b, backend):
+    return jnp.sum(quantized_matmul(x, wq, backend=backend, out_dtype=jnp.float32, lora=(xa, b, scale)) * ct)
+
+  got = jax.grad(loss, argnums=(0, 1, 2))(x, xa, b, "interpret")
+  ref = jax.grad(loss, argnums=(0, 1, 2))(x, xa, b, "reference")
+  ct64 = np.asarray(ct, np.float64)[0]
+  want_g = (ct64 @ _dense64(wq).T, scale * ct64 @ np.asarray(b, np.float64).T,
+            scale * np.asarray(xa, np.float64)[0].T @ ct64)
+  for g, gr, w64 in zip(got, ref, want_g):
+    assert _rel(g, gr) < 1e-2 and _rel(np.asarray(g, np.float64).reshape(w64.shape), w64) < 1e-2
+  with pytest.raises(ValueError, match="lora needs xa"):
+    quantized_matmul(x, wq, backend="interpret", lora=(xa, b[:, :10], scale))
+
+
 def test_leading_dims_and_out_dtype():
   wq = _weight("nvfp4", 96, 40, 5)
   x = _act((2, 3, 96), 6)

@@ -1,8 +1,10 @@
 """Lab: training-rollout throughput (7B shape, LoRA rank 32 on all linears, AQN) under variants of the
 LoRA delta's formulation in qerl_jax.models.layers (monkeypatched before tracing).
 
-Variants: "split16" (as committed), "split8", "split32", "noSplit" (one dot for x @ A), and
-"bReduce" (split16, and (x @ A) @ B as a broadcast-multiply-reduce that XLA can fuse with the add).
+Variants: "split16" (as committed), "split8", "split32", "noSplit" (one dot for x @ A),
+"bReduce" (split16, and (x @ A) @ B as a broadcast-multiply-reduce that XLA can fuse with the add),
+and "epilogue" (split16, and the B product added in the fused W4A16 kernel's epilogue:
+layers.LORA_EPILOGUE). ``LORA_VARIANTS=split16,epilogue`` picks some.
 
   XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_dynamic_slice_fusion=true" \
   PYTHONPATH=$PWD python3 experiments/lab/lora_variants.py nvfp4_fused:8 nvfp4_fused:64
@@ -32,7 +34,7 @@ def b_reduce(x, lora, lora_scale):
 
 
 VARIANTS = {"split16": (16, ORIGINAL), "split8": (8, ORIGINAL), "split32": (32, ORIGINAL),
-            "noSplit": (10 ** 9, ORIGINAL), "bReduce": (16, b_reduce)}
+            "noSplit": (10 ** 9, ORIGINAL), "bReduce": (16, b_reduce), "epilogue": (16, ORIGINAL)}
 
 cfg = models.ModelConfig.from_hf(br.QWEN25_7B)
 bw = br.hbm_bandwidth()
@@ -47,6 +49,7 @@ for spec in sys.argv[1:]:
   for v in names:
     split, fn = VARIANTS[v]
     layers._LORA_SPLIT_K, layers._lora_f32 = split, fn
+    layers.LORA_EPILOGUE = v == "epilogue"  # (x @ A) @ B added in the fused W4A16 kernel's epilogue
     jax.clear_caches()  # else .lower() reuses the first variant's trace
     r = br.bench_one(cfg, base, int(batch), 256, 1024, bw, lora=lora, lora_scale=scale, noise=noise)
     row.append(f"{r['tokens_per_s']:.0f}")

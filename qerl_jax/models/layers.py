@@ -39,12 +39,26 @@ def is_quantized(w) -> bool:
   return isinstance(w, (nvfp4.NVFP4Tensor, nf4.NF4Tensor))
 
 
-def _matmul_f32(x: jax.Array, w) -> jax.Array:
-  """``x @ W`` in float32 for a float, 4-bit or :class:`StackedWeight` ``W`` (see :func:`linear`)."""
+# Opt-in (not yet measured on the GPU): for a few bf16 rows on a 4-bit weight, add the LoRA
+# up-projection ``(x @ A) @ B`` in the fused W4A16 kernel's epilogue instead of a separate GEMM
+# (pallas_kernels.quantized_matmul(lora=...)). Results are the same (bf16 factors, float32
+# accumulation). experiments/lab/lora_variants.py times it ("epilogue").
+LORA_EPILOGUE = False
+
+
+def _epilogue_applies(x: jax.Array, w) -> bool:
+  rows = math.prod(x.shape[:-1])
+  return (LORA_EPILOGUE and x.dtype == jnp.bfloat16 and (isinstance(w, StackedWeight) or is_quantized(w))
+          and rows <= pallas_kernels.matmul.FUSED_MAX_M["fwd"])
+
+
+def _matmul_f32(x: jax.Array, w, lora=None) -> jax.Array:
+  """``x @ W`` in float32 for a float, 4-bit or :class:`StackedWeight` ``W`` (see :func:`linear`);
+  ``lora = (xa, b, scale)`` only when :func:`_epilogue_applies` (added by the 4-bit path)."""
   if isinstance(w, StackedWeight):
-    return pallas_kernels.quantized_matmul(x, w.tensor, out_dtype=jnp.float32, index=w.index)
+    return pallas_kernels.quantized_matmul(x, w.tensor, out_dtype=jnp.float32, index=w.index, lora=lora)
   if is_quantized(w):
-    return pallas_kernels.quantized_matmul(x, w, out_dtype=jnp.float32)
+    return pallas_kernels.quantized_matmul(x, w, out_dtype=jnp.float32, lora=lora)
   if hasattr(w, "dtype") and jnp.issubdtype(w.dtype, jnp.floating):
     if w.shape[-2] != x.shape[-1]:
       raise ValueError(f"linear: x has K={x.shape[-1]} (shape {x.shape}) but W has shape {w.shape}")
@@ -105,12 +119,22 @@ def linear(x: jax.Array, w, *, bias: Optional[jax.Array] = None,
     TypeError: ``w`` is neither a float array nor a 4-bit tensor.
     ValueError: K mismatch between ``x`` and ``w``.
   """
-  y = _matmul_f32(x, w)
+  if lora is not None and _epilogue_applies(x, w):
+    y = _matmul_f32(x, w, _epilogue_lora(x, lora, lora_scale))
+    lora = None
+  else:
+    y = _matmul_f32(x, w)
   if bias is not None:
     y = y + bias.astype(jnp.float32)
   if lora is not None:
     y = y + _lora_f32(x, lora, lora_scale)
   return y.astype(x.dtype)
+
+
+def _epilogue_lora(x: jax.Array, lora: dict, lora_scale: float) -> tuple:
+  """``(x @ A in x's dtype, B in x's dtype, scale)``: the operands of the kernel's LoRA epilogue."""
+  dt = x.dtype
+  return _x_at_a(x, lora["a"].astype(dt)).astype(dt), lora["b"].astype(dt), lora_scale
 
 
 def fused_linear(x: jax.Array, w, sizes: tuple[int, ...], *, bias: Optional[jax.Array] = None,
@@ -141,11 +165,15 @@ def fused_linear(x: jax.Array, w, sizes: tuple[int, ...], *, bias: Optional[jax.
     ValueError: ``sizes`` do not add up to the weight's output width; both ``loras`` and
       ``lora`` given.
   """
-  y = _matmul_f32(x, w)
-  if y.shape[-1] != sum(sizes):
-    raise ValueError(f"fused_linear: part sizes {sizes} add up to {sum(sizes)}, but W has {y.shape[-1]} columns")
   if lora is not None and any(l is not None for l in loras):
     raise ValueError("fused_linear: give per-part `loras` or one fused `lora`, not both")
+  if lora is not None and _epilogue_applies(x, w) and lora["b"].shape[-1] == sum(sizes):
+    y = _matmul_f32(x, w, _epilogue_lora(x, lora, lora_scale))
+    lora = None
+  else:
+    y = _matmul_f32(x, w)
+  if y.shape[-1] != sum(sizes):
+    raise ValueError(f"fused_linear: part sizes {sizes} add up to {sum(sizes)}, but W has {y.shape[-1]} columns")
   if bias is not None:
     y = y + bias.astype(jnp.float32)
   if lora is not None:
