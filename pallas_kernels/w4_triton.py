@@ -206,23 +206,22 @@ def _decode_tile(p, s, fmt: _Format, dtype, *, decode: str = "bits", multiplier=
   """
   rows, cols = p.shape
   rep = fmt.group // 2  # packed rows per block scale
+
+  def asm_pair(scales, asms, out_dtype):
+    """Both nibbles by inline PTX: 4 packed bytes and 4 of the (row-broadcast) scales per instance."""
+    scales = jnp.broadcast_to(scales[:, None, :], (scales.shape[0], rep, cols)).reshape(rows, cols)
+    return tuple(plgpu.elementwise_inline_asm(
+        asm, args=[p, scales], constraints="=r,=r,r,r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(p.shape, out_dtype)])[0] for asm in asms)
+
   if multiplier is None and _uses_e4m3(fmt, decode, dtype):
-    s = (s.astype(jnp.float32) * 64.0).astype(jnp.float16)  # 2**6 undoes the E4M3 bytes' 2**-6
-    s = jnp.broadcast_to(s[:, None, :], (s.shape[0], rep, cols)).reshape(rows, cols)
-    out = [plgpu.elementwise_inline_asm(
-        asm, args=[p, s], constraints="=r,=r,r,r,r", pack=4,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(p.shape, jnp.float16)])[0]
-           for asm in (_E4M3_ASM_LO, _E4M3_ASM_HI)]
-    return out[0], out[1]
+    # 2**6 undoes the E4M3 bytes' 2**-6
+    return asm_pair((s.astype(jnp.float32) * 64.0).astype(jnp.float16), (_E4M3_ASM_LO, _E4M3_ASM_HI),
+                    jnp.float16)
   if multiplier is None and _uses_asm(fmt, decode, dtype):
-    if s.dtype != jnp.bfloat16:  # else already converted by _asm_scales
-      s = _asm_scales(s)
-    s = jnp.broadcast_to(s[:, None, :], (s.shape[0], rep, cols)).reshape(rows, cols)
-    out = [plgpu.elementwise_inline_asm(
-        asm, args=[p, s], constraints="=r,=r,r,r,r", pack=4,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(p.shape, jnp.bfloat16)])[0]
-           for asm in (_E2M1_ASM_LO, _E2M1_ASM_HI)]
-    return out[0], out[1]
+    # else already converted by _asm_scales (a prefetched step)
+    scales = s if s.dtype == jnp.bfloat16 else _asm_scales(s)
+    return asm_pair(scales, (_E2M1_ASM_LO, _E2M1_ASM_HI), jnp.bfloat16)
   s = s.astype(jnp.float32)
   if multiplier is not None:
     s = s * multiplier
