@@ -55,12 +55,15 @@ def reference(q_BxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length):
   return out.reshape(b, h, d).astype(q_BxHxD.dtype)
 
 
-def _kernel(q_ref, k_ref, v_ref, mask_ref, meta_ref, o_ref, m_ref, l_ref, *, batch, slots, head_dim,
-            block_s, chunk):
+def _kernel(q_ref, k_ref, v_ref, mask_ref, meta_ref, o_ref, m_ref, l_ref, *, batch, heads_kv, group,
+            group_pad, slots, head_dim, block_s, chunk):
   b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   layer, length = meta_ref[0], meta_ref[1]
-  q = q_ref[b, kvh]  # [G, D]
-  g = q.shape[0]
+  # q folded to [B*Hkv*G, D]: this (row, KV head)'s G query heads, read as group_pad rows (tensor-core
+  # dots need >= 16) with the rows past G masked to zero, so no padded copy of q is made.
+  q = plgpu.load(q_ref.at[pl.ds((b * heads_kv + kvh) * group, group_pad), :],
+                 mask=(jnp.arange(group_pad) < group)[:, None], other=0.0)  # [G_pad, D]
+  g = group_pad
   # First row of (layer, b) in the cache folded to [L*B*S, Hkv*hd]: an int32 row index (below
   # 2**31 for any cache that fits a GPU); Pallas widens offsets to 64 bits for arrays over 4 GiB.
   row0 = (layer * batch + b) * slots
@@ -162,14 +165,12 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
 
   g = h // kh
   g_pad = max(16, 1 << (g - 1).bit_length())  # tensor-core dots need >= 16 rows
-  q = q_BxHxD.reshape(b, kh, g, d)
-  if g_pad != g:
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, g_pad - g), (0, 0)))
   block_s = min(block_s, max(16, 1 << (s - 1).bit_length()))
   nsplit = splits or _choose_splits(b, kh, s, block_s, target_programs)
   chunk = -(-(-(-s // nsplit)) // block_s) * block_s  # slots per split, a multiple of block_s
   nsplit = -(-s // chunk)
-  kernel = functools.partial(_kernel, batch=b, slots=s, head_dim=d, block_s=block_s, chunk=chunk)
+  kernel = functools.partial(_kernel, batch=b, heads_kv=kh, group=g, group_pad=g_pad, slots=s, head_dim=d,
+                             block_s=block_s, chunk=chunk)
   out_shape = (jax.ShapeDtypeStruct((nsplit, b, kh, g_pad, d), jnp.float32),
                jax.ShapeDtypeStruct((nsplit, b, kh, g_pad), jnp.float32),
                jax.ShapeDtypeStruct((nsplit, b, kh, g_pad), jnp.float32))
@@ -180,7 +181,7 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
         kernel, out_shape=out_shape, grid=(b, kh, nsplit), interpret=backend == "interpret",
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="decode_attention",
-    )(q, k_LxBxSxKxD.reshape(num_layers * b * s, kh * d), v_LxBxSxKxD.reshape(num_layers * b * s, kh * d),
+    )(q_BxHxD.reshape(b * h, d), k_LxBxSxKxD.reshape(num_layers * b * s, kh * d), v_LxBxSxKxD.reshape(num_layers * b * s, kh * d),
       slot_mask_BxS.astype(jnp.int8), meta)
   # Combine the splits: weights exp(m_i - max_i m_i); empty splits have l = 0.
   top = jnp.max(m, axis=0)

@@ -105,9 +105,11 @@ def _format_of(w) -> _Format:
   raise TypeError(f"expected an NVFP4Tensor or NF4Tensor, got {type(w).__name__}")
 
 
-def _inverse_global_scale(w) -> jax.Array:
+def _global_scales(w, num: int) -> jax.Array:
+  """The NVFP4 global scales as float32 ``[num]`` (one per stacked layer; ones for NF4). The
+  kernels take the layer's reciprocal themselves, so a call adds no XLA op."""
   if isinstance(w, nvfp4.NVFP4Tensor):
-    return (1.0 / w.global_scale.astype(jnp.float32)).reshape(1)
+    return w.global_scale.astype(jnp.float32).reshape(num)
   return jnp.ones((1,), jnp.float32)
 
 
@@ -268,10 +270,12 @@ def _fwd_load(x_ref, p_ref, s_ref, *, m0, bm, m_mask, n0, bn, n_mask, kb, bk, k,
   return x_even, x_odd, p, (_asm_scales(s) if asm else s)
 
 
-def _layer_rows(idx_ref, k: int, fmt: _Format):
-  """First row of the layer ``idx_ref[0]`` in the folded codes (``layer * K/2``) and scales (``layer * K/group``)."""
-  layer = idx_ref[0]
-  return layer * (k // 2), layer * (k // fmt.group)
+def _layer_rows(p_ref, gs_ref, idx_ref, k: int, fmt: _Format):
+  """``(first codes row, first scales row, 1 / global scale)`` of layer ``idx_ref[0]`` (clamped to
+  the stack) in the folded codes (``layer * K/2``) and scales (``layer * K/group``)."""
+  layer = jnp.minimum(jnp.maximum(idx_ref[0], 0), p_ref.shape[0] // (k // 2) - 1)
+  gs = gs_ref[layer] if gs_ref.shape[0] > 1 else gs_ref[0]
+  return layer * (k // 2), layer * (k // fmt.group), 1.0 / gs
 
 
 def _loop(steps, body, init, unroll):
@@ -283,7 +287,7 @@ def _loop(steps, body, init, unroll):
   return carry
 
 
-def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: TileConfig,
+def _fwd_kernel(x_ref, p_ref, s_ref, gs_ref, idx_ref, *refs, m, k, n, cfg: TileConfig,
                 fmt: _Format, steps: int, lora_rank: int = 0, lora_scale: float = 1.0):
   # refs: (xa, b) when lora_rank > 0, then the poisoned buffer aliased to the output when given,
   # then the output.
@@ -295,7 +299,7 @@ def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
   m_mask = (m0 + jnp.arange(bm)) < m
   n_mask = (n0 + jnp.arange(bn)) < n
   k_begin = pid_s * (steps * bk)
-  prow, srow = _layer_rows(idx_ref, k, fmt)
+  prow, srow, igs = _layer_rows(p_ref, gs_ref, idx_ref, k, fmt)
   asm = _uses_asm(fmt, cfg.decode, x_ref.dtype)
   load = functools.partial(_fwd_load, x_ref, p_ref, s_ref, m0=m0, bm=bm, m_mask=m_mask, n0=n0, bn=bn,
                            n_mask=n_mask, bk=bk, k=k, fmt=fmt, split_x=cfg.split_x, prow=prow, srow=srow,
@@ -323,7 +327,7 @@ def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
     acc = _loop(steps, prefetch_body, (zeros, *load(kb=k_begin)), cfg.unroll)[0]
   else:
     acc = _loop(steps, body, zeros, cfg.unroll)
-  acc = acc * (igs_ref[0] * (_ASM_GAIN if asm else 1.0 / _F16_X_SCALE if e4m3 else 1.0))
+  acc = acc * (igs * (_ASM_GAIN if asm else 1.0 / _F16_X_SCALE if e4m3 else 1.0))
   if lora_rank:  # LoRA epilogue: + scale * xa[m-tile] @ B[:, n-tile], added by split 0 only
     xa_ref, b_ref = refs[0], refs[1]
     rp = max(16, pl.next_power_of_2(lora_rank))
@@ -341,7 +345,7 @@ def _fwd_kernel(x_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
     plgpu.store(o_ref.at[pid_s, pl.ds(m0, bm), pl.ds(n0, bn)], acc, mask=out_mask)
 
 
-def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: TileConfig,
+def _dx_kernel(dy_ref, p_ref, s_ref, gs_ref, idx_ref, *refs, m, k, n, cfg: TileConfig,
                fmt: _Format, steps: int):
   o_ref = refs[-1]
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -352,7 +356,7 @@ def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
   kp_mask = (kp0 + jnp.arange(bk // 2)) < k // 2
   ks_mask = (pid_k * (bk // fmt.group) + jnp.arange(bk // fmt.group)) < k // fmt.group
   n_begin = pid_s * (steps * bn)
-  prow, srow = _layer_rows(idx_ref, k, fmt)
+  prow, srow, igs = _layer_rows(p_ref, gs_ref, idx_ref, k, fmt)
   dims = (((1,), (1,)), ((), ()))  # contract dy's N with the weight tile's N
 
   def body(i, carry):
@@ -372,7 +376,7 @@ def _dx_kernel(dy_ref, p_ref, s_ref, igs_ref, idx_ref, *refs, m, k, n, cfg: Tile
 
   zeros = jnp.zeros((bm, bk // 2), jnp.float32)
   acc_e, acc_o = _loop(steps, body, (zeros, zeros), cfg.unroll)
-  igs = igs_ref[0] * (_ASM_GAIN if _uses_asm(fmt, cfg.decode, dy_ref.dtype) else 1.0)
+  igs = igs * (_ASM_GAIN if _uses_asm(fmt, cfg.decode, dy_ref.dtype) else 1.0)
   out_mask = m_mask[:, None] & kp_mask[None, :]
   lead = () if cfg.splits == 1 else (pid_s,)  # split partials: o_ref is [splits, M, ...]
   acc_e = (acc_e * igs).astype(o_ref.dtype)
@@ -548,19 +552,15 @@ def dx(dy: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None,
 
 
 def _layer_operands(w, fmt: _Format, index):
-  """Codes, block scales (2-D, layers folded into rows: a free reshape), 1/global scale [1], layer [1]."""
+  """Codes and block scales (2-D, layers folded into rows: free reshapes), the global scales
+  (float32 ``[L]`` or ``[1]``) and the layer ``[1]`` (int32, clamped in the kernel): no XLA
+  arithmetic per call (a decode step calls this 4-7 times per layer)."""
   k, n = w.shape
   if index is None:
-    return w.packed, w.block_scale, _inverse_global_scale(w), jnp.zeros((1,), jnp.int32)
+    return w.packed, w.block_scale, _global_scales(w, 1), jnp.zeros((1,), jnp.int32)
   num = w.packed.shape[0]
-  li = jnp.clip(jnp.asarray(index, jnp.int32).reshape(()), 0, num - 1)
-  if isinstance(w, nvfp4.NVFP4Tensor):
-    gs = jax.lax.dynamic_index_in_dim(w.global_scale.reshape(num), li, 0, keepdims=True)
-    igs = 1.0 / gs.astype(jnp.float32)
-  else:
-    igs = jnp.ones((1,), jnp.float32)
-  return (w.packed.reshape(num * (k // 2), n), w.block_scale.reshape(num * (k // fmt.group), n), igs,
-          li.reshape(1))
+  return (w.packed.reshape(num * (k // 2), n), w.block_scale.reshape(num * (k // fmt.group), n),
+          _global_scales(w, num), jnp.asarray(index, jnp.int32).reshape(1))
 
 
 def _run(kind, a, w, out_dtype, config, interpret, poison_output, index=None, lora=None):
@@ -619,9 +619,9 @@ def _run(kind, a, w, out_dtype, config, interpret, poison_output, index=None, lo
 # ----------------------------------------------------------------------------- dequantize
 
 
-def _dequant_kernel(p_ref, s_ref, igs_ref, idx_ref, o_ref, *, k, n, bkp, bn, fmt: _Format):
+def _dequant_kernel(p_ref, s_ref, gs_ref, idx_ref, o_ref, *, k, n, bkp, bn, fmt: _Format):
   pid_k, pid_n = pl.program_id(0), pl.program_id(1)
-  prow, srow = _layer_rows(idx_ref, k, fmt)
+  prow, srow, igs = _layer_rows(p_ref, gs_ref, idx_ref, k, fmt)
   kp0, n0 = pid_k * bkp, pid_n * bn
   kp_mask = (kp0 + jnp.arange(bkp)) < k // 2
   ks_mask = (pid_k * (2 * bkp // fmt.group) + jnp.arange(2 * bkp // fmt.group)) < k // fmt.group
@@ -629,7 +629,7 @@ def _dequant_kernel(p_ref, s_ref, igs_ref, idx_ref, o_ref, *, k, n, bkp, bn, fmt
   p = plgpu.load(p_ref.at[pl.ds(prow + kp0, bkp), pl.ds(n0, bn)], mask=kp_mask[:, None] & n_mask[None, :], other=0)
   s = plgpu.load(s_ref.at[pl.ds(srow + pid_k * (2 * bkp // fmt.group), 2 * bkp // fmt.group), pl.ds(n0, bn)],
                  mask=ks_mask[:, None] & n_mask[None, :], other=0.0)
-  lo, hi = _decode_tile(p, s, fmt, o_ref.dtype, multiplier=igs_ref[0])
+  lo, hi = _decode_tile(p, s, fmt, o_ref.dtype, multiplier=igs)
   mask = kp_mask[:, None] & n_mask[None, :]
   plgpu.store(o_ref.at[pl.ds(kp0, bkp), _EVEN, pl.ds(n0, bn)], lo, mask=mask)
   plgpu.store(o_ref.at[pl.ds(kp0, bkp), _ODD, pl.ds(n0, bn)], hi, mask=mask)

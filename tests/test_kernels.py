@@ -222,6 +222,9 @@ def test_stacked_index_reads_the_right_layer(fmt, m):
     assert _rel(f(x, jnp.int32(i)), want) < tol
     # dx = dy @ W_i^T goes through the fused dx kernel (bf16 dy, bf16 output): bf16 rounding only
     assert _rel(g(x, jnp.int32(i)), dy @ dense[i].T) < 1e-2
+  # an out-of-range layer is clamped to the stack (as lax.dynamic_index_in_dim), inside the kernels
+  assert _rel(f(x, jnp.int32(7)), np.asarray(x, np.float64) @ dense[2]) < tol
+  assert _rel(f(x, jnp.int32(-3)), np.asarray(x, np.float64) @ dense[0]) < tol
   ref = quantized_matmul(x, wq, out_dtype=jnp.float32, backend="reference", index=jnp.int32(1))
   # the reference dequantizes to x's dtype (bf16): W is rounded, hence 1e-2
   assert _rel(ref, np.asarray(x, np.float64) @ dense[1]) < 1e-2
