@@ -181,8 +181,8 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
         kernel, out_shape=out_shape, grid=(b, kh, nsplit), interpret=backend == "interpret",
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="decode_attention",
-    )(q_BxHxD.reshape(b * h, d), k_LxBxSxKxD.reshape(num_layers * b * s, kh * d), v_LxBxSxKxD.reshape(num_layers * b * s, kh * d),
-      slot_mask_BxS.astype(jnp.int8), meta)
+    )(q_BxHxD.reshape(b * h, d), k_LxBxSxKxD.reshape(num_layers * b * s, kh * d),
+      v_LxBxSxKxD.reshape(num_layers * b * s, kh * d), slot_mask_BxS.astype(jnp.int8), meta)
   # Combine the splits: weights exp(m_i - max_i m_i); empty splits have l = 0.
   top = jnp.max(m, axis=0)
   w = jnp.exp(m - top[None])

@@ -178,7 +178,7 @@ _E2M1_ASM_HI = _e2m1_asm(2, 8)
 # one f16x2 multiply by the block scale times 2**6 finishes them: e2m1 * scale, exact in float16
 # (at most 6 significant bits, between 2**-10 and 6 * 448). About 15 instructions per 8 values
 # against 28 for the bf16 bit placement above. x is fed to the tensor cores as float16 times
-# 2**-_F16_X_SHIFT (see _F16_X_SCALE).
+# _F16_X_SCALE.
 def _e4m3_asm(low_nibble: bool) -> str:
   if low_nibble:  # magnitude bits 2..0 -> 4..2, sign bit 3 -> 7
     body = ["shl.b32 a, $2, 2;", "and.b32 a, a, 0x1C1C1C1C;", "shl.b32 b, $2, 4;", "and.b32 b, b, 0x80808080;"]

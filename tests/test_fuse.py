@@ -154,6 +154,9 @@ def test_fuse_adapter_matches_per_part_lora_float64():
   bad = {"layers": {"attn": {"k": {"a": jnp.zeros((1, 8, 2)), "b": jnp.zeros((1, 2, 5))}}}}
   with pytest.raises(ValueError, match="attn/k"):
     models.fuse_adapter(bad, cfg)
+  with pytest.raises(ValueError, match="b has 16 columns"):
+    layers.fused_linear(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), (8, 4),
+                        lora=jax.tree.map(lambda a: a[0], qkv))
   with pytest.raises(ValueError, match="not both"):
     layers.fused_linear(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), sizes,
                         loras=(jax.tree.map(lambda a: a[0], parts["q"]),), lora=jax.tree.map(lambda a: a[0], qkv))

@@ -162,12 +162,15 @@ def fused_linear(x: jax.Array, w, sizes: tuple[int, ...], *, bias: Optional[jax.
     One ``[..., sizes[i]]`` array per part, in ``x.dtype``.
 
   Raises:
-    ValueError: ``sizes`` do not add up to the weight's output width; both ``loras`` and
-      ``lora`` given.
+    ValueError: ``sizes`` do not add up to the weight's output width (or the fused
+      adapter's); both ``loras`` and ``lora`` given.
   """
   if lora is not None and any(l is not None for l in loras):
     raise ValueError("fused_linear: give per-part `loras` or one fused `lora`, not both")
-  if lora is not None and _epilogue_applies(x, w) and lora["b"].shape[-1] == sum(sizes):
+  if lora is not None and lora["b"].shape[-1] != sum(sizes):
+    raise ValueError(f"fused_linear: the fused adapter's b has {lora['b'].shape[-1]} columns, the parts "
+                     f"{sizes} add up to {sum(sizes)}")
+  if lora is not None and _epilogue_applies(x, w):
     y = _matmul_f32(x, w, _epilogue_lora(x, lora, lora_scale))
     lora = None
   else:
