@@ -301,3 +301,26 @@ def test_gpu_e4m3_decode_matches_reference(m, k, n):
   cfg = dataclasses.replace(w4_triton.default_config(m, k, n), decode="e4m3")
   y = w4_triton.forward(x, wq, config=cfg, poison_output=True, out_dtype=jnp.float32)
   assert not bool(jnp.isnan(y).any()) and _rel(y, reference_matmul(x, wq, out_dtype=jnp.float32)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 17, 64, 100])
+def test_gpu_lora_epilogue_matches_reference(m):
+  """quantized_matmul(lora=...) on the GPU kernels (the epilogue for M <= 64) against the reference
+  backend, values and gradients for x, xa and b, at the 7B fused q/k/v shape with rank 96."""
+  k, n, r, scale = 3584, 4608, 96, 0.5
+  wq = nvfp4.quantize(jax.random.normal(jax.random.PRNGKey(m), (k, n), jnp.float32) * 0.02)
+  x = jax.random.normal(jax.random.PRNGKey(1), (m, k), jnp.float32).astype(jnp.bfloat16)
+  xa = jax.random.normal(jax.random.PRNGKey(2), (m, r), jnp.float32).astype(jnp.bfloat16)
+  b = (0.1 * jax.random.normal(jax.random.PRNGKey(3), (r, n), jnp.float32)).astype(jnp.bfloat16)
+  ct = jax.random.normal(jax.random.PRNGKey(4), (m, n), jnp.float32)
+
+  def loss(x, xa, b, backend):
+    y = quantized_matmul(x, wq, backend=backend, out_dtype=jnp.float32, lora=(xa, b, scale))
+    return jnp.sum(y * ct), y
+
+  (_, y), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, xa, b, "pallas")
+  (_, y_ref), g_ref = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, xa, b, "reference")
+  assert not bool(jnp.isnan(y).any()) and _rel(y, y_ref) < 1e-2
+  for a, c in zip(g, g_ref):
+    assert _rel(a, c) < 1e-2
