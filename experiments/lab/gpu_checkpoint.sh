@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Lab (GPU, one device call of about 6-8 minutes): check and measure what session 5 built without
+# device time left. Run from the repository root with the wheels installed (see docs/benchmarks.md):
+#   bash experiments/lab/gpu_checkpoint.sh
+# 1. the GPU tests of the kernels (the LoRA epilogue, the in-kernel global scale and layer clamp, the
+#    masked q load of decode attention, decode="e4m3");
+# 2. rollouts with and without the training adapter under the launchers' flags (session 5's table);
+# 3. the LoRA epilogue against the split-K default in a training rollout.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_checkpoint}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
+timeout 240 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_decode_attention.py 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
+export XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_dynamic_slice_fusion=true"
+timeout 200 python3 experiments/bench_rollout.py --batches=8,64 --new_tokens=1024 --formats=nvfp4_fused,bf16_fused \
+  --time_budget_s=150 --out="$OUT/base" > "$OUT/base.log" 2>&1; grep "|\|x$" "$OUT/base.log"
+timeout 200 python3 experiments/bench_rollout.py --batches=8,64 --new_tokens=1024 --formats=nvfp4_fused \
+  --lora_rank=32 --aqn --time_budget_s=150 --out="$OUT/lora" > "$OUT/lora.log" 2>&1; grep "|\|x$" "$OUT/lora.log"
+LORA_VARIANTS=split16,epilogue timeout 240 python3 experiments/lab/lora_variants.py nvfp4_fused:8 nvfp4_fused:64 \
+  2>&1 | grep --line-buffered "|" | tee "$OUT/lora_variants.txt"
