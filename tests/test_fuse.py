@@ -308,3 +308,23 @@ def test_lora_epilogue_routing_gives_the_same_model_output(monkeypatch, fused):
   a, b, c = (np.asarray(v, np.float32)[real] for v in (on, off, no_adapter))
   tol = 5e-3 * np.abs(b).max()  # bf16 rounding of a different summation order
   assert np.abs(a - b).max() <= tol and np.abs(b - c).max() > 10 * tol  # the adapter's delta is in both
+
+
+def test_sampler_adapter_is_cast_once_and_fused_for_a_fused_base():
+  """sampling._decode_adapter: bf16 factors (norms untouched); regrouped only for a fused base."""
+  import dataclasses
+  from qerl_jax import sampling
+  cfg = dataclasses.replace(CFG, dtype="bfloat16")
+  lora = lora_lib.init_lora(jax.random.key(3), CFG, lora_lib.LoRAConfig(r=4, lora_alpha=2.0, train_norms=True),
+                            _base())
+  base = _base()
+  plain = sampling._decode_adapter(cfg, base, lora)
+  assert set(plain["layers"]["attn"]) == {"q", "k", "v", "o"}
+  assert {a.dtype for a in jax.tree.leaves(plain["layers"]["attn"])} == {jnp.dtype(jnp.bfloat16)}
+  assert plain["layers"]["input_norm"].dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(plain["layers"]["mlp"]["down"]["a"], np.float32),
+                                np.asarray(lora["layers"]["mlp"]["down"]["a"].astype(jnp.bfloat16), np.float32))
+  fused = sampling._decode_adapter(cfg, models.fuse_projections(base), lora)
+  assert set(fused["layers"]["attn"]) == {"qkv", "o"} and set(fused["layers"]["mlp"]) == {"gate_up", "down"}
+  assert fused["layers"]["attn"]["qkv"]["b"].shape == (CFG.num_layers, 12, CFG.q_dim + 2 * CFG.kv_dim)
+  assert sampling._decode_adapter(cfg, base, None) is None
