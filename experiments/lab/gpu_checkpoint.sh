@@ -5,7 +5,8 @@
 # 1. the GPU tests of the kernels (the LoRA epilogue, the in-kernel global scale and layer clamp, the
 #    masked q load of decode attention, decode="e4m3");
 # 2. rollouts with and without the training adapter under the launchers' flags (session 5's table);
-# 3. the LoRA epilogue against the split-K default in a training rollout.
+# 3. the LoRA epilogue against the split-K default in a training rollout;
+# 4. the persistent small-M kernel (experiments/lab/w4_persistent.py) against the tuned one.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_checkpoint}
 mkdir -p "$OUT"
@@ -18,3 +19,6 @@ timeout 200 python3 experiments/bench_rollout.py --batches=8,64 --new_tokens=102
   --lora_rank=32 --aqn --time_budget_s=150 --out="$OUT/lora" > "$OUT/lora.log" 2>&1; grep "|\|x$" "$OUT/lora.log"
 LORA_VARIANTS=split16,epilogue timeout 240 python3 experiments/lab/lora_variants.py nvfp4_fused:8 nvfp4_fused:64 \
   2>&1 | grep --line-buffered "|" | tee "$OUT/lora_variants.txt"
+# 4. the persistent flattened small-M kernel against the tuned one (pipeline fill/drain hypothesis)
+PERSIST_TIME=1 timeout 200 python3 experiments/lab/w4_persistent.py 2>&1 | grep --line-buffered "check\|M=\|us" \
+  | tee "$OUT/persistent.txt"
