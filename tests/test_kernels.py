@@ -324,3 +324,38 @@ def test_gpu_lora_epilogue_matches_reference(m):
   assert not bool(jnp.isnan(y).any()) and _rel(y, y_ref) < 1e-2
   for a, c in zip(g, g_ref):
     assert _rel(a, c) < 1e-2
+
+
+def test_kernels_lower_for_cuda_without_a_gpu(monkeypatch):
+  """Every kernel lowers through Pallas' Triton lowering for CUDA (no GPU needed): catches lowering
+  errors that interpret mode cannot, e.g. an op the Triton lowering rejects. jax >= 0.11 asks the
+  GPU for its compute capability while lowering; here it is told sm_90."""
+  try:
+    from jax._src.pallas.triton import pallas_call_registration as reg
+  except ImportError:
+    pytest.skip("this jax has no Pallas Triton lowering module to check")
+  if hasattr(reg, "gpu_info_lib"):
+    import types
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: types.SimpleNamespace(compute_capability=90))
+  from pallas_kernels import decode_attention as da
+  sd = jax.ShapeDtypeStruct
+  k, n = 256, 192
+  stack = jax.eval_shape(lambda: nvfp4.quantize(jnp.ones((3, k, n), jnp.float32)))
+  one = jax.eval_shape(lambda: nvfp4.quantize(jnp.ones((k, n), jnp.float32)))
+  i = sd((), jnp.int32)
+  bf = lambda *s: sd(s, jnp.bfloat16)
+  e4m3 = dataclasses.replace(w4_triton.default_config(8, k, n), decode="e4m3")
+  cases = {
+      "forward": (lambda x, w, i: w4_triton.forward(x, w, index=i), bf(8, k), stack, i),
+      "forward M=64": (lambda x, w, i: w4_triton.forward(x, w, index=i), bf(64, k), stack, i),
+      "forward lora": (lambda x, w, a, b: w4_triton.forward(x, w, lora=(a, b, 0.5)), bf(8, k), one, bf(8, 24),
+                       bf(24, n)),
+      "forward e4m3": (lambda x, w: w4_triton.forward(x, w, config=e4m3), bf(8, k), one),
+      "dx": (lambda dy, w, i: w4_triton.dx(dy, w, index=i), bf(8, n), stack, i),
+      "dequantize": (lambda w, i: w4_triton.dequantize(w, index=i), stack, i),
+      "decode attention": (lambda q, kc, vc, l, m, t: da.decode_attention(q, kc, vc, l, m, t, backend="pallas"),
+                           bf(2, 14, 64), bf(3, 2, 80, 2, 64), bf(3, 2, 80, 2, 64), i, sd((2, 80), jnp.bool_), i),
+  }
+  for name, (fn, *args) in cases.items():
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in lowered.lower(), name  # the kernel is in the module as a Triton custom call
