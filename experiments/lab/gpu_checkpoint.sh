@@ -6,7 +6,8 @@
 #    masked q load of decode attention, decode="e4m3");
 # 2. rollouts with and without the training adapter under the launchers' flags (session 5's table);
 # 3. the LoRA epilogue against the split-K default in a training rollout;
-# 4. the persistent small-M kernel (experiments/lab/w4_persistent.py) against the tuned one.
+# 4. the persistent small-M kernel (experiments/lab/w4_persistent.py) against the tuned one;
+# 5. the small-M kernel that reads the codes as 32-bit words (experiments/lab/w4_wide.py).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_checkpoint}
 mkdir -p "$OUT"
@@ -22,3 +23,6 @@ LORA_VARIANTS=split16,epilogue timeout 240 python3 experiments/lab/lora_variants
 # 4. the persistent flattened small-M kernel against the tuned one (pipeline fill/drain hypothesis)
 PERSIST_TIME=1 timeout 200 python3 experiments/lab/w4_persistent.py 2>&1 | grep --line-buffered "check\|M=\|us" \
   | tee "$OUT/persistent.txt"
+# 5. the small-M kernel reading codes and scales as 32-bit words (byte-gather hypothesis)
+WIDE_TIME=1 timeout 200 python3 experiments/lab/w4_wide.py 2>&1 | grep --line-buffered "check\|M=\|us" \
+  | tee "$OUT/wide.txt"
