@@ -22,11 +22,11 @@ step 2 && { timeout 200 python3 experiments/bench_rollout.py --batches=8,64 --ne
   --formats=nvfp4_fused,bf16_fused --time_budget_s=150 --out="$OUT/base" > "$OUT/base.log" 2>&1; grep "|\|x$" "$OUT/base.log"; }
 step 2 && { timeout 200 python3 experiments/bench_rollout.py --batches=8,64 --new_tokens=1024 --formats=nvfp4_fused \
   --lora_rank=32 --aqn --time_budget_s=150 --out="$OUT/lora" > "$OUT/lora.log" 2>&1; grep "|\|x$" "$OUT/lora.log"; }
-step 3 && LORA_VARIANTS=split16,epilogue timeout 200 python3 experiments/lab/lora_variants.py nvfp4_fused:8 nvfp4_fused:64 \
+step 3 && LORA_VARIANTS=split16,epilogue timeout 180 python3 experiments/lab/lora_variants.py nvfp4_fused:8 nvfp4_fused:64 \
   2>&1 | grep --line-buffered "|" | tee "$OUT/lora_variants.txt"
 # 4. the persistent flattened small-M kernel against the tuned one (pipeline fill/drain hypothesis)
-step 4 && PERSIST_TIME=1 timeout 250 python3 experiments/lab/w4_persistent.py 2>&1 | grep --line-buffered "check\|M=\|us" \
+step 4 && PERSIST_TIME=1 timeout 200 python3 experiments/lab/w4_persistent.py 2>&1 | grep --line-buffered "check\|M=\|us" \
   | tee "$OUT/persistent.txt"
 # 5. the small-M kernel reading codes and scales as 32-bit words (byte-gather hypothesis)
-step 5 && WIDE_TIME=1 timeout 250 python3 experiments/lab/w4_wide.py 2>&1 | grep --line-buffered "check\|M=\|us" \
+step 5 && WIDE_TIME=1 timeout 200 python3 experiments/lab/w4_wide.py 2>&1 | grep --line-buffered "check\|M=\|us" \
   | tee "$OUT/wide.txt"
