@@ -44,3 +44,39 @@ def us_per_call(fn, x, copies) -> float:
   """Device time (µs) of all kernels of ``fn(x, w)`` per copy, from one traced call over all copies."""
   durs = devtime.trace_durations(jax.jit(lambda x, ws: [fn(x, w) for w in ws]), x, copies)
   return float(sum(sum(v) for v in durs.values())) / len(copies)
+
+
+def check_small_m_forward(forward, cases, interpret: bool) -> None:
+  """Checks a lab small-M forward ``forward(x, w, interpret=..., **kw) -> float32 [M, N]`` against
+  ``reference_matmul`` on fresh NVFP4 weights, for ``cases`` of ``(m, k, n, kw)``; in interpret mode
+  the large cases are skipped. AssertionError above 1e-2 relative error or with a non-finite value."""
+  import numpy as np
+  for m, k, n, kw in cases:
+    if interpret and k * n > 2e6:
+      continue
+    q = nvfp4.quantize(jax.random.normal(jax.random.key(m + n), (k, n), jnp.float32) * 0.02)
+    x = jax.random.normal(jax.random.key(k), (m, k), jnp.float32).astype(jnp.bfloat16)
+    y = forward(x, q, interpret=interpret, **kw)
+    ref = np.asarray(reference_matmul(x, q, out_dtype=jnp.float32), np.float64)
+    err = np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref)
+    assert err < 1e-2 and np.isfinite(np.asarray(y)).all(), (m, k, n, err)
+    print(f"check M={m} K={k} N={n} {kw}: rel err {err:.1e}", flush=True)
+
+
+def time_against_tuned(variants: dict, ms) -> None:
+  """Device time (µs) of ``variants`` ``{tag: forward(x, w)}`` and the tuned ``w4_triton.forward`` at the
+  7B shapes and the given M, per shape and summed over the four shapes."""
+  from pallas_kernels import w4_triton
+  totals = {}
+  for name, (k, n) in SHAPES_7B.items():
+    _, qs = rotating_weights(k, n)
+    for m in ms:
+      x = activations(m, k)
+      row = {"tuned": us_per_call(lambda x, w: w4_triton.forward(x, w, out_dtype=jnp.float32), x, qs)}
+      row.update({tag: us_per_call(fn, x, qs) for tag, fn in variants.items()})
+      for key, v in row.items():
+        totals[(m, key)] = totals.get((m, key), 0.0) + v
+      print(f"{name:8s} M={m:2d} " + " | ".join(f"{key} {v:6.1f}" for key, v in row.items()), flush=True)
+  print("\nsummed over the four 7B shapes (µs):")
+  for m in ms:
+    print(f"M={m:2d} " + " | ".join(f"{key} {v:6.1f}" for (mm, key), v in totals.items() if mm == m), flush=True)

@@ -24,13 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
 from pallas_kernels import w4_triton as W  # noqa: E402
-from pallas_kernels.matmul import reference_matmul  # noqa: E402
 from qerl_jax import nvfp4  # noqa: E402
 
 
@@ -100,45 +98,23 @@ def forward(x, w, *, programs=528, bn=128, bk=64, splits=8, num_warps=4, num_sta
   return parts.sum(0)
 
 
-def _check(interpret):
-  for m, k, n, kw in [(1, 160, 40, dict(bn=32, bk=32, splits=2, programs=3)),
-                      (8, 1040, 200, dict(bn=64, bk=64, splits=3, programs=4)),
-                      (17, 256, 72, dict(bn=32, bk=32, splits=1, programs=5)),
-                      (8, 3584, 4608, {}), (32, 18944, 3584, {})]:
-    if interpret and k * n > 2e6:
-      continue
-    q = nvfp4.quantize(jax.random.normal(jax.random.key(m + n), (k, n), jnp.float32) * 0.02)
-    x = jax.random.normal(jax.random.key(k), (m, k), jnp.float32).astype(jnp.bfloat16)
-    y = forward(x, q, interpret=interpret, **kw)
-    ref = np.asarray(reference_matmul(x, q, out_dtype=jnp.float32), np.float64)
-    err = np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref)
-    assert err < 1e-2 and np.isfinite(np.asarray(y)).all(), (m, k, n, err)
-    print(f"check M={m} K={k} N={n} {kw}: rel err {err:.1e}", flush=True)
+CASES = [(1, 160, 40, dict(bn=32, bk=32, splits=2, programs=3)),
+         (8, 1040, 200, dict(bn=64, bk=64, splits=3, programs=4)),
+         (17, 256, 72, dict(bn=32, bk=32, splits=1, programs=5)),
+         (8, 3584, 4608, {}), (32, 18944, 3584, {})]
 
 
 def _time():
-  from labcommon import SHAPES_7B, activations, rotating_weights, us_per_call
+  from labcommon import time_against_tuned
   ms = [int(v) for v in os.environ.get("PERSIST_MS", "8,32").split(",")]
   grid = [tuple(int(a) for a in v.split("x")) for v in os.environ.get("PERSIST_GRID", "528x8,264x8").split(",")]
-  totals = {}
-  for name, (k, n) in SHAPES_7B.items():
-    _, qs = rotating_weights(k, n)
-    for m in ms:
-      x = activations(m, k)
-      row = {"tuned": us_per_call(lambda x, w: W.forward(x, w, out_dtype=jnp.float32), x, qs)}
-      for programs, splits in grid:
-        tag = f"p{programs}_s{splits}"
-        row[tag] = us_per_call(lambda x, w, p=programs, s=splits: forward(x, w, programs=p, splits=s), x, qs)
-      for key, v in row.items():
-        totals[(m, key)] = totals.get((m, key), 0.0) + v
-      print(f"{name:8s} M={m:2d} " + " | ".join(f"{key} {v:6.1f}" for key, v in row.items()), flush=True)
-  print("\nsummed over the four 7B shapes (µs):")
-  for m in ms:
-    print(f"M={m:2d} " + " | ".join(f"{key} {v:6.1f}" for (mm, key), v in totals.items() if mm == m), flush=True)
+  time_against_tuned({f"p{p}_s{s}": (lambda x, w, p=p, s=s: forward(x, w, programs=p, splits=s)) for p, s in grid},
+                     ms)
 
 
 if __name__ == "__main__":
   on_gpu = jax.default_backend() in ("gpu", "cuda")
-  _check(interpret=not on_gpu)
+  from labcommon import check_small_m_forward
+  check_small_m_forward(forward, CASES, interpret=not on_gpu)
   if on_gpu and os.environ.get("PERSIST_TIME"):
     _time()

@@ -34,7 +34,6 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
 from pallas_kernels import w4_triton as W  # noqa: E402
-from pallas_kernels.matmul import reference_matmul  # noqa: E402
 from qerl_jax import nvfp4  # noqa: E402
 
 
@@ -122,42 +121,21 @@ def forward(x, w, *, bn=128, bk=64, splits=7, num_warps=4, num_stages=3, decode=
   return parts.sum(0).reshape(m, n)
 
 
-def _check(interpret):
-  for m, k, n, kw in [(1, 160, 40, dict(bn=64, bk=32, splits=2)), (8, 1040, 200, dict(bn=64, bk=64, splits=3)),
-                      (17, 256, 72, dict(bn=64, bk=32, splits=1)), (8, 3584, 4608, {}), (32, 18944, 3584, {})]:
-    if interpret and k * n > 2e6:
-      continue
-    q = nvfp4.quantize(jax.random.normal(jax.random.key(m + n), (k, n), jnp.float32) * 0.02)
-    x = jax.random.normal(jax.random.key(k), (m, k), jnp.float32).astype(jnp.bfloat16)
-    y = forward(x, q, interpret=interpret, **kw)
-    ref = np.asarray(reference_matmul(x, q, out_dtype=jnp.float32), np.float64)
-    err = np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref)
-    assert err < 1e-2 and np.isfinite(np.asarray(y)).all(), (m, k, n, err)
-    print(f"check M={m} K={k} N={n} {kw}: rel err {err:.1e}", flush=True)
+CASES = [(1, 160, 40, dict(bn=64, bk=32, splits=2)), (8, 1040, 200, dict(bn=64, bk=64, splits=3)),
+         (17, 256, 72, dict(bn=64, bk=32, splits=1)), (8, 3584, 4608, {}), (32, 18944, 3584, {})]
 
 
 def _time():
-  from labcommon import SHAPES_7B, activations, rotating_weights, us_per_call
+  from labcommon import time_against_tuned
   ms = [int(v) for v in os.environ.get("WIDE_MS", "8,32").split(",")]
-  totals = {}
-  for name, (k, n) in SHAPES_7B.items():
-    _, qs = rotating_weights(k, n)
-    for m in ms:
-      x = activations(m, k)
-      row = {"tuned": us_per_call(lambda x, w: W.forward(x, w, out_dtype=jnp.float32), x, qs),
-             "wide": us_per_call(lambda x, w: forward(x, w), x, qs),
-             "wide_bk128": us_per_call(lambda x, w: forward(x, w, bk=128, splits=4), x, qs),
-             "wide_bits": us_per_call(lambda x, w: forward(x, w, decode="bits"), x, qs)}
-      for key, v in row.items():
-        totals[(m, key)] = totals.get((m, key), 0.0) + v
-      print(f"{name:8s} M={m:2d} " + " | ".join(f"{key} {v:6.1f}" for key, v in row.items()), flush=True)
-  print("\nsummed over the four 7B shapes (µs):")
-  for m in ms:
-    print(f"M={m:2d} " + " | ".join(f"{key} {v:6.1f}" for (mm, key), v in totals.items() if mm == m), flush=True)
+  time_against_tuned({"wide": lambda x, w: forward(x, w),
+                      "wide_bk128": lambda x, w: forward(x, w, bk=128, splits=4),
+                      "wide_bits": lambda x, w: forward(x, w, decode="bits")}, ms)
 
 
 if __name__ == "__main__":
   on_gpu = jax.default_backend() in ("gpu", "cuda")
-  _check(interpret=not on_gpu)
+  from labcommon import check_small_m_forward
+  check_small_m_forward(forward, CASES, interpret=not on_gpu)
   if on_gpu and os.environ.get("WIDE_TIME"):
     _time()
