@@ -162,6 +162,16 @@ def _uses_e4m3(fmt, decode: str, dtype) -> bool:
   return fmt.nvfp4 and decode == "e4m3" and jnp.dtype(dtype) == jnp.float16
 
 
+def _accumulator_gain(fmt, decode: str, dtype) -> float:
+  """What the float32 accumulator is multiplied by (besides 1 / global scale) to undo the decode's
+  bias: ``_ASM_GAIN`` for the asm decode, ``1 / _F16_X_SCALE`` for e4m3 (x was pre-scaled), else 1."""
+  if _uses_asm(fmt, decode, dtype):
+    return _ASM_GAIN
+  if _uses_e4m3(fmt, decode, dtype):
+    return 1.0 / _F16_X_SCALE
+  return 1.0
+
+
 def _asm_scales(s):
   """E4M3 block scales -> bf16 times 2**118 (exact), the scale operand of the asm decode."""
   return (s.astype(jnp.float32) * _ASM_SCALE_BIAS).astype(jnp.bfloat16)
@@ -305,8 +315,6 @@ def _fwd_kernel(x_ref, p_ref, s_ref, gs_ref, idx_ref, *refs, m, k, n, cfg: TileC
                            n_mask=n_mask, bk=bk, k=k, fmt=fmt, split_x=cfg.split_x, prow=prow, srow=srow,
                            asm=asm)
 
-  e4m3 = _uses_e4m3(fmt, cfg.decode, x_ref.dtype)
-
   def multiply(acc, x_even, x_odd, p, s):
     """Decodes one step's codes and adds its two tensor-core products to the accumulator."""
     w_lo, w_hi = _decode_tile(p, s, fmt, x_even.dtype, decode=cfg.decode)
@@ -327,7 +335,7 @@ def _fwd_kernel(x_ref, p_ref, s_ref, gs_ref, idx_ref, *refs, m, k, n, cfg: TileC
     acc = _loop(steps, prefetch_body, (zeros, *load(kb=k_begin)), cfg.unroll)[0]
   else:
     acc = _loop(steps, body, zeros, cfg.unroll)
-  acc = acc * (igs * (_ASM_GAIN if asm else 1.0 / _F16_X_SCALE if e4m3 else 1.0))
+  acc = acc * (igs * _accumulator_gain(fmt, cfg.decode, x_ref.dtype))
   if lora_rank:  # LoRA epilogue: + scale * xa[m-tile] @ B[:, n-tile], added by split 0 only
     xa_ref, b_ref = refs[0], refs[1]
     rp = max(16, pl.next_power_of_2(lora_rank))
@@ -376,7 +384,7 @@ def _dx_kernel(dy_ref, p_ref, s_ref, gs_ref, idx_ref, *refs, m, k, n, cfg: TileC
 
   zeros = jnp.zeros((bm, bk // 2), jnp.float32)
   acc_e, acc_o = _loop(steps, body, (zeros, zeros), cfg.unroll)
-  igs = igs * (_ASM_GAIN if _uses_asm(fmt, cfg.decode, dy_ref.dtype) else 1.0)
+  igs = igs * _accumulator_gain(fmt, cfg.decode, dy_ref.dtype)
   out_mask = m_mask[:, None] & kp_mask[None, :]
   lead = () if cfg.splits == 1 else (pid_s,)  # split partials: o_ref is [splits, M, ...]
   acc_e = (acc_e * igs).astype(o_ref.dtype)

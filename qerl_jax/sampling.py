@@ -416,16 +416,8 @@ def _decode_adapter(cfg_model, base, lora):
   ``a`` / ``b`` cast to the compute dtype (the forward would cast them on every step) and,
   for a fused base, regrouped by :func:`models.fuse_adapter` (two matmuls per fused
   projection instead of two per part). Same results as the per-part float32 tree."""
-  if lora is None:
-    return None
-  dt = jnp.dtype(cfg_model.dtype)
-  if models.is_fused(base):
-    return models.fuse_adapter(lora, cfg_model, dtype=dt)
-  lay = dict(lora.get("layers", {}))
-  for group in ("attn", "mlp"):
-    if group in lay:
-      lay[group] = {name: {k: v.astype(dt) for k, v in ad.items()} for name, ad in lay[group].items()}
-  return {**lora, "layers": lay}
+  lora = models.cast_adapter(lora, jnp.dtype(cfg_model.dtype))
+  return models.fuse_adapter(lora, cfg_model) if lora is not None and models.is_fused(base) else lora
 
 
 def _generate_impl(cfg_model, config: SamplingConfig, lora_scale: float, base, lora, norm_noise,

@@ -56,12 +56,12 @@ from qerl_jax.models.decoder import (LINEARS, dequantize_base, forward, init_cac
                                      lm_head_logits, logprobs_from_hidden, lora_scale_of,
                                      map_linears, positions_from_mask, quantize_base,
                                      summarize, token_logprobs)
-from qerl_jax.models.fuse import fuse_adapter, fuse_projections, is_fused, unfuse_projections
+from qerl_jax.models.fuse import cast_adapter, fuse_adapter, fuse_projections, is_fused, unfuse_projections
 from qerl_jax.models.layers import linear, is_quantized
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "ModelConfig", "rope_inv_freq", "LINEARS", "dequantize_base",
     "forward", "init_cache", "init_params", "lm_head_logits", "logprobs_from_hidden",
     "lora_scale_of", "map_linears", "positions_from_mask", "quantize_base", "summarize", "token_logprobs",
-    "linear", "is_quantized", "fuse_adapter", "fuse_projections", "is_fused", "unfuse_projections",
+    "linear", "is_quantized", "cast_adapter", "fuse_adapter", "fuse_projections", "is_fused", "unfuse_projections",
 ]

@@ -186,8 +186,9 @@ def fuse_adapter(lora, cfg, dtype=None):
   """
   if lora is None:
     return None
+  if dtype is not None:
+    lora = cast_adapter(lora, dtype)
   lay = dict(lora.get("layers", {}))
-  cast = (lambda v: v) if dtype is None else (lambda v: v.astype(dtype))
   for (group, fused_name), parts in part_sizes(cfg).items():
     g = dict(lay.get(group, {}))
     if fused_name in g:
@@ -199,7 +200,7 @@ def fuse_adapter(lora, cfg, dtype=None):
     for name, size in parts:
       ad = g.pop(name, None)
       if ad is not None:
-        a, b = cast(ad["a"]), cast(ad["b"])
+        a, b = ad["a"], ad["b"]
         if b.shape[-1] != size or a.shape[-1] != b.shape[-2] or a.shape[:-2] != b.shape[:-2]:
           raise ValueError(f"fuse_adapter: {group}/{name} has a {tuple(a.shape)}, b {tuple(b.shape)}; expected "
                            f"a [..., K, r] and b [..., r, {size}] with the same leading dims")
@@ -208,8 +209,24 @@ def fuse_adapter(lora, cfg, dtype=None):
       col += size
     g[fused_name] = {"a": jnp.concatenate(a_parts, axis=-1), "b": jnp.concatenate(b_parts, axis=-2)}
     lay[group] = g
-  if dtype is not None:
-    for group in ("attn", "mlp"):
-      if group in lay:
-        lay[group] = {name: {k: cast(v) for k, v in ad.items()} for name, ad in lay[group].items()}
+  return {**lora, "layers": lay}
+
+
+def cast_adapter(lora, dtype):
+  """``lora`` with every linear's ``a`` / ``b`` factor cast to ``dtype`` (the trainable norms
+  are kept as they are), or None when ``lora`` is None; the sampler casts once per rollout.
+
+  Args:
+    lora: an adapter tree (:mod:`qerl_jax.models` layout), fused or not.
+    dtype: e.g. ``jnp.bfloat16``.
+
+  Returns:
+    A new tree; ``lora`` is not modified.
+  """
+  if lora is None:
+    return None
+  lay = dict(lora.get("layers", {}))
+  for group in ("attn", "mlp"):
+    if group in lay:
+      lay[group] = {name: {k: v.astype(dtype) for k, v in ad.items()} for name, ad in lay[group].items()}
   return {**lora, "layers": lay}

@@ -87,10 +87,23 @@ def _x_at_a(x: jax.Array, a: jax.Array) -> jax.Array:
   return parts.sum(0).reshape(*x.shape[:-1], r)
 
 
-def _lora_f32(x: jax.Array, lora: dict, lora_scale: float) -> jax.Array:
+def _lora_factors(x: jax.Array, lora: dict, lora_scale: float) -> tuple:
+  """``(x @ A in x's dtype, B in x's dtype, scale)``: the operands of the LoRA up-projection."""
   dt = x.dtype
-  xa = _x_at_a(x, lora["a"].astype(dt))
-  return lora_scale * jnp.dot(xa.astype(dt), lora["b"].astype(dt), preferred_element_type=jnp.float32)
+  return _x_at_a(x, lora["a"].astype(dt)).astype(dt), lora["b"].astype(dt), lora_scale
+
+
+def _lora_f32(x: jax.Array, lora: dict, lora_scale: float) -> jax.Array:
+  xa, b, scale = _lora_factors(x, lora, lora_scale)
+  return scale * jnp.dot(xa, b, preferred_element_type=jnp.float32)
+
+
+def _base_f32(x: jax.Array, w, lora: Optional[dict], lora_scale: float) -> tuple:
+  """``(x @ W in float32, the adapter still to add)``: with :func:`_epilogue_applies` the 4-bit
+  kernel adds ``lora`` itself and None is returned in its place."""
+  if lora is not None and _epilogue_applies(x, w):
+    return _matmul_f32(x, w, _lora_factors(x, lora, lora_scale)), None
+  return _matmul_f32(x, w), lora
 
 
 def linear(x: jax.Array, w, *, bias: Optional[jax.Array] = None,
@@ -119,22 +132,12 @@ def linear(x: jax.Array, w, *, bias: Optional[jax.Array] = None,
     TypeError: ``w`` is neither a float array nor a 4-bit tensor.
     ValueError: K mismatch between ``x`` and ``w``.
   """
-  if lora is not None and _epilogue_applies(x, w):
-    y = _matmul_f32(x, w, _epilogue_lora(x, lora, lora_scale))
-    lora = None
-  else:
-    y = _matmul_f32(x, w)
+  y, lora = _base_f32(x, w, lora, lora_scale)
   if bias is not None:
     y = y + bias.astype(jnp.float32)
   if lora is not None:
     y = y + _lora_f32(x, lora, lora_scale)
   return y.astype(x.dtype)
-
-
-def _epilogue_lora(x: jax.Array, lora: dict, lora_scale: float) -> tuple:
-  """``(x @ A in x's dtype, B in x's dtype, scale)``: the operands of the kernel's LoRA epilogue."""
-  dt = x.dtype
-  return _x_at_a(x, lora["a"].astype(dt)).astype(dt), lora["b"].astype(dt), lora_scale
 
 
 def fused_linear(x: jax.Array, w, sizes: tuple[int, ...], *, bias: Optional[jax.Array] = None,
@@ -170,11 +173,7 @@ def fused_linear(x: jax.Array, w, sizes: tuple[int, ...], *, bias: Optional[jax.
   if lora is not None and lora["b"].shape[-1] != sum(sizes):
     raise ValueError(f"fused_linear: the fused adapter's b has {lora['b'].shape[-1]} columns, the parts "
                      f"{sizes} add up to {sum(sizes)}")
-  if lora is not None and _epilogue_applies(x, w):
-    y = _matmul_f32(x, w, _epilogue_lora(x, lora, lora_scale))
-    lora = None
-  else:
-    y = _matmul_f32(x, w)
+  y, lora = _base_f32(x, w, lora, lora_scale)
   if y.shape[-1] != sum(sizes):
     raise ValueError(f"fused_linear: part sizes {sizes} add up to {sum(sizes)}, but W has {y.shape[-1]} columns")
   if bias is not None:
