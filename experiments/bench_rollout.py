@@ -12,7 +12,8 @@ every step), temperature-1 sampling. For each weight format and batch size:
   the same executable with no live row (the loop exits at once: prefill,
   cache set-up and the first sample);
 * roofline step time = bytes read per decode step / measured HBM bandwidth,
-  bytes = decoder weights + lm_head + the KV cache. Two KV figures: "ideal"
+  bytes = decoder weights + lm_head (+ the adapter as decode reads it: bf16,
+  regrouped for a fused base) + the KV cache. Two KV figures: "ideal"
   counts the valid slots on average (prompt + new_tokens / 2), "as run"
   counts every preallocated slot (the decode attention reads the whole
   cache, masked). HBM bandwidth is measured in the same run by a large
@@ -187,7 +188,10 @@ def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth
   del out, pre
 
   step = (t_total - t_prefill) / (new_tokens - 1)
-  w_bytes = weight_bytes_per_step(cfg, base, bb) + (tree_bytes(lora) if lora is not None else 0)  # adapters too
+  # adapters too, as decode reads them: cast to the compute dtype once per rollout (and regrouped for a
+  # fused base, block-diagonal b included), not the float32 training copy
+  adapter = sampling._decode_adapter(cfg, base, lora) if lora is not None else None
+  w_bytes = weight_bytes_per_step(cfg, base, bb) + (tree_bytes(adapter) if adapter is not None else 0)
   slots_run = pb + new_tokens
   kv_per_slot = 2 * cfg.num_layers * bb * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(config.cache_dtype).itemsize
   ends = (0,) + config.phase_ends()  # slots each step's attention reads: prompt bucket + the phase's end

@@ -55,10 +55,12 @@ def reference(q_BxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length):
   return out.reshape(b, h, d).astype(q_BxHxD.dtype)
 
 
-def _kernel(q_ref, k_ref, v_ref, mask_ref, meta_ref, o_ref, m_ref, l_ref, *, batch, heads_kv, group,
-            group_pad, slots, head_dim, block_s, chunk):
+def _kernel(q_ref, k_ref, v_ref, mask_ref, layer_ref, length_ref, o_ref, m_ref, l_ref, *, batch, heads_kv,
+            group, group_pad, slots, head_dim, block_s, chunk, num_layers):
   b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  layer, length = meta_ref[0], meta_ref[1]
+  # The layer index and the length arrive as they are (no XLA op per call); clamped here.
+  layer = jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
+  length = length_ref[0]
   # q folded to [B*Hkv*G, D]: this (row, KV head)'s G query heads, read as group_pad rows (tensor-core
   # dots need >= 16) with the rows past G masked to zero, so no padded copy of q is made.
   q = plgpu.load(q_ref.at[pl.ds((b * heads_kv + kvh) * group, group_pad), :],
@@ -120,7 +122,8 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
       cast to q's dtype for the products).
     layer: int32 scalar (may be traced), the layer to read; clamped to ``[0, L)``.
     slot_mask_BxS: bool/int ``[B, S]``, nonzero at slots holding a real token
-      (left padding and unwritten slots are 0).
+      (left padding and unwritten slots are 0). The kernel reads int8: pass
+      int8 to skip a conversion per call (the decoder converts once per step).
     length: int32 scalar (may be traced), the number of slots written so far,
       including this step's token: slots ``[0, length)`` are attended.
     backend: ``"auto"`` (the Pallas kernel on a GPU for bf16/float16 queries,
@@ -156,12 +159,13 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
     raise ValueError(f"slot_mask must be [B={b}, S={s}]; got {slot_mask_BxS.shape}")
   if block_s < 16 or block_s & (block_s - 1):
     raise ValueError(f"block_s must be a power of 2 >= 16, got {block_s}")
-  layer = jnp.clip(jnp.asarray(layer, jnp.int32).reshape(()), 0, num_layers - 1)
-  length = jnp.asarray(length, jnp.int32).reshape(())
+  layer = jnp.asarray(layer, jnp.int32).reshape(1)
+  length = jnp.asarray(length, jnp.int32).reshape(1)
   if backend == "auto":
     backend = auto_backend(q_BxHxD.dtype)
   if backend == "reference":
-    return reference(q_BxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length)
+    return reference(q_BxHxD, k_LxBxSxKxD, v_LxBxSxKxD, jnp.clip(layer[0], 0, num_layers - 1), slot_mask_BxS,
+                     length[0])
 
   g = h // kh
   g_pad = max(16, 1 << (g - 1).bit_length())  # tensor-core dots need >= 16 rows
@@ -170,11 +174,10 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
   chunk = -(-(-(-s // nsplit)) // block_s) * block_s  # slots per split, a multiple of block_s
   nsplit = -(-s // chunk)
   kernel = functools.partial(_kernel, batch=b, heads_kv=kh, group=g, group_pad=g_pad, slots=s, head_dim=d,
-                             block_s=block_s, chunk=chunk)
+                             block_s=block_s, chunk=chunk, num_layers=num_layers)
   out_shape = (jax.ShapeDtypeStruct((nsplit, b, kh, g_pad, d), jnp.float32),
                jax.ShapeDtypeStruct((nsplit, b, kh, g_pad), jnp.float32),
                jax.ShapeDtypeStruct((nsplit, b, kh, g_pad), jnp.float32))
-  meta = jnp.stack([layer, length])
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
     o, m, l = pl.pallas_call(
@@ -182,7 +185,7 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="decode_attention",
     )(q_BxHxD.reshape(b * h, d), k_LxBxSxKxD.reshape(num_layers * b * s, kh * d),
-      v_LxBxSxKxD.reshape(num_layers * b * s, kh * d), slot_mask_BxS.astype(jnp.int8), meta)
+      v_LxBxSxKxD.reshape(num_layers * b * s, kh * d), slot_mask_BxS.astype(jnp.int8), layer, length)
   # Combine the splits: weights exp(m_i - max_i m_i); empty splits have l = 0.
   top = jnp.max(m, axis=0)
   w = jnp.exp(m - top[None])

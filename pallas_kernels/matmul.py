@@ -27,8 +27,9 @@ def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False
   Fused dequantize-in-registers kernel for ``M <= FUSED_MAX_M["fwd"]``, else
   a one-pass Pallas dequantize to bf16 followed by ``jnp.dot`` (float32
   accumulation). With ``index`` (int32 scalar), ``w`` is a stack ``[L, K, N]``
-  and layer ``index`` is read in place. ``lora = (xa [M, R], b [R, N], scale)``
-  adds ``scale * xa @ b``: in the fused kernel's epilogue, else by XLA.
+  and layer ``index`` is read in place. ``lora = (xa [M, R], b, scale)``
+  adds ``scale * xa @ b``: in the fused kernel's epilogue, else by XLA; ``b`` is
+  ``[R, N]``, or with ``index`` a stack ``[L, R, N]`` whose layer ``index`` is used.
 
   Raises:
     TypeError: unsupported weight type. ValueError: K mismatch, stacked ``w``.
@@ -39,12 +40,15 @@ def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False
   w_dense = w4_triton.dequantize(w, x2d.dtype, interpret=interpret, index=index)
   y = jnp.dot(x2d, w_dense, preferred_element_type=jnp.float32)
   if lora is not None:
-    y = y + _lora_delta(*lora)
+    y = y + _lora_delta(*lora, index=index)
   return y.astype(out_dtype)
 
 
-def _lora_delta(xa, b, scale):
-  """``scale * xa @ b`` in float32 (bf16 operands, as the kernel's epilogue)."""
+def _lora_delta(xa, b, scale, index=None):
+  """``scale * xa @ b`` in float32 (bf16 operands, as the kernel's epilogue); a stacked ``b``
+  ``[L, R, N]`` is sliced at ``index`` (clamped)."""
+  if b.ndim == 3:
+    b = jax.lax.dynamic_index_in_dim(b, index, 0, keepdims=False)
   return scale * jnp.dot(xa.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
 
 
@@ -134,8 +138,12 @@ def _kernel_matmul_lora_bwd(scale, out_dtype, interpret, res, dy):
   w, index, xa, b = res
   dx, dw, dindex = _kernel_matmul_bwd(out_dtype, interpret, (w, index), dy)
   dy32 = dy.astype(jnp.float32)
-  dxa = (scale * jnp.dot(dy32, b.astype(jnp.float32).T)).astype(xa.dtype)
+  b_layer = b if b.ndim == 2 else jax.lax.dynamic_index_in_dim(b, index, 0, keepdims=False)
+  dxa = (scale * jnp.dot(dy32, b_layer.astype(jnp.float32).T)).astype(xa.dtype)
   db = (scale * jnp.dot(xa.astype(jnp.float32).T, dy32)).astype(b.dtype)
+  if b.ndim == 3:  # only layer `index` (clamped, as in the forward) of the stack gets a cotangent
+    layer = jnp.clip(index, 0, b.shape[0] - 1)
+    db = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(b), db, layer, 0)
   return dx, dw, dindex, dxa, db
 
 
@@ -194,7 +202,9 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
       leading dims), ``b`` ``[R, N]`` and a static float ``scale``; both
       factors are multiplied in bf16 with float32 accumulation. The fused
       kernel adds it in its epilogue (no separate GEMM); differentiable in
-      ``xa`` and ``b``.
+      ``xa`` and ``b``. With ``index``, ``b`` may also be a stack
+      ``[L, R, N]``: the kernel reads layer ``index`` of it in place (a decode
+      step's layer scan then copies no adapter factor per step).
 
   Returns:
     ``[..., N]`` in ``out_dtype``.
@@ -217,15 +227,16 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
                      f"(packed shape {w.packed.shape})")
   if lora is not None:
     xa, b, scale = lora
-    if xa.shape[:-1] != x.shape[:-1] or b.ndim != 2 or b.shape != (xa.shape[-1], n):
+    b_ok = b.shape[-2:] == (xa.shape[-1], n) and (b.ndim == 2 or (b.ndim == 3 and index is not None))
+    if xa.shape[:-1] != x.shape[:-1] or not b_ok:
       raise ValueError(f"quantized_matmul: lora needs xa [..., R] with x's leading dims {x.shape[:-1]} and "
-                       f"b [R, {n}]; got xa {xa.shape}, b {b.shape}")
+                       f"b [R, {n}] (or a stack [L, R, {n}] with index); got xa {xa.shape}, b {b.shape}")
   if backend == "auto":
     backend = "pallas" if (_on_gpu() and _kernel_applies(x, w, index)) else "reference"
   if backend == "reference":
     y = reference_matmul(x, w if index is None else layer_of(w, index), out_dtype=jnp.float32)
     if lora is not None:
-      y = y + _lora_delta(*lora)
+      y = y + _lora_delta(*lora, index=index)
     return y.astype(out_dtype or x.dtype)
   if not _kernel_applies(x, w, index):
     raise ValueError(f"backend {backend!r} needs bf16 x and a [K, N] weight without leading dims "

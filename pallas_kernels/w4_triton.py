@@ -337,13 +337,15 @@ def _fwd_kernel(x_ref, p_ref, s_ref, gs_ref, idx_ref, *refs, m, k, n, cfg: TileC
     acc = _loop(steps, body, zeros, cfg.unroll)
   acc = acc * (igs * _accumulator_gain(fmt, cfg.decode, x_ref.dtype))
   if lora_rank:  # LoRA epilogue: + scale * xa[m-tile] @ B[:, n-tile], added by split 0 only
-    xa_ref, b_ref = refs[0], refs[1]
+    xa_ref, b_ref = refs[0], refs[1]  # b: [R, N], or a stack folded to [L * R, N] (layer idx_ref[0])
+    b_layers = b_ref.shape[0] // lora_rank
+    brow = 0 if b_layers == 1 else jnp.minimum(jnp.maximum(idx_ref[0], 0), b_layers - 1) * lora_rank
     rp = max(16, pl.next_power_of_2(lora_rank))
     r_mask = jnp.arange(rp) < lora_rank
     first = pid_s == 0  # the other splits' loads are masked off (no traffic; their dot adds zeros)
     xa = plgpu.load(xa_ref.at[pl.ds(m0, bm), pl.ds(0, rp)], mask=m_mask[:, None] & r_mask[None, :] & first,
                     other=0.0)
-    bt = plgpu.load(b_ref.at[pl.ds(0, rp), pl.ds(n0, bn)], mask=r_mask[:, None] & n_mask[None, :] & first,
+    bt = plgpu.load(b_ref.at[pl.ds(brow, rp), pl.ds(n0, bn)], mask=r_mask[:, None] & n_mask[None, :] & first,
                     other=0.0)
     acc += lora_scale * jnp.dot(xa, bt, preferred_element_type=jnp.float32)
   out_mask = m_mask[:, None] & n_mask[None, :]
@@ -522,9 +524,11 @@ def forward(x: jax.Array, w, *, out_dtype=None, config: TileConfig | None = None
       ``w`` read in place (no slice of the stack is copied; used inside the
       decoder's layer scan). Out-of-range values are clamped to [0, L).
     lora: optional ``(xa, b, scale)``: the LoRA down-projection ``xa = x @ A``
-      ``[M, R]``, the up-projection ``b`` ``[R, N]`` (both in x's dtype) and a
-      static float ``scale``; the kernel's epilogue adds ``scale * xa @ b`` to
-      each output tile (LoRA, Hu et al. 2021), after the weight scales.
+      ``[M, R]``, the up-projection ``b`` ``[R, N]`` (both in x's dtype; with
+      ``index``, ``b`` may be a stack ``[L, R, N]`` read in place at layer
+      ``index``, clamped) and a static float ``scale``; the kernel's epilogue
+      adds ``scale * xa @ b`` to each output tile (LoRA, Hu et al. 2021), after
+      the weight scales.
 
   Returns:
     ``[M, N]`` in ``out_dtype``.
@@ -610,9 +614,11 @@ def _run(kind, a, w, out_dtype, config, interpret, poison_output, index=None, lo
   extra, lora_kw = (), {}
   if lora is not None:
     xa, b, scale = lora
-    if not fwd or xa.ndim != 2 or b.ndim != 2 or xa.shape[0] != m or b.shape != (xa.shape[1], n):
-      raise ValueError(f"{kind}: lora must be (xa [M={m}, R], b [R, N={n}], scale) for the forward kernel; got "
-                       f"xa {getattr(xa, 'shape', None)}, b {getattr(b, 'shape', None)}")
+    b_ok = b.ndim == 2 or (b.ndim == 3 and index is not None)
+    if not fwd or xa.ndim != 2 or not b_ok or xa.shape[0] != m or b.shape[-2:] != (xa.shape[1], n):
+      raise ValueError(f"{kind}: lora must be (xa [M={m}, R], b [R, N={n}] or with index [L, R, N], scale) for "
+                       f"the forward kernel; got xa {getattr(xa, 'shape', None)}, b {getattr(b, 'shape', None)}")
+    b = b.reshape(-1, n)  # a stack [L, R, N] folds to [L * R, N] (free); the kernel offsets by layer * R
     extra = (xa.astype(jnp.bfloat16), b.astype(jnp.bfloat16))  # bf16 x bf16 -> float32 in the epilogue
     lora_kw = dict(lora_rank=int(xa.shape[1]), lora_scale=float(scale))
   kernel = functools.partial(_fwd_kernel if fwd else _dx_kernel, m=m, k=k, n=n, cfg=cfg, fmt=fmt,

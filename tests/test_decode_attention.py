@@ -68,6 +68,10 @@ def test_float32_kernel_and_traced_layer_and_length():
   for layer, length in [(0, 30), (2, 70), (1, 23)]:
     out = f(jnp.int32(layer), jnp.int32(length))
     np.testing.assert_allclose(np.asarray(out), _np_attention(q, k, v, layer, mask, length), rtol=2e-5, atol=2e-5)
+  # an out-of-range layer is clamped to the stack (inside the kernel), as lax.dynamic_index_in_dim does
+  for layer, clamped in [(5, 2), (-1, 0)]:
+    np.testing.assert_allclose(np.asarray(f(jnp.int32(layer), jnp.int32(40))),
+                               _np_attention(q, k, v, clamped, mask, 40), rtol=2e-5, atol=2e-5)
 
 
 def test_slots_at_and_after_length_are_never_read():

@@ -279,8 +279,9 @@ def test_lora_product_split_along_k_matches_float64(rows):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_lora_epilogue_routing_gives_the_same_model_output(monkeypatch, fused):
-  """With layers.LORA_EPILOGUE on, a bf16 NVFP4 model hands (x @ A, B, scale) to quantized_matmul for
-  few rows (on CPU its reference path adds them); logits equal the default routing's."""
+  """With layers.LORA_EPILOGUE on (the default), a bf16 NVFP4 model hands (x @ A, B, scale) to
+  quantized_matmul for few rows (on CPU its reference path adds them); logits equal those of the
+  separate-GEMM routing (LORA_EPILOGUE off)."""
   import dataclasses
   cfg = dataclasses.replace(CFG, dtype="bfloat16")
   base = _base()
@@ -297,6 +298,8 @@ def test_lora_epilogue_routing_gives_the_same_model_output(monkeypatch, fused):
   real_qm = layers.pallas_kernels.quantized_matmul
   monkeypatch.setattr(layers.pallas_kernels, "quantized_matmul",
                       lambda *a, **kw: calls.append(kw.get("lora") is not None) or real_qm(*a, **kw))
+  assert layers.LORA_EPILOGUE  # the default
+  monkeypatch.setattr(layers, "LORA_EPILOGUE", False)
   off = run()
   assert calls and not any(calls)
   calls.clear()
@@ -308,6 +311,43 @@ def test_lora_epilogue_routing_gives_the_same_model_output(monkeypatch, fused):
   a, b, c = (np.asarray(v, np.float32)[real] for v in (on, off, no_adapter))
   tol = 5e-3 * np.abs(b).max()  # bf16 rounding of a different summation order
   assert np.abs(a - b).max() <= tol and np.abs(b - c).max() > 10 * tol  # the adapter's delta is in both
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_reads_the_adapters_b_stack_in_place(monkeypatch, fused):
+  """With a KV cache, a bf16 adapter's b stacks stay out of the layer scan: a decode step hands
+  each 4-bit linear its layer of the whole [L, R, N] stack (read in place by the epilogue), and
+  prefill + decode equals the full forward (bf16 rounding)."""
+  import dataclasses
+  cfg = dataclasses.replace(CFG, dtype="bfloat16")
+  base = _base()
+  if fused:
+    base = models.fuse_projections(base)
+  base = models.quantize_base(jax.tree.map(lambda a: a.astype(jnp.bfloat16), base), "nvfp4")
+  lora, noise = _lora_and_noise()
+  lora = jax.tree.map(lambda a: (a + 0.05).astype(jnp.bfloat16), lora)  # B != 0, in the compute dtype
+  if fused:
+    lora = models.fuse_adapter(lora, cfg)
+  tokens, mask = (jnp.asarray(a) for a in left_padded_batch(CFG.vocab_size, seed=2))
+  b_ranks = []
+  real_qm = layers.pallas_kernels.quantized_matmul
+  def spy(x, w, **kw):
+    if kw.get("lora") is not None:
+      b_ranks.append(kw["lora"][1].ndim)
+    return real_qm(x, w, **kw)
+  monkeypatch.setattr(layers.pallas_kernels, "quantized_matmul", spy)
+  kw = dict(lora=lora, lora_cfg=0.5, norm_noise=noise)
+  stepped, _ = decode_all(cfg, base, tokens, mask, n_prefill=tokens.shape[1] - 2, cache_dtype=jnp.bfloat16, **kw)
+  assert 3 in b_ranks  # decode steps: the stacked b went to the kernel path with the layer index
+  b_ranks.clear()
+  full, _ = models.forward(cfg, base, tokens, models.positions_from_mask(mask), attn_mask=mask, **kw)
+  assert b_ranks and set(b_ranks) == {2}  # without a cache the scan slices b
+  no_adapter, _ = models.forward(cfg, base, tokens, models.positions_from_mask(mask), attn_mask=mask,
+                                 norm_noise=noise)
+  real = np.asarray(mask).astype(bool)
+  a, b, c = (np.asarray(v, np.float32)[real] for v in (stepped, full, no_adapter))
+  tol = 2e-2 * np.abs(b).max()  # bf16 activations and KV cache, different summation orders
+  assert np.abs(a - b).max() <= tol and np.abs(b - c).max() > 5 * tol
 
 
 def test_sampler_adapter_is_cast_once_and_fused_for_a_fused_base():

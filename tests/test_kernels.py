@@ -153,6 +153,35 @@ def test_lora_epilogue_matches_float64_and_its_gradients(m):
     quantized_matmul(x, wq, backend="interpret", lora=(xa, b[:, :10], scale))
 
 
+@pytest.mark.parametrize("m", [3, 70])
+def test_lora_epilogue_reads_a_stacked_b_at_the_layer_index(m):
+  """lora=(xa, b [L, R, N], scale) with index: the epilogue (M = 3) and the dequantize + dot path
+  (M = 70) use layer `index` of b (clamped like the weight), equal to float64; the gradient for the
+  stacked b is the layer's cotangent at that layer and zero elsewhere."""
+  k, n, r, scale = 160, 72, 24, 0.5
+  rng = np.random.default_rng(m)
+  w = rng.standard_normal((3, k, n)).astype(np.float32) * np.array([0.02, 0.05, 0.1], np.float32)[:, None, None]
+  wq = nvfp4.quantize(w)
+  dense = np.asarray(nvfp4.dequantize(wq, jnp.float32), np.float64)
+  x, xa = _act((m, k), 3), _act((m, r), 4)
+  bs = jnp.stack([_act((r, n), 10 + i) for i in range(3)])
+  b64 = np.asarray(bs, np.float64)
+  f = jax.jit(lambda x, xa, b, i: quantized_matmul(x, wq, backend="interpret", out_dtype=jnp.float32, index=i,
+                                                     lora=(xa, b, scale)))
+  for i, layer in ((1, 1), (0, 0), (9, 2), (-4, 0)):
+    want = np.asarray(x, np.float64) @ dense[layer] + scale * np.asarray(xa, np.float64) @ b64[layer]
+    assert _rel(f(x, xa, bs, jnp.int32(i)), want) < 1e-2, i
+    ref = quantized_matmul(x, wq, backend="reference", out_dtype=jnp.float32, index=jnp.int32(i), lora=(xa, bs, scale))
+    assert _rel(ref, want) < 1e-2, i
+  ct = np.random.default_rng(1).standard_normal((m, n))
+  loss = lambda b: jnp.sum(f(x, xa, b, jnp.int32(2)) * jnp.asarray(ct, jnp.float32))
+  db = np.asarray(jax.grad(loss)(bs), np.float64)
+  assert _rel(db[2], scale * np.asarray(xa, np.float64).T @ ct) < 1e-2
+  assert not db[:2].any()
+  with pytest.raises(ValueError, match="lora needs xa"):  # a stacked b needs the index
+    quantized_matmul(x, nvfp4.quantize(w[0]), backend="interpret", lora=(xa, bs, scale))
+
+
 def test_leading_dims_and_out_dtype():
   wq = _weight("nvfp4", 96, 40, 5)
   x = _act((2, 3, 96), 6)
@@ -326,6 +355,22 @@ def test_gpu_lora_epilogue_matches_reference(m):
     assert _rel(a, c) < 1e-2
 
 
+@pytest.mark.gpu
+def test_gpu_lora_epilogue_with_a_stacked_b_matches_reference():
+  """The epilogue reading layer `index` of a stacked b [L, R, N] in place (a decode step's layer
+  scan) against the reference, at the 7B gate/up shape (fused: N = 37888) with rank 64, M = 8."""
+  k, n, r, scale = 3584, 37888, 64, 0.5
+  wq = nvfp4.quantize(jax.random.normal(jax.random.PRNGKey(0), (2, k, n), jnp.float32) * 0.02)
+  x = jax.random.normal(jax.random.PRNGKey(1), (8, k), jnp.float32).astype(jnp.bfloat16)
+  xa = jax.random.normal(jax.random.PRNGKey(2), (8, r), jnp.float32).astype(jnp.bfloat16)
+  bs = (0.1 * jax.random.normal(jax.random.PRNGKey(3), (2, r, n), jnp.float32)).astype(jnp.bfloat16)
+  f = jax.jit(lambda i, backend: quantized_matmul(x, wq, backend=backend, out_dtype=jnp.float32, index=i,
+                                                  lora=(xa, bs, scale)), static_argnums=1)
+  for i in (1, 0):
+    y, y_ref = f(jnp.int32(i), "pallas"), f(jnp.int32(i), "reference")
+    assert not bool(jnp.isnan(y).any()) and _rel(y, y_ref) < 1e-2, i
+
+
 def test_kernels_lower_for_cuda_without_a_gpu(monkeypatch):
   """Every kernel lowers through Pallas' Triton lowering for CUDA (no GPU needed): catches lowering
   errors that interpret mode cannot, e.g. an op the Triton lowering rejects. jax >= 0.11 asks the
@@ -350,6 +395,8 @@ def test_kernels_lower_for_cuda_without_a_gpu(monkeypatch):
       "forward M=64": (lambda x, w, i: w4_triton.forward(x, w, index=i), bf(64, k), stack, i),
       "forward lora": (lambda x, w, a, b: w4_triton.forward(x, w, lora=(a, b, 0.5)), bf(8, k), one, bf(8, 24),
                        bf(24, n)),
+      "forward stacked lora": (lambda x, w, a, b, i: w4_triton.forward(x, w, index=i, lora=(a, b, 0.5)), bf(8, k),
+                               stack, bf(8, 24), bf(3, 24, n), i),
       "forward e4m3": (lambda x, w: w4_triton.forward(x, w, config=e4m3), bf(8, k), one),
       "dx": (lambda dy, w, i: w4_triton.dx(dy, w, index=i), bf(8, n), stack, i),
       "dequantize": (lambda w, i: w4_triton.dequantize(w, index=i), stack, i),

@@ -5,11 +5,14 @@ weights, 256-token prompts, no early stop), runs it once under ``jax.profiler.tr
 perfetto trace, and prints the kernels by total device time. Arguments:
 ``format:batch:new_tokens[:lora_rank[:aqn]]`` (a LoRA rank > 0 attaches a training-style adapter on all 7
 linears, as ``bench_rollout.py --lora_rank``; a fifth field ``aqn`` adds AQN norm noise).
-``PROFILE_TOP`` sets how many kernels are listed (default 22).
+``PROFILE_TOP`` sets how many kernels are listed (default 22). ``PROFILE_HLO=1`` adds, under each
+XLA kernel, the fusion's output shape and the JAX op and source line it came from (from the compiled
+HLO's metadata), to find which model code a small kernel belongs to, and writes the compiled HLO
+text to $OUT (default /tmp).
 
   PYTHONPATH=$PWD python3 experiments/lab/profile_rollout.py nvfp4:8:64 bf16:8:64 nvfp4_fused:8:64:32:aqn
 """
-import os, sys, time
+import os, re, sys, time
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "experiments"))
 import jax, jax.numpy as jnp, numpy as np
 import devtime
@@ -36,8 +39,31 @@ def profile(fmt, batch, new_tokens, out, rank=0, aqn=False):
   steps = new_tokens - 1
   print(f"\n== {fmt} batch {batch} lora {rank} aqn {aqn}: wall (warm-up + traced run) {wall*1e3:.0f} ms, device busy {tot/1e3:.0f} ms, "
         f"kernels {sum(v[1] for v in agg.values())}, per step busy {tot/steps/1e3:.2f} ms")
+  where = {}
+  if os.environ.get("PROFILE_HLO"):
+    text = c.as_text()
+    where = hlo_origins(text)
+    with open(os.path.join(out, f"{fmt}_{batch}_{rank}{'_aqn' if aqn else ''}.hlo.txt"), "w") as f:
+      f.write(text)
   for name, (us, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:int(os.environ.get("PROFILE_TOP", 22))]:
     print(f"  {us/1e3:9.1f} ms {n:7d}x {us/n:8.1f} us  {name}")
+    if name in where:
+      print(f"{'':36s}{where[name]}")
+
+
+def hlo_origins(text):
+  """{instruction name: 'shape  op_name  file:line'} for the instructions of a compiled HLO text."""
+  out = {}
+  for line in text.splitlines():
+    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) ([\w\-]+)\(", line)
+    if not m:
+      continue
+    op = re.search(r'op_name="([^"]*)"', line)
+    src = re.search(r'source_file="([^"]*)" source_line=(\d+)', line)
+    origin = (op.group(1).split("/")[-4:] if op else [m.group(3)])
+    out[m.group(1)] = (f"{m.group(2)[:40]}  {'/'.join(origin)[:110]}  "
+                       + (f"{os.path.basename(src.group(1))}:{src.group(2)}" if src else ""))
+  return out
 
 for spec in sys.argv[1:]:
   fmt, b, nt, *rest = spec.split(":")

@@ -167,7 +167,7 @@ def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- forward
 
 def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, write_at, q_chunk,
-           slot_mask=None):
+           decode=None):
   """One decoder layer.
 
   ``kv`` is None or ``(k_LxBxSxHxD, v_LxBxSxHxD, layer)``: the whole stacked
@@ -176,7 +176,7 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   dynamic-update-slice of the carried buffer); returns the updated stacked
   ``(k, v)`` as ``new_kv``. (Slicing the layer out, updating it and writing the
   whole layer back costs a full KV-cache copy per decode step.) For attention,
-  a decode step (``slot_mask`` ``[B, S]`` given, T = 1) where the kernel applies
+  a decode step (``decode = (slot_mask [B, S] int8, length)`` given, T = 1) where the kernel applies
   (:func:`pallas_kernels.decode_attention.auto_backend`: a GPU and 16-bit
   queries) calls :func:`pallas_kernels.decode_attention.decode_attention`,
   which reads the layer in place and only the written slots; otherwise (prefill,
@@ -215,9 +215,9 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
     kc = jax.lax.dynamic_update_slice(kc, k[None].astype(kc.dtype), at)
     vc = jax.lax.dynamic_update_slice(vc, v[None].astype(vc.dtype), at)
     new_kv = (kc, vc)
-    if slot_mask is not None and decode_attn.auto_backend(q.dtype) != "reference":
+    if decode is not None and decode_attn.auto_backend(q.dtype) != "reference":
       # Decode step on the kernel: layer li of the stacked cache is read in place.
-      o = decode_attn.decode_attention(q[:, 0], kc, vc, li, slot_mask, write_at + 1)
+      o = decode_attn.decode_attention(q[:, 0], kc, vc, li, *decode)
     else:
       keys = jax.lax.dynamic_index_in_dim(kc, li, 0, keepdims=False)
       values = jax.lax.dynamic_index_in_dim(vc, li, 0, keepdims=False)
@@ -256,6 +256,19 @@ def _bind_stacked(rest: dict, quant: dict, li) -> dict:
   for name, v in quant.items():
     out[name] = _bind_stacked(rest.get(name, {}), v, li) if isinstance(v, dict) else layers.StackedWeight(v, li)
   return out
+
+
+def _split_lora_b(tree: dict, dtype):
+  """(the adapters' ``b`` stacks already in ``dtype``, the rest) of a layer-stacked adapter tree."""
+  bs, rest = {}, {}
+  for name, v in tree.items():
+    if isinstance(v, dict) and "a" in v and "b" in v and v["b"].dtype == dtype:
+      bs[name], rest[name] = {"b": v["b"]}, {k: x for k, x in v.items() if k != "b"}
+    elif isinstance(v, dict):
+      bs[name], rest[name] = _split_lora_b(v, dtype)
+    else:
+      rest[name] = v
+  return bs, rest
 
 
 def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Array, *,
@@ -314,7 +327,7 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
   if cache is None:
     causal = jnp.tril(jnp.ones((t, t), bool))
     mask = causal[None] & attn_mask[:, None, :]
-    write_at = None
+    write_at = decode = None
   else:
     s = cache["k"].shape[2]
     if t > s:
@@ -323,6 +336,8 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     slot_mask = jax.lax.dynamic_update_slice(cache["mask"], attn_mask, (0, write_at))
     q_slot = write_at + jnp.arange(t)
     mask = (jnp.arange(s)[None, :] <= q_slot[:, None])[None] & slot_mask[:, None, :]
+    # A decode step's kernel inputs, made once per step rather than in every layer.
+    decode = (slot_mask.astype(jnp.int8), write_at + 1) if t == 1 else None
 
   lay_lora = (lora or {}).get("layers", {})
   noise = norm_noise or {}
@@ -330,22 +345,27 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
   # With a KV cache (prefill / decode), 4-bit weights stay out of the scanned
   # xs: the kernels read layer li of the stack in place (layers.StackedWeight),
   # where slicing them would copy every layer's weights on every decode step.
+  # The adapters' b factors (in the compute dtype: the sampler casts them once per rollout) stay out
+  # too: for a few rows the W4A16 kernel's epilogue reads layer li of the b stack in place
+  # (layers._lora_factors); elsewhere the body slices it, as the scan would.
   if cache is not None:
     stacked, scanned = _split_quantized(base["layers"])
+    lora_b, lay_lora = _split_lora_b(lay_lora, dt)
   else:
-    stacked, scanned = {}, base["layers"]
+    stacked, scanned, lora_b = {}, base["layers"], {}
 
   def body(carry, xs):
     h, kc, vc = carry
     lp, ll, nn, li = xs
     lp = _bind_stacked(lp, stacked, li)
+    ll = _bind_stacked(ll, lora_b, li)
     if kc is None:
       h, _ = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, None, mask, positions, None,
                     attn_chunk)
     else:
       # The stacked cache rides in the carry so XLA updates it in place.
       h, (kc, vc) = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, (kc, vc, li), mask,
-                           positions, write_at, attn_chunk, slot_mask=slot_mask if t == 1 else None)
+                           positions, write_at, attn_chunk, decode=decode)
     return (h, kc, vc), None
 
   if remat:

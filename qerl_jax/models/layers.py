@@ -19,15 +19,18 @@ MASKED_SCORE = -1e30  # finite, so a fully masked (padding) query row gives no N
 
 
 class StackedWeight(NamedTuple):
-  """Layer ``index`` of a stacked 4-bit weight ``[L, K, N]``, read in place by the kernels.
+  """Layer ``index`` of a stacked 4-bit weight ``[L, K, N]`` (or of a LoRA up-projection stack
+  ``[L, R, N]``), read in place by the kernels.
 
-  The decoder's layer ``scan`` wraps its 4-bit weights in this instead of
-  slicing them (on a GPU an XLA slice feeding a kernel is a device copy of the
-  layer's weight, every decode step). It is built only inside a traced
-  layer body and never stored in a parameter tree.
+  The decoder's layer ``scan`` with a KV cache wraps its 4-bit weights, and the
+  adapters' ``b`` factors, in this instead of slicing them (on a GPU an XLA
+  slice feeding a kernel is a device copy of the layer's weight, every decode
+  step). It is built only inside a traced layer body and never stored in a
+  parameter tree.
 
   Attributes:
-    tensor: NVFP4Tensor or NF4Tensor with one leading (layer) dim.
+    tensor: NVFP4Tensor or NF4Tensor with one leading (layer) dim, or a float
+      array ``[L, R, N]`` (a LoRA ``b`` stack).
     index: int32 scalar layer index (traced).
   """
   tensor: Any
@@ -39,11 +42,12 @@ def is_quantized(w) -> bool:
   return isinstance(w, (nvfp4.NVFP4Tensor, nf4.NF4Tensor))
 
 
-# Opt-in (not yet measured on the GPU): for a few bf16 rows on a 4-bit weight, add the LoRA
-# up-projection ``(x @ A) @ B`` in the fused W4A16 kernel's epilogue instead of a separate GEMM
-# (pallas_kernels.quantized_matmul(lora=...)). Results are the same (bf16 factors, float32
-# accumulation). experiments/lab/lora_variants.py times it ("epilogue").
-LORA_EPILOGUE = False
+# For a few bf16 rows on a 4-bit weight, add the LoRA up-projection ``(x @ A) @ B`` in the fused
+# W4A16 kernel's epilogue instead of a separate GEMM (pallas_kernels.quantized_matmul(lora=...)).
+# Results are the same (bf16 factors, float32 accumulation). On an H200 (7B shape, rank 32 + AQN,
+# experiments/lab/lora_variants.py): 6985 -> 7408 tokens/s at batch 64, 1580 -> 1582 at batch 8
+# (docs/benchmarks_rollout.md, session 6). Set False to add it with a separate GEMM.
+LORA_EPILOGUE = True
 
 
 def _epilogue_applies(x: jax.Array, w) -> bool:
@@ -87,10 +91,24 @@ def _x_at_a(x: jax.Array, a: jax.Array) -> jax.Array:
   return parts.sum(0).reshape(*x.shape[:-1], r)
 
 
-def _lora_factors(x: jax.Array, lora: dict, lora_scale: float) -> tuple:
-  """``(x @ A in x's dtype, B in x's dtype, scale)``: the operands of the LoRA up-projection."""
+def _lora_factors(x: jax.Array, lora: dict, lora_scale: float, w=None) -> tuple:
+  """``(x @ A in x's dtype, B in x's dtype, scale)``: the operands of the LoRA up-projection.
+
+  A stacked ``B`` (:class:`StackedWeight`) stays whole when ``w`` is a stacked
+  4-bit weight of the same layer index (the kernel reads both in place), else
+  that layer is sliced out."""
   dt = x.dtype
-  return _x_at_a(x, lora["a"].astype(dt)).astype(dt), lora["b"].astype(dt), lora_scale
+  b = lora["b"]
+  if isinstance(b, StackedWeight):
+    in_place = isinstance(w, StackedWeight) and w.index is b.index
+    b = b.tensor if in_place else jax.lax.dynamic_index_in_dim(b.tensor, b.index, 0, keepdims=False)
+  return _x_at_a(x, lora["a"].astype(dt)).astype(dt), b.astype(dt), lora_scale
+
+
+def _lora_cols(lora: dict) -> int:
+  """Output width of an adapter's ``b`` (an array or a :class:`StackedWeight`)."""
+  b = lora["b"]
+  return (b.tensor if isinstance(b, StackedWeight) else b).shape[-1]
 
 
 def _lora_f32(x: jax.Array, lora: dict, lora_scale: float) -> jax.Array:
@@ -102,7 +120,7 @@ def _base_f32(x: jax.Array, w, lora: Optional[dict], lora_scale: float) -> tuple
   """``(x @ W in float32, the adapter still to add)``: with :func:`_epilogue_applies` the 4-bit
   kernel adds ``lora`` itself and None is returned in its place."""
   if lora is not None and _epilogue_applies(x, w):
-    return _matmul_f32(x, w, _lora_factors(x, lora, lora_scale)), None
+    return _matmul_f32(x, w, _lora_factors(x, lora, lora_scale, w)), None
   return _matmul_f32(x, w), lora
 
 
@@ -170,8 +188,8 @@ def fused_linear(x: jax.Array, w, sizes: tuple[int, ...], *, bias: Optional[jax.
   """
   if lora is not None and any(l is not None for l in loras):
     raise ValueError("fused_linear: give per-part `loras` or one fused `lora`, not both")
-  if lora is not None and lora["b"].shape[-1] != sum(sizes):
-    raise ValueError(f"fused_linear: the fused adapter's b has {lora['b'].shape[-1]} columns, the parts "
+  if lora is not None and _lora_cols(lora) != sum(sizes):
+    raise ValueError(f"fused_linear: the fused adapter's b has {_lora_cols(lora)} columns, the parts "
                      f"{sizes} add up to {sum(sizes)}")
   y, lora = _base_f32(x, w, lora, lora_scale)
   if y.shape[-1] != sum(sizes):
