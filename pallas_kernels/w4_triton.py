@@ -78,6 +78,12 @@ class TileConfig:
       compiler can issue every step's loads before the first use.
     prefetch: forward kernel only: load step i+1's tiles (carried in registers)
       before decoding and multiplying step i's.
+    stage: forward kernel only: where the decoded weight tile changes to the
+      tensor-core operand layout. ``"codes"``: Triton moves that conversion onto
+      the packed codes (shared memory read back one byte at a time, decode in
+      the operand layout); ``"decoded"``: a select on the decoded bf16 tile
+      keeps the conversion after the decode (each thread decodes the bytes it
+      loaded, vector stores to shared memory, ``ldmatrix`` reads).
   """
   block_m: int = 16
   block_n: int = 128
@@ -89,6 +95,7 @@ class TileConfig:
   decode: str = "bits"
   unroll: bool = False
   prefetch: bool = False
+  stage: str = "codes"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +325,8 @@ def _fwd_kernel(x_ref, p_ref, s_ref, gs_ref, idx_ref, *refs, m, k, n, cfg: TileC
   def multiply(acc, x_even, x_odd, p, s):
     """Decodes one step's codes and adds its two tensor-core products to the accumulator."""
     w_lo, w_hi = _decode_tile(p, s, fmt, x_even.dtype, decode=cfg.decode)
+    if cfg.stage == "decoded":  # Triton does not move an operand's layout conversion above a select
+      w_lo, w_hi = (jnp.where(n_mask[None, :], w, jnp.zeros_like(w)) for w in (w_lo, w_hi))
     acc += jnp.dot(x_even, w_lo, preferred_element_type=jnp.float32)
     return acc + jnp.dot(x_odd, w_hi, preferred_element_type=jnp.float32)
 
@@ -404,7 +413,7 @@ def _dx_kernel(dy_ref, p_ref, s_ref, gs_ref, idx_ref, *refs, m, k, n, cfg: TileC
 
 
 # Per kind and M bucket (largest M it covers; None: any larger M):
-# (block_m, block_n, block_k, num_warps, num_stages, target_programs, split_x, decode[, prefetch]).
+# (block_m, block_n, block_k, num_warps, num_stages, target_programs, split_x, decode[, prefetch[, stage]]).
 # target_programs > 0 turns on split-K (split-N for dx) until about that many
 # programs run; 0 never splits. Chosen by `experiments/bench_kernels.py --sweep`
 # on an H200 (see docs/benchmarks.md); the M <= 32 rows were then changed to
@@ -413,11 +422,13 @@ def _dx_kernel(dy_ref, p_ref, s_ref, gs_ref, idx_ref, *refs, m, k, n, cfg: TileC
 # asm decode's scale fold): experiments/lab/sweep_small_m.py picked block_k 64, about 1056 programs,
 # no prefetch for M <= 32 (summed over the four 7B shapes at M = 8: 94.1 -> 82.8 us; M = 32: 125.6 ->
 # 117.7 us) and block_n 64 with prefetch for M <= 64, where the fused kernel now runs instead of
-# dequantize + cuBLAS (151 vs 255 us at M = 64, experiments/lab/fused_mid_m.py).
+# dequantize + cuBLAS (151 vs 255 us at M = 64, experiments/lab/fused_mid_m.py). Session 6
+# (experiments/lab/time_stage.py): stage="decoded" takes 148.0 vs 150.9 us at M = 64 (summed over
+# the four 7B shapes) but 10-30% longer at M <= 32, so only the M <= 64 bucket uses it.
 TUNED: dict = {
     ("fwd", 16): (16, 128, 64, 4, 3, 1056, "registers", "asm", False),
     ("fwd", 32): (32, 128, 64, 4, 3, 1056, "registers", "asm", False),
-    ("fwd", 64): (64, 64, 128, 4, 3, 1056, "registers", "asm", True),
+    ("fwd", 64): (64, 64, 128, 4, 3, 1056, "registers", "asm", True, "decoded"),
     ("fwd", 128): (64, 128, 128, 4, 3, 264, "registers", "bits"),
     ("fwd", 256): (128, 128, 128, 8, 3, 0, "registers", "bits"),
     ("fwd", None): (128, 128, 64, 4, 4, 0, "registers", "bits"),
@@ -449,6 +460,7 @@ def default_config(m: int, k: int, n: int, *, kind: str = "fwd", group: int = 16
   bucket = next((b for b in buckets if m <= b), None)
   bm, bn, bk, warps, stages, target, split_x, decode, *rest = table[(kind, bucket)]
   prefetch = bool(rest[0]) if rest else False
+  stage = rest[1] if len(rest) > 1 else "codes"
   bk = max(bk, group)
   if kind == "fwd":
     out_tiles = -(-m // bm) * -(-n // bn)
@@ -462,7 +474,8 @@ def default_config(m: int, k: int, n: int, *, kind: str = "fwd", group: int = 16
     # bytes; at M <= 64 the sweeps measured the uncapped split counts (partials are small there).
     max_by_bytes = int((k * n / 2) * 0.5 / (m * n_out * 8)) if m > 64 else 32
     splits = max(1, min(-(-target // out_tiles), contraction // (2 * step), max_by_bytes, 32))
-  return TileConfig(bm, bn, bk, splits, warps, stages, split_x, decode, prefetch=prefetch and kind == "fwd")
+  return TileConfig(bm, bn, bk, splits, warps, stages, split_x, decode, prefetch=prefetch and kind == "fwd",
+                    stage=stage if kind == "fwd" else "codes")
 
 
 # ----------------------------------------------------------------------------- calls
@@ -485,6 +498,8 @@ def _check(x, w, fmt: _Format, cfg: TileConfig, index=None):
     raise ValueError(f"TileConfig.block_k={cfg.block_k} must be a multiple of the block size {fmt.group}")
   if cfg.decode not in ("bits", "asm", "e4m3"):
     raise ValueError(f"TileConfig.decode must be 'bits', 'asm' or 'e4m3', got {cfg.decode!r}")
+  if cfg.stage not in ("codes", "decoded"):
+    raise ValueError(f"TileConfig.stage must be 'codes' or 'decoded', got {cfg.stage!r}")
   if x.ndim != 2:
     raise ValueError(f"expected a 2-D operand, got shape {x.shape}")
 

@@ -46,6 +46,7 @@ def _act(shape, seed):
     (1, 160, 40, SMALL),        # K=160: a multiple of 16, not of block_k=64; N=40 not of 32
     (3, 96, 72, SMALL_SPLIT),   # split-K partial sums
     (17, 160, 40, SMALL),       # M spans two row tiles
+    (17, 96, 72, dataclasses.replace(SMALL_SPLIT, stage="decoded", prefetch=True)),  # the M <= 64 bucket's form
 ])
 def test_fused_forward_nvfp4_matches_float64(m, k, n, cfg):
   wq = _weight("nvfp4", k, n, m)
@@ -214,6 +215,8 @@ def test_bad_inputs_raise():
     w4_triton.forward(_act((2, 96), 0), wq, config=w4_triton.TileConfig(16, 32, 48), interpret=True)
   with pytest.raises(ValueError, match="decode must be"):
     w4_triton.forward(_act((2, 96), 0), wq, config=w4_triton.TileConfig(decode="fp4"), interpret=True)
+  with pytest.raises(ValueError, match="stage must be"):
+    w4_triton.forward(_act((2, 96), 0), wq, config=w4_triton.TileConfig(stage="smem"), interpret=True)
   with pytest.raises(ValueError, match="forward kernel only"):
     w4_triton.dx(_act((2, 40), 0), wq, config=w4_triton.TileConfig(decode="e4m3"), interpret=True)
 
