@@ -83,7 +83,9 @@ class TileConfig:
       the packed codes (shared memory read back one byte at a time, decode in
       the operand layout); ``"decoded"``: a select on the decoded bf16 tile
       keeps the conversion after the decode (each thread decodes the bytes it
-      loaded, vector stores to shared memory, ``ldmatrix`` reads).
+      loaded, vector stores to shared memory, ``ldmatrix`` reads). Measured
+      slower at M <= 32 and in a batch-64 rollout, so not in the tuned table
+      (docs/benchmarks.md, session 6).
   """
   block_m: int = 16
   block_n: int = 128
@@ -295,6 +297,9 @@ def _layer_rows(p_ref, gs_ref, idx_ref, k: int, fmt: _Format):
   return layer * (k // 2), layer * (k // fmt.group), 1.0 / gs
 
 
+_LORA_CHUNK = 16  # rank rows per LoRA epilogue product
+
+
 def _loop(steps, body, init, unroll):
   if not unroll:
     return lax.fori_loop(0, steps, body, init)
@@ -345,18 +350,22 @@ def _fwd_kernel(x_ref, p_ref, s_ref, gs_ref, idx_ref, *refs, m, k, n, cfg: TileC
   else:
     acc = _loop(steps, body, zeros, cfg.unroll)
   acc = acc * (igs * _accumulator_gain(fmt, cfg.decode, x_ref.dtype))
-  if lora_rank:  # LoRA epilogue: + scale * xa[m-tile] @ B[:, n-tile], added by split 0 only
+  if lora_rank:  # LoRA epilogue: + scale * xa[m-tile] @ B[:, n-tile], spread over the splits
     xa_ref, b_ref = refs[0], refs[1]  # b: [R, N], or a stack folded to [L * R, N] (layer idx_ref[0])
     b_layers = b_ref.shape[0] // lora_rank
     brow = 0 if b_layers == 1 else jnp.minimum(jnp.maximum(idx_ref[0], 0), b_layers - 1) * lora_rank
-    rp = max(16, pl.next_power_of_2(lora_rank))
-    r_mask = jnp.arange(rp) < lora_rank
-    first = pid_s == 0  # the other splits' loads are masked off (no traffic; their dot adds zeros)
-    xa = plgpu.load(xa_ref.at[pl.ds(m0, bm), pl.ds(0, rp)], mask=m_mask[:, None] & r_mask[None, :] & first,
-                    other=0.0)
-    bt = plgpu.load(b_ref.at[pl.ds(brow, rp), pl.ds(n0, bn)], mask=r_mask[:, None] & n_mask[None, :] & first,
-                    other=0.0)
-    acc += lora_scale * jnp.dot(xa, bt, preferred_element_type=jnp.float32)
+    # The rank is cut into chunks of 16 (the smallest tensor-core K) dealt round-robin to the split-K
+    # programs, whose partial sums XLA adds anyway: no split carries the whole product (one that did
+    # set the kernel's tail: 9.6 -> 12.9 us for the 7B q/k/v at M = 8, rank 96).
+    chunks = -(-lora_rank // _LORA_CHUNK)
+    for j in range(-(-chunks // cfg.splits)):
+      r0 = (pid_s + j * cfg.splits) * _LORA_CHUNK
+      r_mask = (r0 + jnp.arange(_LORA_CHUNK)) < lora_rank  # all off past the last chunk
+      xa = plgpu.load(xa_ref.at[pl.ds(m0, bm), pl.ds(r0, _LORA_CHUNK)], mask=m_mask[:, None] & r_mask[None, :],
+                      other=0.0)
+      bt = plgpu.load(b_ref.at[pl.ds(brow + r0, _LORA_CHUNK), pl.ds(n0, bn)],
+                      mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+      acc += lora_scale * jnp.dot(xa, bt, preferred_element_type=jnp.float32)
   out_mask = m_mask[:, None] & n_mask[None, :]
   if cfg.splits == 1:
     plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=out_mask)
@@ -423,12 +432,13 @@ def _dx_kernel(dy_ref, p_ref, s_ref, gs_ref, idx_ref, *refs, m, k, n, cfg: TileC
 # no prefetch for M <= 32 (summed over the four 7B shapes at M = 8: 94.1 -> 82.8 us; M = 32: 125.6 ->
 # 117.7 us) and block_n 64 with prefetch for M <= 64, where the fused kernel now runs instead of
 # dequantize + cuBLAS (151 vs 255 us at M = 64, experiments/lab/fused_mid_m.py). Session 6
-# (experiments/lab/time_stage.py): stage="decoded" takes 148.0 vs 150.9 us at M = 64 (summed over
-# the four 7B shapes) but 10-30% longer at M <= 32, so only the M <= 64 bucket uses it.
+# (experiments/lab/time_stage.py): stage="decoded" took 148.0 vs 150.9 us at M = 64 alone (summed
+# over the four 7B shapes) but 10-30% longer at M <= 32, and in a batch-64 rollout the fused
+# gate/up kernel took 93.2 instead of 90.1 us with it, so no bucket uses it.
 TUNED: dict = {
     ("fwd", 16): (16, 128, 64, 4, 3, 1056, "registers", "asm", False),
     ("fwd", 32): (32, 128, 64, 4, 3, 1056, "registers", "asm", False),
-    ("fwd", 64): (64, 64, 128, 4, 3, 1056, "registers", "asm", True, "decoded"),
+    ("fwd", 64): (64, 64, 128, 4, 3, 1056, "registers", "asm", True),
     ("fwd", 128): (64, 128, 128, 4, 3, 264, "registers", "bits"),
     ("fwd", 256): (128, 128, 128, 8, 3, 0, "registers", "bits"),
     ("fwd", None): (128, 128, 64, 4, 4, 0, "registers", "bits"),

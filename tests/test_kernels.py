@@ -46,7 +46,7 @@ def _act(shape, seed):
     (1, 160, 40, SMALL),        # K=160: a multiple of 16, not of block_k=64; N=40 not of 32
     (3, 96, 72, SMALL_SPLIT),   # split-K partial sums
     (17, 160, 40, SMALL),       # M spans two row tiles
-    (17, 96, 72, dataclasses.replace(SMALL_SPLIT, stage="decoded", prefetch=True)),  # the M <= 64 bucket's form
+    (17, 96, 72, dataclasses.replace(SMALL_SPLIT, stage="decoded", prefetch=True)),  # stage="decoded"
 ])
 def test_fused_forward_nvfp4_matches_float64(m, k, n, cfg):
   wq = _weight("nvfp4", k, n, m)
@@ -134,10 +134,19 @@ def test_lora_epilogue_matches_float64_and_its_gradients(m):
     y = quantized_matmul(x, wq, backend=backend, out_dtype=jnp.float32, lora=(xa, b, scale))
     assert y.shape == (1, m, n) and _rel(y, want) < 1e-2, backend
   if m <= matmul.FUSED_MAX_M["fwd"]:  # the epilogue writes every element (NaN-poisoned output)
-    cfg = w4_triton.TileConfig(16, 32, 32, 3)
-    y = w4_triton.forward(x[0], wq, out_dtype=jnp.float32, config=cfg, interpret=True, poison_output=True,
-                          lora=(xa[0], b, scale))
-    assert not bool(jnp.isnan(y).any()) and _rel(y, want[0]) < 1e-2
+    # rank 24 = two chunks of 16: 3 splits (one without a chunk), 1 split (both chunks in one program)
+    for splits in (3, 1):
+      cfg = w4_triton.TileConfig(16, 32, 32, splits)
+      y = w4_triton.forward(x[0], wq, out_dtype=jnp.float32, config=cfg, interpret=True, poison_output=True,
+                            lora=(xa[0], b, scale))
+      assert not bool(jnp.isnan(y).any()) and _rel(y, want[0]) < 1e-2, splits
+    # rank 40 = three chunks over 2 splits (split 0 takes chunks 0 and 2)
+    xa40, b40 = _act((m, 40), 7), _act((40, n), 8)
+    y = w4_triton.forward(x[0], wq, out_dtype=jnp.float32, config=w4_triton.TileConfig(16, 32, 32, 2),
+                          interpret=True, poison_output=True, lora=(xa40, b40, scale))
+    want40 = (np.asarray(x[0], np.float64) @ _dense64(wq)
+              + scale * np.asarray(xa40, np.float64) @ np.asarray(b40, np.float64))
+    assert not bool(jnp.isnan(y).any()) and _rel(y, want40) < 1e-2
   ct = jnp.asarray(np.random.default_rng(m).standard_normal((1, m, n)), jnp.float32)
 
   def loss(x, xa, b, backend):
