@@ -277,11 +277,9 @@ def test_lora_product_split_along_k_matches_float64(rows):
   np.testing.assert_allclose(np.asarray(delta), 0.5 * (x.astype(np.float64) @ a) @ b, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_lora_epilogue_routing_gives_the_same_model_output(monkeypatch, fused):
-  """With layers.LORA_EPILOGUE on (the default), a bf16 NVFP4 model hands (x @ A, B, scale) to
-  quantized_matmul for few rows (on CPU its reference path adds them); logits equal those of the
-  separate-GEMM routing (LORA_EPILOGUE off)."""
+def _bf16_nvfp4_model(fused: bool, shift=None):
+  """(bf16 config, NVFP4 base, adapter, AQN noise), fused or not; with ``shift``, the adapter's
+  factors are shifted by it (so B is nonzero) and cast to bf16."""
   import dataclasses
   cfg = dataclasses.replace(CFG, dtype="bfloat16")
   base = _base()
@@ -289,8 +287,19 @@ def test_lora_epilogue_routing_gives_the_same_model_output(monkeypatch, fused):
     base = models.fuse_projections(base)
   base = models.quantize_base(jax.tree.map(lambda a: a.astype(jnp.bfloat16), base), "nvfp4")
   lora, noise = _lora_and_noise()
+  if shift is not None:
+    lora = jax.tree.map(lambda a: (a + shift).astype(jnp.bfloat16), lora)
   if fused:
     lora = models.fuse_adapter(lora, cfg)
+  return cfg, base, lora, noise
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_lora_epilogue_routing_gives_the_same_model_output(monkeypatch, fused):
+  """With layers.LORA_EPILOGUE on (the default), a bf16 NVFP4 model hands (x @ A, B, scale) to
+  quantized_matmul for few rows (on CPU its reference path adds them); logits equal those of the
+  separate-GEMM routing (LORA_EPILOGUE off)."""
+  cfg, base, lora, noise = _bf16_nvfp4_model(fused)
   tokens, mask = (jnp.asarray(a) for a in left_padded_batch(CFG.vocab_size, seed=2))
   pos = models.positions_from_mask(mask)
   run = lambda: models.forward(cfg, base, tokens, pos, attn_mask=mask, lora=lora, lora_cfg=0.5, norm_noise=noise)[0]
@@ -318,16 +327,7 @@ def test_decode_reads_the_adapters_b_stack_in_place(monkeypatch, fused):
   """With a KV cache, a bf16 adapter's b stacks stay out of the layer scan: a decode step hands
   each 4-bit linear its layer of the whole [L, R, N] stack (read in place by the epilogue), and
   prefill + decode equals the full forward (bf16 rounding)."""
-  import dataclasses
-  cfg = dataclasses.replace(CFG, dtype="bfloat16")
-  base = _base()
-  if fused:
-    base = models.fuse_projections(base)
-  base = models.quantize_base(jax.tree.map(lambda a: a.astype(jnp.bfloat16), base), "nvfp4")
-  lora, noise = _lora_and_noise()
-  lora = jax.tree.map(lambda a: (a + 0.05).astype(jnp.bfloat16), lora)  # B != 0, in the compute dtype
-  if fused:
-    lora = models.fuse_adapter(lora, cfg)
+  cfg, base, lora, noise = _bf16_nvfp4_model(fused, shift=0.05)  # B != 0, factors in the compute dtype
   tokens, mask = (jnp.asarray(a) for a in left_padded_batch(CFG.vocab_size, seed=2))
   b_ranks = []
   real_qm = layers.pallas_kernels.quantized_matmul
