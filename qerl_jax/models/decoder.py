@@ -345,12 +345,13 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
   # With a KV cache (prefill / decode), 4-bit weights stay out of the scanned
   # xs: the kernels read layer li of the stack in place (layers.StackedWeight),
   # where slicing them would copy every layer's weights on every decode step.
-  # The adapters' b factors (in the compute dtype: the sampler casts them once per rollout) stay out
-  # too: for a few rows the W4A16 kernel's epilogue reads layer li of the b stack in place
-  # (layers._lora_factors); elsewhere the body slices it, as the scan would.
+  # On a 4-bit base with the LoRA epilogue on, the adapters' b factors (in the compute dtype: the
+  # sampler casts them once per rollout) stay out too: for a few rows the W4A16 kernel's epilogue
+  # reads layer li of the b stack in place (layers._lora_factors); elsewhere the body slices it, as
+  # the scan would. A float base keeps them in the scan (its GEMMs read scanned slices as before).
   if cache is not None:
     stacked, scanned = _split_quantized(base["layers"])
-    lora_b, lay_lora = _split_lora_b(lay_lora, dt)
+    lora_b, lay_lora = (_split_lora_b(lay_lora, dt) if stacked and layers.LORA_EPILOGUE else ({}, lay_lora))
   else:
     stacked, scanned, lora_b = {}, base["layers"], {}
 
