@@ -289,10 +289,15 @@ def _fwd_load(x_ref, p_ref, s_ref, *, m0, bm, m_mask, n0, bn, n_mask, kb, bk, k,
   return x_even, x_odd, p, (_asm_scales(s) if asm else s)
 
 
+def _clamped_layer(idx_ref, num_layers: int):
+  """The layer index ``idx_ref[0]`` clamped to ``[0, num_layers)`` (negative values give layer 0)."""
+  return jnp.minimum(jnp.maximum(idx_ref[0], 0), num_layers - 1)
+
+
 def _layer_rows(p_ref, gs_ref, idx_ref, k: int, fmt: _Format):
   """``(first codes row, first scales row, 1 / global scale)`` of layer ``idx_ref[0]`` (clamped to
   the stack) in the folded codes (``layer * K/2``) and scales (``layer * K/group``)."""
-  layer = jnp.minimum(jnp.maximum(idx_ref[0], 0), p_ref.shape[0] // (k // 2) - 1)
+  layer = _clamped_layer(idx_ref, p_ref.shape[0] // (k // 2))
   gs = gs_ref[layer] if gs_ref.shape[0] > 1 else gs_ref[0]
   return layer * (k // 2), layer * (k // fmt.group), 1.0 / gs
 
@@ -353,7 +358,7 @@ def _fwd_kernel(x_ref, p_ref, s_ref, gs_ref, idx_ref, *refs, m, k, n, cfg: TileC
   if lora_rank:  # LoRA epilogue: + scale * xa[m-tile] @ B[:, n-tile], spread over the splits
     xa_ref, b_ref = refs[0], refs[1]  # b: [R, N], or a stack folded to [L * R, N] (layer idx_ref[0])
     b_layers = b_ref.shape[0] // lora_rank
-    brow = 0 if b_layers == 1 else jnp.minimum(jnp.maximum(idx_ref[0], 0), b_layers - 1) * lora_rank
+    brow = 0 if b_layers == 1 else _clamped_layer(idx_ref, b_layers) * lora_rank
     # The rank is cut into chunks of 16 (the smallest tensor-core K) dealt round-robin to the split-K
     # programs, whose partial sums XLA adds anyway: no split carries the whole product (one that did
     # set the kernel's tail: 9.6 -> 12.9 us for the 7B q/k/v at M = 8, rank 96).

@@ -237,38 +237,26 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   return h, new_kv
 
 
-def _split_quantized(tree: dict):
-  """(4-bit leaves, the rest) of a nested dict of layer weights, as two nested dicts."""
-  quant, rest = {}, {}
+def _split_leaves(tree: dict, pick):
+  """(the leaves ``pick(name, leaf)`` selects, the rest) of a nested dict, as two nested dicts."""
+  picked, rest = {}, {}
   for name, v in tree.items():
     if isinstance(v, dict):
-      quant[name], rest[name] = _split_quantized(v)
-    elif layers.is_quantized(v):
-      quant[name] = v
+      picked[name], rest[name] = _split_leaves(v, pick)
+    elif pick(name, v):
+      picked[name] = v
     else:
       rest[name] = v
-  return quant, rest
+  return picked, rest
 
 
 def _bind_stacked(rest: dict, quant: dict, li) -> dict:
-  """``rest`` with each 4-bit stack of ``quant`` added back as layer ``li`` (a :class:`layers.StackedWeight`)."""
+  """``rest`` with each stack of ``quant`` (4-bit weights, adapters' b) added back as layer ``li``
+  (a :class:`layers.StackedWeight`)."""
   out = dict(rest)
   for name, v in quant.items():
     out[name] = _bind_stacked(rest.get(name, {}), v, li) if isinstance(v, dict) else layers.StackedWeight(v, li)
   return out
-
-
-def _split_lora_b(tree: dict, dtype):
-  """(the adapters' ``b`` stacks already in ``dtype``, the rest) of a layer-stacked adapter tree."""
-  bs, rest = {}, {}
-  for name, v in tree.items():
-    if isinstance(v, dict) and "a" in v and "b" in v and v["b"].dtype == dtype:
-      bs[name], rest[name] = {"b": v["b"]}, {k: x for k, x in v.items() if k != "b"}
-    elif isinstance(v, dict):
-      bs[name], rest[name] = _split_lora_b(v, dtype)
-    else:
-      rest[name] = v
-  return bs, rest
 
 
 def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Array, *,
@@ -350,8 +338,9 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
   # reads layer li of the b stack in place (layers._lora_factors); elsewhere the body slices it, as
   # the scan would. A float base keeps them in the scan (its GEMMs read scanned slices as before).
   if cache is not None:
-    stacked, scanned = _split_quantized(base["layers"])
-    lora_b, lay_lora = (_split_lora_b(lay_lora, dt) if stacked and layers.LORA_EPILOGUE else ({}, lay_lora))
+    stacked, scanned = _split_leaves(base["layers"], lambda name, v: layers.is_quantized(v))
+    in_place_b = lambda name, v: name == "b" and v.dtype == dt  # an adapter's b, in the compute dtype
+    lora_b, lay_lora = _split_leaves(lay_lora, in_place_b) if stacked and layers.LORA_EPILOGUE else ({}, lay_lora)
   else:
     stacked, scanned, lora_b = {}, base["layers"], {}
 
