@@ -44,12 +44,22 @@ def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False
   return y.astype(out_dtype)
 
 
+def _clamp_layer(index, num_layers: int) -> jax.Array:
+  """``index`` clamped to ``[0, num_layers)`` as the kernels clamp it (``lax.dynamic_index_in_dim``
+  alone would wrap a negative index to the end of the stack)."""
+  return jnp.clip(jnp.asarray(index, jnp.int32), 0, num_layers - 1)
+
+
+def _layer_b(b, index):
+  """``b`` ``[R, N]`` as given, or layer ``index`` (clamped) of a stack ``[L, R, N]``."""
+  return b if b.ndim == 2 else jax.lax.dynamic_index_in_dim(b, _clamp_layer(index, b.shape[0]), 0, keepdims=False)
+
+
 def _lora_delta(xa, b, scale, index=None):
   """``scale * xa @ b`` in float32 (bf16 operands, as the kernel's epilogue); a stacked ``b``
   ``[L, R, N]`` is sliced at ``index`` (clamped)."""
-  if b.ndim == 3:
-    b = jax.lax.dynamic_index_in_dim(b, index, 0, keepdims=False)
-  return scale * jnp.dot(xa.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+  return scale * jnp.dot(xa.astype(jnp.bfloat16), _layer_b(b, index).astype(jnp.bfloat16),
+                         preferred_element_type=jnp.float32)
 
 
 def kernel_dx(dy2d: jax.Array, w, *, out_dtype=jnp.bfloat16, interpret: bool = False, index=None) -> jax.Array:
@@ -138,12 +148,10 @@ def _kernel_matmul_lora_bwd(scale, out_dtype, interpret, res, dy):
   w, index, xa, b = res
   dx, dw, dindex = _kernel_matmul_bwd(out_dtype, interpret, (w, index), dy)
   dy32 = dy.astype(jnp.float32)
-  b_layer = b if b.ndim == 2 else jax.lax.dynamic_index_in_dim(b, index, 0, keepdims=False)
-  dxa = (scale * jnp.dot(dy32, b_layer.astype(jnp.float32).T)).astype(xa.dtype)
+  dxa = (scale * jnp.dot(dy32, _layer_b(b, index).astype(jnp.float32).T)).astype(xa.dtype)
   db = (scale * jnp.dot(xa.astype(jnp.float32).T, dy32)).astype(b.dtype)
   if b.ndim == 3:  # only layer `index` (clamped, as in the forward) of the stack gets a cotangent
-    layer = jnp.clip(index, 0, b.shape[0] - 1)
-    db = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(b), db, layer, 0)
+    db = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(b), db, _clamp_layer(index, b.shape[0]), 0)
   return dx, dw, dindex, dxa, db
 
 
@@ -160,7 +168,8 @@ def _kernel_applies(x, w, index=None) -> bool:
 
 
 def layer_of(w, index):
-  """Layer ``index`` (int32 scalar, traced or not) of a stacked 4-bit tensor ``[L, K, N]`` as a ``[K, N]`` tensor.
+  """Layer ``index`` (int32 scalar, traced or not; clamped to ``[0, L)``) of a stacked 4-bit tensor
+  ``[L, K, N]`` as a ``[K, N]`` tensor.
 
   An XLA dynamic slice (a copy of the layer on a GPU); the kernel path reads
   the layer in place instead.
@@ -170,7 +179,8 @@ def layer_of(w, index):
   """
   if w.packed.ndim != 3:
     raise ValueError(f"expected a stack of 4-bit matrices [L, K, N], got packed shape {w.packed.shape}")
-  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False), w)
+  layer = _clamp_layer(index, w.packed.shape[0])
+  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), w)
 
 
 def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", index=None,
@@ -196,7 +206,7 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
       of a stacked ``w``. The kernels read that layer in place, so a layer
       ``scan`` over stacked weights copies no weight per step (an XLA dynamic
       slice feeding a custom call is a device copy); the reference slices.
-      Clamped to ``[0, L)`` like ``lax.dynamic_index_in_dim``.
+      Clamped to ``[0, L)`` on every backend (a negative index gives layer 0).
     lora: optional ``(xa, b, scale)``: a LoRA delta ``scale * xa @ b`` (Hu et
       al. 2021) added to the product, with ``xa = x @ A`` ``[..., R]`` (x's
       leading dims), ``b`` ``[R, N]`` and a static float ``scale``; both

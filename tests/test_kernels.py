@@ -178,7 +178,7 @@ def test_lora_epilogue_reads_a_stacked_b_at_the_layer_index(m):
   b64 = np.asarray(bs, np.float64)
   f = jax.jit(lambda x, xa, b, i: quantized_matmul(x, wq, backend="interpret", out_dtype=jnp.float32, index=i,
                                                      lora=(xa, b, scale)))
-  for i, layer in ((1, 1), (0, 0), (9, 2), (-4, 0)):
+  for i, layer in ((1, 1), (0, 0), (9, 2), (-4, 0), (-1, 0)):
     want = np.asarray(x, np.float64) @ dense[layer] + scale * np.asarray(xa, np.float64) @ b64[layer]
     assert _rel(f(x, xa, bs, jnp.int32(i)), want) < 1e-2, i
     ref = quantized_matmul(x, wq, backend="reference", out_dtype=jnp.float32, index=jnp.int32(i), lora=(xa, bs, scale))
@@ -188,6 +188,12 @@ def test_lora_epilogue_reads_a_stacked_b_at_the_layer_index(m):
   db = np.asarray(jax.grad(loss)(bs), np.float64)
   assert _rel(db[2], scale * np.asarray(xa, np.float64).T @ ct) < 1e-2
   assert not db[:2].any()
+  # a negative index reads and differentiates layer 0, on both backends
+  for backend in ("interpret", "reference"):
+    neg = lambda b: jnp.sum(quantized_matmul(x, wq, backend=backend, out_dtype=jnp.float32, index=jnp.int32(-1),
+                                             lora=(xa, b, scale)) * jnp.asarray(ct, jnp.float32))
+    db = np.asarray(jax.grad(neg)(bs), np.float64)
+    assert _rel(db[0], scale * np.asarray(xa, np.float64).T @ ct) < 1e-2 and not db[1:].any(), backend
   with pytest.raises(ValueError, match="lora needs xa"):  # a stacked b needs the index
     quantized_matmul(x, nvfp4.quantize(w[0]), backend="interpret", lora=(xa, bs, scale))
 
@@ -266,6 +272,10 @@ def test_stacked_index_reads_the_right_layer(fmt, m):
   # an out-of-range layer is clamped to the stack (as lax.dynamic_index_in_dim), inside the kernels
   assert _rel(f(x, jnp.int32(7)), np.asarray(x, np.float64) @ dense[2]) < tol
   assert _rel(f(x, jnp.int32(-3)), np.asarray(x, np.float64) @ dense[0]) < tol
+  # -1 too: the reference clamps like the kernels (a bare dynamic slice would wrap it to layer 2)
+  assert _rel(f(x, jnp.int32(-1)), np.asarray(x, np.float64) @ dense[0]) < tol
+  ref_neg = quantized_matmul(x, wq, out_dtype=jnp.float32, backend="reference", index=jnp.int32(-1))
+  assert _rel(ref_neg, np.asarray(x, np.float64) @ dense[0]) < 1e-2
   ref = quantized_matmul(x, wq, out_dtype=jnp.float32, backend="reference", index=jnp.int32(1))
   # the reference dequantizes to x's dtype (bf16): W is rounded, hence 1e-2
   assert _rel(ref, np.asarray(x, np.float64) @ dense[1]) < 1e-2
