@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import w4_triton
+from pallas_kernels import w4_gluon, w4_triton
 from qerl_jax import nf4, nvfp4
 
 BACKENDS = ("auto", "reference", "pallas", "interpret")
@@ -19,12 +20,22 @@ BACKENDS = ("auto", "reference", "pallas", "interpret")
 # docs/benchmarks.md). Per direction: "fwd" (x @ W) and "dx" (dy @ W^T).
 FUSED_MAX_M = {"fwd": 64, "dx": 32}
 
+# The Gluon decode GEMV (pallas_kernels.w4_gluon) takes the forward for M <= 16 on NVFP4 weights
+# whose shapes it supports, when jax-triton is installed. Off by default: the kernel is 1.6x faster
+# than the Pallas kernel at M <= 8 on an H200, but a batch-8 rollout ran slower with it (1697 vs
+# 2059 tokens/s), its jax-triton custom call breaking XLA's captured decode step into separately
+# launched pieces (docs/benchmarks.md, session 7). True (or QERL_GLUON=1 in the environment)
+# turns it on.
+GLUON = os.environ.get("QERL_GLUON", "0") == "1"
+
 
 def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False, index=None,
                    lora=None) -> jax.Array:
   """The kernel path's ``x @ W`` for 2-D bf16 ``x`` ``[M, K]`` -> ``[M, N]`` (no VJP).
 
-  Fused dequantize-in-registers kernel for ``M <= FUSED_MAX_M["fwd"]``, else
+  The Gluon decode GEMV (:mod:`pallas_kernels.w4_gluon`) where it applies (``GLUON``, off by default; NVFP4,
+  ``M <= 16``, no ``lora``, jax-triton installed); else the Pallas
+  fused dequantize-in-registers kernel for ``M <= FUSED_MAX_M["fwd"]``, else
   a one-pass Pallas dequantize to bf16 followed by ``jnp.dot`` (float32
   accumulation). With ``index`` (int32 scalar), ``w`` is a stack ``[L, K, N]``
   and layer ``index`` is read in place. ``lora = (xa [M, R], b, scale)``
@@ -35,6 +46,9 @@ def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False
     TypeError: unsupported weight type. ValueError: K mismatch, stacked ``w``.
   """
   out_dtype = jnp.dtype(out_dtype or x2d.dtype)
+  if (GLUON and not interpret and lora is None and w4_gluon.applies(x2d.shape[0], w, x2d.dtype)
+      and w4_gluon.available()):
+    return w4_gluon.forward(x2d, w, out_dtype=out_dtype, index=index)
   if x2d.shape[0] <= FUSED_MAX_M["fwd"]:
     return w4_triton.forward(x2d, w, out_dtype=out_dtype, interpret=interpret, index=index, lora=lora)
   w_dense = w4_triton.dequantize(w, x2d.dtype, interpret=interpret, index=index)

@@ -10,6 +10,9 @@ value from offline sm_90 SASS (experiments/lab/offline_sass.py):
   k32_2k     block_k 32 with twice the programs (split-K)
   w8         8 warps on the same tile: 66 registers a thread, 7.00/value
   w2_n64     2 warps, block_n 64: 82 registers, 5.89/value
+  k128_s4    block_k 128 with 4 stages: twice the bytes per stage (session 7)
+  n256_s4    block_n 256 with 4 stages (session 7)
+  s6         6 stages (session 7)
 
 Every variant is first checked against ``reference_matmul`` (NaN-poisoned output, ragged shapes),
 then timed per call at the 7B shapes (``labcommon.time_against_tuned``).
@@ -33,6 +36,9 @@ VARIANTS = {  # TileConfig fields changed from the tuned config; "programs_x" sc
     "k32_2k": dict(block_k=32, programs_x=2),
     "w8": dict(num_warps=8),
     "w2_n64": dict(num_warps=2, block_n=64),
+    "k128_s4": dict(block_k=128, num_stages=4),
+    "n256_s4": dict(block_n=256, num_stages=4),
+    "s6": dict(num_stages=6),
 }
 MS = [int(v) for v in os.environ.get("OCC_MS", "1,8,32").split(",")]
 

@@ -1,0 +1,283 @@
+"""Decode-size W4A16 GEMV for NVFP4 weights in Gluon (Triton 3.6), called through jax-triton.
+
+``forward(x, w)`` computes ``x @ W`` for bf16 ``x`` ``[M, K]`` with ``M <= 16`` and an NVFP4
+``W`` ``[K, N]`` (or layer ``index`` of a stack ``[L, K, N]``, read in place), float32
+accumulation. It is the decode path of :func:`pallas_kernels.matmul.quantized_matmul` on a GPU:
+on an H200 it takes about half the time of the Pallas kernel of :mod:`pallas_kernels.w4_triton`
+at M <= 8 (docs/benchmarks.md, session 7).
+
+Why Gluon: Gluon lets the kernel name the register layout of every tensor, which Pallas does not.
+The Pallas kernel loads the codes through shared memory and gathers them byte by byte into the
+tensor-core operand (Nsight Compute: L1/shared-memory pipe 74% busy at M = 8). Here each thread
+loads exactly the bytes its MMA fragments need, 8 contiguous bytes per code row, straight into
+registers; no shared memory is used in the main loop.
+
+The kernel computes ``(x W)^T = W^T x^T`` (swap-AB): the weight is the MMA's A operand (rows are
+output columns), the batch is the MMA's N (8 or 16). Three relabelings make the stored
+``[K/2, N]`` codes (NVFP4, :mod:`qerl_jax.nvfp4`) land in the operand registers without moving
+data between threads:
+
+* rows: A's row ``r`` is output column ``n = nu(r)``, a fixed bit permutation chosen so that a
+  thread's rows are 8 consecutive columns (one 8-byte load per code row);
+* K: an MMA register holds two consecutive k slots of one row. The decode puts the low nibbles of
+  code rows ``2j`` and ``2j + 1`` (k = 4j and 4j + 2) in one register and their high nibbles
+  (k = 4j + 1, 4j + 3) in the next, so slot ``s`` holds ``k = s`` with bits 0 and 1 swapped; ``x``
+  is loaded with the same swap (a register permutation inside each thread's 8 contiguous k);
+* values: one inline-PTX block turns 2 x 4 code bytes and 4 block scales into 16 bf16 values by
+  bit placement (as ``w4_triton``'s asm decode: ``e2m1 * scale * 2**-8``, exact; the accumulator is
+  multiplied by ``2**8 / global scale``).
+
+Each program owns 256 output columns and ``STEPS`` contraction steps of 64 (split-K; the float32
+partials ``[S, M, N]`` are summed by XLA). The step loop is unrolled and each step's loads are
+issued one step ahead of their use. Shapes the kernel does not take (N not a multiple of 256,
+K not a multiple of 64, M > 16, NF4) go to the Pallas kernels; :func:`applies` says which.
+
+Needs ``jax-triton`` and ``triton`` 3.6 (the GPU image has triton; jax-triton travels as a wheel).
+jax-triton 0.3.1 compiles Triton-language kernels only, so :func:`_install` teaches its
+kernel cache to compile a Gluon kernel with ``triton.compile`` (one function, patched once).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+
+from qerl_jax import nvfp4
+
+BLOCK_N = 256   # output columns per program
+BLOCK_K = 64    # contraction per unrolled step
+MAX_STEPS = 8   # unrolled steps per program (14 measured slower: more registers, fewer programs)
+MAX_M = 16
+TARGET_PROGRAMS = 512  # measured best for the 7B shapes at M = 1-8 (docs/benchmarks.md, session 7)
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+  """True when ``triton`` (with Gluon) and ``jax_triton`` import."""
+  try:
+    import jax_triton  # noqa: F401
+    from triton.experimental import gluon  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+def applies(m: int, w, x_dtype) -> bool:
+  """Whether :func:`forward` takes ``x [m, K]`` (dtype ``x_dtype``) times ``w``: NVFP4, bf16 x,
+  ``1 <= m <= 16``, N a multiple of 256, K a multiple of 64 with a split of at most 8 steps."""
+  if not isinstance(w, nvfp4.NVFP4Tensor) or jnp.dtype(x_dtype) != jnp.bfloat16:
+    return False
+  k, n = w.shape
+  return 1 <= m <= MAX_M and n % BLOCK_N == 0 and k % BLOCK_K == 0 and _splits(k, n) is not None
+
+
+def _splits(k: int, n: int) -> int | None:
+  """The split count: a divisor of the K steps with at most MAX_STEPS steps per program, giving
+  the program count nearest TARGET_PROGRAMS (ties to fewer splits); None if no divisor fits."""
+  total = k // BLOCK_K
+  tiles = n // BLOCK_N
+  options = [s for s in range(1, total + 1) if total % s == 0 and total // s <= MAX_STEPS]
+  if not options:
+    return None
+  return min(options, key=lambda s: (abs(tiles * s - TARGET_PROGRAMS), s))
+
+
+def _asm() -> str:
+  """Inline PTX: code words ``$8`` (row 2j, 4 columns) and ``$9`` (row 2j+1, same columns), block
+  scales ``$10, $11`` (4 bf16, times 2**118) -> ``$0..$3`` low nibbles, ``$4..$7`` high nibbles; each
+  output register holds (row 2j, row 2j+1) of one column. ``prmt`` pairs the two rows' bytes of a
+  column, bit placement makes ``e2m1 * 2**-126``, one bf16x2 multiply by the scale finishes it."""
+  lines = ["{", ".reg .b32 u, m, s, t, nz;", "mov.b32 nz, 0x80008000;"]
+  for q in range(4):
+    sc = "$10" if q < 2 else "$11"
+    lines += [f"prmt.b32 u, $8, $9, {hex(q | ((4 + q) << 8))};",
+              f"prmt.b32 s, {sc}, {sc}, {'0x1010' if q % 2 == 0 else '0x3232'};"]
+    for reg, shift_mag, shift_sign in ((f"${q}", 6, 12), (f"${4 + q}", 2, 8)):
+      lines += [f"shl.b32 m, u, {shift_mag};", "and.b32 m, m, 0x01C001C0;", f"shl.b32 t, u, {shift_sign};",
+                "and.b32 t, t, 0x80008000;", "or.b32 m, m, t;", f"fma.rn.bf16x2 {reg}, m, s, nz;"]
+  return "\n".join(lines + ["}"])
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+  """Builds the Gluon kernel (imports triton lazily: CPU installs need not have it)."""
+  from triton.experimental import gluon
+  from triton.experimental.gluon import language as ttgl
+  from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+  asm = ttgl.constexpr(_asm())
+  # codes [32 rows, 256 columns]: registers n0 n1 n2 kp0 kp1 kp4; lanes kp2 kp3 n3 n4 n5; warps n6 n7
+  code_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
+      reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [16, 0]],
+      lane_bases=[[4, 0], [8, 0], [0, 8], [0, 16], [0, 32]],
+      warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[32, 256]))
+  # the even code rows viewed as [4 scale groups, 4 row pairs, 256]: the block scales' parent layout
+  group_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
+      reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [2, 0, 0]],
+      lane_bases=[[0, 2, 0], [1, 0, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32]],
+      warp_bases=[[0, 0, 64], [0, 0, 128]], block_bases=[], shape=[4, 4, 256]))
+
+  @gluon.jit
+  def load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, i, N: ttgl.constexpr):
+    c = ttgl.load(p_ptr + c_offs + i * (32 * N))
+    xb = ttgl.load(x_ptr + x_offs + i * 64, mask=x_mask, other=0.0)
+    sg = ttgl.arange(0, 4, layout=ttgl.SliceLayout(1, ttgl.SliceLayout(1, group_layout)))
+    sn = ttgl.arange(0, 256, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(1, group_layout)))
+    s = ttgl.load(s_ptr + ttgl.expand_dims(sg + (s_row0 + i * 4), 1) * N + ttgl.expand_dims(sn, 0) + n0)
+    return c, s, xb
+
+  @gluon.jit
+  def mma_step(acc, c, s, xb, a_layout: ttgl.constexpr, b_layout: ttgl.constexpr):
+    s = (s.to(ttgl.float32) * 3.3230699894622896e+35).to(ttgl.bfloat16)  # times 2**118
+    c_a, c_b = ttgl.split(ttgl.permute(ttgl.reshape(c, [16, 2, 256]), [0, 2, 1]))  # rows 2j, 2j+1
+    c_a4 = ttgl.reshape(c_a, [4, 4, 256])
+    s_a = ttgl.reshape(ttgl.broadcast(ttgl.expand_dims(s, 1), c_a4)[0], [16, 256])
+    s_a = ttgl.convert_layout(s_a, c_a.type.layout, assert_trivial=True)
+    o1, o2, o3, o4 = ttgl.inline_asm_elementwise(
+        asm, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [c_a, c_b, s_a],
+        dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16), is_pure=True, pack=4)
+    # [j 4 bits][column 8 bits][p][lo/hi] -> A [r 8 bits, k slot 6 bits]
+    j = ttgl.reshape(ttgl.join(ttgl.join(o1, o2), ttgl.join(o3, o4)), [2] * 14)
+    a = ttgl.reshape(ttgl.permute(j, [9, 12, 4, 5, 10, 6, 7, 8, 0, 1, 2, 3, 13, 11]), [256, 64])
+    a = ttgl.convert_layout(a, a_layout)
+    # x^T with k bits 0 and 1 swapped (inside each thread's 8 contiguous k)
+    mb: ttgl.constexpr = xb.shape[1]
+    xs = ttgl.reshape(ttgl.permute(ttgl.reshape(xb, [16, 2, 2, mb]), [0, 2, 1, 3]), [64, mb])
+    return mma_v2(a, ttgl.convert_layout(xs, b_layout), acc)
+
+  @gluon.jit
+  def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
+                 K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr):
+    mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+    a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 8)
+    b_layout: ttgl.constexpr = ttgl.DotOperandLayout(1, mma, 8)
+    pid_n = ttgl.program_id(0)
+    pid_s = ttgl.program_id(1)
+    layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
+    gs = ttgl.load(gs_ptr + layer)
+    n0 = pid_n * 256
+    kp0 = pid_s * (STEPS * 32) + layer * (K // 2)  # first code row of this split (layers folded)
+    s_row0 = pid_s * (STEPS * 4) + layer * (K // 16)
+    kp = ttgl.arange(0, 32, layout=ttgl.SliceLayout(1, code_layout))
+    nn = ttgl.arange(0, 256, layout=ttgl.SliceLayout(0, code_layout))
+    c_offs = ttgl.expand_dims(kp + kp0, 1) * N + ttgl.expand_dims(nn, 0) + n0
+    kk = ttgl.arange(0, 64, layout=ttgl.SliceLayout(1, b_layout))
+    mm = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, b_layout))
+    x_offs = ttgl.expand_dims(kk + pid_s * (STEPS * 64), 1) + ttgl.expand_dims(mm, 0) * K
+    x_mask = ttgl.expand_dims(mm < M, 0) & ttgl.expand_dims(kk >= 0, 1)
+    acc = ttgl.zeros([256, MB], ttgl.float32, layout=mma)
+    c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N)
+    for i in ttgl.static_range(STEPS):  # unrolled; step i+1's loads are issued before step i's math
+      c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N)
+      acc = mma_step(acc, c0, s0, x0, a_layout, b_layout)
+      c0, s0, x0 = c1, s1, x1
+    acc = acc * (256.0 / gs)  # 2**8 undoes the decode's 2**-8
+    # rows r -> columns n = nu(r) (the inverse relabelling), then 16-byte stores along n
+    acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 8 + [MB]), [2, 3, 5, 6, 7, 0, 1, 4, 8]), [256, MB])
+    st: ttgl.constexpr = ttgl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+    acc = ttgl.convert_layout(acc, st)
+    no = ttgl.arange(0, 256, layout=ttgl.SliceLayout(1, st))
+    mo = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, st))
+    o_offs = pid_s * (M * N) + ttgl.expand_dims(mo, 0) * N + ttgl.expand_dims(no + n0, 1)
+    ttgl.store(o_ptr + o_offs, acc, mask=ttgl.expand_dims(mo < M, 0) & ttgl.expand_dims(no >= 0, 1))
+
+  return w4a16_gemv
+
+
+_INSTALLED = []
+
+
+def _ensure_triton_cache_dir():
+  """``triton.compile`` needs a cache folder; where none resolves (an empty ``TRITON_CACHE_DIR``, or
+  a home that is not writable, as on the project's GPU machine) a temporary one is used."""
+  import tempfile
+
+  from triton import knobs
+  folder = knobs.cache.dir
+  try:
+    ok = bool(folder) and (os.makedirs(folder, exist_ok=True) or os.access(folder, os.W_OK))
+  except OSError:
+    ok = False
+  if not ok:
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="qerl-triton-")
+
+
+def _install():
+  """Lets jax-triton's kernel cache compile Gluon kernels (jax-triton 0.3.1 builds every kernel as
+  Triton-language TTIR). Idempotent; Triton-language kernels take jax-triton's own path."""
+  if _INSTALLED:
+    return
+  import triton
+  import jax_triton.triton_lib as jt
+  from triton.backends.compiler import GPUTarget
+  from triton.experimental.gluon._runtime import GluonASTSource
+
+  original = jt.get_or_create_triton_kernel
+  cache = {}
+
+  def get_or_create(backend_init_func, platform, fn, arg_dtypes, scalar_args, *, num_warps, num_stages, num_ctas,
+                    compute_capability, enable_fp_fusion, metaparams, dump):
+    if not (hasattr(fn, "is_gluon") and fn.is_gluon()):
+      return original(backend_init_func, platform, fn, arg_dtypes, scalar_args, num_warps=num_warps,
+                      num_stages=num_stages, num_ctas=num_ctas, compute_capability=compute_capability,
+                      enable_fp_fusion=enable_fp_fusion, metaparams=metaparams, dump=dump)
+    if scalar_args:
+      raise ValueError("w4_gluon: Gluon kernels take arrays and constexprs only")
+    cc = compute_capability or jt.triton_kernel_call_lib.get_compute_capability(0)
+    key = (fn, tuple(arg_dtypes), tuple(sorted(metaparams.items())), num_warps, cc)
+    if key not in cache:
+      signature = {fn.arg_names[i]: d for i, d in enumerate(arg_dtypes)}
+      signature.update({name: "constexpr" for name in metaparams})
+      attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(arg_dtypes))}
+      src = GluonASTSource(fn, signature, constexprs=dict(metaparams), attrs=attrs)
+      _ensure_triton_cache_dir()
+      compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": num_warps})
+      kernel = jt.triton_kernel_call_lib.TritonKernel(compiled.metadata.name, num_warps, 1, compiled.metadata.shared,
+                                                      compiled.asm["ptx"], "", cc)
+      cache[key] = (kernel, attrs)
+    return cache[key]
+
+  jt.get_or_create_triton_kernel = get_or_create
+  _INSTALLED.append(True)
+
+
+def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -> jax.Array:
+  """``x @ W`` by the Gluon decode GEMV (GPU only; no VJP: :mod:`pallas_kernels.matmul` wraps it).
+
+  Args:
+    x: bf16 ``[M, K]``, ``1 <= M <= 16``.
+    w: :class:`~qerl_jax.nvfp4.NVFP4Tensor` ``[K, N]``, or with ``index`` a stack ``[L, K, N]``.
+    out_dtype: output dtype (default bf16); accumulation is float32.
+    index: int32 scalar (may be traced): layer of the stack, clamped to ``[0, L)`` in the kernel.
+
+  Returns:
+    ``[M, N]`` in ``out_dtype``.
+
+  Raises:
+    ValueError: a shape :func:`applies` rejects, or ``index`` with an unstacked weight.
+    ImportError: jax-triton or triton missing.
+  """
+  m, k = x.shape
+  if not applies(m, w, x.dtype) or x.shape[1] != w.shape[0]:
+    raise ValueError(f"w4_gluon.forward: no kernel for x {x.dtype}{list(x.shape)} and weight {type(w).__name__} "
+                     f"{list(w.shape)} (needs NVFP4, bf16 x, M <= {MAX_M}, N % {BLOCK_N} == 0, K % {BLOCK_K} == 0)")
+  if (index is None) != (w.packed.ndim == 2):
+    raise ValueError(f"w4_gluon.forward: index={index!r} with packed codes of shape {w.packed.shape}")
+  import jax_triton  # after the checks: a CPU install without it still gets the ValueError
+
+  _install()
+  n = w.shape[1]
+  layers = 1 if index is None else w.packed.shape[0]
+  splits = _splits(k, n)
+  mb = 8 if m <= 8 else 16
+  gs = jnp.asarray(w.global_scale, jnp.float32).reshape(layers)
+  idx = jnp.zeros((1,), jnp.int32) if index is None else jnp.asarray(index, jnp.int32).reshape(1)
+  partials = jax_triton.triton_call(
+      x, w.packed.reshape(layers * (k // 2), n), w.block_scale.reshape(layers * (k // 16), n), gs, idx,
+      kernel=_kernel(), out_shape=jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
+      grid=(n // BLOCK_N, splits), num_warps=4, M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=mb)
+  y = partials[0] if splits == 1 else partials.sum(axis=0)
+  return y.astype(out_dtype or x.dtype)

@@ -1,0 +1,110 @@
+"""Tests of the Gluon decode GEMV (pallas_kernels/w4_gluon.py).
+
+The kernel runs only on an NVIDIA GPU (no interpreter for Gluon): its numerics are tested there
+against a float64 numpy product of the dequantized weight. On CPU the tests cover what decides
+where it runs (shape support, the split rule worked by hand) and that ``quantized_matmul`` never
+picks it without a GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import matmul, quantized_matmul, reference_matmul, w4_gluon
+from qerl_jax import nf4, nvfp4
+
+
+def _rel(a, b):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _weight(k, n, seed, layers=None):
+  shape = (k, n) if layers is None else (layers, k, n)
+  return nvfp4.quantize(np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.05)
+
+
+def _act(m, k, seed):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal((m, k)) * 3.0, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("k,n,splits", [
+    (3584, 4608, 28),    # 7B q/k/v: 56 steps, 18 tiles; 28 splits -> 504 programs (2 steps each)
+    (3584, 3584, 28),    # 7B o: 14 tiles; 28 -> 392 (|392 - 512| < |784 - 512| for 56 splits)
+    (3584, 37888, 7),    # 7B gate/up fused: 148 tiles; at most 8 steps -> 7 splits, 1036 programs
+    (18944, 3584, 37),   # 7B down: 296 steps = 8 x 37; 37 splits -> 518 programs
+    (64, 256, 1),        # one step, one tile
+])
+def test_split_rule_by_hand(k, n, splits):
+  assert w4_gluon._splits(k, n) == splits
+
+
+def test_applies_only_to_shapes_it_takes():
+  w = _weight(128, 512, 0)
+  assert w4_gluon.applies(1, w, jnp.bfloat16) and w4_gluon.applies(16, w, jnp.bfloat16)
+  assert not w4_gluon.applies(17, w, jnp.bfloat16)       # M > 16: the Pallas kernel
+  assert not w4_gluon.applies(8, w, jnp.float32)          # x must be bf16
+  assert not w4_gluon.applies(8, _weight(128, 200, 0), jnp.bfloat16)   # N % 256
+  assert not w4_gluon.applies(8, _weight(96, 256, 0), jnp.bfloat16)    # K % 64
+  assert not w4_gluon.applies(8, nf4.quantize(np.ones((128, 512), np.float32)), jnp.bfloat16)
+
+
+def test_forward_rejects_what_it_does_not_take():
+  with pytest.raises(ValueError, match="no kernel"):
+    w4_gluon.forward(_act(17, 128, 0), _weight(128, 512, 0))
+
+
+def test_auto_backend_on_cpu_is_the_reference():
+  if any(d.platform == "gpu" for d in jax.devices()):
+    pytest.skip("checks the CPU dispatch")
+  w = _weight(128, 512, 1)
+  x = _act(4, 128, 2)
+  np.testing.assert_array_equal(np.asarray(quantized_matmul(x, w)), np.asarray(reference_matmul(x, w)))
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _dense64(wq):
+  return np.asarray(nvfp4.dequantize(wq, jnp.float32), np.float64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("k,n", [(3584, 4608), (18944, 3584), (1088, 768), (64, 256)])
+def test_gpu_gluon_matches_float64(m, k, n):
+  wq = _weight(k, n, m + k)
+  x = _act(m, k, n)
+  y = w4_gluon.forward(x, wq, out_dtype=jnp.float32)
+  assert y.shape == (m, n) and bool(jnp.isfinite(y).all())
+  # exact E2M1 x E4M3 values, bf16 products, float32 accumulation in a different order
+  assert _rel(y, np.asarray(x, np.float64) @ _dense64(wq)) < 1e-4
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_reads_the_clamped_layer_of_a_stack():
+  layers, k, n = 3, 1024, 512
+  wq = _weight(k, n, 5, layers=layers)
+  x = _act(8, k, 6)
+  f = jax.jit(lambda x, i: w4_gluon.forward(x, wq, out_dtype=jnp.float32, index=i))
+  for i, want in ((1, 1), (2, 2), (-1, 0), (7, 2)):
+    y = f(x, jnp.int32(i))
+    assert _rel(y, np.asarray(x, np.float64) @ _dense64(matmul.layer_of(wq, want))) < 1e-4, i
+
+
+@pytest.mark.gpu
+def test_gpu_quantized_matmul_routes_decode_to_gluon_with_its_gradient(monkeypatch):
+  if not w4_gluon.available():
+    pytest.skip("jax-triton is not installed")
+  monkeypatch.setattr(matmul, "GLUON", True)
+  k, n = 3584, 4608
+  wq = _weight(k, n, 7)
+  x = _act(8, k, 8)
+  dy = _act(8, n, 9)
+  y = quantized_matmul(x, wq, out_dtype=jnp.float32)
+  assert _rel(y, np.asarray(x, np.float64) @ _dense64(wq)) < 1e-4
+  assert "triton_kernel_call" in jax.jit(lambda x: quantized_matmul(x, wq)).lower(x).as_text()
+  g = jax.grad(lambda x: jnp.sum(quantized_matmul(x, wq).astype(jnp.float32) * dy.astype(jnp.float32)))(x)
+  assert _rel(g, np.asarray(dy, np.float64) @ _dense64(wq).T) < 1e-2
