@@ -1,4 +1,4 @@
-"""Lab (GPU, torch + triton 3.6): the Gluon swap-AB W4A16 GEMV (w4_gluon_v1.py) against a float32
+"""Lab (GPU, torch + triton 3.6): the Gluon swap-AB W4A16 GEMV (w4_gluon_v2.py) against a float32
 reference and against cuBLAS bf16, at the 7B shapes. CUDA graphs over rotating weight copies."""
 import os, sys, itertools, statistics
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

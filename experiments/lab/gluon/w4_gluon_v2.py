@@ -1,4 +1,12 @@
+"""Lab (GPU through torch, or offline): session 7's second Gluon kernel, the variant timed in
+docs/bench_runs/session7_lab_output.txt ("call 4": AHEAD = 1 or 2 steps of loads in flight).
+pallas_kernels/w4_gluon.py is its library form (one step ahead, layer stacks, jax-triton). The
+first variant (a ``range`` loop, scattered stores; "call 3") is in git history at acb918a.
+
+  python3 experiments/lab/gluon/w4_gluon_v2.py        # no GPU: offline SASS of three configs
+"""
 import os, sys
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
@@ -10,19 +18,7 @@ try:
 except ImportError:
     sass = None
 
-def _asm():
-    L = ["{", ".reg .b32 u, m, s, t, nz;", "mov.b32 nz, 0x80008000;"]
-    outs = {}
-    for q in range(4):
-        sc = f"$10" if q < 2 else "$11"
-        sel = "0x1010" if q % 2 == 0 else "0x3232"
-        L += [f"prmt.b32 u, $8, $9, {hex(q | ((4 + q) << 8))};", f"prmt.b32 s, {sc}, {sc}, {sel};"]
-        lo_reg = ["$0", "$1", "$2", "$3"][q]
-        hi_reg = ["$4", "$5", "$6", "$7"][q]
-        for reg, sm, ss in ((lo_reg, 6, 12), (hi_reg, 2, 8)):
-            L += [f"shl.b32 m, u, {sm};", "and.b32 m, m, 0x01C001C0;", f"shl.b32 t, u, {ss};",
-                  "and.b32 t, t, 0x80008000;", "or.b32 m, m, t;", f"fma.rn.bf16x2 {reg}, m, s, nz;"]
-    return "\n".join(L + ["}"])
+from pallas_kernels.w4_gluon import _asm  # noqa: E402
 ASM = ttgl.constexpr(_asm())
 # codes [KP=32, BN=256]: registers n0 n1 n2 kp0 kp1 kp4; lanes kp2 kp3 n3 n4 n5; warps n6 n7
 _CL = ttgl.constexpr(ttgl.DistributedLinearLayout(
