@@ -20,21 +20,34 @@ BACKENDS = ("auto", "reference", "pallas", "interpret")
 # docs/benchmarks.md). Per direction: "fwd" (x @ W) and "dx" (dy @ W^T).
 FUSED_MAX_M = {"fwd": 64, "dx": 32}
 
-# The Gluon decode GEMV (pallas_kernels.w4_gluon) takes the forward for M <= 16 on NVFP4 weights
-# whose shapes it supports, when jax-triton is installed. Off by default: the kernel is 1.6x faster
-# than the Pallas kernel at M <= 8 on an H200, but a batch-8 rollout ran slower with it (1697 vs
-# 2059 tokens/s), its jax-triton custom call breaking XLA's captured decode step into separately
-# launched pieces (docs/benchmarks.md, session 7). True (or QERL_GLUON=1 in the environment)
-# turns it on.
-GLUON = os.environ.get("QERL_GLUON", "0") == "1"
+# The Gluon decode GEMV (pallas_kernels.w4_gluon) for the forward at M <= 16 on NVFP4 weights whose
+# shapes it takes. "auto" (default): only when it is launched through its command-buffer-compatible
+# FFI handler (built with the system C++ compiler); a batch-8 rollout then runs 2565 instead of 2037
+# tokens/s on an H200. Through jax-triton it made the rollout slower (1697), so "auto" skips that
+# path (docs/benchmarks.md, session 7). "1": whenever a launch path exists; "0": never.
+# QERL_GLUON in the environment sets it.
+GLUON = os.environ.get("QERL_GLUON", "auto")
+# With a LoRA adapter: "1" (default) runs the Gluon kernel and adds the delta with XLA (a batch-8
+# training rollout, rank 32 + AQN: 1840 tokens/s); "0" keeps the Pallas kernel, which adds the delta
+# in its epilogue (1743). QERL_GLUON_LORA in the environment sets it.
+GLUON_LORA = os.environ.get("QERL_GLUON_LORA", "1")
+
+
+def _use_gluon(x2d, w, interpret: bool, lora) -> bool:
+  """Whether :func:`kernel_forward` takes the Gluon decode GEMV (see ``GLUON``, ``GLUON_LORA``)."""
+  if interpret or GLUON == "0" or (lora is not None and GLUON_LORA != "1"):
+    return False
+  if not w4_gluon.applies(x2d.shape[0], w, x2d.dtype) or not w4_gluon.available():
+    return False
+  return GLUON == "1" or w4_gluon.launcher() == "ffi"
 
 
 def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False, index=None,
                    lora=None) -> jax.Array:
   """The kernel path's ``x @ W`` for 2-D bf16 ``x`` ``[M, K]`` -> ``[M, N]`` (no VJP).
 
-  The Gluon decode GEMV (:mod:`pallas_kernels.w4_gluon`) where it applies (``GLUON``, off by default; NVFP4,
-  ``M <= 16``, no ``lora``, jax-triton installed); else the Pallas
+  The Gluon decode GEMV (:mod:`pallas_kernels.w4_gluon`) where it applies (NVFP4, ``M <= 16``; see
+  ``GLUON`` and ``GLUON_LORA``); else the Pallas
   fused dequantize-in-registers kernel for ``M <= FUSED_MAX_M["fwd"]``, else
   a one-pass Pallas dequantize to bf16 followed by ``jnp.dot`` (float32
   accumulation). With ``index`` (int32 scalar), ``w`` is a stack ``[L, K, N]``
@@ -46,9 +59,9 @@ def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False
     TypeError: unsupported weight type. ValueError: K mismatch, stacked ``w``.
   """
   out_dtype = jnp.dtype(out_dtype or x2d.dtype)
-  if (GLUON and not interpret and lora is None and w4_gluon.applies(x2d.shape[0], w, x2d.dtype)
-      and w4_gluon.available()):
-    return w4_gluon.forward(x2d, w, out_dtype=out_dtype, index=index)
+  if _use_gluon(x2d, w, interpret, lora):
+    y = w4_gluon.forward(x2d, w, out_dtype=jnp.float32 if lora is not None else out_dtype, index=index)
+    return y if lora is None else (y + _lora_delta(*lora, index=index)).astype(out_dtype)
   if x2d.shape[0] <= FUSED_MAX_M["fwd"]:
     return w4_triton.forward(x2d, w, out_dtype=out_dtype, interpret=interpret, index=index, lora=lora)
   w_dense = w4_triton.dequantize(w, x2d.dtype, interpret=interpret, index=index)

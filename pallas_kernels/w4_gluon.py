@@ -32,18 +32,32 @@ partials ``[S, M, N]`` are summed by XLA). The step loop is unrolled and each st
 issued one step ahead of their use. Shapes the kernel does not take (N not a multiple of 256,
 K not a multiple of 64, M > 16, NF4) go to the Pallas kernels; :func:`applies` says which.
 
-Needs ``jax-triton`` and ``triton`` 3.6 (the GPU image has triton; jax-triton travels as a wheel).
-jax-triton 0.3.1 compiles Triton-language kernels only, so :func:`_install` teaches its
-kernel cache to compile a Gluon kernel with ``triton.compile`` (one function, patched once).
+Needs ``triton`` 3.6 (the GPU image has it). Two launch paths, chosen by :func:`launcher`:
+
+* ``"ffi"`` (preferred): ``triton.compile`` gives the PTX, and a small XLA FFI handler
+  (``pallas_kernels/gluon_launch.cc``, built with the system C++ compiler on first use and cached
+  under ``$QERL_CACHE_DIR`` or ``~/.cache/qerl_jax``; ``QERL_GLUON_LAUNCHER`` may name a prebuilt
+  library) launches it on XLA's stream. The handler is marked command-buffer compatible, so XLA can
+  capture it in a decode step's CUDA graph.
+* ``"jax_triton"``: ``jax_triton.triton_call``. jax-triton 0.3.1 compiles Triton-language kernels
+  only, so :func:`_install` teaches its kernel cache to compile a Gluon kernel. Its legacy custom
+  call is launched outside XLA's command buffers: a batch-8 rollout ran slower with it than with the
+  Pallas kernel (docs/benchmarks.md, session 7).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import hashlib
 import os
+import shutil
+import subprocess
+import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qerl_jax import nvfp4
 
@@ -56,13 +70,12 @@ TARGET_PROGRAMS = 512  # measured best for the 7B shapes at M = 1-8 (docs/benchm
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
-  """True when ``triton`` (with Gluon) and ``jax_triton`` import."""
+  """True when ``triton`` with Gluon imports and a launch path exists (:func:`launcher`)."""
   try:
-    import jax_triton  # noqa: F401
     from triton.experimental import gluon  # noqa: F401
   except ImportError:
     return False
-  return True
+  return launcher() is not None
 
 
 def applies(m: int, w, x_dtype) -> bool:
@@ -244,6 +257,104 @@ def _install():
   _INSTALLED.append(True)
 
 
+_FFI_TARGET = "qerl_gluon_launch"
+
+
+def _build_ffi_library() -> str | None:
+  """Path of the compiled ``gluon_launch.cc`` (built once per source and jaxlib version), or None
+  when no C++ compiler is found or the build fails (the jax-triton path is used then)."""
+  prebuilt = os.environ.get("QERL_GLUON_LAUNCHER")
+  if prebuilt:
+    return prebuilt
+  source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gluon_launch.cc")
+  include = jax.ffi.include_dir()
+  tag = hashlib.sha256(open(source, "rb").read() + include.encode() + jax.__version__.encode()).hexdigest()[:16]
+  folder = os.environ.get("QERL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "qerl_jax")
+  path = os.path.join(folder, f"libqerl_gluon_launch_{tag}.so")
+  if os.path.exists(path):
+    return path
+  compiler = shutil.which("c++") or shutil.which("g++")
+  if compiler is None:
+    return None
+  try:
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-std=c++17", "-w", f"-I{include}", source, "-o", tmp,
+                    "-ldl"], check=True, capture_output=True)
+    os.replace(tmp, path)  # atomic: a concurrent build never sees half a library
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return path
+
+
+@functools.lru_cache(maxsize=None)
+def _ffi_library():
+  """The loaded launcher library with its FFI target registered for CUDA, or None."""
+  path = _build_ffi_library()
+  if path is None:
+    return None
+  try:
+    lib = ctypes.CDLL(path)
+    jax.ffi.register_ffi_target(_FFI_TARGET, jax.ffi.pycapsule(lib.QerlGluonLaunch), platform="CUDA")
+  except (OSError, AttributeError):
+    return None
+  lib.qerl_gluon_preload.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_longlong]
+  return lib
+
+
+@functools.lru_cache(maxsize=None)
+def launcher() -> str | None:
+  """``"ffi"``, ``"jax_triton"`` or None (no way to launch the kernel). ``QERL_GLUON_LAUNCH``
+  (``ffi`` or ``jax_triton``) forces one."""
+  want = os.environ.get("QERL_GLUON_LAUNCH", "")
+  if want in ("", "ffi") and _ffi_library() is not None:
+    return "ffi"
+  if want in ("", "jax_triton"):
+    try:
+      import jax_triton  # noqa: F401
+      return "jax_triton"
+    except ImportError:
+      return None
+  return None
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(meta: tuple):
+  """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta`` (sm_90 and up)."""
+  import triton
+  from triton.backends.compiler import GPUTarget
+  from triton.experimental.gluon._runtime import GluonASTSource
+
+  fn = _kernel()
+  constexprs = dict(meta)
+  dtypes = ["*bf16", "*u8", "*fp8e4nv", "*fp32", "*i32", "*fp32"]
+  signature = {fn.arg_names[i]: d for i, d in enumerate(dtypes)}
+  signature.update({name: "constexpr" for name in constexprs})
+  attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(dtypes))}
+  cc = min((_cc(d) for d in _gpu_devices()), default=90)
+  _ensure_triton_cache_dir()
+  compiled = triton.compile(GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
+  ptx, name, shared = compiled.asm["ptx"], compiled.metadata.name, int(compiled.metadata.shared)
+  lib = _ffi_library()
+  if lib is not None:
+    for device in _gpu_devices():  # load outside any CUDA-graph capture
+      err = lib.qerl_gluon_preload(ptx.encode(), name.encode(), device.id, shared)
+      if err:
+        raise RuntimeError(f"w4_gluon: loading {name} on GPU {device.id} failed (CUresult {err})")
+  return ptx, name, shared
+
+
+def _gpu_devices():
+  return [d for d in jax.devices() if d.platform == "gpu"]
+
+
+def _cc(device) -> int:
+  major, minor = str(getattr(device, "compute_capability", "9.0")).split(".")
+  return int(major) * 10 + int(minor)
+
+
 def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -> jax.Array:
   """``x @ W`` by the Gluon decode GEMV (GPU only; no VJP: :mod:`pallas_kernels.matmul` wraps it).
 
@@ -258,7 +369,8 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
 
   Raises:
     ValueError: a shape :func:`applies` rejects, or ``index`` with an unstacked weight.
-    ImportError: jax-triton or triton missing.
+    ImportError: no launch path (:func:`launcher`).
+    RuntimeError: the compiled kernel failed to load on a GPU.
   """
   m, k = x.shape
   if not applies(m, w, x.dtype) or x.shape[1] != w.shape[0]:
@@ -266,18 +378,29 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
                      f"{list(w.shape)} (needs NVFP4, bf16 x, M <= {MAX_M}, N % {BLOCK_N} == 0, K % {BLOCK_K} == 0)")
   if (index is None) != (w.packed.ndim == 2):
     raise ValueError(f"w4_gluon.forward: index={index!r} with packed codes of shape {w.packed.shape}")
-  import jax_triton  # after the checks: a CPU install without it still gets the ValueError
-
-  _install()
+  path = launcher()
+  if path is None:
+    raise ImportError("w4_gluon.forward needs triton (Gluon) and either a C++ compiler for the FFI launcher "
+                      "or jax-triton")
   n = w.shape[1]
   layers = 1 if index is None else w.packed.shape[0]
   splits = _splits(k, n)
   mb = 8 if m <= 8 else 16
   gs = jnp.asarray(w.global_scale, jnp.float32).reshape(layers)
   idx = jnp.zeros((1,), jnp.int32) if index is None else jnp.asarray(index, jnp.int32).reshape(1)
-  partials = jax_triton.triton_call(
-      x, w.packed.reshape(layers * (k // 2), n), w.block_scale.reshape(layers * (k // 16), n), gs, idx,
-      kernel=_kernel(), out_shape=jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
-      grid=(n // BLOCK_N, splits), num_warps=4, M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=mb)
+  operands = (x, w.packed.reshape(layers * (k // 2), n), w.block_scale.reshape(layers * (k // 16), n), gs, idx)
+  meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=mb)
+  out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
+  if path == "ffi":
+    ptx, name, shared = _compiled(tuple(meta.items()))
+    partials = jax.ffi.ffi_call(_FFI_TARGET, out_shape)(
+        *operands, ptx=ptx, name=name, grid_x=np.int64(n // BLOCK_N), grid_y=np.int64(splits), grid_z=np.int64(1),
+        threads=np.int64(128), shared=np.int64(shared))
+  else:
+    import jax_triton
+
+    _install()
+    partials = jax_triton.triton_call(*operands, kernel=_kernel(), out_shape=out_shape, grid=(n // BLOCK_N, splits),
+                                      num_warps=4, **meta)
   y = partials[0] if splits == 1 else partials.sum(axis=0)
   return y.astype(out_dtype or x.dtype)

@@ -98,13 +98,48 @@ def test_gpu_gluon_reads_the_clamped_layer_of_a_stack():
 def test_gpu_quantized_matmul_routes_decode_to_gluon_with_its_gradient(monkeypatch):
   if not w4_gluon.available():
     pytest.skip("jax-triton is not installed")
-  monkeypatch.setattr(matmul, "GLUON", True)
+  monkeypatch.setattr(matmul, "GLUON", "1")
   k, n = 3584, 4608
   wq = _weight(k, n, 7)
   x = _act(8, k, 8)
   dy = _act(8, n, 9)
   y = quantized_matmul(x, wq, out_dtype=jnp.float32)
   assert _rel(y, np.asarray(x, np.float64) @ _dense64(wq)) < 1e-4
-  assert "triton_kernel_call" in jax.jit(lambda x: quantized_matmul(x, wq)).lower(x).as_text()
+  target = "qerl_gluon_launch" if w4_gluon.launcher() == "ffi" else "triton_kernel_call"
+  assert target in jax.jit(lambda x: quantized_matmul(x, wq)).lower(x).as_text()
   g = jax.grad(lambda x: jnp.sum(quantized_matmul(x, wq).astype(jnp.float32) * dy.astype(jnp.float32)))(x)
   assert _rel(g, np.asarray(dy, np.float64) @ _dense64(wq).T) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_with_a_lora_delta_from_xla(monkeypatch):
+  if not w4_gluon.available():
+    pytest.skip("no launch path for the Gluon kernel")
+  monkeypatch.setattr(matmul, "GLUON", "1")
+  monkeypatch.setattr(matmul, "GLUON_LORA", "1")
+  layers, k, n, r = 2, 1024, 512, 16
+  wq = _weight(k, n, 11, layers=layers)
+  x = _act(8, k, 12)
+  xa = _act(8, r, 13)
+  b = jnp.asarray(np.random.default_rng(14).standard_normal((layers, r, n)) * 0.1, jnp.bfloat16)
+  y = quantized_matmul(x, wq, index=jnp.int32(1), lora=(xa, b, 0.5), out_dtype=jnp.float32)
+  want = (np.asarray(x, np.float64) @ _dense64(matmul.layer_of(wq, 1))
+          + 0.5 * np.asarray(xa, np.float64) @ np.asarray(b[1], np.float64))
+  assert _rel(y, want) < 1e-4
+
+
+def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
+  """With triton and a C++ compiler present, the kernel compiles for sm_90 and the call lowers to the
+  command-buffer-compatible FFI target with the kernel's PTX and launch geometry as attributes."""
+  pytest.importorskip("triton.experimental.gluon")
+  monkeypatch.delenv("QERL_GLUON_LAUNCH", raising=False)
+  if w4_gluon.launcher() != "ffi":
+    pytest.skip("no C++ compiler for the FFI launcher")
+  k, n = 3584, 4608
+  stack = jax.eval_shape(lambda: nvfp4.quantize(jnp.ones((3, k, n), jnp.float32)))
+  x = jax.ShapeDtypeStruct((8, k), jnp.bfloat16)
+  i = jax.ShapeDtypeStruct((), jnp.int32)
+  text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x, stack, i).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "qerl_gluon_launch" in text and ".entry w4a16_gemv" in text
+  assert "grid_x = 18" in text and "grid_y = 28" in text  # 4608 / 256 tiles, 28 splits (test_split_rule_by_hand)

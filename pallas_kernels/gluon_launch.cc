@@ -1,0 +1,170 @@
+// XLA FFI handler that launches a compiled Triton/Gluon kernel (PTX) on XLA's stream.
+//
+// pallas_kernels/w4_gluon.py builds this file with the system C++ compiler on first use and
+// registers it as the custom-call target "qerl_gluon_launch". Unlike jax-triton's legacy custom
+// call, the handler is marked command-buffer compatible, so XLA can capture its launches in the
+// CUDA graph of a decode step (docs/benchmarks.md, session 7). It needs no CUDA headers: the five
+// driver entry points it uses are looked up in libcuda.so.1 at run time.
+//
+// Kernel parameters, in order: every operand's and result's device pointer, then the two null
+// scratch pointers that Triton 3.6 appends (global and profile scratch; the kernels here use none).
+// Modules are loaded once per (CUDA context, PTX) pair: qerl_gluon_preload loads them outside any
+// stream capture (called from Python when a call is built); the handler loads on a miss.
+
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+typedef struct CUstream_st* cudaStream_t;
+typedef int CUresult;
+typedef struct CUctx_st* CUcontext;
+typedef struct CUmod_st* CUmodule;
+typedef struct CUfunc_st* CUfunction;
+typedef int CUdevice;
+
+namespace {
+
+struct Driver {
+  CUresult (*ctx_get_current)(CUcontext*) = nullptr;
+  CUresult (*module_load_data)(CUmodule*, const void*) = nullptr;
+  CUresult (*module_get_function)(CUfunction*, CUmodule, const char*) = nullptr;
+  CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                            cudaStream_t, void**, void**) = nullptr;
+  CUresult (*func_set_attribute)(CUfunction, int, int) = nullptr;
+  CUresult (*primary_ctx_retain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*ctx_push)(CUcontext) = nullptr;
+  CUresult (*ctx_pop)(CUcontext*) = nullptr;
+  CUresult (*device_get)(CUdevice*, int) = nullptr;
+  bool ok = false;
+};
+
+const Driver& GetDriver() {
+  static Driver d = [] {
+    Driver d;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return d;
+    d.ctx_get_current = reinterpret_cast<decltype(d.ctx_get_current)>(dlsym(lib, "cuCtxGetCurrent"));
+    d.module_load_data = reinterpret_cast<decltype(d.module_load_data)>(dlsym(lib, "cuModuleLoadData"));
+    d.module_get_function = reinterpret_cast<decltype(d.module_get_function)>(dlsym(lib, "cuModuleGetFunction"));
+    d.launch_kernel = reinterpret_cast<decltype(d.launch_kernel)>(dlsym(lib, "cuLaunchKernel"));
+    d.func_set_attribute = reinterpret_cast<decltype(d.func_set_attribute)>(dlsym(lib, "cuFuncSetAttribute"));
+    d.primary_ctx_retain = reinterpret_cast<decltype(d.primary_ctx_retain)>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
+    d.ctx_push = reinterpret_cast<decltype(d.ctx_push)>(dlsym(lib, "cuCtxPushCurrent_v2"));
+    d.ctx_pop = reinterpret_cast<decltype(d.ctx_pop)>(dlsym(lib, "cuCtxPopCurrent_v2"));
+    d.device_get = reinterpret_cast<decltype(d.device_get)>(dlsym(lib, "cuDeviceGet"));
+    d.ok = d.ctx_get_current && d.module_load_data && d.module_get_function && d.launch_kernel &&
+           d.func_set_attribute && d.primary_ctx_retain && d.ctx_push && d.ctx_pop && d.device_get;
+    return d;
+  }();
+  return d;
+}
+
+std::mutex cache_mutex;
+std::map<std::tuple<CUcontext, std::string, std::string>, CUfunction> cache;
+
+constexpr int kMaxDynamicSharedSizeBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+// The kernel `name` of `ptx` in the current context; loads the module on a miss. 0 on success.
+CUresult Function(const Driver& d, std::string_view ptx, std::string_view name, int64_t shared, CUfunction* fn) {
+  CUcontext ctx = nullptr;
+  CUresult r = d.ctx_get_current(&ctx);
+  if (r != 0) return r;
+  auto key = std::make_tuple(ctx, std::string(ptx), std::string(name));
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  auto it = cache.find(key);
+  if (it != cache.end()) {
+    *fn = it->second;
+    return 0;
+  }
+  CUmodule module = nullptr;
+  r = d.module_load_data(&module, std::get<1>(key).c_str());
+  if (r != 0) return r;
+  r = d.module_get_function(fn, module, std::get<2>(key).c_str());
+  if (r != 0) return r;
+  if (shared > 48 * 1024) {
+    r = d.func_set_attribute(*fn, kMaxDynamicSharedSizeBytes, static_cast<int>(shared));
+    if (r != 0) return r;
+  }
+  cache.emplace(key, *fn);
+  return 0;
+}
+
+ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view ptx,
+                  std::string_view name, int64_t grid_x, int64_t grid_y, int64_t grid_z, int64_t threads,
+                  int64_t shared) {
+  const Driver& d = GetDriver();
+  if (!d.ok) return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_launch: libcuda.so.1 not loadable");
+  CUfunction fn = nullptr;
+  CUresult r = Function(d, ptx, name, shared, &fn);
+  if (r != 0) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      "qerl_gluon_launch: loading kernel " + std::string(name) + " failed, CUresult " + std::to_string(r));
+  }
+  std::vector<void*> pointers;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto buffer = args.get<ffi::AnyBuffer>(i);
+    if (buffer.has_error()) return buffer.error();
+    pointers.push_back(buffer->untyped_data());
+  }
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto buffer = rets.get<ffi::AnyBuffer>(i);
+    if (buffer.has_error()) return buffer.error();
+    pointers.push_back((*buffer)->untyped_data());
+  }
+  pointers.push_back(nullptr);  // global scratch
+  pointers.push_back(nullptr);  // profile scratch
+  std::vector<void*> params;
+  for (void*& p : pointers) params.push_back(&p);
+  r = d.launch_kernel(fn, static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y), static_cast<unsigned>(grid_z),
+                      static_cast<unsigned>(threads), 1, 1, static_cast<unsigned>(shared), stream, params.data(), nullptr);
+  if (r != 0) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      "qerl_gluon_launch: cuLaunchKernel(" + std::string(name) + ") failed, CUresult " + std::to_string(r));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QerlGluonLaunch, Launch,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<std::string_view>("ptx")
+                                  .Attr<std::string_view>("name")
+                                  .Attr<int64_t>("grid_x")
+                                  .Attr<int64_t>("grid_y")
+                                  .Attr<int64_t>("grid_z")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("shared"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// Loads `name` of `ptx` into device `device`'s primary context (outside any stream capture).
+// Returns 0 on success, else the CUresult (-1: libcuda not found).
+extern "C" int qerl_gluon_preload(const char* ptx, const char* name, int device, long long shared) {
+  const Driver& d = GetDriver();
+  if (!d.ok) return -1;
+  CUdevice dev = 0;
+  CUcontext ctx = nullptr;
+  CUresult r = d.device_get(&dev, device);
+  if (r == 0) r = d.primary_ctx_retain(&ctx, dev);
+  if (r != 0) return r;
+  r = d.ctx_push(ctx);
+  if (r != 0) return r;
+  CUfunction fn = nullptr;
+  r = Function(d, ptx, name, shared, &fn);
+  CUcontext popped = nullptr;
+  d.ctx_pop(&popped);
+  return r;
+}
