@@ -1,4 +1,4 @@
-"""Decode-size W4A16 GEMV for NVFP4 weights in Gluon (Triton 3.6), called through jax-triton.
+"""Decode-size W4A16 GEMV for NVFP4 weights in Gluon (Triton 3.6), launched by its own XLA FFI handler.
 
 ``forward(x, w)`` computes ``x @ W`` for bf16 ``x`` ``[M, K]`` with ``M <= 16`` and an NVFP4
 ``W`` ``[K, N]`` (or layer ``index`` of a stack ``[L, K, N]``, read in place), float32
