@@ -143,3 +143,28 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
       lowering_platforms=("cuda",)).as_text()
   assert "qerl_gluon_launch" in text and ".entry w4a16_gemv" in text
   assert "grid_x = 18" in text and "grid_y = 28" in text  # 4608 / 256 tiles, 28 splits (test_split_rule_by_hand)
+
+
+def test_ffi_launcher_builds_and_reports_a_missing_driver(tmp_path, monkeypatch):
+  """gluon_launch.cc compiles with the system C++ compiler into $QERL_CACHE_DIR (atomically, once:
+  a second call returns the same file), exports the FFI handler and the preload entry, and the
+  preload reports -1 (not a crash) where libcuda.so.1 is absent."""
+  import ctypes
+  import shutil
+
+  if shutil.which("c++") is None and shutil.which("g++") is None:
+    pytest.skip("no C++ compiler")
+  monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path))
+  monkeypatch.delenv("QERL_GLUON_LAUNCHER", raising=False)
+  path = w4_gluon._build_ffi_library()
+  assert path is not None and path.startswith(str(tmp_path))
+  assert w4_gluon._build_ffi_library() == path and len(list(tmp_path.iterdir())) == 1  # no temp file left
+  lib = ctypes.CDLL(path)
+  assert hasattr(lib, "QerlGluonLaunch")
+  lib.qerl_gluon_preload.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_longlong]
+  try:
+    ctypes.CDLL("libcuda.so.1")
+  except OSError:
+    assert lib.qerl_gluon_preload(b".version 8.0", b"k", 0, 0) == -1
+  monkeypatch.setenv("QERL_GLUON_LAUNCHER", str(tmp_path / "prebuilt.so"))
+  assert w4_gluon._build_ffi_library() == str(tmp_path / "prebuilt.so")  # a prebuilt library wins

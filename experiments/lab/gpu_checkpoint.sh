@@ -1,23 +1,20 @@
 #!/usr/bin/env bash
 # Lab (GPU): the next session's first device calls, batched. Run from the repository root with the
-# wheels installed (see docs/benchmarks.md), in four calls (the per-step timeouts are upper bounds;
-# a device command may run 10 minutes at most):
+# wheels installed (see docs/benchmarks.md), in separate calls (the per-step timeouts are upper
+# bounds; a device command may run 10 minutes at most):
 #   STEPS=1,2 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=3 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=4 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=5,6 bash experiments/lab/gpu_checkpoint.sh
-# 1. every GPU test (`-m gpu`): kernels, decode attention, model;
-# 2. Nsight Compute on the tuned forward kernel at M = 8, 32, 64 (experiments/lab/ncu_small_m.sh):
-#    warp stall reasons, to test the reading that it waits on dependency chains (docs/benchmarks.md,
-#    session 6);
+# 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
+# 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py);
 # 3. issue 6's benchmark as the issue states it (prompt 256, 2048 new tokens, batch 8 and 64),
 #    bf16 and NVFP4, under the launchers' XLA flags;
 # 4. the same at batch 256 (1024 new tokens to fit the call), and batch 64 with the training adapter;
-# 5. small-M variants with more pipeline stages, fewer registers or more warps (time_occupancy.py);
-# 6. batch-8 rollouts with fewer split-K programs at M <= 16 (split_variants.py: the q/k/v kernel's
-#    28 partial sums are re-read by three consumers).
-# (Session 5-6 steps, the LoRA epilogue A/B and the persistent / 32-bit-word kernels, are in git
-# history at eb65fc1; their results are in docs/benchmarks.md, session 6.)
+# 5. Pallas small-M variants with more stages, fewer registers or more warps (time_occupancy.py;
+#    M = 32 is the bucket the Gluon kernel does not cover);
+# 6. Nsight Compute on the Pallas kernel (experiments/lab/ncu_small_m.sh; session 7 ran it).
+# (Session 7 ran steps 1-3 of the previous version of this script; results in docs/benchmarks.md.)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_checkpoint}
 STEPS=",${STEPS:-1,2,3,4,5,6},"
@@ -25,7 +22,7 @@ step() { [[ "$STEPS" == *",$1,"* ]]; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 step 1 && timeout 300 python3 -m pytest -q -m gpu tests 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
-step 2 && OUT="$OUT/ncu" timeout 280 bash experiments/lab/ncu_small_m.sh 2>&1 | tee "$OUT/ncu.txt"
+step 2 && timeout 200 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn | tee "$OUT/gluon_time.txt"
 export XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_dynamic_slice_fusion=true"
 step 3 && { timeout 420 python3 experiments/bench_rollout.py --batches=8,64 --new_tokens=2048 \
   --formats=nvfp4_fused,bf16_fused --time_budget_s=360 --out="$OUT/issue6" > "$OUT/issue6.log" 2>&1; grep "|\|x$" "$OUT/issue6.log"; }
@@ -33,7 +30,6 @@ step 4 && { timeout 300 python3 experiments/bench_rollout.py --batches=256 --new
   --formats=nvfp4_fused,bf16_fused --time_budget_s=240 --out="$OUT/b256" > "$OUT/b256.log" 2>&1; grep "|\|x$" "$OUT/b256.log"; }
 step 4 && { timeout 240 python3 experiments/bench_rollout.py --batches=64 --new_tokens=1024 --formats=nvfp4_fused,bf16_fused \
   --lora_rank=32 --aqn --time_budget_s=180 --out="$OUT/lora64" > "$OUT/lora64.log" 2>&1; grep "|\|x$" "$OUT/lora64.log"; }
-step 5 && OCC_MS=8,32 timeout 300 python3 experiments/lab/time_occupancy.py 2>&1 | grep --line-buffered "check\|M=" \
+step 5 && OCC_MS=32 timeout 300 python3 experiments/lab/time_occupancy.py 2>&1 | grep --line-buffered "check\|M=" \
   | tee "$OUT/occupancy.txt"
-step 6 && timeout 280 python3 experiments/lab/split_variants.py nvfp4_fused:8 nvfp4_fused:8:32 2>&1 | grep --line-buffered "|" \
-  | tee "$OUT/split_variants.txt"
+step 6 && OUT="$OUT/ncu" timeout 280 bash experiments/lab/ncu_small_m.sh 2>&1 | tee "$OUT/ncu.txt"
