@@ -21,25 +21,36 @@ BACKENDS = ("auto", "reference", "pallas", "interpret")
 FUSED_MAX_M = {"fwd": 64, "dx": 32}
 
 # The Gluon decode GEMV (pallas_kernels.w4_gluon) for the forward at M <= 16 on NVFP4 weights whose
-# shapes it takes. "auto" (default): only when it is launched through its command-buffer-compatible
-# FFI handler (built with the system C++ compiler); a batch-8 rollout then runs 2565 instead of 2037
-# tokens/s on an H200. Through jax-triton it made the rollout slower (1697), so "auto" skips that
-# path (docs/benchmarks.md, session 7). "1": whenever a launch path exists; "0": never.
-# QERL_GLUON in the environment sets it.
+# shapes it takes. "auto" (default): when it is launched through its command-buffer-compatible FFI
+# handler (built with the system C++ compiler), or when QERL_GLUON_LAUNCH=jax_triton asks for that
+# path; a batch-8 rollout runs 2565 instead of 2037 tokens/s on an H200 with the FFI handler, 1697
+# through jax-triton (docs/benchmarks.md, session 7). "1": whenever a launch path exists; "0":
+# never. QERL_GLUON in the environment sets the default at import; assign to change it later.
 GLUON = os.environ.get("QERL_GLUON", "auto")
 # With a LoRA adapter: "1" (default) runs the Gluon kernel and adds the delta with XLA (a batch-8
 # training rollout, rank 32 + AQN: 1840 tokens/s); "0" keeps the Pallas kernel, which adds the delta
-# in its epilogue (1743). QERL_GLUON_LORA in the environment sets it.
+# in its epilogue (1743). QERL_GLUON_LORA in the environment sets the default at import.
 GLUON_LORA = os.environ.get("QERL_GLUON_LORA", "1")
 
 
+def _check_setting(name: str, value: str, allowed) -> None:
+  if value not in allowed:
+    raise ValueError(f"pallas_kernels.matmul.{name} (env QERL_{name}) is {value!r}; expected one of {allowed}")
+
+
 def _use_gluon(x2d, w, interpret: bool, lora) -> bool:
-  """Whether :func:`kernel_forward` takes the Gluon decode GEMV (see ``GLUON``, ``GLUON_LORA``)."""
+  """Whether :func:`kernel_forward` takes the Gluon decode GEMV (see ``GLUON``, ``GLUON_LORA``).
+
+  Raises:
+    ValueError: ``GLUON`` not "auto"/"1"/"0" or ``GLUON_LORA`` not "1"/"0".
+  """
+  _check_setting("GLUON", GLUON, ("auto", "1", "0"))
+  _check_setting("GLUON_LORA", GLUON_LORA, ("1", "0"))
   if interpret or GLUON == "0" or (lora is not None and GLUON_LORA != "1"):
     return False
   if not w4_gluon.applies(x2d.shape[0], w, x2d.dtype) or not w4_gluon.available():
     return False
-  return GLUON == "1" or w4_gluon.launcher() == "ffi"
+  return GLUON == "1" or w4_gluon.launcher() == "ffi" or w4_gluon.requested_launcher() == "jax_triton"
 
 
 def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False, index=None,
@@ -224,10 +235,11 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
       kernel path; stacked weights go through the reference), or with
       ``index``, a stack of ``L`` such matrices (one leading dim).
     out_dtype: output dtype (default ``x.dtype``); accumulation is float32.
-    backend: ``"auto"`` (the Pallas kernel path on a GPU for bf16 ``x``, else
+    backend: ``"auto"`` (the kernel path on a GPU for bf16 ``x``, else
       the reference), ``"reference"`` (XLA dequantize-then-dot), ``"pallas"``
-      (Pallas Triton lowering, GPU only: the fused kernel for
-      ``M <= FUSED_MAX_M``, else Pallas dequantize + cuBLAS), ``"interpret"``
+      (the kernel path, GPU only: the Gluon decode GEMV of :mod:`pallas_kernels.w4_gluon`
+      for NVFP4 at ``M <= 16`` where ``GLUON`` allows it, else the Pallas Triton fused kernel
+      for ``M <= FUSED_MAX_M``, else Pallas dequantize + cuBLAS), ``"interpret"``
       (the same kernels in Pallas interpret mode: slow, for CPU tests).
     index: optional int32 scalar (may be traced): multiply by layer ``index``
       of a stacked ``w``. The kernels read that layer in place, so a layer

@@ -33,7 +33,9 @@ partials ``[S, M, N]`` are summed by XLA). The step loop is unrolled and each st
 issued one step ahead of their use. Shapes the kernel does not take (N not a multiple of 256,
 K not a multiple of 64, M > 16, NF4) go to the Pallas kernels; :func:`applies` says which.
 
-Needs ``triton`` 3.6 (the GPU image has it). Two launch paths, chosen by :func:`launcher`:
+Needs ``triton`` 3.6 (``pip install -e ".[gluon]"``), an sm_80 or newer GPU (measured on sm_90),
+and for the default launch path a C++17 compiler on PATH. Two launch paths, chosen by
+:func:`launcher`:
 
 * ``"ffi"`` (preferred): ``triton.compile`` gives the PTX, and a small XLA FFI handler
   (``pallas_kernels/gluon_launch.cc``, built with the system C++ compiler on first use and cached
@@ -55,6 +57,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -266,6 +269,9 @@ def _build_ffi_library() -> str | None:
   when no C++ compiler is found or the build fails (the jax-triton path is used then)."""
   prebuilt = os.environ.get("QERL_GLUON_LAUNCHER")
   if prebuilt:
+    if not os.path.exists(prebuilt):
+      warnings.warn(f"QERL_GLUON_LAUNCHER={prebuilt!r} does not exist; the Gluon FFI launcher is off")
+      return None
     return prebuilt
   source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gluon_launch.cc")
   include = jax.ffi.include_dir()
@@ -276,6 +282,8 @@ def _build_ffi_library() -> str | None:
     return path
   compiler = shutil.which("c++") or shutil.which("g++")
   if compiler is None:
+    warnings.warn("no c++/g++ on PATH to build the Gluon kernel's FFI launcher; the Gluon kernel is off "
+                  "unless QERL_GLUON=1 with jax-triton installed (docs/kernels.md)")
     return None
   try:
     os.makedirs(folder, exist_ok=True)
@@ -284,7 +292,9 @@ def _build_ffi_library() -> str | None:
     subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-std=c++17", "-w", f"-I{include}", source, "-o", tmp,
                     "-ldl"], check=True, capture_output=True)
     os.replace(tmp, path)  # atomic: a concurrent build never sees half a library
-  except (OSError, subprocess.CalledProcessError):
+  except (OSError, subprocess.CalledProcessError) as e:
+    detail = e.stderr.decode(errors="replace")[-2000:] if isinstance(e, subprocess.CalledProcessError) else str(e)
+    warnings.warn(f"building the Gluon kernel's FFI launcher failed; the Gluon kernel is off:\n{detail}")
     return None
   return path
 
@@ -298,17 +308,31 @@ def _ffi_library():
   try:
     lib = ctypes.CDLL(path)
     jax.ffi.register_ffi_target(_FFI_TARGET, jax.ffi.pycapsule(lib.QerlGluonLaunch), platform="CUDA")
-  except (OSError, AttributeError):
+  except (OSError, AttributeError) as e:
+    warnings.warn(f"loading the Gluon kernel's FFI launcher {path} failed ({e}); the Gluon kernel is off")
     return None
   lib.qerl_gluon_preload.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_longlong]
   return lib
 
 
+def requested_launcher() -> str:
+  """``QERL_GLUON_LAUNCH``: ``""`` (the FFI launcher if it builds, else jax-triton), ``"ffi"`` or
+  ``"jax_triton"``.
+
+  Raises:
+    ValueError: any other value.
+  """
+  want = os.environ.get("QERL_GLUON_LAUNCH", "")
+  if want not in ("", "ffi", "jax_triton"):
+    raise ValueError(f"QERL_GLUON_LAUNCH={want!r}; expected 'ffi', 'jax_triton' or unset")
+  return want
+
+
 @functools.lru_cache(maxsize=None)
 def launcher() -> str | None:
-  """``"ffi"``, ``"jax_triton"`` or None (no way to launch the kernel). ``QERL_GLUON_LAUNCH``
-  (``ffi`` or ``jax_triton``) forces one."""
-  want = os.environ.get("QERL_GLUON_LAUNCH", "")
+  """``"ffi"``, ``"jax_triton"`` or None (no way to launch the kernel); :func:`requested_launcher`
+  forces one. Read once per process. Warns (once) when the FFI launcher cannot be built or loaded."""
+  want = requested_launcher()
   if want in ("", "ffi") and _ffi_library() is not None:
     return "ffi"
   if want in ("", "jax_triton"):

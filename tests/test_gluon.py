@@ -167,4 +167,22 @@ def test_ffi_launcher_builds_and_reports_a_missing_driver(tmp_path, monkeypatch)
   except OSError:
     assert lib.qerl_gluon_preload(b".version 8.0", b"k", 0, 0) == -1
   monkeypatch.setenv("QERL_GLUON_LAUNCHER", str(tmp_path / "prebuilt.so"))
+  with pytest.warns(UserWarning, match="does not exist"):
+    assert w4_gluon._build_ffi_library() is None
+  (tmp_path / "prebuilt.so").write_bytes(b"")
   assert w4_gluon._build_ffi_library() == str(tmp_path / "prebuilt.so")  # a prebuilt library wins
+
+
+def test_bad_settings_raise(monkeypatch):
+  x = _act(8, 128, 0)
+  w = _weight(128, 512, 0)
+  monkeypatch.setattr(matmul, "GLUON", "yes")
+  with pytest.raises(ValueError, match="GLUON"):
+    matmul._use_gluon(x, w, False, None)
+  monkeypatch.setattr(matmul, "GLUON", "auto")
+  monkeypatch.setattr(matmul, "GLUON_LORA", "true")
+  with pytest.raises(ValueError, match="GLUON_LORA"):
+    matmul._use_gluon(x, w, False, None)
+  monkeypatch.setenv("QERL_GLUON_LAUNCH", "triton")
+  with pytest.raises(ValueError, match="QERL_GLUON_LAUNCH"):
+    w4_gluon.requested_launcher()
