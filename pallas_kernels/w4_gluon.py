@@ -371,6 +371,12 @@ def _compiled(meta: tuple):
   return ptx, name, shared
 
 
+def _launch_attrs(ptx: str, name: str, grid: tuple[int, int, int], shared: int) -> dict:
+  """The FFI call's attributes, as ``gluon_launch.cc`` binds them (a CPU test checks their count)."""
+  return dict(ptx=ptx, name=name, grid_x=np.int64(grid[0]), grid_y=np.int64(grid[1]), grid_z=np.int64(grid[2]),
+              threads=np.int64(128), shared=np.int64(shared))
+
+
 def _gpu_devices():
   return [d for d in jax.devices() if d.platform == "gpu"]
 
@@ -419,8 +425,7 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
   if path == "ffi":
     ptx, name, shared = _compiled(tuple(meta.items()))
     partials = jax.ffi.ffi_call(_FFI_TARGET, out_shape)(
-        *operands, ptx=ptx, name=name, grid_x=np.int64(n // BLOCK_N), grid_y=np.int64(splits), grid_z=np.int64(1),
-        threads=np.int64(128), shared=np.int64(shared))
+        *operands, **_launch_attrs(ptx, name, (n // BLOCK_N, splits, 1), shared))
   else:
     import jax_triton
 

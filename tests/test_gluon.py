@@ -186,3 +186,28 @@ def test_bad_settings_raise(monkeypatch):
   monkeypatch.setenv("QERL_GLUON_LAUNCH", "triton")
   with pytest.raises(ValueError, match="QERL_GLUON_LAUNCH"):
     w4_gluon.requested_launcher()
+
+
+def test_ffi_handler_takes_as_many_attributes_as_forward_passes(tmp_path, monkeypatch):
+  """Registered for the CPU, the handler accepts the attribute set forward() passes (it fails only on
+  the missing GPU stream, binding 0) and rejects a call with fewer attributes. XLA's CPU decoding
+  stops at the stream, so this catches an attribute added or dropped on one side only, not a
+  renamed or retyped one (those need the GPU tests)."""
+  import ctypes
+  import shutil
+
+  if shutil.which("c++") is None and shutil.which("g++") is None:
+    pytest.skip("no C++ compiler")
+  if any(d.platform == "gpu" for d in jax.devices()):
+    pytest.skip("checks the binding on the CPU")
+  monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path))
+  monkeypatch.delenv("QERL_GLUON_LAUNCHER", raising=False)
+  lib = ctypes.CDLL(w4_gluon._build_ffi_library())
+  jax.ffi.register_ffi_target("qerl_gluon_launch_binding_test", jax.ffi.pycapsule(lib.QerlGluonLaunch), platform="cpu")
+  call = jax.ffi.ffi_call("qerl_gluon_launch_binding_test", jax.ShapeDtypeStruct((4,), jnp.float32))
+  x = jnp.ones((4,), jnp.float32)
+  with pytest.raises(Exception) as err:
+    jax.block_until_ready(call(x, x, **w4_gluon._launch_attrs(".version 8.0", "k", (3, 2, 1), 0)))
+  assert "bad operands at: 0" in str(err.value) and "stream" in str(err.value)  # index 0: the stream only
+  with pytest.raises(Exception, match="attributes"):
+    jax.block_until_ready(call(x, ptx="p", name="k"))
