@@ -68,7 +68,8 @@ from qerl_jax import nvfp4
 BLOCK_N = 256   # output columns per program
 BLOCK_K = 64    # contraction per unrolled step
 MAX_STEPS = 8   # unrolled steps per program (14 measured slower: more registers, fewer programs)
-MAX_M = 16
+MAX_M = 16      # rows taken by default; the kernel also compiles for 32 (MB = 32, 218 registers, no
+                # spills; not yet timed: experiments/lab/gluon/time_jax.py with GL_MAX_M=32). 64 spills.
 TARGET_PROGRAMS = 512  # measured best for the 7B shapes at M = 1-8 (docs/benchmarks.md, session 7)
 
 
@@ -404,7 +405,7 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
     RuntimeError: the compiled kernel failed to load on a GPU.
   """
   m, k = x.shape
-  if not applies(m, w, x.dtype) or x.shape[1] != w.shape[0]:
+  if not applies(m, w, x.dtype) or x.shape[1] != w.shape[0] or m > 32:
     raise ValueError(f"w4_gluon.forward: no kernel for x {x.dtype}{list(x.shape)} and weight {type(w).__name__} "
                      f"{list(w.shape)} (needs NVFP4, bf16 x, M <= {MAX_M}, N % {BLOCK_N} == 0, K % {BLOCK_K} == 0)")
   if (index is None) != (w.packed.ndim == 2):
@@ -416,7 +417,7 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
   n = w.shape[1]
   layers = 1 if index is None else w.packed.shape[0]
   splits = _splits(k, n)
-  mb = 8 if m <= 8 else 16
+  mb = 8 if m <= 8 else 16 if m <= 16 else 32
   gs = jnp.asarray(w.global_scale, jnp.float32).reshape(layers)
   idx = jnp.zeros((1,), jnp.int32) if index is None else jnp.asarray(index, jnp.int32).reshape(1)
   operands = (x, w.packed.reshape(layers * (k // 2), n), w.block_scale.reshape(layers * (k // 16), n), gs, idx)

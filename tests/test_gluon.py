@@ -84,6 +84,17 @@ def test_gpu_gluon_matches_float64(m, k, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [17, 32])
+def test_gpu_gluon_m32_build_matches_float64(m, monkeypatch):
+  """The MB = 32 build (off by default: MAX_M = 16) is checked too, so it can be timed."""
+  monkeypatch.setattr(w4_gluon, "MAX_M", 32)
+  wq = _weight(3584, 4608, m)
+  x = _act(m, 3584, 1)
+  y = w4_gluon.forward(x, wq, out_dtype=jnp.float32)
+  assert _rel(y, np.asarray(x, np.float64) @ _dense64(wq)) < 1e-4
+
+
+@pytest.mark.gpu
 def test_gpu_gluon_reads_the_clamped_layer_of_a_stack():
   layers, k, n = 3, 1024, 512
   wq = _weight(k, n, 5, layers=layers)
@@ -143,6 +154,10 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
       lowering_platforms=("cuda",)).as_text()
   assert "qerl_gluon_launch" in text and ".entry w4a16_gemv" in text
   assert "grid_x = 18" in text and "grid_y = 28" in text  # 4608 / 256 tiles, 28 splits (test_split_rule_by_hand)
+  monkeypatch.setattr(w4_gluon, "MAX_M", 32)  # the MB = 32 build compiles too
+  x32 = jax.ShapeDtypeStruct((32, k), jnp.bfloat16)
+  assert ".entry w4a16_gemv" in jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x32, stack, i).lower(
+      lowering_platforms=("cuda",)).as_text()
 
 
 def test_ffi_launcher_builds_and_reports_a_missing_driver(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ step() { [[ "$STEPS" == *",$1,"* ]]; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 step 1 && timeout 300 python3 -m pytest -q -m gpu tests 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
-step 2 && timeout 200 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn | tee "$OUT/gluon_time.txt"
+step 2 && { timeout 150 python3 experiments/lab/gluon/time_jax.py 2>&1; GL_MAX_M=32 GL_MS=24,32 timeout 120 python3 experiments/lab/gluon/time_jax.py 2>&1; } | grep -v Warn | tee "$OUT/gluon_time.txt"
 export XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_dynamic_slice_fusion=true"
 step 3 && { timeout 420 python3 experiments/bench_rollout.py --batches=8,64 --new_tokens=2048 \
   --formats=nvfp4_fused,bf16_fused --time_budget_s=360 --out="$OUT/issue6" > "$OUT/issue6.log" 2>&1; grep "|\|x$" "$OUT/issue6.log"; }
