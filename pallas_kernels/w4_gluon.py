@@ -286,6 +286,7 @@ def _build_ffi_library() -> str | None:
     warnings.warn("no c++/g++ on PATH to build the Gluon kernel's FFI launcher; the Gluon kernel is off "
                   "unless QERL_GLUON=1 with jax-triton installed (docs/kernels.md)")
     return None
+  tmp = None
   try:
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
@@ -294,6 +295,8 @@ def _build_ffi_library() -> str | None:
                     "-ldl"], check=True, capture_output=True)
     os.replace(tmp, path)  # atomic: a concurrent build never sees half a library
   except (OSError, subprocess.CalledProcessError) as e:
+    if tmp is not None and os.path.exists(tmp):
+      os.remove(tmp)
     detail = e.stderr.decode(errors="replace")[-2000:] if isinstance(e, subprocess.CalledProcessError) else str(e)
     warnings.warn(f"building the Gluon kernel's FFI launcher failed; the Gluon kernel is off:\n{detail}")
     return None

@@ -188,6 +188,19 @@ def test_ffi_launcher_builds_and_reports_a_missing_driver(tmp_path, monkeypatch)
   assert w4_gluon._build_ffi_library() == str(tmp_path / "prebuilt.so")  # a prebuilt library wins
 
 
+def test_failed_launcher_build_warns_and_leaves_nothing(tmp_path, monkeypatch):
+  import shutil
+
+  if shutil.which("c++") is None and shutil.which("g++") is None:
+    pytest.skip("no C++ compiler")
+  monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path))
+  monkeypatch.delenv("QERL_GLUON_LAUNCHER", raising=False)
+  monkeypatch.setattr(w4_gluon.jax.ffi, "include_dir", lambda: str(tmp_path / "no-headers"))  # ffi.h not found
+  with pytest.warns(UserWarning, match="build"):
+    assert w4_gluon._build_ffi_library() is None
+  assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_settings_raise(monkeypatch):
   x = _act(8, 128, 0)
   w = _weight(128, 512, 0)
