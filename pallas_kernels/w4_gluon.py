@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import w4_triton
 from qerl_jax import nvfp4
 
 BLOCK_N = 256   # output columns per program
@@ -206,13 +207,27 @@ def _kernel():
 
 
 _INSTALLED = []
+_ARG_DTYPES = ("*bf16", "*u8", "*fp8e4nv", "*fp32", "*i32", "*fp32")  # x, codes, scales, global scales, layer, out
+
+
+def _compile_gluon(fn, arg_dtypes, constexprs: dict, cc: int, num_warps: int = 4):
+  """``triton.compile`` of the Gluon kernel ``fn`` for ``sm_{cc}``: its arrays typed ``arg_dtypes``
+  (all 16-byte aligned, as JAX allocates them), ``constexprs`` specialised."""
+  import triton
+  from triton.backends.compiler import GPUTarget
+  from triton.experimental.gluon._runtime import GluonASTSource
+
+  signature = {fn.arg_names[i]: d for i, d in enumerate(arg_dtypes)}
+  signature.update({name: "constexpr" for name in constexprs})
+  attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(arg_dtypes))}
+  _ensure_triton_cache_dir()
+  return triton.compile(GluonASTSource(fn, signature, constexprs=dict(constexprs), attrs=attrs),
+                        target=GPUTarget("cuda", cc, 32), options={"num_warps": num_warps})
 
 
 def _ensure_triton_cache_dir():
   """``triton.compile`` needs a cache folder; where none resolves (an empty ``TRITON_CACHE_DIR``, or
   a home that is not writable, as on the project's GPU machine) a temporary one is used."""
-  import tempfile
-
   from triton import knobs
   folder = knobs.cache.dir
   try:
@@ -228,10 +243,7 @@ def _install():
   Triton-language TTIR). Idempotent; Triton-language kernels take jax-triton's own path."""
   if _INSTALLED:
     return
-  import triton
   import jax_triton.triton_lib as jt
-  from triton.backends.compiler import GPUTarget
-  from triton.experimental.gluon._runtime import GluonASTSource
 
   original = jt.get_or_create_triton_kernel
   cache = {}
@@ -247,15 +259,10 @@ def _install():
     cc = compute_capability or jt.triton_kernel_call_lib.get_compute_capability(0)
     key = (fn, tuple(arg_dtypes), tuple(sorted(metaparams.items())), num_warps, cc)
     if key not in cache:
-      signature = {fn.arg_names[i]: d for i, d in enumerate(arg_dtypes)}
-      signature.update({name: "constexpr" for name in metaparams})
-      attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(arg_dtypes))}
-      src = GluonASTSource(fn, signature, constexprs=dict(metaparams), attrs=attrs)
-      _ensure_triton_cache_dir()
-      compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": num_warps})
+      compiled = _compile_gluon(fn, arg_dtypes, metaparams, cc, num_warps)
       kernel = jt.triton_kernel_call_lib.TritonKernel(compiled.metadata.name, num_warps, 1, compiled.metadata.shared,
                                                       compiled.asm["ptx"], "", cc)
-      cache[key] = (kernel, attrs)
+      cache[key] = (kernel, {(i,): [["tt.divisibility", 16]] for i in range(len(arg_dtypes))})
     return cache[key]
 
   jt.get_or_create_triton_kernel = get_or_create
@@ -350,21 +357,9 @@ def launcher() -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _compiled(meta: tuple):
-  """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta`` (sm_90 and up)."""
-  import triton
-  from triton.backends.compiler import GPUTarget
-  from triton.experimental.gluon._runtime import GluonASTSource
-
-  fn = _kernel()
-  constexprs = dict(meta)
-  dtypes = ["*bf16", "*u8", "*fp8e4nv", "*fp32", "*i32", "*fp32"]
-  signature = {fn.arg_names[i]: d for i, d in enumerate(dtypes)}
-  signature.update({name: "constexpr" for name in constexprs})
-  attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(dtypes))}
-  cc = min((_cc(d) for d in _gpu_devices()), default=90)
-  _ensure_triton_cache_dir()
-  compiled = triton.compile(GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
+  """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta``, compiled for the
+  oldest visible GPU (sm_90 without one) and loaded on every GPU."""
+  compiled = _compile_gluon(_kernel(), _ARG_DTYPES, dict(meta), min((_cc(d) for d in _gpu_devices()), default=90))
   ptx, name, shared = compiled.asm["ptx"], compiled.metadata.name, int(compiled.metadata.shared)
   lib = _ffi_library()
   if lib is not None:
@@ -421,9 +416,8 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
   layers = 1 if index is None else w.packed.shape[0]
   splits = _splits(k, n)
   mb = 8 if m <= 8 else 16 if m <= 16 else 32
-  gs = jnp.asarray(w.global_scale, jnp.float32).reshape(layers)
-  idx = jnp.zeros((1,), jnp.int32) if index is None else jnp.asarray(index, jnp.int32).reshape(1)
-  operands = (x, w.packed.reshape(layers * (k // 2), n), w.block_scale.reshape(layers * (k // 16), n), gs, idx)
+  # codes and scales with the layers folded into rows, float32 global scales [L], the layer [1]
+  operands = (x, *w4_triton._layer_operands(w, w4_triton._format_of(w), index))
   meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=mb)
   out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
   if path == "ffi":

@@ -6,9 +6,6 @@ signature, constexprs and divisibility attributes) and prints the SASS instructi
 import os, sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
 from pallas_kernels import w4_gluon
 from sasstool import sass
 
@@ -16,11 +13,7 @@ def compile_for(m, k, n, layers=1):
     fn = w4_gluon._kernel()
     splits = w4_gluon._splits(k, n)
     meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // 64 // splits, MB=8 if m <= 8 else 16)
-    dtypes = ["*bf16", "*u8", "*fp8e4nv", "*fp32", "*i32", "*fp32"]
-    sig = {fn.arg_names[i]: d for i, d in enumerate(dtypes)}
-    sig.update({k_: "constexpr" for k_ in meta})
-    src = GluonASTSource(fn, sig, constexprs=meta, attrs={(i,): [["tt.divisibility", 16]] for i in range(6)})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}), splits, meta
+    return w4_gluon._compile_gluon(fn, w4_gluon._ARG_DTYPES, meta, 90), splits, meta
 
 if __name__ == "__main__":
     os.makedirs("/tmp/gl", exist_ok=True)
