@@ -69,8 +69,11 @@ from qerl_jax import nvfp4
 BLOCK_N = 256   # output columns per program
 BLOCK_K = 64    # contraction per unrolled step
 MAX_STEPS = 8   # unrolled steps per program (14 measured slower: more registers, fewer programs)
-MAX_M = 16      # rows taken by default; the kernel also compiles for 32 (MB = 32, 218 registers, no
-                # spills; not yet timed: experiments/lab/gluon/time_jax.py with GL_MAX_M=32). 64 spills.
+MAX_M = 16      # rows taken by default. Larger M runs as row chunks of CHUNK_MB (a grid axis; the chunks
+                # of one weight tile are adjacent programs, so the codes come from the L2 after the
+                # first): not yet the default, timed by experiments/lab/gluon/time_jax.py (GL_MAX_M).
+CHUNK_MB = 32   # the row block of the chunks when M > 16: 16 (164 registers) or 32 (218, no spills);
+                # 64 spills registers.
 TARGET_PROGRAMS = 512  # measured best for the 7B shapes at M = 1-8 (docs/benchmarks.md, session 7)
 
 
@@ -93,15 +96,21 @@ def applies(m: int, w, x_dtype) -> bool:
   return 1 <= m <= MAX_M and n % BLOCK_N == 0 and k % BLOCK_K == 0 and _splits(k, n) is not None
 
 
-def _splits(k: int, n: int) -> int | None:
+def _row_block(m: int) -> int:
+  """MB, the rows one program multiplies: 8 or 16 for ``m <= 16``, else ``CHUNK_MB``."""
+  return 8 if m <= 8 else 16 if m <= 16 else CHUNK_MB
+
+
+def _splits(k: int, n: int, chunks: int = 1) -> int | None:
   """The split count: a divisor of the K steps with at most MAX_STEPS steps per program, giving
-  the program count nearest TARGET_PROGRAMS (ties to fewer splits); None if no divisor fits."""
+  the program count (``chunks`` row chunks x column tiles x splits) nearest TARGET_PROGRAMS (ties
+  to fewer splits); None if no divisor fits."""
   total = k // BLOCK_K
   tiles = n // BLOCK_N
   options = [s for s in range(1, total + 1) if total % s == 0 and total // s <= MAX_STEPS]
   if not options:
     return None
-  return min(options, key=lambda s: (abs(tiles * s - TARGET_PROGRAMS), s))
+  return min(options, key=lambda s: (abs(chunks * tiles * s - TARGET_PROGRAMS), s))
 
 
 def _asm() -> str:
@@ -173,8 +182,9 @@ def _kernel():
     mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
     a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 8)
     b_layout: ttgl.constexpr = ttgl.DotOperandLayout(1, mma, 8)
-    pid_n = ttgl.program_id(0)
-    pid_s = ttgl.program_id(1)
+    pid_m = ttgl.program_id(0)  # row chunk (fastest: the chunks of a weight tile run side by side)
+    pid_n = ttgl.program_id(1)
+    pid_s = ttgl.program_id(2)
     layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
     gs = ttgl.load(gs_ptr + layer)
     n0 = pid_n * 256
@@ -185,6 +195,7 @@ def _kernel():
     c_offs = ttgl.expand_dims(kp + kp0, 1) * N + ttgl.expand_dims(nn, 0) + n0
     kk = ttgl.arange(0, 64, layout=ttgl.SliceLayout(1, b_layout))
     mm = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, b_layout))
+    mm = mm + pid_m * MB
     x_offs = ttgl.expand_dims(kk + pid_s * (STEPS * 64), 1) + ttgl.expand_dims(mm, 0) * K
     x_mask = ttgl.expand_dims(mm < M, 0) & ttgl.expand_dims(kk >= 0, 1)
     acc = ttgl.zeros([256, MB], ttgl.float32, layout=mma)
@@ -199,7 +210,7 @@ def _kernel():
     st: ttgl.constexpr = ttgl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
     acc = ttgl.convert_layout(acc, st)
     no = ttgl.arange(0, 256, layout=ttgl.SliceLayout(1, st))
-    mo = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, st))
+    mo = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, st)) + pid_m * MB
     o_offs = pid_s * (M * N) + ttgl.expand_dims(mo, 0) * N + ttgl.expand_dims(no + n0, 1)
     ttgl.store(o_ptr + o_offs, acc, mask=ttgl.expand_dims(mo < M, 0) & ttgl.expand_dims(no >= 0, 1))
 
@@ -403,7 +414,7 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
     RuntimeError: the compiled kernel failed to load on a GPU.
   """
   m, k = x.shape
-  if not applies(m, w, x.dtype) or x.shape[1] != w.shape[0] or m > 32:
+  if not applies(m, w, x.dtype) or x.shape[1] != w.shape[0]:
     raise ValueError(f"w4_gluon.forward: no kernel for x {x.dtype}{list(x.shape)} and weight {type(w).__name__} "
                      f"{list(w.shape)} (needs NVFP4, bf16 x, M <= {MAX_M}, N % {BLOCK_N} == 0, K % {BLOCK_K} == 0)")
   if (index is None) != (w.packed.ndim == 2):
@@ -414,8 +425,9 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
                       "or jax-triton")
   n = w.shape[1]
   layers = 1 if index is None else w.packed.shape[0]
-  splits = _splits(k, n)
-  mb = 8 if m <= 8 else 16 if m <= 16 else 32
+  mb = _row_block(m)
+  chunks = -(-m // mb)
+  splits = _splits(k, n, chunks)
   # codes and scales with the layers folded into rows, float32 global scales [L], the layer [1]
   operands = (x, *w4_triton._layer_operands(w, w4_triton._format_of(w), index))
   meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=mb)
@@ -423,12 +435,12 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
   if path == "ffi":
     ptx, name, shared = _compiled(tuple(meta.items()))
     partials = jax.ffi.ffi_call(_FFI_TARGET, out_shape)(
-        *operands, **_launch_attrs(ptx, name, (n // BLOCK_N, splits, 1), shared))
+        *operands, **_launch_attrs(ptx, name, (chunks, n // BLOCK_N, splits), shared))
   else:
     import jax_triton
 
     _install()
-    partials = jax_triton.triton_call(*operands, kernel=_kernel(), out_shape=out_shape, grid=(n // BLOCK_N, splits),
+    partials = jax_triton.triton_call(*operands, kernel=_kernel(), out_shape=out_shape, grid=(chunks, n // BLOCK_N, splits),
                                       num_warps=4, **meta)
   y = partials[0] if splits == 1 else partials.sum(axis=0)
   return y.astype(out_dtype or x.dtype)

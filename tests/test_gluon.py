@@ -41,6 +41,13 @@ def test_split_rule_by_hand(k, n, splits):
   assert w4_gluon._splits(k, n) == splits
 
 
+def test_row_chunks_by_hand():
+  """M > 16 runs as row chunks of CHUNK_MB; the chunks count in the program target."""
+  assert [w4_gluon._row_block(m) for m in (1, 8, 9, 16, 17, 64)] == [8, 8, 16, 16, 32, 32]
+  assert w4_gluon._splits(3584, 37888, chunks=2) == 7   # at most 8 steps: 7 is the fewest splits (2072 programs)
+  assert w4_gluon._splits(3584, 4608, chunks=2) == 14   # 2 x 18 x 14 = 504
+
+
 def test_applies_only_to_shapes_it_takes():
   w = _weight(128, 512, 0)
   assert w4_gluon.applies(1, w, jnp.bfloat16) and w4_gluon.applies(16, w, jnp.bfloat16)
@@ -84,13 +91,16 @@ def test_gpu_gluon_matches_float64(m, k, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [17, 32])
-def test_gpu_gluon_m32_build_matches_float64(m, monkeypatch):
-  """The MB = 32 build (off by default: MAX_M = 16) is checked too, so it can be timed."""
-  monkeypatch.setattr(w4_gluon, "MAX_M", 32)
+@pytest.mark.parametrize("chunk_mb", [16, 32])
+@pytest.mark.parametrize("m", [17, 32, 33, 64])
+def test_gpu_gluon_row_chunks_match_float64(m, chunk_mb, monkeypatch):
+  """M > 16 as row chunks (ragged last chunk at 17 and 33), for both chunk builds."""
+  monkeypatch.setattr(w4_gluon, "MAX_M", 64)
+  monkeypatch.setattr(w4_gluon, "CHUNK_MB", chunk_mb)
   wq = _weight(3584, 4608, m)
   x = _act(m, 3584, 1)
   y = w4_gluon.forward(x, wq, out_dtype=jnp.float32)
+  assert y.shape == (m, 4608) and bool(jnp.isfinite(y).all())
   assert _rel(y, np.asarray(x, np.float64) @ _dense64(wq)) < 1e-4
 
 
@@ -153,11 +163,14 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
   text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x, stack, i).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "qerl_gluon_launch" in text and ".entry w4a16_gemv" in text
-  assert "grid_x = 18" in text and "grid_y = 28" in text  # 4608 / 256 tiles, 28 splits (test_split_rule_by_hand)
-  monkeypatch.setattr(w4_gluon, "MAX_M", 32)  # the MB = 32 build compiles too
-  x32 = jax.ShapeDtypeStruct((32, k), jnp.bfloat16)
-  assert ".entry w4a16_gemv" in jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x32, stack, i).lower(
+  # one row chunk, 4608 / 256 column tiles, 28 splits (test_split_rule_by_hand)
+  assert "grid_x = 1" in text and "grid_y = 18" in text and "grid_z = 28" in text
+  monkeypatch.setattr(w4_gluon, "MAX_M", 64)  # M = 64 runs as 2 row chunks of the MB = 32 build
+  x64 = jax.ShapeDtypeStruct((64, k), jnp.bfloat16)
+  text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x64, stack, i).lower(
       lowering_platforms=("cuda",)).as_text()
+  # 2 chunks x 18 tiles x 14 splits = 504 programs, the count nearest 512 (4 steps each)
+  assert ".entry w4a16_gemv" in text and "grid_x = 2" in text and "grid_y = 18" in text and "grid_z = 14" in text
 
 
 def test_ffi_launcher_builds_and_reports_a_missing_driver(tmp_path, monkeypatch):
