@@ -385,10 +385,10 @@ def _compiled(meta: tuple):
   return ptx, name, shared
 
 
-def _launch_attrs(ptx: str, name: str, grid: tuple[int, int, int], shared: int) -> dict:
+def _launch_attrs(ptx: str, name: str, grid: tuple[int, int, int], shared: int, threads: int = 128) -> dict:
   """The FFI call's attributes, as ``gluon_launch.cc`` binds them (a CPU test checks their count)."""
   return dict(ptx=ptx, name=name, grid_x=np.int64(grid[0]), grid_y=np.int64(grid[1]), grid_z=np.int64(grid[2]),
-              threads=np.int64(128), shared=np.int64(shared))
+              threads=np.int64(threads), shared=np.int64(shared))
 
 
 def _gpu_devices():

@@ -1,7 +1,7 @@
 """Lab (GPU): the wgmma variant (w4_gluon_wg.py) against the mma.sync Gluon kernel in row chunks,
-the Pallas kernel and bf16, at the 7B shapes and M = 32, 64 (rows checked against reference_matmul).
+the Pallas kernel and bf16, at the 7B shapes and M = 32-256 (rows checked against reference_matmul).
 
-  PYTHONPATH=$PWD python3 experiments/lab/gluon/time_wg.py      # WG_MS=32,64
+  PYTHONPATH=$PWD python3 experiments/lab/gluon/time_wg.py      # WG_MS=32,64,128,256
 """
 import os, sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -9,18 +9,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from labcommon import SHAPES_7B, activations, rotating_weights, us_per_call  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from pallas_kernels import reference_matmul, w4_gluon, w4_triton  # noqa: E402
+from pallas_kernels import matmul, reference_matmul, w4_gluon  # noqa: E402
 import w4_gluon_wg as wg  # noqa: E402
 
-MS = [int(v) for v in os.environ.get("WG_MS", "32,64").split(",")]
-w4_gluon.MAX_M, w4_gluon.CHUNK_MB = 64, 32
+MS = [int(v) for v in os.environ.get("WG_MS", "32,64,128,256").split(",")]
+matmul.GLUON = "0"  # "current": the library's path without the Gluon kernel (Pallas fused, or dequantize + cuBLAS)
 variants = {
     "bf16": None,
-    "pallas": lambda x, w: w4_triton.forward(x, w),
-    "mma32": lambda x, w: w4_gluon.forward(x, w),
-    "wg32": lambda x, w: wg.forward(x, w, mb=32),
-    "wg64": lambda x, w: wg.forward(x, w, mb=64),
-    "wg32t": lambda x, w: wg.forward(x, w, mb=32, target=1024),
+    "current": lambda x, w: matmul.kernel_forward(x, w),
+    "wg4_32": lambda x, w: wg.forward(x, w, mb=32),
+    "wg8_32": lambda x, w: wg.forward(x, w, mb=32, warps=8),
+    "wg8_64": lambda x, w: wg.forward(x, w, mb=64, warps=8),
+    "wg8_128": lambda x, w: wg.forward(x, w, mb=128, warps=8),
 }
 tot = {}
 for name, (k, n) in SHAPES_7B.items():

@@ -21,20 +21,30 @@ from pallas_kernels import w4_gluon, w4_triton  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)
-def kernel():
+def kernel(warps: int = 4):
+  """warps = 4: one warpgroup, as w4_gluon. warps = 8: two warpgroups of 128 rows each; the column
+  bit n2 moves from registers to warps (4 consecutive columns a thread, 4-byte code loads), which
+  halves every thread's accumulator, operand and code registers."""
   from triton.experimental import gluon
   from triton.experimental.gluon import language as ttgl
   from triton.experimental.gluon.language.nvidia import hopper
 
   asm = ttgl.constexpr(w4_gluon._asm())
+  n2_reg, n2_warp = ([[0, 4]], []) if warps == 4 else ([], [[0, 4]])
   code_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
-      reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [16, 0]],
+      reg_bases=[[0, 1], [0, 2]] + n2_reg + [[1, 0], [2, 0], [16, 0]],
       lane_bases=[[4, 0], [8, 0], [0, 8], [0, 16], [0, 32]],
-      warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[32, 256]))
+      warp_bases=[[0, 64], [0, 128]] + n2_warp, block_bases=[], shape=[32, 256]))
   group_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
-      reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [2, 0, 0]],
+      reg_bases=[[0, 0, 1], [0, 0, 2]] + [[0] + b for b in n2_reg] + [[0, 1, 0], [2, 0, 0]],
       lane_bases=[[0, 2, 0], [1, 0, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32]],
-      warp_bases=[[0, 0, 64], [0, 0, 128]], block_bases=[], shape=[4, 4, 256]))
+      warp_bases=[[0, 0, 64], [0, 0, 128]] + [[0] + b for b in n2_warp], block_bases=[], shape=[4, 4, 256]))
+  # A rows of the asm output (axes: j 4 bits, label columns 8 bits, p, lo/hi); warps own rows 16, 32
+  # (and 64 with 8 warps), so with 8 warps the warp bit n2 (axis 9) takes row 64 and p row 128
+  a_perm = ttgl.constexpr([9, 12] if warps == 4 else [12, 9])
+  # the inverse, rows -> columns: [n7, n6, n5, n4, n3, n2, n1, n0]
+  o_n2 = ttgl.constexpr(0 if warps == 4 else 1)  # [2, 3, 5, 6, 7, o_n2, 1 - o_n2, 4, 8]
+  WARPS = ttgl.constexpr(warps)
 
   @gluon.jit
   def load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, i, N: ttgl.constexpr):
@@ -46,7 +56,7 @@ def kernel():
     return c, s, xb
 
   @gluon.jit
-  def decode(c, s, a_layout: ttgl.constexpr):
+  def decode(c, s, a_layout: ttgl.constexpr, a_perm: ttgl.constexpr):
     s = (s.to(ttgl.float32) * 3.3230699894622896e+35).to(ttgl.bfloat16)
     c_a, c_b = ttgl.split(ttgl.permute(ttgl.reshape(c, [16, 2, 256]), [0, 2, 1]))
     c_a4 = ttgl.reshape(c_a, [4, 4, 256])
@@ -56,7 +66,7 @@ def kernel():
         asm, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [c_a, c_b, s_a],
         dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16), is_pure=True, pack=4)
     j = ttgl.reshape(ttgl.join(ttgl.join(o1, o2), ttgl.join(o3, o4)), [2] * 14)
-    a = ttgl.reshape(ttgl.permute(j, [9, 12, 4, 5, 10, 6, 7, 8, 0, 1, 2, 3, 13, 11]), [256, 64])
+    a = ttgl.reshape(ttgl.permute(j, [a_perm[0], a_perm[1], 4, 5, 10, 6, 7, 8, 0, 1, 2, 3, 13, 11]), [256, 64])
     # wgmma wants k_width 2: relabel k (bits 1, 2, 3, 4 -> 3, 4, 1, 2), a register reordering only
     a = ttgl.reshape(ttgl.permute(ttgl.reshape(a, [256, 2, 2, 2, 2, 2, 2]), [0, 1, 4, 5, 2, 3, 6]), [256, 64])
     return ttgl.convert_layout(a, a_layout, assert_trivial=True)
@@ -65,10 +75,10 @@ def kernel():
   def w4a16_wg(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
                CHUNKS: ttgl.constexpr):
-    mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, MB, 16])
+    mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, MB, 16])
     a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 2)
     # x [64 k, MB]: each thread 8 contiguous k of one row (16-byte loads and shared-memory stores)
-    xl: ttgl.constexpr = ttgl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+    xl: ttgl.constexpr = ttgl.BlockedLayout([8, 1], [8, 4], [1, WARPS], [0, 1])
     xs_layout: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([64, MB], ttgl.bfloat16, transposed=True)
     x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, 64, MB], xs_layout)
     pid_m = ttgl.program_id(0)
@@ -99,12 +109,12 @@ def kernel():
       buf.store(xs)
       hopper.fence_async_shared()
       ttgl.thread_barrier()
-      a = decode(c0, s0, a_layout)
+      a = decode(c0, s0, a_layout, a_perm)
       acc = hopper.warpgroup_mma(a, buf, acc)
       c0, s0, x0 = c1, s1, x1
     acc = acc * (256.0 / gs)
-    acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 8 + [MB]), [2, 3, 5, 6, 7, 0, 1, 4, 8]), [256, MB])
-    st: ttgl.constexpr = ttgl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+    acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 8 + [MB]), [2, 3, 5, 6, 7, o_n2, 1 - o_n2, 4, 8]), [256, MB])
+    st: ttgl.constexpr = ttgl.BlockedLayout([4, 1], [32, 1], [1, WARPS], [0, 1])
     acc = ttgl.convert_layout(acc, st)
     no = ttgl.arange(0, 256, layout=ttgl.SliceLayout(1, st))
     mo = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, st))
@@ -133,8 +143,8 @@ def _splits_target(k, n, chunks, target):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(meta):
-  c = w4_gluon._compile_gluon(kernel(), w4_gluon._ARG_DTYPES, dict(meta), 90)
+def _compiled(meta, warps=4):
+  c = w4_gluon._compile_gluon(kernel(warps), w4_gluon._ARG_DTYPES, dict(meta), 90, num_warps=warps)
   ptx, name, shared = c.asm["ptx"], c.metadata.name, int(c.metadata.shared)
   lib = w4_gluon._ffi_library()
   for device in w4_gluon._gpu_devices():
@@ -142,14 +152,14 @@ def _compiled(meta):
   return ptx, name, shared
 
 
-def forward(x, w, mb=None, target=None):
+def forward(x, w, mb=None, target=None, warps=4):
   m, k = x.shape
   n = w.shape[1]
   meta, splits, chunks = compile_meta(m, k, n, mb=mb, target=target)
-  ptx, name, shared = _compiled(tuple(meta.items()))
+  ptx, name, shared = _compiled(tuple(meta.items()), warps)
   operands = (x, *w4_triton._layer_operands(w, w4_triton._format_of(w), None))
   partials = jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((splits, m, n), jnp.float32))(
-      *operands, **w4_gluon._launch_attrs(ptx, name, (chunks, n // 256, splits), shared))
+      *operands, **w4_gluon._launch_attrs(ptx, name, (chunks, n // 256, splits), shared, threads=32 * warps))
   return (partials[0] if splits == 1 else partials.sum(axis=0)).astype(jnp.bfloat16)
 
 
@@ -158,11 +168,12 @@ if __name__ == "__main__":
   import subprocess
   import triton
   nv = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
-  for m, k, n in [(32, 3584, 37888), (64, 3584, 37888), (64, 18944, 3584)]:
-    meta, splits, chunks = compile_meta(m, k, n)
-    c = w4_gluon._compile_gluon(kernel(), w4_gluon._ARG_DTYPES, meta, 90)
+  for m, k, n, warps in [(32, 3584, 37888, 4), (64, 3584, 37888, 4), (64, 3584, 37888, 8), (64, 18944, 3584, 8),
+                         (128, 3584, 37888, 8)]:
+    meta, splits, chunks = compile_meta(m, k, n, mb=min(m, 128))
+    c = w4_gluon._compile_gluon(kernel(warps), w4_gluon._ARG_DTYPES, meta, 90, num_warps=warps)
     open("/tmp/wg.cubin", "wb").write(c.asm["cubin"])
     u = subprocess.check_output([nv + "/cuobjdump", "--dump-resource-usage", "/tmp/wg.cubin"]).decode()
     s = subprocess.check_output([nv + "/cuobjdump", "-sass", "/tmp/wg.cubin"]).decode()
     ops = {op: len(re.findall(op, s)) for op in ("HGMMA", "HMMA", "SHFL", "LDS", "STS", "STL", "LDL", "BAR")}
-    print(m, k, n, meta, "splits", splits, re.search(r"REG:(\d+).*?LOCAL:(\d+)", u).groups(), ops, flush=True)
+    print(m, k, n, warps, meta, "splits", splits, re.search(r"REG:(\d+).*?LOCAL:(\d+)", u).groups(), ops, flush=True)
