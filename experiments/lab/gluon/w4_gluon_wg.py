@@ -127,7 +127,7 @@ def kernel(warps: int = 4):
 
 
 def compile_meta(m, k, n, layers=1, mb=None, target=None):
-  mb = mb or (32 if m <= 32 else 64)
+  mb = min(mb or 64, max(32, 1 << (m - 1).bit_length()))
   chunks = -(-m // mb)
   splits = w4_gluon._splits(k, n, chunks) if target is None else _splits_target(k, n, chunks, target)
   return dict(M=m, N=n, K=k, L=layers, STEPS=k // 64 // splits, MB=mb, CHUNKS=chunks), splits, chunks
