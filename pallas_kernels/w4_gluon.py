@@ -69,11 +69,9 @@ from qerl_jax import nvfp4
 BLOCK_N = 256   # output columns per program
 BLOCK_K = 64    # contraction per unrolled step
 MAX_STEPS = 8   # unrolled steps per program (14 measured slower: more registers, fewer programs)
-MAX_M = 16      # rows taken by default. Larger M runs as row chunks of CHUNK_MB (a grid axis; the chunks
-                # of one weight tile are adjacent programs, so the codes come from the L2 after the
-                # first): not yet the default, timed by experiments/lab/gluon/time_jax.py (GL_MAX_M).
-CHUNK_MB = 32   # the row block of the chunks when M > 16: 16 (164 registers) or 32 (218, no spills);
-                # 64 spills registers.
+MAX_M = 32      # rows taken: M <= 16 by mma.sync (MB = 8, 16), 17-32 by wgmma (MB = 32, sm_90 only).
+                # M = 64 (wgmma, MB = 64) measured slower than the Pallas kernel: its float32 split-K
+                # partials cost as many bytes as the weight (docs/benchmarks.md, session 8).
 TARGET_PROGRAMS = 512  # measured best for the 7B shapes at M = 1-8 (docs/benchmarks.md, session 7)
 
 
@@ -89,28 +87,31 @@ def available() -> bool:
 
 def applies(m: int, w, x_dtype) -> bool:
   """Whether :func:`forward` takes ``x [m, K]`` (dtype ``x_dtype``) times ``w``: NVFP4, bf16 x,
-  ``1 <= m <= 16``, N a multiple of 256, K a multiple of 64 with a split of at most 8 steps."""
+  ``1 <= m <= MAX_M`` (``m > 16`` only where every visible GPU is sm_90: wgmma), N a multiple of 256,
+  K a multiple of 64 with a split of at most 8 steps."""
   if not isinstance(w, nvfp4.NVFP4Tensor) or jnp.dtype(x_dtype) != jnp.bfloat16:
     return False
   k, n = w.shape
+  if m > 16 and any(_cc(d) != 90 for d in _gpu_devices()):
+    return False
   return 1 <= m <= MAX_M and n % BLOCK_N == 0 and k % BLOCK_K == 0 and _splits(k, n) is not None
 
 
 def _row_block(m: int) -> int:
-  """MB, the rows one program multiplies: 8 or 16 for ``m <= 16``, else ``CHUNK_MB``."""
-  return 8 if m <= 8 else 16 if m <= 16 else CHUNK_MB
+  """MB, the rows one program multiplies: 8 or 16 (mma.sync) for ``m <= 16``, else 32 (wgmma)."""
+  return 8 if m <= 8 else 16 if m <= 16 else 32
 
 
-def _splits(k: int, n: int, chunks: int = 1) -> int | None:
+def _splits(k: int, n: int) -> int | None:
   """The split count: a divisor of the K steps with at most MAX_STEPS steps per program, giving
-  the program count (``chunks`` row chunks x column tiles x splits) nearest TARGET_PROGRAMS (ties
-  to fewer splits); None if no divisor fits."""
+  the program count (column tiles x splits) nearest TARGET_PROGRAMS (ties to fewer splits); None
+  if no divisor fits."""
   total = k // BLOCK_K
   tiles = n // BLOCK_N
   options = [s for s in range(1, total + 1) if total % s == 0 and total // s <= MAX_STEPS]
   if not options:
     return None
-  return min(options, key=lambda s: (abs(chunks * tiles * s - TARGET_PROGRAMS), s))
+  return min(options, key=lambda s: (abs(tiles * s - TARGET_PROGRAMS), s))
 
 
 def _asm() -> str:
@@ -130,23 +131,37 @@ def _asm() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel():
-  """Builds the Gluon kernel (imports triton lazily: CPU installs need not have it)."""
+def _kernel(wg: bool = False):
+  """Builds the Gluon kernel (imports triton lazily: CPU installs need not have it).
+
+  ``wg=False``: 4 warps, mma.sync, x in registers (MB = 8, 16). ``wg=True``: 8 warps (two
+  warpgroups of 128 rows), Hopper ``wgmma`` with the decoded weight from registers and x from
+  shared memory (MB = 32): x is stored once per program and step instead of held by every warp.
+  """
   from triton.experimental import gluon
   from triton.experimental.gluon import language as ttgl
+  from triton.experimental.gluon.language.nvidia import hopper
   from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
   asm = ttgl.constexpr(_asm())
-  # codes [32 rows, 256 columns]: registers n0 n1 n2 kp0 kp1 kp4; lanes kp2 kp3 n3 n4 n5; warps n6 n7
+  # codes [32 rows, 256 columns]: registers n0 n1 n2 kp0 kp1 kp4; lanes kp2 kp3 n3 n4 n5; warps n6 n7.
+  # With 8 warps, column bit n2 moves from the registers to the third warp bit.
+  n2_reg, n2_warp = ([], [[0, 4]]) if wg else ([[0, 4]], [])
   code_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
-      reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [16, 0]],
+      reg_bases=[[0, 1], [0, 2]] + n2_reg + [[1, 0], [2, 0], [16, 0]],
       lane_bases=[[4, 0], [8, 0], [0, 8], [0, 16], [0, 32]],
-      warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[32, 256]))
+      warp_bases=[[0, 64], [0, 128]] + n2_warp, block_bases=[], shape=[32, 256]))
   # the even code rows viewed as [4 scale groups, 4 row pairs, 256]: the block scales' parent layout
   group_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
-      reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [2, 0, 0]],
+      reg_bases=[[0, 0, 1], [0, 0, 2]] + [[0] + b for b in n2_reg] + [[0, 1, 0], [2, 0, 0]],
       lane_bases=[[0, 2, 0], [1, 0, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32]],
-      warp_bases=[[0, 0, 64], [0, 0, 128]], block_bases=[], shape=[4, 4, 256]))
+      warp_bases=[[0, 0, 64], [0, 0, 128]] + [[0] + b for b in n2_warp], block_bases=[], shape=[4, 4, 256]))
+  # Operand rows from the decode's output axes (j: 4 bits, labelled columns: 8, p, lo/hi): warps own
+  # rows 16 and 32 (and 64 with 8 warps), so there the warp bit n2 (axis 9) takes row 64 and p row 128.
+  a_perm = ttgl.constexpr([12, 9] if wg else [9, 12])
+  o_n2 = ttgl.constexpr(1 if wg else 0)  # the inverse, rows -> [n7 .. n0]: [2, 3, 5, 6, 7, o_n2, 1 - o_n2, 4, 8]
+  WARPS = ttgl.constexpr(8 if wg else 4)
+  WG = ttgl.constexpr(wg)
 
   @gluon.jit
   def load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, i, N: ttgl.constexpr):
@@ -158,7 +173,8 @@ def _kernel():
     return c, s, xb
 
   @gluon.jit
-  def mma_step(acc, c, s, xb, a_layout: ttgl.constexpr, b_layout: ttgl.constexpr):
+  def decode(c, s):
+    """codes [32, 256] and block scales [4, 256] of one step -> the weight operand [256 rows, 64 k]."""
     s = (s.to(ttgl.float32) * 3.3230699894622896e+35).to(ttgl.bfloat16)  # times 2**118
     c_a, c_b = ttgl.split(ttgl.permute(ttgl.reshape(c, [16, 2, 256]), [0, 2, 1]))  # rows 2j, 2j+1
     c_a4 = ttgl.reshape(c_a, [4, 4, 256])
@@ -169,23 +185,38 @@ def _kernel():
         dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16), is_pure=True, pack=4)
     # [j 4 bits][column 8 bits][p][lo/hi] -> A [r 8 bits, k slot 6 bits]
     j = ttgl.reshape(ttgl.join(ttgl.join(o1, o2), ttgl.join(o3, o4)), [2] * 14)
-    a = ttgl.reshape(ttgl.permute(j, [9, 12, 4, 5, 10, 6, 7, 8, 0, 1, 2, 3, 13, 11]), [256, 64])
-    a = ttgl.convert_layout(a, a_layout)
-    # x^T with k bits 0 and 1 swapped (inside each thread's 8 contiguous k)
+    a = ttgl.reshape(ttgl.permute(j, [a_perm[0], a_perm[1], 4, 5, 10, 6, 7, 8, 0, 1, 2, 3, 13, 11]), [256, 64])
+    if WG:  # wgmma takes k_width 2: relabel k bits 1, 2, 3, 4 as 3, 4, 1, 2 (a register reordering)
+      a = ttgl.reshape(ttgl.permute(ttgl.reshape(a, [256, 2, 2, 2, 2, 2, 2]), [0, 1, 4, 5, 2, 3, 6]), [256, 64])
+    return a
+
+  @gluon.jit
+  def x_slots(xb):
+    """x [64 k, MB] in the weight operand's k order: bits 0 and 1 swapped (the decode pairs code rows
+    2j and 2j+1), and for wgmma the k_width-2 relabelling on top."""
     mb: ttgl.constexpr = xb.shape[1]
     xs = ttgl.reshape(ttgl.permute(ttgl.reshape(xb, [16, 2, 2, mb]), [0, 2, 1, 3]), [64, mb])
-    return mma_v2(a, ttgl.convert_layout(xs, b_layout), acc)
+    if WG:
+      xs = ttgl.reshape(ttgl.permute(ttgl.reshape(xs, [2, 2, 2, 2, 2, 2, mb]), [0, 3, 4, 1, 2, 5, 6]), [64, mb])
+    return xs
 
   @gluon.jit
   def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
-                 K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-                 CHUNKS: ttgl.constexpr):
-    mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
-    a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 8)
-    b_layout: ttgl.constexpr = ttgl.DotOperandLayout(1, mma, 8)
-    pid_m = ttgl.program_id(0)  # row chunk (fastest: the chunks of a weight tile run side by side)
-    pid_n = ttgl.program_id(1)
-    pid_s = ttgl.program_id(2)
+                 K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr):
+    if WG:
+      mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, MB, 16])
+      a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 2)
+      # x loaded 8 contiguous k a thread, stored once a step to one of 2 shared buffers for wgmma
+      xl: ttgl.constexpr = ttgl.BlockedLayout([8, 1], [8, 4], [1, WARPS], [0, 1])
+      xs_layout: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([64, MB], ttgl.bfloat16, transposed=True)
+      x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, 64, MB], xs_layout)
+    else:
+      mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+      a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 8)
+      xl: ttgl.constexpr = ttgl.DotOperandLayout(1, mma, 8)
+    pid_n = ttgl.program_id(0)
+    pid_s = ttgl.program_id(1)
     layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
     gs = ttgl.load(gs_ptr + layer)
     n0 = pid_n * 256
@@ -194,27 +225,33 @@ def _kernel():
     kp = ttgl.arange(0, 32, layout=ttgl.SliceLayout(1, code_layout))
     nn = ttgl.arange(0, 256, layout=ttgl.SliceLayout(0, code_layout))
     c_offs = ttgl.expand_dims(kp + kp0, 1) * N + ttgl.expand_dims(nn, 0) + n0
-    kk = ttgl.arange(0, 64, layout=ttgl.SliceLayout(1, b_layout))
-    mm = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, b_layout))
-    if CHUNKS > 1:  # (a constexpr branch: the row offset costs 5 registers, an occupancy step at M <= 16)
-      mm = mm + pid_m * MB
+    kk = ttgl.arange(0, 64, layout=ttgl.SliceLayout(1, xl))
+    mm = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, xl))
     x_offs = ttgl.expand_dims(kk + pid_s * (STEPS * 64), 1) + ttgl.expand_dims(mm, 0) * K
     x_mask = ttgl.expand_dims(mm < M, 0) & ttgl.expand_dims(kk >= 0, 1)
     acc = ttgl.zeros([256, MB], ttgl.float32, layout=mma)
     c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N)
     for i in ttgl.static_range(STEPS):  # unrolled; step i+1's loads are issued before step i's math
       c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N)
-      acc = mma_step(acc, c0, s0, x0, a_layout, b_layout)
+      if WG:
+        # buffer i % 2 was last read by step i - 2's (synchronous) MMA, done before barrier i - 1
+        buf = x_smem.index(i % 2)
+        buf.store(x_slots(x0))
+        hopper.fence_async_shared()
+        ttgl.thread_barrier()
+        acc = hopper.warpgroup_mma(ttgl.convert_layout(decode(c0, s0), a_layout, assert_trivial=True), buf, acc)
+      else:
+        a = ttgl.convert_layout(decode(c0, s0), a_layout)
+        acc = mma_v2(a, ttgl.convert_layout(x_slots(x0), xl), acc)
       c0, s0, x0 = c1, s1, x1
     acc = acc * (256.0 / gs)  # 2**8 undoes the decode's 2**-8
     # rows r -> columns n = nu(r) (the inverse relabelling), then 16-byte stores along n
-    acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 8 + [MB]), [2, 3, 5, 6, 7, 0, 1, 4, 8]), [256, MB])
-    st: ttgl.constexpr = ttgl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+    acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 8 + [MB]), [2, 3, 5, 6, 7, o_n2, 1 - o_n2, 4, 8]),
+                       [256, MB])
+    st: ttgl.constexpr = ttgl.BlockedLayout([4, 1], [32, 1], [1, WARPS], [0, 1])
     acc = ttgl.convert_layout(acc, st)
     no = ttgl.arange(0, 256, layout=ttgl.SliceLayout(1, st))
     mo = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, st))
-    if CHUNKS > 1:
-      mo = mo + pid_m * MB
     o_offs = pid_s * (M * N) + ttgl.expand_dims(mo, 0) * N + ttgl.expand_dims(no + n0, 1)
     ttgl.store(o_ptr + o_offs, acc, mask=ttgl.expand_dims(mo < M, 0) & ttgl.expand_dims(no >= 0, 1))
 
@@ -372,9 +409,11 @@ def launcher() -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _compiled(meta: tuple):
-  """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta``, compiled for the
-  oldest visible GPU (sm_90 without one) and loaded on every GPU."""
-  compiled = _compile_gluon(_kernel(), _ARG_DTYPES, dict(meta), min((_cc(d) for d in _gpu_devices()), default=90))
+  """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta`` (the wgmma build
+  for MB = 32), compiled for the oldest visible GPU (sm_90 without one) and loaded on every GPU."""
+  wg = dict(meta)["MB"] > 16
+  compiled = _compile_gluon(_kernel(wg), _ARG_DTYPES, dict(meta), min((_cc(d) for d in _gpu_devices()), default=90),
+                            num_warps=_warps(dict(meta)["MB"]))
   ptx, name, shared = compiled.asm["ptx"], compiled.metadata.name, int(compiled.metadata.shared)
   lib = _ffi_library()
   if lib is not None:
@@ -391,6 +430,10 @@ def _launch_attrs(ptx: str, name: str, grid: tuple[int, int, int], shared: int, 
               threads=np.int64(threads), shared=np.int64(shared))
 
 
+def _warps(mb: int) -> int:
+  return 8 if mb > 16 else 4
+
+
 def _gpu_devices():
   return [d for d in jax.devices() if d.platform == "gpu"]
 
@@ -404,7 +447,7 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
   """``x @ W`` by the Gluon decode GEMV (GPU only; no VJP: :mod:`pallas_kernels.matmul` wraps it).
 
   Args:
-    x: bf16 ``[M, K]``, ``1 <= M <= 16``.
+    x: bf16 ``[M, K]``, ``1 <= M <= MAX_M`` (32; ``M > 16`` on sm_90 only).
     w: :class:`~qerl_jax.nvfp4.NVFP4Tensor` ``[K, N]``, or with ``index`` a stack ``[L, K, N]``.
     out_dtype: output dtype (default bf16); accumulation is float32.
     index: int32 scalar (may be traced): layer of the stack, clamped to ``[0, L)`` in the kernel.
@@ -430,21 +473,20 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
   n = w.shape[1]
   layers = 1 if index is None else w.packed.shape[0]
   mb = _row_block(m)
-  chunks = -(-m // mb)
-  splits = _splits(k, n, chunks)
+  splits = _splits(k, n)
   # codes and scales with the layers folded into rows, float32 global scales [L], the layer [1]
   operands = (x, *w4_triton._layer_operands(w, w4_triton._format_of(w), index))
-  meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=mb, CHUNKS=chunks)
+  meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=mb)
   out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
   if path == "ffi":
     ptx, name, shared = _compiled(tuple(meta.items()))
     partials = jax.ffi.ffi_call(_FFI_TARGET, out_shape)(
-        *operands, **_launch_attrs(ptx, name, (chunks, n // BLOCK_N, splits), shared))
+        *operands, **_launch_attrs(ptx, name, (n // BLOCK_N, splits, 1), shared, threads=32 * _warps(mb)))
   else:
     import jax_triton
 
     _install()
-    partials = jax_triton.triton_call(*operands, kernel=_kernel(), out_shape=out_shape, grid=(chunks, n // BLOCK_N, splits),
-                                      num_warps=4, **meta)
+    partials = jax_triton.triton_call(*operands, kernel=_kernel(mb > 16), out_shape=out_shape, grid=(n // BLOCK_N, splits),
+                                      num_warps=_warps(mb), **meta)
   y = partials[0] if splits == 1 else partials.sum(axis=0)
   return y.astype(out_dtype or x.dtype)

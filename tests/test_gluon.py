@@ -41,17 +41,16 @@ def test_split_rule_by_hand(k, n, splits):
   assert w4_gluon._splits(k, n) == splits
 
 
-def test_row_chunks_by_hand():
-  """M > 16 runs as row chunks of CHUNK_MB; the chunks count in the program target."""
-  assert [w4_gluon._row_block(m) for m in (1, 8, 9, 16, 17, 64)] == [8, 8, 16, 16, 32, 32]
-  assert w4_gluon._splits(3584, 37888, chunks=2) == 7   # at most 8 steps: 7 is the fewest splits (2072 programs)
-  assert w4_gluon._splits(3584, 4608, chunks=2) == 14   # 2 x 18 x 14 = 504
+def test_row_block_by_hand():
+  """mma.sync builds of 8 and 16 rows up to M = 16, the wgmma build of 32 rows above."""
+  assert [w4_gluon._row_block(m) for m in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
+  assert [w4_gluon._warps(w4_gluon._row_block(m)) for m in (8, 16, 17)] == [4, 4, 8]
 
 
 def test_applies_only_to_shapes_it_takes():
   w = _weight(128, 512, 0)
   assert w4_gluon.applies(1, w, jnp.bfloat16) and w4_gluon.applies(16, w, jnp.bfloat16)
-  assert not w4_gluon.applies(17, w, jnp.bfloat16)       # M > 16: the Pallas kernel
+  assert not w4_gluon.applies(33, w, jnp.bfloat16)       # M > 32: the Pallas kernel
   assert not w4_gluon.applies(8, w, jnp.float32)          # x must be bf16
   assert not w4_gluon.applies(8, _weight(128, 200, 0), jnp.bfloat16)   # N % 256
   assert not w4_gluon.applies(8, _weight(96, 256, 0), jnp.bfloat16)    # K % 64
@@ -60,7 +59,7 @@ def test_applies_only_to_shapes_it_takes():
 
 def test_forward_rejects_what_it_does_not_take():
   with pytest.raises(ValueError, match="no kernel"):
-    w4_gluon.forward(_act(17, 128, 0), _weight(128, 512, 0))
+    w4_gluon.forward(_act(33, 128, 0), _weight(128, 512, 0))
 
 
 def test_auto_backend_on_cpu_is_the_reference():
@@ -91,16 +90,16 @@ def test_gpu_gluon_matches_float64(m, k, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunk_mb", [16, 32])
-@pytest.mark.parametrize("m", [17, 32, 33, 64])
-def test_gpu_gluon_row_chunks_match_float64(m, chunk_mb, monkeypatch):
-  """M > 16 as row chunks (ragged last chunk at 17 and 33), for both chunk builds."""
-  monkeypatch.setattr(w4_gluon, "MAX_M", 64)
-  monkeypatch.setattr(w4_gluon, "CHUNK_MB", chunk_mb)
-  wq = _weight(3584, 4608, m)
-  x = _act(m, 3584, 1)
+@pytest.mark.parametrize("m", [17, 25, 32])
+@pytest.mark.parametrize("k,n", [(3584, 4608), (18944, 3584), (1088, 768), (64, 256)])
+def test_gpu_gluon_wgmma_build_matches_float64(m, k, n):
+  """17 <= M <= 32: the wgmma build (8 warps, x through shared memory), ragged M included."""
+  if any(w4_gluon._cc(d) != 90 for d in w4_gluon._gpu_devices()):
+    pytest.skip("the wgmma build is for sm_90")
+  wq = _weight(k, n, m + k)
+  x = _act(m, k, n)
   y = w4_gluon.forward(x, wq, out_dtype=jnp.float32)
-  assert y.shape == (m, 4608) and bool(jnp.isfinite(y).all())
+  assert y.shape == (m, n) and bool(jnp.isfinite(y).all())
   assert _rel(y, np.asarray(x, np.float64) @ _dense64(wq)) < 1e-4
 
 
@@ -163,14 +162,12 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
   text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x, stack, i).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "qerl_gluon_launch" in text and ".entry w4a16_gemv" in text
-  # one row chunk, 4608 / 256 column tiles, 28 splits (test_split_rule_by_hand)
-  assert "grid_x = 1" in text and "grid_y = 18" in text and "grid_z = 28" in text
-  monkeypatch.setattr(w4_gluon, "MAX_M", 64)  # M = 64 runs as 2 row chunks of the MB = 32 build
-  x64 = jax.ShapeDtypeStruct((64, k), jnp.bfloat16)
-  text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x64, stack, i).lower(
+  # 4608 / 256 column tiles, 28 splits (test_split_rule_by_hand), 4 warps
+  assert "grid_x = 18" in text and "grid_y = 28" in text and "threads = 128" in text
+  x32 = jax.ShapeDtypeStruct((32, k), jnp.bfloat16)  # the wgmma build: 8 warps
+  text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x32, stack, i).lower(
       lowering_platforms=("cuda",)).as_text()
-  # 2 chunks x 18 tiles x 14 splits = 504 programs, the count nearest 512 (4 steps each)
-  assert ".entry w4a16_gemv" in text and "grid_x = 2" in text and "grid_y = 18" in text and "grid_z = 14" in text
+  assert ".entry w4a16_gemv" in text and "wgmma.mma_async" in text and "threads = 256" in text
 
 
 def test_ffi_launcher_builds_and_reports_a_missing_driver(tmp_path, monkeypatch):

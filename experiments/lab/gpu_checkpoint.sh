@@ -7,8 +7,8 @@
 #   STEPS=4 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=5,6 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
-# 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py),
-#    then M = 32 and 64 as row chunks of 32 and of 16;
+# 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
+#    M = 1-32), then the lab's wgmma variants at M = 64 (time_wg.py);
 # 3. issue 6's benchmark as the issue states it (prompt 256, 2048 new tokens, batch 8 and 64),
 #    bf16 and NVFP4, under the launchers' XLA flags;
 # 4. the same at batch 256 (1024 new tokens to fit the call), and batch 64 with the training adapter;
@@ -23,8 +23,7 @@ step() { [[ "$STEPS" == *",$1,"* ]]; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 step 1 && timeout 300 python3 -m pytest -q -m gpu tests 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
-step 2 && { timeout 150 python3 experiments/lab/gluon/time_jax.py 2>&1
-  for mb in 32 16; do GL_MAX_M=64 GL_CHUNK_MB=$mb GL_MS=32,64 timeout 150 python3 experiments/lab/gluon/time_jax.py 2>&1; done
+step 2 && { timeout 150 python3 experiments/lab/gluon/time_jax.py 2>&1; WG_MS=64 timeout 200 python3 experiments/lab/gluon/time_wg.py 2>&1
 } | grep -v Warn | tee "$OUT/gluon_time.txt"
 export XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_dynamic_slice_fusion=true"
 step 3 && { timeout 420 python3 experiments/bench_rollout.py --batches=8,64 --new_tokens=2048 \

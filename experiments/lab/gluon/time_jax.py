@@ -3,8 +3,7 @@ Pallas kernel and bf16 jnp.dot, at the 7B shapes, in the JAX harness of sessions
 (labcommon.us_per_call: the kernels of one call summed, rotating weight copies beyond the L2).
 Each row is first checked against reference_matmul.
 
-  PYTHONPATH=$PWD python3 experiments/lab/gluon/time_jax.py      # GL_MS=1,8,16
-  GL_MAX_M=64 GL_CHUNK_MB=32 GL_MS=24,32,64 PYTHONPATH=$PWD python3 experiments/lab/gluon/time_jax.py   # row chunks
+  PYTHONPATH=$PWD python3 experiments/lab/gluon/time_jax.py      # GL_MS=1,8,16,32
 """
 import os, sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -13,9 +12,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from pallas_kernels import reference_matmul, w4_gluon, w4_triton  # noqa: E402
 
-MS = [int(v) for v in os.environ.get("GL_MS", "1,8,16").split(",")]
-w4_gluon.MAX_M = int(os.environ.get("GL_MAX_M", w4_gluon.MAX_M))  # 64: time the row chunks too
-w4_gluon.CHUNK_MB = int(os.environ.get("GL_CHUNK_MB", w4_gluon.CHUNK_MB))  # 16 or 32
+MS = [int(v) for v in os.environ.get("GL_MS", "1,8,16,32").split(",")]
 w4_gluon.TARGET_PROGRAMS = int(os.environ.get("GL_TARGET", w4_gluon.TARGET_PROGRAMS))
 tot = {}
 for name, (k, n) in SHAPES_7B.items():

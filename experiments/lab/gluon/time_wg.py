@@ -1,5 +1,6 @@
-"""Lab (GPU): the wgmma variant (w4_gluon_wg.py) against the mma.sync Gluon kernel in row chunks,
-the Pallas kernel and bf16, at the 7B shapes and M = 32-256 (rows checked against reference_matmul).
+"""Lab (GPU): the lab's wgmma variants (w4_gluon_wg.py: row block, row chunks, asynchronous MMAs,
+fewer split-K programs) against the library's path without Gluon (Pallas or dequantize + cuBLAS)
+and bf16, at the 7B shapes and M = 32-256 (rows checked against reference_matmul).
 
   PYTHONPATH=$PWD python3 experiments/lab/gluon/time_wg.py      # WG_MS=32,64,128,256
 """
@@ -17,10 +18,11 @@ matmul.GLUON = "0"  # "current": the library's path without the Gluon kernel (Pa
 variants = {
     "bf16": None,
     "current": lambda x, w: matmul.kernel_forward(x, w),
-    "wg4_32": lambda x, w: wg.forward(x, w, mb=32),
     "wg8_32": lambda x, w: wg.forward(x, w, mb=32, warps=8),
     "wg8_64": lambda x, w: wg.forward(x, w, mb=64, warps=8),
-    "wg8_128": lambda x, w: wg.forward(x, w, mb=128, warps=8),
+    "wg8_32a": lambda x, w: wg.forward(x, w, mb=32, warps=8, is_async=True),
+    "wg8_64a": lambda x, w: wg.forward(x, w, mb=64, warps=8, is_async=True),
+    "wg8_64a_t256": lambda x, w: wg.forward(x, w, mb=64, warps=8, is_async=True, target=256),
 }
 tot = {}
 for name, (k, n) in SHAPES_7B.items():

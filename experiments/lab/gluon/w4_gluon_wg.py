@@ -1,5 +1,7 @@
-"""Lab (GPU): the Gluon decode kernel of pallas_kernels.w4_gluon with a Hopper warpgroup MMA
-(wgmma) instead of mma.sync, for M = 32-64 (the 7B recipes sample 64 rows a step).
+"""Lab (GPU): the first version of the Gluon wgmma kernel (pallas_kernels.w4_gluon's MB = 32
+build came from it), kept for what the library build does not take: MB = 64 and 128, row chunks,
+and asynchronous MMAs with 3 x buffers, for M = 64-256 (the 7B recipes sample 64 rows a step).
+Session 8 measured all of them slower than the Pallas kernel at M = 64 (docs/benchmarks.md).
 
 The weight side is unchanged (same code layout, inline-PTX decode and row permutation; the wgmma A
 operand from registers with k_width 8 has the same linear layout as the mma.sync one). x goes
@@ -74,13 +76,14 @@ def kernel(warps: int = 4):
   @gluon.jit
   def w4a16_wg(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-               CHUNKS: ttgl.constexpr):
+               CHUNKS: ttgl.constexpr, ASYNC: ttgl.constexpr):
     mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, MB, 16])
     a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 2)
     # x [64 k, MB]: each thread 8 contiguous k of one row (16-byte loads and shared-memory stores)
     xl: ttgl.constexpr = ttgl.BlockedLayout([8, 1], [8, 4], [1, WARPS], [0, 1])
     xs_layout: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([64, MB], ttgl.bfloat16, transposed=True)
-    x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, 64, MB], xs_layout)
+    NBUF: ttgl.constexpr = 3 if ASYNC else 2
+    x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [NBUF, 64, MB], xs_layout)
     pid_m = ttgl.program_id(0)
     pid_n = ttgl.program_id(1)
     pid_s = ttgl.program_id(2)
@@ -105,13 +108,21 @@ def kernel(warps: int = 4):
       # k bits 0/1 swapped (the decode's pairing), then the k_width-2 relabelling of the weight side
       xs = ttgl.reshape(ttgl.permute(ttgl.reshape(x0, [16, 2, 2, MB]), [0, 2, 1, 3]), [64, MB])
       xs = ttgl.reshape(ttgl.permute(ttgl.reshape(xs, [2, 2, 2, 2, 2, 2, MB]), [0, 3, 4, 1, 2, 5, 6]), [64, MB])
-      buf = x_smem.index(i % 2)
+      # buffer i % NBUF was last read by the MMA of step i - NBUF, which every warp has waited for
+      # before the barrier of step i - 1 (synchronous MMAs: 2 buffers; one MMA in flight: 3)
+      buf = x_smem.index(i % NBUF)
       buf.store(xs)
       hopper.fence_async_shared()
       ttgl.thread_barrier()
       a = decode(c0, s0, a_layout, a_perm)
-      acc = hopper.warpgroup_mma(a, buf, acc)
+      if ASYNC:
+        acc = hopper.warpgroup_mma(a, buf, acc, is_async=True)
+        acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=(acc, a))[0]
+      else:
+        acc = hopper.warpgroup_mma(a, buf, acc)
       c0, s0, x0 = c1, s1, x1
+    if ASYNC:
+      acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     acc = acc * (256.0 / gs)
     acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 8 + [MB]), [2, 3, 5, 6, 7, o_n2, 1 - o_n2, 4, 8]), [256, MB])
     st: ttgl.constexpr = ttgl.BlockedLayout([4, 1], [32, 1], [1, WARPS], [0, 1])
@@ -126,20 +137,18 @@ def kernel(warps: int = 4):
   return w4a16_wg
 
 
-def compile_meta(m, k, n, layers=1, mb=None, target=None):
+def compile_meta(m, k, n, layers=1, mb=None, target=None, is_async=False):
   mb = min(mb or 64, max(32, 1 << (m - 1).bit_length()))
   chunks = -(-m // mb)
-  splits = w4_gluon._splits(k, n, chunks) if target is None else _splits_target(k, n, chunks, target)
-  return dict(M=m, N=n, K=k, L=layers, STEPS=k // 64 // splits, MB=mb, CHUNKS=chunks), splits, chunks
+  splits = _splits_target(k, n, chunks, w4_gluon.TARGET_PROGRAMS if target is None else target)
+  return dict(M=m, N=n, K=k, L=layers, STEPS=k // 64 // splits, MB=mb, CHUNKS=chunks, ASYNC=is_async), splits, chunks
 
 
 def _splits_target(k, n, chunks, target):
-  old = w4_gluon.TARGET_PROGRAMS
-  w4_gluon.TARGET_PROGRAMS = target
-  try:
-    return w4_gluon._splits(k, n, chunks)
-  finally:
-    w4_gluon.TARGET_PROGRAMS = old
+  """w4_gluon._splits with the row chunks counted in the program target."""
+  total, tiles = k // 64, n // 256
+  options = [s for s in range(1, total + 1) if total % s == 0 and total // s <= w4_gluon.MAX_STEPS]
+  return min(options, key=lambda s: (abs(chunks * tiles * s - target), s))
 
 
 @functools.lru_cache(maxsize=None)
@@ -152,10 +161,10 @@ def _compiled(meta, warps=4):
   return ptx, name, shared
 
 
-def forward(x, w, mb=None, target=None, warps=4):
+def forward(x, w, mb=None, target=None, warps=4, is_async=False):
   m, k = x.shape
   n = w.shape[1]
-  meta, splits, chunks = compile_meta(m, k, n, mb=mb, target=target)
+  meta, splits, chunks = compile_meta(m, k, n, mb=mb, target=target, is_async=is_async)
   ptx, name, shared = _compiled(tuple(meta.items()), warps)
   operands = (x, *w4_triton._layer_operands(w, w4_triton._format_of(w), None))
   partials = jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((splits, m, n), jnp.float32))(
@@ -168,9 +177,9 @@ if __name__ == "__main__":
   import subprocess
   import triton
   nv = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
-  for m, k, n, warps in [(32, 3584, 37888, 4), (64, 3584, 37888, 4), (64, 3584, 37888, 8), (64, 18944, 3584, 8),
-                         (128, 3584, 37888, 8)]:
-    meta, splits, chunks = compile_meta(m, k, n, mb=min(m, 128))
+  for m, k, n, warps, is_async in [(32, 3584, 37888, 8, False), (32, 3584, 37888, 8, True), (64, 3584, 37888, 8, True),
+                                   (64, 18944, 3584, 8, True), (128, 3584, 37888, 8, True)]:
+    meta, splits, chunks = compile_meta(m, k, n, mb=min(m, 128), is_async=is_async)
     c = w4_gluon._compile_gluon(kernel(warps), w4_gluon._ARG_DTYPES, meta, 90, num_warps=warps)
     open("/tmp/wg.cubin", "wb").write(c.asm["cubin"])
     u = subprocess.check_output([nv + "/cuobjdump", "--dump-resource-usage", "/tmp/wg.cubin"]).decode()
