@@ -1,11 +1,18 @@
 """Decode-size W4A16 GEMV for NVFP4 weights in Gluon (Triton 3.6), launched by its own XLA FFI handler.
 
-``forward(x, w)`` computes ``x @ W`` for bf16 ``x`` ``[M, K]`` with ``M <= 16`` and an NVFP4
+``forward(x, w)`` computes ``x @ W`` for bf16 ``x`` ``[M, K]`` with ``M <= 32`` and an NVFP4
 ``W`` ``[K, N]`` (or layer ``index`` of a stack ``[L, K, N]``, read in place), float32
 accumulation. It is the decode path of :func:`pallas_kernels.matmul.quantized_matmul` on a GPU:
 on an H200 it is about 1.6x faster than the Pallas kernel of :mod:`pallas_kernels.w4_triton`
-at M <= 8 and 1.76-1.90x faster than bf16 cuBLAS, summed over the Qwen2.5-7B shapes
-(docs/benchmarks.md, session 7).
+at M <= 8 and 1.77-1.89x faster than bf16 cuBLAS, summed over the Qwen2.5-7B shapes; at M = 32,
+1.33x the Pallas kernel and 1.19x bf16 (docs/benchmarks.md, sessions 7 and 8).
+
+Two builds of one kernel source (:func:`_kernel`): M <= 16 uses mma.sync with 4 warps, x held in
+registers by every warp. M = 17-32 (sm_90) uses Hopper's wgmma with 8 warps (two warpgroups of 128
+rows; the column bit n2 moves from the registers to the warps, which halves each thread's registers):
+the weight operand comes from registers as before, and x is stored to shared memory once per step,
+where the tensor cores read it for all 256 rows. wgmma wants the operand's k pairs at ``k_width`` 2,
+a register relabelling of the same decode; x is stored in the matching k order.
 
 Why Gluon: Gluon lets the kernel name the register layout of every tensor, which Pallas does not.
 The Pallas kernel loads the codes through shared memory and gathers them byte by byte into the
