@@ -112,7 +112,7 @@ def _row_check(kind, x, wq, cfg=None):
     nan = bool(jnp.any(w4_triton.dequantize(wq, jnp.bfloat16) != nvfp4.dequantize(wq, jnp.bfloat16)))
   if kind == "fwd":
     if fused and cfg is None and matmul._use_gluon(x, wq, False, None):
-      y = matmul.kernel_forward(x, wq)  # the Gluon decode kernel (M <= 16), which the timing runs too
+      y = matmul.kernel_forward(x, wq)  # the Gluon decode kernel (M <= 32), which the timing runs too
     else:
       y = (w4_triton.forward(x, wq, config=cfg, poison_output=True) if fused else matmul.kernel_forward(x, wq))
     ref = matmul.reference_matmul(x, wq)
