@@ -1,8 +1,8 @@
 """Lab (GPU): the lab's wgmma variants (w4_gluon_wg.py: row block, row chunks, asynchronous MMAs,
-fewer split-K programs) against the library's path without Gluon (Pallas or dequantize + cuBLAS)
-and bf16, at the 7B shapes and M = 32-256 (rows checked against reference_matmul).
+fewer split-K programs, split-K summed by float32 atomics) against the library's default path and
+bf16, at the 7B shapes and M = 32-256 (rows checked against reference_matmul).
 
-  PYTHONPATH=$PWD python3 experiments/lab/gluon/time_wg.py      # WG_MS=32,64,128,256
+  PYTHONPATH=$PWD python3 experiments/lab/gluon/time_wg.py      # WG_MS=8,32,64
 """
 import os, sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -13,16 +13,16 @@ import jax.numpy as jnp  # noqa: E402
 from pallas_kernels import matmul, reference_matmul, w4_gluon  # noqa: E402
 import w4_gluon_wg as wg  # noqa: E402
 
-MS = [int(v) for v in os.environ.get("WG_MS", "32,64,128,256").split(",")]
-matmul.GLUON = "0"  # "current": the library's path without the Gluon kernel (Pallas fused, or dequantize + cuBLAS)
+MS = [int(v) for v in os.environ.get("WG_MS", "8,32,64").split(",")]
 variants = {
     "bf16": None,
-    "current": lambda x, w: matmul.kernel_forward(x, w),
-    "wg8_32": lambda x, w: wg.forward(x, w, mb=32, warps=8),
-    "wg8_64": lambda x, w: wg.forward(x, w, mb=64, warps=8),
-    "wg8_32a": lambda x, w: wg.forward(x, w, mb=32, warps=8, is_async=True),
-    "wg8_64a": lambda x, w: wg.forward(x, w, mb=64, warps=8, is_async=True),
-    "wg8_64a_t256": lambda x, w: wg.forward(x, w, mb=64, warps=8, is_async=True, target=256),
+    "library": lambda x, w: matmul.kernel_forward(x, w),  # Gluon at M <= 32, Pallas at 33-64, default settings
+    "wg": lambda x, w: wg.forward(x, w, warps=8),
+    "wgA": lambda x, w: wg.forward(x, w, warps=8, atomic=True),
+    "wgA_t1024": lambda x, w: wg.forward(x, w, warps=8, atomic=True, target=1024),
+    "wgA_t256": lambda x, w: wg.forward(x, w, warps=8, atomic=True, target=256),
+    "wgA_async": lambda x, w: wg.forward(x, w, warps=8, atomic=True, is_async=True),
+    "wgA_mb32": lambda x, w: wg.forward(x, w, mb=32, warps=8, atomic=True),
 }
 tot = {}
 for name, (k, n) in SHAPES_7B.items():

@@ -74,9 +74,9 @@ def kernel(warps: int = 4):
     return ttgl.convert_layout(a, a_layout, assert_trivial=True)
 
   @gluon.jit
-  def w4a16_wg(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
+  def w4a16_wg(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-               CHUNKS: ttgl.constexpr, ASYNC: ttgl.constexpr):
+               CHUNKS: ttgl.constexpr, ASYNC: ttgl.constexpr, ATOMIC: ttgl.constexpr):
     mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, MB, 16])
     a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 2)
     # x [64 k, MB]: each thread 8 contiguous k of one row (16-byte loads and shared-memory stores)
@@ -131,17 +131,23 @@ def kernel(warps: int = 4):
     mo = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, st))
     if CHUNKS > 1:
       mo = mo + pid_m * MB
-    o_offs = pid_s * (M * N) + ttgl.expand_dims(mo, 0) * N + ttgl.expand_dims(no + n0, 1)
-    ttgl.store(o_ptr + o_offs, acc, mask=ttgl.expand_dims(mo < M, 0) & ttgl.expand_dims(no >= 0, 1))
+    o_mask = ttgl.expand_dims(mo < M, 0) & ttgl.expand_dims(no >= 0, 1)
+    if ATOMIC:  # split-K summed in the L2 by float32 atomics into the zeroed output (aliased to z_ptr)
+      ttgl.atomic_add(o_ptr + ttgl.expand_dims(mo, 0) * N + ttgl.expand_dims(no + n0, 1), acc, mask=o_mask,
+                      sem="relaxed")
+    else:
+      o_offs = pid_s * (M * N) + ttgl.expand_dims(mo, 0) * N + ttgl.expand_dims(no + n0, 1)
+      ttgl.store(o_ptr + o_offs, acc, mask=o_mask)
 
   return w4a16_wg
 
 
-def compile_meta(m, k, n, layers=1, mb=None, target=None, is_async=False):
-  mb = min(mb or 64, max(32, 1 << (m - 1).bit_length()))
+def compile_meta(m, k, n, layers=1, mb=None, target=None, is_async=False, atomic=False):
+  mb = min(mb or 64, max(8, 1 << (m - 1).bit_length()))
   chunks = -(-m // mb)
   splits = _splits_target(k, n, chunks, w4_gluon.TARGET_PROGRAMS if target is None else target)
-  return dict(M=m, N=n, K=k, L=layers, STEPS=k // 64 // splits, MB=mb, CHUNKS=chunks, ASYNC=is_async), splits, chunks
+  return dict(M=m, N=n, K=k, L=layers, STEPS=k // 64 // splits, MB=mb, CHUNKS=chunks, ASYNC=is_async,
+              ATOMIC=atomic), splits, chunks
 
 
 def _splits_target(k, n, chunks, target):
@@ -151,9 +157,12 @@ def _splits_target(k, n, chunks, target):
   return min(options, key=lambda s: (abs(chunks * tiles * s - target), s))
 
 
+ARG_DTYPES = w4_gluon._ARG_DTYPES[:5] + ("*fp32", "*fp32")  # ..., zeros (aliased to the output), output
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(meta, warps=4):
-  c = w4_gluon._compile_gluon(kernel(warps), w4_gluon._ARG_DTYPES, dict(meta), 90, num_warps=warps)
+  c = w4_gluon._compile_gluon(kernel(warps), ARG_DTYPES, dict(meta), 90, num_warps=warps)
   ptx, name, shared = c.asm["ptx"], c.metadata.name, int(c.metadata.shared)
   lib = w4_gluon._ffi_library()
   for device in w4_gluon._gpu_devices():
@@ -161,14 +170,19 @@ def _compiled(meta, warps=4):
   return ptx, name, shared
 
 
-def forward(x, w, mb=None, target=None, warps=4, is_async=False):
+def forward(x, w, mb=None, target=None, warps=4, is_async=False, atomic=False):
   m, k = x.shape
   n = w.shape[1]
-  meta, splits, chunks = compile_meta(m, k, n, mb=mb, target=target, is_async=is_async)
+  meta, splits, chunks = compile_meta(m, k, n, mb=mb, target=target, is_async=is_async, atomic=atomic)
   ptx, name, shared = _compiled(tuple(meta.items()), warps)
   operands = (x, *w4_triton._layer_operands(w, w4_triton._format_of(w), None))
+  attrs = w4_gluon._launch_attrs(ptx, name, (chunks, n // 256, splits), shared, threads=32 * warps)
+  if atomic:
+    out = jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32), input_output_aliases={5: 0})(
+        *operands, jnp.zeros((m, n), jnp.float32), **attrs)
+    return out.astype(jnp.bfloat16)
   partials = jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((splits, m, n), jnp.float32))(
-      *operands, **w4_gluon._launch_attrs(ptx, name, (chunks, n // 256, splits), shared, threads=32 * warps))
+      *operands, jnp.zeros((1,), jnp.float32), **attrs)
   return (partials[0] if splits == 1 else partials.sum(axis=0)).astype(jnp.bfloat16)
 
 
@@ -177,12 +191,12 @@ if __name__ == "__main__":
   import subprocess
   import triton
   nv = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
-  for m, k, n, warps, is_async in [(32, 3584, 37888, 8, False), (32, 3584, 37888, 8, True), (64, 3584, 37888, 8, True),
-                                   (64, 18944, 3584, 8, True), (128, 3584, 37888, 8, True)]:
-    meta, splits, chunks = compile_meta(m, k, n, mb=min(m, 128), is_async=is_async)
-    c = w4_gluon._compile_gluon(kernel(warps), w4_gluon._ARG_DTYPES, meta, 90, num_warps=warps)
+  for m, k, n, warps, is_async in [(8, 3584, 37888, 8, False), (32, 3584, 37888, 8, False), (64, 3584, 37888, 8, True),
+                                   (64, 18944, 3584, 8, False)]:
+    meta, splits, chunks = compile_meta(m, k, n, mb=min(m, 128), is_async=is_async, atomic=True)
+    c = w4_gluon._compile_gluon(kernel(warps), ARG_DTYPES, meta, 90, num_warps=warps)
     open("/tmp/wg.cubin", "wb").write(c.asm["cubin"])
     u = subprocess.check_output([nv + "/cuobjdump", "--dump-resource-usage", "/tmp/wg.cubin"]).decode()
     s = subprocess.check_output([nv + "/cuobjdump", "-sass", "/tmp/wg.cubin"]).decode()
-    ops = {op: len(re.findall(op, s)) for op in ("HGMMA", "HMMA", "SHFL", "LDS", "STS", "STL", "LDL", "BAR")}
+    ops = {op: len(re.findall(op, s)) for op in ("HGMMA", "HMMA", "SHFL", "LDS", "STS", "STL", "LDL", "BAR", "RED", "ATOM")}
     print(m, k, n, warps, meta, "splits", splits, re.search(r"REG:(\d+).*?LOCAL:(\d+)", u).groups(), ops, flush=True)
