@@ -76,10 +76,9 @@ from qerl_jax import nvfp4
 BLOCK_N = 256   # output columns per program
 BLOCK_K = 64    # contraction per unrolled step
 MAX_STEPS = 8   # unrolled steps per program (14 measured slower: more registers, fewer programs)
-MAX_M = 32      # rows taken: M <= 16 by mma.sync (MB = 8, 16), 17-32 by wgmma (MB = 32, sm_90 only).
-                # M = 64 (wgmma, MB = 64) measured slower than the Pallas kernel: its float32 split-K
-                # partials cost as many bytes as the weight (docs/benchmarks.md, session 8).
+MAX_M = 64      # rows taken: M <= 16 by mma.sync (MB = 8, 16), 17-64 by wgmma (MB = 32, 64; sm_90 only)
 TARGET_PROGRAMS = 512  # measured best for the 7B shapes at M = 1-8 (docs/benchmarks.md, session 7)
+WG_TARGET_PROGRAMS = 256  # the wgmma builds' split-K target: best of 256 / 512 / 1024 at M = 32, 64 (session 8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,20 +104,21 @@ def applies(m: int, w, x_dtype) -> bool:
 
 
 def _row_block(m: int) -> int:
-  """MB, the rows one program multiplies: 8 or 16 (mma.sync) for ``m <= 16``, else 32 (wgmma)."""
-  return 8 if m <= 8 else 16 if m <= 16 else 32
+  """MB, the rows one program multiplies: 8 or 16 (mma.sync) for ``m <= 16``, else 32 or 64 (wgmma)."""
+  return 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
 
 
-def _splits(k: int, n: int) -> int | None:
+def _splits(k: int, n: int, target: int | None = None) -> int | None:
   """The split count: a divisor of the K steps with at most MAX_STEPS steps per program, giving
-  the program count (column tiles x splits) nearest TARGET_PROGRAMS (ties to fewer splits); None
-  if no divisor fits."""
+  the program count (column tiles x splits) nearest ``target`` (default TARGET_PROGRAMS; ties to
+  fewer splits); None if no divisor fits."""
   total = k // BLOCK_K
   tiles = n // BLOCK_N
+  target = TARGET_PROGRAMS if target is None else target
   options = [s for s in range(1, total + 1) if total % s == 0 and total // s <= MAX_STEPS]
   if not options:
     return None
-  return min(options, key=lambda s: (abs(tiles * s - TARGET_PROGRAMS), s))
+  return min(options, key=lambda s: (abs(tiles * s - target), s))
 
 
 def _asm() -> str:
@@ -208,7 +208,7 @@ def _kernel(wg: bool = False):
     return xs
 
   @gluon.jit
-  def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
+  def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                  K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr):
     if WG:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -259,14 +259,20 @@ def _kernel(wg: bool = False):
     acc = ttgl.convert_layout(acc, st)
     no = ttgl.arange(0, 256, layout=ttgl.SliceLayout(1, st))
     mo = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, st))
-    o_offs = pid_s * (M * N) + ttgl.expand_dims(mo, 0) * N + ttgl.expand_dims(no + n0, 1)
-    ttgl.store(o_ptr + o_offs, acc, mask=ttgl.expand_dims(mo < M, 0) & ttgl.expand_dims(no >= 0, 1))
+    o_mask = ttgl.expand_dims(mo < M, 0) & ttgl.expand_dims(no >= 0, 1)
+    if WG:  # split-K summed in the L2: float32 atomics (REDG.F32x4) into the zeroed output, z_ptr's alias
+      ttgl.atomic_add(o_ptr + ttgl.expand_dims(mo, 0) * N + ttgl.expand_dims(no + n0, 1), acc, mask=o_mask,
+                      sem="relaxed")
+    else:  # float32 partials [S, M, N], summed by XLA
+      ttgl.store(o_ptr + pid_s * (M * N) + ttgl.expand_dims(mo, 0) * N + ttgl.expand_dims(no + n0, 1), acc,
+                 mask=o_mask)
 
   return w4a16_gemv
 
 
 _INSTALLED = []
-_ARG_DTYPES = ("*bf16", "*u8", "*fp8e4nv", "*fp32", "*i32", "*fp32")  # x, codes, scales, global scales, layer, out
+# x, codes, block scales, global scales, layer, zeros (the wgmma builds' output, aliased; else unused), out
+_ARG_DTYPES = ("*bf16", "*u8", "*fp8e4nv", "*fp32", "*i32", "*fp32", "*fp32")
 
 
 def _compile_gluon(fn, arg_dtypes, constexprs: dict, cc: int, num_warps: int = 4):
@@ -417,7 +423,7 @@ def launcher() -> str | None:
 @functools.lru_cache(maxsize=None)
 def _compiled(meta: tuple):
   """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta`` (the wgmma build
-  for MB = 32), compiled for the oldest visible GPU (sm_90 without one) and loaded on every GPU."""
+  for MB > 16), compiled for the oldest visible GPU (sm_90 without one) and loaded on every GPU."""
   wg = dict(meta)["MB"] > 16
   compiled = _compile_gluon(_kernel(wg), _ARG_DTYPES, dict(meta), min((_cc(d) for d in _gpu_devices()), default=90),
                             num_warps=_warps(dict(meta)["MB"]))
@@ -454,7 +460,7 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
   """``x @ W`` by the Gluon decode GEMV (GPU only; no VJP: :mod:`pallas_kernels.matmul` wraps it).
 
   Args:
-    x: bf16 ``[M, K]``, ``1 <= M <= MAX_M`` (32; ``M > 16`` on sm_90 only).
+    x: bf16 ``[M, K]``, ``1 <= M <= MAX_M`` (64; ``M > 16`` on sm_90 only).
     w: :class:`~qerl_jax.nvfp4.NVFP4Tensor` ``[K, N]``, or with ``index`` a stack ``[L, K, N]``.
     out_dtype: output dtype (default bf16); accumulation is float32.
     index: int32 scalar (may be traced): layer of the stack, clamped to ``[0, L)`` in the kernel.
@@ -480,20 +486,24 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
   n = w.shape[1]
   layers = 1 if index is None else w.packed.shape[0]
   mb = _row_block(m)
-  splits = _splits(k, n)
-  # codes and scales with the layers folded into rows, float32 global scales [L], the layer [1]
-  operands = (x, *w4_triton._layer_operands(w, w4_triton._format_of(w), index))
+  wg = mb > 16
+  splits = _splits(k, n, WG_TARGET_PROGRAMS if wg else None)
+  # codes and scales with the layers folded into rows, float32 global scales [L], the layer [1], and the
+  # zeroed output the wgmma builds add their split-K parts into (aliased to the result)
+  zeros = jnp.zeros((m, n) if wg else (1,), jnp.float32)
+  operands = (x, *w4_triton._layer_operands(w, w4_triton._format_of(w), index), zeros)
   meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=mb)
-  out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
+  out_shape = jax.ShapeDtypeStruct((m, n) if wg else (splits, m, n), jnp.float32)
+  aliases = {5: 0} if wg else None
   if path == "ffi":
     ptx, name, shared = _compiled(tuple(meta.items()))
-    partials = jax.ffi.ffi_call(_FFI_TARGET, out_shape)(
+    out = jax.ffi.ffi_call(_FFI_TARGET, out_shape, input_output_aliases=aliases)(
         *operands, **_launch_attrs(ptx, name, (n // BLOCK_N, splits, 1), shared, threads=32 * _warps(mb)))
   else:
     import jax_triton
 
     _install()
-    partials = jax_triton.triton_call(*operands, kernel=_kernel(mb > 16), out_shape=out_shape, grid=(n // BLOCK_N, splits),
-                                      num_warps=_warps(mb), **meta)
-  y = partials[0] if splits == 1 else partials.sum(axis=0)
+    out = jax_triton.triton_call(*operands, kernel=_kernel(wg), out_shape=out_shape, grid=(n // BLOCK_N, splits),
+                                 num_warps=_warps(mb), input_output_aliases=aliases or {}, **meta)
+  y = out if wg else out[0] if splits == 1 else out.sum(axis=0)
   return y.astype(out_dtype or x.dtype)

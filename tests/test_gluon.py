@@ -41,16 +41,27 @@ def test_split_rule_by_hand(k, n, splits):
   assert w4_gluon._splits(k, n) == splits
 
 
+@pytest.mark.parametrize("k,n,splits", [
+    (3584, 4608, 14),    # q/k/v: 18 tiles x 14 = 252 programs, nearest 256
+    (3584, 3584, 14),    # o: 14 x 14 = 196 (|196 - 256| < |392 - 256|)
+    (3584, 37888, 7),    # gate/up: at most 8 steps, so 7 splits is the fewest (1036 programs)
+    (18944, 3584, 37),   # down: 296 steps; 37 splits (518 programs) is the fewest with <= 8 steps
+])
+def test_split_rule_of_the_wgmma_builds_by_hand(k, n, splits):
+  assert w4_gluon._splits(k, n, w4_gluon.WG_TARGET_PROGRAMS) == splits
+
+
 def test_row_block_by_hand():
-  """mma.sync builds of 8 and 16 rows up to M = 16, the wgmma build of 32 rows above."""
-  assert [w4_gluon._row_block(m) for m in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
-  assert [w4_gluon._warps(w4_gluon._row_block(m)) for m in (8, 16, 17)] == [4, 4, 8]
+  """mma.sync builds of 8 and 16 rows up to M = 16, the wgmma builds of 32 and 64 rows above."""
+  assert [w4_gluon._row_block(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
+  assert [w4_gluon._warps(w4_gluon._row_block(m)) for m in (8, 16, 17, 64)] == [4, 4, 8, 8]
 
 
 def test_applies_only_to_shapes_it_takes():
   w = _weight(128, 512, 0)
   assert w4_gluon.applies(1, w, jnp.bfloat16) and w4_gluon.applies(16, w, jnp.bfloat16)
-  assert not w4_gluon.applies(33, w, jnp.bfloat16)       # M > 32: the Pallas kernel
+  assert w4_gluon.applies(64, w, jnp.bfloat16)
+  assert not w4_gluon.applies(65, w, jnp.bfloat16)       # M > 64: dequantize + cuBLAS
   assert not w4_gluon.applies(8, w, jnp.float32)          # x must be bf16
   assert not w4_gluon.applies(8, _weight(128, 200, 0), jnp.bfloat16)   # N % 256
   assert not w4_gluon.applies(8, _weight(96, 256, 0), jnp.bfloat16)    # K % 64
@@ -59,7 +70,7 @@ def test_applies_only_to_shapes_it_takes():
 
 def test_forward_rejects_what_it_does_not_take():
   with pytest.raises(ValueError, match="no kernel"):
-    w4_gluon.forward(_act(33, 128, 0), _weight(128, 512, 0))
+    w4_gluon.forward(_act(65, 128, 0), _weight(128, 512, 0))
 
 
 def test_auto_backend_on_cpu_is_the_reference():
@@ -90,10 +101,11 @@ def test_gpu_gluon_matches_float64(m, k, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [17, 25, 32])
+@pytest.mark.parametrize("m", [17, 32, 40, 64])
 @pytest.mark.parametrize("k,n", [(3584, 4608), (18944, 3584), (1088, 768), (64, 256)])
 def test_gpu_gluon_wgmma_build_matches_float64(m, k, n):
-  """17 <= M <= 32: the wgmma build (8 warps, x through shared memory), ragged M included."""
+  """17 <= M <= 64: the wgmma builds (8 warps, x through shared memory, split-K summed by float32
+  atomics into a zeroed output), ragged M included."""
   if any(w4_gluon._cc(d) != 90 for d in w4_gluon._gpu_devices()):
     pytest.skip("the wgmma build is for sm_90")
   wq = _weight(k, n, m + k)
@@ -164,10 +176,13 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
   assert "qerl_gluon_launch" in text and ".entry w4a16_gemv" in text
   # 4608 / 256 column tiles, 28 splits (test_split_rule_by_hand), 4 warps
   assert "grid_x = 18" in text and "grid_y = 28" in text and "threads = 128" in text
-  x32 = jax.ShapeDtypeStruct((32, k), jnp.bfloat16)  # the wgmma build: 8 warps
-  text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x32, stack, i).lower(
+  x64 = jax.ShapeDtypeStruct((64, k), jnp.bfloat16)  # a wgmma build: 8 warps, 14 splits (the rule above)
+  text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x64, stack, i).lower(
       lowering_platforms=("cuda",)).as_text()
   assert ".entry w4a16_gemv" in text and "wgmma.mma_async" in text and "threads = 256" in text
+  assert "grid_x = 18" in text and "grid_y = 14" in text
+  # the split-K parts are added by atomics into the zeroed operand that the result aliases
+  assert "atom.global.gpu.relaxed.add.v4.f32" in text and "output_operand_aliases" in text
 
 
 def test_ffi_launcher_builds_and_reports_a_missing_driver(tmp_path, monkeypatch):

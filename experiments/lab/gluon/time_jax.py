@@ -3,7 +3,7 @@ Pallas kernel and bf16 jnp.dot, at the 7B shapes, in the JAX harness of sessions
 (labcommon.us_per_call: the kernels of one call summed, rotating weight copies beyond the L2).
 Each row is first checked against reference_matmul.
 
-  PYTHONPATH=$PWD python3 experiments/lab/gluon/time_jax.py      # GL_MS=1,8,16,32
+  PYTHONPATH=$PWD python3 experiments/lab/gluon/time_jax.py      # GL_MS=1,8,16,32,64
 """
 import os, sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -12,7 +12,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from pallas_kernels import reference_matmul, w4_gluon, w4_triton  # noqa: E402
 
-MS = [int(v) for v in os.environ.get("GL_MS", "1,8,16,32").split(",")]
+MS = [int(v) for v in os.environ.get("GL_MS", "1,8,16,32,64").split(",")]
 w4_gluon.TARGET_PROGRAMS = int(os.environ.get("GL_TARGET", w4_gluon.TARGET_PROGRAMS))
 tot = {}
 for name, (k, n) in SHAPES_7B.items():
