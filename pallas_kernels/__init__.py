@@ -6,7 +6,7 @@ logical shape ``[K, N]``, differentiable in ``x``. On a GPU with bf16 ``x`` it
 runs the Pallas kernels of :mod:`pallas_kernels.w4_triton` (a fused
 dequantize-in-registers kernel for small M, a one-pass dequantize + cuBLAS
 for large M); on CPU, and for inputs without a kernel, the pure-XLA reference.
-:mod:`pallas_kernels.w4_gluon` holds the Gluon decode GEMV that takes M <= 32 on NVFP4 weights
+:mod:`pallas_kernels.w4_gluon` holds the Gluon decode GEMV that takes M <= 64 on NVFP4 weights
 (launched by the XLA FFI handler in ``gluon_launch.cc``; ``matmul.GLUON``).
 ``quantized_matmul(x, w_stack, index=i)`` multiplies by layer ``i`` of a stacked
 ``[L, K, N]`` weight, read in place by the kernels (the decoder's layer scan uses it).

@@ -1,18 +1,21 @@
 """Decode-size W4A16 GEMV for NVFP4 weights in Gluon (Triton 3.6), launched by its own XLA FFI handler.
 
-``forward(x, w)`` computes ``x @ W`` for bf16 ``x`` ``[M, K]`` with ``M <= 32`` and an NVFP4
+``forward(x, w)`` computes ``x @ W`` for bf16 ``x`` ``[M, K]`` with ``M <= 64`` and an NVFP4
 ``W`` ``[K, N]`` (or layer ``index`` of a stack ``[L, K, N]``, read in place), float32
 accumulation. It is the decode path of :func:`pallas_kernels.matmul.quantized_matmul` on a GPU:
 on an H200 it is about 1.6x faster than the Pallas kernel of :mod:`pallas_kernels.w4_triton`
-at M <= 8 and 1.77-1.89x faster than bf16 cuBLAS, summed over the Qwen2.5-7B shapes; at M = 32,
-1.33x the Pallas kernel and 1.19x bf16 (docs/benchmarks.md, sessions 7 and 8).
+at M <= 8 and 1.75-1.89x faster than bf16 cuBLAS, summed over the Qwen2.5-7B shapes; at M = 32 /
+64, 1.51x / 1.21x the Pallas kernel and 1.36x / 0.90x bf16 (docs/benchmarks.md, sessions 7 and 8).
 
 Two builds of one kernel source (:func:`_kernel`): M <= 16 uses mma.sync with 4 warps, x held in
-registers by every warp. M = 17-32 (sm_90) uses Hopper's wgmma with 8 warps (two warpgroups of 128
+registers by every warp. M = 17-64 (sm_90; MB = 32 or 64) uses Hopper's wgmma with 8 warps (two warpgroups of 128
 rows; the column bit n2 moves from the registers to the warps, which halves each thread's registers):
 the weight operand comes from registers as before, and x is stored to shared memory once per step,
 where the tensor cores read it for all 256 rows. wgmma wants the operand's k pairs at ``k_width`` 2,
-a register relabelling of the same decode; x is stored in the matching k order.
+a register relabelling of the same decode; x is stored in the matching k order. Their split-K
+parts are added with float32 atomics into a zeroed output that the result aliases (the partials
+would cost as many bytes as the weight at M = 64), unless :func:`atomic_split_k` asks for a fixed
+summation order.
 
 Why Gluon: Gluon lets the kernel name the register layout of every tensor, which Pallas does not.
 The Pallas kernel loads the codes through shared memory and gathers them byte by byte into the
@@ -35,10 +38,11 @@ data between threads:
   bit placement (as ``w4_triton``'s asm decode: ``e2m1 * scale * 2**-8``, exact; the accumulator is
   multiplied by ``2**8 / global scale``).
 
-Each program owns 256 output columns and ``STEPS`` contraction steps of 64 (split-K; the float32
-partials ``[S, M, N]`` are summed by XLA). The step loop is unrolled and each step's loads are
-issued one step ahead of their use. Shapes the kernel does not take (N not a multiple of 256,
-K not a multiple of 64, M > 16, NF4) go to the Pallas kernels; :func:`applies` says which.
+Each program owns 256 output columns and ``STEPS`` contraction steps of 64 (split-K; the mma.sync
+builds' float32 partials ``[S, M, N]`` are summed by XLA). The step loop is unrolled and each
+step's loads are issued one step ahead of their use. Shapes the kernel does not take (N not a
+multiple of 256, K not a multiple of 64, M > 64, M > 16 off sm_90, NF4) go to the Pallas kernels;
+:func:`applies` says which.
 
 Needs ``triton`` 3.6 (``pip install -e ".[gluon]"``), an sm_80 or newer GPU (measured on sm_90),
 and for the default launch path a C++17 compiler on PATH. Two launch paths, chosen by
@@ -209,7 +213,8 @@ def _kernel(wg: bool = False):
 
   @gluon.jit
   def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
-                 K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr):
+                 K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
+                 ATOMIC: ttgl.constexpr):
     if WG:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, MB, 16])
@@ -260,7 +265,7 @@ def _kernel(wg: bool = False):
     no = ttgl.arange(0, 256, layout=ttgl.SliceLayout(1, st))
     mo = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, st))
     o_mask = ttgl.expand_dims(mo < M, 0) & ttgl.expand_dims(no >= 0, 1)
-    if WG:  # split-K summed in the L2: float32 atomics (REDG.F32x4) into the zeroed output, z_ptr's alias
+    if ATOMIC:  # split-K summed in the L2: float32 atomics (REDG.F32x4) into the zeroed output, z_ptr's alias
       ttgl.atomic_add(o_ptr + ttgl.expand_dims(mo, 0) * N + ttgl.expand_dims(no + n0, 1), acc, mask=o_mask,
                       sem="relaxed")
     else:  # float32 partials [S, M, N], summed by XLA
@@ -391,6 +396,22 @@ def _ffi_library():
   return lib
 
 
+def atomic_split_k() -> bool:
+  """Whether the wgmma builds (M > 16) add their split-K parts with float32 atomics (default; faster,
+  but the order of the float32 additions, hence the low bits of the result, varies run to run) or
+  store partials that XLA sums in a fixed order. ``QERL_GLUON_DETERMINISTIC=1``, or XLA's own
+  ``--xla_gpu_deterministic_ops=true`` in ``XLA_FLAGS``, asks for the fixed order. Read when a call
+  is traced (a jitted function keeps what it was traced with).
+
+  Raises:
+    ValueError: ``QERL_GLUON_DETERMINISTIC`` is set to something other than "0" or "1".
+  """
+  want = os.environ.get("QERL_GLUON_DETERMINISTIC", "0")
+  if want not in ("0", "1"):
+    raise ValueError(f"QERL_GLUON_DETERMINISTIC={want!r}; expected '0' or '1'")
+  return want == "0" and "--xla_gpu_deterministic_ops=true" not in os.environ.get("XLA_FLAGS", "")
+
+
 def requested_launcher() -> str:
   """``QERL_GLUON_LAUNCH``: ``""`` (the FFI launcher if it builds, else jax-triton), ``"ffi"`` or
   ``"jax_triton"``.
@@ -469,7 +490,8 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
     ``[M, N]`` in ``out_dtype``.
 
   Raises:
-    ValueError: a shape :func:`applies` rejects, or ``index`` with an unstacked weight.
+    ValueError: a shape :func:`applies` rejects, ``index`` with an unstacked weight, or a bad
+      ``QERL_GLUON_DETERMINISTIC`` (:func:`atomic_split_k`).
     ImportError: no launch path (:func:`launcher`).
     RuntimeError: the compiled kernel failed to load on a GPU.
   """
@@ -487,14 +509,15 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
   layers = 1 if index is None else w.packed.shape[0]
   mb = _row_block(m)
   wg = mb > 16
+  atomic = wg and atomic_split_k()
   splits = _splits(k, n, WG_TARGET_PROGRAMS if wg else None)
   # codes and scales with the layers folded into rows, float32 global scales [L], the layer [1], and the
-  # zeroed output the wgmma builds add their split-K parts into (aliased to the result)
-  zeros = jnp.zeros((m, n) if wg else (1,), jnp.float32)
+  # zeroed output the atomic builds add their split-K parts into (aliased to the result)
+  zeros = jnp.zeros((m, n) if atomic else (1,), jnp.float32)
   operands = (x, *w4_triton._layer_operands(w, w4_triton._format_of(w), index), zeros)
-  meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=mb)
-  out_shape = jax.ShapeDtypeStruct((m, n) if wg else (splits, m, n), jnp.float32)
-  aliases = {5: 0} if wg else None
+  meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=mb, ATOMIC=atomic)
+  out_shape = jax.ShapeDtypeStruct((m, n) if atomic else (splits, m, n), jnp.float32)
+  aliases = {5: 0} if atomic else None
   if path == "ffi":
     ptx, name, shared = _compiled(tuple(meta.items()))
     out = jax.ffi.ffi_call(_FFI_TARGET, out_shape, input_output_aliases=aliases)(
@@ -505,5 +528,5 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
     _install()
     out = jax_triton.triton_call(*operands, kernel=_kernel(wg), out_shape=out_shape, grid=(n // BLOCK_N, splits),
                                  num_warps=_warps(mb), input_output_aliases=aliases or {}, **meta)
-  y = out if wg else out[0] if splits == 1 else out.sum(axis=0)
+  y = out if atomic else out[0] if splits == 1 else out.sum(axis=0)
   return y.astype(out_dtype or x.dtype)

@@ -68,6 +68,20 @@ def test_applies_only_to_shapes_it_takes():
   assert not w4_gluon.applies(8, nf4.quantize(np.ones((128, 512), np.float32)), jnp.bfloat16)
 
 
+def test_atomic_split_k_setting(monkeypatch):
+  monkeypatch.delenv("QERL_GLUON_DETERMINISTIC", raising=False)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false")
+  assert w4_gluon.atomic_split_k()
+  monkeypatch.setenv("QERL_GLUON_DETERMINISTIC", "1")
+  assert not w4_gluon.atomic_split_k()
+  monkeypatch.setenv("QERL_GLUON_DETERMINISTIC", "0")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")  # XLA's own request counts too
+  assert not w4_gluon.atomic_split_k()
+  monkeypatch.setenv("QERL_GLUON_DETERMINISTIC", "yes")
+  with pytest.raises(ValueError, match="QERL_GLUON_DETERMINISTIC"):
+    w4_gluon.atomic_split_k()
+
+
 def test_forward_rejects_what_it_does_not_take():
   with pytest.raises(ValueError, match="no kernel"):
     w4_gluon.forward(_act(65, 128, 0), _weight(128, 512, 0))
@@ -113,6 +127,20 @@ def test_gpu_gluon_wgmma_build_matches_float64(m, k, n):
   y = w4_gluon.forward(x, wq, out_dtype=jnp.float32)
   assert y.shape == (m, n) and bool(jnp.isfinite(y).all())
   assert _rel(y, np.asarray(x, np.float64) @ _dense64(wq)) < 1e-4
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_deterministic_wgmma_build_is_repeatable(monkeypatch):
+  """QERL_GLUON_DETERMINISTIC=1: partials summed by XLA, so two runs agree bit for bit."""
+  if any(w4_gluon._cc(d) != 90 for d in w4_gluon._gpu_devices()):
+    pytest.skip("the wgmma builds are for sm_90")
+  monkeypatch.setenv("QERL_GLUON_DETERMINISTIC", "1")
+  wq = _weight(18944, 3584, 3)
+  x = _act(40, 18944, 4)
+  y1 = w4_gluon.forward(x, wq, out_dtype=jnp.float32)
+  y2 = w4_gluon.forward(x, wq, out_dtype=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
+  assert _rel(y1, np.asarray(x, np.float64) @ _dense64(wq)) < 1e-4
 
 
 @pytest.mark.gpu
@@ -183,6 +211,11 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
   assert "grid_x = 18" in text and "grid_y = 14" in text
   # the split-K parts are added by atomics into the zeroed operand that the result aliases
   assert "atom.global.gpu.relaxed.add.v4.f32" in text and "output_operand_aliases" in text
+  monkeypatch.setenv("QERL_GLUON_DETERMINISTIC", "1")  # partials [14, 64, 4608] summed by XLA instead
+  text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x64, stack, i).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "wgmma.mma_async" in text and "atom.global" not in text and "output_operand_aliases" not in text
+  assert "tensor<14x64x4608xf32>" in text
 
 
 def test_ffi_launcher_builds_and_reports_a_missing_driver(tmp_path, monkeypatch):
