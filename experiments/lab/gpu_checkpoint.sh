@@ -13,7 +13,7 @@
 #    bf16 and NVFP4, under the launchers' XLA flags (batch 64 now runs the wgmma build: not yet measured);
 # 4. the same at batch 256 (1024 new tokens to fit the call), and batch 64 with the training adapter;
 # 5. Pallas small-M variants with more stages, fewer registers or more warps (time_occupancy.py;
-#    M = 32 is the bucket the Gluon kernel does not cover);
+#    since session 8 this matters only where the Gluon kernel is off: QERL_GLUON=0, or M > 16 off sm_90);
 # 6. Nsight Compute on the Pallas kernel (experiments/lab/ncu_small_m.sh; session 7 ran it).
 # (Session 8 ran steps 1-2 of earlier versions of this script; results in docs/benchmarks.md. Not yet run
 # on a GPU: the QERL_GLUON_DETERMINISTIC path, test_gpu_gluon_deterministic_wgmma_build_is_repeatable.)
