@@ -8,8 +8,9 @@ at M <= 8 and 1.75-1.89x faster than bf16 cuBLAS, summed over the Qwen2.5-7B sha
 64, 1.51x / 1.21x the Pallas kernel and 1.36x / 0.90x bf16 (docs/benchmarks.md, sessions 7 and 8).
 
 Two builds of one kernel source (:func:`_kernel`): M <= 16 uses mma.sync with 4 warps, x held in
-registers by every warp. M = 17-64 (sm_90; MB = 32 or 64) uses Hopper's wgmma with 8 warps (two warpgroups of 128
-rows; the column bit n2 moves from the registers to the warps, which halves each thread's registers):
+registers by every warp. M = 17-64 (sm_90; MB = 32 or 64) uses Hopper's wgmma with 8 warps (two
+warpgroups of 128 rows; the column bit n2 moves from the registers to the warps, which halves each
+thread's registers):
 the weight operand comes from registers as before, and x is stored to shared memory once per step,
 where the tensor cores read it for all 256 rows. wgmma wants the operand's k pairs at ``k_width`` 2,
 a register relabelling of the same decode; x is stored in the matching k order. Their split-K
@@ -147,7 +148,7 @@ def _kernel(wg: bool = False):
 
   ``wg=False``: 4 warps, mma.sync, x in registers (MB = 8, 16). ``wg=True``: 8 warps (two
   warpgroups of 128 rows), Hopper ``wgmma`` with the decoded weight from registers and x from
-  shared memory (MB = 32): x is stored once per program and step instead of held by every warp.
+  shared memory (MB = 32, 64): x is stored once per program and step instead of held by every warp.
   """
   from triton.experimental import gluon
   from triton.experimental.gluon import language as ttgl
@@ -276,7 +277,7 @@ def _kernel(wg: bool = False):
 
 
 _INSTALLED = []
-# x, codes, block scales, global scales, layer, zeros (the wgmma builds' output, aliased; else unused), out
+# x, codes, block scales, global scales, layer, zeros (the atomic builds' output, aliased; else unused), out
 _ARG_DTYPES = ("*bf16", "*u8", "*fp8e4nv", "*fp32", "*i32", "*fp32", "*fp32")
 
 
