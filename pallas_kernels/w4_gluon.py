@@ -84,6 +84,8 @@ MAX_STEPS = 8   # unrolled steps per program (14 measured slower: more registers
 MAX_M = 64      # rows taken: M <= 16 by mma.sync (MB = 8, 16), 17-64 by wgmma (MB = 32, 64; sm_90 only)
 TARGET_PROGRAMS = 512  # measured best for the 7B shapes at M = 1-8 (docs/benchmarks.md, session 7)
 WG_TARGET_PROGRAMS = 256  # the wgmma builds' split-K target: best of 256 / 512 / 1024 at M = 32, 64 (session 8)
+MMA_ATOMIC = False  # split-K by atomics in the mma.sync builds (M <= 16) too: compiles, not yet run on a GPU
+                    # (their partials are ~20% of the weight's bytes at M = 8); timed by gpu_checkpoint.sh step 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -281,9 +283,10 @@ _INSTALLED = []
 _ARG_DTYPES = ("*bf16", "*u8", "*fp8e4nv", "*fp32", "*i32", "*fp32", "*fp32")
 
 
-def _compile_gluon(fn, arg_dtypes, constexprs: dict, cc: int, num_warps: int = 4):
+def _compile_gluon(fn, arg_dtypes, constexprs: dict, cc: int, num_warps: int = 4, maxnreg: int | None = None):
   """``triton.compile`` of the Gluon kernel ``fn`` for ``sm_{cc}``: its arrays typed ``arg_dtypes``
-  (all 16-byte aligned, as JAX allocates them), ``constexprs`` specialised."""
+  (all 16-byte aligned, as JAX allocates them), ``constexprs`` specialised, at most ``maxnreg``
+  registers a thread if given."""
   import triton
   from triton.backends.compiler import GPUTarget
   from triton.experimental.gluon._runtime import GluonASTSource
@@ -293,7 +296,8 @@ def _compile_gluon(fn, arg_dtypes, constexprs: dict, cc: int, num_warps: int = 4
   attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(arg_dtypes))}
   _ensure_triton_cache_dir()
   return triton.compile(GluonASTSource(fn, signature, constexprs=dict(constexprs), attrs=attrs),
-                        target=GPUTarget("cuda", cc, 32), options={"num_warps": num_warps})
+                        target=GPUTarget("cuda", cc, 32),
+                        options={"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def _ensure_triton_cache_dir():
@@ -398,7 +402,8 @@ def _ffi_library():
 
 
 def atomic_split_k() -> bool:
-  """Whether the wgmma builds (M > 16) add their split-K parts with float32 atomics (default; faster,
+  """Whether the wgmma builds (M > 16; all builds with ``MMA_ATOMIC``) add their split-K parts with float32
+  atomics (default; faster,
   but the order of the float32 additions, hence the low bits of the result, varies run to run) or
   store partials that XLA sums in a fixed order. ``QERL_GLUON_DETERMINISTIC=1``, or XLA's own
   ``--xla_gpu_deterministic_ops=true`` in ``XLA_FLAGS``, asks for the fixed order. Read when a call
@@ -446,9 +451,12 @@ def launcher() -> str | None:
 def _compiled(meta: tuple):
   """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta`` (the wgmma build
   for MB > 16), compiled for the oldest visible GPU (sm_90 without one) and loaded on every GPU."""
-  wg = dict(meta)["MB"] > 16
-  compiled = _compile_gluon(_kernel(wg), _ARG_DTYPES, dict(meta), min((_cc(d) for d in _gpu_devices()), default=90),
-                            num_warps=_warps(dict(meta)["MB"]))
+  meta = dict(meta)
+  wg = meta["MB"] > 16
+  # the atomic mma.sync build at M <= 8 would take 130 registers: 128 keeps 4 programs an SM
+  cap = 128 if meta["ATOMIC"] and meta["MB"] == 8 else None
+  compiled = _compile_gluon(_kernel(wg), _ARG_DTYPES, meta, min((_cc(d) for d in _gpu_devices()), default=90),
+                            num_warps=_warps(meta["MB"]), maxnreg=cap)
   ptx, name, shared = compiled.asm["ptx"], compiled.metadata.name, int(compiled.metadata.shared)
   lib = _ffi_library()
   if lib is not None:
@@ -510,7 +518,7 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
   layers = 1 if index is None else w.packed.shape[0]
   mb = _row_block(m)
   wg = mb > 16
-  atomic = wg and atomic_split_k()
+  atomic = (wg or MMA_ATOMIC) and atomic_split_k()
   splits = _splits(k, n, WG_TARGET_PROGRAMS if wg else None)
   # codes and scales with the layers folded into rows, float32 global scales [L], the layer [1], and the
   # zeroed output the atomic builds add their split-K parts into (aliased to the result)

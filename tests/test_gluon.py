@@ -103,9 +103,11 @@ def _dense64(wq):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mma_atomic", [False, True])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("k,n", [(3584, 4608), (18944, 3584), (1088, 768), (64, 256)])
-def test_gpu_gluon_matches_float64(m, k, n):
+def test_gpu_gluon_matches_float64(m, k, n, mma_atomic, monkeypatch):
+  monkeypatch.setattr(w4_gluon, "MMA_ATOMIC", mma_atomic)  # partials (default) or the prepared atomic variant
   wq = _weight(k, n, m + k)
   x = _act(m, k, n)
   y = w4_gluon.forward(x, wq, out_dtype=jnp.float32)
@@ -216,6 +218,11 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
       lowering_platforms=("cuda",)).as_text()
   assert "wgmma.mma_async" in text and "atom.global" not in text and "output_operand_aliases" not in text
   assert "tensor<14x64x4608xf32>" in text
+  monkeypatch.delenv("QERL_GLUON_DETERMINISTIC")
+  monkeypatch.setattr(w4_gluon, "MMA_ATOMIC", True)  # the prepared atomic variant of the mma.sync build
+  text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x, stack, i).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mma.sync" in text and "atom.global.gpu.relaxed.add" in text and "output_operand_aliases" in text
 
 
 def test_ffi_launcher_builds_and_reports_a_missing_driver(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ Pallas kernel and bf16 jnp.dot, at the 7B shapes, in the JAX harness of sessions
 Each row is first checked against reference_matmul.
 
   PYTHONPATH=$PWD python3 experiments/lab/gluon/time_jax.py      # GL_MS=1,8,16,32,64
+  GL_MMA_ATOMIC=1 GL_MS=1,8,16 PYTHONPATH=$PWD python3 experiments/lab/gluon/time_jax.py  # w4_gluon.MMA_ATOMIC
 """
 import os, sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -12,6 +13,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from pallas_kernels import reference_matmul, w4_gluon, w4_triton  # noqa: E402
 
+w4_gluon.MMA_ATOMIC = os.environ.get("GL_MMA_ATOMIC", "0") == "1"  # the prepared atomic mma.sync build
 MS = [int(v) for v in os.environ.get("GL_MS", "1,8,16,32,64").split(",")]
 w4_gluon.TARGET_PROGRAMS = int(os.environ.get("GL_TARGET", w4_gluon.TARGET_PROGRAMS))
 tot = {}
