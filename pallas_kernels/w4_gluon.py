@@ -105,7 +105,7 @@ def applies(m: int, w, x_dtype) -> bool:
   if not isinstance(w, nvfp4.NVFP4Tensor) or jnp.dtype(x_dtype) != jnp.bfloat16:
     return False
   k, n = w.shape
-  if m > 16 and any(_cc(d) != 90 for d in _gpu_devices()):
+  if m > 16 and not _wgmma_gpus():
     return False
   return 1 <= m <= MAX_M and n % BLOCK_N == 0 and k % BLOCK_K == 0 and _splits(k, n) is not None
 
@@ -471,6 +471,11 @@ def _launch_attrs(ptx: str, name: str, grid: tuple[int, int, int], shared: int, 
   """The FFI call's attributes, as ``gluon_launch.cc`` binds them (a CPU test checks their count)."""
   return dict(ptx=ptx, name=name, grid_x=np.int64(grid[0]), grid_y=np.int64(grid[1]), grid_z=np.int64(grid[2]),
               threads=np.int64(threads), shared=np.int64(shared))
+
+
+def _wgmma_gpus() -> bool:
+  """Whether every visible GPU is sm_90, the one architecture with wgmma (the builds for M > 16)."""
+  return all(_cc(d) == 90 for d in _gpu_devices())
 
 
 def _warps(mb: int) -> int:

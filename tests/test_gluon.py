@@ -108,6 +108,10 @@ def _dense64(wq):
 @pytest.mark.parametrize("k,n", [(3584, 4608), (18944, 3584), (1088, 768), (64, 256)])
 def test_gpu_gluon_matches_float64(m, k, n, mma_atomic, monkeypatch):
   monkeypatch.setattr(w4_gluon, "MMA_ATOMIC", mma_atomic)  # partials (default) or the prepared atomic variant
+  _check_forward_against_float64(m, k, n)
+
+
+def _check_forward_against_float64(m, k, n):
   wq = _weight(k, n, m + k)
   x = _act(m, k, n)
   y = w4_gluon.forward(x, wq, out_dtype=jnp.float32)
@@ -116,26 +120,25 @@ def test_gpu_gluon_matches_float64(m, k, n, mma_atomic, monkeypatch):
   assert _rel(y, np.asarray(x, np.float64) @ _dense64(wq)) < 1e-4
 
 
+def _skip_without_wgmma():
+  if not w4_gluon._wgmma_gpus():
+    pytest.skip("the wgmma builds (M > 16) are for sm_90")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [17, 32, 40, 64])
 @pytest.mark.parametrize("k,n", [(3584, 4608), (18944, 3584), (1088, 768), (64, 256)])
 def test_gpu_gluon_wgmma_build_matches_float64(m, k, n):
   """17 <= M <= 64: the wgmma builds (8 warps, x through shared memory, split-K summed by float32
   atomics into a zeroed output), ragged M included."""
-  if any(w4_gluon._cc(d) != 90 for d in w4_gluon._gpu_devices()):
-    pytest.skip("the wgmma build is for sm_90")
-  wq = _weight(k, n, m + k)
-  x = _act(m, k, n)
-  y = w4_gluon.forward(x, wq, out_dtype=jnp.float32)
-  assert y.shape == (m, n) and bool(jnp.isfinite(y).all())
-  assert _rel(y, np.asarray(x, np.float64) @ _dense64(wq)) < 1e-4
+  _skip_without_wgmma()
+  _check_forward_against_float64(m, k, n)
 
 
 @pytest.mark.gpu
 def test_gpu_gluon_deterministic_wgmma_build_is_repeatable(monkeypatch):
   """QERL_GLUON_DETERMINISTIC=1: partials summed by XLA, so two runs agree bit for bit."""
-  if any(w4_gluon._cc(d) != 90 for d in w4_gluon._gpu_devices()):
-    pytest.skip("the wgmma builds are for sm_90")
+  _skip_without_wgmma()
   monkeypatch.setenv("QERL_GLUON_DETERMINISTIC", "1")
   wq = _weight(18944, 3584, 3)
   x = _act(40, 18944, 4)
