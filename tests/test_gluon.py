@@ -54,7 +54,7 @@ def test_split_rule_of_the_wgmma_builds_by_hand(k, n, splits):
 def test_row_block_by_hand():
   """mma.sync builds of 8 and 16 rows up to M = 16, the wgmma builds of 32 and 64 rows above."""
   assert [w4_gluon._row_block(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
-  assert [w4_gluon._warps(w4_gluon._row_block(m)) for m in (8, 16, 17, 64)] == [4, 4, 8, 8]
+  assert [w4_gluon._warps(w4_gluon._use_wgmma(m)) for m in (8, 16, 17, 64)] == [4, 4, 8, 8]
 
 
 def test_applies_only_to_shapes_it_takes():
@@ -107,7 +107,28 @@ def _dense64(wq):
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("k,n", [(3584, 4608), (18944, 3584), (1088, 768), (64, 256)])
 def test_gpu_gluon_matches_float64(m, k, n, mma_atomic, monkeypatch):
-  monkeypatch.setattr(w4_gluon, "MMA_ATOMIC", mma_atomic)  # partials (default) or the prepared atomic variant
+  monkeypatch.setattr(w4_gluon, "MMA_ATOMIC", mma_atomic)  # float32 partials, or atomics (the default)
+  _check_forward_against_float64(m, k, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [0, 2, 3])
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("k,n", [(3584, 4608), (1088, 768), (64, 256)])
+def test_gpu_gluon_cp_async_codes_match_float64(m, k, n, stages, monkeypatch):
+  """The codes copied through a ring of cp.async shared buffers (the MB = 16 default is 3), or
+  loaded straight to registers (0), with fewer steps than buffers at K = 64 and 1088."""
+  monkeypatch.setattr(w4_gluon, "CODE_STAGES", stages)
+  _check_forward_against_float64(m, k, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [9, 16])
+@pytest.mark.parametrize("k,n", [(3584, 4608), (1088, 768)])
+def test_gpu_gluon_wgmma_build_at_m16_matches_float64(m, k, n, monkeypatch):
+  """The wgmma build at MB = 16 (lab setting WGMMA_MIN_M = 9)."""
+  _skip_without_wgmma()
+  monkeypatch.setattr(w4_gluon, "WGMMA_MIN_M", 9)
   _check_forward_against_float64(m, k, n)
 
 
@@ -207,6 +228,7 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
   text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x, stack, i).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "qerl_gluon_launch" in text and ".entry w4a16_gemv" in text
+  first = text
   # 4608 / 256 column tiles, 28 splits (test_split_rule_by_hand), 4 warps
   assert "grid_x = 18" in text and "grid_y = 28" in text and "threads = 128" in text
   x64 = jax.ShapeDtypeStruct((64, k), jnp.bfloat16)  # a wgmma build: 8 warps, 14 splits (the rule above)
@@ -222,10 +244,17 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
   assert "wgmma.mma_async" in text and "atom.global" not in text and "output_operand_aliases" not in text
   assert "tensor<14x64x4608xf32>" in text
   monkeypatch.delenv("QERL_GLUON_DETERMINISTIC")
-  monkeypatch.setattr(w4_gluon, "MMA_ATOMIC", True)  # the prepared atomic variant of the mma.sync build
+  # the mma.sync builds add by atomics too (first lowering above: M = 8); MMA_ATOMIC=False stores partials
+  assert "mma.sync" in first and "atom.global.gpu.relaxed.add" in first and "output_operand_aliases" in first
+  assert "cp.async" not in first  # M = 8: codes straight to registers
+  monkeypatch.setattr(w4_gluon, "MMA_ATOMIC", False)
   text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x, stack, i).lower(
       lowering_platforms=("cuda",)).as_text()
-  assert "mma.sync" in text and "atom.global.gpu.relaxed.add" in text and "output_operand_aliases" in text
+  assert "mma.sync" in text and "atom.global" not in text and "tensor<28x8x4608xf32>" in text
+  x16 = jax.ShapeDtypeStruct((16, k), jnp.bfloat16)  # MB = 16: codes through 3 cp.async buffers
+  text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x16, stack, i).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mma.sync" in text and "cp.async.ca.shared.global" in text and "cp.async.wait_group" in text
 
 
 def test_ffi_launcher_builds_and_reports_a_missing_driver(tmp_path, monkeypatch):

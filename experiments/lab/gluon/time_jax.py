@@ -5,6 +5,7 @@ Each row is first checked against reference_matmul.
 
   PYTHONPATH=$PWD python3 experiments/lab/gluon/time_jax.py      # GL_MS=1,8,16,32,64
   GL_MMA_ATOMIC=1 GL_MS=1,8,16 PYTHONPATH=$PWD python3 experiments/lab/gluon/time_jax.py  # w4_gluon.MMA_ATOMIC
+  GL_VARIANTS="s3:CODE_STAGES=3;wg16:WGMMA_MIN_M=9" ...  # extra columns: w4_gluon settings, each checked first
 """
 import os, sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -13,9 +14,31 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from pallas_kernels import reference_matmul, w4_gluon, w4_triton  # noqa: E402
 
-w4_gluon.MMA_ATOMIC = os.environ.get("GL_MMA_ATOMIC", "0") == "1"  # the prepared atomic mma.sync build
+w4_gluon.MMA_ATOMIC = os.environ.get("GL_MMA_ATOMIC", "1") == "1"  # the prepared atomic mma.sync build
 MS = [int(v) for v in os.environ.get("GL_MS", "1,8,16,32,64").split(",")]
 w4_gluon.TARGET_PROGRAMS = int(os.environ.get("GL_TARGET", w4_gluon.TARGET_PROGRAMS))
+VARIANTS = {}  # name -> {w4_gluon attribute: int value}
+ONLY = {}  # name -> the M it runs at ("name@16/32:..."), else every M
+for spec in filter(None, os.environ.get("GL_VARIANTS", "").split(";")):
+  name, _, assigns = spec.partition(":")
+  if "@" in name:
+    name, ms = name.split("@")
+    ONLY[name] = {int(v) for v in ms.split("/")}
+  VARIANTS[name] = {a.split("=")[0]: int(a.split("=")[1]) for a in assigns.split(",")}
+
+
+def with_settings(settings, fn):
+  """fn() with w4_gluon's module settings temporarily replaced (they are read at trace time)."""
+  old = {a: getattr(w4_gluon, a) for a in settings}
+  for a, v in settings.items():
+    setattr(w4_gluon, a, v)
+  try:
+    return fn()
+  finally:
+    for a, v in old.items():
+      setattr(w4_gluon, a, v)
+
+
 tot = {}
 for name, (k, n) in SHAPES_7B.items():
   q0, qs = rotating_weights(k, n)
@@ -29,6 +52,18 @@ for name, (k, n) in SHAPES_7B.items():
     row = {"bf16": us_per_call(lambda x, w: jnp.dot(x, w), x, dense),
            "pallas": us_per_call(lambda x, w: w4_triton.forward(x, w), x, qs),
            "gluon": us_per_call(lambda x, w: w4_gluon.forward(x, w), x, qs)}
+    for vname, settings in VARIANTS.items():
+      if vname in ONLY and m not in ONLY[vname]:
+        row[vname] = row["gluon"]
+        continue
+      try:
+        yv = with_settings(settings, lambda: jax.jit(lambda x, w: w4_gluon.forward(x, w, out_dtype=jnp.float32))(x, q0))
+        verr = float(jnp.linalg.norm(yv - ref) / jnp.linalg.norm(ref))
+        assert verr < 1e-2 and bool(jnp.isfinite(yv).all()), f"relative error {verr}"
+        row[vname] = with_settings(settings, lambda: us_per_call(lambda x, w: w4_gluon.forward(x, w), x, qs))
+      except Exception as e:  # a lab variant that fails is reported, not fatal
+        print(f"{name} M={m} {vname} FAILED: {str(e)[:300]}", flush=True)
+        row[vname] = float("nan")
     for key, v in row.items():
       tot[(m, key)] = tot.get((m, key), 0.0) + v
     gbs = (k * n * 9 / 16) / row["gluon"] / 1e3
@@ -37,4 +72,6 @@ for name, (k, n) in SHAPES_7B.items():
 print("\nsummed over the four 7B shapes (µs):")
 for m in MS:
   b, p, g = tot[(m, "bf16")], tot[(m, "pallas")], tot[(m, "gluon")]
-  print(f"M={m:2d} bf16 {b:6.1f} | pallas {p:6.1f} | gluon {g:6.1f} | gluon/bf16 {b / g:.2f}x | gluon/pallas {p / g:.2f}x", flush=True)
+  extra = "".join(f" | {v} {tot[(m, v)]:6.1f} ({b / tot[(m, v)]:.2f}x)" for v in VARIANTS)
+  print(f"M={m:2d} bf16 {b:6.1f} | pallas {p:6.1f} | gluon {g:6.1f} | gluon/bf16 {b / g:.2f}x | gluon/pallas {p / g:.2f}x"
+        + extra, flush=True)
