@@ -86,9 +86,6 @@ TARGET_PROGRAMS = 512  # measured best for the 7B shapes at M = 1-8 (docs/benchm
 WG_TARGET_PROGRAMS = 256  # the wgmma builds' split-K target: best of 256 / 512 / 1024 at M = 32, 64 (session 8)
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
-WGMMA_MIN_M = 17  # lab: rows from which the wgmma builds take over on sm_90 (M > 16 always needs them)
-MAXNREG = 0  # lab: a register cap for every build (0: per build, :func:`_register_cap`)
-CODE_STAGES = -1  # cp.async stages for the codes: -1 is per build (:func:`_code_stages`); 0 loads them to registers
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,20 +115,10 @@ def _row_block(m: int) -> int:
   return 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
 
 
-def _code_stages(mb: int, wg: bool) -> int:
-  """How many shared buffers the codes are copied into by cp.async ahead of use (0: loaded straight to
-  registers, one step ahead). 3 for the mma.sync build at MB = 16: the codes then wait in shared
-  memory rather than registers, which fits it in 127 registers (166 otherwise), so 4 programs share an
-  SM instead of 3: 62.0 against 68.6 µs at M = 16 (7B shapes summed). Elsewhere the extra copy only
-  costs: 7% slower at M = 1-8, 9-14% at M = 32 (docs/benchmarks.md, session 9)."""
-  if CODE_STAGES >= 0:
-    return CODE_STAGES
-  return 3 if mb == 16 and not wg else 0
-
-
 def _use_wgmma(m: int) -> bool:
-  """Whether ``m`` rows run the wgmma build: always for ``m > 16``; from WGMMA_MIN_M on sm_90."""
-  return m > 16 or (m >= WGMMA_MIN_M and _wgmma_gpus())
+  """Whether ``m`` rows run the wgmma build (sm_90): ``m > 16``. (A wgmma build at MB = 16 measured
+  64.1 µs against 59.5 for mma.sync at M = 16, 7B shapes summed; docs/benchmarks.md, session 9.)"""
+  return m > 16
 
 
 def _splits(k: int, n: int, target: int | None = None) -> int | None:
@@ -174,7 +161,7 @@ def _kernel(wg: bool = False):
   from triton.experimental import gluon
   from triton.experimental.gluon import language as ttgl
   from triton.experimental.gluon.language.nvidia import hopper
-  from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+  from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
   asm = ttgl.constexpr(_asm())
   # codes [32 rows, 256 columns]: registers n0 n1 n2 kp0 kp1 kp4; lanes kp2 kp3 n3 n4 n5; warps n6 n7.
@@ -197,12 +184,8 @@ def _kernel(wg: bool = False):
   WG = ttgl.constexpr(wg)
 
   @gluon.jit
-  def load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, i, N: ttgl.constexpr,
-                CODES: ttgl.constexpr = True):
-    if CODES:
-      c = ttgl.load(p_ptr + c_offs + i * (32 * N))
-    else:
-      c = 0
+  def load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, i, N: ttgl.constexpr):
+    c = ttgl.load(p_ptr + c_offs + i * (32 * N))
     xb = ttgl.load(x_ptr + x_offs + i * 64, mask=x_mask, other=0.0)
     sg = ttgl.arange(0, 4, layout=ttgl.SliceLayout(1, ttgl.SliceLayout(1, group_layout)))
     sn = ttgl.arange(0, 256, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(1, group_layout)))
@@ -240,7 +223,7 @@ def _kernel(wg: bool = False):
   @gluon.jit
   def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                  K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-                 ATOMIC: ttgl.constexpr, STAGES: ttgl.constexpr = 0):
+                 ATOMIC: ttgl.constexpr):
     if WG:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, MB, 16])
@@ -268,31 +251,9 @@ def _kernel(wg: bool = False):
     x_offs = ttgl.expand_dims(kk + pid_s * (STEPS * 64), 1) + ttgl.expand_dims(mm, 0) * K
     x_mask = ttgl.expand_dims(mm < M, 0) & ttgl.expand_dims(kk >= 0, 1)
     acc = ttgl.zeros([256, MB], ttgl.float32, layout=mma)
-    if STAGES > 0:
-      # codes copied by cp.async into a ring of STAGES shared buffers, STAGES steps ahead; each thread
-      # copies exactly the bytes it later reads back (no barrier). The swizzle puts the 4 code rows a
-      # warp reads at once (rows 4 apart) on both halves of the banks.
-      c_smem = ttgl.allocate_shared_memory(ttgl.uint8, [STAGES, 32, 256],
-                                           ttgl.SwizzledSharedLayout(64, 4, 2, [1, 0]))
-      for j in ttgl.static_range(STAGES):
-        if j < STEPS:
-          async_copy.async_copy_global_to_shared(c_smem.index(j), p_ptr + c_offs + j * (32 * N))
-        async_copy.commit_group()
-      async_copy.wait_group(STAGES - 1)
-      c0 = c_smem.index(0).load(code_layout)
-      _, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, False)
-    else:
-      c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N)
+    c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N)
     for i in ttgl.static_range(STEPS):  # unrolled; step i+1's loads are issued before step i's math
-      if STAGES > 0:
-        if i + STAGES < STEPS:  # into the buffer step i was read from (into c0, before this step)
-          async_copy.async_copy_global_to_shared(c_smem.index(i % STAGES), p_ptr + c_offs + (i + STAGES) * (32 * N))
-        async_copy.commit_group()
-        async_copy.wait_group(STAGES - 1)  # step i + 1's copy has landed
-        c1 = c_smem.index(min(i + 1, STEPS - 1) % STAGES).load(code_layout)
-        _, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N, False)
-      else:
-        c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N)
+      c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N)
       if WG:
         # buffer i % 2 was last read by step i - 2's (synchronous) MMA, done before barrier i - 1
         buf = x_smem.index(i % 2)
@@ -492,12 +453,13 @@ def launcher() -> str | None:
   return None
 
 
-def _register_cap(mb: int, atomic: bool) -> int | None:
-  """The register cap of a build: 128 for the atomic mma.sync build at MB = 8 (uncapped it takes 130,
-  so only 3 programs would share an SM instead of 4); MAXNREG > 0 overrides it (lab)."""
-  if MAXNREG > 0:
-    return MAXNREG
-  return 128 if atomic and mb == 8 else None
+def _register_cap(wg: bool) -> int | None:
+  """The register cap of a build: 128 for the mma.sync builds, so that 4 programs of 128 threads share
+  an SM. Uncapped, the atomic build takes 130 registers at MB = 8 and 185 at MB = 16 (3 programs an
+  SM); capped, MB = 8 fits without spills and MB = 16 spills a few registers yet runs faster: 59.5
+  against 68.3 µs at M = 16, 7B shapes summed (docs/benchmarks.md, session 9). The wgmma builds
+  (8 warps, at most 2 programs an SM) keep what they need."""
+  return None if wg else 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -580,12 +542,11 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
   # zeroed output the atomic builds add their split-K parts into (aliased to the result)
   zeros = jnp.zeros((m, n) if atomic else (1,), jnp.float32)
   operands = (x, *w4_triton._layer_operands(w, w4_triton._format_of(w), index), zeros)
-  meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=mb, ATOMIC=atomic,
-              STAGES=_code_stages(mb, wg))
+  meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=mb, ATOMIC=atomic)
   out_shape = jax.ShapeDtypeStruct((m, n) if atomic else (splits, m, n), jnp.float32)
   aliases = {5: 0} if atomic else None
   if path == "ffi":
-    ptx, name, shared = _compiled(tuple(meta.items()), wg, _register_cap(mb, atomic))
+    ptx, name, shared = _compiled(tuple(meta.items()), wg, _register_cap(wg))
     out = jax.ffi.ffi_call(_FFI_TARGET, out_shape, input_output_aliases=aliases)(
         *operands, **_launch_attrs(ptx, name, (n // BLOCK_N, splits, 1), shared, threads=32 * _warps(wg)))
   else:

@@ -12,8 +12,9 @@ from sasstool import sass
 def compile_for(m, k, n, layers=1):
     fn = w4_gluon._kernel(m > 16)
     splits = w4_gluon._splits(k, n)
-    meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // 64 // splits, MB=w4_gluon._row_block(m), ATOMIC=m > 16, STAGES=int(os.environ.get('GL_STAGES', '0')))
-    return w4_gluon._compile_gluon(fn, w4_gluon._ARG_DTYPES, meta, 90, num_warps=w4_gluon._warps(m > 16)), splits, meta
+    meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // 64 // splits, MB=w4_gluon._row_block(m), ATOMIC=m > 16)
+    return w4_gluon._compile_gluon(fn, w4_gluon._ARG_DTYPES, meta, 90, num_warps=w4_gluon._warps(m > 16),
+                                   maxnreg=w4_gluon._register_cap(m > 16)), splits, meta
 
 if __name__ == "__main__":
     os.makedirs("/tmp/gl", exist_ok=True)

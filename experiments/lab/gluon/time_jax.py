@@ -4,8 +4,8 @@ Pallas kernel and bf16 jnp.dot, at the 7B shapes, in the JAX harness of sessions
 Each row is first checked against reference_matmul.
 
   PYTHONPATH=$PWD python3 experiments/lab/gluon/time_jax.py      # GL_MS=1,8,16,32,64
-  GL_MMA_ATOMIC=1 GL_MS=1,8,16 PYTHONPATH=$PWD python3 experiments/lab/gluon/time_jax.py  # w4_gluon.MMA_ATOMIC
-  GL_VARIANTS="s3:CODE_STAGES=3;wg16:WGMMA_MIN_M=9" ...  # extra columns: w4_gluon settings, each checked first
+  GL_MMA_ATOMIC=0 GL_MS=1,8,16 PYTHONPATH=$PWD python3 experiments/lab/gluon/time_jax.py  # partials, not atomics
+  GL_VARIANTS="part@1/8:MMA_ATOMIC=0" ...  # extra columns: w4_gluon module settings, each checked first
 """
 import os, sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -14,7 +14,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from pallas_kernels import reference_matmul, w4_gluon, w4_triton  # noqa: E402
 
-w4_gluon.MMA_ATOMIC = os.environ.get("GL_MMA_ATOMIC", "1") == "1"  # the prepared atomic mma.sync build
+w4_gluon.MMA_ATOMIC = os.environ.get("GL_MMA_ATOMIC", "1") == "1"  # 0: float32 partials (the pre-session-9 build)
 MS = [int(v) for v in os.environ.get("GL_MS", "1,8,16,32,64").split(",")]
 w4_gluon.TARGET_PROGRAMS = int(os.environ.get("GL_TARGET", w4_gluon.TARGET_PROGRAMS))
 VARIANTS = {}  # name -> {w4_gluon attribute: int value}
