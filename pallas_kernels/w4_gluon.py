@@ -4,19 +4,20 @@
 ``W`` ``[K, N]`` (or layer ``index`` of a stack ``[L, K, N]``, read in place), float32
 accumulation. It is the decode path of :func:`pallas_kernels.matmul.quantized_matmul` on a GPU:
 on an H200 it is about 1.6x faster than the Pallas kernel of :mod:`pallas_kernels.w4_triton`
-at M <= 8 and 1.75-1.89x faster than bf16 cuBLAS, summed over the Qwen2.5-7B shapes; at M = 32 /
-64, 1.51x / 1.21x the Pallas kernel and 1.36x / 0.90x bf16 (docs/benchmarks.md, sessions 7 and 8).
+at M <= 8 and 1.78-1.85x faster than bf16 cuBLAS, summed over the Qwen2.5-7B shapes; at M = 16 /
+32 / 64, 1.36x / 1.50x / 1.22x the Pallas kernel and 1.53x / 1.35x / 0.89x bf16
+(docs/benchmarks.md, sessions 7-9).
 
 Two builds of one kernel source (:func:`_kernel`): M <= 16 uses mma.sync with 4 warps, x held in
-registers by every warp. M = 17-64 (sm_90; MB = 32 or 64) uses Hopper's wgmma with 8 warps (two
+registers by every warp, capped at 128 registers a thread (:func:`_register_cap`). M = 17-64 (sm_90; MB = 32 or 64) uses Hopper's wgmma with 8 warps (two
 warpgroups of 128 rows; the column bit n2 moves from the registers to the warps, which halves each
 thread's registers):
 the weight operand comes from registers as before, and x is stored to shared memory once per step,
 where the tensor cores read it for all 256 rows. wgmma wants the operand's k pairs at ``k_width`` 2,
-a register relabelling of the same decode; x is stored in the matching k order. Their split-K
-parts are added with float32 atomics into a zeroed output that the result aliases (the partials
-would cost as many bytes as the weight at M = 64), unless :func:`atomic_split_k` asks for a fixed
-summation order.
+a register relabelling of the same decode; x is stored in the matching k order. Both builds add
+their split-K parts with float32 atomics into a zeroed output that the result aliases (float32
+partials would cost as many bytes as the weight at M = 64), unless :func:`atomic_split_k` asks for
+a fixed summation order.
 
 Why Gluon: Gluon lets the kernel name the register layout of every tensor, which Pallas does not.
 The Pallas kernel loads the codes through shared memory and gathers them byte by byte into the
@@ -39,8 +40,8 @@ data between threads:
   bit placement (as ``w4_triton``'s asm decode: ``e2m1 * scale * 2**-8``, exact; the accumulator is
   multiplied by ``2**8 / global scale``).
 
-Each program owns 256 output columns and ``STEPS`` contraction steps of 64 (split-K; the mma.sync
-builds' float32 partials ``[S, M, N]`` are summed by XLA). The step loop is unrolled and each
+Each program owns 256 output columns and ``STEPS`` contraction steps of 64 (split-K; with a fixed
+summation order, float32 partials ``[S, M, N]`` summed by XLA). The step loop is unrolled and each
 step's loads are issued one step ahead of their use. Shapes the kernel does not take (N not a
 multiple of 256, K not a multiple of 64, M > 64, M > 16 off sm_90, NF4) go to the Pallas kernels;
 :func:`applies` says which.
@@ -408,8 +409,8 @@ def _ffi_library():
 
 
 def atomic_split_k() -> bool:
-  """Whether the wgmma builds (M > 16; all builds with ``MMA_ATOMIC``) add their split-K parts with float32
-  atomics (default; faster,
+  """Whether the builds (the mma.sync builds at M <= 16 only with ``MMA_ATOMIC``, the default) add
+  their split-K parts with float32 atomics (default; faster,
   but the order of the float32 additions, hence the low bits of the result, varies run to run) or
   store partials that XLA sums in a fixed order. ``QERL_GLUON_DETERMINISTIC=1``, or XLA's own
   ``--xla_gpu_deterministic_ops=true`` in ``XLA_FLAGS``, asks for the fixed order. Read when a call

@@ -9,15 +9,15 @@
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-64), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
-#    M = 1-16 with the prepared atomic mma.sync build (w4_gluon.MMA_ATOMIC; enable it if it wins);
+#    M = 1-16 with float32 partials in the mma.sync builds (GL_MMA_ATOMIC=0; atomics are the default);
 # 3. issue 6's benchmark as the issue states it (prompt 256, 2048 new tokens, batch 8 and 64),
-#    bf16 and NVFP4, under the launchers' XLA flags (batch 64 now runs the wgmma build: not yet measured);
+#    bf16 and NVFP4, under the launchers' XLA flags;
 # 4. the same at batch 256 (1024 new tokens to fit the call), and batch 64 with the training adapter;
 # 5. Pallas small-M variants with more stages, fewer registers or more warps (time_occupancy.py;
 #    since session 8 this matters only where the Gluon kernel is off: QERL_GLUON=0, or M > 16 off sm_90);
 # 6. Nsight Compute on the Pallas kernel (experiments/lab/ncu_small_m.sh; session 7 ran it).
-# (Session 8 ran steps 1-2 of earlier versions of this script; results in docs/benchmarks.md. Not yet run
-# on a GPU: the QERL_GLUON_DETERMINISTIC path and w4_gluon.MMA_ATOMIC, both covered by step 1's tests.)
+# (Session 9 ran steps 1-3; results in docs/benchmarks.md and docs/benchmarks_rollout.md. Step 4 was last
+# run in session 6, before the Gluon kernel took M = 17-64.)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_checkpoint}
 STEPS=",${STEPS:-1,2,3,4,5,6},"
@@ -27,7 +27,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 step 1 && timeout 300 python3 -m pytest -q -m gpu tests 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
 step 2 && { timeout 200 python3 experiments/lab/gluon/time_jax.py 2>&1
   QERL_GLUON_DETERMINISTIC=1 GL_MS=32,64 timeout 120 python3 experiments/lab/gluon/time_jax.py 2>&1
-  GL_MMA_ATOMIC=1 GL_MS=1,8,16 timeout 120 python3 experiments/lab/gluon/time_jax.py 2>&1
+  GL_MMA_ATOMIC=0 GL_MS=1,8,16 timeout 120 python3 experiments/lab/gluon/time_jax.py 2>&1
 } | grep -v Warn | tee "$OUT/gluon_time.txt"
 export XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_dynamic_slice_fusion=true"
 step 3 && { timeout 420 python3 experiments/bench_rollout.py --batches=8,64 --new_tokens=2048 \
