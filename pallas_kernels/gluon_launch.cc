@@ -8,8 +8,10 @@
 //
 // Kernel parameters, in order: every operand's and result's device pointer, then the two null
 // scratch pointers that Triton 3.6 appends (global and profile scratch; the kernels here use none).
-// Modules are loaded once per (CUDA context, PTX) pair: qerl_gluon_preload loads them outside any
-// stream capture (called from Python when a call is built); the handler loads on a miss.
+// Modules are loaded once per (CUDA context, key) pair, where the key is a short digest of the PTX and
+// kernel name computed once in Python, so that a launch looks up a few dozen bytes instead of copying
+// and comparing the whole PTX: qerl_gluon_preload loads them outside any stream capture (called from
+// Python when a call is built); the handler loads on a miss.
 
 #include <dlfcn.h>
 
@@ -18,7 +20,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
-#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -70,42 +72,43 @@ const Driver& GetDriver() {
 }
 
 std::mutex cache_mutex;
-std::map<std::tuple<CUcontext, std::string, std::string>, CUfunction> cache;
+std::map<std::pair<CUcontext, std::string>, CUfunction> cache;
 
 constexpr int kMaxDynamicSharedSizeBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
-// The kernel `name` of `ptx` in the current context; loads the module on a miss. 0 on success.
-CUresult Function(const Driver& d, std::string_view ptx, std::string_view name, int64_t shared, CUfunction* fn) {
+// The kernel `name` of `ptx` (digest `key`) in the current context; loads the module on a miss. 0 on success.
+CUresult Function(const Driver& d, std::string_view key, std::string_view ptx, std::string_view name, int64_t shared,
+                  CUfunction* fn) {
   CUcontext ctx = nullptr;
   CUresult r = d.ctx_get_current(&ctx);
   if (r != 0) return r;
-  auto key = std::make_tuple(ctx, std::string(ptx), std::string(name));
+  auto cache_key = std::make_pair(ctx, std::string(key));
   std::lock_guard<std::mutex> lock(cache_mutex);
-  auto it = cache.find(key);
+  auto it = cache.find(cache_key);
   if (it != cache.end()) {
     *fn = it->second;
     return 0;
   }
   CUmodule module = nullptr;
-  r = d.module_load_data(&module, std::get<1>(key).c_str());
+  r = d.module_load_data(&module, std::string(ptx).c_str());
   if (r != 0) return r;
-  r = d.module_get_function(fn, module, std::get<2>(key).c_str());
+  r = d.module_get_function(fn, module, std::string(name).c_str());
   if (r != 0) return r;
   if (shared > 48 * 1024) {
     r = d.func_set_attribute(*fn, kMaxDynamicSharedSizeBytes, static_cast<int>(shared));
     if (r != 0) return r;
   }
-  cache.emplace(key, *fn);
+  cache.emplace(cache_key, *fn);
   return 0;
 }
 
-ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view ptx,
-                  std::string_view name, int64_t grid_x, int64_t grid_y, int64_t grid_z, int64_t threads,
+ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view key,
+                  std::string_view ptx, std::string_view name, int64_t grid_x, int64_t grid_y, int64_t grid_z, int64_t threads,
                   int64_t shared) {
   const Driver& d = GetDriver();
   if (!d.ok) return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_launch: libcuda.so.1 not loadable");
   CUfunction fn = nullptr;
-  CUresult r = Function(d, ptx, name, shared, &fn);
+  CUresult r = Function(d, key, ptx, name, shared, &fn);
   if (r != 0) {
     return ffi::Error(ffi::ErrorCode::kInternal,
                       "qerl_gluon_launch: loading kernel " + std::string(name) + " failed, CUresult " + std::to_string(r));
@@ -141,6 +144,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QerlGluonLaunch, Launch,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .RemainingArgs()
                                   .RemainingRets()
+                                  .Attr<std::string_view>("key")
                                   .Attr<std::string_view>("ptx")
                                   .Attr<std::string_view>("name")
                                   .Attr<int64_t>("grid_x")
@@ -150,9 +154,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QerlGluonLaunch, Launch,
                                   .Attr<int64_t>("shared"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-// Loads `name` of `ptx` into device `device`'s primary context (outside any stream capture).
-// Returns 0 on success, else the CUresult (-1: libcuda not found).
-extern "C" int qerl_gluon_preload(const char* ptx, const char* name, int device, long long shared) {
+// Loads `name` of `ptx` (digest `key`, as the handler's attribute) into device `device`'s primary context
+// (outside any stream capture). Returns 0 on success, else the CUresult (-1: libcuda not found).
+extern "C" int qerl_gluon_preload(const char* key, const char* ptx, const char* name, int device, long long shared) {
   const Driver& d = GetDriver();
   if (!d.ok) return -1;
   CUdevice dev = 0;
@@ -163,7 +167,7 @@ extern "C" int qerl_gluon_preload(const char* ptx, const char* name, int device,
   r = d.ctx_push(ctx);
   if (r != 0) return r;
   CUfunction fn = nullptr;
-  r = Function(d, ptx, name, shared, &fn);
+  r = Function(d, key, ptx, name, shared, &fn);
   CUcontext popped = nullptr;
   d.ctx_pop(&popped);
   return r;

@@ -404,7 +404,8 @@ def _ffi_library():
   except (OSError, AttributeError) as e:
     warnings.warn(f"loading the Gluon kernel's FFI launcher {path} failed ({e}); the Gluon kernel is off")
     return None
-  lib.qerl_gluon_preload.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_longlong]
+  lib.qerl_gluon_preload.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
+                                     ctypes.c_longlong]
   return lib
 
 
@@ -475,15 +476,21 @@ def _compiled(meta: tuple, wg: bool, cap: int | None = None):
   lib = _ffi_library()
   if lib is not None:
     for device in _gpu_devices():  # load outside any CUDA-graph capture
-      err = lib.qerl_gluon_preload(ptx.encode(), name.encode(), device.id, shared)
+      err = lib.qerl_gluon_preload(_module_key(ptx, name).encode(), ptx.encode(), name.encode(), device.id, shared)
       if err:
         raise RuntimeError(f"w4_gluon: loading {name} on GPU {device.id} failed (CUresult {err})")
   return ptx, name, shared
 
 
+def _module_key(ptx: str, name: str) -> str:
+  """The launcher's cache key of a kernel: a digest of its PTX and name (32 hex characters), so that a
+  launch compares a few bytes, not the PTX (tens of kilobytes)."""
+  return hashlib.sha256(ptx.encode() + b"\0" + name.encode()).hexdigest()[:32]
+
+
 def _launch_attrs(ptx: str, name: str, grid: tuple[int, int, int], shared: int, threads: int = 128) -> dict:
   """The FFI call's attributes, as ``gluon_launch.cc`` binds them (a CPU test checks their count)."""
-  return dict(ptx=ptx, name=name, grid_x=np.int64(grid[0]), grid_y=np.int64(grid[1]), grid_z=np.int64(grid[2]),
+  return dict(key=_module_key(ptx, name), ptx=ptx, name=name, grid_x=np.int64(grid[0]), grid_y=np.int64(grid[1]), grid_z=np.int64(grid[2]),
               threads=np.int64(threads), shared=np.int64(shared))
 
 

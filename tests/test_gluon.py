@@ -6,6 +6,8 @@ where it runs (shape support, the split rule worked by hand) and that ``quantize
 picks it without a GPU.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -206,7 +208,7 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
   i = jax.ShapeDtypeStruct((), jnp.int32)
   text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x, stack, i).lower(
       lowering_platforms=("cuda",)).as_text()
-  assert "qerl_gluon_launch" in text and ".entry w4a16_gemv" in text
+  assert "qerl_gluon_launch" in text and ".entry w4a16_gemv" in text and re.search(r'key = "[0-9a-f]{32}"', text)
   first = text
   # 4608 / 256 column tiles, 28 splits (test_split_rule_by_hand), 4 warps
   assert "grid_x = 18" in text and "grid_y = 28" in text and "threads = 128" in text
@@ -253,11 +255,12 @@ def test_ffi_launcher_builds_and_reports_a_missing_driver(tmp_path, monkeypatch)
   assert w4_gluon._build_ffi_library() == path and len(list(tmp_path.iterdir())) == 1  # no temp file left
   lib = ctypes.CDLL(path)
   assert hasattr(lib, "QerlGluonLaunch")
-  lib.qerl_gluon_preload.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_longlong]
+  lib.qerl_gluon_preload.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
+                                     ctypes.c_longlong]
   try:
     ctypes.CDLL("libcuda.so.1")
   except OSError:
-    assert lib.qerl_gluon_preload(b".version 8.0", b"k", 0, 0) == -1
+    assert lib.qerl_gluon_preload(b"key", b".version 8.0", b"k", 0, 0) == -1
   monkeypatch.setenv("QERL_GLUON_LAUNCHER", str(tmp_path / "prebuilt.so"))
   with pytest.warns(UserWarning, match="does not exist"):
     assert w4_gluon._build_ffi_library() is None
@@ -291,6 +294,17 @@ def test_bad_settings_raise(monkeypatch):
   monkeypatch.setenv("QERL_GLUON_LAUNCH", "triton")
   with pytest.raises(ValueError, match="QERL_GLUON_LAUNCH"):
     w4_gluon.requested_launcher()
+
+
+def test_module_key_tells_kernels_apart():
+  """The launcher caches modules by this key, so kernels that share a name (every build is
+  ``w4a16_gemv``) but not their PTX must get different keys, and a kernel must keep its key."""
+  a = w4_gluon._module_key(".version 8.0\n// build A", "w4a16_gemv")
+  assert len(a) == 32 and int(a, 16) >= 0
+  assert a == w4_gluon._module_key(".version 8.0\n// build A", "w4a16_gemv")
+  assert a != w4_gluon._module_key(".version 8.0\n// build B", "w4a16_gemv")
+  assert a != w4_gluon._module_key(".version 8.0\n// build A", "other")
+  assert w4_gluon._launch_attrs(".version 8.0\n// build A", "w4a16_gemv", (1, 1, 1), 0)["key"] == a
 
 
 def test_ffi_handler_takes_as_many_attributes_as_forward_passes(tmp_path, monkeypatch):
