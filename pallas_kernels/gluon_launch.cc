@@ -103,8 +103,8 @@ CUresult Function(const Driver& d, std::string_view key, std::string_view ptx, s
 }
 
 ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view key,
-                  std::string_view ptx, std::string_view name, int64_t grid_x, int64_t grid_y, int64_t grid_z, int64_t threads,
-                  int64_t shared) {
+                  std::string_view ptx, std::string_view name, int64_t grid_x, int64_t grid_y, int64_t grid_z,
+                  int64_t threads, int64_t shared) {
   const Driver& d = GetDriver();
   if (!d.ok) return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_launch: libcuda.so.1 not loadable");
   CUfunction fn = nullptr;

@@ -9,9 +9,9 @@ at M <= 8 and 1.78-1.85x faster than bf16 cuBLAS, summed over the Qwen2.5-7B sha
 (docs/benchmarks.md, sessions 7-9).
 
 Two builds of one kernel source (:func:`_kernel`): M <= 16 uses mma.sync with 4 warps, x held in
-registers by every warp, capped at 128 registers a thread (:func:`_register_cap`). M = 17-64 (sm_90; MB = 32 or 64) uses Hopper's wgmma with 8 warps (two
-warpgroups of 128 rows; the column bit n2 moves from the registers to the warps, which halves each
-thread's registers):
+registers by every warp, capped at 128 registers a thread (:func:`_register_cap`). M = 17-64
+(sm_90; MB = 32 or 64) uses Hopper's wgmma with 8 warps (two warpgroups of 128 rows; the column bit
+n2 moves from the registers to the warps, which halves each thread's registers):
 the weight operand comes from registers as before, and x is stored to shared memory once per step,
 where the tensor cores read it for all 256 rows. wgmma wants the operand's k pairs at ``k_width`` 2,
 a register relabelling of the same decode; x is stored in the matching k order. Both builds add
@@ -341,7 +341,7 @@ def _install():
     cc = compute_capability or jt.triton_kernel_call_lib.get_compute_capability(0)
     key = (fn, tuple(arg_dtypes), tuple(sorted(metaparams.items())), num_warps, cc)
     if key not in cache:
-      compiled = _compile_gluon(fn, arg_dtypes, metaparams, cc, num_warps)
+      compiled = _compile_gluon(fn, arg_dtypes, metaparams, cc, num_warps, maxnreg=_register_cap(num_warps == 8))
       kernel = jt.triton_kernel_call_lib.TritonKernel(compiled.metadata.name, num_warps, 1, compiled.metadata.shared,
                                                       compiled.asm["ptx"], "", cc)
       cache[key] = (kernel, {(i,): [["tt.divisibility", 16]] for i in range(len(arg_dtypes))})
@@ -490,8 +490,8 @@ def _module_key(ptx: str, name: str) -> str:
 
 def _launch_attrs(ptx: str, name: str, grid: tuple[int, int, int], shared: int, threads: int = 128) -> dict:
   """The FFI call's attributes, as ``gluon_launch.cc`` binds them (a CPU test checks their count)."""
-  return dict(key=_module_key(ptx, name), ptx=ptx, name=name, grid_x=np.int64(grid[0]), grid_y=np.int64(grid[1]), grid_z=np.int64(grid[2]),
-              threads=np.int64(threads), shared=np.int64(shared))
+  return dict(key=_module_key(ptx, name), ptx=ptx, name=name, grid_x=np.int64(grid[0]), grid_y=np.int64(grid[1]),
+              grid_z=np.int64(grid[2]), threads=np.int64(threads), shared=np.int64(shared))
 
 
 def _wgmma_gpus() -> bool:
