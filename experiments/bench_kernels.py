@@ -112,7 +112,7 @@ def _row_check(kind, x, wq, cfg=None):
     nan = bool(jnp.any(w4_triton.dequantize(wq, jnp.bfloat16) != nvfp4.dequantize(wq, jnp.bfloat16)))
   if kind == "fwd":
     if fused and cfg is None and matmul._use_gluon(x, wq, False, None):
-      y = matmul.kernel_forward(x, wq)  # the Gluon decode kernel (M <= 32), which the timing runs too
+      y = matmul.kernel_forward(x, wq)  # the Gluon decode kernel (M <= 64), which the timing runs too
     else:
       y = (w4_triton.forward(x, wq, config=cfg, poison_output=True) if fused else matmul.kernel_forward(x, wq))
     ref = matmul.reference_matmul(x, wq)
@@ -151,7 +151,14 @@ def _bench_row(model, layer, k, n, m, kind, w_bf16, wq, cfg=None, check=True):
   return dict(model=model, layer=layer, K=k, N=n, M=m, kind=kind, us_kernel=t_k * 1e6, us_bf16=t_b * 1e6,
               us_xla=t_x * 1e6, gbs_kernel=gbs, gbs_bf16=gbs_b, vs_bf16=t_b / t_k, vs_xla=t_x / t_k,
               rel_err=err, nan=nan, R=r,
-              path="fused" if m <= matmul.FUSED_MAX_M[kind] else "deq+cublas")
+              path=_path_name(kind, x, wq))
+
+
+def _path_name(kind, x, wq) -> str:
+  """Which kernel path ``matmul.kernel_forward`` / ``kernel_dx`` takes for this row."""
+  if x.shape[0] > matmul.FUSED_MAX_M[kind]:
+    return "deq+cublas"
+  return "gluon" if kind == "fwd" and matmul._use_gluon(x, wq, False, None) else "fused"
 
 
 def _print_row(d):

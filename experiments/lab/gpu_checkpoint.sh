@@ -7,6 +7,7 @@
 #   STEPS=4 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=5,6 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=7 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=8 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-64), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
@@ -19,12 +20,14 @@
 # 6. Nsight Compute on the Pallas kernel (experiments/lab/ncu_small_m.sh; session 7 ran it);
 # 7. where a batch-8 decode step's time goes now (issue 6: 2.95 ms a step against a 1.88 ms roofline, of
 #    which the layers' W4A16 kernels take about 1.37 ms): per-kernel device time with each small XLA
-#    kernel's source line (profile_rollout.py with PROFILE_HLO=1), NVFP4 and bf16.
+#    kernel's source line (profile_rollout.py with PROFILE_HLO=1), NVFP4 and bf16;
+# 8. issue 4's own benchmark script at the 7B decode sizes, now that the Gluon kernel runs them (its
+#    table in docs/benchmarks.md is from session 2; the later figures come from the lab harness).
 # (Session 9 ran steps 1-3; results in docs/benchmarks.md and docs/benchmarks_rollout.md. Step 4 was last
 # run in session 6, before the Gluon kernel took M = 17-64.)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_checkpoint}
-STEPS=",${STEPS:-1,2,3,4,5,6,7},"
+STEPS=",${STEPS:-1,2,3,4,5,6,7,8},"
 step() { [[ "$STEPS" == *",$1,"* ]]; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -45,3 +48,5 @@ step 5 && OCC_MS=32 timeout 300 python3 experiments/lab/time_occupancy.py 2>&1 |
 step 6 && OUT="$OUT/ncu" timeout 280 bash experiments/lab/ncu_small_m.sh 2>&1 | tee "$OUT/ncu.txt"
 step 7 && PROFILE_HLO=1 PROFILE_TOP=40 OUT="$OUT" timeout 300 python3 experiments/lab/profile_rollout.py \
   nvfp4_fused:8:64 bf16_fused:8:64 2>&1 | grep -v "^[IW][0-9]" | tee "$OUT/profile_b8.txt"
+step 8 && timeout 420 python3 experiments/bench_kernels.py --models=7b --kinds=fwd --ms=1,8,16,32,64,128,256 \
+  --json="$OUT/bench_kernels_7b.json" 2>&1 | grep "|" | tee "$OUT/bench_kernels_7b.txt"
