@@ -486,13 +486,13 @@ def _register_cap(wg: bool) -> int | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(meta: tuple, wg: bool, cap: int | None = None):
+def _compiled(meta: tuple, wg: bool):
   """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta`` (the wgmma build
-  if ``wg``) with at most ``cap`` registers a thread, compiled for the oldest visible GPU (sm_90
-  without one) and loaded on every GPU."""
+  if ``wg``, register cap :func:`_register_cap`), compiled for the oldest visible GPU (sm_90 without
+  one) and loaded on every GPU."""
   meta = dict(meta)
   compiled = _compile_gluon(_kernel(wg), _ARG_DTYPES, meta, min((_cc(d) for d in _gpu_devices()), default=90),
-                            num_warps=_warps(wg), maxnreg=cap)
+                            num_warps=_warps(wg), maxnreg=_register_cap(wg))
   ptx, name, shared = compiled.asm["ptx"], compiled.metadata.name, int(compiled.metadata.shared)
   lib = _ffi_library()
   if lib is not None:
@@ -576,7 +576,7 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
   out_shape = jax.ShapeDtypeStruct((m, n) if atomic else (splits, m, n), jnp.float32)
   aliases = {5: 0} if atomic else None
   if path == "ffi":
-    ptx, name, shared = _compiled(tuple(meta.items()), wg, _register_cap(wg))
+    ptx, name, shared = _compiled(tuple(meta.items()), wg)
     out = jax.ffi.ffi_call(_FFI_TARGET, out_shape, input_output_aliases=aliases)(
         *operands, **_launch_attrs(ptx, name, (n // BLOCK_N, splits, 1), shared, threads=32 * _warps(wg)))
   else:
