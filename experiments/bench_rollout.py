@@ -52,6 +52,8 @@ flags.DEFINE_integer("prompt_len", 256, "Prompt tokens per row.")
 flags.DEFINE_integer("new_tokens", 2048, "New tokens per row (fixed: no early stop).")
 flags.DEFINE_list("new_tokens_by_batch", [], "Overrides 'batch:new_tokens', e.g. 256:1024 (to fit device time).")
 flags.DEFINE_integer("kv_phases", 1, "SamplingConfig.kv_phases for the table's runs.")
+flags.DEFINE_bool("unroll_decode", True, "SamplingConfig.unroll_decode: unroll the decode step's layer loop "
+                  "(--nounroll_decode: the scanned loop, labelled '+scanned').")
 flags.DEFINE_list("extra_runs", [], "Extra runs 'format:batch:kv_phases' after the table, e.g. bf16:256:4.")
 flags.DEFINE_float("time_budget_s", 1e9, "Skip the remaining runs once this much wall time has passed.")
 flags.DEFINE_string("out", "", "Folder for rollout.md / rollout.json (optional).")
@@ -70,27 +72,36 @@ TINY = dict(QWEN25_7B, vocab_size=256, hidden_size=128, intermediate_size=256, n
 
 
 def kernel_backend() -> str:
-  """Which 4-bit matmul path ``quantized_matmul(backend="auto")`` takes for bf16 activations on this device."""
-  import pallas_kernels.matmul as pm
-  describe = getattr(pm, "describe_backend", None)
-  if describe is not None:
-    return str(describe())
-  if "pallas" in getattr(pm, "BACKENDS", ()) and jax.default_backend() in ("gpu", "cuda"):
-    return "pallas (pallas_kernels fused W4A16 Triton kernels, backend='auto')"
-  return "reference (pallas_kernels XLA path: dequantize to bf16, then dot)"
+  """Which 4-bit matmul paths ``quantized_matmul(backend="auto")`` takes for bf16 activations on this device."""
+  from pallas_kernels import w4_gluon
+  if jax.default_backend() not in ("gpu", "cuda"):
+    return "reference (pallas_kernels XLA path: dequantize to bf16, then dot)"
+  if w4_gluon.available():
+    return (f"gluon decode GEMV (pallas_kernels.w4_gluon, launch {w4_gluon.launcher()}) for M <= {w4_gluon.MAX_M}, "
+            "pallas fused W4A16 Triton kernels above")
+  return "pallas (pallas_kernels fused W4A16 Triton kernels, backend='auto')"
 
 
-def hbm_bandwidth(gib: float = 4.0, iters: int = 20) -> float:
-  """Measured device-copy bandwidth in bytes/s (bytes read + written), median of ``iters`` runs."""
+def hbm_bandwidth(gib: float = 4.0, iters: int = 5) -> float:
+  """Measured device-copy bandwidth in bytes/s (bytes read + written by one elementwise kernel over
+  ``gib`` GiB of bf16), median of ``iters`` runs. On a GPU each run is the kernel's device time
+  (experiments/devtime.py): wall-clock timing also counted the 4 GiB output's allocation and the host
+  round trip, which read 2.7-2.8 TB/s on an H200 in session 10 and put a bf16 decode step above 100%
+  of its roofline. On a CPU, wall-clock time."""
+  import devtime
+
   n = int(gib * 2**30) // 2
   x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
   f = jax.jit(lambda a: a * jnp.bfloat16(1.5))
   f(x).block_until_ready()
   times = []
   for _ in range(iters):
-    t0 = time.perf_counter()
-    f(x).block_until_ready()
-    times.append(time.perf_counter() - t0)
+    t = devtime.device_time(f, x)
+    if t is None:  # no device events (CPU)
+      t0 = time.perf_counter()
+      f(x).block_until_ready()
+      t = time.perf_counter() - t0
+    times.append(t)
   del x
   return 2 * n * 2 / float(np.median(times))
 
@@ -146,7 +157,7 @@ def adapter_and_noise(cfg, base, rank: int, aqn: bool):
 
 
 def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth: float, kv_phases: int = 1,
-              lora=None, lora_scale: float = 1.0, noise=None) -> dict:
+              lora=None, lora_scale: float = 1.0, noise=None, unroll_decode: bool = False) -> dict:
   """One compiled generate at (batch, prompt_len, new_tokens), timed twice: all rows live, and no row live.
 
   The end id is outside the vocabulary, so no row ever ends and the decode
@@ -156,7 +167,7 @@ def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth
   set-up + the first sample, subtracted to get the decode step time.
   """
   config = sampling.SamplingConfig(max_new_tokens=new_tokens, eos_token_ids=(cfg.vocab_size + 1,), pad_id=0,
-                                   temperature=1.0, kv_phases=kv_phases)
+                                   temperature=1.0, kv_phases=kv_phases, unroll_decode=unroll_decode)
   tokens_np, mask_np = random_prompts(cfg, batch, prompt_len)
   bb, pb = sampling.bucket(batch), sampling.bucket(prompt_len, 16)
   tokens_np, mask_np = sampling.pad_prompts(tokens_np, mask_np, bb, pb, config.pad_id)
@@ -255,8 +266,10 @@ def smoke() -> None:
 
 
 def _suffix() -> str:
-  """The table label's note on what rides along: '+lora32', '+aqn'."""
-  return (f"+lora{FLAGS.lora_rank}" if FLAGS.lora_rank else "") + ("+aqn" if FLAGS.aqn else "")
+  """The table label's note on what rides along: '+lora32', '+aqn', '+scanned' (the decode step's layer loop
+  not unrolled)."""
+  return ((f"+lora{FLAGS.lora_rank}" if FLAGS.lora_rank else "") + ("+aqn" if FLAGS.aqn else "")
+          + ("" if FLAGS.unroll_decode else "+scanned"))
 
 
 def main(argv):
@@ -291,7 +304,7 @@ def main(argv):
         print(f"skipping {fmt} batch {batch}: time budget {FLAGS.time_budget_s}s spent", flush=True)
         continue
       r = bench_one(cfg, bases[fmt], batch, FLAGS.prompt_len, overrides.get(batch, FLAGS.new_tokens), bandwidth,
-                    FLAGS.kv_phases, *extras[fmt])
+                    FLAGS.kv_phases, *extras[fmt], unroll_decode=FLAGS.unroll_decode)
       r["format"] = fmt + _suffix()
       rows.append(r)
       print(json.dumps(r), flush=True)
@@ -302,7 +315,7 @@ def main(argv):
       continue
     batch = int(batch)
     r = bench_one(cfg, bases[fmt], batch, FLAGS.prompt_len, overrides.get(batch, FLAGS.new_tokens), bandwidth,
-                  int(phases), *extras[fmt])
+                  int(phases), *extras[fmt], unroll_decode=FLAGS.unroll_decode)
     r["format"] = fmt + _suffix()
     rows.append(r)
     print(json.dumps(r), flush=True)

@@ -149,6 +149,8 @@ def test_validation_errors():
     SamplingConfig(max_new_tokens=4, eos_token_ids=(1,), pad_id=0, temperature=-1.0)
   with pytest.raises(ValueError, match="min_new_tokens"):
     SamplingConfig(max_new_tokens=4, eos_token_ids=(1,), pad_id=0, min_new_tokens=5)
+  with pytest.raises(TypeError, match="unroll_decode"):
+    SamplingConfig(max_new_tokens=4, eos_token_ids=(1,), pad_id=0, unroll_decode="yes")
   cfg = SamplingConfig(max_new_tokens=4, eos_token_ids=[1, 2], stop_token_ids=[2, 3], pad_id=0)
   assert cfg.end_ids == (1, 2, 3) and hash(cfg) == hash(SamplingConfig(max_new_tokens=4, eos_token_ids=(1, 2),
                                                                           stop_token_ids=(2, 3), pad_id=0))
@@ -245,12 +247,13 @@ def test_greedy_matches_transformers_and_unbatched(tiny, greedy_case):
 
 def test_top_k1_groups_and_min_new_tokens_match_greedy(tiny, greedy_case):
   """top-k 1 at temperature 0.8 is greedy; G=2 rows share a prefill; min_new_tokens as transformers;
-  decoding in 3 phases of growing KV cache changes nothing."""
+  decoding in 3 phases of growing KV cache, with the decode step's layer loop unrolled, changes nothing."""
   model, cfg, base = tiny
   tokens, mask, eos, _, _ = greedy_case
   ref = _hf_greedy(model, tokens, mask, MAX_NEW, eos=eos, pad=PAD, min_new=4)
   config = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_ids=eos, pad_id=PAD, temperature=0.8, top_k=1,
-                          min_new_tokens=4, num_generations=2, cache_dtype=jnp.float32, kv_phases=3)
+                          min_new_tokens=4, num_generations=2, cache_dtype=jnp.float32, kv_phases=3,
+                          unroll_decode=True)
   assert config.phase_ends() == (4, 8, 12)
   ro = sampling.generate(cfg, base, tokens, mask, jax.random.key(1), config)  # 3 decode phases, growing cache
   np.testing.assert_array_equal(np.asarray(ro.tokens), np.repeat(ref, 2, axis=0))
@@ -271,12 +274,13 @@ def _lora_and_noise(cfg, key):
   return lora, noise
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_logprobs_equal_full_forward_with_lora_and_noise(tiny, fused):
+@pytest.mark.parametrize("fused, unroll", [(False, False), (True, False), (True, True)])
+def test_logprobs_equal_full_forward_with_lora_and_noise(tiny, fused, unroll):
   """At temperature 1 the returned log-probs equal one full forward over prompt + completion (float32).
 
   With a fused base the sampler runs the regrouped adapter (models.fuse_adapter); the reference
-  forward uses the per-part tree on the unfused base, as the trainer does."""
+  forward uses the per-part tree on the unfused base, as the trainer does. ``unroll``: the decode
+  step's layer loop unrolled (SamplingConfig.unroll_decode)."""
   from qerl_jax import models
   _, cfg, base = tiny
   ref_base = base
@@ -285,7 +289,7 @@ def test_logprobs_equal_full_forward_with_lora_and_noise(tiny, fused):
   tokens, mask = _prompts()
   lora, noise = _lora_and_noise(cfg, jax.random.key(3))
   config = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_ids=(2, 3), pad_id=PAD, temperature=1.0,
-                          num_generations=2, cache_dtype=jnp.float32)
+                          num_generations=2, cache_dtype=jnp.float32, unroll_decode=unroll)
   kw = dict(lora=lora, lora_cfg=2.0, norm_noise=noise)
   ro = sampling.generate(cfg, base, tokens, mask, jax.random.key(4), config, **kw)
   seq = jnp.concatenate([ro.prompt_tokens, ro.tokens], axis=1)

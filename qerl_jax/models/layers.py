@@ -124,6 +124,17 @@ def _base_f32(x: jax.Array, w, lora: Optional[dict], lora_scale: float) -> tuple
   return _matmul_f32(x, w), lora
 
 
+def _add_bias(y: jax.Array, bias: jax.Array, w) -> jax.Array:
+  """``y + bias`` in float32. For a float ``w`` (a cuBLAS GEMM on a GPU) the sum is kept out of the
+  GEMM's epilogue by an optimization barrier: XLA folds such an add into a cuBLASLt call with a
+  bias epilogue, which its dynamic-slice fusion does not cover, so a layer's weight sliced out of
+  the scanned stack was copied whole before the GEMM (Qwen2.5-7B's fused qkv: a 33 MB copy, 16 us,
+  every layer of every decode step; docs/benchmarks_rollout.md, session 10). Same numbers either way."""
+  if hasattr(w, "dtype") and not isinstance(w, StackedWeight) and not is_quantized(w):
+    y = jax.lax.optimization_barrier(y)
+  return y + bias.astype(jnp.float32)
+
+
 def linear(x: jax.Array, w, *, bias: Optional[jax.Array] = None,
            lora: Optional[dict] = None, lora_scale: float = 1.0) -> jax.Array:
   """``x @ W (+ bias) + lora_scale * (x @ A) @ B``: THE one place weights are dispatched.
@@ -152,7 +163,7 @@ def linear(x: jax.Array, w, *, bias: Optional[jax.Array] = None,
   """
   y, lora = _base_f32(x, w, lora, lora_scale)
   if bias is not None:
-    y = y + bias.astype(jnp.float32)
+    y = _add_bias(y, bias, w)
   if lora is not None:
     y = y + _lora_f32(x, lora, lora_scale)
   return y.astype(x.dtype)
@@ -195,7 +206,7 @@ def fused_linear(x: jax.Array, w, sizes: tuple[int, ...], *, bias: Optional[jax.
   if y.shape[-1] != sum(sizes):
     raise ValueError(f"fused_linear: part sizes {sizes} add up to {sum(sizes)}, but W has {y.shape[-1]} columns")
   if bias is not None:
-    y = y + bias.astype(jnp.float32)
+    y = _add_bias(y, bias, w)
   if lora is not None:
     y = y + _lora_f32(x, lora, lora_scale)
   outs, start = [], 0
