@@ -85,8 +85,6 @@ MAX_STEPS = 8   # unrolled steps per program (14 measured slower: more registers
 MAX_M = 64      # rows taken: M <= 16 by mma.sync (MB = 8, 16), 17-64 by wgmma (MB = 32, 64; sm_90 only)
 TARGET_PROGRAMS = 512  # measured best for the 7B shapes at M = 1-8 (docs/benchmarks.md, session 7)
 WG_TARGET_PROGRAMS = 256  # the wgmma builds' split-K target: best of 256 / 512 / 1024 at M = 32, 64 (session 8)
-WG_A_SMEM = False  # prepared, not yet run on a GPU: the wgmma builds take the decoded weight from shared
-                   # memory and run asynchronously (one MMA in flight while the next step decodes)
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -226,7 +224,7 @@ def _kernel(wg: bool = False):
   @gluon.jit
   def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                  K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-                 ATOMIC: ttgl.constexpr, A_SMEM: ttgl.constexpr = False):
+                 ATOMIC: ttgl.constexpr):
     if WG:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, MB, 16])
@@ -235,9 +233,6 @@ def _kernel(wg: bool = False):
       xl: ttgl.constexpr = ttgl.BlockedLayout([8, 1], [8, 4], [1, WARPS], [0, 1])
       xs_layout: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([64, MB], ttgl.bfloat16, transposed=True)
       x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, 64, MB], xs_layout)
-      if A_SMEM:  # the decoded weight stored to 2 shared buffers too, for asynchronous wgmma from shared memory
-        as_layout: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([256, 64], ttgl.bfloat16)
-        a_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, 256, 64], as_layout)
     else:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
       a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 8)
@@ -260,21 +255,7 @@ def _kernel(wg: bool = False):
     c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N)
     for i in ttgl.static_range(STEPS):  # unrolled; step i+1's loads are issued before step i's math
       c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N)
-      if WG and A_SMEM:
-        a = decode(c0, s0)  # while step i - 1's MMA runs
-        xs = x_slots(x0)
-        # buffers i % 2 were last read by step i - 2's MMA: each warpgroup saw its own finish (the wait at
-        # step i - 1); the barrier makes that true of both before either overwrites them
-        ttgl.thread_barrier()
-        buf = x_smem.index(i % 2)
-        buf.store(xs)
-        abuf = a_smem.index(i % 2)
-        abuf.store(a)
-        hopper.fence_async_shared()
-        ttgl.thread_barrier()
-        acc = hopper.warpgroup_mma(abuf, buf, acc, is_async=True)
-        acc = hopper.warpgroup_mma_wait(1, deps=[acc])  # step i - 1's MMA is done; step i's may run on
-      elif WG:
+      if WG:
         # buffer i % 2 was last read by step i - 2's (synchronous) MMA, done before barrier i - 1
         buf = x_smem.index(i % 2)
         buf.store(x_slots(x0))
@@ -285,8 +266,6 @@ def _kernel(wg: bool = False):
         a = ttgl.convert_layout(decode(c0, s0), a_layout)
         acc = mma_v2(a, ttgl.convert_layout(x_slots(x0), xl), acc)
       c0, s0, x0 = c1, s1, x1
-    if WG and A_SMEM:
-      acc = hopper.warpgroup_mma_wait(0, deps=[acc])
     acc = acc * (256.0 / gs)  # 2**8 undoes the decode's 2**-8
     # rows r -> columns n = nu(r) (the inverse relabelling), then 16-byte stores along n
     acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 8 + [MB]), [2, 3, 5, 6, 7, o_n2, 1 - o_n2, 4, 8]),
@@ -360,7 +339,7 @@ def _install():
     if scalar_args:
       raise ValueError("w4_gluon: Gluon kernels take arrays and constexprs only")
     cc = compute_capability or jt.triton_kernel_call_lib.get_compute_capability(0)
-    key = (fn, tuple(arg_dtypes), tuple(sorted(metaparams.items())), num_warps, cc)
+    key = (fn, tuple(arg_dtypes), tuple(sorted(metaparams.items())), num_warps, cc, _register_cap(num_warps == 8))
     if key not in cache:
       compiled = _compile_gluon(fn, arg_dtypes, metaparams, cc, num_warps, maxnreg=_register_cap(num_warps == 8))
       kernel = jt.triton_kernel_call_lib.TritonKernel(compiled.metadata.name, num_warps, 1, compiled.metadata.shared,
@@ -481,18 +460,20 @@ def _register_cap(wg: bool) -> int | None:
   an SM. Uncapped, the atomic build takes 130 registers at MB = 8 and 185 at MB = 16 (3 programs an
   SM); capped, MB = 8 fits without spills and MB = 16 spills a few registers yet runs faster: 59.5
   against 68.3 µs at M = 16, 7B shapes summed (docs/benchmarks.md, session 9). The wgmma builds
-  (8 warps, at most 2 programs an SM) keep what they need."""
+  (8 warps) keep what they need: 119 registers at MB = 32 (two programs an SM), 159 at MB = 64 (one).
+  Capped at 128, MB = 64 spills about 100 registers and ran 153 against 125 µs at M = 64, 7B shapes
+  summed, two programs an SM or not (docs/benchmarks.md, session 10)."""
   return None if wg else 128
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(meta: tuple, wg: bool):
+def _compiled(meta: tuple, wg: bool, maxnreg: int | None):
   """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta`` (the wgmma build
-  if ``wg``, register cap :func:`_register_cap`), compiled for the oldest visible GPU (sm_90 without
-  one) and loaded on every GPU."""
+  if ``wg``) with at most ``maxnreg`` registers a thread (:func:`_register_cap`), compiled for the
+  oldest visible GPU (sm_90 without one) and loaded on every GPU."""
   meta = dict(meta)
   compiled = _compile_gluon(_kernel(wg), _ARG_DTYPES, meta, min((_cc(d) for d in _gpu_devices()), default=90),
-                            num_warps=_warps(wg), maxnreg=_register_cap(wg))
+                            num_warps=_warps(wg), maxnreg=maxnreg)
   ptx, name, shared = compiled.asm["ptx"], compiled.metadata.name, int(compiled.metadata.shared)
   lib = _ffi_library()
   if lib is not None:
@@ -571,12 +552,11 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
   # zeroed output the atomic builds add their split-K parts into (aliased to the result)
   zeros = jnp.zeros((m, n) if atomic else (1,), jnp.float32)
   operands = (x, *w4_triton._layer_operands(w, w4_triton._format_of(w), index), zeros)
-  meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=mb, ATOMIC=atomic,
-              A_SMEM=wg and bool(WG_A_SMEM))
+  meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=mb, ATOMIC=atomic)
   out_shape = jax.ShapeDtypeStruct((m, n) if atomic else (splits, m, n), jnp.float32)
   aliases = {5: 0} if atomic else None
   if path == "ffi":
-    ptx, name, shared = _compiled(tuple(meta.items()), wg)
+    ptx, name, shared = _compiled(tuple(meta.items()), wg, _register_cap(wg))
     out = jax.ffi.ffi_call(_FFI_TARGET, out_shape, input_output_aliases=aliases)(
         *operands, **_launch_attrs(ptx, name, (n // BLOCK_N, splits, 1), shared, threads=32 * _warps(wg)))
   else:

@@ -138,16 +138,6 @@ def test_gpu_gluon_wgmma_build_matches_float64(m, k, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [17, 64])
-@pytest.mark.parametrize("k,n", [(3584, 4608), (1088, 768)])
-def test_gpu_gluon_wgmma_from_shared_memory_matches_float64(m, k, n, monkeypatch):
-  """The prepared variant (WG_A_SMEM): decoded weight through shared memory, asynchronous wgmma."""
-  _skip_without_wgmma()
-  monkeypatch.setattr(w4_gluon, "WG_A_SMEM", True)
-  _check_forward_against_float64(m, k, n)
-
-
-@pytest.mark.gpu
 def test_gpu_gluon_deterministic_wgmma_build_is_repeatable(monkeypatch):
   """QERL_GLUON_DETERMINISTIC=1: partials summed by XLA, so two runs agree bit for bit."""
   _skip_without_wgmma()
@@ -247,11 +237,6 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
       lowering_platforms=("cuda",)).as_text()
   assert "mma.sync" in text and ".maxnreg 128" in text and ".maxnreg 128" in first
   assert ".maxnreg" not in text_wg  # the wgmma builds are not capped
-  monkeypatch.setattr(w4_gluon, "WG_A_SMEM", True)  # the prepared variant: A from shared memory, async
-  text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x64, stack, i).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert "wgmma.mma_async" in text and "wgmma.wait_group.sync.aligned 1" in text  # one MMA left in flight
-  assert "wgmma.wait_group.sync.aligned 1" not in text_wg  # the default waits for each MMA
 
 
 def test_ffi_launcher_builds_and_reports_a_missing_driver(tmp_path, monkeypatch):
