@@ -11,22 +11,20 @@
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-64), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
-#    M = 1-16 with float32 partials in the mma.sync builds (GL_MMA_ATOMIC=0; atomics are the default),
-#    then M = 32 and 64 with the prepared w4_gluon.WG_A_SMEM (weight through shared memory, async wgmma);
-# 3. issue 6's benchmark as the issue states it (prompt 256, 2048 new tokens, batch 8 and 64),
-#    bf16 and NVFP4, under the launchers' XLA flags;
-# 4. the same at batch 256 (1024 new tokens to fit the call), and batch 64 with the training adapter;
+#    M = 1-16 with float32 partials in the mma.sync builds (GL_MMA_ATOMIC=0; atomics are the default);
+#    this harness runs without the launchers' XLA flags, so its bf16 column is XLA's Triton GEMM;
+# 3. issue 6's benchmark as the issue states it (prompt 256, 2048 new tokens, batch 8 and 64; 256 at 1024),
+#    bf16 and NVFP4, under the launchers' XLA flags (decode layers unrolled, the default);
+# 4. batch 256 again, and batch 64 with the training adapter (LoRA rank 32 + AQN), 1024 new tokens;
 # 5. Pallas small-M variants with more stages, fewer registers or more warps (time_occupancy.py;
 #    since session 8 this matters only where the Gluon kernel is off: QERL_GLUON=0, or M > 16 off sm_90);
 # 6. Nsight Compute on the Pallas kernel (experiments/lab/ncu_small_m.sh; session 7 ran it);
-# 7. where a batch-8 decode step's time goes now (issue 6: 2.95 ms a step against a 1.88 ms roofline, of
-#    which the layers' W4A16 kernels take about 1.37 ms): per-kernel device time with each small XLA
-#    kernel's source line (profile_rollout.py with PROFILE_HLO=1), NVFP4 and bf16;
-# 8. issue 4's own benchmark script at the 7B decode sizes, now that the Gluon kernel runs them (its
-#    table in docs/benchmarks.md is from session 2; the later figures come from the lab harness).
-# (Session 9 ran steps 1-3, before WG_A_SMEM existed; results in docs/benchmarks.md and
-# docs/benchmarks_rollout.md. Step 4 was last run in session 6, before the Gluon kernel took M = 17-64.
-# Not yet run on a GPU: WG_A_SMEM and the launcher's digest key, both covered by step 1's tests.)
+# 7. where a batch-8 decode step's time goes (session 10: 2.80 ms a step, of which the W4A16 kernels take
+#    1.65 ms): per-kernel device time with each small XLA kernel's source line (profile_rollout.py with
+#    PROFILE_HLO=1; PROFILE_SCAN=1 for the scanned layer loop), NVFP4 and bf16;
+# 8. issue 4's own benchmark script at the 7B decode sizes.
+# (Session 10 ran steps 1, 2, 7 and variants of 3, 4 and 8; results in docs/benchmarks.md and
+# docs/benchmarks_rollout.md. Steps 5 and 6 concern the Pallas kernel, off by default at M <= 64.)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_checkpoint}
 STEPS=",${STEPS:-1,2,3,4,5,6,7,8},"
@@ -37,11 +35,10 @@ step 1 && timeout 300 python3 -m pytest -q -m gpu tests 2>&1 | tail -5 | tee "$O
 step 2 && { timeout 200 python3 experiments/lab/gluon/time_jax.py 2>&1
   QERL_GLUON_DETERMINISTIC=1 GL_MS=32,64 timeout 120 python3 experiments/lab/gluon/time_jax.py 2>&1
   GL_MMA_ATOMIC=0 GL_MS=1,8,16 timeout 120 python3 experiments/lab/gluon/time_jax.py 2>&1
-  GL_MS=32,64 GL_VARIANTS="asmem:WG_A_SMEM=1" timeout 150 python3 experiments/lab/gluon/time_jax.py 2>&1
 } | grep -v Warn | tee "$OUT/gluon_time.txt"
 export XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_dynamic_slice_fusion=true"
-step 3 && { timeout 420 python3 experiments/bench_rollout.py --batches=8,64 --new_tokens=2048 \
-  --formats=nvfp4_fused,bf16_fused --time_budget_s=360 --out="$OUT/issue6" > "$OUT/issue6.log" 2>&1; grep "|\|x$" "$OUT/issue6.log"; }
+step 3 && { timeout 420 python3 experiments/bench_rollout.py --batches=8,64,256 --new_tokens=2048 \
+  --new_tokens_by_batch=256:1024 --formats=nvfp4_fused,bf16_fused --time_budget_s=360 --out="$OUT/issue6" > "$OUT/issue6.log" 2>&1; grep "|\|x$" "$OUT/issue6.log"; }
 step 4 && { timeout 300 python3 experiments/bench_rollout.py --batches=256 --new_tokens=1024 \
   --formats=nvfp4_fused,bf16_fused --time_budget_s=240 --out="$OUT/b256" > "$OUT/b256.log" 2>&1; grep "|\|x$" "$OUT/b256.log"; }
 step 4 && { timeout 240 python3 experiments/bench_rollout.py --batches=64 --new_tokens=1024 --formats=nvfp4_fused,bf16_fused \
