@@ -3,10 +3,11 @@
 ``forward(x, w)`` computes ``x @ W`` for bf16 ``x`` ``[M, K]`` with ``M <= 64`` and an NVFP4
 ``W`` ``[K, N]`` (or layer ``index`` of a stack ``[L, K, N]``, read in place), float32
 accumulation. It is the decode path of :func:`pallas_kernels.matmul.quantized_matmul` on a GPU:
-on an H200 it is about 1.6x faster than the Pallas kernel of :mod:`pallas_kernels.w4_triton`
-at M <= 8 and 1.78-1.85x faster than bf16 cuBLAS, summed over the Qwen2.5-7B shapes; at M = 16 /
-32 / 64, 1.36x / 1.50x / 1.22x the Pallas kernel and 1.53x / 1.35x / 0.89x bf16
-(docs/benchmarks.md, sessions 7-9).
+on an H200, summed over the Qwen2.5-7B shapes, it is about 1.6x faster than the Pallas kernel of
+:mod:`pallas_kernels.w4_triton` at M <= 8 and 1.36x / 1.50x / 1.22x at M = 16 / 32 / 64. Against
+bf16 cuBLAS (the launchers' XLA flags) it is 2.60x / 2.51x / 2.04x / 1.70x / 1.02x at M = 1 / 8 / 16 /
+32 / 64; against XLA's Triton GEMM, faster on the small q/k/v and o matrices, 1.86x / 1.81x / 1.53x /
+1.38x / 0.89x (docs/benchmarks.md, sessions 7-10).
 
 Two builds of one kernel source (:func:`_kernel`): M <= 16 uses mma.sync with 4 warps, x held in
 registers by every warp, capped at 128 registers a thread (:func:`_register_cap`). M = 17-64

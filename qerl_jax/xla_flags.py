@@ -7,7 +7,9 @@ before every matmul (``memcpy128`` in a profile: 4 x 56 µs per layer and decode
 and small-M matmuls go to XLA's Triton GEMM emitter. The two flags below let cuBLAS read the slice
 in place and handle every dense matmul: bf16 rollouts at batch 8 went from 709 to 1408 tokens/s
 (89% of their roofline); NVFP4 rollouts, whose kernels already read the stack in place, did not
-change (1669 vs 1661 tokens/s). The flags only concern GPU compilation; CPU runs ignore them.
+change (1669 vs 1661 tokens/s). Re-checked in session 10 with the decode layers unrolled: bf16 at
+batch 8 ran at 749 tokens/s with XLA's Triton GEMM and 1727 without. The flags only concern GPU
+compilation; CPU runs ignore them.
 
 XLA reads ``XLA_FLAGS`` once, when the first backend starts, so :func:`apply_recommended` must run
 before any computation (the launchers call it first thing in ``main``, with the value of the
