@@ -324,6 +324,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     for it in range(int(config.rl.num_iterations)):
       state, update_metrics = policy.update(state, update_batch, update_noise, step,
                                             jax.random.fold_in(keys.update, it))
+    # the update is dispatched asynchronously: wait for it, or its time lands in the next step's rollout
+    jax.block_until_ready((state, update_metrics))
     t3 = time.perf_counter()
     # 8. log, checkpoint, evaluate
     done = step + 1
