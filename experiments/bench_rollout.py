@@ -157,7 +157,7 @@ def adapter_and_noise(cfg, base, rank: int, aqn: bool):
 
 
 def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth: float, kv_phases: int = 1,
-              lora=None, lora_scale: float = 1.0, noise=None, unroll_decode: bool = False) -> dict:
+              lora=None, lora_scale: float = 1.0, noise=None, unroll_decode: bool = True) -> dict:
   """One compiled generate at (batch, prompt_len, new_tokens), timed twice: all rows live, and no row live.
 
   The end id is outside the vocabulary, so no row ever ends and the decode

@@ -463,7 +463,7 @@ def _register_cap(wg: bool) -> int | None:
   against 68.3 µs at M = 16, 7B shapes summed (docs/benchmarks.md, session 9). The wgmma builds
   (8 warps) keep what they need: 119 registers at MB = 32 (two programs an SM), 159 at MB = 64 (one).
   Capped at 128, MB = 64 spills about 100 registers and ran 153 against 125 µs at M = 64, 7B shapes
-  summed, two programs an SM or not (docs/benchmarks.md, session 10)."""
+  summed, with split-K aimed at 256 or 512 programs (docs/benchmarks.md, session 10)."""
   return None if wg else 128
 
 
