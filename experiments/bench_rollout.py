@@ -73,11 +73,15 @@ TINY = dict(QWEN25_7B, vocab_size=256, hidden_size=128, intermediate_size=256, n
 
 def kernel_backend() -> str:
   """Which 4-bit matmul paths ``quantized_matmul(backend="auto")`` takes for bf16 activations on this device."""
-  from pallas_kernels import w4_gluon
+  from pallas_kernels import matmul, w4_gluon
   if jax.default_backend() not in ("gpu", "cuda"):
     return "reference (pallas_kernels XLA path: dequantize to bf16, then dot)"
-  if w4_gluon.available():
-    return (f"gluon decode GEMV (pallas_kernels.w4_gluon, launch {w4_gluon.launcher()}) for M <= {w4_gluon.MAX_M}, "
+  # as matmul._use_gluon decides for an NVFP4 weight the kernel takes
+  gluon = (matmul.GLUON != "0" and w4_gluon.available()
+           and (matmul.GLUON == "1" or w4_gluon.launcher() == "ffi" or w4_gluon.requested_launcher() == "jax_triton"))
+  if gluon:
+    max_m = w4_gluon.MAX_M if w4_gluon._wgmma_gpus() else 16
+    return (f"gluon decode GEMV (pallas_kernels.w4_gluon, launch {w4_gluon.launcher()}) for M <= {max_m}, "
             "pallas fused W4A16 Triton kernels above")
   return "pallas (pallas_kernels fused W4A16 Triton kernels, backend='auto')"
 

@@ -69,8 +69,8 @@ class SamplingConfig:
       slicing copies or loop bookkeeping kernels. On an H200 at batch 8
       (Qwen2.5-7B shape, 2048 new tokens) a step took 2.79 instead of 2.93 ms
       with NVFP4 weights and 4.61 instead of 4.80 with bf16; the decode step
-      compiled in 6.3 instead of 3.4 s (docs/benchmarks_rollout.md, session
-      10). Same tokens and log-probabilities.
+      compiled in 6-12 s instead of about 3 (docs/benchmarks_rollout.md,
+      session 10). Same tokens and log-probabilities.
   """
 
   max_new_tokens: int

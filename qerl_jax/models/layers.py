@@ -129,7 +129,9 @@ def _add_bias(y: jax.Array, bias: jax.Array, w) -> jax.Array:
   GEMM's epilogue by an optimization barrier: XLA folds such an add into a cuBLASLt call with a
   bias epilogue, which its dynamic-slice fusion does not cover, so a layer's weight sliced out of
   the scanned stack was copied whole before the GEMM (Qwen2.5-7B's fused qkv: a 33 MB copy, 16 us,
-  every layer of every decode step; docs/benchmarks_rollout.md, session 10). Same numbers either way."""
+  every layer of every decode step; docs/benchmarks_rollout.md, session 10). Same numbers either way.
+  In prefill and training with a float base the add may likewise become its own small elementwise
+  kernel instead of the epilogue (not measured there)."""
   if hasattr(w, "dtype") and not isinstance(w, StackedWeight) and not is_quantized(w):
     y = jax.lax.optimization_barrier(y)
   return y + bias.astype(jnp.float32)
