@@ -148,8 +148,7 @@ def _bench_row(model, layer, k, n, m, kind, w_bf16, wq, cfg=None, check=True):
   t_k = _time(f_kernel, x, wqs, FLAGS.reps, FLAGS.inner)
   # bf16: the faster of a float32-accumulated dot (as the model computes) and a plain bf16 dot. At M = 1
   # XLA lowers the first to a slow reduction (7B qkv on an H200 under the launchers' flags: 43.6 against
-  # 27.1 us for the plain dot, session 10),
-  # which would flatter the kernel.
+  # 27.1 us for the plain dot, session 10), which would flatter the kernel.
   t_b = min(_time(f, x, wbs, FLAGS.reps, FLAGS.inner) for f in f_bf16s)
   t_x = _time(f_xla, x, wqs, FLAGS.reps, FLAGS.inner)
   act = m * (k + n) * 2

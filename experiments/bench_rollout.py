@@ -76,13 +76,9 @@ def kernel_backend() -> str:
   from pallas_kernels import matmul, w4_gluon
   if jax.default_backend() not in ("gpu", "cuda"):
     return "reference (pallas_kernels XLA path: dequantize to bf16, then dot)"
-  # as matmul._use_gluon decides for an NVFP4 weight the kernel takes
-  gluon = (matmul.GLUON != "0" and w4_gluon.available()
-           and (matmul.GLUON == "1" or w4_gluon.launcher() == "ffi" or w4_gluon.requested_launcher() == "jax_triton"))
-  if gluon:
-    max_m = w4_gluon.MAX_M if w4_gluon._wgmma_gpus() else 16
-    return (f"gluon decode GEMV (pallas_kernels.w4_gluon, launch {w4_gluon.launcher()}) for M <= {max_m}, "
-            "pallas fused W4A16 Triton kernels above")
+  if matmul.gluon_enabled():
+    return (f"gluon decode GEMV (pallas_kernels.w4_gluon, launch {w4_gluon.launcher()}) for M <= "
+            f"{w4_gluon.max_rows()}, pallas fused W4A16 Triton kernels above")
   return "pallas (pallas_kernels fused W4A16 Triton kernels, backend='auto')"
 
 
@@ -98,14 +94,15 @@ def hbm_bandwidth(gib: float = 4.0, iters: int = 5) -> float:
   x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
   f = jax.jit(lambda a: a * jnp.bfloat16(1.5))
   f(x).block_until_ready()
-  times = []
-  for _ in range(iters):
-    t = devtime.device_time(f, x)
-    if t is None:  # no device events (CPU)
+  times = [devtime.device_time(f, x)]
+  if times[0] is None:  # no device events (CPU): wall clock
+    times = []
+    for _ in range(iters):
       t0 = time.perf_counter()
       f(x).block_until_ready()
-      t = time.perf_counter() - t0
-    times.append(t)
+      times.append(time.perf_counter() - t0)
+  else:
+    times += [devtime.device_time(f, x) for _ in range(iters - 1)]
   del x
   return 2 * n * 2 / float(np.median(times))
 

@@ -38,6 +38,20 @@ def _check_setting(name: str, value: str, allowed) -> None:
     raise ValueError(f"pallas_kernels.matmul.{name} (env QERL_{name}) is {value!r}; expected one of {allowed}")
 
 
+def gluon_enabled() -> bool:
+  """Whether the settings let :func:`kernel_forward` take the Gluon decode GEMV for the shapes it
+  applies to (``w4_gluon.applies``): ``GLUON`` is not "0", a launch path exists, and it is either
+  asked for ("1") or the FFI launcher (or a requested jax-triton launch) is available.
+
+  Raises:
+    ValueError: ``GLUON`` not "auto"/"1"/"0".
+  """
+  _check_setting("GLUON", GLUON, ("auto", "1", "0"))
+  if GLUON == "0" or not w4_gluon.available():
+    return False
+  return GLUON == "1" or w4_gluon.launcher() == "ffi" or w4_gluon.requested_launcher() == "jax_triton"
+
+
 def _use_gluon(x2d, w, interpret: bool, lora) -> bool:
   """Whether :func:`kernel_forward` takes the Gluon decode GEMV (see ``GLUON``, ``GLUON_LORA``).
 
@@ -48,9 +62,7 @@ def _use_gluon(x2d, w, interpret: bool, lora) -> bool:
   _check_setting("GLUON_LORA", GLUON_LORA, ("1", "0"))
   if interpret or GLUON == "0" or (lora is not None and GLUON_LORA != "1"):
     return False
-  if not w4_gluon.applies(x2d.shape[0], w, x2d.dtype) or not w4_gluon.available():
-    return False
-  return GLUON == "1" or w4_gluon.launcher() == "ffi" or w4_gluon.requested_launcher() == "jax_triton"
+  return w4_gluon.applies(x2d.shape[0], w, x2d.dtype) and gluon_enabled()
 
 
 def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False, index=None,

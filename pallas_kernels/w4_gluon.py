@@ -107,9 +107,13 @@ def applies(m: int, w, x_dtype) -> bool:
   if not isinstance(w, nvfp4.NVFP4Tensor) or jnp.dtype(x_dtype) != jnp.bfloat16:
     return False
   k, n = w.shape
-  if m > 16 and not _wgmma_gpus():
-    return False
-  return 1 <= m <= MAX_M and n % BLOCK_N == 0 and k % BLOCK_K == 0 and _splits(k, n) is not None
+  return 1 <= m <= max_rows() and n % BLOCK_N == 0 and k % BLOCK_K == 0 and _splits(k, n) is not None
+
+
+def max_rows() -> int:
+  """The most rows :func:`applies` takes: ``MAX_M`` where every visible GPU is sm_90 (the wgmma
+  builds), else 16 (the mma.sync builds)."""
+  return MAX_M if _wgmma_gpus() else 16
 
 
 def _row_block(m: int) -> int:
@@ -182,7 +186,7 @@ def _kernel(wg: bool = False):
   # rows 16 and 32 (and 64 with 8 warps), so there the warp bit n2 (axis 9) takes row 64 and p row 128.
   a_perm = ttgl.constexpr([12, 9] if wg else [9, 12])
   o_n2 = ttgl.constexpr(1 if wg else 0)  # the inverse, rows -> [n7 .. n0]: [2, 3, 5, 6, 7, o_n2, 1 - o_n2, 4, 8]
-  WARPS = ttgl.constexpr(8 if wg else 4)
+  WARPS = ttgl.constexpr(_warps(wg))
   WG = ttgl.constexpr(wg)
 
   @gluon.jit
@@ -340,7 +344,7 @@ def _install():
     if scalar_args:
       raise ValueError("w4_gluon: Gluon kernels take arrays and constexprs only")
     cc = compute_capability or jt.triton_kernel_call_lib.get_compute_capability(0)
-    key = (fn, tuple(arg_dtypes), tuple(sorted(metaparams.items())), num_warps, cc, _register_cap(num_warps == 8))
+    key = (fn, tuple(arg_dtypes), tuple(sorted(metaparams.items())), num_warps, cc)
     if key not in cache:
       compiled = _compile_gluon(fn, arg_dtypes, metaparams, cc, num_warps, maxnreg=_register_cap(num_warps == 8))
       kernel = jt.triton_kernel_call_lib.TritonKernel(compiled.metadata.name, num_warps, 1, compiled.metadata.shared,
@@ -468,13 +472,13 @@ def _register_cap(wg: bool) -> int | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(meta: tuple, wg: bool, maxnreg: int | None):
+def _compiled(meta: tuple, wg: bool):
   """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta`` (the wgmma build
-  if ``wg``) with at most ``maxnreg`` registers a thread (:func:`_register_cap`), compiled for the
-  oldest visible GPU (sm_90 without one) and loaded on every GPU."""
+  if ``wg``, register cap :func:`_register_cap`), compiled for the oldest visible GPU (sm_90 without
+  one) and loaded on every GPU."""
   meta = dict(meta)
   compiled = _compile_gluon(_kernel(wg), _ARG_DTYPES, meta, min((_cc(d) for d in _gpu_devices()), default=90),
-                            num_warps=_warps(wg), maxnreg=maxnreg)
+                            num_warps=_warps(wg), maxnreg=_register_cap(wg))
   ptx, name, shared = compiled.asm["ptx"], compiled.metadata.name, int(compiled.metadata.shared)
   lib = _ffi_library()
   if lib is not None:
@@ -515,6 +519,16 @@ def _cc(device) -> int:
   return int(major) * 10 + int(minor)
 
 
+def _build(m: int, k: int, n: int, layers: int) -> tuple[bool, int, dict]:
+  """``(wgmma build?, split count, the kernel's constexprs)`` for ``x [m, k]`` times a ``[k, n]``
+  weight (of a stack of ``layers``), under the current settings (``MMA_ATOMIC``,
+  :func:`atomic_split_k`); the shape must be one :func:`applies` takes."""
+  wg = _use_wgmma(m)
+  splits = _splits(k, n, WG_TARGET_PROGRAMS if wg else None)
+  atomic = (wg or MMA_ATOMIC) and atomic_split_k()
+  return wg, splits, dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=_row_block(m), ATOMIC=atomic)
+
+
 def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -> jax.Array:
   """``x @ W`` by the Gluon decode GEMV (GPU only; no VJP: :mod:`pallas_kernels.matmul` wraps it).
 
@@ -544,20 +558,16 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
     raise ImportError("w4_gluon.forward needs triton (Gluon) and either a C++ compiler for the FFI launcher "
                       "or jax-triton")
   n = w.shape[1]
-  layers = 1 if index is None else w.packed.shape[0]
-  mb = _row_block(m)
-  wg = _use_wgmma(m)
-  atomic = (wg or MMA_ATOMIC) and atomic_split_k()
-  splits = _splits(k, n, WG_TARGET_PROGRAMS if wg else None)
+  wg, splits, meta = _build(m, k, n, 1 if index is None else w.packed.shape[0])
+  atomic = meta["ATOMIC"]
   # codes and scales with the layers folded into rows, float32 global scales [L], the layer [1], and the
   # zeroed output the atomic builds add their split-K parts into (aliased to the result)
   zeros = jnp.zeros((m, n) if atomic else (1,), jnp.float32)
   operands = (x, *w4_triton._layer_operands(w, w4_triton._format_of(w), index), zeros)
-  meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=mb, ATOMIC=atomic)
   out_shape = jax.ShapeDtypeStruct((m, n) if atomic else (splits, m, n), jnp.float32)
   aliases = {5: 0} if atomic else None
   if path == "ffi":
-    ptx, name, shared = _compiled(tuple(meta.items()), wg, _register_cap(wg))
+    ptx, name, shared = _compiled(tuple(meta.items()), wg)
     out = jax.ffi.ffi_call(_FFI_TARGET, out_shape, input_output_aliases=aliases)(
         *operands, **_launch_attrs(ptx, name, (n // BLOCK_N, splits, 1), shared, threads=32 * _warps(wg)))
   else:

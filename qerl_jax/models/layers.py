@@ -132,7 +132,7 @@ def _add_bias(y: jax.Array, bias: jax.Array, w) -> jax.Array:
   every layer of every decode step; docs/benchmarks_rollout.md, session 10). Same numbers either way.
   In prefill and training with a float base the add may likewise become its own small elementwise
   kernel instead of the epilogue (not measured there)."""
-  if hasattr(w, "dtype") and not isinstance(w, StackedWeight) and not is_quantized(w):
+  if not (isinstance(w, StackedWeight) or is_quantized(w)):  # a float array (_matmul_f32 took no other)
     y = jax.lax.optimization_barrier(y)
   return y + bias.astype(jnp.float32)
 

@@ -11,10 +11,7 @@ from sasstool import sass
 
 def compile_for(m, k, n, layers=1):
     """The build w4_gluon.forward would launch for x [m, k] (default settings), compiled for sm_90."""
-    wg = w4_gluon._use_wgmma(m)
-    splits = w4_gluon._splits(k, n, w4_gluon.WG_TARGET_PROGRAMS if wg else None)
-    meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // 64 // splits, MB=w4_gluon._row_block(m),
-                ATOMIC=wg or w4_gluon.MMA_ATOMIC)
+    wg, splits, meta = w4_gluon._build(m, k, n, layers)
     return w4_gluon._compile_gluon(w4_gluon._kernel(wg), w4_gluon._ARG_DTYPES, meta, 90, num_warps=w4_gluon._warps(wg),
                                    maxnreg=w4_gluon._register_cap(wg)), splits, meta
 
