@@ -3,11 +3,13 @@
 // pallas_kernels/w4_gluon.py builds this file with the system C++ compiler on first use and
 // registers it as the custom-call target "qerl_gluon_launch". Unlike jax-triton's legacy custom
 // call, the handler is marked command-buffer compatible, so XLA can capture its launches in the
-// CUDA graph of a decode step (docs/benchmarks.md, session 7). It needs no CUDA headers: the five
+// CUDA graph of a decode step (docs/benchmarks.md, session 7). It needs no CUDA headers: the
 // driver entry points it uses are looked up in libcuda.so.1 at run time.
 //
 // Kernel parameters, in order: every operand's and result's device pointer, then the two null
 // scratch pointers that Triton 3.6 appends (global and profile scratch; the kernels here use none).
+// With zero_results, the results are zeroed on the stream first (one memset node each in a CUDA
+// graph; byte counts must be multiples of 4), for kernels that add into them.
 // Modules are loaded once per (CUDA context, key) pair, where the key is a short digest of the PTX and
 // kernel name computed once in Python, so that a launch looks up a few dozen bytes instead of copying
 // and comparing the whole PTX: qerl_gluon_preload loads them outside any stream capture (called from
@@ -47,6 +49,7 @@ struct Driver {
   CUresult (*ctx_push)(CUcontext) = nullptr;
   CUresult (*ctx_pop)(CUcontext*) = nullptr;
   CUresult (*device_get)(CUdevice*, int) = nullptr;
+  CUresult (*memset_d32_async)(unsigned long long, unsigned, size_t, cudaStream_t) = nullptr;
   bool ok = false;
 };
 
@@ -64,8 +67,10 @@ const Driver& GetDriver() {
     d.ctx_push = reinterpret_cast<decltype(d.ctx_push)>(dlsym(lib, "cuCtxPushCurrent_v2"));
     d.ctx_pop = reinterpret_cast<decltype(d.ctx_pop)>(dlsym(lib, "cuCtxPopCurrent_v2"));
     d.device_get = reinterpret_cast<decltype(d.device_get)>(dlsym(lib, "cuDeviceGet"));
+    d.memset_d32_async = reinterpret_cast<decltype(d.memset_d32_async)>(dlsym(lib, "cuMemsetD32Async"));
     d.ok = d.ctx_get_current && d.module_load_data && d.module_get_function && d.launch_kernel &&
-           d.func_set_attribute && d.primary_ctx_retain && d.ctx_push && d.ctx_pop && d.device_get;
+           d.func_set_attribute && d.primary_ctx_retain && d.ctx_push && d.ctx_pop && d.device_get &&
+           d.memset_d32_async;
     return d;
   }();
   return d;
@@ -104,7 +109,7 @@ CUresult Function(const Driver& d, std::string_view key, std::string_view ptx, s
 
 ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view key,
                   std::string_view ptx, std::string_view name, int64_t grid_x, int64_t grid_y, int64_t grid_z,
-                  int64_t threads, int64_t shared) {
+                  int64_t threads, int64_t shared, int64_t zero_results) {
   const Driver& d = GetDriver();
   if (!d.ok) return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_launch: libcuda.so.1 not loadable");
   CUfunction fn = nullptr;
@@ -122,7 +127,16 @@ ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRe
   for (size_t i = 0; i < rets.size(); ++i) {
     auto buffer = rets.get<ffi::AnyBuffer>(i);
     if (buffer.has_error()) return buffer.error();
-    pointers.push_back((*buffer)->untyped_data());
+    void* data = (*buffer)->untyped_data();
+    size_t bytes = (*buffer)->size_bytes();
+    if (zero_results && bytes > 0) {  // the kernel adds into its results (split-K by atomics)
+      r = d.memset_d32_async(reinterpret_cast<unsigned long long>(data), 0, bytes / 4, stream);
+      if (r != 0) {
+        return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_launch: cuMemsetD32Async failed, CUresult " +
+                                                         std::to_string(r));
+      }
+    }
+    pointers.push_back(data);
   }
   pointers.push_back(nullptr);  // global scratch
   pointers.push_back(nullptr);  // profile scratch
@@ -151,7 +165,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QerlGluonLaunch, Launch,
                                   .Attr<int64_t>("grid_y")
                                   .Attr<int64_t>("grid_z")
                                   .Attr<int64_t>("threads")
-                                  .Attr<int64_t>("shared"),
+                                  .Attr<int64_t>("shared")
+                                  .Attr<int64_t>("zero_results"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // Loads `name` of `ptx` (digest `key`, as the handler's attribute) into device `device`'s primary context

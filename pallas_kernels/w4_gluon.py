@@ -72,6 +72,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +87,8 @@ MAX_STEPS = 8   # unrolled steps per program (14 measured slower: more registers
 MAX_M = 64      # rows taken: M <= 16 by mma.sync (MB = 8, 16), 17-64 by wgmma (MB = 32, 64; sm_90 only)
 TARGET_PROGRAMS = 512  # measured best for the 7B shapes at M = 1-8 (docs/benchmarks.md, session 7)
 WG_TARGET_PROGRAMS = 256  # the wgmma builds' split-K target: best of 256 / 512 / 1024 at M = 32, 64 (session 8)
+NARROW_MIN_MB = 64  # wgmma builds of at least this MB take 128 columns a program (half the accumulator a thread)
+NARROW_TARGET_PROGRAMS = 256  # their split-K target
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -127,12 +130,12 @@ def _use_wgmma(m: int) -> bool:
   return m > 16
 
 
-def _splits(k: int, n: int, target: int | None = None) -> int | None:
+def _splits(k: int, n: int, target: int | None = None, block_n: int = BLOCK_N) -> int | None:
   """The split count: a divisor of the K steps with at most MAX_STEPS steps per program, giving
   the program count (column tiles x splits) nearest ``target`` (default TARGET_PROGRAMS; ties to
   fewer splits); None if no divisor fits."""
   total = k // BLOCK_K
-  tiles = n // BLOCK_N
+  tiles = n // block_n
   target = TARGET_PROGRAMS if target is None else target
   options = [s for s in range(1, total + 1) if total % s == 0 and total // s <= MAX_STEPS]
   if not options:
@@ -143,26 +146,40 @@ def _splits(k: int, n: int, target: int | None = None) -> int | None:
 def _asm() -> str:
   """Inline PTX: code words ``$8`` (row 2j, 4 columns) and ``$9`` (row 2j+1, same columns), block
   scales ``$10, $11`` (4 bf16, times 2**118) -> ``$0..$3`` low nibbles, ``$4..$7`` high nibbles; each
-  output register holds (row 2j, row 2j+1) of one column. ``prmt`` pairs the two rows' bytes of a
-  column, bit placement makes ``e2m1 * 2**-126``, one bf16x2 multiply by the scale finishes it."""
-  lines = ["{", ".reg .b32 u, m, s, t, nz;", "mov.b32 nz, 0x80008000;"]
-  for q in range(4):
+  output register holds (row 2j, row 2j+1) of one column, as bf16 ``e2m1 * scale * 2**-8`` (exact).
+
+  Bit placement makes ``e2m1 * 2**-126`` (sign to bit 15, the three magnitude bits to 6-8 of each
+  16-bit half) and one bf16x2 multiply by the scale finishes it. One ``prmt`` pairs the two rows'
+  bytes of two columns, so that each 16-bit half holds four nibbles of one row and the top nibble's
+  sign is already in place (the layout Marlin's FP4 dequantization gets by repacking the weight;
+  here the pairing is done in registers): about 4 integer operations a register of two weights.
+  (Session 7's decode paired one column's bytes at the bottom of each half and moved every sign: 6%
+  more instructions at M = 8, 1% slower; docs/benchmarks.md, session 11.)"""
+  lines = ["{", ".reg .b32 u, m, t, nz, s0, s1, s2, s3;", "mov.b32 nz, 0x80008000;"]
+  for q in range(4):  # the bf16 scale of column q in both halves
     sc = "$10" if q < 2 else "$11"
-    lines += [f"prmt.b32 u, $8, $9, {hex(q | ((4 + q) << 8))};",
-              f"prmt.b32 s, {sc}, {sc}, {'0x1010' if q % 2 == 0 else '0x3232'};"]
-    for reg, shift_mag, shift_sign in ((f"${q}", 6, 12), (f"${4 + q}", 2, 8)):
-      lines += [f"shl.b32 m, u, {shift_mag};", "and.b32 m, m, 0x01C001C0;", f"shl.b32 t, u, {shift_sign};",
-                "and.b32 t, t, 0x80008000;", "or.b32 m, m, t;", f"fma.rn.bf16x2 {reg}, m, s, nz;"]
+    lines.append(f"prmt.b32 s{q}, {sc}, {sc}, {'0x1010' if q % 2 == 0 else '0x3232'};")
+  for h in range(2):  # columns 2h, 2h + 1: u = [row 2j: col 2h, col 2h+1 | row 2j+1: col 2h, col 2h+1]
+    lines.append(f"prmt.b32 u, $8, $9, {'0x5410' if h == 0 else '0x7632'};")
+    for p in (12, 8, 4, 0):  # nibble at bits p..p+3 of each half: column 2h + p // 8, low nibble if p % 8 == 0
+      q = 2 * h + p // 8
+      reg = f"${q if p % 8 == 0 else 4 + q}"
+      lines.append(f"shr.b32 m, u, {p - 6};" if p > 6 else f"shl.b32 m, u, {6 - p};")
+      lines.append("and.b32 m, m, 0x01C001C0;")
+      lines += ["and.b32 t, u, 0x80008000;"] if p == 12 else [f"shl.b32 t, u, {12 - p};", "and.b32 t, t, 0x80008000;"]
+      lines += ["or.b32 m, m, t;", f"fma.rn.bf16x2 {reg}, m, s{q}, nz;"]
   return "\n".join(lines + ["}"])
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(wg: bool = False):
+def _kernel(wg: bool = False, narrow: bool = False):
   """Builds the Gluon kernel (imports triton lazily: CPU installs need not have it).
 
   ``wg=False``: 4 warps, mma.sync, x in registers (MB = 8, 16). ``wg=True``: 8 warps (two
   warpgroups of 128 rows), Hopper ``wgmma`` with the decoded weight from registers and x from
   shared memory (MB = 32, 64): x is stored once per program and step instead of held by every warp.
+  ``narrow`` (with ``wg``): 128 columns a program, each
+  warpgroup 64 of them (one m64 wgmma), so that a thread holds half the accumulator.
   """
   from triton.experimental import gluon
   from triton.experimental.gluon import language as ttgl
@@ -173,15 +190,26 @@ def _kernel(wg: bool = False):
   # codes [32 rows, 256 columns]: registers n0 n1 n2 kp0 kp1 kp4; lanes kp2 kp3 n3 n4 n5; warps n6 n7.
   # With 8 warps, column bit n2 moves from the registers to the third warp bit.
   n2_reg, n2_warp = ([], [[0, 4]]) if wg else ([[0, 4]], [])
-  code_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
-      reg_bases=[[0, 1], [0, 2]] + n2_reg + [[1, 0], [2, 0], [16, 0]],
-      lane_bases=[[4, 0], [8, 0], [0, 8], [0, 16], [0, 32]],
-      warp_bases=[[0, 64], [0, 128]] + n2_warp, block_bases=[], shape=[32, 256]))
-  # the even code rows viewed as [4 scale groups, 4 row pairs, 256]: the block scales' parent layout
-  group_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
-      reg_bases=[[0, 0, 1], [0, 0, 2]] + [[0] + b for b in n2_reg] + [[0, 1, 0], [2, 0, 0]],
-      lane_bases=[[0, 2, 0], [1, 0, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32]],
-      warp_bases=[[0, 0, 64], [0, 0, 128]] + [[0] + b for b in n2_warp], block_bases=[], shape=[4, 4, 256]))
+  if narrow:  # codes [32 rows, 128 columns]: registers n0 kp0 kp1 kp4; lanes kp2 kp3 n1 n2 n3; warps n4 n5 n6
+    code_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [1, 0], [2, 0], [16, 0]], lane_bases=[[4, 0], [8, 0], [0, 2], [0, 4], [0, 8]],
+        warp_bases=[[0, 16], [0, 32], [0, 64]], block_bases=[], shape=[32, 128]))
+    group_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 1, 0], [2, 0, 0]], lane_bases=[[0, 2, 0], [1, 0, 0], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
+        warp_bases=[[0, 0, 16], [0, 0, 32], [0, 0, 64]], block_bases=[], shape=[4, 4, 128]))
+  else:
+    code_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2]] + n2_reg + [[1, 0], [2, 0], [16, 0]],
+        lane_bases=[[4, 0], [8, 0], [0, 8], [0, 16], [0, 32]],
+        warp_bases=[[0, 64], [0, 128]] + n2_warp, block_bases=[], shape=[32, 256]))
+    # the even code rows viewed as [4 scale groups, 4 row pairs, 256]: the block scales' parent layout
+    group_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2]] + [[0] + b for b in n2_reg] + [[0, 1, 0], [2, 0, 0]],
+        lane_bases=[[0, 2, 0], [1, 0, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32]],
+        warp_bases=[[0, 0, 64], [0, 0, 128]] + [[0] + b for b in n2_warp], block_bases=[], shape=[4, 4, 256]))
+  BN = ttgl.constexpr(128 if narrow else 256)
+  NARROW = ttgl.constexpr(narrow)
+
   # Operand rows from the decode's output axes (j: 4 bits, labelled columns: 8, p, lo/hi): warps own
   # rows 16 and 32 (and 64 with 8 warps), so there the warp bit n2 (axis 9) takes row 64 and p row 128.
   a_perm = ttgl.constexpr([12, 9] if wg else [9, 12])
@@ -194,7 +222,7 @@ def _kernel(wg: bool = False):
     c = ttgl.load(p_ptr + c_offs + i * (32 * N))
     xb = ttgl.load(x_ptr + x_offs + i * 64, mask=x_mask, other=0.0)
     sg = ttgl.arange(0, 4, layout=ttgl.SliceLayout(1, ttgl.SliceLayout(1, group_layout)))
-    sn = ttgl.arange(0, 256, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(1, group_layout)))
+    sn = ttgl.arange(0, BN, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(1, group_layout)))
     s = ttgl.load(s_ptr + ttgl.expand_dims(sg + (s_row0 + i * 4), 1) * N + ttgl.expand_dims(sn, 0) + n0)
     return c, s, xb
 
@@ -202,18 +230,26 @@ def _kernel(wg: bool = False):
   def decode(c, s):
     """codes [32, 256] and block scales [4, 256] of one step -> the weight operand [256 rows, 64 k]."""
     s = (s.to(ttgl.float32) * 3.3230699894622896e+35).to(ttgl.bfloat16)  # times 2**118
-    c_a, c_b = ttgl.split(ttgl.permute(ttgl.reshape(c, [16, 2, 256]), [0, 2, 1]))  # rows 2j, 2j+1
-    c_a4 = ttgl.reshape(c_a, [4, 4, 256])
-    s_a = ttgl.reshape(ttgl.broadcast(ttgl.expand_dims(s, 1), c_a4)[0], [16, 256])
+    c_a, c_b = ttgl.split(ttgl.permute(ttgl.reshape(c, [16, 2, BN]), [0, 2, 1]))  # rows 2j, 2j+1
+    c_a4 = ttgl.reshape(c_a, [4, 4, BN])
+    s_a = ttgl.reshape(ttgl.broadcast(ttgl.expand_dims(s, 1), c_a4)[0], [16, BN])
     s_a = ttgl.convert_layout(s_a, c_a.type.layout, assert_trivial=True)
     o1, o2, o3, o4 = ttgl.inline_asm_elementwise(
         asm, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [c_a, c_b, s_a],
         dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16), is_pure=True, pack=4)
-    # [j 4 bits][column 8 bits][p][lo/hi] -> A [r 8 bits, k slot 6 bits]
-    j = ttgl.reshape(ttgl.join(ttgl.join(o1, o2), ttgl.join(o3, o4)), [2] * 14)
-    a = ttgl.reshape(ttgl.permute(j, [a_perm[0], a_perm[1], 4, 5, 10, 6, 7, 8, 0, 1, 2, 3, 13, 11]), [256, 64])
-    if WG:  # wgmma takes k_width 2: relabel k bits 1, 2, 3, 4 as 3, 4, 1, 2 (a register reordering)
-      a = ttgl.reshape(ttgl.permute(ttgl.reshape(a, [256, 2, 2, 2, 2, 2, 2]), [0, 1, 4, 5, 2, 3, 6]), [256, 64])
+    if NARROW:
+      j = ttgl.reshape(ttgl.join(ttgl.join(o1, o2), ttgl.join(o3, o4)), [2] * 13)
+      # axes [kp4 kp3 kp2 | kp1 (labelled; holds column n0) | n6 .. n1 | n0 (labelled; holds row parity,
+      # k1) | o1/o2: k2 | lo/hi: k0] -> A [rows r6 .. r0 = n6 n5 n4 n0 n3 n2 n1, slots s5 .. s0 = k5 k2 k0
+      # k4 k3 k1]: the lanes' slot bits 1, 2 (k3, k4) and row bits 0-2, the warps' rows 4-6 where the
+      # operand layout has them; the register bits in any order (all six orders compile to the same
+      # layout; this one took the fewest registers, offline SASS)
+      a = ttgl.reshape(ttgl.permute(j, [4, 5, 6, 3, 7, 8, 9, 0, 11, 12, 1, 2, 10]), [128, 64])
+    else:  # [j 4 bits][column 8 bits][p][lo/hi] -> A [r 8 bits, k slot 6 bits]
+      j = ttgl.reshape(ttgl.join(ttgl.join(o1, o2), ttgl.join(o3, o4)), [2] * 14)
+      a = ttgl.reshape(ttgl.permute(j, [a_perm[0], a_perm[1], 4, 5, 10, 6, 7, 8, 0, 1, 2, 3, 13, 11]), [256, 64])
+      if WG:  # wgmma takes k_width 2: relabel k bits 1, 2, 3, 4 as 3, 4, 1, 2 (a register reordering)
+        a = ttgl.reshape(ttgl.permute(ttgl.reshape(a, [256, 2, 2, 2, 2, 2, 2]), [0, 1, 4, 5, 2, 3, 6]), [256, 64])
     return a
 
   @gluon.jit
@@ -221,9 +257,13 @@ def _kernel(wg: bool = False):
     """x [64 k, MB] in the weight operand's k order: bits 0 and 1 swapped (the decode pairs code rows
     2j and 2j+1), and for wgmma the k_width-2 relabelling on top."""
     mb: ttgl.constexpr = xb.shape[1]
-    xs = ttgl.reshape(ttgl.permute(ttgl.reshape(xb, [16, 2, 2, mb]), [0, 2, 1, 3]), [64, mb])
-    if WG:
-      xs = ttgl.reshape(ttgl.permute(ttgl.reshape(xs, [2, 2, 2, 2, 2, 2, mb]), [0, 3, 4, 1, 2, 5, 6]), [64, mb])
+    if NARROW:
+      # slots s5 .. s0 = k5 k2 k0 k4 k3 k1 (the decode's operand above)
+      xs = ttgl.reshape(ttgl.permute(ttgl.reshape(xb, [2, 2, 2, 2, 2, 2, mb]), [0, 3, 5, 1, 2, 4, 6]), [64, mb])
+    else:
+      xs = ttgl.reshape(ttgl.permute(ttgl.reshape(xb, [16, 2, 2, mb]), [0, 2, 1, 3]), [64, mb])
+      if WG:
+        xs = ttgl.reshape(ttgl.permute(ttgl.reshape(xs, [2, 2, 2, 2, 2, 2, mb]), [0, 3, 4, 1, 2, 5, 6]), [64, mb])
     return xs
 
   @gluon.jit
@@ -246,17 +286,17 @@ def _kernel(wg: bool = False):
     pid_s = ttgl.program_id(1)
     layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
     gs = ttgl.load(gs_ptr + layer)
-    n0 = pid_n * 256
+    n0 = pid_n * BN
     kp0 = pid_s * (STEPS * 32) + layer * (K // 2)  # first code row of this split (layers folded)
     s_row0 = pid_s * (STEPS * 4) + layer * (K // 16)
     kp = ttgl.arange(0, 32, layout=ttgl.SliceLayout(1, code_layout))
-    nn = ttgl.arange(0, 256, layout=ttgl.SliceLayout(0, code_layout))
+    nn = ttgl.arange(0, BN, layout=ttgl.SliceLayout(0, code_layout))
     c_offs = ttgl.expand_dims(kp + kp0, 1) * N + ttgl.expand_dims(nn, 0) + n0
     kk = ttgl.arange(0, 64, layout=ttgl.SliceLayout(1, xl))
     mm = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, xl))
     x_offs = ttgl.expand_dims(kk + pid_s * (STEPS * 64), 1) + ttgl.expand_dims(mm, 0) * K
     x_mask = ttgl.expand_dims(mm < M, 0) & ttgl.expand_dims(kk >= 0, 1)
-    acc = ttgl.zeros([256, MB], ttgl.float32, layout=mma)
+    acc = ttgl.zeros([BN, MB], ttgl.float32, layout=mma)
     c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N)
     for i in ttgl.static_range(STEPS):  # unrolled; step i+1's loads are issued before step i's math
       c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N)
@@ -273,11 +313,14 @@ def _kernel(wg: bool = False):
       c0, s0, x0 = c1, s1, x1
     acc = acc * (256.0 / gs)  # 2**8 undoes the decode's 2**-8
     # rows r -> columns n = nu(r) (the inverse relabelling), then 16-byte stores along n
-    acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 8 + [MB]), [2, 3, 5, 6, 7, o_n2, 1 - o_n2, 4, 8]),
-                       [256, MB])
+    if NARROW:  # rows (r6 .. r0) = (n6 n5 n4 n0 n3 n2 n1)
+      acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 7 + [MB]), [0, 1, 2, 4, 5, 6, 3, 7]), [128, MB])
+    else:
+      acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 8 + [MB]), [2, 3, 5, 6, 7, o_n2, 1 - o_n2, 4, 8]),
+                         [256, MB])
     st: ttgl.constexpr = ttgl.BlockedLayout([4, 1], [32, 1], [1, WARPS], [0, 1])
     acc = ttgl.convert_layout(acc, st)
-    no = ttgl.arange(0, 256, layout=ttgl.SliceLayout(1, st))
+    no = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, st))
     mo = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, st))
     o_mask = ttgl.expand_dims(mo < M, 0) & ttgl.expand_dims(no >= 0, 1)
     if ATOMIC:  # split-K summed in the L2: float32 atomics (REDG.F32x4) into the zeroed output, z_ptr's alias
@@ -291,7 +334,8 @@ def _kernel(wg: bool = False):
 
 
 _INSTALLED = []
-# x, codes, block scales, global scales, layer, zeros (the atomic builds' output, aliased; else unused), out
+# x, codes, block scales, global scales, layer, zeros (the atomic builds' output, aliased, unless the FFI
+# launcher zeroes the output; else unused), out
 _ARG_DTYPES = ("*bf16", "*u8", "*fp8e4nv", "*fp32", "*i32", "*fp32", "*fp32")
 
 
@@ -460,25 +504,27 @@ def launcher() -> str | None:
   return None
 
 
-def _register_cap(wg: bool) -> int | None:
+def _register_cap(wg: bool, narrow: bool = False, mb: int = 0) -> int | None:
   """The register cap of a build: 128 for the mma.sync builds, so that 4 programs of 128 threads share
   an SM. Uncapped, the atomic build takes 130 registers at MB = 8 and 185 at MB = 16 (3 programs an
   SM); capped, MB = 8 fits without spills and MB = 16 spills a few registers yet runs faster: 59.5
   against 68.3 µs at M = 16, 7B shapes summed (docs/benchmarks.md, session 9). The wgmma builds
   (8 warps) keep what they need: 119 registers at MB = 32 (two programs an SM), 159 at MB = 64 (one).
   Capped at 128, MB = 64 spills about 100 registers and ran 153 against 125 µs at M = 64, 7B shapes
-  summed, with split-K aimed at 256 or 512 programs (docs/benchmarks.md, session 10)."""
-  return None if wg else 128
+  summed, with split-K aimed at 256 or 512 programs (docs/benchmarks.md, session 10). The narrow
+  wgmma build (MB = 64) takes 123 registers: two programs share an SM (capped at 128 so that they
+  always do)."""
+  return 128 if narrow or not wg else None
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(meta: tuple, wg: bool):
+def _compiled(meta: tuple, wg: bool, narrow: bool = False):
   """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta`` (the wgmma build
   if ``wg``, register cap :func:`_register_cap`), compiled for the oldest visible GPU (sm_90 without
   one) and loaded on every GPU."""
   meta = dict(meta)
-  compiled = _compile_gluon(_kernel(wg), _ARG_DTYPES, meta, min((_cc(d) for d in _gpu_devices()), default=90),
-                            num_warps=_warps(wg), maxnreg=_register_cap(wg))
+  compiled = _compile_gluon(_kernel(wg, narrow), _ARG_DTYPES, meta, min((_cc(d) for d in _gpu_devices()), default=90),
+                            num_warps=_warps(wg), maxnreg=_register_cap(wg, narrow, meta["MB"]))
   ptx, name, shared = compiled.asm["ptx"], compiled.metadata.name, int(compiled.metadata.shared)
   lib = _ffi_library()
   if lib is not None:
@@ -495,10 +541,13 @@ def _module_key(ptx: str, name: str) -> str:
   return hashlib.sha256(ptx.encode() + b"\0" + name.encode()).hexdigest()[:32]
 
 
-def _launch_attrs(ptx: str, name: str, grid: tuple[int, int, int], shared: int, threads: int = 128) -> dict:
-  """The FFI call's attributes, as ``gluon_launch.cc`` binds them (a CPU test checks their count)."""
+def _launch_attrs(ptx: str, name: str, grid: tuple[int, int, int], shared: int, threads: int = 128,
+                  zero_results: bool = False) -> dict:
+  """The FFI call's attributes, as ``gluon_launch.cc`` binds them (a CPU test checks their count);
+  ``zero_results``: the launcher zeroes the results on the stream before the kernel runs."""
   return dict(key=_module_key(ptx, name), ptx=ptx, name=name, grid_x=np.int64(grid[0]), grid_y=np.int64(grid[1]),
-              grid_z=np.int64(grid[2]), threads=np.int64(threads), shared=np.int64(shared))
+              grid_z=np.int64(grid[2]), threads=np.int64(threads), shared=np.int64(shared),
+              zero_results=np.int64(zero_results))
 
 
 def _wgmma_gpus() -> bool:
@@ -519,14 +568,31 @@ def _cc(device) -> int:
   return int(major) * 10 + int(minor)
 
 
-def _build(m: int, k: int, n: int, layers: int) -> tuple[bool, int, dict]:
-  """``(wgmma build?, split count, the kernel's constexprs)`` for ``x [m, k]`` times a ``[k, n]``
-  weight (of a stack of ``layers``), under the current settings (``MMA_ATOMIC``,
-  :func:`atomic_split_k`); the shape must be one :func:`applies` takes."""
+class Build(NamedTuple):
+  """One launch of the kernel: which build (``wg``: wgmma; ``narrow``: 128 columns a program),
+  columns a program, split count, and the kernel's constexprs."""
+  wg: bool
+  narrow: bool
+  block_n: int
+  splits: int
+  meta: dict
+
+  @property
+  def grid(self) -> tuple[int, int, int]:
+    return self.meta["N"] // self.block_n, self.splits, 1
+
+
+def _build(m: int, k: int, n: int, layers: int) -> Build:
+  """The :class:`Build` for ``x [m, k]`` times a ``[k, n]`` weight (of a stack of ``layers``), under
+  the current settings (``NARROW_MIN_MB``, ``MMA_ATOMIC``, :func:`atomic_split_k`); the
+  shape must be one :func:`applies` takes."""
   wg = _use_wgmma(m)
-  splits = _splits(k, n, WG_TARGET_PROGRAMS if wg else None)
+  narrow = wg and _row_block(m) >= NARROW_MIN_MB
+  block_n = 128 if narrow else BLOCK_N
+  splits = _splits(k, n, NARROW_TARGET_PROGRAMS if narrow else WG_TARGET_PROGRAMS if wg else None, block_n)
   atomic = (wg or MMA_ATOMIC) and atomic_split_k()
-  return wg, splits, dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=_row_block(m), ATOMIC=atomic)
+  return Build(wg, narrow, block_n, splits,
+               dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=_row_block(m), ATOMIC=atomic))
 
 
 def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -> jax.Array:
@@ -558,23 +624,26 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
     raise ImportError("w4_gluon.forward needs triton (Gluon) and either a C++ compiler for the FFI launcher "
                       "or jax-triton")
   n = w.shape[1]
-  wg, splits, meta = _build(m, k, n, 1 if index is None else w.packed.shape[0])
+  build = _build(m, k, n, 1 if index is None else w.packed.shape[0])
+  wg, splits, meta = build.wg, build.splits, build.meta
   atomic = meta["ATOMIC"]
   # codes and scales with the layers folded into rows, float32 global scales [L], the layer [1], and the
   # zeroed output the atomic builds add their split-K parts into (aliased to the result)
-  zeros = jnp.zeros((m, n) if atomic else (1,), jnp.float32)
+  # (the FFI launcher zeroes the output itself, a memset node: no XLA buffer to fill and alias)
+  memset = atomic and path == "ffi"
+  zeros = jnp.zeros((m, n) if atomic and not memset else (1,), jnp.float32)
   operands = (x, *w4_triton._layer_operands(w, w4_triton._format_of(w), index), zeros)
   out_shape = jax.ShapeDtypeStruct((m, n) if atomic else (splits, m, n), jnp.float32)
-  aliases = {5: 0} if atomic else None
+  aliases = {5: 0} if atomic and not memset else None
   if path == "ffi":
-    ptx, name, shared = _compiled(tuple(meta.items()), wg)
+    ptx, name, shared = _compiled(tuple(meta.items()), wg, build.narrow)
     out = jax.ffi.ffi_call(_FFI_TARGET, out_shape, input_output_aliases=aliases)(
-        *operands, **_launch_attrs(ptx, name, (n // BLOCK_N, splits, 1), shared, threads=32 * _warps(wg)))
+        *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=32 * _warps(wg), zero_results=memset))
   else:
     import jax_triton
 
     _install()
-    out = jax_triton.triton_call(*operands, kernel=_kernel(wg), out_shape=out_shape, grid=(n // BLOCK_N, splits),
-                                 num_warps=_warps(wg), input_output_aliases=aliases or {}, **meta)
+    out = jax_triton.triton_call(*operands, kernel=_kernel(wg, build.narrow), out_shape=out_shape,
+                                 grid=build.grid[:2], num_warps=_warps(wg), input_output_aliases=aliases or {}, **meta)
   y = out if atomic else out[0] if splits == 1 else out.sum(axis=0)
   return y.astype(out_dtype or x.dtype)

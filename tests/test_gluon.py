@@ -53,6 +53,18 @@ def test_split_rule_of_the_wgmma_builds_by_hand(k, n, splits):
   assert w4_gluon._splits(k, n, w4_gluon.WG_TARGET_PROGRAMS) == splits
 
 
+@pytest.mark.parametrize("k,n,splits", [
+    (3584, 4608, 7),     # q/k/v: 36 tiles of 128 columns x 7 = 252 programs, nearest 256
+    (3584, 3584, 8),     # o: 28 x 8 = 224 (|224 - 256| < |196 - 256|)
+    (3584, 37888, 7),    # gate/up: 296 x 7 = 2072, the fewest splits with at most 8 steps
+    (18944, 3584, 37),   # down: 28 x 37 = 1036; 37 is the fewest with <= 8 of the 296 steps
+])
+def test_split_rule_of_the_narrow_wgmma_builds_by_hand(k, n, splits):
+  build = w4_gluon._build(64, k, n, 1)
+  assert build.narrow and build.block_n == 128 and build.splits == splits
+  assert build.grid == (n // 128, splits, 1) and build.meta["STEPS"] * splits * 64 == k
+
+
 def test_row_block_by_hand():
   """mma.sync builds of 8 and 16 rows up to M = 16, the wgmma builds of 32 and 64 rows above."""
   assert [w4_gluon._row_block(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
@@ -212,22 +224,28 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
   first = text
   # 4608 / 256 column tiles, 28 splits (test_split_rule_by_hand), 4 warps
   assert "grid_x = 18" in text and "grid_y = 28" in text and "threads = 128" in text
-  x64 = jax.ShapeDtypeStruct((64, k), jnp.bfloat16)  # a wgmma build: 8 warps, 14 splits (the rule above)
+  x64 = jax.ShapeDtypeStruct((64, k), jnp.bfloat16)  # a narrow wgmma build: 8 warps, 128 columns, 7 splits
   text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x64, stack, i).lower(
       lowering_platforms=("cuda",)).as_text()
   assert ".entry w4a16_gemv" in text and "wgmma.mma_async" in text and "threads = 256" in text
   text_wg = text
-  assert "grid_x = 18" in text and "grid_y = 14" in text
-  # the split-K parts are added by atomics into the zeroed operand that the result aliases
-  assert "atom.global.gpu.relaxed.add.v4.f32" in text and "output_operand_aliases" in text
-  monkeypatch.setenv("QERL_GLUON_DETERMINISTIC", "1")  # partials [14, 64, 4608] summed by XLA instead
+  assert "grid_x = 36" in text and "grid_y = 7" in text
+  monkeypatch.setattr(w4_gluon, "NARROW_MIN_MB", 128)  # 256 columns a program (the rule above: 14 splits)
+  wide = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x64, stack, i).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "wgmma.mma_async" in wide and "grid_x = 18" in wide and "grid_y = 14" in wide
+  monkeypatch.setattr(w4_gluon, "NARROW_MIN_MB", 64)
+  # the split-K parts are added by atomics into the output, which the launcher zeroes first
+  assert "atom.global.gpu.relaxed.add.v4.f32" in text and "zero_results = 1" in text
+  assert "output_operand_aliases" not in text
+  monkeypatch.setenv("QERL_GLUON_DETERMINISTIC", "1")  # partials [7, 64, 4608] summed by XLA instead
   text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x64, stack, i).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "wgmma.mma_async" in text and "atom.global" not in text and "output_operand_aliases" not in text
-  assert "tensor<14x64x4608xf32>" in text
+  assert "tensor<7x64x4608xf32>" in text and "zero_results = 0" in text
   monkeypatch.delenv("QERL_GLUON_DETERMINISTIC")
   # the mma.sync builds add by atomics too (first lowering above: M = 8); MMA_ATOMIC=False stores partials
-  assert "mma.sync" in first and "atom.global.gpu.relaxed.add" in first and "output_operand_aliases" in first
+  assert "mma.sync" in first and "atom.global.gpu.relaxed.add" in first and "zero_results = 1" in first
   monkeypatch.setattr(w4_gluon, "MMA_ATOMIC", False)
   text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x, stack, i).lower(
       lowering_platforms=("cuda",)).as_text()
@@ -236,7 +254,7 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
   text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x16, stack, i).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mma.sync" in text and ".maxnreg 128" in text and ".maxnreg 128" in first
-  assert ".maxnreg" not in text_wg  # the wgmma builds are not capped
+  assert ".maxnreg 128" in text_wg and ".maxnreg" not in wide  # narrow wgmma builds capped at 128, wide ones not
 
 
 def test_ffi_launcher_builds_and_reports_a_missing_driver(tmp_path, monkeypatch):
@@ -330,3 +348,66 @@ def test_ffi_handler_takes_as_many_attributes_as_forward_passes(tmp_path, monkey
   assert "bad operands at: 0" in str(err.value) and "stream" in str(err.value)  # index 0: the stream only
   with pytest.raises(Exception, match="attributes"):
     jax.block_until_ready(call(x, ptx="p", name="k"))
+
+
+def _run_ptx(asm, regs):
+  """Executes the decode's inline PTX (``mov``, ``prmt`` default mode, ``shl``/``shr``/``and``/``or``
+  on b32, ``fma.rn.bf16x2``) on uint32 register values ``regs`` (``$0..$11`` and scratch)."""
+  import ml_dtypes
+
+  def bf16x2(v):
+    return np.array([v & 0xFFFF, v >> 16], np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+
+  def val(tok):
+    return int(tok, 16) if tok.startswith("0x") else int(tok) if tok.isdigit() else regs[tok]
+
+  for line in asm.replace("{", "").replace("}", "").split(";"):
+    parts = line.replace(",", " ").split()
+    if not parts or parts[0] == ".reg":
+      continue
+    op, dst, *src = parts
+    a = [val(t) for t in src]
+    if op == "mov.b32":
+      out = a[0]
+    elif op == "prmt.b32":  # byte i of the result: byte (selector nibble i) of [a0 a1 a2 a3 b0 b1 b2 b3]
+      pool = [(a[0] >> (8 * i)) & 0xFF for i in range(4)] + [(a[1] >> (8 * i)) & 0xFF for i in range(4)]
+      sel = [(a[2] >> (4 * i)) & 0xF for i in range(4)]
+      assert all(s < 8 for s in sel), "sign-replicate mode is not used"
+      out = sum(pool[s] << (8 * i) for i, s in enumerate(sel))
+    elif op in ("shl.b32", "shr.b32"):
+      out = (a[0] << a[1]) if op == "shl.b32" else (a[0] >> a[1])
+    elif op == "and.b32":
+      out = a[0] & a[1]
+    elif op == "or.b32":
+      out = a[0] | a[1]
+    elif op == "fma.rn.bf16x2":  # products of two bf16 are exact in float32; one rounding to bf16
+      r = (bf16x2(a[0]) * bf16x2(a[1]) + bf16x2(a[2])).astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
+      out = int(r[0]) | (int(r[1]) << 16)
+    else:
+      raise AssertionError(f"unexpected instruction {op}")
+    regs[dst] = out & 0xFFFFFFFF
+  return regs
+
+
+def test_decode_ptx_by_codebook():
+  """The decode's inline PTX, executed by a small interpreter, gives exactly
+  ``E2M1[code] * scale * 2**-8`` for every code of both rows and all four columns, with E4M3 block
+  scales in and out of the subnormal range (the kernel's ``s * 2**118`` in bf16 as input)."""
+  import ml_dtypes
+
+  rng = np.random.default_rng(0)
+  asm = w4_gluon._asm()
+  for trial in range(64):
+    rows = rng.integers(0, 256, size=(2, 4)) if trial else np.array([[0x0F, 0xF0, 0x88, 0x77], [0x19, 0x2A, 0x3B, 0xFF]])
+    scale = rng.choice([2.0 ** -9, 0.0625, 0.75, 1.0, 13.0, 448.0], size=4).astype(ml_dtypes.float8_e4m3fn)
+    s118 = (scale.astype(np.float32) * np.float32(2.0 ** 118)).astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
+    regs = {"$8": int(sum(int(b) << (8 * i) for i, b in enumerate(rows[0]))),
+            "$9": int(sum(int(b) << (8 * i) for i, b in enumerate(rows[1]))),
+            "$10": int(s118[0] | (s118[1] << 16)), "$11": int(s118[2] | (s118[3] << 16))}
+    regs = _run_ptx(asm, regs)
+    for q in range(4):
+      for nib, reg in ((0, f"${q}"), (1, f"${4 + q}")):
+        got = np.array([regs[reg] & 0xFFFF, regs[reg] >> 16], np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+        codes = (rows[:, q] >> (4 * nib)) & 0xF
+        want = nvfp4.E2M1_CODEBOOK[codes].astype(np.float64) * float(scale[q].astype(np.float64)) * 2.0 ** -8
+        np.testing.assert_array_equal(got, want, err_msg=f"column {q} nibble {nib} codes {codes}")

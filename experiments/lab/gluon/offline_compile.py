@@ -11,13 +11,13 @@ from sasstool import sass
 
 def compile_for(m, k, n, layers=1):
     """The build w4_gluon.forward would launch for x [m, k] (default settings), compiled for sm_90."""
-    wg, splits, meta = w4_gluon._build(m, k, n, layers)
-    return w4_gluon._compile_gluon(w4_gluon._kernel(wg), w4_gluon._ARG_DTYPES, meta, 90, num_warps=w4_gluon._warps(wg),
-                                   maxnreg=w4_gluon._register_cap(wg)), splits, meta
+    b = w4_gluon._build(m, k, n, layers)
+    return w4_gluon._compile_gluon(w4_gluon._kernel(b.wg, b.narrow), w4_gluon._ARG_DTYPES, b.meta, 90,
+                                   num_warps=w4_gluon._warps(b.wg), maxnreg=w4_gluon._register_cap(b.wg, b.narrow, b.meta["MB"])), b.splits, b.meta
 
 if __name__ == "__main__":
     os.makedirs("/tmp/gl", exist_ok=True)
-    for m, k, n, layers in [(8, 3584, 37888, 28), (16, 3584, 4608, 1), (1, 18944, 3584, 28)]:
+    for m, k, n, layers in [(8, 3584, 37888, 28), (16, 3584, 4608, 1), (1, 18944, 3584, 28), (64, 3584, 37888, 28)]:
         ck, splits, meta = compile_for(m, k, n, layers)
         print(f"M={m} K={k} N={n} L={layers}: splits {splits} {meta}")
         sass(ck, f"lib_m{m}_k{k}_n{n}")

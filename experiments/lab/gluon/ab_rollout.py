@@ -1,0 +1,23 @@
+"""Lab (GPU): experiments/bench_rollout.py with pallas_kernels.w4_gluon's module settings replaced,
+for an A/B of a kernel or launcher setting in the rollout (the settings are read at trace time).
+
+  GL_SET="NARROW_MIN_MB=128,NARROW_TARGET_PROGRAMS=512" PYTHONPATH=$PWD python3 experiments/lab/gluon/ab_rollout.py \
+      --batches=8 --new_tokens=1024 --formats=nvfp4_fused
+"""
+import os
+import runpy
+import sys
+
+from pallas_kernels import w4_gluon
+
+for assign in filter(None, os.environ.get("GL_SET", "").split(",")):
+  name, value = assign.split("=")
+  if not hasattr(w4_gluon, name):
+    raise SystemExit(f"w4_gluon has no setting {name}")
+  setattr(w4_gluon, name, int(value))
+  print(f"w4_gluon.{name} = {int(value)}", flush=True)
+experiments = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, experiments)  # the script's sibling modules (devtime)
+script = os.path.join(experiments, "bench_rollout.py")
+sys.argv = [script] + sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
