@@ -2,23 +2,26 @@
 
 ``forward(x, w)`` computes ``x @ W`` for bf16 ``x`` ``[M, K]`` with ``M <= 64`` and an NVFP4
 ``W`` ``[K, N]`` (or layer ``index`` of a stack ``[L, K, N]``, read in place), float32
-accumulation. It is the decode path of :func:`pallas_kernels.matmul.quantized_matmul` on a GPU:
-on an H200, summed over the Qwen2.5-7B shapes, it is about 1.6x faster than the Pallas kernel of
-:mod:`pallas_kernels.w4_triton` at M <= 8 and 1.36x / 1.50x / 1.22x at M = 16 / 32 / 64. Against
-bf16 cuBLAS (the launchers' XLA flags) it is 2.60x / 2.51x / 2.04x / 1.70x / 1.02x at M = 1 / 8 / 16 /
-32 / 64; against XLA's Triton GEMM, faster on the small q/k/v and o matrices, 1.86x / 1.81x / 1.53x /
-1.38x / 0.89x (docs/benchmarks.md, sessions 7-10).
+accumulation. It is the decode path of :func:`pallas_kernels.matmul.quantized_matmul` on a GPU.
+On an H200 against bf16 cuBLAS (the launchers' XLA flags), summed over the Qwen2.5-7B shapes, it is
+2.45x / 2.33x / 1.96x / 1.61x / 1.17x faster at M = 1 / 8 / 16 / 32 / 64, each time including the
+memset of its output (docs/benchmarks.md, session 11); against XLA's Triton GEMM, which is faster
+than cuBLAS on the small q/k/v and o matrices, about 1.7x at M <= 8 and 1.0x at M = 64.
 
-Two builds of one kernel source (:func:`_kernel`): M <= 16 uses mma.sync with 4 warps, x held in
-registers by every warp, capped at 128 registers a thread (:func:`_register_cap`). M = 17-64
-(sm_90; MB = 32 or 64) uses Hopper's wgmma with 8 warps (two warpgroups of 128 rows; the column bit
+Three builds of one kernel source (:func:`_kernel`): M <= 16 uses mma.sync with 4 warps, x held in
+registers by every warp, capped at 128 registers a thread (:func:`_register_cap`). M = 17-32
+(sm_90; MB = 32) uses Hopper's wgmma with 8 warps (two warpgroups of 128 rows; the column bit
 n2 moves from the registers to the warps, which halves each thread's registers):
 the weight operand comes from registers as before, and x is stored to shared memory once per step,
 where the tensor cores read it for all 256 rows. wgmma wants the operand's k pairs at ``k_width`` 2,
-a register relabelling of the same decode; x is stored in the matching k order. Both builds add
-their split-K parts with float32 atomics into a zeroed output that the result aliases (float32
-partials would cost as many bytes as the weight at M = 64), unless :func:`atomic_split_k` asks for
-a fixed summation order.
+a register relabelling of the same decode; x is stored in the matching k order. M = 33-64 (MB = 64)
+uses the *narrow* wgmma build: 128 columns a program, each warpgroup one m64 wgmma of 64 rows,
+so a thread holds half the accumulator (123 registers instead of 159) and two programs share an SM;
+each thread loads 2 contiguous bytes a code row. All builds add
+their split-K parts with float32 atomics into a zeroed output (float32 partials would cost as many
+bytes as the weight at M = 64), unless :func:`atomic_split_k` asks for a fixed summation order. The
+FFI launcher zeroes that output with a memset on XLA's stream; the jax-triton path aliases it to an
+XLA-zeroed operand.
 
 Why Gluon: Gluon lets the kernel name the register layout of every tensor, which Pallas does not.
 The Pallas kernel loads the codes through shared memory and gathers them byte by byte into the
@@ -41,7 +44,7 @@ data between threads:
   bit placement (as ``w4_triton``'s asm decode: ``e2m1 * scale * 2**-8``, exact; the accumulator is
   multiplied by ``2**8 / global scale``).
 
-Each program owns 256 output columns and ``STEPS`` contraction steps of 64 (split-K; with a fixed
+Each program owns 256 output columns (the narrow build 128) and ``STEPS`` contraction steps of 64 (split-K; with a fixed
 summation order, float32 partials ``[S, M, N]`` summed by XLA). The step loop is unrolled and each
 step's loads are issued one step ahead of their use. Shapes the kernel does not take (N not a
 multiple of 256, K not a multiple of 64, M > 64, M > 16 off sm_90, NF4) go to the Pallas kernels;
