@@ -107,13 +107,14 @@ def _row_check(kind, x, wq, cfg=None):
   """Relative error of the dispatched kernel path vs the reference; NaN anywhere (the fused
   kernels write into a NaN-poisoned buffer; the dequantize path is checked bit-exact)."""
   m = x.shape[0]
-  fused = m <= matmul.FUSED_MAX_M[kind]
+  gluon = kind == "fwd" and cfg is None and matmul._use_gluon(x, wq, False, None)
+  fused = m <= matmul.FUSED_MAX_M[kind] or gluon
   nan = False
   if not fused:
     nan = bool(jnp.any(w4_triton.dequantize(wq, jnp.bfloat16) != nvfp4.dequantize(wq, jnp.bfloat16)))
   if kind == "fwd":
-    if fused and cfg is None and matmul._use_gluon(x, wq, False, None):
-      y = matmul.kernel_forward(x, wq)  # the Gluon decode kernel (M <= 64), which the timing runs too
+    if gluon:
+      y = matmul.kernel_forward(x, wq)  # the Gluon decode kernel (M <= 128), which the timing runs too
     else:
       y = (w4_triton.forward(x, wq, config=cfg, poison_output=True) if fused else matmul.kernel_forward(x, wq))
     ref = matmul.reference_matmul(x, wq)
@@ -162,9 +163,9 @@ def _bench_row(model, layer, k, n, m, kind, w_bf16, wq, cfg=None, check=True):
 
 def _path_name(kind, x, wq) -> str:
   """Which kernel path ``matmul.kernel_forward`` / ``kernel_dx`` takes for this row."""
-  if x.shape[0] > matmul.FUSED_MAX_M[kind]:
-    return "deq+cublas"
-  return "gluon" if kind == "fwd" and matmul._use_gluon(x, wq, False, None) else "fused"
+  if kind == "fwd" and matmul._use_gluon(x, wq, False, None):
+    return "gluon"
+  return "deq+cublas" if x.shape[0] > matmul.FUSED_MAX_M[kind] else "fused"
 
 
 def _print_row(d):

@@ -20,7 +20,7 @@ BACKENDS = ("auto", "reference", "pallas", "interpret")
 # docs/benchmarks.md). Per direction: "fwd" (x @ W) and "dx" (dy @ W^T).
 FUSED_MAX_M = {"fwd": 64, "dx": 32}
 
-# The Gluon decode GEMV (pallas_kernels.w4_gluon) for the forward at M <= 64 (17-64 on sm_90 only) on
+# The Gluon decode GEMV (pallas_kernels.w4_gluon) for the forward at M <= 128 (17-128 on sm_90 only) on
 # NVFP4 weights whose shapes it takes. "auto" (default): when it is launched through its command-buffer-compatible FFI
 # handler (built with the system C++ compiler), or when QERL_GLUON_LAUNCH=jax_triton asks for that
 # path; a batch-8 rollout runs 2565 instead of 2037 tokens/s on an H200 with the FFI handler, 1697
@@ -69,7 +69,7 @@ def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False
                    lora=None) -> jax.Array:
   """The kernel path's ``x @ W`` for 2-D bf16 ``x`` ``[M, K]`` -> ``[M, N]`` (no VJP).
 
-  The Gluon decode GEMV (:mod:`pallas_kernels.w4_gluon`) where it applies (NVFP4, ``M <= 64``; see
+  The Gluon decode GEMV (:mod:`pallas_kernels.w4_gluon`) where it applies (NVFP4, ``M <= 128``; see
   ``GLUON`` and ``GLUON_LORA``); else the Pallas
   fused dequantize-in-registers kernel for ``M <= FUSED_MAX_M["fwd"]``, else
   a one-pass Pallas dequantize to bf16 followed by ``jnp.dot`` (float32
@@ -250,7 +250,7 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
     backend: ``"auto"`` (the kernel path on a GPU for bf16 ``x``, else
       the reference), ``"reference"`` (XLA dequantize-then-dot), ``"pallas"``
       (the kernel path, GPU only: the Gluon decode GEMV of :mod:`pallas_kernels.w4_gluon`
-      for NVFP4 at ``M <= 64`` where ``GLUON`` allows it, else the Pallas Triton fused kernel
+      for NVFP4 at ``M <= 128`` where ``GLUON`` allows it, else the Pallas Triton fused kernel
       for ``M <= FUSED_MAX_M``, else Pallas dequantize + cuBLAS), ``"interpret"``
       (the same kernels in Pallas interpret mode: slow, for CPU tests).
     index: optional int32 scalar (may be traced): multiply by layer ``index``

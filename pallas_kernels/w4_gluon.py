@@ -1,12 +1,13 @@
 """Decode-size W4A16 GEMV for NVFP4 weights in Gluon (Triton 3.6), launched by its own XLA FFI handler.
 
-``forward(x, w)`` computes ``x @ W`` for bf16 ``x`` ``[M, K]`` with ``M <= 64`` and an NVFP4
+``forward(x, w)`` computes ``x @ W`` for bf16 ``x`` ``[M, K]`` with ``M <= 128`` and an NVFP4
 ``W`` ``[K, N]`` (or layer ``index`` of a stack ``[L, K, N]``, read in place), float32
 accumulation. It is the decode path of :func:`pallas_kernels.matmul.quantized_matmul` on a GPU.
 On an H200 against bf16 cuBLAS (the launchers' XLA flags), summed over the Qwen2.5-7B shapes, it is
 2.45x / 2.33x / 1.96x / 1.61x / 1.17x faster at M = 1 / 8 / 16 / 32 / 64, each time including the
-memset of its output (docs/benchmarks.md, session 11); against XLA's Triton GEMM, which is faster
-than cuBLAS on the small q/k/v and o matrices, about 1.7x at M <= 8 and 1.0x at M = 64.
+memset of its output, and 0.62x at M = 128, where it replaced dequantize + cuBLAS (0.46x)
+(docs/benchmarks.md, session 11); against XLA's Triton GEMM, which is faster than cuBLAS on the
+small q/k/v and o matrices, about 1.7x at M <= 8 and 1.0x at M = 64.
 
 Three builds of one kernel source (:func:`_kernel`): M <= 16 uses mma.sync with 4 warps, x held in
 registers by every warp, capped at 128 registers a thread (:func:`_register_cap`). M = 17-32
@@ -14,10 +15,11 @@ registers by every warp, capped at 128 registers a thread (:func:`_register_cap`
 n2 moves from the registers to the warps, which halves each thread's registers):
 the weight operand comes from registers as before, and x is stored to shared memory once per step,
 where the tensor cores read it for all 256 rows. wgmma wants the operand's k pairs at ``k_width`` 2,
-a register relabelling of the same decode; x is stored in the matching k order. M = 33-64 (MB = 64)
-uses the *narrow* wgmma build: 128 columns a program, each warpgroup one m64 wgmma of 64 rows,
-so a thread holds half the accumulator (123 registers instead of 159) and two programs share an SM;
-each thread loads 2 contiguous bytes a code row. All builds add
+a register relabelling of the same decode; x is stored in the matching k order. M = 33-128 (MB = 64
+or 128) uses the *narrow* wgmma build: 128 columns a program, each warpgroup one m64 wgmma of 64
+rows, so a thread holds half the accumulator (at MB = 64 123 registers instead of 159, and two
+programs share an SM; MB = 128 takes 164, one program); each thread loads 2 contiguous bytes a
+code row. All builds add
 their split-K parts with float32 atomics into a zeroed output (float32 partials would cost as many
 bytes as the weight at M = 64), unless :func:`atomic_split_k` asks for a fixed summation order. The
 FFI launcher zeroes that output with a memset on XLA's stream; the jax-triton path aliases it to an
@@ -47,7 +49,7 @@ data between threads:
 Each program owns 256 output columns (the narrow build 128) and ``STEPS`` contraction steps of 64 (split-K; with a fixed
 summation order, float32 partials ``[S, M, N]`` summed by XLA). The step loop is unrolled and each
 step's loads are issued one step ahead of their use. Shapes the kernel does not take (N not a
-multiple of 256, K not a multiple of 64, M > 64, M > 16 off sm_90, NF4) go to the Pallas kernels;
+multiple of 256, K not a multiple of 64, M > 128, M > 16 off sm_90, NF4) go to the Pallas kernels;
 :func:`applies` says which.
 
 Needs ``triton`` 3.6 (``pip install -e ".[gluon]"``), an sm_80 or newer GPU (measured on sm_90),
@@ -87,10 +89,10 @@ from qerl_jax import nvfp4
 BLOCK_N = 256   # output columns per program
 BLOCK_K = 64    # contraction per unrolled step
 MAX_STEPS = 8   # unrolled steps per program (14 measured slower: more registers, fewer programs)
-MAX_M = 64      # rows taken: M <= 16 by mma.sync (MB = 8, 16), 17-64 by wgmma (MB = 32, 64; sm_90 only)
+MAX_M = 128     # rows taken: M <= 16 by mma.sync (MB = 8, 16), 17-128 by wgmma (MB = 32, 64, 128; sm_90 only)
 TARGET_PROGRAMS = 512  # measured best for the 7B shapes at M = 1-8 (docs/benchmarks.md, session 7)
 WG_TARGET_PROGRAMS = 256  # the wgmma builds' split-K target: best of 256 / 512 / 1024 at M = 32, 64 (session 8)
-NARROW_MIN_MB = 64  # wgmma builds of at least this MB take 128 columns a program (half the accumulator a thread)
+NARROW_MIN_MB = 64  # wgmma builds of at least this MB (64, 128) take 128 columns a program (half the accumulator a thread)
 NARROW_TARGET_PROGRAMS = 256  # their split-K target
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
@@ -123,8 +125,8 @@ def max_rows() -> int:
 
 
 def _row_block(m: int) -> int:
-  """MB, the rows one program multiplies: 8 or 16 for ``m <= 16`` (mma.sync), else 32 or 64 (wgmma)."""
-  return 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
+  """MB, the rows one program multiplies: 8 or 16 for ``m <= 16`` (mma.sync), else 32, 64 or 128 (wgmma)."""
+  return 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
 
 
 def _use_wgmma(m: int) -> bool:
@@ -515,9 +517,11 @@ def _register_cap(wg: bool, narrow: bool = False, mb: int = 0) -> int | None:
   (8 warps) keep what they need: 119 registers at MB = 32 (two programs an SM), 159 at MB = 64 (one).
   Capped at 128, MB = 64 spills about 100 registers and ran 153 against 125 µs at M = 64, 7B shapes
   summed, with split-K aimed at 256 or 512 programs (docs/benchmarks.md, session 10). The narrow
-  wgmma build (MB = 64) takes 123 registers: two programs share an SM (capped at 128 so that they
-  always do)."""
-  return 128 if narrow or not wg else None
+  wgmma build takes 123 registers at MB = 64: two programs share an SM (capped at 128 so that they
+  always do); at MB = 128, 164 (one program an SM, uncapped)."""
+  if not wg or (narrow and mb <= 64):
+    return 128
+  return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -602,7 +606,7 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
   """``x @ W`` by the Gluon decode GEMV (GPU only; no VJP: :mod:`pallas_kernels.matmul` wraps it).
 
   Args:
-    x: bf16 ``[M, K]``, ``1 <= M <= MAX_M`` (64; ``M > 16`` on sm_90 only).
+    x: bf16 ``[M, K]``, ``1 <= M <= MAX_M`` (128; ``M > 16`` on sm_90 only).
     w: :class:`~qerl_jax.nvfp4.NVFP4Tensor` ``[K, N]``, or with ``index`` a stack ``[L, K, N]``.
     out_dtype: output dtype (default bf16); accumulation is float32.
     index: int32 scalar (may be traced): layer of the stack, clamped to ``[0, L)`` in the kernel.

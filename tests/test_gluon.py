@@ -67,15 +67,16 @@ def test_split_rule_of_the_narrow_wgmma_builds_by_hand(k, n, splits):
 
 def test_row_block_by_hand():
   """mma.sync builds of 8 and 16 rows up to M = 16, the wgmma builds of 32 and 64 rows above."""
-  assert [w4_gluon._row_block(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
+  assert [w4_gluon._row_block(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128)] == [8, 8, 16, 16, 32, 32, 64, 64,
+                                                                                    128, 128]
   assert [w4_gluon._warps(w4_gluon._use_wgmma(m)) for m in (8, 16, 17, 64)] == [4, 4, 8, 8]
 
 
 def test_applies_only_to_shapes_it_takes():
   w = _weight(128, 512, 0)
   assert w4_gluon.applies(1, w, jnp.bfloat16) and w4_gluon.applies(16, w, jnp.bfloat16)
-  assert w4_gluon.applies(64, w, jnp.bfloat16)
-  assert not w4_gluon.applies(65, w, jnp.bfloat16)       # M > 64: dequantize + cuBLAS
+  assert w4_gluon.applies(64, w, jnp.bfloat16) and w4_gluon.applies(128, w, jnp.bfloat16)
+  assert not w4_gluon.applies(129, w, jnp.bfloat16)      # M > 128: dequantize + cuBLAS
   assert not w4_gluon.applies(8, w, jnp.float32)          # x must be bf16
   assert not w4_gluon.applies(8, _weight(128, 200, 0), jnp.bfloat16)   # N % 256
   assert not w4_gluon.applies(8, _weight(96, 256, 0), jnp.bfloat16)    # K % 64
@@ -98,7 +99,7 @@ def test_atomic_split_k_setting(monkeypatch):
 
 def test_forward_rejects_what_it_does_not_take():
   with pytest.raises(ValueError, match="no kernel"):
-    w4_gluon.forward(_act(65, 128, 0), _weight(128, 512, 0))
+    w4_gluon.forward(_act(129, 128, 0), _weight(128, 512, 0))
 
 
 def test_auto_backend_on_cpu_is_the_reference():
@@ -140,11 +141,11 @@ def _skip_without_wgmma():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [17, 32, 40, 64])
+@pytest.mark.parametrize("m", [17, 32, 40, 64, 100, 128])
 @pytest.mark.parametrize("k,n", [(3584, 4608), (18944, 3584), (1088, 768), (64, 256)])
 def test_gpu_gluon_wgmma_build_matches_float64(m, k, n):
-  """17 <= M <= 64: the wgmma builds (8 warps, x through shared memory, split-K summed by float32
-  atomics into a zeroed output), ragged M included."""
+  """17 <= M <= 128: the wgmma builds (8 warps, x through shared memory, split-K summed by float32
+  atomics into a zeroed output; narrow at M > 32), ragged M included."""
   _skip_without_wgmma()
   _check_forward_against_float64(m, k, n)
 
