@@ -10,7 +10,7 @@
 #   STEPS=8 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
-#    M = 1-64), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
+#    M = 1-64; GL_MS=128 adds the narrow MB = 128 build), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
 #    M = 1-16 with float32 partials in the mma.sync builds (GL_MMA_ATOMIC=0; atomics are the default);
 #    this harness runs without the launchers' XLA flags, so its bf16 column is XLA's Triton GEMM;
 # 3. issue 6's benchmark as the issue states it (prompt 256, 2048 new tokens, batch 8 and 64; 256 at 1024),
@@ -23,8 +23,11 @@
 #    1.65 ms): per-kernel device time with each small XLA kernel's source line (profile_rollout.py with
 #    PROFILE_HLO=1; PROFILE_SCAN=1 for the scanned layer loop), NVFP4 and bf16;
 # 8. issue 4's own benchmark script at the 7B decode sizes.
-# (Session 10 ran steps 1, 2, 7 and variants of 3, 4 and 8; results in docs/benchmarks.md and
-# docs/benchmarks_rollout.md. Steps 5 and 6 concern the Pallas kernel, off by default at M <= 64.)
+# (Session 10 ran steps 1, 2, 7 and variants of 3, 4 and 8; session 11 ran 1, 3 (batch 8 and 64),
+# 4 (LoRA) and 8 (M <= 128), with A/Bs through experiments/lab/gluon/ab_rollout.py; results in
+# docs/benchmarks.md and docs/benchmarks_rollout.md. Not re-run since session 10: batch 256, the
+# batch-8 profile of step 7 (the zero-fill copies should be gone), 32B shapes. Steps 5 and 6 concern
+# the Pallas kernel, off by default at M <= 128.)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_checkpoint}
 STEPS=",${STEPS:-1,2,3,4,5,6,7,8},"
