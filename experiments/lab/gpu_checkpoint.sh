@@ -10,7 +10,7 @@
 #   STEPS=8 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
-#    M = 1-64; GL_MS=128 adds the narrow MB = 128 build), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
+#    M = 1-64), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
 #    M = 1-16 with float32 partials in the mma.sync builds (GL_MMA_ATOMIC=0; atomics are the default);
 #    this harness runs without the launchers' XLA flags, so its bf16 column is XLA's Triton GEMM;
 # 3. issue 6's benchmark as the issue states it (prompt 256, 2048 new tokens, batch 8 and 64; 256 at 1024),
