@@ -8,6 +8,7 @@
 #   STEPS=5,6 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=7 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=8 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=9 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-64), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
@@ -22,7 +23,10 @@
 # 7. where a batch-8 decode step's time goes (session 10: 2.80 ms a step, of which the W4A16 kernels take
 #    1.65 ms): per-kernel device time with each small XLA kernel's source line (profile_rollout.py with
 #    PROFILE_HLO=1; PROFILE_SCAN=1 for the scanned layer loop), NVFP4 and bf16;
-# 8. issue 4's own benchmark script at the 7B decode sizes.
+# 8. issue 4's own benchmark script at the 7B decode sizes;
+# 9. (prepared in session 11, not yet run) whether the M <= 8 kernel is limited by its weight reads:
+#    loads alone on the kernel's grid and addresses, and on tile-contiguous addresses
+#    (experiments/lab/gluon/loads_only.py; about a minute).
 # (Session 10 ran steps 1, 2, 7 and variants of 3, 4 and 8; session 11 ran 1, 3 (batch 8 and 64),
 # 4 (LoRA) and 8 (M <= 128), with A/Bs through experiments/lab/gluon/ab_rollout.py; results in
 # docs/benchmarks.md and docs/benchmarks_rollout.md. Not re-run since session 10: batch 256, the
@@ -30,7 +34,7 @@
 # the Pallas kernel, off by default at M <= 128.)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_checkpoint}
-STEPS=",${STEPS:-1,2,3,4,5,6,7,8},"
+STEPS=",${STEPS:-1,2,3,4,5,6,7,8,9},"
 step() { [[ "$STEPS" == *",$1,"* ]]; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -53,3 +57,4 @@ step 7 && PROFILE_HLO=1 PROFILE_TOP=40 OUT="$OUT" timeout 300 python3 experiment
   nvfp4_fused:8:64 bf16_fused:8:64 2>&1 | grep -v "^[IW][0-9]" | tee "$OUT/profile_b8.txt"
 step 8 && timeout 420 python3 experiments/bench_kernels.py --models=7b --kinds=fwd --ms=1,8,16,32,64,128,256 \
   --json="$OUT/bench_kernels_7b.json" 2>&1 | grep "|" | tee "$OUT/bench_kernels_7b.txt"
+step 9 && timeout 200 python3 experiments/lab/gluon/loads_only.py 2>&1 | grep -v "^[IW][0-9]" | tee "$OUT/loads_only.txt"

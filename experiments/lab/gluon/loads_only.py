@@ -1,0 +1,142 @@
+"""Lab (GPU): is the Gluon decode GEMV limited by how it reads the weight?
+
+Device time of a kernel that only loads the NVFP4 codes and block scales (no decode, no MMA; the
+bytes are summed so that no load is dropped) on the production kernel's grid, register layouts and
+per-thread loads (8 bytes a code row), with two address patterns:
+
+* ``strided``: the production addresses. A program step reads 32 code rows of 256 bytes, N bytes
+  apart, and 4 scale rows of 256 bytes.
+* ``tiled``: the same bytes a thread and the same instructions, but each program step's 8 KB of
+  codes (and 1 KB of scales) is one contiguous block, as a weight repacked by tiles would be.
+
+Next to them, the production kernel (``w4_gluon.forward``) on the same weights, at M = 8 and the
+four Qwen2.5-7B shapes, weights rotated beyond the L2 (``labcommon.us_per_call``). Reading the
+result: if ``strided`` loads alone take about as long as the production kernel, the address
+pattern (or the grid) is the limit, and ``tiled`` says what a repacked layout would gain; if they
+take much less, the limit is in how the loads overlap the decode and the MMA.
+
+  PYTHONPATH=$PWD python3 experiments/lab/gluon/loads_only.py          # GPU (FFI launcher)
+  LOADS_OFFLINE=1 PYTHONPATH=$PWD python3 experiments/lab/gluon/loads_only.py   # no GPU: compile, SASS mix
+"""
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels import w4_gluon, w4_triton  # noqa: E402
+
+M = int(os.environ.get("LOADS_M", 8))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+  from triton.experimental import gluon
+  from triton.experimental.gluon import language as ttgl
+
+  # the mma.sync build's layouts (w4_gluon._kernel, wg=False): codes [32 rows, 256 columns] with
+  # registers n0 n1 n2 kp0 kp1 kp4, lanes kp2 kp3 n3 n4 n5, warps n6 n7; scales [4 groups, 256]
+  code_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
+      reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [16, 0]], lane_bases=[[4, 0], [8, 0], [0, 8], [0, 16], [0, 32]],
+      warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[32, 256]))
+  scale_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
+      reg_bases=[[0, 1], [0, 2], [0, 4]], lane_bases=[[1, 0], [2, 0], [0, 8], [0, 16], [0, 32]],
+      warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[4, 256]))
+
+  @gluon.jit
+  def loads(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
+            K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
+            ATOMIC: ttgl.constexpr, TILED: ttgl.constexpr):
+    pid_n = ttgl.program_id(0)
+    pid_s = ttgl.program_id(1)
+    splits = ttgl.num_programs(1)
+    kp = ttgl.arange(0, 32, layout=ttgl.SliceLayout(1, code_layout))
+    nn = ttgl.arange(0, 256, layout=ttgl.SliceLayout(0, code_layout))
+    sg = ttgl.arange(0, 4, layout=ttgl.SliceLayout(1, scale_layout))
+    sn = ttgl.arange(0, 256, layout=ttgl.SliceLayout(0, scale_layout))
+    if TILED:  # program step (pid_n, pid_s, i): bytes [32 * 256] and [4 * 256] at one contiguous offset
+      block = (pid_n * splits + pid_s) * STEPS
+      c_offs = ttgl.expand_dims(kp, 1) * 256 + ttgl.expand_dims(nn, 0) + block * 8192
+      s_offs = ttgl.expand_dims(sg, 1) * 256 + ttgl.expand_dims(sn, 0) + block * 1024
+      c_step = 8192
+      s_step = 1024
+    else:  # the production addresses (w4_gluon: c_offs, load_step)
+      c_offs = ttgl.expand_dims(kp + pid_s * (STEPS * 32), 1) * N + ttgl.expand_dims(nn, 0) + pid_n * 256
+      s_offs = ttgl.expand_dims(sg + pid_s * (STEPS * 4), 1) * N + ttgl.expand_dims(sn, 0) + pid_n * 256
+      c_step = 32 * N
+      s_step = 4 * N
+    acc = ttgl.zeros([32, 256], ttgl.int32, layout=code_layout)
+    sacc = ttgl.zeros([4, 256], ttgl.float32, layout=scale_layout)
+    for i in ttgl.static_range(STEPS):
+      acc = acc + ttgl.load(p_ptr + c_offs + i * c_step).to(ttgl.int32)
+      sacc = sacc + ttgl.load(s_ptr + s_offs + i * s_step).to(ttgl.float32)
+    total = ttgl.sum(ttgl.sum(acc, 1), 0).to(ttgl.float32) + ttgl.sum(ttgl.sum(sacc, 1), 0)
+    ttgl.store(o_ptr + pid_n * splits + pid_s, total)
+
+  return loads
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(meta: tuple, cc: int = 90):
+  ck = w4_gluon._compile_gluon(_kernel(), w4_gluon._ARG_DTYPES, dict(meta), cc, num_warps=4, maxnreg=128)
+  ptx, name, shared = ck.asm["ptx"], ck.metadata.name, int(ck.metadata.shared)
+  lib = w4_gluon._ffi_library()
+  if lib is not None and not os.environ.get("LOADS_OFFLINE"):
+    for device in w4_gluon._gpu_devices():
+      err = lib.qerl_gluon_preload(w4_gluon._module_key(ptx, name).encode(), ptx.encode(), name.encode(),
+                                   device.id, shared)
+      assert not err, f"loading {name} failed (CUresult {err})"
+  return ck, ptx, name, shared
+
+
+def _meta(m: int, k: int, n: int, tiled: bool) -> tuple:
+  build = w4_gluon._build(m, k, n, 1)
+  assert not build.wg, "the probe mirrors the mma.sync build (M <= 16)"
+  return tuple(dict(build.meta, TILED=tiled).items()), build.grid
+
+
+def loads_only(x, w, tiled: bool):
+  """The probe kernel on ``x [M, K]`` and the NVFP4 ``w [K, N]``: float32 ``[programs]`` byte sums."""
+  m, k = x.shape
+  meta, grid = _meta(m, k, w.shape[1], tiled)
+  _, ptx, name, shared = _compiled(meta)
+  operands = (x, *w4_triton._layer_operands(w, w4_triton._format_of(w), None), jnp.zeros((1,), jnp.float32))
+  return jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((grid[0] * grid[1],), jnp.float32))(
+      *operands, **w4_gluon._launch_attrs(ptx, name, grid, shared, threads=128))
+
+
+def main():
+  from labcommon import SHAPES_7B, activations, rotating_weights, us_per_call
+
+  if os.environ.get("LOADS_OFFLINE"):
+    from sasstool import sass
+    os.makedirs("/tmp/gl", exist_ok=True)
+    for tiled in (False, True):
+      ck = _compiled(_meta(M, 3584, 18944, tiled)[0])[0]
+      sass(ck, f"loads_{'tiled' if tiled else 'strided'}")
+    return
+  totals = {}
+  for shape, (k, n) in SHAPES_7B.items():
+    q0, qs = rotating_weights(k, n)
+    x = activations(M, k)
+    want = float(jnp.sum(q0.packed.astype(jnp.float32)) + jnp.sum(q0.block_scale.astype(jnp.float32)))
+    for tiled in (False, True):  # every byte read once: the programs' sums add up to the arrays' sums
+      got = float(jnp.sum(loads_only(x, q0, tiled)))
+      assert abs(got - want) <= 1e-4 * abs(want), (shape, tiled, got, want)
+    row = {"strided": us_per_call(lambda x, w: loads_only(x, w, False), x, qs),
+           "tiled": us_per_call(lambda x, w: loads_only(x, w, True), x, qs),
+           "kernel": us_per_call(lambda x, w: w4_gluon.forward(x, w), x, qs)}
+    for key, v in row.items():
+      totals[key] = totals.get(key, 0.0) + v
+    gb = k * n * 9 / 16 / 1e3
+    print(f"{shape:8s} M={M} " + " | ".join(f"{key} {v:6.1f} us ({gb / v:5.0f} GB/s)" for key, v in row.items()),
+          flush=True)
+  gb = sum(k * n * 9 / 16 for k, n in SHAPES_7B.values()) / 1e3
+  print("summed: " + " | ".join(f"{key} {v:6.1f} us ({gb / v:5.0f} GB/s)" for key, v in totals.items()), flush=True)
+
+
+if __name__ == "__main__":
+  main()
