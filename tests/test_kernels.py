@@ -357,8 +357,9 @@ def test_gpu_e4m3_decode_matches_reference(m, k, n):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 17, 64, 100])
 def test_gpu_lora_epilogue_matches_reference(m):
-  """quantized_matmul(lora=...) on the GPU kernels (the epilogue for M <= 64) against the reference
-  backend, values and gradients for x, xa and b, at the 7B fused q/k/v shape with rank 96."""
+  """quantized_matmul(lora=...) on the GPU kernel path (on sm_90 the Gluon kernel plus an XLA delta up
+  to M = 128; the Pallas epilogue for M <= 64 where Gluon is off) against the reference backend,
+  values and gradients for x, xa and b, at the 7B fused q/k/v shape with rank 96."""
   k, n, r, scale = 3584, 4608, 96, 0.5
   wq = nvfp4.quantize(jax.random.normal(jax.random.PRNGKey(m), (k, n), jnp.float32) * 0.02)
   x = jax.random.normal(jax.random.PRNGKey(1), (m, k), jnp.float32).astype(jnp.bfloat16)
