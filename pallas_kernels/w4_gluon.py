@@ -94,6 +94,7 @@ TARGET_PROGRAMS = 512  # measured best for the 7B shapes at M = 1-8 (docs/benchm
 WG_TARGET_PROGRAMS = 256  # the wgmma builds' split-K target: best of 256 / 512 / 1024 at M = 32, 64 (session 8)
 NARROW_MIN_MB = 64  # wgmma builds of at least this MB (64, 128) take 128 columns a program (half the accumulator a thread)
 NARROW_TARGET_PROGRAMS = 256  # their split-K target
+NARROW_BLOCK_N = 128  # their columns a program at MB <= 64 (lab: 256, 16 warps; MB = 128 always takes 128)
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -177,14 +178,14 @@ def _asm() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(wg: bool = False, narrow: bool = False):
+def _kernel(wg: bool = False, narrow_n: int = 0):
   """Builds the Gluon kernel (imports triton lazily: CPU installs need not have it).
 
   ``wg=False``: 4 warps, mma.sync, x in registers (MB = 8, 16). ``wg=True``: 8 warps (two
   warpgroups of 128 rows), Hopper ``wgmma`` with the decoded weight from registers and x from
   shared memory (MB = 32, 64): x is stored once per program and step instead of held by every warp.
-  ``narrow`` (with ``wg``): 128 columns a program, each
-  warpgroup 64 of them (one m64 wgmma), so that a thread holds half the accumulator.
+  ``narrow_n`` (with ``wg``; 0: off): ``narrow_n`` (128 or 256) columns a program, each
+  warpgroup 64 of them (one m64 wgmma), so that a thread holds half the accumulator; 8 or 16 warps.
   """
   from triton.experimental import gluon
   from triton.experimental.gluon import language as ttgl
@@ -195,13 +196,16 @@ def _kernel(wg: bool = False, narrow: bool = False):
   # codes [32 rows, 256 columns]: registers n0 n1 n2 kp0 kp1 kp4; lanes kp2 kp3 n3 n4 n5; warps n6 n7.
   # With 8 warps, column bit n2 moves from the registers to the third warp bit.
   n2_reg, n2_warp = ([], [[0, 4]]) if wg else ([[0, 4]], [])
-  if narrow:  # codes [32 rows, 128 columns]: registers n0 kp0 kp1 kp4; lanes kp2 kp3 n1 n2 n3; warps n4 n5 n6
+  narrow = narrow_n > 0
+  # the narrow build's warps own column bits n4 and up (n4 n5 n6, and n7 with 16 warps)
+  top_bits = [1 << b for b in range(4, narrow_n.bit_length() - 1)] if narrow else []
+  if narrow:  # codes [32 rows, narrow_n columns]: registers n0 kp0 kp1 kp4; lanes kp2 kp3 n1 n2 n3; warps n4 ..
     code_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
         reg_bases=[[0, 1], [1, 0], [2, 0], [16, 0]], lane_bases=[[4, 0], [8, 0], [0, 2], [0, 4], [0, 8]],
-        warp_bases=[[0, 16], [0, 32], [0, 64]], block_bases=[], shape=[32, 128]))
+        warp_bases=[[0, b] for b in top_bits], block_bases=[], shape=[32, narrow_n]))
     group_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 1, 0], [2, 0, 0]], lane_bases=[[0, 2, 0], [1, 0, 0], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
-        warp_bases=[[0, 0, 16], [0, 0, 32], [0, 0, 64]], block_bases=[], shape=[4, 4, 128]))
+        warp_bases=[[0, 0, b] for b in top_bits], block_bases=[], shape=[4, 4, narrow_n]))
   else:
     code_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2]] + n2_reg + [[1, 0], [2, 0], [16, 0]],
@@ -212,14 +216,21 @@ def _kernel(wg: bool = False, narrow: bool = False):
         reg_bases=[[0, 0, 1], [0, 0, 2]] + [[0] + b for b in n2_reg] + [[0, 1, 0], [2, 0, 0]],
         lane_bases=[[0, 2, 0], [1, 0, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32]],
         warp_bases=[[0, 0, 64], [0, 0, 128]] + [[0] + b for b in n2_warp], block_bases=[], shape=[4, 4, 256]))
-  BN = ttgl.constexpr(128 if narrow else 256)
+  BN = ttgl.constexpr(narrow_n if narrow else 256)
   NARROW = ttgl.constexpr(narrow)
+  # narrow: the decode's axes -> operand rows (r_top .. r0 = n_top .. n4 n0 n3 n2 n1, see decode) and the
+  # accumulator's rows -> columns, for TOP = len(top_bits) warp-owned column bits
+  TOP = ttgl.constexpr(len(top_bits))
+  a_perm_n = ttgl.constexpr(list(range(4, 4 + len(top_bits))) + [3] + [4 + len(top_bits) + i for i in range(3)]
+                            + [0, 8 + len(top_bits), 9 + len(top_bits), 1, 2, 7 + len(top_bits)])
+  o_perm_n = ttgl.constexpr(list(range(len(top_bits))) + [len(top_bits) + 1 + i for i in range(3)]
+                            + [len(top_bits), 4 + len(top_bits)])
 
   # Operand rows from the decode's output axes (j: 4 bits, labelled columns: 8, p, lo/hi): warps own
   # rows 16 and 32 (and 64 with 8 warps), so there the warp bit n2 (axis 9) takes row 64 and p row 128.
   a_perm = ttgl.constexpr([12, 9] if wg else [9, 12])
   o_n2 = ttgl.constexpr(1 if wg else 0)  # the inverse, rows -> [n7 .. n0]: [2, 3, 5, 6, 7, o_n2, 1 - o_n2, 4, 8]
-  WARPS = ttgl.constexpr(_warps(wg))
+  WARPS = ttgl.constexpr(_warps(wg, narrow_n))
   WG = ttgl.constexpr(wg)
 
   @gluon.jit
@@ -243,13 +254,14 @@ def _kernel(wg: bool = False, narrow: bool = False):
         asm, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [c_a, c_b, s_a],
         dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16), is_pure=True, pack=4)
     if NARROW:
-      j = ttgl.reshape(ttgl.join(ttgl.join(o1, o2), ttgl.join(o3, o4)), [2] * 13)
-      # axes [kp4 kp3 kp2 | kp1 (labelled; holds column n0) | n6 .. n1 | n0 (labelled; holds row parity,
-      # k1) | o1/o2: k2 | lo/hi: k0] -> A [rows r6 .. r0 = n6 n5 n4 n0 n3 n2 n1, slots s5 .. s0 = k5 k2 k0
-      # k4 k3 k1]: the lanes' slot bits 1, 2 (k3, k4) and row bits 0-2, the warps' rows 4-6 where the
-      # operand layout has them; the register bits in any order (all six orders compile to the same
-      # layout; this one took the fewest registers, offline SASS)
-      a = ttgl.reshape(ttgl.permute(j, [4, 5, 6, 3, 7, 8, 9, 0, 11, 12, 1, 2, 10]), [128, 64])
+      j = ttgl.reshape(ttgl.join(ttgl.join(o1, o2), ttgl.join(o3, o4)), [2] * (10 + TOP))
+      # axes [kp4 kp3 kp2 | kp1 (labelled; holds column n0) | n_top .. n1 | n0 (labelled; holds row parity,
+      # k1) | o1/o2: k2 | lo/hi: k0] -> A [rows r_top .. r0 = n_top .. n4 n0 n3 n2 n1, slots s5 .. s0 = k5 k2
+      # k0 k4 k3 k1]: the lanes' slot bits 1, 2 (k3, k4) and row bits 0-2, the warps' rows 4 and up where
+      # the operand layout has them; the register bits in any order (at 128 columns all six orders
+      # compile to the same layout; this one took the fewest registers, offline SASS). At 128
+      # columns the permutation is [4, 5, 6, 3, 7, 8, 9, 0, 11, 12, 1, 2, 10].
+      a = ttgl.reshape(ttgl.permute(j, a_perm_n.value), [BN, 64])
     else:  # [j 4 bits][column 8 bits][p][lo/hi] -> A [r 8 bits, k slot 6 bits]
       j = ttgl.reshape(ttgl.join(ttgl.join(o1, o2), ttgl.join(o3, o4)), [2] * 14)
       a = ttgl.reshape(ttgl.permute(j, [a_perm[0], a_perm[1], 4, 5, 10, 6, 7, 8, 0, 1, 2, 3, 13, 11]), [256, 64])
@@ -318,8 +330,8 @@ def _kernel(wg: bool = False, narrow: bool = False):
       c0, s0, x0 = c1, s1, x1
     acc = acc * (256.0 / gs)  # 2**8 undoes the decode's 2**-8
     # rows r -> columns n = nu(r) (the inverse relabelling), then 16-byte stores along n
-    if NARROW:  # rows (r6 .. r0) = (n6 n5 n4 n0 n3 n2 n1)
-      acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 7 + [MB]), [0, 1, 2, 4, 5, 6, 3, 7]), [128, MB])
+    if NARROW:  # rows (r_top .. r0) = (n_top .. n4 n0 n3 n2 n1); at 128 columns [0, 1, 2, 4, 5, 6, 3, 7]
+      acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * (4 + TOP) + [MB]), o_perm_n.value), [BN, MB])
     else:
       acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 8 + [MB]), [2, 3, 5, 6, 7, o_n2, 1 - o_n2, 4, 8]),
                          [256, MB])
@@ -525,13 +537,13 @@ def _register_cap(wg: bool, narrow: bool = False, mb: int = 0) -> int | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(meta: tuple, wg: bool, narrow: bool = False):
+def _compiled(meta: tuple, wg: bool, narrow_n: int = 0):
   """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta`` (the wgmma build
   if ``wg``, register cap :func:`_register_cap`), compiled for the oldest visible GPU (sm_90 without
   one) and loaded on every GPU."""
   meta = dict(meta)
-  compiled = _compile_gluon(_kernel(wg, narrow), _ARG_DTYPES, meta, min((_cc(d) for d in _gpu_devices()), default=90),
-                            num_warps=_warps(wg), maxnreg=_register_cap(wg, narrow, meta["MB"]))
+  compiled = _compile_gluon(_kernel(wg, narrow_n), _ARG_DTYPES, meta, min((_cc(d) for d in _gpu_devices()), default=90),
+                            num_warps=_warps(wg, narrow_n), maxnreg=_register_cap(wg, narrow_n > 0, meta["MB"]))
   ptx, name, shared = compiled.asm["ptx"], compiled.metadata.name, int(compiled.metadata.shared)
   lib = _ffi_library()
   if lib is not None:
@@ -562,8 +574,9 @@ def _wgmma_gpus() -> bool:
   return all(_cc(d) == 90 for d in _gpu_devices())
 
 
-def _warps(wg: bool) -> int:
-  return 8 if wg else 4
+def _warps(wg: bool, narrow_n: int = 0) -> int:
+  """Warps a program: 4 (mma.sync), 8 (wgmma), or one per 16 columns of a narrow build."""
+  return narrow_n // 16 if narrow_n else 8 if wg else 4
 
 
 def _gpu_devices():
@@ -588,6 +601,15 @@ class Build(NamedTuple):
   def grid(self) -> tuple[int, int, int]:
     return self.meta["N"] // self.block_n, self.splits, 1
 
+  @property
+  def narrow_n(self) -> int:
+    """The narrow build's columns a program (:func:`_kernel`), 0 for the other builds."""
+    return self.block_n if self.narrow else 0
+
+  @property
+  def warps(self) -> int:
+    return _warps(self.wg, self.narrow_n)
+
 
 def _build(m: int, k: int, n: int, layers: int) -> Build:
   """The :class:`Build` for ``x [m, k]`` times a ``[k, n]`` weight (of a stack of ``layers``), under
@@ -595,7 +617,7 @@ def _build(m: int, k: int, n: int, layers: int) -> Build:
   shape must be one :func:`applies` takes."""
   wg = _use_wgmma(m)
   narrow = wg and _row_block(m) >= NARROW_MIN_MB
-  block_n = 128 if narrow else BLOCK_N
+  block_n = (128 if _row_block(m) == 128 else NARROW_BLOCK_N) if narrow else BLOCK_N
   splits = _splits(k, n, NARROW_TARGET_PROGRAMS if narrow else WG_TARGET_PROGRAMS if wg else None, block_n)
   atomic = (wg or MMA_ATOMIC) and atomic_split_k()
   return Build(wg, narrow, block_n, splits,
@@ -643,14 +665,14 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
   out_shape = jax.ShapeDtypeStruct((m, n) if atomic else (splits, m, n), jnp.float32)
   aliases = {5: 0} if atomic and not memset else None
   if path == "ffi":
-    ptx, name, shared = _compiled(tuple(meta.items()), wg, build.narrow)
+    ptx, name, shared = _compiled(tuple(meta.items()), wg, build.narrow_n)
     out = jax.ffi.ffi_call(_FFI_TARGET, out_shape, input_output_aliases=aliases)(
-        *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=32 * _warps(wg), zero_results=memset))
+        *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=32 * build.warps, zero_results=memset))
   else:
     import jax_triton
 
     _install()
-    out = jax_triton.triton_call(*operands, kernel=_kernel(wg, build.narrow), out_shape=out_shape,
-                                 grid=build.grid[:2], num_warps=_warps(wg), input_output_aliases=aliases or {}, **meta)
+    out = jax_triton.triton_call(*operands, kernel=_kernel(wg, build.narrow_n), out_shape=out_shape,
+                                 grid=build.grid[:2], num_warps=build.warps, input_output_aliases=aliases or {}, **meta)
   y = out if atomic else out[0] if splits == 1 else out.sum(axis=0)
   return y.astype(out_dtype or x.dtype)

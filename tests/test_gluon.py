@@ -231,6 +231,11 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
   assert ".entry w4a16_gemv" in text and "wgmma.mma_async" in text and "threads = 256" in text
   text_wg = text
   assert "grid_x = 36" in text and "grid_y = 7" in text
+  monkeypatch.setattr(w4_gluon, "NARROW_BLOCK_N", 256)  # the lab's narrow build of 256 columns: 16 warps
+  n16 = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x64, stack, i).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "wgmma.mma_async" in n16 and "threads = 512" in n16 and "grid_x = 18" in n16 and ".maxnreg 128" in n16
+  monkeypatch.setattr(w4_gluon, "NARROW_BLOCK_N", 128)
   monkeypatch.setattr(w4_gluon, "NARROW_MIN_MB", 128)  # 256 columns a program (the rule above: 14 splits)
   wide = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x64, stack, i).lower(
       lowering_platforms=("cuda",)).as_text()
