@@ -95,6 +95,7 @@ WG_TARGET_PROGRAMS = 256  # the wgmma builds' split-K target: best of 256 / 512 
 NARROW_MIN_MB = 64  # wgmma builds of at least this MB (64, 128) take 128 columns a program (half the accumulator a thread)
 NARROW_TARGET_PROGRAMS = 256  # their split-K target
 NARROW_BLOCK_N = 128  # their columns a program at MB <= 64 (lab: 256, 16 warps; MB = 128 always takes 128)
+NARROW_MAX_STEPS = 8  # lab: more K steps a program for them (fewer splits, less float32 atomic output traffic)
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -136,14 +137,16 @@ def _use_wgmma(m: int) -> bool:
   return m > 16
 
 
-def _splits(k: int, n: int, target: int | None = None, block_n: int = BLOCK_N) -> int | None:
-  """The split count: a divisor of the K steps with at most MAX_STEPS steps per program, giving
+def _splits(k: int, n: int, target: int | None = None, block_n: int = BLOCK_N, max_steps: int | None = None
+            ) -> int | None:
+  """The split count: a divisor of the K steps with at most ``max_steps`` (default MAX_STEPS) steps per program, giving
   the program count (column tiles x splits) nearest ``target`` (default TARGET_PROGRAMS; ties to
   fewer splits); None if no divisor fits."""
   total = k // BLOCK_K
   tiles = n // block_n
   target = TARGET_PROGRAMS if target is None else target
-  options = [s for s in range(1, total + 1) if total % s == 0 and total // s <= MAX_STEPS]
+  max_steps = MAX_STEPS if max_steps is None else max_steps
+  options = [s for s in range(1, total + 1) if total % s == 0 and total // s <= max_steps]
   if not options:
     return None
   return min(options, key=lambda s: (abs(tiles * s - target), s))
@@ -618,7 +621,8 @@ def _build(m: int, k: int, n: int, layers: int) -> Build:
   wg = _use_wgmma(m)
   narrow = wg and _row_block(m) >= NARROW_MIN_MB
   block_n = (128 if _row_block(m) == 128 else NARROW_BLOCK_N) if narrow else BLOCK_N
-  splits = _splits(k, n, NARROW_TARGET_PROGRAMS if narrow else WG_TARGET_PROGRAMS if wg else None, block_n)
+  splits = _splits(k, n, NARROW_TARGET_PROGRAMS if narrow else WG_TARGET_PROGRAMS if wg else None, block_n,
+                   max(NARROW_MAX_STEPS, MAX_STEPS) if narrow else MAX_STEPS)
   atomic = (wg or MMA_ATOMIC) and atomic_split_k()
   return Build(wg, narrow, block_n, splits,
                dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=_row_block(m), ATOMIC=atomic))

@@ -65,6 +65,15 @@ def test_split_rule_of_the_narrow_wgmma_builds_by_hand(k, n, splits):
   assert build.grid == (n // 128, splits, 1) and build.meta["STEPS"] * splits * 64 == k
 
 
+def test_split_rule_with_more_steps_a_program(monkeypatch):
+  """NARROW_MAX_STEPS = 28 (a lab setting): the 7B gate/up matrix at M = 64 takes 2 splits of 28 steps
+  (296 tiles x 2 = 592 programs; 1 split would need 56 steps), the others keep their splits."""
+  monkeypatch.setattr(w4_gluon, "NARROW_MAX_STEPS", 28)
+  assert [w4_gluon._build(64, k, n, 1).splits for k, n in [(3584, 37888), (3584, 4608), (18944, 3584)]] == [2, 7, 37]
+  assert w4_gluon._build(64, 3584, 37888, 1).meta["STEPS"] == 28
+  assert w4_gluon._build(8, 3584, 37888, 1).splits == 7  # the mma.sync builds keep MAX_STEPS
+
+
 def test_row_block_by_hand():
   """mma.sync builds of 8 and 16 rows up to M = 16, the wgmma builds of 32 and 64 rows above."""
   assert [w4_gluon._row_block(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128)] == [8, 8, 16, 16, 32, 32, 64, 64,

@@ -11,8 +11,8 @@
 #   STEPS=9 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
-#    M = 1-64, with session 11's prepared narrow build of 256 columns and 16 warps as lab columns
-#    at M = 32 and 64), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
+#    M = 1-64, with session 11's prepared narrow build of 256 columns and 16 warps, and the narrow
+#    build with up to 28 K steps a program, as lab columns at M = 32 and 64), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
 #    M = 1-16 with float32 partials in the mma.sync builds (GL_MMA_ATOMIC=0; atomics are the default);
 #    this harness runs without the launchers' XLA flags, so its bf16 column is XLA's Triton GEMM;
 # 3. issue 6's benchmark as the issue states it (prompt 256, 2048 new tokens, batch 8 and 64; 256 at 1024),
@@ -40,7 +40,7 @@ step() { [[ "$STEPS" == *",$1,"* ]]; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 step 1 && timeout 300 python3 -m pytest -q -m gpu tests 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
-step 2 && { GL_VARIANTS="n256:NARROW_BLOCK_N=256;n256m32@32:NARROW_BLOCK_N=256,NARROW_MIN_MB=32" \
+step 2 && { GL_VARIANTS="n256:NARROW_BLOCK_N=256;n256m32@32:NARROW_BLOCK_N=256,NARROW_MIN_MB=32;s28@64:NARROW_MAX_STEPS=28" \
   timeout 240 python3 experiments/lab/gluon/time_jax.py 2>&1
   QERL_GLUON_DETERMINISTIC=1 GL_MS=32,64 timeout 120 python3 experiments/lab/gluon/time_jax.py 2>&1
   GL_MMA_ATOMIC=0 GL_MS=1,8,16 timeout 120 python3 experiments/lab/gluon/time_jax.py 2>&1
