@@ -40,7 +40,7 @@ step() { [[ "$STEPS" == *",$1,"* ]]; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 step 1 && timeout 300 python3 -m pytest -q -m gpu tests 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
-step 2 && { GL_VARIANTS="n256:NARROW_BLOCK_N=256;n256m32@32:NARROW_BLOCK_N=256,NARROW_MIN_MB=32;s28@64:NARROW_MAX_STEPS=28" \
+step 2 && { GL_VARIANTS="n256@64:NARROW_BLOCK_N=256;n256m32@32:NARROW_BLOCK_N=256,NARROW_MIN_MB=32;s28@64:NARROW_MAX_STEPS=28" \
   timeout 240 python3 experiments/lab/gluon/time_jax.py 2>&1
   QERL_GLUON_DETERMINISTIC=1 GL_MS=32,64 timeout 120 python3 experiments/lab/gluon/time_jax.py 2>&1
   GL_MMA_ATOMIC=0 GL_MS=1,8,16 timeout 120 python3 experiments/lab/gluon/time_jax.py 2>&1
