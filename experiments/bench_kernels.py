@@ -107,7 +107,7 @@ def _row_check(kind, x, wq, cfg=None):
   """Relative error of the dispatched kernel path vs the reference; NaN anywhere (the fused
   kernels write into a NaN-poisoned buffer; the dequantize path is checked bit-exact)."""
   m = x.shape[0]
-  gluon = kind == "fwd" and cfg is None and matmul._use_gluon(x, wq, False, None)
+  gluon = cfg is None and _path_name(kind, x, wq) == "gluon"
   fused = m <= matmul.FUSED_MAX_M[kind] or gluon
   nan = False
   if not fused:

@@ -545,12 +545,26 @@ def _compiled(meta: tuple, wg: bool, narrow_n: int = 0):
   if ``wg``, register cap :func:`_register_cap`), compiled for the oldest visible GPU (sm_90 without
   one) and loaded on every GPU."""
   meta = dict(meta)
-  compiled = _compile_gluon(_kernel(wg, narrow_n), _ARG_DTYPES, meta, min((_cc(d) for d in _gpu_devices()), default=90),
-                            num_warps=_warps(wg, narrow_n), maxnreg=_register_cap(wg, narrow_n > 0, meta["MB"]))
+  return _load(_compile_gluon(_kernel(wg, narrow_n), _ARG_DTYPES, meta, _target_cc(), num_warps=_warps(wg, narrow_n),
+                              maxnreg=_register_cap(wg, narrow_n > 0, meta["MB"])))
+
+
+def _target_cc() -> int:
+  """The compute capability kernels are compiled for: the oldest visible GPU's, 90 without one."""
+  return min((_cc(d) for d in _gpu_devices()), default=90)
+
+
+def _load(compiled) -> tuple[str, str, int]:
+  """``(ptx, kernel name, shared bytes)`` of a ``triton.compile`` result, loaded into the FFI
+  launcher on every visible GPU (outside any CUDA-graph capture) when the launcher is built.
+
+  Raises:
+    RuntimeError: loading failed on a GPU.
+  """
   ptx, name, shared = compiled.asm["ptx"], compiled.metadata.name, int(compiled.metadata.shared)
   lib = _ffi_library()
   if lib is not None:
-    for device in _gpu_devices():  # load outside any CUDA-graph capture
+    for device in _gpu_devices():
       err = lib.qerl_gluon_preload(_module_key(ptx, name).encode(), ptx.encode(), name.encode(), device.id, shared)
       if err:
         raise RuntimeError(f"w4_gluon: loading {name} on GPU {device.id} failed (CUresult {err})")
@@ -612,6 +626,11 @@ class Build(NamedTuple):
   @property
   def warps(self) -> int:
     return _warps(self.wg, self.narrow_n)
+
+  @property
+  def maxnreg(self) -> int | None:
+    """The register cap it compiles with (:func:`_register_cap`)."""
+    return _register_cap(self.wg, self.narrow, self.meta["MB"])
 
 
 def _build(m: int, k: int, n: int, layers: int) -> Build:

@@ -80,16 +80,15 @@ def _kernel():
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(meta: tuple, cc: int = 90):
-  ck = w4_gluon._compile_gluon(_kernel(), w4_gluon._ARG_DTYPES, dict(meta), cc, num_warps=4, maxnreg=128)
-  ptx, name, shared = ck.asm["ptx"], ck.metadata.name, int(ck.metadata.shared)
-  lib = w4_gluon._ffi_library()
-  if lib is not None and not os.environ.get("LOADS_OFFLINE"):
-    for device in w4_gluon._gpu_devices():
-      err = lib.qerl_gluon_preload(w4_gluon._module_key(ptx, name).encode(), ptx.encode(), name.encode(),
-                                   device.id, shared)
-      assert not err, f"loading {name} failed (CUresult {err})"
-  return ck, ptx, name, shared
+def _compiled(meta: tuple):
+  """The probe compiled for sm_90 (the production mma.sync build's warps and register cap)."""
+  return w4_gluon._compile_gluon(_kernel(), w4_gluon._ARG_DTYPES, dict(meta), 90, num_warps=4, maxnreg=128)
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded(meta: tuple):
+  """``(ptx, name, shared bytes)`` of the probe, loaded into the FFI launcher on every GPU."""
+  return w4_gluon._load(_compiled(meta))
 
 
 def _meta(m: int, k: int, n: int, tiled: bool) -> tuple:
@@ -102,7 +101,7 @@ def loads_only(x, w, tiled: bool):
   """The probe kernel on ``x [M, K]`` and the NVFP4 ``w [K, N]``: float32 ``[programs]`` byte sums."""
   m, k = x.shape
   meta, grid = _meta(m, k, w.shape[1], tiled)
-  _, ptx, name, shared = _compiled(meta)
+  ptx, name, shared = _loaded(meta)
   operands = (x, *w4_triton._layer_operands(w, w4_triton._format_of(w), None), jnp.zeros((1,), jnp.float32))
   return jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((grid[0] * grid[1],), jnp.float32))(
       *operands, **w4_gluon._launch_attrs(ptx, name, grid, shared, threads=128))
@@ -115,7 +114,7 @@ def main():
     from sasstool import sass
     os.makedirs("/tmp/gl", exist_ok=True)
     for tiled in (False, True):
-      ck = _compiled(_meta(M, 3584, 18944, tiled)[0])[0]
+      ck = _compiled(_meta(M, 3584, 18944, tiled)[0])
       sass(ck, f"loads_{'tiled' if tiled else 'strided'}")
     return
   totals = {}

@@ -13,7 +13,7 @@ def compile_for(m, k, n, layers=1):
     """The build w4_gluon.forward would launch for x [m, k] (default settings), compiled for sm_90."""
     b = w4_gluon._build(m, k, n, layers)
     return w4_gluon._compile_gluon(w4_gluon._kernel(b.wg, b.narrow_n), w4_gluon._ARG_DTYPES, b.meta, 90,
-                                   num_warps=b.warps, maxnreg=w4_gluon._register_cap(b.wg, b.narrow, b.meta["MB"])), b.splits, b.meta
+                                   num_warps=b.warps, maxnreg=b.maxnreg), b.splits, b.meta
 
 if __name__ == "__main__":
     os.makedirs("/tmp/gl", exist_ok=True)
