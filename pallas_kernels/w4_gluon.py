@@ -18,8 +18,11 @@ where the tensor cores read it for all 256 rows. wgmma wants the operand's k pai
 a register relabelling of the same decode; x is stored in the matching k order. M = 33-128 (MB = 64
 or 128) uses the *narrow* wgmma build: 128 columns a program, each warpgroup one m64 wgmma of 64
 rows, so a thread holds half the accumulator (at MB = 64 123 registers instead of 159, and two
-programs share an SM; MB = 128 takes 164, one program); each thread loads 2 contiguous bytes a
-code row. All builds add
+programs share an SM); each thread loads 2 contiguous bytes a code row. At MB = 128 x does not
+pass through registers: XLA permutes it to the operand's k order (:func:`x_in_slot_order`) and
+cp.async copies it 3 steps ahead into a ring of 4 shared buffers (``X_STAGES``), which frees the
+registers of x (164 -> 128, two programs an SM instead of one; Nsight Compute had found one program an
+SM stalled on global loads 56% of the time). All builds add
 their split-K parts with float32 atomics into a zeroed output (float32 partials would cost as many
 bytes as the weight at M = 64), unless :func:`atomic_split_k` asks for a fixed summation order. The
 FFI launcher zeroes that output with a memset on XLA's stream; the jax-triton path aliases it to an
@@ -96,6 +99,9 @@ NARROW_MIN_MB = 64  # wgmma builds of at least this MB (64, 128) take 128 column
 NARROW_TARGET_PROGRAMS = 256  # their split-K target
 NARROW_BLOCK_N = 128  # their columns a program at MB <= 64 (lab: 256, 16 warps; MB = 128 always takes 128)
 NARROW_MAX_STEPS = 8  # lab: more K steps a program for them (fewer splits, less float32 atomic output traffic)
+X_STAGES = 4  # wgmma builds of MB >= X_RING_MIN_MB copy x by cp.async into a ring of this many shared buffers
+             # (0: off; else x is loaded to registers one step ahead and stored to shared memory each step)
+X_RING_MIN_MB = 128  # MB = 128: 151.9 against 207.8 µs (7B shapes summed); M = 32, 64: no gain (session 12)
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -193,7 +199,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
   from triton.experimental import gluon
   from triton.experimental.gluon import language as ttgl
   from triton.experimental.gluon.language.nvidia import hopper
-  from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+  from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
   asm = ttgl.constexpr(_asm())
   # codes [32 rows, 256 columns]: registers n0 n1 n2 kp0 kp1 kp4; lanes kp2 kp3 n3 n4 n5; warps n6 n7.
@@ -237,9 +243,10 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
   WG = ttgl.constexpr(wg)
 
   @gluon.jit
-  def load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, i, N: ttgl.constexpr):
+  def load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, i, N: ttgl.constexpr,
+                WITH_X: ttgl.constexpr = True):
     c = ttgl.load(p_ptr + c_offs + i * (32 * N))
-    xb = ttgl.load(x_ptr + x_offs + i * 64, mask=x_mask, other=0.0)
+    xb = ttgl.load(x_ptr + x_offs + i * 64, mask=x_mask, other=0.0) if WITH_X else 0
     sg = ttgl.arange(0, 4, layout=ttgl.SliceLayout(1, ttgl.SliceLayout(1, group_layout)))
     sn = ttgl.arange(0, BN, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(1, group_layout)))
     s = ttgl.load(s_ptr + ttgl.expand_dims(sg + (s_row0 + i * 4), 1) * N + ttgl.expand_dims(sn, 0) + n0)
@@ -289,7 +296,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
   @gluon.jit
   def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                  K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-                 ATOMIC: ttgl.constexpr):
+                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr):
     if WG:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, MB, 16])
@@ -297,7 +304,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
       # x loaded 8 contiguous k a thread, stored once a step to one of 2 shared buffers for wgmma
       xl: ttgl.constexpr = ttgl.BlockedLayout([8, 1], [8, 4], [1, WARPS], [0, 1])
       xs_layout: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([64, MB], ttgl.bfloat16, transposed=True)
-      x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [2, 64, MB], xs_layout)
+      x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [XS if XS > 2 else 2, 64, MB], xs_layout)
     else:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
       a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 8)
@@ -317,8 +324,31 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
     x_offs = ttgl.expand_dims(kk + pid_s * (STEPS * 64), 1) + ttgl.expand_dims(mm, 0) * K
     x_mask = ttgl.expand_dims(mm < M, 0) & ttgl.expand_dims(kk >= 0, 1)
     acc = ttgl.zeros([BN, MB], ttgl.float32, layout=mma)
-    c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N)
-    for i in ttgl.static_range(STEPS):  # unrolled; step i+1's loads are issued before step i's math
+    if XS > 0:  # x, already in slot order (x_in_slot_order), copied by cp.async XS - 1 steps ahead into a ring of XS buffers
+      # rows past M read row M - 1 (their outputs are never stored)
+      xp_offs = ttgl.expand_dims(kk + pid_s * (STEPS * 64), 1) + ttgl.expand_dims(ttgl.minimum(mm, M - 1), 0) * K
+      for j in ttgl.static_range(XS - 1):
+        if j < STEPS:
+          async_copy.async_copy_global_to_shared(x_smem.index(j), x_ptr + xp_offs + j * 64)
+        async_copy.commit_group()
+      c0, s0, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, False)
+      for i in ttgl.static_range(STEPS):
+        c1, s1, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N,
+                              False)
+        async_copy.wait_group(XS - 2)  # this thread's copies of step i have landed
+        hopper.fence_async_shared()
+        # everyone's copies of step i are visible, and everyone's (synchronous) MMA of step i - 1 is done,
+        # so its buffer (i - 1) % XS takes step i + XS - 1
+        ttgl.thread_barrier()
+        if i + XS - 1 < STEPS:
+          async_copy.async_copy_global_to_shared(x_smem.index((i + XS - 1) % XS), x_ptr + xp_offs + (i + XS - 1) * 64)
+        async_copy.commit_group()
+        acc = hopper.warpgroup_mma(ttgl.convert_layout(decode(c0, s0), a_layout, assert_trivial=True),
+                                   x_smem.index(i % XS), acc)
+        c0, s0 = c1, s1
+    else:
+      c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N)
+    for i in ttgl.static_range(STEPS if XS == 0 else 0):  # unrolled; step i+1's loads are issued before step i's math
       c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N)
       if WG:
         # buffer i % 2 was last read by step i - 2's (synchronous) MMA, done before barrier i - 1
@@ -410,7 +440,8 @@ def _install():
     cc = compute_capability or jt.triton_kernel_call_lib.get_compute_capability(0)
     key = (fn, tuple(arg_dtypes), tuple(sorted(metaparams.items())), num_warps, cc)
     if key not in cache:
-      compiled = _compile_gluon(fn, arg_dtypes, metaparams, cc, num_warps, maxnreg=_register_cap(num_warps == 8))
+      compiled = _compile_gluon(fn, arg_dtypes, metaparams, cc, num_warps, maxnreg=_register_cap(
+          num_warps >= 8, num_warps >= 8 and metaparams["MB"] >= NARROW_MIN_MB, metaparams["MB"], metaparams["XS"]))
       kernel = jt.triton_kernel_call_lib.TritonKernel(compiled.metadata.name, num_warps, 1, compiled.metadata.shared,
                                                       compiled.asm["ptx"], "", cc)
       cache[key] = (kernel, {(i,): [["tt.divisibility", 16]] for i in range(len(arg_dtypes))})
@@ -524,7 +555,7 @@ def launcher() -> str | None:
   return None
 
 
-def _register_cap(wg: bool, narrow: bool = False, mb: int = 0) -> int | None:
+def _register_cap(wg: bool, narrow: bool = False, mb: int = 0, xs: int = 0) -> int | None:
   """The register cap of a build: 128 for the mma.sync builds, so that 4 programs of 128 threads share
   an SM. Uncapped, the atomic build takes 130 registers at MB = 8 and 185 at MB = 16 (3 programs an
   SM); capped, MB = 8 fits without spills and MB = 16 spills a few registers yet runs faster: 59.5
@@ -533,8 +564,10 @@ def _register_cap(wg: bool, narrow: bool = False, mb: int = 0) -> int | None:
   Capped at 128, MB = 64 spills about 100 registers and ran 153 against 125 µs at M = 64, 7B shapes
   summed, with split-K aimed at 256 or 512 programs (docs/benchmarks.md, session 10). The narrow
   wgmma build takes 123 registers at MB = 64: two programs share an SM (capped at 128 so that they
-  always do); at MB = 128, 164 (one program an SM, uncapped)."""
-  if not wg or (narrow and mb <= 64):
+  always do); at MB = 128 without the cp.async x ring, 164 (one program an SM, uncapped). With the
+  ring (``xs`` stages; MB = 128 by default) every wgmma build is capped at 128: uncapped it takes
+  111-130 registers, capped none spill (offline SASS), and two programs share an SM."""
+  if not wg or (narrow and mb <= 64) or xs:
     return 128
   return None
 
@@ -546,7 +579,7 @@ def _compiled(meta: tuple, wg: bool, narrow_n: int = 0):
   one) and loaded on every GPU."""
   meta = dict(meta)
   return _load(_compile_gluon(_kernel(wg, narrow_n), _ARG_DTYPES, meta, _target_cc(), num_warps=_warps(wg, narrow_n),
-                              maxnreg=_register_cap(wg, narrow_n > 0, meta["MB"])))
+                              maxnreg=_register_cap(wg, narrow_n > 0, meta["MB"], meta["XS"])))
 
 
 def _target_cc() -> int:
@@ -630,7 +663,7 @@ class Build(NamedTuple):
   @property
   def maxnreg(self) -> int | None:
     """The register cap it compiles with (:func:`_register_cap`)."""
-    return _register_cap(self.wg, self.narrow, self.meta["MB"])
+    return _register_cap(self.wg, self.narrow, self.meta["MB"], self.meta["XS"])
 
 
 def _build(m: int, k: int, n: int, layers: int) -> Build:
@@ -644,7 +677,21 @@ def _build(m: int, k: int, n: int, layers: int) -> Build:
                    max(NARROW_MAX_STEPS, MAX_STEPS) if narrow else MAX_STEPS)
   atomic = (wg or MMA_ATOMIC) and atomic_split_k()
   return Build(wg, narrow, block_n, splits,
-               dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=_row_block(m), ATOMIC=atomic))
+               dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=_row_block(m), ATOMIC=atomic,
+                    XS=max(X_STAGES, 2) if wg and X_STAGES > 0 and _row_block(m) >= X_RING_MIN_MB else 0))
+
+
+# The wgmma builds' operand k order within each 64-wide K step: slot s holds x's k = order[s], where
+# the 6 bits of s are k's bits in this order (s5 .. s0 = k5 k2 k0 k4 k3 k1; the kernel's ``x_slots``).
+X_SLOT_BITS = (0, 3, 5, 1, 2, 4)
+
+
+def x_in_slot_order(x: jax.Array) -> jax.Array:
+  """``x`` ``[M, K]`` (K a multiple of 64) with each 64-wide K step permuted to the wgmma builds'
+  operand order (:data:`X_SLOT_BITS`): the input of the cp.async x ring (``X_STAGES``), which copies
+  16 contiguous bytes at a time and so cannot permute. Same shape and dtype."""
+  m, k = x.shape
+  return x.reshape(m, k // 64, *[2] * 6).transpose(0, 1, *[2 + b for b in X_SLOT_BITS]).reshape(m, k)
 
 
 def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -> jax.Array:
@@ -684,7 +731,8 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
   # (the FFI launcher zeroes the output itself, a memset node: no XLA buffer to fill and alias)
   memset = atomic and path == "ffi"
   zeros = jnp.zeros((m, n) if atomic and not memset else (1,), jnp.float32)
-  operands = (x, *w4_triton._layer_operands(w, w4_triton._format_of(w), index), zeros)
+  x_in = x_in_slot_order(x) if meta["XS"] else x
+  operands = (x_in, *w4_triton._layer_operands(w, w4_triton._format_of(w), index), zeros)
   out_shape = jax.ShapeDtypeStruct((m, n) if atomic else (splits, m, n), jnp.float32)
   aliases = {5: 0} if atomic and not memset else None
   if path == "ffi":

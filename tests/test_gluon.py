@@ -160,6 +160,36 @@ def test_gpu_gluon_wgmma_build_matches_float64(m, k, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("m", [17, 40, 100, 128])
+@pytest.mark.parametrize("k,n", [(3584, 4608), (1088, 768)])
+def test_gpu_gluon_x_ring_matches_float64(m, k, n, stages, monkeypatch):
+  """X_STAGES: x permuted to the operand's k order by XLA and copied by cp.async into a ring of
+  shared buffers (rows past M read row M - 1, never stored), ragged M included."""
+  _skip_without_wgmma()
+  monkeypatch.setattr(w4_gluon, "X_STAGES", stages)
+  monkeypatch.setattr(w4_gluon, "X_RING_MIN_MB", 32)  # every wgmma build (the default: MB = 128 only)
+  _check_forward_against_float64(m, k, n)
+
+
+def test_x_slot_order_is_the_kernels_operand_order():
+  """x_in_slot_order equals the kernel's in-register relabelling (x_slots), worked by hand on the
+  k index: the k-pair swap (bits 0, 1), then wgmma's k_width-2 relabelling (bits 1-4 as 3, 4, 1, 2);
+  for the narrow build its own order, s5 .. s0 = k5 k2 k0 k4 k3 k1; both the same permutation."""
+  k = np.arange(64)
+  wide = k.reshape(16, 2, 2).transpose(0, 2, 1).reshape(64)
+  wide = wide.reshape([2] * 6).transpose(0, 3, 4, 1, 2, 5).reshape(64)
+  narrow = k.reshape([2] * 6).transpose(0, 3, 5, 1, 2, 4).reshape(64)
+  bits = [(narrow >> b) & 1 for b in range(6)]  # slot s holds k = narrow[s]; s5 .. s0 = k5 k2 k0 k4 k3 k1
+  s = np.arange(64)
+  assert all(np.array_equal(bits[kb], (s >> sb) & 1) for sb, kb in enumerate([1, 3, 4, 0, 2, 5]))
+  np.testing.assert_array_equal(wide, narrow)
+  x = jnp.arange(2 * 128, dtype=jnp.float32).reshape(2, 128)
+  y = np.asarray(w4_gluon.x_in_slot_order(x))
+  np.testing.assert_array_equal(y, np.asarray(x).reshape(2, 2, 64)[:, :, narrow].reshape(2, 128))
+
+
+@pytest.mark.gpu
 def test_gpu_gluon_deterministic_wgmma_build_is_repeatable(monkeypatch):
   """QERL_GLUON_DETERMINISTIC=1: partials summed by XLA, so two runs agree bit for bit."""
   _skip_without_wgmma()

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Lab (GPU, Firecracker runtime): Nsight Compute's view of the Gluon W4A16 kernel (stall reasons, issue
+# slots, occupancy, memory throughput) at decode sizes M = 8 / 64 / 128 on the 7B gate/up and down
+# matrices. Run from the repository root: bash experiments/lab/gluon/ncu_gluon.sh   # writes $OUT/ncu_g_*
+set -uo pipefail
+OUT=${OUT:-/tmp/ncu}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+for shape in "${@:-8 3584 37888}"; do
+  tag=$(echo "$shape" | tr ' ' '_')
+  timeout 150 ncu --clock-control none --target-processes all -k regex:w4a16_gemv --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
+    --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    --section SourceCounters -f -o "$OUT/ncu_g_$tag" python3 experiments/lab/gluon/ncu_target.py $shape > "$OUT/ncu_g_$tag.log" 2>&1
+  ncu -i "$OUT/ncu_g_$tag.ncu-rep" --page details > "$OUT/ncu_g_$tag.txt" 2>&1
+  ncu -i "$OUT/ncu_g_$tag.ncu-rep" --page raw --csv > "$OUT/ncu_g_${tag}_raw.csv" 2>&1
+  echo "== M K N = $shape"; tail -1 "$OUT/ncu_g_$tag.log"
+  grep -i "duration\|dram throughput\|memory throughput\|L2 cache throughput\|achieved occupancy\|registers per\|issue slots busy\|warp cycles per issued\|eligible warps\|active warps\|theoretical occ\|block limit" "$OUT/ncu_g_$tag.txt" | head -30
+done
