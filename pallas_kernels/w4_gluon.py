@@ -5,8 +5,8 @@
 accumulation. It is the decode path of :func:`pallas_kernels.matmul.quantized_matmul` on a GPU.
 On an H200 against bf16 cuBLAS (the launchers' XLA flags), summed over the Qwen2.5-7B shapes, it is
 2.45x / 2.33x / 1.96x / 1.61x / 1.17x faster at M = 1 / 8 / 16 / 32 / 64, each time including the
-memset of its output, and 0.62x at M = 128, where it replaced dequantize + cuBLAS (0.46x)
-(docs/benchmarks.md, session 11); against XLA's Triton GEMM, which is faster than cuBLAS on the
+memset of its output, and 0.86x at M = 128, where it replaced dequantize + cuBLAS (0.46x)
+(docs/benchmarks.md, sessions 11 and 12); against XLA's Triton GEMM, which is faster than cuBLAS on the
 small q/k/v and o matrices, about 1.7x at M <= 8 and 1.0x at M = 64.
 
 Three builds of one kernel source (:func:`_kernel`): M <= 16 uses mma.sync with 4 warps, x held in

@@ -9,10 +9,10 @@
 #   STEPS=7 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=8 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=9 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=10 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
-#    M = 1-64, with session 11's prepared narrow build of 256 columns and 16 warps, and the narrow
-#    build with up to 28 K steps a program, as lab columns at M = 32 and 64), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
+#    M = 1-128), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
 #    M = 1-16 with float32 partials in the mma.sync builds (GL_MMA_ATOMIC=0; atomics are the default);
 #    this harness runs without the launchers' XLA flags, so its bf16 column is XLA's Triton GEMM;
 # 3. issue 6's benchmark as the issue states it (prompt 256, 2048 new tokens, batch 8 and 64; 256 at 1024),
@@ -25,23 +25,24 @@
 #    1.65 ms): per-kernel device time with each small XLA kernel's source line (profile_rollout.py with
 #    PROFILE_HLO=1; PROFILE_SCAN=1 for the scanned layer loop), NVFP4 and bf16;
 # 8. issue 4's own benchmark script at the 7B decode sizes;
-# 9. (prepared in session 11, not yet run) whether the M <= 8 kernel is limited by its weight reads:
-#    loads alone on the kernel's grid and addresses, and on tile-contiguous addresses
-#    (experiments/lab/gluon/loads_only.py; about a minute).
+# 9. whether the M <= 8 kernel is limited by its weight reads: loads alone on the kernel's grid and
+#    addresses, and on tile-contiguous addresses (experiments/lab/gluon/loads_only.py; about a minute;
+#    session 12: no, the loads alone reach 3.2 TB/s on gate and down);
+# 10. Nsight Compute on the Gluon kernel at M = 64 and 128 (experiments/lab/gluon/ncu_gluon.sh).
 # (Session 10 ran steps 1, 2, 7 and variants of 3, 4 and 8; session 11 ran 1, 3 (batch 8 and 64),
-# 4 (LoRA) and 8 (M <= 128), with A/Bs through experiments/lab/gluon/ab_rollout.py; results in
-# docs/benchmarks.md and docs/benchmarks_rollout.md. Not re-run since session 10: batch 256, the
-# batch-8 profile of step 7 (the zero-fill copies should be gone), 32B shapes. Steps 5 and 6 concern
-# the Pallas kernel, off by default at M <= 128.)
+# 4 (LoRA) and 8 (M <= 128); session 12 ran 1, 2 (with the two variants session 11 prepared, both
+# slower and left off), 9, 10 and 8 at M = 64 and 128, plus a batch-128 rollout; A/Bs through
+# experiments/lab/gluon/ab_rollout.py; results in docs/benchmarks.md and docs/benchmarks_rollout.md.
+# Not re-run since session 10: batch 256, the batch-8 profile of step 7 (the zero-fill copies should
+# be gone), 32B shapes. Steps 5 and 6 concern the Pallas kernel, off by default at M <= 128.)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_checkpoint}
-STEPS=",${STEPS:-1,2,3,4,5,6,7,8,9},"
+STEPS=",${STEPS:-1,2,3,4,5,6,7,8,9,10},"
 step() { [[ "$STEPS" == *",$1,"* ]]; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
-step 1 && timeout 300 python3 -m pytest -q -m gpu tests 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
-step 2 && { GL_VARIANTS="n256@64:NARROW_BLOCK_N=256;n256m32@32:NARROW_BLOCK_N=256,NARROW_MIN_MB=32;s28@64:NARROW_MAX_STEPS=28" \
-  timeout 240 python3 experiments/lab/gluon/time_jax.py 2>&1
+step 1 && timeout 420 python3 -m pytest -q -m gpu tests 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
+step 2 && { GL_MS=1,8,16,32,64,128 timeout 240 python3 experiments/lab/gluon/time_jax.py 2>&1
   QERL_GLUON_DETERMINISTIC=1 GL_MS=32,64 timeout 120 python3 experiments/lab/gluon/time_jax.py 2>&1
   GL_MMA_ATOMIC=0 GL_MS=1,8,16 timeout 120 python3 experiments/lab/gluon/time_jax.py 2>&1
 } | grep -v Warn | tee "$OUT/gluon_time.txt"
@@ -60,3 +61,4 @@ step 7 && PROFILE_HLO=1 PROFILE_TOP=40 OUT="$OUT" timeout 300 python3 experiment
 step 8 && timeout 420 python3 experiments/bench_kernels.py --models=7b --kinds=fwd --ms=1,8,16,32,64,128,256 \
   --json="$OUT/bench_kernels_7b.json" 2>&1 | grep "|" | tee "$OUT/bench_kernels_7b.txt"
 step 9 && timeout 200 python3 experiments/lab/gluon/loads_only.py 2>&1 | grep -v "^[IW][0-9]" | tee "$OUT/loads_only.txt"
+step 10 && OUT="$OUT/ncu" timeout 400 bash experiments/lab/gluon/ncu_gluon.sh "64 3584 37888" "128 3584 37888" "128 18944 3584" 2>&1 | tee "$OUT/ncu_gluon.txt"

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Lab (GPU, Firecracker runtime): Nsight Compute's view of the Gluon W4A16 kernel (stall reasons, issue
-# slots, occupancy, memory throughput) at decode sizes M = 8 / 64 / 128 on the 7B gate/up and down
-# matrices. Run from the repository root: bash experiments/lab/gluon/ncu_gluon.sh   # writes $OUT/ncu_g_*
+# slots, occupancy, memory throughput) at the shapes given as "M K N" arguments (default: M = 64 on
+# the 7B fused gate/up matrix). Run from the repository root (session 12's run, docs/benchmarks.md):
+#   bash experiments/lab/gluon/ncu_gluon.sh "64 3584 37888" "128 3584 37888" "128 18944 3584"
+# It writes $OUT/ncu_g_*. (At M = 8 the profiled process crashed with a segmentation fault, session 12.)
 set -uo pipefail
 OUT=${OUT:-/tmp/ncu}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
-for shape in "${@:-8 3584 37888}"; do
+for shape in "${@:-64 3584 37888}"; do
   tag=$(echo "$shape" | tr ' ' '_')
   timeout 150 ncu --clock-control none --target-processes all -k regex:w4a16_gemv --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
