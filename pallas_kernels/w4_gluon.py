@@ -102,8 +102,6 @@ NARROW_MAX_STEPS = 8  # lab: more K steps a program for them (fewer splits, less
 X_STAGES = 4  # wgmma builds of MB >= X_RING_MIN_MB copy x by cp.async into a ring of this many shared buffers
              # (0: off; else x is loaded to registers one step ahead and stored to shared memory each step)
 X_RING_MIN_MB = 128  # MB = 128: 151.9 against 207.8 µs (7B shapes summed); M = 32, 64: no gain (session 12)
-CODE_AHEAD = 1  # with the x ring: how many steps ahead the codes and block scales are loaded to registers
-                # (lab: 2, prepared in session 12, not yet timed)
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -298,7 +296,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
   @gluon.jit
   def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                  K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, CA: ttgl.constexpr):
+                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr):
     if WG:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, MB, 16])
@@ -333,17 +331,10 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
         if j < STEPS:
           async_copy.async_copy_global_to_shared(x_smem.index(j), x_ptr + xp_offs + j * 64)
         async_copy.commit_group()
-      # codes and block scales go to registers CA steps ahead (CODE_AHEAD)
       c0, s0, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, False)
-      if CA > 1:
-        c1, s1, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(1, STEPS - 1), N, False)
       for i in ttgl.static_range(STEPS):
-        if CA > 1:
-          c2, s2, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 2, STEPS - 1), N,
-                                False)
-        else:
-          c1, s1, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N,
-                                False)
+        c1, s1, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N,
+                              False)
         async_copy.wait_group(XS - 2)  # this thread's copies of step i have landed
         hopper.fence_async_shared()
         # everyone's copies of step i are visible, and everyone's (synchronous) MMA of step i - 1 is done,
@@ -354,10 +345,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
         async_copy.commit_group()
         acc = hopper.warpgroup_mma(ttgl.convert_layout(decode(c0, s0), a_layout, assert_trivial=True),
                                    x_smem.index(i % XS), acc)
-        if CA > 1:
-          c0, s0, c1, s1 = c1, s1, c2, s2
-        else:
-          c0, s0 = c1, s1
+        c0, s0 = c1, s1
     else:
       c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N)
     for i in ttgl.static_range(STEPS if XS == 0 else 0):  # unrolled; step i+1's loads are issued before step i's math
@@ -688,10 +676,9 @@ def _build(m: int, k: int, n: int, layers: int) -> Build:
   splits = _splits(k, n, NARROW_TARGET_PROGRAMS if narrow else WG_TARGET_PROGRAMS if wg else None, block_n,
                    max(NARROW_MAX_STEPS, MAX_STEPS) if narrow else MAX_STEPS)
   atomic = (wg or MMA_ATOMIC) and atomic_split_k()
-  xs = max(X_STAGES, 2) if wg and X_STAGES > 0 and _row_block(m) >= X_RING_MIN_MB else 0
   return Build(wg, narrow, block_n, splits,
                dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=_row_block(m), ATOMIC=atomic,
-                    XS=xs, CA=CODE_AHEAD if xs else 1))
+                    XS=max(X_STAGES, 2) if wg and X_STAGES > 0 and _row_block(m) >= X_RING_MIN_MB else 0))
 
 
 # The wgmma builds' operand k order within each 64-wide K step: slot s holds x's k = order[s], where

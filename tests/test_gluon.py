@@ -172,17 +172,6 @@ def test_gpu_gluon_x_ring_matches_float64(m, k, n, stages, monkeypatch):
   _check_forward_against_float64(m, k, n)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [40, 64])
-@pytest.mark.parametrize("k,n", [(3584, 4608), (1088, 768)])
-def test_gpu_gluon_codes_two_steps_ahead_match_float64(m, k, n, monkeypatch):
-  """CODE_AHEAD = 2 (lab) with the x ring at MB = 64: codes and block scales loaded two steps ahead."""
-  _skip_without_wgmma()
-  monkeypatch.setattr(w4_gluon, "X_RING_MIN_MB", 64)
-  monkeypatch.setattr(w4_gluon, "CODE_AHEAD", 2)
-  _check_forward_against_float64(m, k, n)
-
-
 def test_x_slot_order_is_the_kernels_operand_order():
   """x_in_slot_order equals the kernel's in-register relabelling (x_slots), worked by hand on the
   k index: the k-pair swap (bits 0, 1), then wgmma's k_width-2 relabelling (bits 1-4 as 3, 4, 1, 2);
