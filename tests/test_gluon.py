@@ -270,6 +270,12 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
   assert ".entry w4a16_gemv" in text and "wgmma.mma_async" in text and "threads = 256" in text
   text_wg = text
   assert "grid_x = 36" in text and "grid_y = 7" in text
+  x128 = jax.ShapeDtypeStruct((128, k), jnp.bfloat16)  # MB = 128: x by cp.async (16 bytes), 128 registers
+  ring = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x128, stack, i).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "wgmma.mma_async" in ring and "cp.async.cg.shared.global" in ring and ".maxnreg 128" in ring
+  assert "threads = 256" in ring and "grid_x = 36" in ring and "transpose" in ring  # x_in_slot_order
+  assert "cp.async" not in text_wg  # MB = 64 keeps x in registers
   monkeypatch.setattr(w4_gluon, "NARROW_BLOCK_N", 256)  # the lab's narrow build of 256 columns: 16 warps
   n16 = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x64, stack, i).lower(
       lowering_platforms=("cuda",)).as_text()
