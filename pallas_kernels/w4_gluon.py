@@ -301,7 +301,8 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, MB, 16])
       a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 2)
-      # x loaded 8 contiguous k a thread, stored once a step to one of 2 shared buffers for wgmma
+      # x loaded 8 contiguous k a thread, stored once a step to one of 2 shared buffers for wgmma (or, with
+      # the ring, XS buffers that cp.async fills)
       xl: ttgl.constexpr = ttgl.BlockedLayout([8, 1], [8, 4], [1, WARPS], [0, 1])
       xs_layout: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([64, MB], ttgl.bfloat16, transposed=True)
       x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [XS if XS > 2 else 2, 64, MB], xs_layout)
@@ -668,7 +669,8 @@ class Build(NamedTuple):
 
 def _build(m: int, k: int, n: int, layers: int) -> Build:
   """The :class:`Build` for ``x [m, k]`` times a ``[k, n]`` weight (of a stack of ``layers``), under
-  the current settings (``NARROW_MIN_MB``, ``MMA_ATOMIC``, :func:`atomic_split_k`); the
+  the current settings (``NARROW_MIN_MB``, ``MMA_ATOMIC``, ``X_STAGES``, ``X_RING_MIN_MB``,
+  :func:`atomic_split_k`); the
   shape must be one :func:`applies` takes."""
   wg = _use_wgmma(m)
   narrow = wg and _row_block(m) >= NARROW_MIN_MB
