@@ -10,6 +10,7 @@
 #   STEPS=8 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=9 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=10 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=11 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-128), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
@@ -28,7 +29,10 @@
 # 9. whether the M <= 8 kernel is limited by its weight reads: loads alone on the kernel's grid and
 #    addresses, and on tile-contiguous addresses (experiments/lab/gluon/loads_only.py; about a minute;
 #    session 12: no, the loads alone reach 3.2 TB/s on gate and down);
-# 10. Nsight Compute on the Gluon kernel at M = 64 and 128 (experiments/lab/gluon/ncu_gluon.sh).
+# 10. Nsight Compute on the Gluon kernel at M = 64 and 128 (experiments/lab/gluon/ncu_gluon.sh);
+# 11. (next) where a batch-64 decode step's time goes, NVFP4 and bf16: at M = 64 the 4-bit kernels
+#     are 1.18x bf16 in isolation (109 against 129 µs a layer, 0.5 ms a step less), yet the NVFP4
+#     step is 0.26 ms longer (6.22 against 5.96 ms): about 0.8 ms a step to find.
 # (Session 10 ran steps 1, 2, 7 and variants of 3, 4 and 8; session 11 ran 1, 3 (batch 8 and 64),
 # 4 (LoRA) and 8 (M <= 128); session 12 ran 1, 2 (with the two variants session 11 prepared, both
 # slower and left off), 9, 10 and 8 at M = 64 and 128, plus a batch-128 rollout; A/Bs through
@@ -37,7 +41,7 @@
 # be gone), 32B shapes. Steps 5 and 6 concern the Pallas kernel, off by default at M <= 128.)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_checkpoint}
-STEPS=",${STEPS:-1,2,3,4,5,6,7,8,9,10},"
+STEPS=",${STEPS:-1,2,3,4,5,6,7,8,9,10,11},"
 step() { [[ "$STEPS" == *",$1,"* ]]; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -62,3 +66,5 @@ step 8 && timeout 420 python3 experiments/bench_kernels.py --models=7b --kinds=f
   --json="$OUT/bench_kernels_7b.json" 2>&1 | grep "|" | tee "$OUT/bench_kernels_7b.txt"
 step 9 && timeout 200 python3 experiments/lab/gluon/loads_only.py 2>&1 | grep -v "^[IW][0-9]" | tee "$OUT/loads_only.txt"
 step 10 && OUT="$OUT/ncu" timeout 400 bash experiments/lab/gluon/ncu_gluon.sh "64 3584 37888" "128 3584 37888" "128 18944 3584" 2>&1 | tee "$OUT/ncu_gluon.txt"
+step 11 && PROFILE_HLO=1 PROFILE_TOP=40 OUT="$OUT" timeout 400 python3 experiments/lab/profile_rollout.py \
+  nvfp4_fused:64:64 bf16_fused:64:64 2>&1 | grep -v "^[IW][0-9]" | tee "$OUT/profile_b64.txt"
