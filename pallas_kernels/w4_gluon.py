@@ -349,19 +349,19 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
         c0, s0 = c1, s1
     else:
       c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N)
-    for i in ttgl.static_range(STEPS if XS == 0 else 0):  # unrolled; step i+1's loads are issued before step i's math
-      c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N)
-      if WG:
-        # buffer i % 2 was last read by step i - 2's (synchronous) MMA, done before barrier i - 1
-        buf = x_smem.index(i % 2)
-        buf.store(x_slots(x0))
-        hopper.fence_async_shared()
-        ttgl.thread_barrier()
-        acc = hopper.warpgroup_mma(ttgl.convert_layout(decode(c0, s0), a_layout, assert_trivial=True), buf, acc)
-      else:
-        a = ttgl.convert_layout(decode(c0, s0), a_layout)
-        acc = mma_v2(a, ttgl.convert_layout(x_slots(x0), xl), acc)
-      c0, s0, x0 = c1, s1, x1
+      for i in ttgl.static_range(STEPS):  # unrolled; step i+1's loads are issued before step i's math
+        c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N)
+        if WG:
+          # buffer i % 2 was last read by step i - 2's (synchronous) MMA, done before barrier i - 1
+          buf = x_smem.index(i % 2)
+          buf.store(x_slots(x0))
+          hopper.fence_async_shared()
+          ttgl.thread_barrier()
+          acc = hopper.warpgroup_mma(ttgl.convert_layout(decode(c0, s0), a_layout, assert_trivial=True), buf, acc)
+        else:
+          a = ttgl.convert_layout(decode(c0, s0), a_layout)
+          acc = mma_v2(a, ttgl.convert_layout(x_slots(x0), xl), acc)
+        c0, s0, x0 = c1, s1, x1
     acc = acc * (256.0 / gs)  # 2**8 undoes the decode's 2**-8
     # rows r -> columns n = nu(r) (the inverse relabelling), then 16-byte stores along n
     if NARROW:  # rows (r_top .. r0) = (n_top .. n4 n0 n3 n2 n1); at 128 columns [0, 1, 2, 4, 5, 6, 3, 7]
