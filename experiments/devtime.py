@@ -21,13 +21,15 @@ from typing import Callable, Optional
 import jax
 
 
-def kernel_durations(trace_file: str, device_marker: str = "/device:GPU") -> dict[str, list[float]]:
+def kernel_durations(trace_file: str, device_marker: str = "/device:GPU", events: Optional[list] = None
+                     ) -> dict[str, list[float]]:
   """Durations (µs) of the complete events on device processes of a perfetto JSON trace, by name.
 
   Args:
     trace_file: a ``*.perfetto_trace.json.gz`` (or plain ``.json``) written by
       ``jax.profiler.trace(..., create_perfetto_trace=True)``.
     device_marker: substring of the process names that hold device events.
+    events: if given, ``(name, start µs, duration µs)`` of every device event is appended to it.
 
   Returns:
     ``{kernel name: [duration in µs, ...]}`` in trace order; empty when the
@@ -39,20 +41,23 @@ def kernel_durations(trace_file: str, device_marker: str = "/device:GPU") -> dic
   opener = gzip.open if trace_file.endswith(".gz") else open
   with opener(trace_file, "rt") as f:
     data = json.load(f)
-  events = data.get("traceEvents") if isinstance(data, dict) else data
-  if not isinstance(events, list):
+  trace = data.get("traceEvents") if isinstance(data, dict) else data
+  if not isinstance(trace, list):
     raise ValueError(f"{trace_file}: no traceEvents list; not a perfetto JSON trace")
-  names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+  names = {e["pid"]: e.get("args", {}).get("name", "") for e in trace
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   out: dict[str, list[float]] = collections.defaultdict(list)
-  for e in events:
+  for e in trace:
     if e.get("ph") == "X" and device_marker in names.get(e.get("pid"), ""):
       out[e.get("name", "?")].append(float(e.get("dur", 0.0)))
+      if events is not None:
+        events.append((e.get("name", "?"), float(e.get("ts", 0.0)), float(e.get("dur", 0.0))))
   return dict(out)
 
 
-def trace_durations(fn: Callable, *args) -> dict[str, list[float]]:
-  """Kernel durations (µs, by name) of one call ``fn(*args)``, after one warm-up call.
+def trace_durations(fn: Callable, *args, events: Optional[list] = None) -> dict[str, list[float]]:
+  """Kernel durations (µs, by name) of one call ``fn(*args)``, after one warm-up call; ``events``
+  as in :func:`kernel_durations`.
 
   Returns:
     :func:`kernel_durations` of a ``jax.profiler`` trace of the second call;
@@ -66,7 +71,7 @@ def trace_durations(fn: Callable, *args) -> dict[str, list[float]]:
     with jax.profiler.trace(d, create_perfetto_trace=True):
       jax.block_until_ready(fn(*args))
     files = glob.glob(os.path.join(d, "**", "*perfetto_trace.json*"), recursive=True)
-    return kernel_durations(files[0]) if files else {}
+    return kernel_durations(files[0], events=events) if files else {}
 
 
 def device_time(fn: Callable, *args) -> Optional[float]:

@@ -32,7 +32,9 @@ def test_kernel_durations_sums_device_events_only(tmp_path):
   f = tmp_path / "t.perfetto_trace.json.gz"
   with gzip.open(f, "wt") as fh:
     json.dump({"traceEvents": events}, fh)
-  assert devtime.kernel_durations(str(f)) == {"w4a16_fwd": [7.5, 8.5], "memcpy128": [2.0]}
+  timeline = []
+  assert devtime.kernel_durations(str(f), events=timeline) == {"w4a16_fwd": [7.5, 8.5], "memcpy128": [2.0]}
+  assert timeline == [("w4a16_fwd", 10.0, 7.5), ("w4a16_fwd", 30.0, 8.5), ("memcpy128", 50.0, 2.0)]
   plain = tmp_path / "t.json"
   plain.write_text(json.dumps(events))  # a bare event list is accepted too
   assert devtime.kernel_durations(str(plain), device_marker="/host:CPU") == {"w4a16_fwd": [100.0]}

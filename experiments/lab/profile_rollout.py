@@ -6,7 +6,8 @@ perfetto trace, and prints the kernels by total device time. Arguments:
 ``format:batch:new_tokens[:lora_rank[:aqn]]`` (a LoRA rank > 0 attaches a training-style adapter on all 7
 linears, as ``bench_rollout.py --lora_rank``; a fifth field ``aqn`` adds AQN norm noise).
 ``PROFILE_TOP`` sets how many kernels are listed (default 22); ``PROFILE_SCAN=1`` keeps the decode
-step's layer loop scanned (``SamplingConfig.unroll_decode=False``). ``PROFILE_HLO=1`` adds, under each
+step's layer loop scanned (``SamplingConfig.unroll_decode=False``). ``PROFILE_POSITIONS=1`` adds, for a kernel called 2-8 times a layer and step, its
+median time by call position within the layer (trace order). ``PROFILE_HLO=1`` adds, under each
 XLA kernel, the fusion's output shape and the JAX op and source line it came from (from the compiled
 HLO's metadata), to find which model code a small kernel belongs to, and writes the compiled HLO
 text to $OUT (default /tmp).
@@ -34,13 +35,16 @@ def profile(fmt, batch, new_tokens, out, rank=0, aqn=False):
                                    jnp.int32(batch)).compile()
   run = lambda live: jax.block_until_ready(c(base, lora, noise, tokens, mask, jax.random.key(1), jnp.int32(live)))
   t0 = time.perf_counter()
-  durs = devtime.trace_durations(lambda: run(batch))
+  events = []
+  durs = devtime.trace_durations(lambda: run(batch), events=events)
   wall = time.perf_counter() - t0
   agg = {name: [sum(ts), len(ts)] for name, ts in durs.items()}
   tot = sum(v[0] for v in agg.values())
   steps = new_tokens - 1
   print(f"\n== {fmt} batch {batch} lora {rank} aqn {aqn}: wall (warm-up + traced run) {wall*1e3:.0f} ms, device busy {tot/1e3:.0f} ms, "
         f"kernels {sum(v[1] for v in agg.values())}, per step busy {tot/steps/1e3:.2f} ms")
+  if os.environ.get("PROFILE_SEQ"):
+    step_sequence(events, agg, steps, cfg.num_layers, int(os.environ["PROFILE_SEQ"]))
   where = {}
   if os.environ.get("PROFILE_HLO"):
     text = c.as_text()
@@ -51,6 +55,33 @@ def profile(fmt, batch, new_tokens, out, rank=0, aqn=False):
     print(f"  {us/1e3:9.1f} ms {n:7d}x {us/n:8.1f} us  {name}")
     if name in where:
       print(f"{'':36s}{where[name]}")
+    per_layer_step = n // (steps * cfg.num_layers) if n % (steps * cfg.num_layers) == 0 else 0
+    if os.environ.get("PROFILE_POSITIONS") and 1 < per_layer_step <= 8:
+      ts = np.asarray(durs[name]).reshape(-1, per_layer_step)  # trace order: one row per layer and step
+      print(f"{'':36s}by call within a layer (median us): "
+            + " ".join(f"{v:.1f}" for v in np.median(ts, axis=0)))
+
+
+def step_sequence(events, agg, steps, layers, show):
+  """Prints one decode step from the trace: its kernels in order (the first ``show``), the step's
+  device busy and wall time (first kernel start to last kernel end), and the idle gaps between its
+  kernels. A step is delimited by the LM-head GEMM, the kernel that runs once a step plus once in
+  prefill (``steps + 1`` times)."""
+  head = [name for name, (_, n) in agg.items() if n == steps + 1]
+  if not head:
+    print("  (no kernel runs steps + 1 times; no step sequence)")
+    return
+  events = sorted(events, key=lambda e: e[1])
+  marks = [i for i, e in enumerate(events) if e[0] == head[0]]
+  mid = len(marks) // 2
+  step = events[marks[mid] + 1:marks[mid + 1] + 1]
+  busy = sum(d for _, _, d in step)
+  wall = step[-1][1] + step[-1][2] - step[0][1]
+  gaps = [b[1] - (a[1] + a[2]) for a, b in zip(step, step[1:])]
+  print(f"  one decode step ({head[0]} ends it): {len(step)} kernels, busy {busy:.0f} us, wall {wall:.0f} us, "
+        f"gaps {sum(gaps):.0f} us (median {np.median(gaps):.2f} us)")
+  for (name, ts, dur), gap in list(zip(step, [0.0] + gaps))[:show]:
+    print(f"    {dur:7.1f} us  gap {gap:5.1f}  {name}")
 
 
 def hlo_origins(text):

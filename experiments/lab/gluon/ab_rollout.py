@@ -3,6 +3,9 @@ for an A/B of a kernel or launcher setting in the rollout (the settings are read
 
   GL_SET="NARROW_MIN_MB=128,NARROW_TARGET_PROGRAMS=512" PYTHONPATH=$PWD python3 experiments/lab/gluon/ab_rollout.py \
       --batches=8 --new_tokens=1024 --formats=nvfp4_fused
+
+GL_NO_ZERO=1 drops the launcher's memset of the atomic builds' output: the results are WRONG (they add
+into whatever the buffer held); only for timing what the memsets cost in a rollout.
 """
 import os
 import runpy
@@ -16,6 +19,10 @@ for assign in filter(None, os.environ.get("GL_SET", "").split(",")):
     raise SystemExit(f"w4_gluon has no setting {name}")
   setattr(w4_gluon, name, int(value))
   print(f"w4_gluon.{name} = {int(value)}", flush=True)
+if os.environ.get("GL_NO_ZERO") == "1":
+  _attrs = w4_gluon._launch_attrs
+  w4_gluon._launch_attrs = lambda *a, **k: _attrs(*a, **{**k, "zero_results": False})
+  print("w4_gluon: no memset of the output (wrong results; timing only)", flush=True)
 experiments = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, experiments)  # the script's sibling modules (devtime)
 script = os.path.join(experiments, "bench_rollout.py")
