@@ -9,11 +9,7 @@
 // Kernel parameters, in order: every operand's and result's device pointer, then the two null
 // scratch pointers that Triton 3.6 appends (global and profile scratch; the kernels here use none).
 // With zero_results, the results are zeroed on the stream first (one memset node each in a CUDA
-// graph; byte counts must be multiples of 4), for kernels that add into them. With workspace_arg >= 0,
-// that operand's pointer is replaced by the kernel's persistent workspace: a zeroed device buffer per
-// (CUDA context, key), allocated by qerl_gluon_workspace outside any stream capture, which the kernel
-// leaves zeroed when it finishes (w4_gluon's split-K sums and arrival counters). Launches of one kernel
-// therefore must not overlap: they run in the order of XLA's stream, as XLA issues them.
+// graph; byte counts must be multiples of 4), for kernels that add into them.
 // Modules are loaded once per (CUDA context, key) pair, where the key is a short digest of the PTX and
 // kernel name computed once in Python, so that a launch looks up a few dozen bytes instead of copying
 // and comparing the whole PTX: qerl_gluon_preload loads them outside any stream capture (called from
@@ -54,8 +50,6 @@ struct Driver {
   CUresult (*ctx_pop)(CUcontext*) = nullptr;
   CUresult (*device_get)(CUdevice*, int) = nullptr;
   CUresult (*memset_d32_async)(unsigned long long, unsigned, size_t, cudaStream_t) = nullptr;
-  CUresult (*mem_alloc)(unsigned long long*, size_t) = nullptr;
-  CUresult (*memset_d32)(unsigned long long, unsigned, size_t) = nullptr;
   bool ok = false;
 };
 
@@ -74,11 +68,9 @@ const Driver& GetDriver() {
     d.ctx_pop = reinterpret_cast<decltype(d.ctx_pop)>(dlsym(lib, "cuCtxPopCurrent_v2"));
     d.device_get = reinterpret_cast<decltype(d.device_get)>(dlsym(lib, "cuDeviceGet"));
     d.memset_d32_async = reinterpret_cast<decltype(d.memset_d32_async)>(dlsym(lib, "cuMemsetD32Async"));
-    d.mem_alloc = reinterpret_cast<decltype(d.mem_alloc)>(dlsym(lib, "cuMemAlloc_v2"));
-    d.memset_d32 = reinterpret_cast<decltype(d.memset_d32)>(dlsym(lib, "cuMemsetD32_v2"));
     d.ok = d.ctx_get_current && d.module_load_data && d.module_get_function && d.launch_kernel &&
            d.func_set_attribute && d.primary_ctx_retain && d.ctx_push && d.ctx_pop && d.device_get &&
-           d.memset_d32_async && d.mem_alloc && d.memset_d32;
+           d.memset_d32_async;
     return d;
   }();
   return d;
@@ -86,9 +78,6 @@ const Driver& GetDriver() {
 
 std::mutex cache_mutex;
 std::map<std::pair<CUcontext, std::string>, CUfunction> cache;
-// persistent zeroed workspaces: (context, key) -> (device pointer, bytes); never freed (a captured CUDA
-// graph may hold the pointer for the life of the process)
-std::map<std::pair<CUcontext, std::string>, std::pair<unsigned long long, long long>> workspaces;
 
 constexpr int kMaxDynamicSharedSizeBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
@@ -120,7 +109,7 @@ CUresult Function(const Driver& d, std::string_view key, std::string_view ptx, s
 
 ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view key,
                   std::string_view ptx, std::string_view name, int64_t grid_x, int64_t grid_y, int64_t grid_z,
-                  int64_t threads, int64_t shared, int64_t zero_results, int64_t workspace_arg) {
+                  int64_t threads, int64_t shared, int64_t zero_results) {
   const Driver& d = GetDriver();
   if (!d.ok) return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_launch: libcuda.so.1 not loadable");
   CUfunction fn = nullptr;
@@ -148,22 +137,6 @@ ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRe
       }
     }
     pointers.push_back(data);
-  }
-  if (workspace_arg >= 0) {
-    if (static_cast<size_t>(workspace_arg) >= pointers.size()) {
-      return ffi::Error(ffi::ErrorCode::kInvalidArgument, "qerl_gluon_launch: workspace_arg out of range");
-    }
-    CUcontext ctx = nullptr;
-    r = d.ctx_get_current(&ctx);
-    if (r != 0) return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_launch: no current CUDA context");
-    std::lock_guard<std::mutex> lock(cache_mutex);
-    auto it = workspaces.find(std::make_pair(ctx, std::string(key)));
-    if (it == workspaces.end()) {
-      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                        "qerl_gluon_launch: no workspace prepared for kernel " + std::string(name) +
-                            " in this context (qerl_gluon_workspace must run first)");
-    }
-    pointers[workspace_arg] = reinterpret_cast<void*>(it->second.first);
   }
   pointers.push_back(nullptr);  // global scratch
   pointers.push_back(nullptr);  // profile scratch
@@ -193,8 +166,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QerlGluonLaunch, Launch,
                                   .Attr<int64_t>("grid_z")
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("shared")
-                                  .Attr<int64_t>("zero_results")
-                                  .Attr<int64_t>("workspace_arg"),
+                                  .Attr<int64_t>("zero_results"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // Loads `name` of `ptx` (digest `key`, as the handler's attribute) into device `device`'s primary context
@@ -214,32 +186,4 @@ extern "C" int qerl_gluon_preload(const char* key, const char* ptx, const char* 
   CUcontext popped = nullptr;
   d.ctx_pop(&popped);
   return r;
-}
-
-// Prepares the persistent workspace of kernel `key` in device `device`'s primary context: `bytes` zeroed
-// bytes (a multiple of 4), allocated once (outside any stream capture) and kept for the process. Returns
-// 0 on success, -1 without libcuda, -2 when the key already has a workspace of another size, else the
-// CUresult.
-extern "C" int qerl_gluon_workspace(const char* key, int device, long long bytes) {
-  const Driver& d = GetDriver();
-  if (!d.ok) return -1;
-  CUdevice dev = 0;
-  CUcontext ctx = nullptr;
-  CUresult r = d.device_get(&dev, device);
-  if (r == 0) r = d.primary_ctx_retain(&ctx, dev);
-  if (r != 0) return r;
-  std::lock_guard<std::mutex> lock(cache_mutex);
-  auto cache_key = std::make_pair(ctx, std::string(key));
-  auto it = workspaces.find(cache_key);
-  if (it != workspaces.end()) return it->second.second == bytes ? 0 : -2;
-  r = d.ctx_push(ctx);
-  if (r != 0) return r;
-  unsigned long long ptr = 0;
-  r = d.mem_alloc(&ptr, static_cast<size_t>(bytes));
-  if (r == 0) r = d.memset_d32(ptr, 0, static_cast<size_t>(bytes) / 4);
-  CUcontext popped = nullptr;
-  d.ctx_pop(&popped);
-  if (r != 0) return r;
-  workspaces.emplace(cache_key, std::make_pair(ptr, bytes));
-  return 0;
 }

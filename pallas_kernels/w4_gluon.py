@@ -22,15 +22,11 @@ programs share an SM); each thread loads 2 contiguous bytes a code row. At MB = 
 pass through registers: XLA permutes it to the operand's k order (:func:`x_in_slot_order`) and
 cp.async copies it 3 steps ahead into a ring of 4 shared buffers (``X_STAGES``), which frees the
 registers of x (164 -> 128, two programs an SM instead of one; Nsight Compute had found one program an
-SM stalled on global loads 56% of the time). All builds with more than one split add
-their split-K parts with float32 atomics (float32 partials would cost as many bytes as the weight at
-M = 64), unless :func:`atomic_split_k` asks for a fixed summation order. Launched by the FFI launcher
-(``SPLIT_K_WORKSPACE``), they add into a persistent float32 workspace that the launcher allocates once
-per kernel and GPU, zeroed: each program then counts its arrival on its column tile (an acquire-release
-atomic), and the last program of the tile copies the sums to the output and zeroes them and the counter
-again, so no call needs a memset (the memsets took 0.145 ms of a 2.61 ms batch-8 decode step). This
-relies on launches of one kernel not overlapping, as on XLA's single stream. The jax-triton path adds into
-an aliased, XLA-zeroed output instead.
+SM stalled on global loads 56% of the time). All builds add
+their split-K parts with float32 atomics into a zeroed output (float32 partials would cost as many
+bytes as the weight at M = 64), unless :func:`atomic_split_k` asks for a fixed summation order. The
+FFI launcher zeroes that output with a memset on XLA's stream; the jax-triton path aliases it to an
+XLA-zeroed operand.
 
 Why Gluon: Gluon lets the kernel name the register layout of every tensor, which Pallas does not.
 The Pallas kernel loads the codes through shared memory and gathers them byte by byte into the
@@ -108,9 +104,6 @@ X_STAGES = 4  # wgmma builds of MB >= X_RING_MIN_MB copy x by cp.async into a ri
 X_RING_MIN_MB = 128  # MB = 128: 151.9 against 207.8 µs (7B shapes summed); M = 32, 64: no gain (session 12)
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
-SPLIT_K_WORKSPACE = True  # FFI launches add split-K parts in the launcher's persistent workspace, and the last
-                          # program of each column tile writes the output: no memset a call (the memsets took
-                          # 0.145 of 2.61 ms a batch-8 decode step, session 13); False: memset + atomics
 
 
 @functools.lru_cache(maxsize=None)
@@ -303,7 +296,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
   @gluon.jit
   def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                  K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, FIN: ttgl.constexpr = 0):
+                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr):
     if WG:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, MB, 16])
@@ -381,25 +374,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
     no = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, st))
     mo = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, st))
     o_mask = ttgl.expand_dims(mo < M, 0) & ttgl.expand_dims(no >= 0, 1)
-    if FIN:  # split-K summed in the launcher's persistent workspace z (float32 [M, N], then one arrival
-      # counter a column tile), which is zero whenever no kernel runs: the last program of a column tile to
-      # arrive copies the tile's sums to the output and zeroes them and the counter again
-      offs = ttgl.expand_dims(mo, 0) * N + ttgl.expand_dims(no + n0, 1)
-      ttgl.atomic_add(z_ptr + offs, acc, mask=o_mask, sem="relaxed")
-      ttgl.thread_barrier()  # every thread's additions precede the release below (CTA barrier, then gpu scope)
-      cl: ttgl.constexpr = ttgl.BlockedLayout([1], [32], [WARPS], [0])
-      lane = ttgl.arange(0, 32 * WARPS, layout=cl)
-      one = lane == 0
-      counter = z_ptr + (M * N) + pid_n + lane * 0
-      seen = ttgl.atomic_add(counter, ttgl.full([32 * WARPS], 1.0, ttgl.float32, cl), mask=one, sem="acq_rel",
-                             scope="gpu")
-      arrived = ttgl.max(ttgl.where(one, seen, 0.0), axis=0)  # programs of this tile before this one
-      if arrived == ttgl.num_programs(1) - 1:
-        total = ttgl.load(z_ptr + offs, mask=o_mask, cache_modifier=".cg")  # from the L2, where the sums are
-        ttgl.store(o_ptr + offs, total, mask=o_mask)
-        ttgl.store(z_ptr + offs, ttgl.zeros_like(total), mask=o_mask)
-        ttgl.store(counter, ttgl.zeros([32 * WARPS], ttgl.float32, cl), mask=one)
-    elif ATOMIC:  # split-K summed in the L2: float32 atomics (REDG.F32x4) into the zeroed output, z_ptr's alias
+    if ATOMIC:  # split-K summed in the L2: float32 atomics (REDG.F32x4) into the zeroed output, z_ptr's alias
       ttgl.atomic_add(o_ptr + ttgl.expand_dims(mo, 0) * N + ttgl.expand_dims(no + n0, 1), acc, mask=o_mask,
                       sem="relaxed")
     else:  # float32 partials [S, M, N], summed by XLA
@@ -532,7 +507,6 @@ def _ffi_library():
     return None
   lib.qerl_gluon_preload.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
                                      ctypes.c_longlong]
-  lib.qerl_gluon_workspace.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_longlong]
   return lib
 
 
@@ -605,34 +579,8 @@ def _compiled(meta: tuple, wg: bool, narrow_n: int = 0):
   if ``wg``, register cap :func:`_register_cap`), compiled for the oldest visible GPU (sm_90 without
   one) and loaded on every GPU."""
   meta = dict(meta)
-  ptx, name, shared = _load(_compile_gluon(_kernel(wg, narrow_n), _ARG_DTYPES, meta, _target_cc(),
-                                           num_warps=_warps(wg, narrow_n),
-                                           maxnreg=_register_cap(wg, narrow_n > 0, meta["MB"], meta["XS"])))
-  if meta.get("FIN"):
-    _prepare_workspace(ptx, name, workspace_bytes(meta["M"], meta["N"], narrow_n or BLOCK_N))
-  return ptx, name, shared
-
-
-def workspace_bytes(m: int, n: int, block_n: int) -> int:
-  """Bytes of a ``SPLIT_K_WORKSPACE`` build's persistent workspace: float32 sums ``[m, n]`` and one
-  float32 arrival counter per column tile of ``block_n``."""
-  return 4 * (m * n + n // block_n)
-
-
-def _prepare_workspace(ptx: str, name: str, nbytes: int) -> None:
-  """Allocates the kernel's zeroed workspace in the FFI launcher on every visible GPU (outside any
-  CUDA-graph capture; once per kernel and GPU, kept for the process).
-
-  Raises:
-    RuntimeError: the allocation failed on a GPU (or the kernel already has one of another size).
-  """
-  lib = _ffi_library()
-  if lib is None:
-    return
-  for device in _gpu_devices():
-    err = lib.qerl_gluon_workspace(_module_key(ptx, name).encode(), device.id, nbytes)
-    if err:
-      raise RuntimeError(f"w4_gluon: the {nbytes}-byte workspace of {name} on GPU {device.id} failed (code {err})")
+  return _load(_compile_gluon(_kernel(wg, narrow_n), _ARG_DTYPES, meta, _target_cc(), num_warps=_warps(wg, narrow_n),
+                              maxnreg=_register_cap(wg, narrow_n > 0, meta["MB"], meta["XS"])))
 
 
 def _target_cc() -> int:
@@ -664,14 +612,12 @@ def _module_key(ptx: str, name: str) -> str:
 
 
 def _launch_attrs(ptx: str, name: str, grid: tuple[int, int, int], shared: int, threads: int = 128,
-                  zero_results: bool = False, workspace_arg: int = -1) -> dict:
+                  zero_results: bool = False) -> dict:
   """The FFI call's attributes, as ``gluon_launch.cc`` binds them (a CPU test checks their count);
-  ``zero_results``: the launcher zeroes the results on the stream before the kernel runs;
-  ``workspace_arg`` (>= 0): the operand whose pointer the launcher replaces by the kernel's persistent
-  workspace (:func:`_prepare_workspace`)."""
+  ``zero_results``: the launcher zeroes the results on the stream before the kernel runs."""
   return dict(key=_module_key(ptx, name), ptx=ptx, name=name, grid_x=np.int64(grid[0]), grid_y=np.int64(grid[1]),
               grid_z=np.int64(grid[2]), threads=np.int64(threads), shared=np.int64(shared),
-              zero_results=np.int64(zero_results), workspace_arg=np.int64(workspace_arg))
+              zero_results=np.int64(zero_results))
 
 
 def _wgmma_gpus() -> bool:
@@ -721,21 +667,20 @@ class Build(NamedTuple):
     return _register_cap(self.wg, self.narrow, self.meta["MB"], self.meta["XS"])
 
 
-def _build(m: int, k: int, n: int, layers: int, ffi: bool = True) -> Build:
+def _build(m: int, k: int, n: int, layers: int) -> Build:
   """The :class:`Build` for ``x [m, k]`` times a ``[k, n]`` weight (of a stack of ``layers``), under
   the current settings (``NARROW_MIN_MB``, ``MMA_ATOMIC``, ``X_STAGES``, ``X_RING_MIN_MB``,
-  ``SPLIT_K_WORKSPACE``, :func:`atomic_split_k`), launched by the FFI launcher (``ffi``) or jax-triton;
-  the shape must be one :func:`applies` takes. One split needs no atomics: it stores its output."""
+  :func:`atomic_split_k`); the
+  shape must be one :func:`applies` takes."""
   wg = _use_wgmma(m)
   narrow = wg and _row_block(m) >= NARROW_MIN_MB
   block_n = (128 if _row_block(m) == 128 else NARROW_BLOCK_N) if narrow else BLOCK_N
   splits = _splits(k, n, NARROW_TARGET_PROGRAMS if narrow else WG_TARGET_PROGRAMS if wg else None, block_n,
                    max(NARROW_MAX_STEPS, MAX_STEPS) if narrow else MAX_STEPS)
-  atomic = (wg or MMA_ATOMIC) and atomic_split_k() and splits > 1
+  atomic = (wg or MMA_ATOMIC) and atomic_split_k() and splits > 1  # one split stores its output: no memset
   return Build(wg, narrow, block_n, splits,
                dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=_row_block(m), ATOMIC=atomic,
-                    XS=max(X_STAGES, 2) if wg and X_STAGES > 0 and _row_block(m) >= X_RING_MIN_MB else 0,
-                    FIN=int(atomic and ffi and SPLIT_K_WORKSPACE)))
+                    XS=max(X_STAGES, 2) if wg and X_STAGES > 0 and _row_block(m) >= X_RING_MIN_MB else 0))
 
 
 # The wgmma builds' operand k order within each 64-wide K step: slot s holds x's k = order[s], where
@@ -780,23 +725,22 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
     raise ImportError("w4_gluon.forward needs triton (Gluon) and either a C++ compiler for the FFI launcher "
                       "or jax-triton")
   n = w.shape[1]
-  build = _build(m, k, n, 1 if index is None else w.packed.shape[0], ffi=path == "ffi")
+  build = _build(m, k, n, 1 if index is None else w.packed.shape[0])
   wg, splits, meta = build.wg, build.splits, build.meta
   atomic = meta["ATOMIC"]
   # codes and scales with the layers folded into rows, float32 global scales [L], the layer [1], and the
-  # zeroed output the atomic builds add their split-K parts into (aliased to the result). The FFI launcher
-  # passes its persistent workspace there instead (FIN), or zeroes the output itself (a memset node).
-  memset = atomic and path == "ffi" and not meta["FIN"]
-  zeros = jnp.zeros((m, n) if atomic and not memset and not meta["FIN"] else (1,), jnp.float32)
+  # zeroed output the atomic builds add their split-K parts into (aliased to the result)
+  # (the FFI launcher zeroes the output itself, a memset node: no XLA buffer to fill and alias)
+  memset = atomic and path == "ffi"
+  zeros = jnp.zeros((m, n) if atomic and not memset else (1,), jnp.float32)
   x_in = x_in_slot_order(x) if meta["XS"] else x
   operands = (x_in, *w4_triton._layer_operands(w, w4_triton._format_of(w), index), zeros)
   out_shape = jax.ShapeDtypeStruct((m, n) if atomic else (splits, m, n), jnp.float32)
-  aliases = {5: 0} if atomic and not memset and not meta["FIN"] else None
+  aliases = {5: 0} if atomic and not memset else None
   if path == "ffi":
     ptx, name, shared = _compiled(tuple(meta.items()), wg, build.narrow_n)
     out = jax.ffi.ffi_call(_FFI_TARGET, out_shape, input_output_aliases=aliases)(
-        *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=32 * build.warps, zero_results=memset,
-                                   workspace_arg=5 if meta["FIN"] else -1))
+        *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=32 * build.warps, zero_results=memset))
   else:
     import jax_triton
 

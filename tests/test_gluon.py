@@ -74,6 +74,15 @@ def test_split_rule_with_more_steps_a_program(monkeypatch):
   assert w4_gluon._build(8, 3584, 37888, 1).splits == 7  # the mma.sync builds keep MAX_STEPS
 
 
+def test_one_split_stores_instead_of_adding():
+  """K = 64 is one step, so one split: nothing to add, so no atomics (and no memset of the output);
+  K = 128 at one column tile takes 2 splits (the program count nearer the target), added by atomics."""
+  one = w4_gluon._build(8, 64, 256, 1)
+  assert one.splits == 1 and not one.meta["ATOMIC"]
+  two = w4_gluon._build(8, 128, 256, 1)
+  assert two.splits == 2 and two.meta["ATOMIC"] == w4_gluon.atomic_split_k()
+
+
 def test_row_block_by_hand():
   """mma.sync builds of 8 and 16 rows up to M = 16, the wgmma builds of 32 and 64 rows above."""
   assert [w4_gluon._row_block(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128)] == [8, 8, 16, 16, 32, 32, 64, 64,
@@ -190,33 +199,6 @@ def test_x_slot_order_is_the_kernels_operand_order():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("workspace", [True, False])
-@pytest.mark.parametrize("m", [8, 64, 128])
-def test_gpu_gluon_split_k_workspace_is_left_clean(m, workspace, monkeypatch):
-  """SPLIT_K_WORKSPACE: every call of one kernel adds into the same persistent workspace and must leave
-  it zeroed, so one kernel called on each layer of a stack inside a scan (a CUDA graph on XLA's
-  stream), then again from a second jitted call, gives every layer's float64 product (a stale sum
-  or arrival counter would add the previous call's output). False: the launcher's memset instead."""
-  if m > 16:
-    _skip_without_wgmma()
-  monkeypatch.setattr(w4_gluon, "SPLIT_K_WORKSPACE", workspace)
-  layers, k, n = 3, 3584, 4608
-  wq = _weight(k, n, 21, layers=layers)
-  xs = jnp.stack([_act(m, k, 22 + i) for i in range(layers)])
-
-  @jax.jit
-  def per_layer(xs):
-    return jax.lax.scan(lambda c, a: (c, w4_gluon.forward(a[0], wq, out_dtype=jnp.float32, index=a[1])),
-                        0, (xs, jnp.arange(layers, dtype=jnp.int32)))[1]
-
-  for _ in range(2):
-    ys = per_layer(xs)
-    for i in range(layers):
-      want = np.asarray(xs[i], np.float64) @ _dense64(matmul.layer_of(wq, i))
-      assert _rel(ys[i], want) < 1e-4, (m, i)
-
-
-@pytest.mark.gpu
 def test_gpu_gluon_deterministic_wgmma_build_is_repeatable(monkeypatch):
   """QERL_GLUON_DETERMINISTIC=1: partials summed by XLA, so two runs agree bit for bit."""
   _skip_without_wgmma()
@@ -313,16 +295,9 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
       lowering_platforms=("cuda",)).as_text()
   assert "wgmma.mma_async" in wide and "grid_x = 18" in wide and "grid_y = 14" in wide
   monkeypatch.setattr(w4_gluon, "NARROW_MIN_MB", 64)
-  # the split-K parts are added by atomics into the launcher's workspace (operand 5), no memset; each program
-  # counts its arrival with an acquire-release atomic and the last one reads the sums back from the L2
-  assert "atom.global.gpu.relaxed.add.v4.f32" in text and "zero_results = 0" in text and "workspace_arg = 5" in text
-  assert "atom.global.gpu.acq_rel.add.f32" in text and "ld.global.cg" in text
+  # the split-K parts are added by atomics into the output, which the launcher zeroes first
+  assert "atom.global.gpu.relaxed.add.v4.f32" in text and "zero_results = 1" in text
   assert "output_operand_aliases" not in text
-  monkeypatch.setattr(w4_gluon, "SPLIT_K_WORKSPACE", False)  # before session 13: the launcher's memset
-  text_memset = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x64, stack, i).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert "zero_results = 1" in text_memset and "workspace_arg = -1" in text_memset and "acq_rel" not in text_memset
-  monkeypatch.setattr(w4_gluon, "SPLIT_K_WORKSPACE", True)
   monkeypatch.setenv("QERL_GLUON_DETERMINISTIC", "1")  # partials [7, 64, 4608] summed by XLA instead
   text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x64, stack, i).lower(
       lowering_platforms=("cuda",)).as_text()
@@ -330,7 +305,7 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
   assert "tensor<7x64x4608xf32>" in text and "zero_results = 0" in text
   monkeypatch.delenv("QERL_GLUON_DETERMINISTIC")
   # the mma.sync builds add by atomics too (first lowering above: M = 8); MMA_ATOMIC=False stores partials
-  assert "mma.sync" in first and "atom.global.gpu.relaxed.add" in first and "workspace_arg = 5" in first
+  assert "mma.sync" in first and "atom.global.gpu.relaxed.add" in first and "zero_results = 1" in first
   monkeypatch.setattr(w4_gluon, "MMA_ATOMIC", False)
   text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x, stack, i).lower(
       lowering_platforms=("cuda",)).as_text()
