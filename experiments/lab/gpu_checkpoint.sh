@@ -30,15 +30,18 @@
 #    addresses, and on tile-contiguous addresses (experiments/lab/gluon/loads_only.py; about a minute;
 #    session 12: no, the loads alone reach 3.2 TB/s on gate and down);
 # 10. Nsight Compute on the Gluon kernel at M = 64 and 128 (experiments/lab/gluon/ncu_gluon.sh);
-# 11. (next) where a batch-64 decode step's time goes, NVFP4 and bf16: at M = 64 the 4-bit kernels
-#     are 1.18x bf16 in isolation (109 against 129 µs a layer, 0.5 ms a step less), yet the NVFP4
-#     step is 0.26 ms longer (6.22 against 5.96 ms): about 0.8 ms a step to find.
-# (Session 10 ran steps 1, 2, 7 and variants of 3, 4 and 8; session 11 ran 1, 3 (batch 8 and 64),
+# 11. where a batch-64 decode step's time goes, NVFP4 and bf16, with each W4A16 call's time by its
+#     position in the layer (session 13: the fused gate/up kernel is 74.0 µs against cuBLAS's 70.8; the
+#     isolated 1.18x was on the gate matrix alone).
+# (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
+# cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
+# partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
+# Session 10 ran steps 1, 2, 7 and variants of 3, 4 and 8; session 11 ran 1, 3 (batch 8 and 64),
 # 4 (LoRA) and 8 (M <= 128); session 12 ran 1, 2 (with the two variants session 11 prepared, both
 # slower and left off), 9, 10 and 8 at M = 64 and 128, plus a batch-128 rollout; A/Bs through
 # experiments/lab/gluon/ab_rollout.py; results in docs/benchmarks.md and docs/benchmarks_rollout.md.
-# Not re-run since session 10: batch 256, the batch-8 profile of step 7 (the zero-fill copies should
-# be gone), 32B shapes. Steps 5 and 6 concern the Pallas kernel, off by default at M <= 128.)
+# Not re-run since session 10: batch 256 and the 32B shapes. (Session 13's step 7: the zero-fill copies
+# are gone; the launcher's memsets remain, 0.145 ms of a 2.61 ms batch-8 step.) Steps 5 and 6 concern the Pallas kernel, off by default at M <= 128.)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_checkpoint}
 STEPS=",${STEPS:-1,2,3,4,5,6,7,8,9,10,11},"
@@ -60,11 +63,11 @@ step 4 && { timeout 240 python3 experiments/bench_rollout.py --batches=64 --new_
 step 5 && OCC_MS=32 timeout 300 python3 experiments/lab/time_occupancy.py 2>&1 | grep --line-buffered "check\|M=" \
   | tee "$OUT/occupancy.txt"
 step 6 && OUT="$OUT/ncu" timeout 280 bash experiments/lab/ncu_small_m.sh 2>&1 | tee "$OUT/ncu.txt"
-step 7 && PROFILE_HLO=1 PROFILE_TOP=40 OUT="$OUT" timeout 300 python3 experiments/lab/profile_rollout.py \
+step 7 && PROFILE_POSITIONS=1 PROFILE_SEQ=40 PROFILE_HLO=1 PROFILE_TOP=40 OUT="$OUT" timeout 300 python3 experiments/lab/profile_rollout.py \
   nvfp4_fused:8:64 bf16_fused:8:64 2>&1 | grep -v "^[IW][0-9]" | tee "$OUT/profile_b8.txt"
 step 8 && timeout 420 python3 experiments/bench_kernels.py --models=7b --kinds=fwd --ms=1,8,16,32,64,128,256 \
   --json="$OUT/bench_kernels_7b.json" 2>&1 | grep "|" | tee "$OUT/bench_kernels_7b.txt"
 step 9 && timeout 200 python3 experiments/lab/gluon/loads_only.py 2>&1 | grep -v "^[IW][0-9]" | tee "$OUT/loads_only.txt"
 step 10 && OUT="$OUT/ncu" timeout 400 bash experiments/lab/gluon/ncu_gluon.sh "64 3584 37888" "128 3584 37888" "128 18944 3584" 2>&1 | tee "$OUT/ncu_gluon.txt"
-step 11 && PROFILE_HLO=1 PROFILE_TOP=40 OUT="$OUT" timeout 400 python3 experiments/lab/profile_rollout.py \
+step 11 && PROFILE_POSITIONS=1 PROFILE_HLO=1 PROFILE_TOP=40 OUT="$OUT" timeout 400 python3 experiments/lab/profile_rollout.py \
   nvfp4_fused:64:64 bf16_fused:64:64 2>&1 | grep -v "^[IW][0-9]" | tee "$OUT/profile_b64.txt"
