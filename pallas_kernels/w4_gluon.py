@@ -102,6 +102,10 @@ NARROW_MAX_STEPS = 8  # lab: more K steps a program for them (fewer splits, less
 X_STAGES = 4  # wgmma builds of MB >= X_RING_MIN_MB copy x by cp.async into a ring of this many shared buffers
              # (0: off; else x is loaded to registers one step ahead and stored to shared memory each step)
 X_RING_MIN_MB = 128  # MB = 128: 151.9 against 207.8 µs (7B shapes summed); M = 32, 64: no gain (session 12)
+WG_ASYNC = 0  # lab (session 13): 1 issues the x-ring builds' wgmma asynchronously (step i + 1 decodes while step
+              # i's MMA runs; the copies run one step less ahead); needs X_STAGES >= 3. Offline SASS: with the ring
+              # at MB = 64 (X_RING_MIN_MB = 64) 120 registers, the HGMMAs pipelined (wait 1); at MB = 128 the cap
+              # of 128 registers makes ptxas serialize them (160 uncapped). Not yet measured on the GPU.
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -296,7 +300,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
   @gluon.jit
   def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                  K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr):
+                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr):
     if WG:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, MB, 16])
@@ -328,7 +332,10 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
     if XS > 0:  # x, already in slot order (x_in_slot_order), copied by cp.async XS - 1 steps ahead into a ring of XS buffers
       # rows past M read row M - 1 (their outputs are never stored)
       xp_offs = ttgl.expand_dims(kk + pid_s * (STEPS * 64), 1) + ttgl.expand_dims(ttgl.minimum(mm, M - 1), 0) * K
-      for j in ttgl.static_range(XS - 1):
+      # copies run PRE steps ahead: XS - 1, or XS - 2 with an asynchronous MMA (WA), whose buffer is free
+      # one step later
+      PRE: ttgl.constexpr = XS - 1 - WA
+      for j in ttgl.static_range(PRE):
         if j < STEPS:
           async_copy.async_copy_global_to_shared(x_smem.index(j), x_ptr + xp_offs + j * 64)
         async_copy.commit_group()
@@ -336,17 +343,25 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
       for i in ttgl.static_range(STEPS):
         c1, s1, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N,
                               False)
-        async_copy.wait_group(XS - 2)  # this thread's copies of step i have landed
+        if WA:  # decoded before the wait, so that it overlaps step i - 1's MMA
+          a = ttgl.convert_layout(decode(c0, s0), a_layout, assert_trivial=True)
+        async_copy.wait_group(PRE - 1)  # this thread's copies of step i have landed
         hopper.fence_async_shared()
-        # everyone's copies of step i are visible, and everyone's (synchronous) MMA of step i - 1 is done,
-        # so its buffer (i - 1) % XS takes step i + XS - 1
+        # everyone's copies of step i are visible, and everyone's MMA of step i - 1 - WA is done (synchronous,
+        # or waited for below), so its buffer takes step i + PRE
         ttgl.thread_barrier()
-        if i + XS - 1 < STEPS:
-          async_copy.async_copy_global_to_shared(x_smem.index((i + XS - 1) % XS), x_ptr + xp_offs + (i + XS - 1) * 64)
+        if i + PRE < STEPS:
+          async_copy.async_copy_global_to_shared(x_smem.index((i + PRE) % XS), x_ptr + xp_offs + (i + PRE) * 64)
         async_copy.commit_group()
-        acc = hopper.warpgroup_mma(ttgl.convert_layout(decode(c0, s0), a_layout, assert_trivial=True),
-                                   x_smem.index(i % XS), acc)
+        if WA:  # step i's MMA runs while step i + 1 decodes; wait for step i - 1's (a kept live until then)
+          acc = hopper.warpgroup_mma(a, x_smem.index(i % XS), acc, is_async=True)
+          acc, a = hopper.warpgroup_mma_wait(1, deps=[acc, a])
+        else:
+          acc = hopper.warpgroup_mma(ttgl.convert_layout(decode(c0, s0), a_layout, assert_trivial=True),
+                                     x_smem.index(i % XS), acc)
         c0, s0 = c1, s1
+      if WA:
+        acc = hopper.warpgroup_mma_wait(0, deps=[acc])
     else:
       c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N)
       for i in ttgl.static_range(STEPS):  # unrolled; step i+1's loads are issued before step i's math
@@ -669,7 +684,7 @@ class Build(NamedTuple):
 
 def _build(m: int, k: int, n: int, layers: int) -> Build:
   """The :class:`Build` for ``x [m, k]`` times a ``[k, n]`` weight (of a stack of ``layers``), under
-  the current settings (``NARROW_MIN_MB``, ``MMA_ATOMIC``, ``X_STAGES``, ``X_RING_MIN_MB``,
+  the current settings (``NARROW_MIN_MB``, ``MMA_ATOMIC``, ``X_STAGES``, ``X_RING_MIN_MB``, ``WG_ASYNC``,
   :func:`atomic_split_k`); the
   shape must be one :func:`applies` takes."""
   wg = _use_wgmma(m)
@@ -680,7 +695,8 @@ def _build(m: int, k: int, n: int, layers: int) -> Build:
   atomic = (wg or MMA_ATOMIC) and atomic_split_k() and splits > 1  # one split stores its output: no memset
   return Build(wg, narrow, block_n, splits,
                dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=_row_block(m), ATOMIC=atomic,
-                    XS=max(X_STAGES, 2) if wg and X_STAGES > 0 and _row_block(m) >= X_RING_MIN_MB else 0))
+                    XS=max(X_STAGES, 2) if wg and X_STAGES > 0 and _row_block(m) >= X_RING_MIN_MB else 0,
+                    WA=int(bool(WG_ASYNC) and wg and X_STAGES >= 3 and _row_block(m) >= X_RING_MIN_MB)))
 
 
 # The wgmma builds' operand k order within each 64-wide K step: slot s holds x's k = order[s], where

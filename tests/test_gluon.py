@@ -169,15 +169,17 @@ def test_gpu_gluon_wgmma_build_matches_float64(m, k, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("stages,wg_async", [(2, 0), (4, 0), (4, 1), (3, 1)])
 @pytest.mark.parametrize("m", [17, 40, 100, 128])
 @pytest.mark.parametrize("k,n", [(3584, 4608), (1088, 768)])
-def test_gpu_gluon_x_ring_matches_float64(m, k, n, stages, monkeypatch):
+def test_gpu_gluon_x_ring_matches_float64(m, k, n, stages, wg_async, monkeypatch):
   """X_STAGES: x permuted to the operand's k order by XLA and copied by cp.async into a ring of
-  shared buffers (rows past M read row M - 1, never stored), ragged M included."""
+  shared buffers (rows past M read row M - 1, never stored), ragged M included; with WG_ASYNC the
+  wgmma of step i runs while step i + 1 decodes (its register operand must survive until the wait)."""
   _skip_without_wgmma()
   monkeypatch.setattr(w4_gluon, "X_STAGES", stages)
   monkeypatch.setattr(w4_gluon, "X_RING_MIN_MB", 32)  # every wgmma build (the default: MB = 128 only)
+  monkeypatch.setattr(w4_gluon, "WG_ASYNC", wg_async)
   _check_forward_against_float64(m, k, n)
 
 
@@ -285,6 +287,14 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
   assert "wgmma.mma_async" in ring and "cp.async.cg.shared.global" in ring and ".maxnreg 128" in ring
   assert "threads = 256" in ring and "grid_x = 36" in ring and "transpose" in ring  # x_in_slot_order
   assert "cp.async" not in text_wg  # MB = 64 keeps x in registers
+  assert "wgmma.wait_group.sync.aligned 1" not in ring  # the default MMA is synchronous
+  monkeypatch.setattr(w4_gluon, "WG_ASYNC", 1)  # lab: MB = 64 with the ring and an asynchronous MMA
+  monkeypatch.setattr(w4_gluon, "X_RING_MIN_MB", 64)
+  wa = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x64, stack, i).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "wgmma.wait_group.sync.aligned 1" in wa and "cp.async.cg.shared.global" in wa and ".maxnreg 128" in wa
+  monkeypatch.setattr(w4_gluon, "WG_ASYNC", 0)
+  monkeypatch.setattr(w4_gluon, "X_RING_MIN_MB", 128)
   monkeypatch.setattr(w4_gluon, "NARROW_BLOCK_N", 256)  # the lab's narrow build of 256 columns: 16 warps
   n16 = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x64, stack, i).lower(
       lowering_platforms=("cuda",)).as_text()

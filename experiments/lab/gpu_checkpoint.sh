@@ -11,6 +11,7 @@
 #   STEPS=9 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=10 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=11 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=12 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-128), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
@@ -33,6 +34,9 @@
 # 11. where a batch-64 decode step's time goes, NVFP4 and bf16, with each W4A16 call's time by its
 #     position in the layer (session 13: the fused gate/up kernel is 74.0 µs against cuBLAS's 70.8; the
 #     isolated 1.18x was on the gate matrix alone).
+# 12. (next) the asynchronous wgmma prepared in session 13 (w4_gluon.WG_ASYNC, with the x ring at MB = 64):
+#     correctness (the x-ring GPU test covers it), then the lab harness at M = 40 and 64 against the
+#     default and the ring alone, then a batch-64 rollout A/B.
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -71,3 +75,9 @@ step 9 && timeout 200 python3 experiments/lab/gluon/loads_only.py 2>&1 | grep -v
 step 10 && OUT="$OUT/ncu" timeout 400 bash experiments/lab/gluon/ncu_gluon.sh "64 3584 37888" "128 3584 37888" "128 18944 3584" 2>&1 | tee "$OUT/ncu_gluon.txt"
 step 11 && PROFILE_POSITIONS=1 PROFILE_HLO=1 PROFILE_TOP=40 OUT="$OUT" timeout 400 python3 experiments/lab/profile_rollout.py \
   nvfp4_fused:64:64 bf16_fused:64:64 2>&1 | grep -v "^[IW][0-9]" | tee "$OUT/profile_b64.txt"
+step 12 && { timeout 200 python3 -m pytest -q -m gpu tests/test_gluon.py -k x_ring 2>&1 | tail -2
+  GL_MS=40,64 GL_VARIANTS="ring:X_RING_MIN_MB=64;wa4:X_RING_MIN_MB=64,WG_ASYNC=1;wa3:X_RING_MIN_MB=64,WG_ASYNC=1,X_STAGES=3" \
+    timeout 200 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn
+  for s in "" "X_RING_MIN_MB=64,WG_ASYNC=1" "" "X_RING_MIN_MB=64,WG_ASYNC=1"; do
+    GL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=64 --new_tokens=512 \
+      --formats=nvfp4_fused --time_budget_s=90 2>&1 | grep "w4_gluon\|nvfp4_fused |"; done; } | tee "$OUT/wg_async.txt"

@@ -49,7 +49,7 @@ def _kernel():
   @gluon.jit
   def loads(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
             K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-            ATOMIC: ttgl.constexpr, TILED: ttgl.constexpr, XS: ttgl.constexpr = 0):
+            ATOMIC: ttgl.constexpr, TILED: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr):
     pid_n = ttgl.program_id(0)
     pid_s = ttgl.program_id(1)
     splits = ttgl.num_programs(1)
