@@ -12,6 +12,7 @@
 #   STEPS=10 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=11 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=12 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=13 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-128), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
@@ -37,6 +38,10 @@
 # 12. (next) the asynchronous wgmma prepared in session 13 (w4_gluon.WG_ASYNC, with the x ring at MB = 64):
 #     correctness (the x-ring GPU test covers it), then the lab harness at M = 40 and 64 against the
 #     default and the ring alone, then a batch-64 rollout A/B.
+# 13. (next) the split-K program target per shape at M = 1-16: in a batch-8 rollout q/k/v and o stream
+#     their 4-bit weight at only 1.3-1.5 TB/s (6.3 and 5.5 µs), with 2 K steps a program (504 and 392
+#     programs at TARGET_PROGRAMS = 512); the harness prints each shape, so one run shows whether a
+#     smaller target (longer programs) suits the small matrices.
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -81,3 +86,5 @@ step 12 && { timeout 200 python3 -m pytest -q -m gpu tests/test_gluon.py -k x_ri
   for s in "" "X_RING_MIN_MB=64,WG_ASYNC=1" "" "X_RING_MIN_MB=64,WG_ASYNC=1"; do
     GL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=64 --new_tokens=512 \
       --formats=nvfp4_fused --time_budget_s=90 2>&1 | grep "w4_gluon\|nvfp4_fused |"; done; } | tee "$OUT/wg_async.txt"
+step 13 && GL_MS=1,8,16 GL_VARIANTS="t128:TARGET_PROGRAMS=128;t256:TARGET_PROGRAMS=256;t1024:TARGET_PROGRAMS=1024" \
+  timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn | tee "$OUT/targets.txt"
