@@ -37,7 +37,8 @@
 #     isolated 1.18x was on the gate matrix alone).
 # 12. (next) the asynchronous wgmma prepared in session 13 (w4_gluon.WG_ASYNC, with the x ring at MB = 64):
 #     correctness (the x-ring GPU test covers it), then the lab harness at M = 40 and 64 against the
-#     default and the ring alone, then a batch-64 rollout A/B.
+#     default and the ring alone, and at M = 32 the narrow build (128 columns) with and without it
+#     (offline: 112 registers, pipelined), then a batch-64 rollout A/B.
 # 13. (next) the split-K program target per shape at M = 1-16: in a batch-8 rollout q/k/v and o stream
 #     their 4-bit weight at only 1.3-1.5 TB/s (6.3 and 5.5 µs), with 2 K steps a program (504 and 392
 #     programs at TARGET_PROGRAMS = 512); the harness prints each shape, so one run shows whether a
@@ -81,7 +82,7 @@ step 10 && OUT="$OUT/ncu" timeout 400 bash experiments/lab/gluon/ncu_gluon.sh "6
 step 11 && PROFILE_POSITIONS=1 PROFILE_HLO=1 PROFILE_TOP=40 OUT="$OUT" timeout 400 python3 experiments/lab/profile_rollout.py \
   nvfp4_fused:64:64 bf16_fused:64:64 2>&1 | grep -v "^[IW][0-9]" | tee "$OUT/profile_b64.txt"
 step 12 && { timeout 200 python3 -m pytest -q -m gpu tests/test_gluon.py -k x_ring 2>&1 | tail -2
-  GL_MS=40,64 GL_VARIANTS="ring:X_RING_MIN_MB=64;wa4:X_RING_MIN_MB=64,WG_ASYNC=1;wa3:X_RING_MIN_MB=64,WG_ASYNC=1,X_STAGES=3" \
+  GL_MS=32,40,64 GL_VARIANTS="ring@40/64:X_RING_MIN_MB=64;wa4@40/64:X_RING_MIN_MB=64,WG_ASYNC=1;wa3@40/64:X_RING_MIN_MB=64,WG_ASYNC=1,X_STAGES=3;n32@32:NARROW_MIN_MB=32;wa32@32:NARROW_MIN_MB=32,X_RING_MIN_MB=32,WG_ASYNC=1" \
     timeout 200 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn
   for s in "" "X_RING_MIN_MB=64,WG_ASYNC=1" "" "X_RING_MIN_MB=64,WG_ASYNC=1"; do
     GL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=64 --new_tokens=512 \
