@@ -329,7 +329,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
     x_offs = ttgl.expand_dims(kk + pid_s * (STEPS * 64), 1) + ttgl.expand_dims(mm, 0) * K
     x_mask = ttgl.expand_dims(mm < M, 0) & ttgl.expand_dims(kk >= 0, 1)
     acc = ttgl.zeros([BN, MB], ttgl.float32, layout=mma)
-    if XS > 0:  # x, already in slot order (x_in_slot_order), copied by cp.async XS - 1 steps ahead into a ring of XS buffers
+    if XS > 0:  # x, already in slot order (x_in_slot_order), copied by cp.async PRE steps ahead into a ring of XS buffers
       # rows past M read row M - 1 (their outputs are never stored)
       xp_offs = ttgl.expand_dims(kk + pid_s * (STEPS * 64), 1) + ttgl.expand_dims(ttgl.minimum(mm, M - 1), 0) * K
       # copies run PRE steps ahead: XS - 1, or XS - 2 with an asynchronous MMA (WA), whose buffer is free
@@ -693,10 +693,10 @@ def _build(m: int, k: int, n: int, layers: int) -> Build:
   splits = _splits(k, n, NARROW_TARGET_PROGRAMS if narrow else WG_TARGET_PROGRAMS if wg else None, block_n,
                    max(NARROW_MAX_STEPS, MAX_STEPS) if narrow else MAX_STEPS)
   atomic = (wg or MMA_ATOMIC) and atomic_split_k() and splits > 1  # one split stores its output: no memset
+  xs = max(X_STAGES, 2) if wg and X_STAGES > 0 and _row_block(m) >= X_RING_MIN_MB else 0
   return Build(wg, narrow, block_n, splits,
                dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=_row_block(m), ATOMIC=atomic,
-                    XS=max(X_STAGES, 2) if wg and X_STAGES > 0 and _row_block(m) >= X_RING_MIN_MB else 0,
-                    WA=int(bool(WG_ASYNC) and wg and X_STAGES >= 3 and _row_block(m) >= X_RING_MIN_MB)))
+                    XS=xs, WA=int(bool(WG_ASYNC) and xs >= 3)))
 
 
 # The wgmma builds' operand k order within each 64-wide K step: slot s holds x's k = order[s], where

@@ -44,7 +44,7 @@ def profile(fmt, batch, new_tokens, out, rank=0, aqn=False):
   print(f"\n== {fmt} batch {batch} lora {rank} aqn {aqn}: wall (warm-up + traced run) {wall*1e3:.0f} ms, device busy {tot/1e3:.0f} ms, "
         f"kernels {sum(v[1] for v in agg.values())}, per step busy {tot/steps/1e3:.2f} ms")
   if os.environ.get("PROFILE_SEQ"):
-    step_sequence(events, agg, steps, cfg.num_layers, int(os.environ["PROFILE_SEQ"]))
+    step_sequence(events, agg, steps, int(os.environ["PROFILE_SEQ"]))
   where = {}
   if os.environ.get("PROFILE_HLO"):
     text = c.as_text()
@@ -62,11 +62,12 @@ def profile(fmt, batch, new_tokens, out, rank=0, aqn=False):
             + " ".join(f"{v:.1f}" for v in np.median(ts, axis=0)))
 
 
-def step_sequence(events, agg, steps, layers, show):
+def step_sequence(events, agg, steps, show):
   """Prints one decode step from the trace: its kernels in order (the first ``show``), the step's
   device busy and wall time (first kernel start to last kernel end), and the idle gaps between its
-  kernels. A step is delimited by the LM-head GEMM, the kernel that runs once a step plus once in
-  prefill (``steps + 1`` times)."""
+  kernels. A step is delimited by the first kernel (by name) that runs once a step plus once in
+  prefill (``steps + 1`` times; the LM-head GEMM is one, but another such kernel may be picked, and
+  the sequence then starts elsewhere in the step: the header names it)."""
   head = [name for name, (_, n) in agg.items() if n == steps + 1]
   if not head:
     print("  (no kernel runs steps + 1 times; no step sequence)")
