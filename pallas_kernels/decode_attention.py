@@ -12,6 +12,16 @@ flash-decoding split of Dao et al., "Flash-Decoding for long-context inference",
 ``decode_attention`` picks the kernel on a GPU (``backend="auto"``) and the XLA
 reference elsewhere; ``backend="interpret"`` runs the same kernel on the CPU
 (tests).
+
+``decode_attention_append`` is the whole decode step between the q/k/v projection and
+attention in one kernel: it takes the projection's float32 output, adds the bias, rounds to
+the compute dtype, applies RoPE to the new token's queries and key, writes its key and value
+into the cache slot in place (an aliased output), and attends. Done by XLA, those steps were
+about ten small kernels a layer (bias add, RoPE's angles and concatenates, the cache updates).
+On an H200 (Qwen2.5-7B, batch 8) the block went from 16.8 to 8.3 µs a layer in an op-by-op
+profile, and a decode step with CUDA graphs, as a rollout runs, from 2.65 to 2.61 ms; at batch 64
+the step is unchanged (5.73 / 5.75 ms): the kernel itself takes 19.5 µs there against the plain
+kernel's 14.5 (docs/benchmarks_rollout.md, session 14).
 """
 
 from __future__ import annotations
@@ -101,8 +111,102 @@ def _kernel(q_ref, k_ref, v_ref, mask_ref, layer_ref, length_ref, o_ref, m_ref, 
   l_ref[split, b, kvh] = l
 
 
+def _rope_rounded(x1, x2, cos, sin, dtype):
+  """RoPE's "rotate half" on float32 halves holding ``dtype`` values, rounded like XLA's ``dtype``
+  ops: ``[x1, x2] * cos + [-x2, x1] * sin`` with each product and the sum rounded to ``dtype``."""
+  rnd = lambda a: a.astype(dtype).astype(jnp.float32)
+  return rnd(rnd(x1 * cos) - rnd(x2 * sin)), rnd(rnd(x2 * cos) + rnd(x1 * sin))
+
+
+def _append_kernel(qkv_ref, bias_ref, pos_ref, inv_freq_ref, k_ref, v_ref, mask_ref, layer_ref, length_ref,
+                   o_ref, m_ref, l_ref, k_out_ref, v_out_ref, *, batch, heads, heads_kv, group, group_pad, slots,
+                   head_dim, block_s, chunk, num_layers, dtype):
+  b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  layer = jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
+  length = length_ref[0]
+  write_at = length - 1  # this step's slot: attended from registers, written by split 0, never read
+  half = head_dim // 2
+  f32 = jnp.float32
+  # The projection's output folded to [B * (H + 2 Hkv), hd]: one row per head (q heads, then k, then v);
+  # the bias to [H + 2 Hkv, hd].
+  rows = heads + 2 * heads_kv
+  in_group = (jnp.arange(group_pad) < group)[:, None]
+  q_at = lambda ref, r0, c0: plgpu.load(ref.at[pl.ds(r0, group_pad), pl.ds(c0, half)], mask=in_group, other=0.0)
+  one_at = lambda ref, r, c0, n: plgpu.load(ref.at[pl.ds(r, 1), pl.ds(c0, n)]).astype(f32)
+  rnd = lambda a: a.astype(dtype).astype(f32)  # the projection's output in the compute dtype
+  q1 = rnd(q_at(qkv_ref, b * rows + kvh * group, 0) + q_at(bias_ref, kvh * group, 0))
+  q2 = rnd(q_at(qkv_ref, b * rows + kvh * group, half) + q_at(bias_ref, kvh * group, half))
+  kr, vr = heads + kvh, heads + heads_kv + kvh
+  k1 = rnd(one_at(qkv_ref, b * rows + kr, 0, half) + one_at(bias_ref, kr, 0, half))
+  k2 = rnd(one_at(qkv_ref, b * rows + kr, half, half) + one_at(bias_ref, kr, half, half))
+  v_new = rnd(one_at(qkv_ref, b * rows + vr, 0, head_dim) + one_at(bias_ref, vr, 0, head_dim))  # [1, hd]
+  # RoPE angles for this row's position, float32 as in qerl_jax.models.layers.rope.
+  pos = plgpu.load(pos_ref.at[pl.ds(b, 1)]).astype(f32)  # [1]
+  ang = pos[:, None] * plgpu.load(inv_freq_ref.at[pl.ds(0, half)])[None, :]  # [1, hd/2]
+  cos, sin = rnd(jnp.cos(ang)), rnd(jnp.sin(ang))
+  q1, q2 = _rope_rounded(q1, q2, cos, sin, dtype)
+  k1, k2 = _rope_rounded(k1, k2, cos, sin, dtype)
+
+  row0 = (layer * batch + b) * slots
+  col = kvh * head_dim
+
+  @pl.when(split == 0)
+  def _():
+    row = pl.ds(row0 + write_at, 1)
+    plgpu.store(k_out_ref.at[row, pl.ds(col, half)], k1.astype(k_out_ref.dtype))
+    plgpu.store(k_out_ref.at[row, pl.ds(col + half, half)], k2.astype(k_out_ref.dtype))
+    plgpu.store(v_out_ref.at[row, pl.ds(col, head_dim)], v_new.astype(v_out_ref.dtype))
+
+  scale = head_dim ** -0.5
+  # The new token opens split 0's online softmax (when its slot is attended at all).
+  new_kept = (plgpu.load(mask_ref.at[b, pl.ds(write_at, 1)]) != 0) & (split == 0)  # [1]
+  sc_new = (jnp.sum(q1 * k1, axis=1) + jnp.sum(q2 * k2, axis=1)) * scale  # [G_pad]
+  m = jnp.where(new_kept, sc_new, MASKED_SCORE)
+  l = jnp.where(new_kept, 1.0, 0.0) + jnp.zeros((group_pad,), f32)
+  acc = jnp.where(new_kept[:, None], v_new, 0.0) + jnp.zeros((group_pad, head_dim), f32)
+  q1, q2 = q1.astype(dtype), q2.astype(dtype)
+
+  s_begin = split * chunk
+  s_end = jnp.minimum(s_begin + chunk, write_at)
+  blocks = jnp.maximum(s_end - s_begin + block_s - 1, 0) // block_s
+
+  def body(i, carry):
+    m, l, acc = carry
+    s0 = s_begin + i * block_s
+    inside = s0 + jnp.arange(block_s) < s_end
+    keep = (plgpu.load(mask_ref.at[b, pl.ds(s0, block_s)], mask=inside, other=0) != 0) & inside
+    rows_s = pl.ds(row0 + s0, block_s)
+    ld = lambda ref, c0, n: plgpu.load(ref.at[rows_s, pl.ds(c0, n)], mask=inside[:, None], other=0.0).astype(dtype)
+    dims = (((1,), (1,)), ((), ()))
+    sc = (lax.dot_general(q1, ld(k_ref, col, half), dims, preferred_element_type=f32)
+          + lax.dot_general(q2, ld(k_ref, col + half, half), dims, preferred_element_type=f32)) * scale
+    sc = jnp.where(keep[None, :], sc, MASKED_SCORE)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(keep[None, :], jnp.exp(sc - m_new[:, None]), 0.0)
+    l = l * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + jnp.dot(p.astype(dtype), ld(v_ref, col, head_dim), preferred_element_type=f32)
+    return m_new, l, acc
+
+  m, l, acc = lax.fori_loop(0, blocks, body, (m, l, acc))
+  o_ref[split, b, kvh] = acc
+  m_ref[split, b, kvh] = m
+  l_ref[split, b, kvh] = l
+
+
 def _choose_splits(batch: int, heads_kv: int, slots: int, block_s: int, target_programs: int) -> int:
   return int(max(1, min(-(-slots // block_s), -(-target_programs // (batch * heads_kv)))))
+
+
+def _splits_and_chunk(batch, heads_kv, slots, block_s, splits, target_programs) -> tuple[int, int]:
+  """(programs per (row, KV head), slots per program: a fixed chunk of whole blocks of the cache).
+
+  Chunks are fixed by the cache size, not by the traced fill: a chunk past ``length`` does no work.
+  (Dividing the filled slots evenly at run time was measured slower on an H200: more partials to
+  combine, 2.68 against 2.61 ms a batch-8 7B decode step; docs/benchmarks_rollout.md, session 14.)"""
+  nsplit = splits or _choose_splits(batch, heads_kv, slots, block_s, target_programs)
+  chunk = -(-(-(-slots // nsplit)) // block_s) * block_s
+  return -(-slots // chunk), chunk
 
 
 def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: jax.Array, layer,
@@ -170,9 +274,7 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
   g = h // kh
   g_pad = max(16, 1 << (g - 1).bit_length())  # tensor-core dots need >= 16 rows
   block_s = min(block_s, max(16, 1 << (s - 1).bit_length()))
-  nsplit = splits or _choose_splits(b, kh, s, block_s, target_programs)
-  chunk = -(-(-(-s // nsplit)) // block_s) * block_s  # slots per split, a multiple of block_s
-  nsplit = -(-s // chunk)
+  nsplit, chunk = _splits_and_chunk(b, kh, s, block_s, splits, target_programs)
   kernel = functools.partial(_kernel, batch=b, heads_kv=kh, group=g, group_pad=g_pad, slots=s, head_dim=d,
                              block_s=block_s, chunk=chunk, num_layers=num_layers)
   out_shape = (jax.ShapeDtypeStruct((nsplit, b, kh, g_pad, d), jnp.float32),
@@ -186,10 +288,141 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
         name="decode_attention",
     )(q_BxHxD.reshape(b * h, d), k_LxBxSxKxD.reshape(num_layers * b * s, kh * d),
       v_LxBxSxKxD.reshape(num_layers * b * s, kh * d), slot_mask_BxS.astype(jnp.int8), layer, length)
-  # Combine the splits: weights exp(m_i - max_i m_i); empty splits have l = 0.
+  return _combine(o, m, l, g, q_BxHxD.dtype)
+
+
+def _combine(o, m, l, group, dtype):
+  """The splits' float32 partials ``o [n, B, Hkv, G_pad, hd]``, ``m``/``l`` ``[n, B, Hkv, G_pad]``
+  -> ``[B, H, hd]`` in ``dtype``: weights ``exp(m_i - max_i m_i)``; empty splits have ``l = 0``."""
+  _, b, kh, _, d = o.shape
   top = jnp.max(m, axis=0)
   w = jnp.exp(m - top[None])
   den = jnp.sum(w * l, axis=0)
   num = jnp.sum(w[..., None] * o, axis=0)
   out = num / jnp.where(den > 0, den, 1.0)[..., None]
-  return out[:, :, :g].reshape(b, h, d).astype(q_BxHxD.dtype)
+  return out[:, :, :group].reshape(b, kh * group, d).astype(dtype)
+
+
+def _split_qkv(qkv_BxN, bias_N, heads, heads_kv, head_dim, dtype):
+  """float32 ``[B, (H + 2 Hkv) hd]`` (+ bias) -> q ``[B, H, hd]``, k and v ``[B, Hkv, hd]`` in ``dtype``."""
+  b = qkv_BxN.shape[0]
+  y = qkv_BxN.astype(jnp.float32)
+  if bias_N is not None:
+    y = y + bias_N.astype(jnp.float32)
+  y = y.astype(dtype).reshape(b, heads + 2 * heads_kv, head_dim)
+  return y[:, :heads], y[:, heads:heads + heads_kv], y[:, heads + heads_kv:]
+
+
+def reference_append(qkv_BxN, bias_N, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length, positions_B,
+                     inv_freq, *, num_heads, dtype):
+  """XLA reference of :func:`decode_attention_append` (same arguments and results): the decoder's
+  own ops (:func:`qerl_jax.models.layers.rope`, a dynamic-update-slice per cache, :func:`reference`)."""
+  from qerl_jax.models import layers  # here, not at the top: the decoder imports this module
+  num_layers, b, s, kh, d = k_LxBxSxKxD.shape
+  q, k, v = _split_qkv(qkv_BxN, bias_N, num_heads, kh, d, dtype)
+  rope = lambda x: layers.rope(x[:, None], positions_B[:, None], inv_freq)[:, 0]
+  q, k = rope(q), rope(k)
+  layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1)
+  at = (layer, 0, jnp.asarray(length, jnp.int32) - 1, 0, 0)
+  k_LxBxSxKxD = lax.dynamic_update_slice(k_LxBxSxKxD, k[None, :, None].astype(k_LxBxSxKxD.dtype), at)
+  v_LxBxSxKxD = lax.dynamic_update_slice(v_LxBxSxKxD, v[None, :, None].astype(v_LxBxSxKxD.dtype), at)
+  out = reference(q, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length)
+  return out, k_LxBxSxKxD, v_LxBxSxKxD
+
+
+def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: jax.Array, layer,
+                            slot_mask_BxS: jax.Array, length, positions_B: jax.Array, inv_freq: jax.Array, *,
+                            num_heads: int, dtype=jnp.bfloat16, backend: str = "auto", block_s: int = 64,
+                            splits: int | None = None, target_programs: int = 528, num_warps: int = 4,
+                            num_stages: int = 2):
+  """A decode step's attention from the q/k/v projection's float32 output, appending to the cache in place.
+
+  In one kernel: ``y = qkv + bias`` (float32) rounded to ``dtype`` and split into
+  q ``[B, H, hd]``, k and v ``[B, Hkv, hd]`` (heads in that order, as the fused q/k/v weight
+  of :func:`qerl_jax.models.fuse_projections`); RoPE (Su et al. 2021, "rotate half", as
+  :func:`qerl_jax.models.layers.rope`) on q and k at ``positions_B``; k and v written to slot
+  ``length - 1`` of layer ``layer`` of the stacked cache (in place: the caches are aliased
+  outputs, as a dynamic-update-slice of the carried cache would be); then the grouped-query
+  attention of :func:`decode_attention` over slots ``[0, length)``, the new token's own
+  slot taken from registers.
+
+  Args:
+    qkv_BxN: float32 ``[B, (H + 2 Hkv) * hd]``: ``x @ [Wq | Wk | Wv]`` (any adapter delta included).
+    bias_N: ``[(H + 2 Hkv) * hd]`` (any float dtype) or None.
+    k_LxBxSxKxD, v_LxBxSxKxD: the stacked cache ``[L, B, S, Hkv, hd]`` (any float dtype).
+    layer: int32 scalar (may be traced), clamped to ``[0, L)``.
+    slot_mask_BxS: bool/int ``[B, S]``, nonzero at slots holding a real token, this step's
+      slot ``length - 1`` included (int8 skips a conversion).
+    length: int32 scalar (may be traced), slots written after this step (``1 <= length <= S``).
+    positions_B: int32 ``[B]``, the new token's RoPE position per row.
+    inv_freq: float32 ``[hd / 2]`` RoPE inverse frequencies (:func:`qerl_jax.models.config.rope_inv_freq`).
+    num_heads: ``H``, a multiple of ``Hkv``.
+    dtype: the compute dtype q, k and v are rounded to (the model's).
+    backend, block_s, splits, target_programs, num_warps, num_stages: as :func:`decode_attention`;
+      ``"auto"`` runs the kernel on a GPU for a 16-bit ``dtype``.
+
+  Returns:
+    ``(out [B, H, hd] in dtype, k cache, v cache)``, the caches with slot ``length - 1`` of
+    layer ``layer`` written. The kernel's RoPE rounds each product and the sum to ``dtype``, as
+    XLA's ``dtype`` arithmetic in :func:`qerl_jax.models.layers.rope`; cos and sin may differ from
+    XLA's in the last float32 bit.
+
+  Raises:
+    ValueError: inconsistent shapes, an odd ``hd``, ``H`` not a multiple of ``Hkv``, a bad
+      ``block_s`` or an unknown backend.
+  """
+  if backend not in BACKENDS:
+    raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+  if k_LxBxSxKxD.ndim != 5 or v_LxBxSxKxD.shape != k_LxBxSxKxD.shape:
+    raise ValueError(f"k and v caches must both be [L, B, S, Hkv, hd]; got {k_LxBxSxKxD.shape} and "
+                     f"{v_LxBxSxKxD.shape}")
+  num_layers, b, s, kh, d = k_LxBxSxKxD.shape
+  if num_heads % kh:
+    raise ValueError(f"{num_heads} query heads are not a multiple of {kh} KV heads")
+  if d % 2:
+    raise ValueError(f"RoPE needs an even head dim, got {d}")
+  n = (num_heads + 2 * kh) * d
+  if qkv_BxN.shape != (b, n):
+    raise ValueError(f"qkv must be [B={b}, (H + 2 Hkv) * hd = {n}]; got {qkv_BxN.shape}")
+  if bias_N is not None and bias_N.shape != (n,):
+    raise ValueError(f"bias must be [{n}]; got {bias_N.shape}")
+  if slot_mask_BxS.shape != (b, s):
+    raise ValueError(f"slot_mask must be [B={b}, S={s}]; got {slot_mask_BxS.shape}")
+  if positions_B.shape != (b,):
+    raise ValueError(f"positions must be [B={b}]; got {positions_B.shape}")
+  if inv_freq.shape != (d // 2,):
+    raise ValueError(f"inv_freq must be [hd / 2 = {d // 2}]; got {inv_freq.shape}")
+  if block_s < 16 or block_s & (block_s - 1):
+    raise ValueError(f"block_s must be a power of 2 >= 16, got {block_s}")
+  if backend == "auto":
+    backend = auto_backend(dtype)
+  if backend == "reference":
+    return reference_append(qkv_BxN, bias_N, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length,
+                            positions_B, inv_freq, num_heads=num_heads, dtype=dtype)
+
+  g = num_heads // kh
+  g_pad = max(16, 1 << (g - 1).bit_length())
+  block_s = min(block_s, max(16, 1 << (s - 1).bit_length()))
+  nsplit, chunk = _splits_and_chunk(b, kh, s, block_s, splits, target_programs)
+  kernel = functools.partial(_append_kernel, batch=b, heads=num_heads, heads_kv=kh, group=g, group_pad=g_pad,
+                             slots=s, head_dim=d, block_s=block_s, chunk=chunk, num_layers=num_layers,
+                             dtype=jnp.dtype(dtype))
+  rows = num_heads + 2 * kh
+  flat = (num_layers * b * s, kh * d)
+  out_shape = (jax.ShapeDtypeStruct((nsplit, b, kh, g_pad, d), jnp.float32),
+               jax.ShapeDtypeStruct((nsplit, b, kh, g_pad), jnp.float32),
+               jax.ShapeDtypeStruct((nsplit, b, kh, g_pad), jnp.float32),
+               jax.ShapeDtypeStruct(flat, k_LxBxSxKxD.dtype), jax.ShapeDtypeStruct(flat, v_LxBxSxKxD.dtype))
+  bias = jnp.zeros((n,), jnp.float32) if bias_N is None else bias_N
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+    o, m, l, kc, vc = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(b, kh, nsplit), interpret=backend == "interpret",
+        input_output_aliases={4: 3, 5: 4},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="decode_attention_append",
+    )(qkv_BxN.astype(jnp.float32).reshape(b * rows, d), bias.reshape(rows, d),
+      jnp.asarray(positions_B, jnp.int32), inv_freq.astype(jnp.float32),
+      k_LxBxSxKxD.reshape(flat), v_LxBxSxKxD.reshape(flat), slot_mask_BxS.astype(jnp.int8),
+      jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(length, jnp.int32).reshape(1))
+  return _combine(o, m, l, g, dtype), kc.reshape(k_LxBxSxKxD.shape), vc.reshape(v_LxBxSxKxD.shape)

@@ -113,6 +113,149 @@ def test_decoder_decode_steps_through_the_kernel(monkeypatch):
   assert np.abs(np.asarray(stepped) - np.asarray(full))[real].max() < 1e-4
 
 
+# ----------------------------------------------------------------------------- decode_attention_append
+
+
+def _np_rope(x, pos, inv_freq):
+  """float64 "rotate half" RoPE: x [B, N, D], pos [B], inv_freq [D / 2]."""
+  ang = np.asarray(pos, np.float64)[:, None] * np.asarray(inv_freq, np.float64)
+  cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
+  x1, x2 = x[..., :x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+  return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _append_case(seed, *, layers=3, batch=3, slots=70, kv_heads=2, group=7, dim=32):
+  rng = np.random.default_rng(seed)
+  heads = kv_heads * group
+  cache = lambda: jnp.asarray(rng.standard_normal((layers, batch, slots, kv_heads, dim)), jnp.bfloat16)
+  k, v = cache(), cache()
+  qkv = jnp.asarray(rng.standard_normal((batch, (heads + 2 * kv_heads) * dim)), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal(qkv.shape[1]), jnp.bfloat16)
+  mask = np.ones((batch, slots), bool)
+  mask[0, :5] = False
+  mask[-1, :20] = False
+  mask[1 % batch, 33] = False
+  pos = jnp.asarray(rng.integers(0, 4000, batch), jnp.int32)
+  inv_freq = jnp.asarray(1e4 ** -(np.arange(0, dim, 2) / dim), jnp.float32)
+  return dict(qkv_BxN=qkv, bias_N=bias, k_LxBxSxKxD=k, v_LxBxSxKxD=v, slot_mask_BxS=jnp.asarray(mask),
+              positions_B=pos, inv_freq=inv_freq), heads
+
+
+def _np_append(c, heads, layer, length):
+  """float64: the q/k/v split of bf16(qkv + bias), RoPE, the cache write and attention."""
+  y = np.asarray((c["qkv_BxN"] + c["bias_N"].astype(jnp.float32)).astype(jnp.bfloat16), np.float64)
+  k, v = (np.array(c[n], np.float64) for n in ("k_LxBxSxKxD", "v_LxBxSxKxD"))
+  kh, d = k.shape[3], k.shape[4]
+  y = y.reshape(y.shape[0], heads + 2 * kh, d)
+  q = _np_rope(y[:, :heads], c["positions_B"], c["inv_freq"])
+  k[layer, :, length - 1] = _np_rope(y[:, heads:heads + kh], c["positions_B"], c["inv_freq"])
+  v[layer, :, length - 1] = y[:, heads + kh:]
+  return _np_attention(q, k, v, layer, np.asarray(c["slot_mask_BxS"]), length), k, v
+
+
+@pytest.mark.parametrize("length,layer,splits,block_s", [(41, 1, None, 16), (70, 2, 3, 16), (21, 0, 2, 32),
+                                                         (1, 1, 2, 16), (17, 2, 5, 16)])
+def test_append_kernel_matches_float64(length, layer, splits, block_s):
+  """Bias, bf16 rounding, RoPE, the cache write at slot length - 1 and attention, against float64 numpy;
+  the caches the kernel returns equal XLA's dynamic-update-slice bit for bit."""
+  c, heads = _append_case(length)
+  # the new token's slot is a real token (as in a decode step; rows 0 and 2 start with padding)
+  c["slot_mask_BxS"] = c["slot_mask_BxS"].at[:, length - 1].set(True)
+  out, kc, vc = da.decode_attention_append(**c, layer=layer, length=length, num_heads=heads, backend="interpret",
+                                           block_s=block_s, splits=splits)
+  ref_out, ref_k, ref_v = _np_append(c, heads, layer, length)
+  assert out.shape == (3, heads, 32) and out.dtype == jnp.bfloat16
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  assert _rel(out, ref_out) < 2e-2
+  # the cache: only slot length - 1 of `layer` changes, to bf16 of the float64 values
+  for got, want, old in ((kc, ref_k, c["k_LxBxSxKxD"]), (vc, ref_v, c["v_LxBxSxKxD"])):
+    got = np.asarray(got, np.float64)
+    changed = np.argwhere((got != np.asarray(old, np.float64)).any(axis=(1, 3, 4)))
+    assert changed.tolist() == [[layer, length - 1]]
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+  xla_out, xla_k, xla_v = da.decode_attention_append(**c, layer=layer, length=length, num_heads=heads,
+                                                     backend="reference")
+  np.testing.assert_array_equal(np.asarray(kc, np.float32), np.asarray(xla_k, np.float32))
+  np.testing.assert_array_equal(np.asarray(vc, np.float32), np.asarray(xla_v, np.float32))
+  assert _rel(xla_out, ref_out) < 2e-2
+
+
+def test_append_reads_no_slot_at_or_after_the_new_one():
+  """NaN in the new token's slot (it is written, never read) and beyond ``length`` stay out of the output."""
+  c, heads = _append_case(3)
+  length = 37
+  for name in ("k_LxBxSxKxD", "v_LxBxSxKxD"):
+    c[name] = c[name].at[:, :, length - 1:].set(jnp.nan)
+  c["slot_mask_BxS"] = c["slot_mask_BxS"].at[:, length - 1:].set(True)
+  out, kc, _ = da.decode_attention_append(**c, layer=1, length=length, num_heads=heads, backend="interpret",
+                                          block_s=16, splits=2)
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  assert np.isfinite(np.asarray(kc[1, :, length - 1], np.float32)).all()  # the written slot
+  ref_out, _, _ = _np_append(c, heads, 1, length)
+  assert _rel(out, ref_out) < 2e-2
+
+
+def test_append_errors_name_the_problem():
+  c, heads = _append_case(0)
+  call = lambda **kw: da.decode_attention_append(**{**c, **kw}, layer=0, length=10, num_heads=kw.pop("h", heads))
+  with pytest.raises(ValueError, match="qkv must be"):
+    call(qkv_BxN=c["qkv_BxN"][:, :-1])
+  with pytest.raises(ValueError, match="bias must be"):
+    call(bias_N=c["bias_N"][:-1])
+  with pytest.raises(ValueError, match="positions must be"):
+    call(positions_B=c["positions_B"][:2])
+  with pytest.raises(ValueError, match="inv_freq"):
+    call(inv_freq=c["inv_freq"][:3])
+  with pytest.raises(ValueError, match="multiple"):
+    da.decode_attention_append(**c, layer=0, length=10, num_heads=13)
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_decoder_decode_steps_through_the_append_kernel(monkeypatch, with_lora):
+  """Fused q/k/v with a bias (and a fused adapter), bf16: prefill then decode through the append kernel
+  (interpret mode) gives the same logits as decoding through XLA's RoPE, cache update and attention."""
+  from qerl_jax import lora as lora_lib
+  cfg = models.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=16, attention_bias=True, dtype="bfloat16")
+  base = models.fuse_projections(models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16, std=0.1))
+  assert "qkv_bias" in base["layers"]["attn"]
+  kw = {}
+  if with_lora:
+    c = lora_lib.LoRAConfig(r=4, lora_alpha=8.0, target_modules=("q", "v", "o"))
+    lora = lora_lib.init_lora(jax.random.key(5), cfg, c)
+    lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(a.size), a.shape, a.dtype), lora)
+    kw = dict(lora=models.fuse_adapter(lora, cfg, dtype=jnp.bfloat16), lora_cfg=c)
+  tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=5))
+  calls = []
+  real_append = da.decode_attention_append
+  monkeypatch.setattr(da, "decode_attention_append", lambda *a, **k: calls.append(1) or real_append(*a, **k))
+  xla, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
+  assert not calls  # on the CPU the decoder keeps XLA's path
+  monkeypatch.setattr(da, "auto_backend", lambda dtype: "interpret")
+  fused, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
+  assert calls  # traced once per layer of the jitted decode step
+  real = np.asarray(mask).astype(bool)
+  diff = np.abs(np.asarray(fused, np.float32) - np.asarray(xla, np.float32))[real]
+  scale = np.abs(np.asarray(xla, np.float32))[real].max()
+  assert diff.max() < 2e-2 * scale, (diff.max(), scale)
+
+
+@pytest.mark.gpu
+def test_gpu_append_kernel_matches_reference_at_7b_shape():
+  """Qwen2.5-7B's heads (28 q, 4 kv, hd 128) at batch 8 and 2304 slots: the Triton kernel against XLA."""
+  c, heads = _append_case(0, layers=3, batch=8, slots=2304, kv_heads=4, group=7, dim=128)
+  inv = jnp.asarray(1e6 ** -(np.arange(0, 128, 2) / 128), jnp.float32)
+  for length in (1, 257, 2304):
+    args = dict(c, inv_freq=inv, slot_mask_BxS=c["slot_mask_BxS"].at[:, length - 1].set(True))
+    out, kc, vc = da.decode_attention_append(**args, layer=2, length=length, num_heads=heads, backend="pallas")
+    ref, rk, rv = da.decode_attention_append(**args, layer=2, length=length, num_heads=heads, backend="reference")
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert _rel(out, np.asarray(ref, np.float64)) < 1e-2
+    # RoPE's cos/sin may differ from XLA's in the last float32 bit: the written key to one bf16 ulp
+    np.testing.assert_allclose(np.asarray(kc, np.float32), np.asarray(rk, np.float32), rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(np.asarray(vc, np.float32), np.asarray(rv, np.float32))
+
+
 @pytest.mark.gpu
 def test_gpu_kernel_matches_reference_at_7b_shape():
   rng = np.random.default_rng(0)

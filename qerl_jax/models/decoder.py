@@ -24,6 +24,10 @@ LINEARS = (("attn", "q"), ("attn", "k"), ("attn", "v"), ("attn", "o"),
 # With fused projections (models.fuse_projections) a base has these in place of q/k/v and gate/up.
 FUSED_LINEARS = (("attn", "qkv"), ("mlp", "gate_up"))
 NORMS = ("input_norm", "post_attn_norm")
+# A decode step with fused q/k/v on the GPU kernels runs bias, RoPE, the KV-cache write and attention
+# as one kernel (pallas_kernels.decode_attention.decode_attention_append). False keeps them as XLA
+# ops around the plain decode-attention kernel (for A/B measurements; read at trace time).
+FUSED_DECODE_ATTENTION = True
 
 
 def _dtype(cfg: ModelConfig):
@@ -175,7 +179,10 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   ``[layer, :, write_at:write_at + T]`` are written (an in-place
   dynamic-update-slice of the carried buffer); returns the updated stacked
   ``(k, v)`` as ``new_kv``. (Slicing the layer out, updating it and writing the
-  whole layer back costs a full KV-cache copy per decode step.) For attention,
+  whole layer back costs a full KV-cache copy per decode step.) A decode step with
+  fused q/k/v weights (no per-part adapters, no q/k norm) on the kernel does all of
+  that and attention in one call,
+  :func:`pallas_kernels.decode_attention.decode_attention_append`. Otherwise, for attention,
   a decode step (``decode = (slot_mask [B, S] int8, length)`` given, T = 1) where the kernel applies
   (:func:`pallas_kernels.decode_attention.auto_backend`: a GPU and 16-bit
   queries) calls :func:`pallas_kernels.decode_attention.decode_attention`,
@@ -185,19 +192,27 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   """
   b, t, _ = h.shape
   eps = cfg.rms_norm_eps
-  attn, mlp = lp["attn"], lp["mlp"]
-  la, lm = ll.get("attn", {}), ll.get("mlp", {})
-
+  attn, la = lp["attn"], ll.get("attn", {})
   w_in = ll.get("input_norm", lp["input_norm"])
   x = layers.rms_norm(h, w_in, eps, nn.get("input_norm"))
-  lin = lambda grp, lgrp, name, v: layers.linear(
-      v, grp[name], bias=grp.get(name + "_bias"), lora=lgrp.get(name), lora_scale=lora_scale)
+  # A decode step on the GPU kernels with fused q/k/v: bias, rounding, RoPE, the cache write and
+  # attention run in one kernel on the projection's float32 output.
+  if (FUSED_DECODE_ATTENTION and kv is not None and decode is not None and "qkv" in attn and not cfg.qk_norm
+      and all(la.get(n) is None for n in ("q", "k", "v"))
+      and decode_attn.auto_backend(x.dtype) != "reference"):
+    kc, vc, li = kv
+    y, bias = layers.linear_f32_bias_deferred(x, attn["qkv"], bias=attn.get("qkv_bias"), lora=la.get("qkv"),
+                                              lora_scale=lora_scale)
+    o, kc, vc = decode_attn.decode_attention_append(
+        y.reshape(b, -1), bias, kc, vc, li, *decode, positions[:, 0], inv_freq, num_heads=cfg.num_heads,
+        dtype=x.dtype)
+    return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn), (kc, vc)
   if "qkv" in attn:  # fused projections (models.fuse_projections): one matmul, split back
     q, k, v = layers.fused_linear(x, attn["qkv"], (cfg.q_dim, cfg.kv_dim, cfg.kv_dim),
                                   bias=attn.get("qkv_bias"), loras=(la.get("q"), la.get("k"), la.get("v")),
                                   lora=la.get("qkv"), lora_scale=lora_scale)
   else:
-    q, k, v = lin(attn, la, "q", x), lin(attn, la, "k", x), lin(attn, la, "v", x)
+    q, k, v = (_linear(attn, la, name, x, lora_scale) for name in ("q", "k", "v"))
   q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
   k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
   v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -222,7 +237,21 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
       keys = jax.lax.dynamic_index_in_dim(kc, li, 0, keepdims=False)
       values = jax.lax.dynamic_index_in_dim(vc, li, 0, keepdims=False)
       o = layers.attention(q, keys, values, mask_BxTxS, q_chunk=q_chunk)
-  h = h + lin(attn, la, "o", o.reshape(b, t, cfg.q_dim))
+  return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn), new_kv
+
+
+def _linear(grp, lgrp, name, x, lora_scale):
+  """:func:`layers.linear` by weight ``grp[name]``, its optional bias and adapter ``lgrp[name]``."""
+  return layers.linear(x, grp[name], bias=grp.get(name + "_bias"), lora=lgrp.get(name), lora_scale=lora_scale)
+
+
+def _after_attention(cfg, lora_scale, h, o, lp, ll, nn):
+  """The rest of a layer after attention ``o [B, T, H * hd]``: the o projection and the
+  residual, then the MLP and its residual. Returns the new ``h``."""
+  eps = cfg.rms_norm_eps
+  attn, la = lp["attn"], ll.get("attn", {})
+  mlp, lm = lp["mlp"], ll.get("mlp", {})
+  h = h + _linear(attn, la, "o", o, lora_scale)
 
   w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
   x = layers.rms_norm(h, w_post, eps, nn.get("post_attn_norm"))
@@ -231,10 +260,9 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
                                loras=(lm.get("gate"), lm.get("up")), lora=lm.get("gate_up"),
                                lora_scale=lora_scale)
   else:
-    g, u = lin(mlp, lm, "gate", x), lin(mlp, lm, "up", x)
+    g, u = _linear(mlp, lm, "gate", x, lora_scale), _linear(mlp, lm, "up", x, lora_scale)
   y = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(h.dtype)
-  h = h + lin(mlp, lm, "down", y)
-  return h, new_kv
+  return h + _linear(mlp, lm, "down", y, lora_scale)
 
 
 def _split_leaves(tree: dict, pick):

@@ -222,6 +222,26 @@ def fused_linear(x: jax.Array, w, sizes: tuple[int, ...], *, bias: Optional[jax.
   return tuple(outs)
 
 
+def linear_f32_bias_deferred(x: jax.Array, w, *, bias: Optional[jax.Array] = None,
+                              lora: Optional[dict] = None, lora_scale: float = 1.0) -> tuple:
+  """:func:`linear` before its bias and its cast: ``(y float32 [..., N], bias still to add or None)``.
+
+  For a consumer that adds the bias and rounds to the compute dtype itself (the decode step's
+  fused attention, :func:`pallas_kernels.decode_attention.decode_attention_append`), so that
+  ``bf16(y + bias)`` equals :func:`linear`'s output: the float32 sum runs in :func:`linear`'s
+  order, so when an adapter delta is still to add after the bias (the 4-bit kernel's epilogue
+  does not apply) the bias is added here and None is returned in its place.
+
+  Args and raises: as :func:`linear` (``lora`` one adapter for the whole output).
+  """
+  y, lora = _base_f32(x, w, lora, lora_scale)
+  if lora is None:
+    return y, bias
+  if bias is not None:
+    y = _add_bias(y, bias, w)
+  return y + _lora_f32(x, lora, lora_scale), None
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float,
              noise: Optional[jax.Array] = None) -> jax.Array:
   """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * (weight + noise)``.

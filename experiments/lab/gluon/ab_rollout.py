@@ -4,6 +4,8 @@ for an A/B of a kernel or launcher setting in the rollout (the settings are read
   GL_SET="NARROW_MIN_MB=128,NARROW_TARGET_PROGRAMS=512" PYTHONPATH=$PWD python3 experiments/lab/gluon/ab_rollout.py \
       --batches=8 --new_tokens=1024 --formats=nvfp4_fused
 
+MODEL_SET="FUSED_DECODE_ATTENTION=0" replaces qerl_jax.models.decoder's module settings the same way.
+
 GL_NO_ZERO=1 drops the launcher's memset of the atomic builds' output: the results are WRONG (they add
 into whatever the buffer held); only for timing what the memsets cost in a rollout.
 """
@@ -12,13 +14,15 @@ import runpy
 import sys
 
 from pallas_kernels import w4_gluon
+from qerl_jax.models import decoder
 
-for assign in filter(None, os.environ.get("GL_SET", "").split(",")):
-  name, value = assign.split("=")
-  if not hasattr(w4_gluon, name):
-    raise SystemExit(f"w4_gluon has no setting {name}")
-  setattr(w4_gluon, name, int(value))
-  print(f"w4_gluon.{name} = {int(value)}", flush=True)
+for env, module in (("GL_SET", w4_gluon), ("MODEL_SET", decoder)):
+  for assign in filter(None, os.environ.get(env, "").split(",")):
+    name, value = assign.split("=")
+    if not hasattr(module, name):
+      raise SystemExit(f"{module.__name__} has no setting {name}")
+    setattr(module, name, int(value))
+    print(f"{module.__name__}.{name} = {int(value)}", flush=True)
 if os.environ.get("GL_NO_ZERO") == "1":
   _attrs = w4_gluon._launch_attrs
   w4_gluon._launch_attrs = lambda *a, **k: _attrs(*a, **{**k, "zero_results": False})

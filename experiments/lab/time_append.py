@@ -1,0 +1,65 @@
+"""Lab (GPU): ``decode_attention_append`` at Qwen2.5-7B's heads, 28 layers unrolled in one jit, with
+launch variants: wall time per call (median of repeated calls) and summed kernel time (devtime).
+(XLA's bias + RoPE + cache updates around the plain kernel cannot be timed this way: outside the
+decoder's scan carry XLA copies the cache; compare those in a rollout, ab_rollout.py MODEL_SET.)
+
+  APPEND_BATCHES=8,64 APPEND_LENGTH=1300 PYTHONPATH=$PWD python3 experiments/lab/time_append.py
+"""
+import os, sys, time
+sys.path.insert(0, os.path.join(os.getcwd(), "experiments"))
+import jax, jax.numpy as jnp, numpy as np
+import devtime
+from pallas_kernels import decode_attention as da
+
+L, S, KH, G, D = 28, 2304, 4, 7, 128
+H = KH * G
+N = (H + 2 * KH) * D
+length = int(os.environ.get("APPEND_LENGTH", 1300))
+inv = jnp.asarray(1e6 ** -(np.arange(0, D, 2) / D), jnp.float32)
+
+
+def variant(**kw):
+  return lambda y, bias, kc, vc, li, mask8, pos: da.decode_attention_append(
+      y, bias, kc, vc, li, mask8, length, pos, inv, num_heads=H, **kw)
+
+
+VARIANTS = {"append": variant(), "append t264": variant(target_programs=264),
+            "append t1056": variant(target_programs=1056), "append t2112": variant(target_programs=2112)}
+
+for batch in [int(b) for b in os.environ.get("APPEND_BATCHES", "8,64").split(",")]:
+  rng = np.random.default_rng(0)
+  ys = jnp.asarray(rng.standard_normal((L, batch, N)), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal(N), jnp.bfloat16)
+  mask8 = jnp.ones((batch, S), jnp.int8)
+  pos = jnp.full((batch,), length + 7, jnp.int32)
+  results = {}
+  for name, fn in VARIANTS.items():
+    def run(kc, vc, ys=ys, fn=fn):
+      acc = jnp.zeros((batch, H, D), jnp.float32)
+      for li in range(L):  # unrolled, as the decode step
+        o, kc, vc = fn(ys[li], bias, kc, vc, li, mask8, pos)
+        acc = acc + o.astype(jnp.float32)
+      return acc, kc, vc
+    f = jax.jit(run, donate_argnums=(0, 1))
+    crng = np.random.default_rng(1)  # the same caches for every variant
+    kc = jnp.asarray(crng.standard_normal((L, batch, S, KH, D)), jnp.bfloat16)
+    vc = jnp.asarray(crng.standard_normal((L, batch, S, KH, D)), jnp.bfloat16)
+    acc, kc, vc = f(kc, vc)
+    if name == "append":
+      ref = np.asarray(acc)
+    err = float(np.abs(np.asarray(acc) - ref).max() / np.abs(ref).max())
+    state = [kc, vc]  # the caches are donated: each call takes the previous call's
+
+    def call():
+      out, state[0], state[1] = f(*state)
+      return jax.block_until_ready(out)
+    walls = []
+    for _ in range(30):
+      t0 = time.perf_counter()
+      call()
+      walls.append(time.perf_counter() - t0)
+    durs = devtime.trace_durations(call)
+    busy = sum(sum(v) for v in durs.values())
+    results[name] = (np.median(walls) * 1e6, busy)
+    print(f"batch {batch:3d} {name:14s} err {err:.1e}  wall {np.median(walls)*1e6:7.1f} us  kernels {busy:7.1f} us "
+          f"({sum(len(v) for v in durs.values())} kernels)", flush=True)
