@@ -40,9 +40,10 @@ import numpy as np
 
 import devtime  # experiments/devtime.py (this script's folder is on sys.path)
 from pallas_kernels import matmul, w4_triton
-from qerl_jax import nvfp4
+from qerl_jax import nvfp4, xla_flags
 
 FLAGS = flags.FLAGS
+_XLA = xla_flags.define_launcher_flag()  # the bf16 baseline as the launchers run it (cuBLAS)
 flags.DEFINE_string("models", "7b,32b", "comma list of 7b, 32b")
 flags.DEFINE_string("ms", "1,8,32,64,128,256,2048,8192", "forward M values")
 flags.DEFINE_string("dx_ms", "2048,8192", "M values for the dx backward")
@@ -309,6 +310,7 @@ def _sweep(budget_s):
 
 def main(argv):
   del argv
+  xla_flags.apply_recommended(_XLA.value)  # before the first computation: XLA reads XLA_FLAGS once
   print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
   global _BACKEND
   if FLAGS.smoke:

@@ -41,9 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from qerl_jax import lora as lora_lib
-from qerl_jax import models, sampling
+from qerl_jax import models, sampling, xla_flags
 
 FLAGS = flags.FLAGS
+_XLA = xla_flags.define_launcher_flag()  # the bf16 baseline as the launchers run it (cuBLAS)
 flags.DEFINE_list("batches", ["8", "64", "256"], "Batch sizes (prompts; num_generations = 1).")
 flags.DEFINE_list("formats", ["bf16_fused", "nvfp4_fused"], "Weight formats of the decoder linears: bf16, "
                   "nvfp4, bf16_fused, nvfp4_fused (q/k/v and gate/up fused, models.fuse_projections: "
@@ -275,6 +276,7 @@ def _suffix() -> str:
 
 def main(argv):
   del argv
+  xla_flags.apply_recommended(_XLA.value)  # before the first computation: XLA reads XLA_FLAGS once
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; 4-bit matmul: {kernel_backend()}", flush=True)
   if FLAGS.smoke or FLAGS.smoke_first:
     smoke()
