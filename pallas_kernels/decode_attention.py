@@ -118,7 +118,7 @@ def _rope_rounded(x1, x2, cos, sin, dtype):
   return rnd(rnd(x1 * cos) - rnd(x2 * sin)), rnd(rnd(x2 * cos) + rnd(x1 * sin))
 
 
-def _append_kernel(qkv_ref, bias_ref, pos_ref, inv_freq_ref, k_ref, v_ref, mask_ref, layer_ref, length_ref,
+def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, layer_ref, length_ref,
                    o_ref, m_ref, l_ref, k_out_ref, v_out_ref, *, batch, heads, heads_kv, group, group_pad, slots,
                    head_dim, block_s, chunk, num_layers, dtype):
   b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -140,10 +140,8 @@ def _append_kernel(qkv_ref, bias_ref, pos_ref, inv_freq_ref, k_ref, v_ref, mask_
   k1 = rnd(one_at(qkv_ref, b * rows + kr, 0, half) + one_at(bias_ref, kr, 0, half))
   k2 = rnd(one_at(qkv_ref, b * rows + kr, half, half) + one_at(bias_ref, kr, half, half))
   v_new = rnd(one_at(qkv_ref, b * rows + vr, 0, head_dim) + one_at(bias_ref, vr, 0, head_dim))  # [1, hd]
-  # RoPE angles for this row's position, float32 as in qerl_jax.models.layers.rope.
-  pos = plgpu.load(pos_ref.at[pl.ds(b, 1)]).astype(f32)  # [1]
-  ang = pos[:, None] * plgpu.load(inv_freq_ref.at[pl.ds(0, half)])[None, :]  # [1, hd/2]
-  cos, sin = rnd(jnp.cos(ang)), rnd(jnp.sin(ang))
+  # This row's RoPE cos and sin (float32, made once per decode step by rope_cos_sin), in the compute dtype.
+  cos, sin = rnd(one_at(cos_ref, b, 0, half)), rnd(one_at(sin_ref, b, 0, half))  # [1, hd/2]
   q1, q2 = _rope_rounded(q1, q2, cos, sin, dtype)
   k1, k2 = _rope_rounded(k1, k2, cos, sin, dtype)
 
@@ -313,15 +311,33 @@ def _split_qkv(qkv_BxN, bias_N, heads, heads_kv, head_dim, dtype):
   return y[:, :heads], y[:, heads:heads + heads_kv], y[:, heads + heads_kv:]
 
 
-def reference_append(qkv_BxN, bias_N, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length, positions_B,
-                     inv_freq, *, num_heads, dtype):
-  """XLA reference of :func:`decode_attention_append` (same arguments and results): the decoder's
-  own ops (:func:`qerl_jax.models.layers.rope`, a dynamic-update-slice per cache, :func:`reference`)."""
+def rope_cos_sin(positions_B: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """RoPE's ``(cos, sin)`` of each row's angles ``position * inv_freq``, float32 ``[B, hd / 2]``.
+
+  The operands of :func:`decode_attention_append`'s RoPE, made once per decode step (every layer
+  uses the same positions), in float32 as :func:`qerl_jax.models.layers.rope` makes them.
+
+  Args:
+    positions_B: int32 ``[B]``, the new token's position per row.
+    inv_freq: float32 ``[hd / 2]`` (:func:`qerl_jax.models.config.rope_inv_freq`).
+  """
+  ang = positions_B.astype(jnp.float32)[:, None] * inv_freq.astype(jnp.float32)[None, :]
+  return jnp.cos(ang), jnp.sin(ang)
+
+
+def _rope_reference(x_BxNxD, cos_BxR, sin_BxR):
+  """:func:`qerl_jax.models.layers.apply_rope` for one token per row."""
   from qerl_jax.models import layers  # here, not at the top: the decoder imports this module
+  return layers.apply_rope(x_BxNxD[:, None], cos_BxR[:, None], sin_BxR[:, None])[:, 0]
+
+
+def reference_append(qkv_BxN, bias_N, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length, cos_BxR, sin_BxR,
+                     *, num_heads, dtype):
+  """XLA reference of :func:`decode_attention_append` (same arguments and results): the decoder's
+  ops (RoPE as :func:`qerl_jax.models.layers.rope`, a dynamic-update-slice per cache, :func:`reference`)."""
   num_layers, b, s, kh, d = k_LxBxSxKxD.shape
   q, k, v = _split_qkv(qkv_BxN, bias_N, num_heads, kh, d, dtype)
-  rope = lambda x: layers.rope(x[:, None], positions_B[:, None], inv_freq)[:, 0]
-  q, k = rope(q), rope(k)
+  q, k = _rope_reference(q, cos_BxR, sin_BxR), _rope_reference(k, cos_BxR, sin_BxR)
   layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1)
   at = (layer, 0, jnp.asarray(length, jnp.int32) - 1, 0, 0)
   k_LxBxSxKxD = lax.dynamic_update_slice(k_LxBxSxKxD, k[None, :, None].astype(k_LxBxSxKxD.dtype), at)
@@ -331,7 +347,7 @@ def reference_append(qkv_BxN, bias_N, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask
 
 
 def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: jax.Array, layer,
-                            slot_mask_BxS: jax.Array, length, positions_B: jax.Array, inv_freq: jax.Array, *,
+                            slot_mask_BxS: jax.Array, length, cos_BxR: jax.Array, sin_BxR: jax.Array, *,
                             num_heads: int, dtype=jnp.bfloat16, backend: str = "auto", block_s: int = 64,
                             splits: int | None = None, target_programs: int = 528, num_warps: int = 4,
                             num_stages: int = 2):
@@ -340,7 +356,7 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
   In one kernel: ``y = qkv + bias`` (float32) rounded to ``dtype`` and split into
   q ``[B, H, hd]``, k and v ``[B, Hkv, hd]`` (heads in that order, as the fused q/k/v weight
   of :func:`qerl_jax.models.fuse_projections`); RoPE (Su et al. 2021, "rotate half", as
-  :func:`qerl_jax.models.layers.rope`) on q and k at ``positions_B``; k and v written to slot
+  :func:`qerl_jax.models.layers.rope`) on q and k with the given cos and sin; k and v written to slot
   ``length - 1`` of layer ``layer`` of the stacked cache (in place: the caches are aliased
   outputs, as a dynamic-update-slice of the carried cache would be); then the grouped-query
   attention of :func:`decode_attention` over slots ``[0, length)``, the new token's own
@@ -354,8 +370,8 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
     slot_mask_BxS: bool/int ``[B, S]``, nonzero at slots holding a real token, this step's
       slot ``length - 1`` included (int8 skips a conversion).
     length: int32 scalar (may be traced), slots written after this step (``1 <= length <= S``).
-    positions_B: int32 ``[B]``, the new token's RoPE position per row.
-    inv_freq: float32 ``[hd / 2]`` RoPE inverse frequencies (:func:`qerl_jax.models.config.rope_inv_freq`).
+    cos_BxR, sin_BxR: float32 ``[B, hd / 2]``, RoPE's cos and sin at each row's new position
+      (:func:`rope_cos_sin`: the same for every layer of a step, so made once per step).
     num_heads: ``H``, a multiple of ``Hkv``.
     dtype: the compute dtype q, k and v are rounded to (the model's).
     backend, block_s, splits, target_programs, num_warps, num_stages: as :func:`decode_attention`;
@@ -364,8 +380,7 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
   Returns:
     ``(out [B, H, hd] in dtype, k cache, v cache)``, the caches with slot ``length - 1`` of
     layer ``layer`` written. The kernel's RoPE rounds each product and the sum to ``dtype``, as
-    XLA's ``dtype`` arithmetic in :func:`qerl_jax.models.layers.rope`; cos and sin may differ from
-    XLA's in the last float32 bit.
+    XLA's ``dtype`` arithmetic in :func:`qerl_jax.models.layers.rope`.
 
   Raises:
     ValueError: inconsistent shapes, an odd ``hd``, ``H`` not a multiple of ``Hkv``, a bad
@@ -388,17 +403,15 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
     raise ValueError(f"bias must be [{n}]; got {bias_N.shape}")
   if slot_mask_BxS.shape != (b, s):
     raise ValueError(f"slot_mask must be [B={b}, S={s}]; got {slot_mask_BxS.shape}")
-  if positions_B.shape != (b,):
-    raise ValueError(f"positions must be [B={b}]; got {positions_B.shape}")
-  if inv_freq.shape != (d // 2,):
-    raise ValueError(f"inv_freq must be [hd / 2 = {d // 2}]; got {inv_freq.shape}")
+  if cos_BxR.shape != (b, d // 2) or sin_BxR.shape != (b, d // 2):
+    raise ValueError(f"cos and sin must be [B={b}, hd / 2 = {d // 2}]; got {cos_BxR.shape} and {sin_BxR.shape}")
   if block_s < 16 or block_s & (block_s - 1):
     raise ValueError(f"block_s must be a power of 2 >= 16, got {block_s}")
   if backend == "auto":
     backend = auto_backend(dtype)
   if backend == "reference":
     return reference_append(qkv_BxN, bias_N, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length,
-                            positions_B, inv_freq, num_heads=num_heads, dtype=dtype)
+                            cos_BxR, sin_BxR, num_heads=num_heads, dtype=dtype)
 
   g = num_heads // kh
   g_pad = max(16, 1 << (g - 1).bit_length())
@@ -422,7 +435,7 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="decode_attention_append",
     )(qkv_BxN.astype(jnp.float32).reshape(b * rows, d), bias.reshape(rows, d),
-      jnp.asarray(positions_B, jnp.int32), inv_freq.astype(jnp.float32),
+      cos_BxR.astype(jnp.float32), sin_BxR.astype(jnp.float32),
       k_LxBxSxKxD.reshape(flat), v_LxBxSxKxD.reshape(flat), slot_mask_BxS.astype(jnp.int8),
       jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(length, jnp.int32).reshape(1))
   return _combine(o, m, l, g, dtype), kc.reshape(k_LxBxSxKxD.shape), vc.reshape(v_LxBxSxKxD.shape)

@@ -137,18 +137,22 @@ def _append_case(seed, *, layers=3, batch=3, slots=70, kv_heads=2, group=7, dim=
   mask[1 % batch, 33] = False
   pos = jnp.asarray(rng.integers(0, 4000, batch), jnp.int32)
   inv_freq = jnp.asarray(1e4 ** -(np.arange(0, dim, 2) / dim), jnp.float32)
+  cos, sin = da.rope_cos_sin(pos, inv_freq)
+  ang = (np.asarray(pos, np.float32)[:, None] * np.asarray(inv_freq)).astype(np.float64)  # the float32 angle
+  np.testing.assert_allclose(np.asarray(cos), np.cos(ang), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(sin), np.sin(ang), atol=1e-6)
   return dict(qkv_BxN=qkv, bias_N=bias, k_LxBxSxKxD=k, v_LxBxSxKxD=v, slot_mask_BxS=jnp.asarray(mask),
-              positions_B=pos, inv_freq=inv_freq), heads
+              cos_BxR=cos, sin_BxR=sin), heads, pos, inv_freq
 
 
-def _np_append(c, heads, layer, length):
+def _np_append(c, heads, pos, inv_freq, layer, length):
   """float64: the q/k/v split of bf16(qkv + bias), RoPE, the cache write and attention."""
   y = np.asarray((c["qkv_BxN"] + c["bias_N"].astype(jnp.float32)).astype(jnp.bfloat16), np.float64)
   k, v = (np.array(c[n], np.float64) for n in ("k_LxBxSxKxD", "v_LxBxSxKxD"))
   kh, d = k.shape[3], k.shape[4]
   y = y.reshape(y.shape[0], heads + 2 * kh, d)
-  q = _np_rope(y[:, :heads], c["positions_B"], c["inv_freq"])
-  k[layer, :, length - 1] = _np_rope(y[:, heads:heads + kh], c["positions_B"], c["inv_freq"])
+  q = _np_rope(y[:, :heads], pos, inv_freq)
+  k[layer, :, length - 1] = _np_rope(y[:, heads:heads + kh], pos, inv_freq)
   v[layer, :, length - 1] = y[:, heads + kh:]
   return _np_attention(q, k, v, layer, np.asarray(c["slot_mask_BxS"]), length), k, v
 
@@ -158,12 +162,12 @@ def _np_append(c, heads, layer, length):
 def test_append_kernel_matches_float64(length, layer, splits, block_s):
   """Bias, bf16 rounding, RoPE, the cache write at slot length - 1 and attention, against float64 numpy;
   the caches the kernel returns equal XLA's dynamic-update-slice bit for bit."""
-  c, heads = _append_case(length)
+  c, heads, pos, inv_freq = _append_case(length)
   # the new token's slot is a real token (as in a decode step; rows 0 and 2 start with padding)
   c["slot_mask_BxS"] = c["slot_mask_BxS"].at[:, length - 1].set(True)
   out, kc, vc = da.decode_attention_append(**c, layer=layer, length=length, num_heads=heads, backend="interpret",
                                            block_s=block_s, splits=splits)
-  ref_out, ref_k, ref_v = _np_append(c, heads, layer, length)
+  ref_out, ref_k, ref_v = _np_append(c, heads, pos, inv_freq, layer, length)
   assert out.shape == (3, heads, 32) and out.dtype == jnp.bfloat16
   assert np.isfinite(np.asarray(out, np.float32)).all()
   assert _rel(out, ref_out) < 2e-2
@@ -182,7 +186,7 @@ def test_append_kernel_matches_float64(length, layer, splits, block_s):
 
 def test_append_reads_no_slot_at_or_after_the_new_one():
   """NaN in the new token's slot (it is written, never read) and beyond ``length`` stay out of the output."""
-  c, heads = _append_case(3)
+  c, heads, pos, inv_freq = _append_case(3)
   length = 37
   for name in ("k_LxBxSxKxD", "v_LxBxSxKxD"):
     c[name] = c[name].at[:, :, length - 1:].set(jnp.nan)
@@ -191,21 +195,21 @@ def test_append_reads_no_slot_at_or_after_the_new_one():
                                           block_s=16, splits=2)
   assert np.isfinite(np.asarray(out, np.float32)).all()
   assert np.isfinite(np.asarray(kc[1, :, length - 1], np.float32)).all()  # the written slot
-  ref_out, _, _ = _np_append(c, heads, 1, length)
+  ref_out, _, _ = _np_append(c, heads, pos, inv_freq, 1, length)
   assert _rel(out, ref_out) < 2e-2
 
 
 def test_append_errors_name_the_problem():
-  c, heads = _append_case(0)
+  c, heads, _, _ = _append_case(0)
   call = lambda **kw: da.decode_attention_append(**{**c, **kw}, layer=0, length=10, num_heads=kw.pop("h", heads))
   with pytest.raises(ValueError, match="qkv must be"):
     call(qkv_BxN=c["qkv_BxN"][:, :-1])
   with pytest.raises(ValueError, match="bias must be"):
     call(bias_N=c["bias_N"][:-1])
-  with pytest.raises(ValueError, match="positions must be"):
-    call(positions_B=c["positions_B"][:2])
-  with pytest.raises(ValueError, match="inv_freq"):
-    call(inv_freq=c["inv_freq"][:3])
+  with pytest.raises(ValueError, match="cos and sin must be"):
+    call(cos_BxR=c["cos_BxR"][:2])
+  with pytest.raises(ValueError, match="cos and sin must be"):
+    call(sin_BxR=c["sin_BxR"][:, :3])
   with pytest.raises(ValueError, match="multiple"):
     da.decode_attention_append(**c, layer=0, length=10, num_heads=13)
 
@@ -243,16 +247,14 @@ def test_decoder_decode_steps_through_the_append_kernel(monkeypatch, with_lora):
 @pytest.mark.gpu
 def test_gpu_append_kernel_matches_reference_at_7b_shape():
   """Qwen2.5-7B's heads (28 q, 4 kv, hd 128) at batch 8 and 2304 slots: the Triton kernel against XLA."""
-  c, heads = _append_case(0, layers=3, batch=8, slots=2304, kv_heads=4, group=7, dim=128)
-  inv = jnp.asarray(1e6 ** -(np.arange(0, 128, 2) / 128), jnp.float32)
+  c, heads, _, _ = _append_case(0, layers=3, batch=8, slots=2304, kv_heads=4, group=7, dim=128)
   for length in (1, 257, 2304):
-    args = dict(c, inv_freq=inv, slot_mask_BxS=c["slot_mask_BxS"].at[:, length - 1].set(True))
+    args = dict(c, slot_mask_BxS=c["slot_mask_BxS"].at[:, length - 1].set(True))
     out, kc, vc = da.decode_attention_append(**args, layer=2, length=length, num_heads=heads, backend="pallas")
     ref, rk, rv = da.decode_attention_append(**args, layer=2, length=length, num_heads=heads, backend="reference")
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _rel(out, np.asarray(ref, np.float64)) < 1e-2
-    # RoPE's cos/sin may differ from XLA's in the last float32 bit: the written key to one bf16 ulp
-    np.testing.assert_allclose(np.asarray(kc, np.float32), np.asarray(rk, np.float32), rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(np.asarray(kc, np.float32), np.asarray(rk, np.float32))
     np.testing.assert_array_equal(np.asarray(vc, np.float32), np.asarray(rv, np.float32))
 
 

@@ -426,10 +426,10 @@ def test_kernels_lower_for_cuda_without_a_gpu(monkeypatch):
       "decode attention": (lambda q, kc, vc, l, m, t: da.decode_attention(q, kc, vc, l, m, t, backend="pallas"),
                            bf(2, 14, 64), bf(3, 2, 80, 2, 64), bf(3, 2, 80, 2, 64), i, sd((2, 80), jnp.bool_), i),
       "decode attention append": (
-          lambda y, bias, kc, vc, l, m, t, p, f: da.decode_attention_append(
-              y, bias, kc, vc, l, m, t, p, f, num_heads=14, backend="pallas"),
+          lambda y, bias, kc, vc, l, m, t, cos, sin: da.decode_attention_append(
+              y, bias, kc, vc, l, m, t, cos, sin, num_heads=14, backend="pallas"),
           sd((2, 18 * 64), jnp.float32), bf(18 * 64), bf(3, 2, 80, 2, 64), bf(3, 2, 80, 2, 64), i,
-          sd((2, 80), jnp.int8), i, sd((2,), jnp.int32), sd((32,), jnp.float32)),
+          sd((2, 80), jnp.int8), i, sd((2, 32), jnp.float32), sd((2, 32), jnp.float32)),
   }
   for name, (fn, *args) in cases.items():
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -183,7 +183,8 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   fused q/k/v weights (no per-part adapters, no q/k norm) on the kernel does all of
   that and attention in one call,
   :func:`pallas_kernels.decode_attention.decode_attention_append`. Otherwise, for attention,
-  a decode step (``decode = (slot_mask [B, S] int8, length)`` given, T = 1) where the kernel applies
+  a decode step (``decode = (slot_mask [B, S] int8, length, rope cos [B, hd/2], sin)`` given, T = 1)
+  where the kernel applies
   (:func:`pallas_kernels.decode_attention.auto_backend`: a GPU and 16-bit
   queries) calls :func:`pallas_kernels.decode_attention.decode_attention`,
   which reads the layer in place and only the written slots; otherwise (prefill,
@@ -203,9 +204,8 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
     kc, vc, li = kv
     y, bias = layers.linear_f32_bias_deferred(x, attn["qkv"], bias=attn.get("qkv_bias"), lora=la.get("qkv"),
                                               lora_scale=lora_scale)
-    o, kc, vc = decode_attn.decode_attention_append(
-        y.reshape(b, -1), bias, kc, vc, li, *decode, positions[:, 0], inv_freq, num_heads=cfg.num_heads,
-        dtype=x.dtype)
+    o, kc, vc = decode_attn.decode_attention_append(y.reshape(b, -1), bias, kc, vc, li, *decode,
+                                                    num_heads=cfg.num_heads, dtype=x.dtype)
     return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn), (kc, vc)
   if "qkv" in attn:  # fused projections (models.fuse_projections): one matmul, split back
     q, k, v = layers.fused_linear(x, attn["qkv"], (cfg.q_dim, cfg.kv_dim, cfg.kv_dim),
@@ -232,7 +232,7 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
     new_kv = (kc, vc)
     if decode is not None and decode_attn.auto_backend(q.dtype) != "reference":
       # Decode step on the kernel: layer li of the stacked cache is read in place.
-      o = decode_attn.decode_attention(q[:, 0], kc, vc, li, *decode)
+      o = decode_attn.decode_attention(q[:, 0], kc, vc, li, *decode[:2])
     else:
       keys = jax.lax.dynamic_index_in_dim(kc, li, 0, keepdims=False)
       values = jax.lax.dynamic_index_in_dim(vc, li, 0, keepdims=False)
@@ -358,8 +358,11 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     slot_mask = jax.lax.dynamic_update_slice(cache["mask"], attn_mask, (0, write_at))
     q_slot = write_at + jnp.arange(t)
     mask = (jnp.arange(s)[None, :] <= q_slot[:, None])[None] & slot_mask[:, None, :]
-    # A decode step's kernel inputs, made once per step rather than in every layer.
-    decode = (slot_mask.astype(jnp.int8), write_at + 1) if t == 1 else None
+    # A decode step's kernel inputs, made once per step rather than in every layer: the slot mask
+    # as int8, the filled length, and RoPE's cos and sin for decode_attention_append.
+    decode = None
+    if t == 1:
+      decode = (slot_mask.astype(jnp.int8), write_at + 1, *decode_attn.rope_cos_sin(positions[:, 0], inv_freq))
 
   lay_lora = (lora or {}).get("layers", {})
   noise = norm_noise or {}

@@ -270,9 +270,14 @@ def rope(x_BxTxNxhd: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -
     Same shape and dtype as ``x``; angles and cos/sin in float32.
   """
   ang = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
-  ang = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]
-  cos = jnp.cos(ang).astype(x_BxTxNxhd.dtype)
-  sin = jnp.sin(ang).astype(x_BxTxNxhd.dtype)
+  return apply_rope(x_BxTxNxhd, jnp.cos(ang), jnp.sin(ang))
+
+
+def apply_rope(x_BxTxNxhd: jax.Array, cos_BxTxR: jax.Array, sin_BxTxR: jax.Array) -> jax.Array:
+  """:func:`rope` from the angles' float32 cos and sin ``[B, T, hd / 2]``: ``x * cos + rotate_half(x) * sin``
+  with cos and sin rounded to x's dtype and the products and sum in x's dtype."""
+  cos = jnp.concatenate([cos_BxTxR, cos_BxTxR], axis=-1)[:, :, None, :].astype(x_BxTxNxhd.dtype)
+  sin = jnp.concatenate([sin_BxTxR, sin_BxTxR], axis=-1)[:, :, None, :].astype(x_BxTxNxhd.dtype)
   half = x_BxTxNxhd.shape[-1] // 2
   x1, x2 = x_BxTxNxhd[..., :half], x_BxTxNxhd[..., half:]
   rotated = jnp.concatenate([-x2, x1], axis=-1)
