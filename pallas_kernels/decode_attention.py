@@ -18,10 +18,12 @@ attention in one kernel: it takes the projection's float32 output, adds the bias
 the compute dtype, applies RoPE to the new token's queries and key, writes its key and value
 into the cache slot in place (an aliased output), and attends. Done by XLA, those steps were
 about ten small kernels a layer (bias add, RoPE's angles and concatenates, the cache updates).
-On an H200 (Qwen2.5-7B, batch 8) the block went from 16.8 to 8.3 µs a layer in an op-by-op
-profile, and a decode step with CUDA graphs, as a rollout runs, from 2.65 to 2.61 ms; at batch 64
-the step is unchanged (5.73 / 5.75 ms): the kernel itself takes 19.5 µs there against the plain
-kernel's 14.5 (docs/benchmarks_rollout.md, session 14).
+On an H200 (Qwen2.5-7B, NVFP4, 1024 new tokens) a decode step with CUDA graphs, as a rollout
+runs, went from 2.65 to 2.57 ms at batch 8 and from 5.73 to 5.64 ms at batch 64
+(docs/benchmarks_rollout.md, session 14). RoPE's cos and sin come in precomputed
+(:func:`rope_cos_sin`, once per step): computing them per program brought libdevice's slow-path
+range reduction into the kernel (2808 against 1432 SASS instructions), and the step then gained
+only at batch 8.
 """
 
 from __future__ import annotations
