@@ -198,6 +198,30 @@ def _choose_splits(batch: int, heads_kv: int, slots: int, block_s: int, target_p
   return int(max(1, min(-(-slots // block_s), -(-target_programs // (batch * heads_kv)))))
 
 
+def _check_cache_args(k_LxBxSxKxD, v_LxBxSxKxD, slot_mask_BxS, backend, block_s) -> tuple:
+  """The checks both entry points share; returns the cache shape ``(L, B, S, Hkv, hd)``."""
+  if backend not in BACKENDS:
+    raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+  if k_LxBxSxKxD.ndim != 5 or v_LxBxSxKxD.shape != k_LxBxSxKxD.shape:
+    raise ValueError(f"k and v caches must both be [L, B, S, Hkv, hd]; got {k_LxBxSxKxD.shape} and "
+                     f"{v_LxBxSxKxD.shape}")
+  _, b, s, _, _ = k_LxBxSxKxD.shape
+  if slot_mask_BxS.shape != (b, s):
+    raise ValueError(f"slot_mask must be [B={b}, S={s}]; got {slot_mask_BxS.shape}")
+  if block_s < 16 or block_s & (block_s - 1):
+    raise ValueError(f"block_s must be a power of 2 >= 16, got {block_s}")
+  return k_LxBxSxKxD.shape
+
+
+def _geometry(batch, heads, heads_kv, slots, block_s, splits, target_programs) -> tuple:
+  """``(G, G padded to a tensor-core tile of >= 16 rows, block_s, splits, chunk)`` of a launch."""
+  g = heads // heads_kv
+  g_pad = max(16, 1 << (g - 1).bit_length())
+  block_s = min(block_s, max(16, 1 << (slots - 1).bit_length()))
+  nsplit, chunk = _splits_and_chunk(batch, heads_kv, slots, block_s, splits, target_programs)
+  return g, g_pad, block_s, nsplit, chunk
+
+
 def _splits_and_chunk(batch, heads_kv, slots, block_s, splits, target_programs) -> tuple[int, int]:
   """(programs per (row, KV head), slots per program: a fixed chunk of whole blocks of the cache).
 
@@ -248,21 +272,12 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
     ValueError: inconsistent shapes, ``H`` not a multiple of ``Hkv``, a bad
       ``block_s`` or an unknown backend.
   """
-  if backend not in BACKENDS:
-    raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-  if k_LxBxSxKxD.ndim != 5 or v_LxBxSxKxD.shape != k_LxBxSxKxD.shape:
-    raise ValueError(f"k and v caches must both be [L, B, S, Hkv, hd]; got {k_LxBxSxKxD.shape} and "
-                     f"{v_LxBxSxKxD.shape}")
-  num_layers, b, s, kh, d = k_LxBxSxKxD.shape
+  num_layers, b, s, kh, d = _check_cache_args(k_LxBxSxKxD, v_LxBxSxKxD, slot_mask_BxS, backend, block_s)
   if q_BxHxD.ndim != 3 or q_BxHxD.shape[0] != b or q_BxHxD.shape[2] != d:
     raise ValueError(f"q must be [B={b}, H, hd={d}]; got {q_BxHxD.shape}")
   h = q_BxHxD.shape[1]
   if h % kh:
     raise ValueError(f"{h} query heads are not a multiple of {kh} KV heads")
-  if slot_mask_BxS.shape != (b, s):
-    raise ValueError(f"slot_mask must be [B={b}, S={s}]; got {slot_mask_BxS.shape}")
-  if block_s < 16 or block_s & (block_s - 1):
-    raise ValueError(f"block_s must be a power of 2 >= 16, got {block_s}")
   layer = jnp.asarray(layer, jnp.int32).reshape(1)
   length = jnp.asarray(length, jnp.int32).reshape(1)
   if backend == "auto":
@@ -271,10 +286,7 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
     return reference(q_BxHxD, k_LxBxSxKxD, v_LxBxSxKxD, jnp.clip(layer[0], 0, num_layers - 1), slot_mask_BxS,
                      length[0])
 
-  g = h // kh
-  g_pad = max(16, 1 << (g - 1).bit_length())  # tensor-core dots need >= 16 rows
-  block_s = min(block_s, max(16, 1 << (s - 1).bit_length()))
-  nsplit, chunk = _splits_and_chunk(b, kh, s, block_s, splits, target_programs)
+  g, g_pad, block_s, nsplit, chunk = _geometry(b, h, kh, s, block_s, splits, target_programs)
   kernel = functools.partial(_kernel, batch=b, heads_kv=kh, group=g, group_pad=g_pad, slots=s, head_dim=d,
                              block_s=block_s, chunk=chunk, num_layers=num_layers)
   out_shape = (jax.ShapeDtypeStruct((nsplit, b, kh, g_pad, d), jnp.float32),
@@ -388,12 +400,7 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
     ValueError: inconsistent shapes, an odd ``hd``, ``H`` not a multiple of ``Hkv``, a bad
       ``block_s`` or an unknown backend.
   """
-  if backend not in BACKENDS:
-    raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-  if k_LxBxSxKxD.ndim != 5 or v_LxBxSxKxD.shape != k_LxBxSxKxD.shape:
-    raise ValueError(f"k and v caches must both be [L, B, S, Hkv, hd]; got {k_LxBxSxKxD.shape} and "
-                     f"{v_LxBxSxKxD.shape}")
-  num_layers, b, s, kh, d = k_LxBxSxKxD.shape
+  num_layers, b, s, kh, d = _check_cache_args(k_LxBxSxKxD, v_LxBxSxKxD, slot_mask_BxS, backend, block_s)
   if num_heads % kh:
     raise ValueError(f"{num_heads} query heads are not a multiple of {kh} KV heads")
   if d % 2:
@@ -403,22 +410,15 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
     raise ValueError(f"qkv must be [B={b}, (H + 2 Hkv) * hd = {n}]; got {qkv_BxN.shape}")
   if bias_N is not None and bias_N.shape != (n,):
     raise ValueError(f"bias must be [{n}]; got {bias_N.shape}")
-  if slot_mask_BxS.shape != (b, s):
-    raise ValueError(f"slot_mask must be [B={b}, S={s}]; got {slot_mask_BxS.shape}")
   if cos_BxR.shape != (b, d // 2) or sin_BxR.shape != (b, d // 2):
     raise ValueError(f"cos and sin must be [B={b}, hd / 2 = {d // 2}]; got {cos_BxR.shape} and {sin_BxR.shape}")
-  if block_s < 16 or block_s & (block_s - 1):
-    raise ValueError(f"block_s must be a power of 2 >= 16, got {block_s}")
   if backend == "auto":
     backend = auto_backend(dtype)
   if backend == "reference":
     return reference_append(qkv_BxN, bias_N, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length,
                             cos_BxR, sin_BxR, num_heads=num_heads, dtype=dtype)
 
-  g = num_heads // kh
-  g_pad = max(16, 1 << (g - 1).bit_length())
-  block_s = min(block_s, max(16, 1 << (s - 1).bit_length()))
-  nsplit, chunk = _splits_and_chunk(b, kh, s, block_s, splits, target_programs)
+  g, g_pad, block_s, nsplit, chunk = _geometry(b, num_heads, kh, s, block_s, splits, target_programs)
   kernel = functools.partial(_append_kernel, batch=b, heads=num_heads, heads_kv=kh, group=g, group_pad=g_pad,
                              slots=s, head_dim=d, block_s=block_s, chunk=chunk, num_layers=num_layers,
                              dtype=jnp.dtype(dtype))
