@@ -13,6 +13,9 @@
 #   STEPS=11 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=12 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=13 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=14 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=15 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=16 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-128), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
@@ -35,14 +38,20 @@
 # 11. where a batch-64 decode step's time goes, NVFP4 and bf16, with each W4A16 call's time by its
 #     position in the layer (session 13: the fused gate/up kernel is 74.0 µs against cuBLAS's 70.8; the
 #     isolated 1.18x was on the gate matrix alone).
-# 12. (next) the asynchronous wgmma prepared in session 13 (w4_gluon.WG_ASYNC, with the x ring at MB = 64):
+# 12. the asynchronous wgmma prepared in session 13 (w4_gluon.WG_ASYNC, with the x ring at MB = 64):
 #     correctness (the x-ring GPU test covers it), then the lab harness at M = 40 and 64 against the
 #     default and the ring alone, and at M = 32 the narrow build (128 columns) with and without it
 #     (offline: 112 registers, pipelined), then a batch-64 rollout A/B.
-# 13. (next) the split-K program target per shape at M = 1-16: in a batch-8 rollout q/k/v and o stream
+# 13. the split-K program target per shape at M = 1-16: in a batch-8 rollout q/k/v and o stream
 #     their 4-bit weight at only 1.3-1.5 TB/s (6.3 and 5.5 µs), with 2 K steps a program (504 and 392
 #     programs at TARGET_PROGRAMS = 512); the harness prints each shape, so one run shows whether a
-#     smaller target (longer programs) suits the small matrices.
+#     smaller target (longer programs) suits the small matrices. (Session 14 ran 12 and 13: neither
+#     helped; docs/benchmarks.md "Session 14".)
+# 14. (next) the fused decode-attention kernel of session 14 (decode_attention_append): bf16 and NVFP4
+#     A/B at batch 8 and 64 (session 14 measured the final version on NVFP4 only; about 6 minutes);
+# 15. (next) issue 6's table at 2048 new tokens, batch 8 and 64, with it (about 7 minutes);
+# 16. (next) the compiled HLO of a batch-8 decode step, to find what the one `memcpy32_post` a layer
+#     (1.3-1.6 µs) copies: its copy instructions are printed and the HLO is kept gzipped.
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -87,5 +96,14 @@ step 12 && { timeout 200 python3 -m pytest -q -m gpu tests/test_gluon.py -k x_ri
   for s in "" "X_RING_MIN_MB=64,WG_ASYNC=1" "" "X_RING_MIN_MB=64,WG_ASYNC=1"; do
     GL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=64 --new_tokens=512 \
       --formats=nvfp4_fused --time_budget_s=90 2>&1 | grep "w4_gluon\|nvfp4_fused |"; done; } | tee "$OUT/wg_async.txt"
+step 14 && for s in "" "FUSED_DECODE_ATTENTION=0"; do
+    MODEL_SET="$s" timeout 200 python3 experiments/lab/gluon/ab_rollout.py --batches=8,64 --new_tokens=1024 \
+      --formats=nvfp4_fused,bf16_fused --time_budget_s=180 2>&1 | grep "decoder\.\|_fused |"; done | tee "$OUT/append_ab.txt"
+step 15 && timeout 480 python3 experiments/bench_rollout.py --batches=8,64 --new_tokens=2048 \
+    --formats=nvfp4_fused,bf16_fused --out="$OUT/issue6_2048" 2>&1 | grep "_fused |\|NVFP4 /" | tee "$OUT/issue6.txt"
+step 16 && { PROFILE_HLO=1 PROFILE_SEQ=48 PROFILE_TOP=30 OUT="$OUT" timeout 200 python3 experiments/lab/profile_rollout.py \
+    nvfp4_fused:8:64 2>&1 | grep -v "^[IW][0-9]"
+  grep -n " copy(\| copy-start(\|memcpy" "$OUT"/nvfp4_fused_8_0.hlo.txt | head -60; gzip -f "$OUT"/*.hlo.txt; } \
+  | tee "$OUT/decode_hlo.txt"
 step 13 && GL_MS=1,8,16 GL_VARIANTS="t128:TARGET_PROGRAMS=128;t256:TARGET_PROGRAMS=256;t1024:TARGET_PROGRAMS=1024" \
   timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn | tee "$OUT/targets.txt"

@@ -45,14 +45,14 @@ def profile(fmt, batch, new_tokens, out, rank=0, aqn=False):
   steps = new_tokens - 1
   print(f"\n== {fmt} batch {batch} lora {rank} aqn {aqn}: wall (warm-up + traced run) {wall*1e3:.0f} ms, device busy {tot/1e3:.0f} ms, "
         f"kernels {sum(v[1] for v in agg.values())}, per step busy {tot/steps/1e3:.2f} ms")
-  if os.environ.get("PROFILE_SEQ"):
-    step_sequence(events, agg, steps, int(os.environ["PROFILE_SEQ"]))
   where = {}
   if os.environ.get("PROFILE_HLO"):
     text = c.as_text()
     where = hlo_origins(text)
     with open(os.path.join(out, f"{fmt}_{batch}_{rank}{'_aqn' if aqn else ''}.hlo.txt"), "w") as f:
       f.write(text)
+  if os.environ.get("PROFILE_SEQ"):
+    step_sequence(events, agg, steps, int(os.environ["PROFILE_SEQ"]), where)
   for name, (us, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:int(os.environ.get("PROFILE_TOP", 22))]:
     print(f"  {us/1e3:9.1f} ms {n:7d}x {us/n:8.1f} us  {name}")
     if name in where:
@@ -64,12 +64,13 @@ def profile(fmt, batch, new_tokens, out, rank=0, aqn=False):
             + " ".join(f"{v:.1f}" for v in np.median(ts, axis=0)))
 
 
-def step_sequence(events, agg, steps, show):
+def step_sequence(events, agg, steps, show, where=None):
   """Prints one decode step from the trace: its kernels in order (the first ``show``), the step's
   device busy and wall time (first kernel start to last kernel end), and the idle gaps between its
   kernels. A step is delimited by the first kernel (by name) that runs once a step plus once in
   prefill (``steps + 1`` times; the LM-head GEMM is one, but another such kernel may be picked, and
-  the sequence then starts elsewhere in the step: the header names it)."""
+  the sequence then starts elsewhere in the step: the header names it). With ``where``
+  (:func:`hlo_origins`, ``PROFILE_HLO=1``) each kernel's shape and source line follow its name."""
   head = [name for name, (_, n) in agg.items() if n == steps + 1]
   if not head:
     print("  (no kernel runs steps + 1 times; no step sequence)")
@@ -84,7 +85,7 @@ def step_sequence(events, agg, steps, show):
   print(f"  one decode step ({head[0]} ends it): {len(step)} kernels, busy {busy:.0f} us, wall {wall:.0f} us, "
         f"gaps {sum(gaps):.0f} us (median {np.median(gaps):.2f} us)")
   for (name, ts, dur), gap in list(zip(step, [0.0] + gaps))[:show]:
-    print(f"    {dur:7.1f} us  gap {gap:5.1f}  {name}")
+    print(f"    {dur:7.1f} us  gap {gap:5.1f}  {name}" + (f"   [{where[name]}]" if where and name in where else ""))
 
 
 def hlo_origins(text):
