@@ -214,14 +214,18 @@ def test_append_errors_name_the_problem():
     da.decode_attention_append(**c, layer=0, length=10, num_heads=13)
 
 
-@pytest.mark.parametrize("with_lora", [False, True])
-def test_decoder_decode_steps_through_the_append_kernel(monkeypatch, with_lora):
-  """Fused q/k/v with a bias (and a fused adapter), bf16: prefill then decode through the append kernel
-  (interpret mode) gives the same logits as decoding through XLA's RoPE, cache update and attention."""
+@pytest.mark.parametrize("quant,with_lora", [(None, False), (None, True), ("nvfp4", False), ("nvfp4", True)])
+def test_decoder_decode_steps_through_the_append_kernel(monkeypatch, quant, with_lora):
+  """Fused q/k/v with a bias (and a fused adapter; bf16 or NVFP4 base weights), bf16: prefill then decode
+  through the append kernel (interpret mode) gives the same logits as decoding through XLA's RoPE, cache
+  update and attention. On the NVFP4 base the 4-bit matmul adds the adapter itself (its epilogue) and the
+  kernel adds the bias; on the bf16 base XLA adds both."""
   from qerl_jax import lora as lora_lib
   cfg = models.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                            num_kv_heads=2, head_dim=16, attention_bias=True, dtype="bfloat16")
   base = models.fuse_projections(models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16, std=0.1))
+  if quant:
+    base = models.quantize_base(base, quant)
   assert "qkv_bias" in base["layers"]["attn"]
   kw = {}
   if with_lora:
@@ -230,14 +234,17 @@ def test_decoder_decode_steps_through_the_append_kernel(monkeypatch, with_lora):
     lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(a.size), a.shape, a.dtype), lora)
     kw = dict(lora=models.fuse_adapter(lora, cfg, dtype=jnp.bfloat16), lora_cfg=c)
   tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=5))
-  calls = []
+  calls = []  # whether each call got the bias to add (the second argument)
   real_append = da.decode_attention_append
-  monkeypatch.setattr(da, "decode_attention_append", lambda *a, **k: calls.append(1) or real_append(*a, **k))
+  monkeypatch.setattr(da, "decode_attention_append", lambda *a, **k: calls.append(a[1] is not None)
+                      or real_append(*a, **k))
   xla, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
   assert not calls  # on the CPU the decoder keeps XLA's path
   monkeypatch.setattr(da, "auto_backend", lambda dtype: "interpret")
   fused, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
   assert calls  # traced once per layer of the jitted decode step
+  # the kernel adds the bias unless an adapter delta must follow it in XLA (no 4-bit epilogue)
+  assert all(calls) == (not with_lora or quant is not None) and any(calls) == all(calls)
   real = np.asarray(mask).astype(bool)
   diff = np.abs(np.asarray(fused, np.float32) - np.asarray(xla, np.float32))[real]
   scale = np.abs(np.asarray(xla, np.float32))[real].max()
