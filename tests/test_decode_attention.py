@@ -184,6 +184,19 @@ def test_append_kernel_matches_float64(length, layer, splits, block_s):
   assert _rel(xla_out, ref_out) < 2e-2
 
 
+def test_append_kernel_other_head_shapes():
+  """A group of 3 query heads per KV head and a head dim of 64 (Llama 3.2's shapes), a full cache."""
+  c, heads, pos, inv_freq = _append_case(11, layers=2, batch=2, slots=48, kv_heads=4, group=3, dim=64)
+  length = 48
+  c["slot_mask_BxS"] = c["slot_mask_BxS"].at[:, length - 1].set(True)
+  out, kc, _ = da.decode_attention_append(**c, layer=1, length=length, num_heads=heads, backend="interpret",
+                                          block_s=16)
+  ref_out, ref_k, _ = _np_append(c, heads, pos, inv_freq, 1, length)
+  assert out.shape == (2, 12, 64)
+  assert _rel(out, ref_out) < 2e-2
+  np.testing.assert_allclose(np.asarray(kc, np.float64), ref_k, rtol=2e-2, atol=2e-2)
+
+
 def test_append_reads_no_slot_at_or_after_the_new_one():
   """NaN in the new token's slot (it is written, never read) and beyond ``length`` stay out of the output."""
   c, heads, pos, inv_freq = _append_case(3)
