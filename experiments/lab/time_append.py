@@ -20,7 +20,7 @@ inv = jnp.asarray(1e6 ** -(np.arange(0, D, 2) / D), jnp.float32)
 
 def variant(**kw):
   return lambda y, bias, kc, vc, li, mask8, pos: da.decode_attention_append(
-      y, bias, kc, vc, li, mask8, length, pos, inv, num_heads=H, **kw)
+      y, bias, kc, vc, li, mask8, length, *da.rope_cos_sin(pos, inv), num_heads=H, **kw)
 
 
 VARIANTS = {"append": variant(), "append t264": variant(target_programs=264),
