@@ -19,8 +19,8 @@ inv = jnp.asarray(1e6 ** -(np.arange(0, D, 2) / D), jnp.float32)
 
 
 def variant(**kw):
-  return lambda y, bias, kc, vc, li, mask8, pos: da.decode_attention_append(
-      y, bias, kc, vc, li, mask8, length, *da.rope_cos_sin(pos, inv), num_heads=H, **kw)
+  return lambda y, bias, kc, vc, li, mask8, cos, sin: da.decode_attention_append(
+      y, bias, kc, vc, li, mask8, length, cos, sin, num_heads=H, **kw)
 
 
 VARIANTS = {"append": variant(), "append t264": variant(target_programs=264),
@@ -36,8 +36,9 @@ for batch in [int(b) for b in os.environ.get("APPEND_BATCHES", "8,64").split(","
   for name, fn in VARIANTS.items():
     def run(kc, vc, ys=ys, fn=fn):
       acc = jnp.zeros((batch, H, D), jnp.float32)
+      cos, sin = da.rope_cos_sin(pos, inv)  # once per step, as the decoder does
       for li in range(L):  # unrolled, as the decode step
-        o, kc, vc = fn(ys[li], bias, kc, vc, li, mask8, pos)
+        o, kc, vc = fn(ys[li], bias, kc, vc, li, mask8, cos, sin)
         acc = acc + o.astype(jnp.float32)
       return acc, kc, vc
     f = jax.jit(run, donate_argnums=(0, 1))
