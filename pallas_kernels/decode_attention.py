@@ -67,6 +67,32 @@ def reference(q_BxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length):
   return out.reshape(b, h, d).astype(q_BxHxD.dtype)
 
 
+def _split_blocks(split, chunk, end, block_s):
+  """``(first slot, end slot, blocks)`` of split ``split``: its fixed chunk of slots cut at ``end``."""
+  s_begin = split * chunk
+  s_end = jnp.minimum(s_begin + chunk, end)
+  return s_begin, s_end, jnp.maximum(s_end - s_begin + block_s - 1, 0) // block_s
+
+
+def _block_keep(mask_ref, b, s0, s_end, block_s):
+  """``(inside, keep)`` ``[block_s]`` of the block at slot ``s0``: before ``s_end``, and also a real token."""
+  inside = s0 + jnp.arange(block_s) < s_end
+  return inside, (plgpu.load(mask_ref.at[b, pl.ds(s0, block_s)], mask=inside, other=0) != 0) & inside
+
+
+def _online_softmax(m, l, acc, sc, keep, v):
+  """One block of the online softmax (Milakov & Gimelshein 2018): running max ``m`` and sum ``l``
+  ``[G]``, output ``acc [G, hd]`` (float32) updated with scores ``sc [G, block]`` (slots where
+  ``keep`` is false left out) and values ``v [block, hd]``."""
+  sc = jnp.where(keep[None, :], sc, MASKED_SCORE)
+  m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+  alpha = jnp.exp(m - m_new)
+  p = jnp.where(keep[None, :], jnp.exp(sc - m_new[:, None]), 0.0)
+  l = l * alpha + jnp.sum(p, axis=1)
+  acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return m_new, l, acc
+
+
 def _kernel(q_ref, k_ref, v_ref, mask_ref, layer_ref, length_ref, o_ref, m_ref, l_ref, *, batch, heads_kv,
             group, group_pad, slots, head_dim, block_s, chunk, num_layers):
   b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -82,28 +108,16 @@ def _kernel(q_ref, k_ref, v_ref, mask_ref, layer_ref, length_ref, o_ref, m_ref, 
   # 2**31 for any cache that fits a GPU); Pallas widens offsets to 64 bits for arrays over 4 GiB.
   row0 = (layer * batch + b) * slots
   col = pl.ds(kvh * head_dim, head_dim)
-  s_begin = split * chunk
-  s_end = jnp.minimum(s_begin + chunk, length)
-  blocks = jnp.maximum(s_end - s_begin + block_s - 1, 0) // block_s
+  s_begin, s_end, blocks = _split_blocks(split, chunk, length, block_s)
   scale = head_dim ** -0.5
 
   def body(i, carry):
-    m, l, acc = carry
     s0 = s_begin + i * block_s
-    idx = s0 + jnp.arange(block_s)
-    inside = idx < s_end
-    keep = plgpu.load(mask_ref.at[b, pl.ds(s0, block_s)], mask=inside, other=0) != 0
-    keep = keep & inside
+    inside, keep = _block_keep(mask_ref, b, s0, s_end, block_s)
     k = plgpu.load(k_ref.at[pl.ds(row0 + s0, block_s), col], mask=inside[:, None], other=0.0).astype(q.dtype)
     v = plgpu.load(v_ref.at[pl.ds(row0 + s0, block_s), col], mask=inside[:, None], other=0.0).astype(q.dtype)
     sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-    sc = jnp.where(keep[None, :], sc, MASKED_SCORE)
-    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.where(keep[None, :], jnp.exp(sc - m_new[:, None]), 0.0)
-    l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return m_new, l, acc
+    return _online_softmax(*carry, sc, keep, v)
 
   init = (jnp.full((g,), MASKED_SCORE, jnp.float32), jnp.zeros((g,), jnp.float32),
           jnp.zeros((g, head_dim), jnp.float32))
@@ -116,8 +130,13 @@ def _kernel(q_ref, k_ref, v_ref, mask_ref, layer_ref, length_ref, o_ref, m_ref, 
 def _rope_rounded(x1, x2, cos, sin, dtype):
   """RoPE's "rotate half" on float32 halves holding ``dtype`` values, rounded like XLA's ``dtype``
   ops: ``[x1, x2] * cos + [-x2, x1] * sin`` with each product and the sum rounded to ``dtype``."""
-  rnd = lambda a: a.astype(dtype).astype(jnp.float32)
+  rnd = lambda a: _rounded(a, dtype)
   return rnd(rnd(x1 * cos) - rnd(x2 * sin)), rnd(rnd(x2 * cos) + rnd(x1 * sin))
+
+
+def _rounded(a, dtype):
+  """float32 ``a`` rounded to ``dtype``, kept in float32."""
+  return a.astype(dtype).astype(jnp.float32)
 
 
 def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, layer_ref, length_ref,
@@ -135,7 +154,7 @@ def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, 
   in_group = (jnp.arange(group_pad) < group)[:, None]
   q_at = lambda ref, r0, c0: plgpu.load(ref.at[pl.ds(r0, group_pad), pl.ds(c0, half)], mask=in_group, other=0.0)
   one_at = lambda ref, r, c0, n: plgpu.load(ref.at[pl.ds(r, 1), pl.ds(c0, n)]).astype(f32)
-  rnd = lambda a: a.astype(dtype).astype(f32)  # the projection's output in the compute dtype
+  rnd = lambda a: _rounded(a, dtype)  # the projection's output in the compute dtype
   q1 = rnd(q_at(qkv_ref, b * rows + kvh * group, 0) + q_at(bias_ref, kvh * group, 0))
   q2 = rnd(q_at(qkv_ref, b * rows + kvh * group, half) + q_at(bias_ref, kvh * group, half))
   kr, vr = heads + kvh, heads + heads_kv + kvh
@@ -166,27 +185,17 @@ def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, 
   acc = jnp.where(new_kept[:, None], v_new, 0.0) + jnp.zeros((group_pad, head_dim), f32)
   q1, q2 = q1.astype(dtype), q2.astype(dtype)
 
-  s_begin = split * chunk
-  s_end = jnp.minimum(s_begin + chunk, write_at)
-  blocks = jnp.maximum(s_end - s_begin + block_s - 1, 0) // block_s
+  s_begin, s_end, blocks = _split_blocks(split, chunk, write_at, block_s)
 
   def body(i, carry):
-    m, l, acc = carry
     s0 = s_begin + i * block_s
-    inside = s0 + jnp.arange(block_s) < s_end
-    keep = (plgpu.load(mask_ref.at[b, pl.ds(s0, block_s)], mask=inside, other=0) != 0) & inside
+    inside, keep = _block_keep(mask_ref, b, s0, s_end, block_s)
     rows_s = pl.ds(row0 + s0, block_s)
     ld = lambda ref, c0, n: plgpu.load(ref.at[rows_s, pl.ds(c0, n)], mask=inside[:, None], other=0.0).astype(dtype)
     dims = (((1,), (1,)), ((), ()))
     sc = (lax.dot_general(q1, ld(k_ref, col, half), dims, preferred_element_type=f32)
           + lax.dot_general(q2, ld(k_ref, col + half, half), dims, preferred_element_type=f32)) * scale
-    sc = jnp.where(keep[None, :], sc, MASKED_SCORE)
-    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.where(keep[None, :], jnp.exp(sc - m_new[:, None]), 0.0)
-    l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + jnp.dot(p.astype(dtype), ld(v_ref, col, head_dim), preferred_element_type=f32)
-    return m_new, l, acc
+    return _online_softmax(*carry, sc, keep, ld(v_ref, col, head_dim))
 
   m, l, acc = lax.fori_loop(0, blocks, body, (m, l, acc))
   o_ref[split, b, kvh] = acc
