@@ -21,9 +21,8 @@ import devtime
 from absl import flags
 flags.FLAGS(["prof"])
 import bench_rollout as br
-from qerl_jax import xla_flags
+from qerl_jax import models, sampling, xla_flags
 xla_flags.apply_recommended()  # the launchers' GPU flags (bench_rollout's main is not run here)
-from qerl_jax import models, sampling
 
 def profile(fmt, batch, new_tokens, out, rank=0, aqn=False):
   cfg = models.ModelConfig.from_hf(br.QWEN25_7B)

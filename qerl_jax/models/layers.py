@@ -163,11 +163,9 @@ def linear(x: jax.Array, w, *, bias: Optional[jax.Array] = None,
     TypeError: ``w`` is neither a float array nor a 4-bit tensor.
     ValueError: K mismatch between ``x`` and ``w``.
   """
-  y, lora = _base_f32(x, w, lora, lora_scale)
+  y, bias = linear_f32_bias_deferred(x, w, bias=bias, lora=lora, lora_scale=lora_scale)
   if bias is not None:
     y = _add_bias(y, bias, w)
-  if lora is not None:
-    y = y + _lora_f32(x, lora, lora_scale)
   return y.astype(x.dtype)
 
 
