@@ -6,14 +6,17 @@ logical shape ``[K, N]``, differentiable in ``x``. On a GPU with bf16 ``x`` it
 runs the Pallas kernels of :mod:`pallas_kernels.w4_triton` (a fused
 dequantize-in-registers kernel for small M, a one-pass dequantize + cuBLAS
 for large M); on CPU, and for inputs without a kernel, the pure-XLA reference.
-:mod:`pallas_kernels.w4_gluon` holds the Gluon decode GEMV that takes M <= 64 on NVFP4 weights
+:mod:`pallas_kernels.w4_gluon` holds the Gluon decode GEMV that takes M <= 128 on NVFP4 weights
 (launched by the XLA FFI handler in ``gluon_launch.cc``; ``matmul.GLUON``).
+``quantized_matmul_into(x, w, acc, offset)`` runs it into a region of a zeroed float32 buffer, so that
+a decode step's projections share one memset (forward only).
 ``quantized_matmul(x, w_stack, index=i)`` multiplies by layer ``i`` of a stacked
 ``[L, K, N]`` weight, read in place by the kernels (the decoder's layer scan uses it).
 :mod:`pallas_kernels.decode_attention` holds the decode-step attention kernel that reads
 one layer of the stacked KV cache in place. See docs/kernels.md.
 """
 
-from pallas_kernels.matmul import FUSED_MAX_M, quantized_matmul, reference_matmul
+from pallas_kernels.matmul import (FUSED_MAX_M, accumulate_applies, quantized_matmul, quantized_matmul_into,
+                                   reference_matmul)
 
-__all__ = ["FUSED_MAX_M", "quantized_matmul", "reference_matmul"]
+__all__ = ["FUSED_MAX_M", "accumulate_applies", "quantized_matmul", "quantized_matmul_into", "reference_matmul"]

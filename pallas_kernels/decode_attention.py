@@ -141,7 +141,7 @@ def _rounded(a, dtype):
 
 def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, layer_ref, length_ref,
                    o_ref, m_ref, l_ref, k_out_ref, v_out_ref, *, batch, heads, heads_kv, group, group_pad, slots,
-                   head_dim, block_s, chunk, num_layers, dtype):
+                   head_dim, block_s, chunk, num_layers, dtype, bias_stacked=False):
   b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   layer = jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
   length = length_ref[0]
@@ -155,12 +155,13 @@ def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, 
   q_at = lambda ref, r0, c0: plgpu.load(ref.at[pl.ds(r0, group_pad), pl.ds(c0, half)], mask=in_group, other=0.0)
   one_at = lambda ref, r, c0, n: plgpu.load(ref.at[pl.ds(r, 1), pl.ds(c0, n)]).astype(f32)
   rnd = lambda a: _rounded(a, dtype)  # the projection's output in the compute dtype
-  q1 = rnd(q_at(qkv_ref, b * rows + kvh * group, 0) + q_at(bias_ref, kvh * group, 0))
-  q2 = rnd(q_at(qkv_ref, b * rows + kvh * group, half) + q_at(bias_ref, kvh * group, half))
+  br = layer * rows if bias_stacked else 0  # a stacked bias [L * (H + 2 Hkv), hd]: this layer's rows
+  q1 = rnd(q_at(qkv_ref, b * rows + kvh * group, 0) + q_at(bias_ref, br + kvh * group, 0))
+  q2 = rnd(q_at(qkv_ref, b * rows + kvh * group, half) + q_at(bias_ref, br + kvh * group, half))
   kr, vr = heads + kvh, heads + heads_kv + kvh
-  k1 = rnd(one_at(qkv_ref, b * rows + kr, 0, half) + one_at(bias_ref, kr, 0, half))
-  k2 = rnd(one_at(qkv_ref, b * rows + kr, half, half) + one_at(bias_ref, kr, half, half))
-  v_new = rnd(one_at(qkv_ref, b * rows + vr, 0, head_dim) + one_at(bias_ref, vr, 0, head_dim))  # [1, hd]
+  k1 = rnd(one_at(qkv_ref, b * rows + kr, 0, half) + one_at(bias_ref, br + kr, 0, half))
+  k2 = rnd(one_at(qkv_ref, b * rows + kr, half, half) + one_at(bias_ref, br + kr, half, half))
+  v_new = rnd(one_at(qkv_ref, b * rows + vr, 0, head_dim) + one_at(bias_ref, br + vr, 0, head_dim))  # [1, hd]
   # This row's RoPE cos and sin (float32, made once per decode step by rope_cos_sin), in the compute dtype.
   cos, sin = rnd(one_at(cos_ref, b, 0, half)), rnd(one_at(sin_ref, b, 0, half))  # [1, hd/2]
   q1, q2 = _rope_rounded(q1, q2, cos, sin, dtype)
@@ -359,9 +360,14 @@ def reference_append(qkv_BxN, bias_N, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask
   """XLA reference of :func:`decode_attention_append` (same arguments and results): the decoder's
   ops (RoPE as :func:`qerl_jax.models.layers.rope`, a dynamic-update-slice per cache, :func:`reference`)."""
   num_layers, b, s, kh, d = k_LxBxSxKxD.shape
+  layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1)
+  n = (num_heads + 2 * kh) * d
+  if qkv_BxN.ndim == 1:  # the head of a buffer
+    qkv_BxN = qkv_BxN[:b * n].reshape(b, n)
+  if bias_N is not None and bias_N.ndim == 2:  # a stack: this layer's
+    bias_N = lax.dynamic_index_in_dim(bias_N, layer, 0, keepdims=False)
   q, k, v = _split_qkv(qkv_BxN, bias_N, num_heads, kh, d, dtype)
   q, k = _rope_reference(q, cos_BxR, sin_BxR), _rope_reference(k, cos_BxR, sin_BxR)
-  layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1)
   at = (layer, 0, jnp.asarray(length, jnp.int32) - 1, 0, 0)
   k_LxBxSxKxD = lax.dynamic_update_slice(k_LxBxSxKxD, k[None, :, None].astype(k_LxBxSxKxD.dtype), at)
   v_LxBxSxKxD = lax.dynamic_update_slice(v_LxBxSxKxD, v[None, :, None].astype(v_LxBxSxKxD.dtype), at)
@@ -386,8 +392,13 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
   slot taken from registers.
 
   Args:
-    qkv_BxN: float32 ``[B, (H + 2 Hkv) * hd]``: ``x @ [Wq | Wk | Wv]`` (any adapter delta included).
-    bias_N: ``[(H + 2 Hkv) * hd]`` (any float dtype) or None.
+    qkv_BxN: float32 ``[B, (H + 2 Hkv) * hd]``: ``x @ [Wq | Wk | Wv]`` (any adapter delta included);
+      or a 1-D float32 buffer (a multiple of ``hd`` long) whose first ``B * (H + 2 Hkv) * hd``
+      elements hold it row-major, such as a decode step's
+      :class:`qerl_jax.models.layers.Accumulator`: the kernel reads them in place, where
+      slicing them out would be a device copy (XLA materializes a slice that feeds a custom call).
+    bias_N: ``[(H + 2 Hkv) * hd]`` (any float dtype), or a stack ``[L, (H + 2 Hkv) * hd]`` of
+      which the kernel reads layer ``layer`` in place (for the same reason), or None.
     k_LxBxSxKxD, v_LxBxSxKxD: the stacked cache ``[L, B, S, Hkv, hd]`` (any float dtype).
     layer: int32 scalar (may be traced), clamped to ``[0, L)``.
     slot_mask_BxS: bool/int ``[B, S]``, nonzero at slots holding a real token, this step's
@@ -415,10 +426,14 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
   if d % 2:
     raise ValueError(f"RoPE needs an even head dim, got {d}")
   n = (num_heads + 2 * kh) * d
-  if qkv_BxN.shape != (b, n):
+  head_of_buffer = qkv_BxN.ndim == 1
+  if head_of_buffer and (qkv_BxN.dtype != jnp.float32 or qkv_BxN.shape[0] < b * n or qkv_BxN.shape[0] % d):
+    raise ValueError(f"a 1-D qkv buffer must be float32, at least B * (H + 2 Hkv) * hd = {b * n} long and a "
+                     f"multiple of hd = {d}; got {qkv_BxN.dtype}{list(qkv_BxN.shape)}")
+  if not head_of_buffer and qkv_BxN.shape != (b, n):
     raise ValueError(f"qkv must be [B={b}, (H + 2 Hkv) * hd = {n}]; got {qkv_BxN.shape}")
-  if bias_N is not None and bias_N.shape != (n,):
-    raise ValueError(f"bias must be [{n}]; got {bias_N.shape}")
+  if bias_N is not None and bias_N.shape not in ((n,), (num_layers, n)):
+    raise ValueError(f"bias must be [{n}] or a stack [L={num_layers}, {n}]; got {bias_N.shape}")
   if cos_BxR.shape != (b, d // 2) or sin_BxR.shape != (b, d // 2):
     raise ValueError(f"cos and sin must be [B={b}, hd / 2 = {d // 2}]; got {cos_BxR.shape} and {sin_BxR.shape}")
   if backend == "auto":
@@ -430,7 +445,7 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
   g, g_pad, block_s, nsplit, chunk = _geometry(b, num_heads, kh, s, block_s, splits, target_programs)
   kernel = functools.partial(_append_kernel, batch=b, heads=num_heads, heads_kv=kh, group=g, group_pad=g_pad,
                              slots=s, head_dim=d, block_s=block_s, chunk=chunk, num_layers=num_layers,
-                             dtype=jnp.dtype(dtype))
+                             dtype=jnp.dtype(dtype), bias_stacked=bias_N is not None and bias_N.ndim == 2)
   rows = num_heads + 2 * kh
   flat = (num_layers * b * s, kh * d)
   out_shape = (jax.ShapeDtypeStruct((nsplit, b, kh, g_pad, d), jnp.float32),
@@ -445,7 +460,7 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
         input_output_aliases={4: 3, 5: 4},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="decode_attention_append",
-    )(qkv_BxN.astype(jnp.float32).reshape(b * rows, d), bias.reshape(rows, d),
+    )(qkv_BxN.astype(jnp.float32).reshape(-1, d), bias.reshape(-1, d),
       cos_BxR.astype(jnp.float32), sin_BxR.astype(jnp.float32),
       k_LxBxSxKxD.reshape(flat), v_LxBxSxKxD.reshape(flat), slot_mask_BxS.astype(jnp.int8),
       jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(length, jnp.int32).reshape(1))

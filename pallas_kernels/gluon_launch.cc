@@ -9,7 +9,9 @@
 // Kernel parameters, in order: every operand's and result's device pointer, then the two null
 // scratch pointers that Triton 3.6 appends (global and profile scratch; the kernels here use none).
 // With zero_results, the results are zeroed on the stream first (one memset node each in a CUDA
-// graph; byte counts must be multiples of 4), for kernels that add into them.
+// graph; byte counts must be multiples of 4), for kernels that add into them. out_offset (bytes) is
+// added to every result's pointer: the kernel writes a region of a larger (aliased) buffer, such as
+// a decode step's float32 accumulator that one memset zeroed for several kernels.
 // Modules are loaded once per (CUDA context, key) pair, where the key is a short digest of the PTX and
 // kernel name computed once in Python, so that a launch looks up a few dozen bytes instead of copying
 // and comparing the whole PTX: qerl_gluon_preload loads them outside any stream capture (called from
@@ -109,7 +111,7 @@ CUresult Function(const Driver& d, std::string_view key, std::string_view ptx, s
 
 ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view key,
                   std::string_view ptx, std::string_view name, int64_t grid_x, int64_t grid_y, int64_t grid_z,
-                  int64_t threads, int64_t shared, int64_t zero_results) {
+                  int64_t threads, int64_t shared, int64_t zero_results, int64_t out_offset) {
   const Driver& d = GetDriver();
   if (!d.ok) return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_launch: libcuda.so.1 not loadable");
   CUfunction fn = nullptr;
@@ -136,7 +138,12 @@ ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRe
                                                          std::to_string(r));
       }
     }
-    pointers.push_back(data);
+    if (out_offset < 0 || static_cast<size_t>(out_offset) > bytes) {
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument, "qerl_gluon_launch: out_offset " +
+                                                              std::to_string(out_offset) + " outside a result of " +
+                                                              std::to_string(bytes) + " bytes");
+    }
+    pointers.push_back(static_cast<char*>(data) + out_offset);
   }
   pointers.push_back(nullptr);  // global scratch
   pointers.push_back(nullptr);  // profile scratch
@@ -166,7 +173,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QerlGluonLaunch, Launch,
                                   .Attr<int64_t>("grid_z")
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("shared")
-                                  .Attr<int64_t>("zero_results"),
+                                  .Attr<int64_t>("zero_results")
+                                  .Attr<int64_t>("out_offset"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // Loads `name` of `ptx` (digest `key`, as the handler's attribute) into device `device`'s primary context

@@ -313,3 +313,43 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
     y = _kernel_matmul_lora(x.reshape(-1, k), w, index, xa.reshape(-1, xa.shape[-1]), b, float(scale), out_dtype,
                             interpret)
   return y.reshape(*lead, n)
+
+
+def accumulate_applies(x: jax.Array, w, index=None) -> bool:
+  """Whether :func:`quantized_matmul_into` runs its accumulating kernel for ``x [..., K]`` (rows =
+  the product of the leading dims) and ``w`` (with ``index``): on a GPU, bf16 ``x``, NVFP4 ``w``,
+  the Gluon kernel enabled (``GLUON``) and :func:`pallas_kernels.w4_gluon.into_applies`."""
+  if not (_on_gpu() and isinstance(w, nvfp4.NVFP4Tensor) and _kernel_applies(x, w, index)):
+    return False
+  _check_setting("GLUON", GLUON, ("auto", "1", "0"))
+  x2d = jax.ShapeDtypeStruct((int(np.prod(x.shape[:-1])), x.shape[-1]), x.dtype)
+  return GLUON != "0" and gluon_enabled() and w4_gluon.into_applies(x2d, w, index)
+
+
+def quantized_matmul_into(x: jax.Array, w, acc: jax.Array, offset: int, *,
+                          index=None) -> tuple[jax.Array, jax.Array]:
+  """``x @ W`` in float32, written into ``acc[offset : offset + M * N]`` of a zeroed float32 buffer
+  (forward only; :func:`accumulate_applies` must hold): several decode-step projections share one
+  memset instead of one each (:func:`pallas_kernels.w4_gluon.forward_into`).
+
+  Args:
+    x: bf16 ``[..., K]``; ``M`` = the product of the leading dims (at most 128).
+    w: NVFP4Tensor ``[K, N]``, or with ``index`` a stack ``[L, K, N]``.
+    acc: float32 ``[S]``, zero in the region (the rest is left as it is).
+    offset: static int, elements.
+    index: optional int32 scalar layer of a stacked ``w`` (clamped to ``[0, L)``).
+
+  Returns:
+    ``(y float32 [..., N], acc)``; pass the returned ``acc`` on to the next call.
+
+  Raises:
+    ValueError: :func:`accumulate_applies` is False, or the region does not fit ``acc``.
+  """
+  if not accumulate_applies(x, w, index):
+    raise ValueError(f"quantized_matmul_into: no accumulating kernel for x {x.dtype}{list(x.shape)} and "
+                     f"{type(w).__name__} {list(w.shape)} here (GPU, bf16 x, NVFP4, M <= {w4_gluon.MAX_M}, "
+                     f"the Gluon FFI launcher; see accumulate_applies)")
+  k, n = w.shape
+  y, acc = w4_gluon.forward_into(x.reshape(-1, k), w, acc, offset,
+                                 index=None if index is None else jnp.asarray(index, jnp.int32))
+  return y.reshape(*x.shape[:-1], n), acc

@@ -627,12 +627,13 @@ def _module_key(ptx: str, name: str) -> str:
 
 
 def _launch_attrs(ptx: str, name: str, grid: tuple[int, int, int], shared: int, threads: int = 128,
-                  zero_results: bool = False) -> dict:
+                  zero_results: bool = False, out_offset: int = 0) -> dict:
   """The FFI call's attributes, as ``gluon_launch.cc`` binds them (a CPU test checks their count);
-  ``zero_results``: the launcher zeroes the results on the stream before the kernel runs."""
+  ``zero_results``: the launcher zeroes the results on the stream before the kernel runs;
+  ``out_offset``: bytes added to the result's pointer (the kernel writes a region of it)."""
   return dict(key=_module_key(ptx, name), ptx=ptx, name=name, grid_x=np.int64(grid[0]), grid_y=np.int64(grid[1]),
               grid_z=np.int64(grid[2]), threads=np.int64(threads), shared=np.int64(shared),
-              zero_results=np.int64(zero_results))
+              zero_results=np.int64(zero_results), out_offset=np.int64(out_offset))
 
 
 def _wgmma_gpus() -> bool:
@@ -765,3 +766,63 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
                                  grid=build.grid[:2], num_warps=build.warps, input_output_aliases=aliases or {}, **meta)
   y = out if atomic else out[0] if splits == 1 else out.sum(axis=0)
   return y.astype(out_dtype or x.dtype)
+
+
+def into_applies(x: jax.Array, w, index=None) -> bool:
+  """Whether :func:`forward_into` takes ``x`` and ``w`` (with ``index``): :func:`applies`, a stack
+  exactly when ``index`` is given, the FFI launcher, and a build that either adds its split-K parts by
+  atomics or has a single split (the fixed-order builds' partials need their own buffer)."""
+  if x.ndim != 2 or not applies(x.shape[0], w, x.dtype) or x.shape[1] != w.shape[0]:
+    return False
+  if (index is None) != (w.packed.ndim == 2) or launcher() != "ffi":
+    return False
+  build = _build(x.shape[0], x.shape[1], w.shape[1], 1 if index is None else w.packed.shape[0])
+  return build.meta["ATOMIC"] or build.splits == 1
+
+
+def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array, offset: int, *,
+                 index=None) -> tuple[jax.Array, jax.Array]:
+  """:func:`forward` with float32 output written into a region of a zeroed buffer instead of a new
+  array: no memset of its own (GPU only; FFI launcher; forward only, no VJP).
+
+  ``x @ W`` lands in ``acc[offset : offset + M * N]`` (row-major ``[M, N]``), which must hold zeros
+  where the build adds its split-K parts by atomics: one XLA memset of ``acc`` then serves several
+  kernels (the decode step's four projections of a layer: :mod:`qerl_jax.models.decoder`), where
+  each call of :func:`forward` costs a memset node of its own in the step's CUDA graph (about 1 µs
+  each, 0.145 ms of a 2.6 ms batch-8 step; docs/benchmarks.md, session 13). The rest of ``acc`` is
+  left as it was. ``acc`` is aliased to the result: pass the returned buffer to the next call.
+
+  Args:
+    x: bf16 ``[M, K]``, as :func:`forward`.
+    w: :class:`~qerl_jax.nvfp4.NVFP4Tensor` ``[K, N]``, or with ``index`` a stack ``[L, K, N]``.
+    acc: float32 ``[S]`` (1-D), ``S >= offset + M * N``.
+    offset: static int, in elements.
+    index: as :func:`forward`.
+
+  Returns:
+    ``(y, acc)``: ``y`` float32 ``[M, N]`` (the region, read back), and the updated ``acc``.
+
+  Raises:
+    ValueError: :func:`into_applies` is False, ``acc`` is not a 1-D float32 array, or the region
+      does not fit in it.
+  """
+  m, k = x.shape
+  n = w.shape[1]
+  if not into_applies(x, w, index):
+    raise ValueError(f"w4_gluon.forward_into: no accumulating kernel for x {x.dtype}{list(x.shape)} and weight "
+                     f"{type(w).__name__} {list(w.shape)} (index {'given' if index is not None else 'None'}; "
+                     f"launcher {launcher()!r}; see into_applies)")
+  if acc.ndim != 1 or acc.dtype != jnp.float32:
+    raise ValueError(f"w4_gluon.forward_into: acc must be 1-D float32, got {acc.dtype}{list(acc.shape)}")
+  offset = int(offset)
+  if offset < 0 or offset + m * n > acc.shape[0]:
+    raise ValueError(f"w4_gluon.forward_into: region [{offset}, {offset + m * n}) does not fit acc of "
+                     f"{acc.shape[0]} elements")
+  build = _build(m, k, n, 1 if index is None else w.packed.shape[0])
+  meta = build.meta
+  x_in = x_in_slot_order(x) if meta["XS"] else x
+  operands = (x_in, *w4_triton._layer_operands(w, w4_triton._format_of(w), index), acc)
+  ptx, name, shared = _compiled(tuple(meta.items()), build.wg, build.narrow_n)
+  acc = jax.ffi.ffi_call(_FFI_TARGET, jax.ShapeDtypeStruct(acc.shape, jnp.float32), input_output_aliases={5: 0})(
+      *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=32 * build.warps, out_offset=4 * offset))
+  return jax.lax.slice(acc, (offset,), (offset + m * n,)).reshape(m, n), acc

@@ -197,6 +197,31 @@ def test_append_kernel_other_head_shapes():
   np.testing.assert_allclose(np.asarray(kc, np.float64), ref_k, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("backend", ["interpret", "reference"])
+def test_append_reads_qkv_from_a_buffer_head_and_the_layer_of_a_bias_stack(backend):
+  """q/k/v as the head of a 1-D float32 buffer (a decode step's accumulator; NaN after it) and the
+  bias as a stack [L, N] (NaN in the other layers) give what the [B, N] array and the layer's bias give,
+  bit for bit: neither the rest of the buffer nor the other layers' biases are read."""
+  c, heads, pos, inv_freq = _append_case(29, layers=3)
+  length, layer = 29, 2
+  c["slot_mask_BxS"] = c["slot_mask_BxS"].at[:, length - 1].set(True)
+  kw = dict(layer=layer, length=length, num_heads=heads, backend=backend, block_s=16, splits=2)
+  want = da.decode_attention_append(**c, **kw)
+  b, n = c["qkv_BxN"].shape
+  d = c["k_LxBxSxKxD"].shape[-1]
+  buf = jnp.concatenate([c["qkv_BxN"].reshape(-1), jnp.full((3 * d,), jnp.nan, jnp.float32)])
+  stack = jnp.full((3, n), jnp.nan, c["bias_N"].dtype).at[layer].set(c["bias_N"])
+  got = da.decode_attention_append(**{**c, "qkv_BxN": buf, "bias_N": stack}, **kw)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  with pytest.raises(ValueError, match="1-D qkv buffer"):
+    da.decode_attention_append(**{**c, "qkv_BxN": buf[:b * n - d]}, **kw)  # too short
+  with pytest.raises(ValueError, match="multiple of hd"):
+    da.decode_attention_append(**{**c, "qkv_BxN": buf[:b * n + 1]}, **kw)
+  with pytest.raises(ValueError, match="bias must be"):
+    da.decode_attention_append(**{**c, "bias_N": stack[:2]}, **kw)
+
+
 def test_append_reads_no_slot_at_or_after_the_new_one():
   """NaN in the new token's slot (it is written, never read) and beyond ``length`` stay out of the output."""
   c, heads, pos, inv_freq = _append_case(3)
@@ -249,8 +274,9 @@ def test_decoder_decode_steps_through_the_append_kernel(monkeypatch, quant, with
   tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=5))
   calls = []  # whether each call got the bias to add (the second argument)
   real_append = da.decode_attention_append
+  # the bias reaches the kernel as the stack [L, N], of which it reads layer li in place
   monkeypatch.setattr(da, "decode_attention_append", lambda *a, **k: calls.append(a[1] is not None)
-                      or real_append(*a, **k))
+                      or (a[1] is None or a[1].shape == (cfg.num_layers, 128)) and real_append(*a, **k))
   xla, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
   assert not calls  # on the CPU the decoder keeps XLA's path
   monkeypatch.setattr(da, "auto_backend", lambda dtype: "interpret")

@@ -327,6 +327,88 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
   assert ".maxnreg 128" in text_wg and ".maxnreg" not in wide  # narrow wgmma builds capped at 128, wide ones not
 
 
+def test_forward_into_lowers_to_an_aliased_region_without_a_memset(monkeypatch):
+  """forward_into: the FFI call aliases the float32 buffer to its result, asks for no memset and
+  passes the region's byte offset; y is the region read back. Bad buffers and regions are refused."""
+  pytest.importorskip("triton.experimental.gluon")
+  monkeypatch.delenv("QERL_GLUON_LAUNCH", raising=False)
+  monkeypatch.delenv("QERL_GLUON_DETERMINISTIC", raising=False)
+  if w4_gluon.launcher() != "ffi":
+    pytest.skip("no C++ compiler for the FFI launcher")
+  k, n = 3584, 4608
+  stack = jax.eval_shape(lambda: nvfp4.quantize(jnp.ones((3, k, n), jnp.float32)))
+  x = jax.ShapeDtypeStruct((8, k), jnp.bfloat16)
+  i = jax.ShapeDtypeStruct((), jnp.int32)
+  acc = jax.ShapeDtypeStruct((8 * n + 1000,), jnp.float32)
+  fn = lambda x, w, i, acc: w4_gluon.forward_into(x, w, acc, 1000, index=i)
+  y, acc_out = jax.eval_shape(fn, x, stack, i, acc)
+  assert (y.shape, y.dtype, acc_out.shape) == ((8, n), jnp.float32, acc.shape)
+  text = jax.jit(fn).trace(x, stack, i, acc).lower(lowering_platforms=("cuda",)).as_text()
+  assert "qerl_gluon_launch" in text and "atom.global.gpu.relaxed.add" in text
+  assert "zero_results = 0" in text and "out_offset = 4000" in text and "output_operand_aliases" in text
+  assert w4_gluon.into_applies(x, stack, 0) and not w4_gluon.into_applies(x, stack)  # a stack needs index
+  with pytest.raises(ValueError, match="does not fit"):
+    jax.eval_shape(lambda x, w, i, acc: w4_gluon.forward_into(x, w, acc, 1001, index=i), x, stack, i, acc)
+  with pytest.raises(ValueError, match="1-D float32"):
+    jax.eval_shape(fn, x, stack, i, jax.ShapeDtypeStruct(acc.shape, jnp.bfloat16))
+  monkeypatch.setenv("QERL_GLUON_DETERMINISTIC", "1")  # fixed-order partials need their own buffer
+  assert not w4_gluon.into_applies(x, stack, 0)
+  with pytest.raises(ValueError, match="no accumulating kernel"):  # (a new function: eval_shape caches by it)
+    jax.eval_shape(lambda x, w, i, acc: w4_gluon.forward_into(x, w, acc, 0, index=i), x, stack, i, acc)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(8, 3584, 4608), (3, 1088, 768), (64, 3584, 3584), (5, 64, 256)])
+def test_gpu_forward_into_fills_its_region_only(m, k, n):
+  """forward_into against float64 in a region of a buffer whose other elements are NaN: they stay
+  NaN (bit for bit), and the region equals x @ W. (5, 64, 256): one split, which stores."""
+  if not w4_gluon.available() or w4_gluon.launcher() != "ffi":
+    pytest.skip("needs the Gluon kernel's FFI launcher")
+  if m > 16:
+    _skip_without_wgmma()
+  wq = _weight(k, n, 3 * m + k, layers=2)
+  x = _act(m, k, m + n)
+  off = 136
+  acc = jnp.full((off + m * n + 50,), jnp.nan, jnp.float32).at[off:off + m * n].set(0.0)
+  y, out = jax.jit(lambda x, w, acc: w4_gluon.forward_into(x, w, acc, off, index=jnp.int32(1)))(x, wq, acc)
+  out = np.asarray(out)
+  assert np.isnan(out[:off]).all() and np.isnan(out[off + m * n:]).all()
+  np.testing.assert_array_equal(out[off:off + m * n].reshape(m, n), np.asarray(y))
+  assert _rel(y, np.asarray(x, np.float64) @ _dense64(matmul.layer_of(wq, 1))) < 1e-4
+
+
+@pytest.mark.gpu
+def test_gpu_decode_steps_into_one_buffer_a_layer_match_the_plain_path(monkeypatch):
+  """A model whose projections the Gluon kernel takes (K % 64 == 0, N % 256 == 0), NVFP4, fused
+  q/k/v and gate/up with a bias: decoding with the layer's projections in one zeroed buffer
+  (decoder.ACCUMULATE_DECODE) gives the plain path's logits (each kernel its own memset), up to the
+  order of the atomics' float32 additions."""
+  import pallas_kernels
+  from qerl_jax import models
+  from qerl_jax.models import decoder
+  from tests._model_utils import decode_all, left_padded_batch
+  if not w4_gluon.available() or w4_gluon.launcher() != "ffi":
+    pytest.skip("needs the Gluon kernel's FFI launcher")
+  cfg = models.ModelConfig(vocab_size=97, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=64, attention_bias=True, dtype="bfloat16")
+  base = models.quantize_base(models.fuse_projections(
+      models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16, std=0.1)), "nvfp4")
+  tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=5))
+  calls = []
+  real = pallas_kernels.quantized_matmul_into
+  monkeypatch.setattr(pallas_kernels, "quantized_matmul_into", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+  monkeypatch.setattr(decoder, "ACCUMULATE_DECODE", False)
+  plain, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16)
+  assert not calls
+  monkeypatch.setattr(decoder, "ACCUMULATE_DECODE", True)
+  into, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16)
+  b = tokens.shape[0]
+  assert calls == [0, b * 512, b * (512 + 256), b * (512 + 256 + 1024)]  # q/k/v, o, gate/up, down
+  real_rows = np.asarray(mask).astype(bool)
+  a, p = np.asarray(into, np.float32)[real_rows], np.asarray(plain, np.float32)[real_rows]
+  assert np.isfinite(a).all() and np.abs(a - p).max() < 2e-2 * np.abs(p).max()
+
+
 def test_ffi_launcher_builds_and_reports_a_missing_driver(tmp_path, monkeypatch):
   """gluon_launch.cc compiles with the system C++ compiler into $QERL_CACHE_DIR (atomically, once:
   a second call returns the same file), exports the FFI handler and the preload entry, and the

@@ -330,3 +330,60 @@ def test_config_defaults_and_errors():
     models.ModelConfig.from_hf({**base, "use_sliding_window": True})
   with pytest.raises(ValueError, match="num_kv_heads"):
     models.ModelConfig.from_hf({**base, "num_key_value_heads": 3})
+
+
+@pytest.mark.parametrize("fused,lora_kind", [(True, None), (True, "fused"), (True, "per_part"), (False, "per_part")])
+def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind):
+  """The decode step's 4-bit projections run into one zeroed buffer a layer (layers.Accumulator),
+  each in its own region. The kernel is replaced by an XLA stand-in that adds x @ W into its region
+  (so overlapping or unzeroed regions would change the result): the logits equal the plain path's
+  exactly, and the regions lie back to back and fill the buffer. Which projections take it: the
+  fused q/k/v when the fused decode attention runs (no per-part q/k/v adapters), o, the fused
+  gate/up without per-part adapters (else unfused gate and up, one region each), and down."""
+  import pallas_kernels
+  from pallas_kernels import decode_attention as da
+  from qerl_jax import lora as lora_lib
+  from qerl_jax.models import decoder
+  cfg = models.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=16, attention_bias=True, dtype="bfloat16")
+  base = models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16, std=0.1)
+  base = models.quantize_base(models.fuse_projections(base) if fused else base, "nvfp4")
+  kw = {}
+  if lora_kind:
+    c = lora_lib.LoRAConfig(r=4, lora_alpha=8.0, target_modules=("q", "v", "o", "up", "down"))
+    lora = lora_lib.init_lora(jax.random.key(5), cfg, c)
+    lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(a.size), a.shape, a.dtype), lora)
+    kw = dict(lora=models.fuse_adapter(lora, cfg, dtype=jnp.bfloat16) if lora_kind == "fused" else lora, lora_cfg=c)
+  tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=5))
+  monkeypatch.setattr(da, "auto_backend", lambda dtype: "interpret")  # the fused decode attention (q/k/v)
+  regions = []  # (buffer size, offset, size) of every call, in trace order
+
+  def stand_in(x, w, acc, offset, *, index=None):
+    y = pallas_kernels.quantized_matmul(x, w, index=index, out_dtype=jnp.float32).reshape(-1)
+    regions.append((acc.shape[0], offset, y.size))
+    acc = jax.lax.dynamic_update_slice(acc, acc[offset:offset + y.size] + y, (offset,))
+    return acc[offset:offset + y.size].reshape(*x.shape[:-1], w.shape[1]), acc
+
+  monkeypatch.setattr(pallas_kernels, "accumulate_applies", lambda x, w, index=None: x.shape[-1] == w.shape[0])
+  monkeypatch.setattr(pallas_kernels, "quantized_matmul_into", stand_in)
+  monkeypatch.setattr(decoder, "ACCUMULATE_DECODE", False)
+  plain, _ = _decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
+  assert not regions  # the switch turns it off
+  monkeypatch.setattr(decoder, "ACCUMULATE_DECODE", True)
+  qkv_ndim = []  # the append kernel reads q/k/v in place from the buffer's head unless an adapter delta is added
+  real_append = da.decode_attention_append
+  monkeypatch.setattr(da, "decode_attention_append", lambda *a, **k: qkv_ndim.append(a[0].ndim) or real_append(*a, **k))
+  into, _ = _decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
+  assert qkv_ndim == ([] if lora_kind == "per_part" else [2] if lora_kind == "fused" else [1])
+  np.testing.assert_array_equal(np.asarray(into, np.float32), np.asarray(plain, np.float32))
+  b = tokens.shape[0]
+  # one trace of the scanned layer body (prefill takes the plain path): the fused q/k/v (when the
+  # decode attention kernel takes it), o, gate/up (fused: one call, else two) and down
+  per_part = lora_kind == "per_part"
+  per_layer = [cfg.q_dim + 2 * cfg.kv_dim] if fused and not per_part else []
+  per_layer += [cfg.hidden_size]
+  per_layer += [] if fused and per_part else [2 * cfg.intermediate_size] if fused else [cfg.intermediate_size] * 2
+  sizes = [b * n for n in per_layer + [cfg.hidden_size]]
+  assert [r[2] for r in regions] == sizes, regions
+  assert [r[1] for r in regions] == list(np.cumsum([0] + sizes[:-1]))  # back to back from 0
+  assert all(r[0] == sum(sizes) for r in regions)  # and they fill the buffer exactly

@@ -28,6 +28,10 @@ NORMS = ("input_norm", "post_attn_norm")
 # as one kernel (pallas_kernels.decode_attention.decode_attention_append). False keeps them as XLA
 # ops around the plain decode-attention kernel (for A/B measurements; read at trace time).
 FUSED_DECODE_ATTENTION = True
+# A decode step on the Gluon W4A16 kernel writes a layer's four projections into one zeroed float32
+# buffer (layers.Accumulator): one memset a layer instead of one a kernel. False gives each kernel
+# its own output and memset (for A/B measurements; read at trace time).
+ACCUMULATE_DECODE = True
 
 
 def _dtype(cfg: ModelConfig):
@@ -198,19 +202,34 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   x = layers.rms_norm(h, w_in, eps, nn.get("input_norm"))
   # A decode step on the GPU kernels with fused q/k/v: bias, rounding, RoPE, the cache write and
   # attention run in one kernel on the projection's float32 output.
-  if (FUSED_DECODE_ATTENTION and kv is not None and decode is not None and "qkv" in attn and not cfg.qk_norm
-      and all(la.get(n) is None for n in ("q", "k", "v"))
-      and decode_attn.auto_backend(x.dtype) != "reference"):
+  fused_attention = (FUSED_DECODE_ATTENTION and kv is not None and decode is not None and "qkv" in attn
+                     and not cfg.qk_norm and all(la.get(n) is None for n in ("q", "k", "v"))
+                     and decode_attn.auto_backend(x.dtype) != "reference")
+  acc = None
+  if ACCUMULATE_DECODE and decode is not None:  # the projections of this layer that run into one buffer
+    acc = layers.new_accumulator(b * t, [attn["qkv"] if fused_attention else None, attn["o"],
+                                         *_mlp_in_weights(lp["mlp"], ll.get("mlp", {})), lp["mlp"]["down"]], x.dtype)
+  if fused_attention:
     kc, vc, li = kv
-    y, bias = layers.linear_f32_bias_deferred(x, attn["qkv"], bias=attn.get("qkv_bias"), lora=la.get("qkv"),
-                                              lora_scale=lora_scale)
-    o, kc, vc = decode_attn.decode_attention_append(y.reshape(b, -1), bias, kc, vc, li, *decode,
+    bias_stack = attn.get("qkv_bias")
+    before = acc
+    y, bias, acc = layers.linear_f32_into(x, attn["qkv"], acc, bias=_layer_array(bias_stack), lora=la.get("qkv"),
+                                          lora_scale=lora_scale)
+    # The kernel reads in place what XLA would copy out for it: the bias stack's layer li and, when
+    # q/k/v went unchanged into the head of the accumulator, that head.
+    if bias is not None and isinstance(bias_stack, layers.StackedWeight):
+      bias = bias_stack.tensor
+    qkv = y.reshape(b, -1)
+    if before is not None and acc is not before and before.offset == 0 and la.get("qkv") is None:
+      qkv = acc.buffer
+    o, kc, vc = decode_attn.decode_attention_append(qkv, bias, kc, vc, li, *decode,
                                                     num_heads=cfg.num_heads, dtype=x.dtype)
-    return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn), (kc, vc)
+    return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn, acc), (kc, vc)
   if "qkv" in attn:  # fused projections (models.fuse_projections): one matmul, split back
     q, k, v = layers.fused_linear(x, attn["qkv"], (cfg.q_dim, cfg.kv_dim, cfg.kv_dim),
-                                  bias=attn.get("qkv_bias"), loras=(la.get("q"), la.get("k"), la.get("v")),
-                                  lora=la.get("qkv"), lora_scale=lora_scale)
+                                  bias=_layer_array(attn.get("qkv_bias")),
+                                  loras=(la.get("q"), la.get("k"), la.get("v")), lora=la.get("qkv"),
+                                  lora_scale=lora_scale)
   else:
     q, k, v = (_linear(attn, la, name, x, lora_scale) for name in ("q", "k", "v"))
   q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -237,7 +256,15 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
       keys = jax.lax.dynamic_index_in_dim(kc, li, 0, keepdims=False)
       values = jax.lax.dynamic_index_in_dim(vc, li, 0, keepdims=False)
       o = layers.attention(q, keys, values, mask_BxTxS, q_chunk=q_chunk)
-  return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn), new_kv
+  return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn, acc), new_kv
+
+
+def _layer_array(v):
+  """``v``, or for a :class:`layers.StackedWeight` its layer (an XLA slice, which fuses into an XLA
+  consumer)."""
+  if isinstance(v, layers.StackedWeight):
+    return jax.lax.dynamic_index_in_dim(v.tensor, v.index, 0, keepdims=False)
+  return v
 
 
 def _linear(grp, lgrp, name, x, lora_scale):
@@ -245,24 +272,47 @@ def _linear(grp, lgrp, name, x, lora_scale):
   return layers.linear(x, grp[name], bias=grp.get(name + "_bias"), lora=lgrp.get(name), lora_scale=lora_scale)
 
 
-def _after_attention(cfg, lora_scale, h, o, lp, ll, nn):
+def _linear_into(grp, lgrp, name, x, lora_scale, acc):
+  """:func:`_linear` run into the :class:`layers.Accumulator` ``acc`` where that applies (else as
+  :func:`_linear`); returns ``(y, acc)``."""
+  y, bias, acc = layers.linear_f32_into(x, grp[name], acc, bias=grp.get(name + "_bias"), lora=lgrp.get(name),
+                                        lora_scale=lora_scale)
+  return layers.finish_linear(y, bias, grp[name], x.dtype), acc
+
+
+def _mlp_in_weights(mlp, lm) -> list:
+  """The MLP's input projections that :func:`_after_attention` runs through an accumulator: the fused
+  gate/up unless it has per-part adapters, else gate and up."""
+  if "gate_up" in mlp:
+    return [] if (lm.get("gate") is not None or lm.get("up") is not None) else [mlp["gate_up"]]
+  return [mlp["gate"], mlp["up"]]
+
+
+def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None):
   """The rest of a layer after attention ``o [B, T, H * hd]``: the o projection and the
-  residual, then the MLP and its residual. Returns the new ``h``."""
+  residual, then the MLP and its residual. Returns the new ``h``. With ``acc`` (a decode step's
+  :class:`layers.Accumulator`) the 4-bit projections write into it."""
   eps = cfg.rms_norm_eps
   attn, la = lp["attn"], ll.get("attn", {})
   mlp, lm = lp["mlp"], ll.get("mlp", {})
-  h = h + _linear(attn, la, "o", o, lora_scale)
+  y, acc = _linear_into(attn, la, "o", o, lora_scale, acc)
+  h = h + y
 
   w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
   x = layers.rms_norm(h, w_post, eps, nn.get("post_attn_norm"))
-  if "gate_up" in mlp:
+  if "gate_up" in mlp and not _mlp_in_weights(mlp, lm):  # per-part adapters
     g, u = layers.fused_linear(x, mlp["gate_up"], (cfg.intermediate_size,) * 2,
                                loras=(lm.get("gate"), lm.get("up")), lora=lm.get("gate_up"),
                                lora_scale=lora_scale)
+  elif "gate_up" in mlp:
+    gu, acc = _linear_into(mlp, lm, "gate_up", x, lora_scale, acc)
+    g, u = gu[..., :cfg.intermediate_size], gu[..., cfg.intermediate_size:]
   else:
-    g, u = _linear(mlp, lm, "gate", x, lora_scale), _linear(mlp, lm, "up", x, lora_scale)
+    g, acc = _linear_into(mlp, lm, "gate", x, lora_scale, acc)
+    u, acc = _linear_into(mlp, lm, "up", x, lora_scale, acc)
   y = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(h.dtype)
-  return h + _linear(mlp, lm, "down", y, lora_scale)
+  y, acc = _linear_into(mlp, lm, "down", y, lora_scale, acc)
+  return h + y
 
 
 def _split_leaves(tree: dict, pick):
@@ -375,7 +425,8 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
   # reads layer li of the b stack in place (layers._lora_factors); elsewhere the body slices it, as
   # the scan would. A float base keeps them in the scan (its GEMMs read scanned slices as before).
   if cache is not None:
-    stacked, scanned = _split_leaves(base["layers"], lambda name, v: layers.is_quantized(v))
+    # (the fused q/k/v bias too: the decode attention kernel reads its layer in place)
+    stacked, scanned = _split_leaves(base["layers"], lambda name, v: layers.is_quantized(v) or name == "qkv_bias")
     in_place_b = lambda name, v: name == "b" and v.dtype == dt  # an adapter's b, in the compute dtype
     lora_b, lay_lora = _split_leaves(lay_lora, in_place_b) if stacked and layers.LORA_EPILOGUE else ({}, lay_lora)
   else:

@@ -164,9 +164,7 @@ def linear(x: jax.Array, w, *, bias: Optional[jax.Array] = None,
     ValueError: K mismatch between ``x`` and ``w``.
   """
   y, bias = linear_f32_bias_deferred(x, w, bias=bias, lora=lora, lora_scale=lora_scale)
-  if bias is not None:
-    y = _add_bias(y, bias, w)
-  return y.astype(x.dtype)
+  return finish_linear(y, bias, w, x.dtype)
 
 
 def fused_linear(x: jax.Array, w, sizes: tuple[int, ...], *, bias: Optional[jax.Array] = None,
@@ -238,6 +236,88 @@ def linear_f32_bias_deferred(x: jax.Array, w, *, bias: Optional[jax.Array] = Non
   if bias is not None:
     y = _add_bias(y, bias, w)
   return y + _lora_f32(x, lora, lora_scale), None
+
+
+class Accumulator(NamedTuple):
+  """A zeroed float32 buffer that a decode step's 4-bit projections write their outputs into, one
+  region each (:func:`linear_f32_into`), so that the four W4A16 kernels of a layer share one memset
+  instead of one each (on an H200 a memset node costs about 1 µs in the step's CUDA graph:
+  0.145 ms of a 2.6 ms batch-8 step; docs/benchmarks.md, sessions 13 and 15).
+  Built by :func:`new_accumulator` inside a traced layer body; never stored.
+
+  Attributes:
+    buffer: float32 ``[S]``, zero from ``offset`` on.
+    offset: static int, the first free element.
+  """
+  buffer: jax.Array
+  offset: int
+
+
+def _tensor_index(w):
+  return (w.tensor, w.index) if isinstance(w, StackedWeight) else (w, None)
+
+
+def _accumulates(x: jax.Array, w) -> bool:
+  """Whether ``x @ w`` can run into an :class:`Accumulator` (:func:`pallas_kernels.accumulate_applies`)."""
+  tensor, index = _tensor_index(w)
+  return is_quantized(tensor) and pallas_kernels.accumulate_applies(x, tensor, index)
+
+
+def new_accumulator(rows: int, weights, dtype=jnp.bfloat16) -> Optional[Accumulator]:
+  """A zeroed :class:`Accumulator` with a region of ``rows x N`` for each weight of ``weights``
+  (``[K, N]`` 4-bit tensors or :class:`StackedWeight`; None entries skipped) that
+  :func:`linear_f32_into` runs into for ``rows`` activations of ``dtype``, or None when none does
+  (CPU, float weights, the Gluon kernel off: the callers' plain path).
+
+  Returns:
+    :class:`Accumulator` (buffer float32 ``[rows * sum(N)]``, offset 0) or None.
+  """
+  cols = 0
+  for w in weights:
+    if w is not None and _accumulates(jax.ShapeDtypeStruct((rows, _tensor_index(w)[0].shape[0]), dtype), w):
+      cols += _tensor_index(w)[0].shape[1]
+  return Accumulator(jnp.zeros((rows * cols,), jnp.float32), 0) if cols else None
+
+
+def linear_f32_into(x: jax.Array, w, acc: Optional[Accumulator], *, bias: Optional[jax.Array] = None,
+                    lora: Optional[dict] = None, lora_scale: float = 1.0) -> tuple:
+  """:func:`linear_f32_bias_deferred` whose 4-bit product is written into the next region of ``acc``
+  (:func:`pallas_kernels.quantized_matmul_into`; forward only) where that applies, with the same
+  float32 result (up to the order of the kernel's split-K additions, which atomics do not fix).
+  Otherwise (``acc`` None, a float weight, a shape the kernel does not take, an adapter with
+  ``pallas_kernels.matmul.GLUON_LORA`` "0") it is :func:`linear_f32_bias_deferred` and ``acc`` is
+  returned unchanged.
+
+  Args:
+    x: ``[..., K]`` activations in the compute dtype; w, bias, lora, lora_scale: as :func:`linear`.
+    acc: an :class:`Accumulator` from :func:`new_accumulator`, or None.
+
+  Returns:
+    ``(y float32 [..., N], bias still to add or None, acc)``, ``acc`` advanced past the region used.
+
+  Raises:
+    As :func:`linear`; ValueError when ``acc`` has no room for the region.
+  """
+  if acc is None or not _accumulates(x, w) or (lora is not None and pallas_kernels.matmul.GLUON_LORA != "1"):
+    return (*linear_f32_bias_deferred(x, w, bias=bias, lora=lora, lora_scale=lora_scale), acc)
+  tensor, index = _tensor_index(w)
+  y, buffer = pallas_kernels.quantized_matmul_into(x, tensor, acc.buffer, acc.offset, index=index)
+  acc = Accumulator(buffer, acc.offset + y.size)
+  if lora is not None and _epilogue_applies(x, w):  # the order of linear_f32_bias_deferred's epilogue path
+    return y + _lora_f32(x, lora, lora_scale), bias, acc
+  if lora is None:
+    return y, bias, acc
+  if bias is not None:
+    y = _add_bias(y, bias, w)
+  return y + _lora_f32(x, lora, lora_scale), None, acc
+
+
+def finish_linear(y: jax.Array, bias: Optional[jax.Array], w, dtype) -> jax.Array:
+  """The end of :func:`linear` after :func:`linear_f32_bias_deferred` or :func:`linear_f32_into`:
+  ``y (+ bias)`` in float32, cast to ``dtype``."""
+  if bias is not None:
+    y = _add_bias(y, bias, w)
+  return y.astype(dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float,
