@@ -326,8 +326,8 @@ def accumulate_applies(x: jax.Array, w, index=None) -> bool:
   return GLUON != "0" and gluon_enabled() and w4_gluon.into_applies(x2d, w, index)
 
 
-def quantized_matmul_into(x: jax.Array, w, acc: jax.Array, offset: int, *,
-                          index=None) -> tuple[jax.Array, jax.Array]:
+def quantized_matmul_into(x: jax.Array, w, acc: jax.Array | None, offset: int, *, index=None,
+                          size: int | None = None) -> tuple[jax.Array, jax.Array]:
   """``x @ W`` in float32, written into ``acc[offset : offset + M * N]`` of a zeroed float32 buffer
   (forward only; :func:`accumulate_applies` must hold): several decode-step projections share one
   memset instead of one each (:func:`pallas_kernels.w4_gluon.forward_into`).
@@ -335,15 +335,18 @@ def quantized_matmul_into(x: jax.Array, w, acc: jax.Array, offset: int, *,
   Args:
     x: bf16 ``[..., K]``; ``M`` = the product of the leading dims (at most 128).
     w: NVFP4Tensor ``[K, N]``, or with ``index`` a stack ``[L, K, N]``.
-    acc: float32 ``[S]``, zero in the region (the rest is left as it is).
+    acc: float32 ``[S]``, zero in the region (the rest is left as it is); or None: a new buffer of
+      ``size`` elements, zeroed by the launcher before the kernel runs.
     offset: static int, elements.
     index: optional int32 scalar layer of a stacked ``w`` (clamped to ``[0, L)``).
+    size: with ``acc`` None, the new buffer's length (static int).
 
   Returns:
     ``(y float32 [..., N], acc)``; pass the returned ``acc`` on to the next call.
 
   Raises:
-    ValueError: :func:`accumulate_applies` is False, or the region does not fit ``acc``.
+    ValueError: :func:`accumulate_applies` is False, no ``size`` for a new buffer, or the region does
+      not fit.
   """
   if not accumulate_applies(x, w, index):
     raise ValueError(f"quantized_matmul_into: no accumulating kernel for x {x.dtype}{list(x.shape)} and "
@@ -351,5 +354,5 @@ def quantized_matmul_into(x: jax.Array, w, acc: jax.Array, offset: int, *,
                      f"the Gluon FFI launcher; see accumulate_applies)")
   k, n = w.shape
   y, acc = w4_gluon.forward_into(x.reshape(-1, k), w, acc, offset,
-                                 index=None if index is None else jnp.asarray(index, jnp.int32))
+                                 index=None if index is None else jnp.asarray(index, jnp.int32), size=size)
   return y.reshape(*x.shape[:-1], n), acc

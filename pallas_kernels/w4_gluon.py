@@ -780,31 +780,34 @@ def into_applies(x: jax.Array, w, index=None) -> bool:
   return build.meta["ATOMIC"] or build.splits == 1
 
 
-def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array, offset: int, *,
-                 index=None) -> tuple[jax.Array, jax.Array]:
+def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array | None, offset: int, *, index=None,
+                 size: int | None = None) -> tuple[jax.Array, jax.Array]:
   """:func:`forward` with float32 output written into a region of a zeroed buffer instead of a new
-  array: no memset of its own (GPU only; FFI launcher; forward only, no VJP).
+  array (GPU only; FFI launcher; forward only, no VJP).
 
   ``x @ W`` lands in ``acc[offset : offset + M * N]`` (row-major ``[M, N]``), which must hold zeros
-  where the build adds its split-K parts by atomics: one XLA memset of ``acc`` then serves several
-  kernels (the decode step's four projections of a layer: :mod:`qerl_jax.models.decoder`), where
-  each call of :func:`forward` costs a memset node of its own in the step's CUDA graph (about 1 µs
-  each, 0.145 ms of a 2.6 ms batch-8 step; docs/benchmarks.md, session 13). The rest of ``acc`` is
-  left as it was. ``acc`` is aliased to the result: pass the returned buffer to the next call.
+  where the build adds its split-K parts by atomics. With ``acc`` None the launcher makes the buffer
+  (``size`` elements) and zeroes it with one memset first: the first call of a decode-step layer
+  does that, and the layer's other projections write into the same buffer with no memset of their
+  own (:mod:`qerl_jax.models.decoder`), where each call of :func:`forward` costs a memset node in
+  the step's CUDA graph (about 1 µs each, 0.145 ms of a 2.6 ms batch-8 step; docs/benchmarks.md,
+  session 13). The rest of ``acc`` is left as it was. ``acc`` is aliased to the result: pass the
+  returned buffer to the next call.
 
   Args:
     x: bf16 ``[M, K]``, as :func:`forward`.
     w: :class:`~qerl_jax.nvfp4.NVFP4Tensor` ``[K, N]``, or with ``index`` a stack ``[L, K, N]``.
-    acc: float32 ``[S]`` (1-D), ``S >= offset + M * N``.
+    acc: float32 ``[S]`` (1-D), ``S >= offset + M * N``; or None for a new zeroed buffer.
     offset: static int, in elements.
     index: as :func:`forward`.
+    size: with ``acc`` None, ``S`` (static int).
 
   Returns:
     ``(y, acc)``: ``y`` float32 ``[M, N]`` (the region, read back), and the updated ``acc``.
 
   Raises:
-    ValueError: :func:`into_applies` is False, ``acc`` is not a 1-D float32 array, or the region
-      does not fit in it.
+    ValueError: :func:`into_applies` is False, ``acc`` is not a 1-D float32 array (or None with a
+      ``size``), or the region does not fit in it.
   """
   m, k = x.shape
   n = w.shape[1]
@@ -812,17 +815,24 @@ def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array, offset: int
     raise ValueError(f"w4_gluon.forward_into: no accumulating kernel for x {x.dtype}{list(x.shape)} and weight "
                      f"{type(w).__name__} {list(w.shape)} (index {'given' if index is not None else 'None'}; "
                      f"launcher {launcher()!r}; see into_applies)")
-  if acc.ndim != 1 or acc.dtype != jnp.float32:
+  if acc is None and size is None:
+    raise ValueError("w4_gluon.forward_into: a new buffer (acc None) needs its size")
+  if acc is not None and (acc.ndim != 1 or acc.dtype != jnp.float32):
     raise ValueError(f"w4_gluon.forward_into: acc must be 1-D float32, got {acc.dtype}{list(acc.shape)}")
+  total = int(size) if acc is None else acc.shape[0]
   offset = int(offset)
-  if offset < 0 or offset + m * n > acc.shape[0]:
-    raise ValueError(f"w4_gluon.forward_into: region [{offset}, {offset + m * n}) does not fit acc of "
-                     f"{acc.shape[0]} elements")
+  if offset < 0 or offset + m * n > total:
+    raise ValueError(f"w4_gluon.forward_into: region [{offset}, {offset + m * n}) does not fit a buffer of "
+                     f"{total} elements")
   build = _build(m, k, n, 1 if index is None else w.packed.shape[0])
   meta = build.meta
   x_in = x_in_slot_order(x) if meta["XS"] else x
-  operands = (x_in, *w4_triton._layer_operands(w, w4_triton._format_of(w), index), acc)
+  new = acc is None
+  operands = (x_in, *w4_triton._layer_operands(w, w4_triton._format_of(w), index),
+              jnp.zeros((1,), jnp.float32) if new else acc)
   ptx, name, shared = _compiled(tuple(meta.items()), build.wg, build.narrow_n)
-  acc = jax.ffi.ffi_call(_FFI_TARGET, jax.ShapeDtypeStruct(acc.shape, jnp.float32), input_output_aliases={5: 0})(
-      *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=32 * build.warps, out_offset=4 * offset))
+  acc = jax.ffi.ffi_call(_FFI_TARGET, jax.ShapeDtypeStruct((total,), jnp.float32),
+                         input_output_aliases=None if new else {5: 0})(
+      *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=32 * build.warps, zero_results=new,
+                                 out_offset=4 * offset))
   return jax.lax.slice(acc, (offset,), (offset + m * n,)).reshape(m, n), acc

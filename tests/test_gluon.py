@@ -347,6 +347,11 @@ def test_forward_into_lowers_to_an_aliased_region_without_a_memset(monkeypatch):
   assert "qerl_gluon_launch" in text and "atom.global.gpu.relaxed.add" in text
   assert "zero_results = 0" in text and "out_offset = 4000" in text and "output_operand_aliases" in text
   assert w4_gluon.into_applies(x, stack, 0) and not w4_gluon.into_applies(x, stack)  # a stack needs index
+  new = jax.jit(lambda x, w, i: w4_gluon.forward_into(x, w, None, 1000, index=i, size=acc.shape[0])).trace(
+      x, stack, i).lower(lowering_platforms=("cuda",)).as_text()  # a new buffer: the launcher zeroes it
+  assert "zero_results = 1" in new and "out_offset = 4000" in new and "output_operand_aliases" not in new
+  with pytest.raises(ValueError, match="needs its size"):
+    jax.eval_shape(lambda x, w, i: w4_gluon.forward_into(x, w, None, 0, index=i), x, stack, i)
   with pytest.raises(ValueError, match="does not fit"):
     jax.eval_shape(lambda x, w, i, acc: w4_gluon.forward_into(x, w, acc, 1001, index=i), x, stack, i, acc)
   with pytest.raises(ValueError, match="1-D float32"):
@@ -369,12 +374,17 @@ def test_gpu_forward_into_fills_its_region_only(m, k, n):
   wq = _weight(k, n, 3 * m + k, layers=2)
   x = _act(m, k, m + n)
   off = 136
+  want = np.asarray(x, np.float64) @ _dense64(matmul.layer_of(wq, 1))
   acc = jnp.full((off + m * n + 50,), jnp.nan, jnp.float32).at[off:off + m * n].set(0.0)
   y, out = jax.jit(lambda x, w, acc: w4_gluon.forward_into(x, w, acc, off, index=jnp.int32(1)))(x, wq, acc)
   out = np.asarray(out)
   assert np.isnan(out[:off]).all() and np.isnan(out[off + m * n:]).all()
   np.testing.assert_array_equal(out[off:off + m * n].reshape(m, n), np.asarray(y))
-  assert _rel(y, np.asarray(x, np.float64) @ _dense64(matmul.layer_of(wq, 1))) < 1e-4
+  assert _rel(y, want) < 1e-4
+  # a new buffer: zeroed by the launcher, the region written
+  y, out = jax.jit(lambda x, w: w4_gluon.forward_into(x, w, None, off, index=jnp.int32(1), size=acc.shape[0]))(x, wq)
+  out = np.asarray(out)
+  assert (out[:off] == 0).all() and (out[off + m * n:] == 0).all() and _rel(y, want) < 1e-4
 
 
 @pytest.mark.gpu

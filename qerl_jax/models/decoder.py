@@ -300,6 +300,11 @@ def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None):
 
   w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
   x = layers.rms_norm(h, w_post, eps, nn.get("post_attn_norm"))
+  if acc is not None:
+    # h is read again by the layer's last residual. Without the barrier XLA recomputes h + y there
+    # (fusing the add into both consumers), reading o's region after the next projections wrote
+    # into the buffer, and so copies the whole buffer first (2 copies a layer: slower at batch 64).
+    h, x = jax.lax.optimization_barrier((h, x))
   if "gate_up" in mlp and not _mlp_in_weights(mlp, lm):  # per-part adapters
     g, u = layers.fused_linear(x, mlp["gate_up"], (cfg.intermediate_size,) * 2,
                                loras=(lm.get("gate"), lm.get("up")), lora=lm.get("gate_up"),

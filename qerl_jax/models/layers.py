@@ -246,11 +246,15 @@ class Accumulator(NamedTuple):
   Built by :func:`new_accumulator` inside a traced layer body; never stored.
 
   Attributes:
-    buffer: float32 ``[S]``, zero from ``offset`` on.
+    buffer: float32 ``[size]``, zero from ``offset`` on; None until the first projection, whose
+      launch makes it and zeroes it (an XLA zero fill in every layer of an unrolled step would be
+      one constant that XLA copies into each layer's buffer).
     offset: static int, the first free element.
+    size: static int, the buffer's length.
   """
-  buffer: jax.Array
+  buffer: Optional[jax.Array]
   offset: int
+  size: int
 
 
 def _tensor_index(w):
@@ -270,13 +274,13 @@ def new_accumulator(rows: int, weights, dtype=jnp.bfloat16) -> Optional[Accumula
   (CPU, float weights, the Gluon kernel off: the callers' plain path).
 
   Returns:
-    :class:`Accumulator` (buffer float32 ``[rows * sum(N)]``, offset 0) or None.
+    :class:`Accumulator` (size ``rows * sum(N)``, offset 0, no buffer yet) or None.
   """
   cols = 0
   for w in weights:
     if w is not None and _accumulates(jax.ShapeDtypeStruct((rows, _tensor_index(w)[0].shape[0]), dtype), w):
       cols += _tensor_index(w)[0].shape[1]
-  return Accumulator(jnp.zeros((rows * cols,), jnp.float32), 0) if cols else None
+  return Accumulator(None, 0, rows * cols) if cols else None
 
 
 def linear_f32_into(x: jax.Array, w, acc: Optional[Accumulator], *, bias: Optional[jax.Array] = None,
@@ -301,8 +305,8 @@ def linear_f32_into(x: jax.Array, w, acc: Optional[Accumulator], *, bias: Option
   if acc is None or not _accumulates(x, w) or (lora is not None and pallas_kernels.matmul.GLUON_LORA != "1"):
     return (*linear_f32_bias_deferred(x, w, bias=bias, lora=lora, lora_scale=lora_scale), acc)
   tensor, index = _tensor_index(w)
-  y, buffer = pallas_kernels.quantized_matmul_into(x, tensor, acc.buffer, acc.offset, index=index)
-  acc = Accumulator(buffer, acc.offset + y.size)
+  y, buffer = pallas_kernels.quantized_matmul_into(x, tensor, acc.buffer, acc.offset, index=index, size=acc.size)
+  acc = Accumulator(buffer, acc.offset + y.size, acc.size)
   if lora is not None and _epilogue_applies(x, w):  # the order of linear_f32_bias_deferred's epilogue path
     return y + _lora_f32(x, lora, lora_scale), bias, acc
   if lora is None:
