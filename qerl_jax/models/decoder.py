@@ -28,10 +28,15 @@ NORMS = ("input_norm", "post_attn_norm")
 # as one kernel (pallas_kernels.decode_attention.decode_attention_append). False keeps them as XLA
 # ops around the plain decode-attention kernel (for A/B measurements; read at trace time).
 FUSED_DECODE_ATTENTION = True
-# A decode step on the Gluon W4A16 kernel writes a layer's four projections into one zeroed float32
-# buffer (layers.Accumulator): one memset a layer instead of one a kernel. False gives each kernel
-# its own output and memset (for A/B measurements; read at trace time).
+# A decode step of at most ACCUMULATE_MAX_ROWS rows on the Gluon W4A16 kernel writes a layer's four
+# projections into one zeroed float32 buffer (layers.Accumulator): one memset a layer instead of one a
+# kernel. On an H200 (7B shape, NVFP4, 512 new tokens; docs/benchmarks.md, session 15) a batch-8 step
+# took 2.41 instead of 2.51 ms, a batch-64 step 5.43 instead of 5.39 (its one memset of 12.7 MB and
+# the barrier's extra kernel cost more than its four memsets), hence the limit (the mma.sync builds,
+# M <= 16; 17-63 not measured). False gives each kernel its own output and memset (for A/B
+# measurements; both read at trace time).
 ACCUMULATE_DECODE = True
+ACCUMULATE_MAX_ROWS = 16
 
 
 def _dtype(cfg: ModelConfig):
@@ -206,7 +211,7 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
                      and not cfg.qk_norm and all(la.get(n) is None for n in ("q", "k", "v"))
                      and decode_attn.auto_backend(x.dtype) != "reference")
   acc = None
-  if ACCUMULATE_DECODE and decode is not None:  # the projections of this layer that run into one buffer
+  if ACCUMULATE_DECODE and decode is not None and b * t <= ACCUMULATE_MAX_ROWS:  # (into one buffer)
     acc = layers.new_accumulator(b * t, [attn["qkv"] if fused_attention else None, attn["o"],
                                          *_mlp_in_weights(lp["mlp"], ll.get("mlp", {})), lp["mlp"]["down"]], x.dtype)
   if fused_attention:
