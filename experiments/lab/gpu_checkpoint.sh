@@ -16,6 +16,7 @@
 #   STEPS=14 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=15 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=16 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=17 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-128), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
@@ -50,8 +51,12 @@
 # 14. (next) the fused decode-attention kernel of session 14 (decode_attention_append): bf16 and NVFP4
 #     A/B at batch 8 and 64 (session 14 measured the final version on NVFP4 only; about 6 minutes);
 # 15. (next) issue 6's table at 2048 new tokens, batch 8 and 64, with it (about 7 minutes);
-# 16. (next) the compiled HLO of a batch-8 decode step, to find what the one `memcpy32_post` a layer
-#     (1.3-1.6 µs) copies: its copy instructions are printed and the HLO is kept gzipped.
+# 16. the compiled HLO of a batch-8 decode step, to find what the one `memcpy32_post` a layer
+#     (1.3-1.6 µs) copies: its copy instructions are printed and the HLO is kept gzipped. (Session 15
+#     ran 15 and 16 (the copy was the q/k/v bias slice, now read in place); 14 not re-run.)
+# 17. (next) the decode step's one-buffer-a-layer (decoder.ACCUMULATE_DECODE, session 15: batch 8
+#     2.51 -> 2.41 ms, batch 64 5.39 -> 5.43) at the unmeasured 17-63 rows: batch 16 and 32 with the
+#     row limit raised to 64 against it off (about 4 minutes).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -105,5 +110,8 @@ step 16 && { PROFILE_HLO=1 PROFILE_SEQ=48 PROFILE_TOP=30 OUT="$OUT" timeout 200 
     nvfp4_fused:8:64 2>&1 | grep -v "^[IW][0-9]"
   grep -n " copy(\| copy-start(\|memcpy" "$OUT"/nvfp4_fused_8_0.hlo.txt | head -60; gzip -f "$OUT"/*.hlo.txt; } \
   | tee "$OUT/decode_hlo.txt"
+step 17 && for s in "ACCUMULATE_MAX_ROWS=64" "ACCUMULATE_DECODE=0" "ACCUMULATE_MAX_ROWS=64" "ACCUMULATE_DECODE=0"; do
+    MODEL_SET="$s" timeout 110 python3 experiments/lab/gluon/ab_rollout.py --batches=16,32 --new_tokens=512 \
+      --formats=nvfp4_fused --time_budget_s=90 2>&1 | grep "decoder\.\|_fused |"; done | tee "$OUT/accumulate_ab.txt"
 step 13 && GL_MS=1,8,16 GL_VARIANTS="t128:TARGET_PROGRAMS=128;t256:TARGET_PROGRAMS=256;t1024:TARGET_PROGRAMS=1024" \
   timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn | tee "$OUT/targets.txt"
