@@ -268,10 +268,11 @@ def _accumulates(x: jax.Array, w) -> bool:
 
 
 def new_accumulator(rows: int, weights, dtype=jnp.bfloat16) -> Optional[Accumulator]:
-  """A zeroed :class:`Accumulator` with a region of ``rows x N`` for each weight of ``weights``
+  """An :class:`Accumulator` with room for a region of ``rows x N`` for each weight of ``weights``
   (``[K, N]`` 4-bit tensors or :class:`StackedWeight`; None entries skipped) that
   :func:`linear_f32_into` runs into for ``rows`` activations of ``dtype``, or None when none does
-  (CPU, float weights, the Gluon kernel off: the callers' plain path).
+  (CPU, float weights, the Gluon kernel off: the callers' plain path). Its buffer is made and zeroed
+  by the first :func:`linear_f32_into` that uses it.
 
   Returns:
     :class:`Accumulator` (size ``rows * sum(N)``, offset 0, no buffer yet) or None.
