@@ -258,17 +258,23 @@ def test_gpu_gluon_with_a_lora_delta_from_xla(monkeypatch):
   assert _rel(y, want) < 1e-4
 
 
-def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
-  """With triton and a C++ compiler present, the kernel compiles for sm_90 and the call lowers to the
-  command-buffer-compatible FFI target with the kernel's PTX and launch geometry as attributes."""
+def _ffi_lowering_case(monkeypatch):
+  """``(k, n, stack, x, i)``: the 7B q/k/v shape as abstract values (a 3-layer NVFP4 stack, x [8, K],
+  a layer index) for lowering the FFI path for CUDA on any machine; skips without triton's Gluon or a
+  C++ compiler for the launcher."""
   pytest.importorskip("triton.experimental.gluon")
   monkeypatch.delenv("QERL_GLUON_LAUNCH", raising=False)
   if w4_gluon.launcher() != "ffi":
     pytest.skip("no C++ compiler for the FFI launcher")
   k, n = 3584, 4608
   stack = jax.eval_shape(lambda: nvfp4.quantize(jnp.ones((3, k, n), jnp.float32)))
-  x = jax.ShapeDtypeStruct((8, k), jnp.bfloat16)
-  i = jax.ShapeDtypeStruct((), jnp.int32)
+  return k, n, stack, jax.ShapeDtypeStruct((8, k), jnp.bfloat16), jax.ShapeDtypeStruct((), jnp.int32)
+
+
+def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
+  """With triton and a C++ compiler present, the kernel compiles for sm_90 and the call lowers to the
+  command-buffer-compatible FFI target with the kernel's PTX and launch geometry as attributes."""
+  k, n, stack, x, i = _ffi_lowering_case(monkeypatch)
   text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x, stack, i).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "qerl_gluon_launch" in text and ".entry w4a16_gemv" in text and re.search(r'key = "[0-9a-f]{32}"', text)
@@ -330,15 +336,8 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
 def test_forward_into_lowers_to_an_aliased_region_without_a_memset(monkeypatch):
   """forward_into: the FFI call aliases the float32 buffer to its result, asks for no memset and
   passes the region's byte offset; y is the region read back. Bad buffers and regions are refused."""
-  pytest.importorskip("triton.experimental.gluon")
-  monkeypatch.delenv("QERL_GLUON_LAUNCH", raising=False)
   monkeypatch.delenv("QERL_GLUON_DETERMINISTIC", raising=False)
-  if w4_gluon.launcher() != "ffi":
-    pytest.skip("no C++ compiler for the FFI launcher")
-  k, n = 3584, 4608
-  stack = jax.eval_shape(lambda: nvfp4.quantize(jnp.ones((3, k, n), jnp.float32)))
-  x = jax.ShapeDtypeStruct((8, k), jnp.bfloat16)
-  i = jax.ShapeDtypeStruct((), jnp.int32)
+  k, n, stack, x, i = _ffi_lowering_case(monkeypatch)
   acc = jax.ShapeDtypeStruct((8 * n + 1000,), jnp.float32)
   fn = lambda x, w, i, acc: w4_gluon.forward_into(x, w, acc, 1000, index=i)
   y, acc_out = jax.eval_shape(fn, x, stack, i, acc)
