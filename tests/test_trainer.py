@@ -57,11 +57,9 @@ def test_score_marks_failed_rewards_missing():
   assert r[0] == 1.0 and r[2] == 0.0
 
 
-def test_load_prompts_skips_malformed_and_long_rows(tmp_path):
+def test_load_prompts_skips_malformed_and_long_rows(tmp_path, data_dir):
   """The real GSM8K test file with malformed rows appended: counted and skipped, never fatal."""
-  src = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
-  if not os.path.exists(src):
-    pytest.skip("../shared/data is absent")
+  src = os.path.join(data_dir, "gsm8k", "test.jsonl")
   lines = open(src).read().splitlines()[:20]
   path = tmp_path / "gsm8k.jsonl"
   path.write_text("\n".join(lines + ["{not json", json.dumps({"question": "q"}),

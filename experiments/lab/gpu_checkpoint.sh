@@ -54,9 +54,10 @@
 # 16. the compiled HLO of a batch-8 decode step, to find what the one `memcpy32_post` a layer
 #     (1.3-1.6 µs) copies: its copy instructions are printed and the HLO is kept gzipped. (Session 15
 #     ran 15 and 16 (the copy was the q/k/v bias slice, now read in place); 14 not re-run.)
-# 17. (next) the decode step's one-buffer-a-layer (decoder.ACCUMULATE_DECODE, session 15: batch 8
-#     2.51 -> 2.41 ms, batch 64 5.39 -> 5.43) at the unmeasured 17-63 rows: batch 16 and 32 with the
-#     row limit raised to 64 against it off (about 4 minutes).
+# 17. the decode step's one-buffer-a-layer (decoder.ACCUMULATE_DECODE, session 15: batch 8
+#     2.51 -> 2.41 ms, batch 64 5.39 -> 5.43) at batch 16 and 32, with the row limit raised to 64
+#     against it off, two alternations (about 4 minutes; session 15 ran one: 2.88 / 2.93 and
+#     3.58 / 3.63 ms, hence the limit of 32).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".

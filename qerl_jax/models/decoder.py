@@ -30,13 +30,13 @@ NORMS = ("input_norm", "post_attn_norm")
 FUSED_DECODE_ATTENTION = True
 # A decode step of at most ACCUMULATE_MAX_ROWS rows on the Gluon W4A16 kernel writes a layer's four
 # projections into one zeroed float32 buffer (layers.Accumulator): one memset a layer instead of one a
-# kernel. On an H200 (7B shape, NVFP4, 512 new tokens; docs/benchmarks.md, session 15) a batch-8 step
-# took 2.41 instead of 2.51 ms, a batch-64 step 5.43 instead of 5.39 (its one memset of 12.7 MB and
-# the barrier's extra kernel cost more than its four memsets), hence the limit (the mma.sync builds,
-# M <= 16; 17-63 not measured). False gives each kernel its own output and memset (for A/B
-# measurements; both read at trace time).
+# kernel. On an H200 (7B shape, NVFP4, 512 new tokens; docs/benchmarks.md, session 15) a decode step
+# took 2.41 instead of 2.51 ms at batch 8, 2.88 instead of 2.93 at 16 and 3.58 instead of 3.63 at 32,
+# but 5.43 instead of 5.39 at batch 64 (its one memset of 12.7 MB and the barrier's extra kernel cost
+# more than its four memsets), hence the limit (33-63 not measured). False gives each kernel its own
+# output and memset (for A/B measurements; both read at trace time).
 ACCUMULATE_DECODE = True
-ACCUMULATE_MAX_ROWS = 16
+ACCUMULATE_MAX_ROWS = 32
 
 
 def _dtype(cfg: ModelConfig):
