@@ -362,10 +362,12 @@ def test_forward_into_lowers_to_an_aliased_region_without_a_memset(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n", [(8, 3584, 4608), (3, 1088, 768), (64, 3584, 3584), (5, 64, 256)])
+@pytest.mark.parametrize("m,k,n", [(8, 3584, 4608), (3, 1088, 768), (32, 3584, 4608), (64, 3584, 3584),
+                                   (5, 64, 256)])
 def test_gpu_forward_into_fills_its_region_only(m, k, n):
   """forward_into against float64 in a region of a buffer whose other elements are NaN: they stay
-  NaN (bit for bit), and the region equals x @ W. (5, 64, 256): one split, which stores."""
+  NaN (bit for bit), and the region equals x @ W. M = 32: the wgmma build; 64: the narrow one;
+  (5, 64, 256): one split, which stores."""
   if not w4_gluon.available() or w4_gluon.launcher() != "ffi":
     pytest.skip("needs the Gluon kernel's FFI launcher")
   if m > 16:
