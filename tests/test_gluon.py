@@ -346,6 +346,10 @@ def test_forward_into_lowers_to_an_aliased_region_without_a_memset(monkeypatch):
   assert "qerl_gluon_launch" in text and "atom.global.gpu.relaxed.add" in text
   assert "zero_results = 0" in text and "out_offset = 4000" in text and "output_operand_aliases" in text
   assert w4_gluon.into_applies(x, stack, 0) and not w4_gluon.into_applies(x, stack)  # a stack needs index
+  x32 = jax.ShapeDtypeStruct((32, k), jnp.bfloat16)  # the wgmma build (the decoder's batch 17-32)
+  wg = jax.jit(lambda x, w, i, acc: w4_gluon.forward_into(x, w, acc, 0, index=i)).trace(
+      x32, stack, i, jax.ShapeDtypeStruct((32 * n,), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "wgmma.mma_async" in wg and "atom.global" in wg and "zero_results = 0" in wg and "out_offset = 0" in wg
   new = jax.jit(lambda x, w, i: w4_gluon.forward_into(x, w, None, 1000, index=i, size=acc.shape[0])).trace(
       x, stack, i).lower(lowering_platforms=("cuda",)).as_text()  # a new buffer: the launcher zeroes it
   assert "zero_results = 1" in new and "out_offset = 4000" in new and "output_operand_aliases" not in new
