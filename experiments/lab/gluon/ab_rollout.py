@@ -4,7 +4,8 @@ for an A/B of a kernel or launcher setting in the rollout (the settings are read
   GL_SET="NARROW_MIN_MB=128,NARROW_TARGET_PROGRAMS=512" PYTHONPATH=$PWD python3 experiments/lab/gluon/ab_rollout.py \
       --batches=8 --new_tokens=1024 --formats=nvfp4_fused
 
-MODEL_SET="FUSED_DECODE_ATTENTION=0" replaces qerl_jax.models.decoder's module settings the same way.
+MODEL_SET="FUSED_DECODE_ATTENTION=0" replaces qerl_jax.models.decoder's module settings the same way
+(also ACCUMULATE_DECODE=0, or ACCUMULATE_MAX_ROWS=64: a layer's projections in one buffer, session 15).
 
 GL_NO_ZERO=1 drops the launcher's memset of the atomic builds' output: the results are WRONG (they add
 into whatever the buffer held); only for timing what the memsets cost in a rollout.
