@@ -321,9 +321,8 @@ def accumulate_applies(x: jax.Array, w, index=None) -> bool:
   the Gluon kernel enabled (``GLUON``) and :func:`pallas_kernels.w4_gluon.into_applies`."""
   if not (_on_gpu() and isinstance(w, nvfp4.NVFP4Tensor) and _kernel_applies(x, w, index)):
     return False
-  _check_setting("GLUON", GLUON, ("auto", "1", "0"))
   x2d = jax.ShapeDtypeStruct((int(np.prod(x.shape[:-1])), x.shape[-1]), x.dtype)
-  return GLUON != "0" and gluon_enabled() and w4_gluon.into_applies(x2d, w, index)
+  return gluon_enabled() and w4_gluon.into_applies(x2d, w, index)
 
 
 def quantized_matmul_into(x: jax.Array, w, acc: jax.Array | None, offset: int, *, index=None,

@@ -713,6 +713,22 @@ def x_in_slot_order(x: jax.Array) -> jax.Array:
   return x.reshape(m, k // 64, *[2] * 6).transpose(0, 1, *[2 + b for b in X_SLOT_BITS]).reshape(m, k)
 
 
+def _operands(x, w, index, meta, out):
+  """The kernel's operands: x (permuted to slot order for the x ring), codes and block scales with the
+  layers folded into rows, float32 global scales ``[L]``, the layer ``[1]``, and ``out``: the buffer
+  the atomic builds add their split-K parts into when it is aliased to the result, else a placeholder."""
+  x_in = x_in_slot_order(x) if meta["XS"] else x
+  return (x_in, *w4_triton._layer_operands(w, w4_triton._format_of(w), index), out)
+
+
+def _ffi_call(build: Build, operands, out_shape, aliases, **attrs):
+  """``build``'s kernel on ``operands`` through the FFI launcher; ``attrs``: ``zero_results`` and
+  ``out_offset`` of :func:`_launch_attrs`."""
+  ptx, name, shared = _compiled(tuple(build.meta.items()), build.wg, build.narrow_n)
+  return jax.ffi.ffi_call(_FFI_TARGET, out_shape, input_output_aliases=aliases)(
+      *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=32 * build.warps, **attrs))
+
+
 def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -> jax.Array:
   """``x @ W`` by the Gluon decode GEMV (GPU only; no VJP: :mod:`pallas_kernels.matmul` wraps it).
 
@@ -745,19 +761,13 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
   build = _build(m, k, n, 1 if index is None else w.packed.shape[0])
   wg, splits, meta = build.wg, build.splits, build.meta
   atomic = meta["ATOMIC"]
-  # codes and scales with the layers folded into rows, float32 global scales [L], the layer [1], and the
-  # zeroed output the atomic builds add their split-K parts into (aliased to the result)
-  # (the FFI launcher zeroes the output itself, a memset node: no XLA buffer to fill and alias)
+  # the FFI launcher zeroes the atomic builds' output itself (a memset node: no XLA buffer to fill and alias)
   memset = atomic and path == "ffi"
-  zeros = jnp.zeros((m, n) if atomic and not memset else (1,), jnp.float32)
-  x_in = x_in_slot_order(x) if meta["XS"] else x
-  operands = (x_in, *w4_triton._layer_operands(w, w4_triton._format_of(w), index), zeros)
+  operands = _operands(x, w, index, meta, jnp.zeros((m, n) if atomic and not memset else (1,), jnp.float32))
   out_shape = jax.ShapeDtypeStruct((m, n) if atomic else (splits, m, n), jnp.float32)
   aliases = {5: 0} if atomic and not memset else None
   if path == "ffi":
-    ptx, name, shared = _compiled(tuple(meta.items()), wg, build.narrow_n)
-    out = jax.ffi.ffi_call(_FFI_TARGET, out_shape, input_output_aliases=aliases)(
-        *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=32 * build.warps, zero_results=memset))
+    out = _ffi_call(build, operands, out_shape, aliases, zero_results=memset)
   else:
     import jax_triton
 
@@ -825,14 +835,8 @@ def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array | None, offs
     raise ValueError(f"w4_gluon.forward_into: region [{offset}, {offset + m * n}) does not fit a buffer of "
                      f"{total} elements")
   build = _build(m, k, n, 1 if index is None else w.packed.shape[0])
-  meta = build.meta
-  x_in = x_in_slot_order(x) if meta["XS"] else x
   new = acc is None
-  operands = (x_in, *w4_triton._layer_operands(w, w4_triton._format_of(w), index),
-              jnp.zeros((1,), jnp.float32) if new else acc)
-  ptx, name, shared = _compiled(tuple(meta.items()), build.wg, build.narrow_n)
-  acc = jax.ffi.ffi_call(_FFI_TARGET, jax.ShapeDtypeStruct((total,), jnp.float32),
-                         input_output_aliases=None if new else {5: 0})(
-      *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=32 * build.warps, zero_results=new,
-                                 out_offset=4 * offset))
+  operands = _operands(x, w, index, build.meta, jnp.zeros((1,), jnp.float32) if new else acc)
+  acc = _ffi_call(build, operands, jax.ShapeDtypeStruct((total,), jnp.float32), None if new else {5: 0},
+                  zero_results=new, out_offset=4 * offset)
   return jax.lax.slice(acc, (offset,), (offset + m * n,)).reshape(m, n), acc

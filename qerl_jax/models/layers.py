@@ -279,8 +279,11 @@ def new_accumulator(rows: int, weights, dtype=jnp.bfloat16) -> Optional[Accumula
   """
   cols = 0
   for w in weights:
-    if w is not None and _accumulates(jax.ShapeDtypeStruct((rows, _tensor_index(w)[0].shape[0]), dtype), w):
-      cols += _tensor_index(w)[0].shape[1]
+    if w is None:
+      continue
+    k, n = _tensor_index(w)[0].shape
+    if _accumulates(jax.ShapeDtypeStruct((rows, k), dtype), w):
+      cols += n
   return Accumulator(None, 0, rows * cols) if cols else None
 
 
