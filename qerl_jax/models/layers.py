@@ -231,6 +231,12 @@ def linear_f32_bias_deferred(x: jax.Array, w, *, bias: Optional[jax.Array] = Non
   Args and raises: as :func:`linear` (``lora`` one adapter for the whole output).
   """
   y, lora = _base_f32(x, w, lora, lora_scale)
+  return _bias_deferred(x, w, y, bias, lora, lora_scale)
+
+
+def _bias_deferred(x, w, y, bias, lora, lora_scale) -> tuple:
+  """``(y, bias)`` when no adapter delta is left to add (``lora`` None), else ``(y + bias + delta, None)``
+  in :func:`linear`'s order."""
   if lora is None:
     return y, bias
   if bias is not None:
@@ -311,13 +317,9 @@ def linear_f32_into(x: jax.Array, w, acc: Optional[Accumulator], *, bias: Option
   tensor, index = _tensor_index(w)
   y, buffer = pallas_kernels.quantized_matmul_into(x, tensor, acc.buffer, acc.offset, index=index, size=acc.size)
   acc = Accumulator(buffer, acc.offset + y.size, acc.size)
-  if lora is not None and _epilogue_applies(x, w):  # the order of linear_f32_bias_deferred's epilogue path
-    return y + _lora_f32(x, lora, lora_scale), bias, acc
-  if lora is None:
-    return y, bias, acc
-  if bias is not None:
-    y = _add_bias(y, bias, w)
-  return y + _lora_f32(x, lora, lora_scale), None, acc
+  if lora is not None and _epilogue_applies(x, w):  # where _base_f32's kernel would add it, before the bias
+    y, lora = y + _lora_f32(x, lora, lora_scale), None
+  return (*_bias_deferred(x, w, y, bias, lora, lora_scale), acc)
 
 
 def finish_linear(y: jax.Array, bias: Optional[jax.Array], w, dtype) -> jax.Array:
