@@ -154,6 +154,49 @@ def test_byte_0x72():
   assert ct["weight_packed"][0, 0] == 0x72
 
 
+def test_decode_order_bit_placement_by_hand():
+  """to_decode_order moves bits inside each block of code rows 2i, 2i+1 x columns 2c, 2c+1, worked by
+  hand from nvfp4.DECODE_ORDER_BITS' slots: -6 (code 0xF) at code row 0, column 1, high nibble
+  (value (q=1, r=0, h=1): sign -> bit 13, e1 -> 11, e0 -> 10, m -> 14 of the block word) becomes byte
+  0x6C at the same place; -0.5 (code 0x9) at code row 1, column 0, low nibble ((q=0, r=1, h=0):
+  sign -> 31, m -> 22) becomes 0x40 at (row 1, column 0) and 0x80 at (row 1, column 1)."""
+  packed = np.zeros((8, 4), np.uint8)
+  packed[0, 1] = 0xF0
+  packed[1, 0] = 0x09
+  packed[2, 3] = 0xF0  # the second block of columns and rows 2, 3: the same move
+  t = nvfp4.NVFP4Tensor(jnp.asarray(packed), jnp.ones((1, 4), jnp.float8_e4m3fn), jnp.float32(1.0), (16, 4))
+  d = nvfp4.to_decode_order(t)
+  want = np.zeros((8, 4), np.uint8)
+  want[0, 1] = 0x6C
+  want[1, 0], want[1, 1] = 0x40, 0x80
+  want[2, 3] = 0x6C
+  np.testing.assert_array_equal(np.asarray(d.packed), want)
+  assert d.code_order == "decode" and d.shape == (16, 4) and "code_order='decode'" in repr(d)
+  dense = np.asarray(nvfp4.dequantize(d))
+  assert dense[1, 1] == -6.0 and dense[2, 0] == -0.5 and dense[5, 3] == -6.0 and np.count_nonzero(dense) == 3
+  np.testing.assert_array_equal(np.asarray(nvfp4.to_standard_order(d).packed), packed)
+  assert nvfp4.to_decode_order(d) is d and nvfp4.to_standard_order(t) is t
+
+
+def test_decode_order_round_trip_and_every_reader():
+  """Random stacked weights: the round trip is exact, dequantize / the checkpoint layout / jit and
+  pytree flattening see the same tensor; an odd N and a bad order are refused."""
+  w = np.random.default_rng(0).standard_normal((3, 64, 10)).astype(np.float32)
+  t = nvfp4.quantize(w)
+  d = jax.jit(nvfp4.to_decode_order)(t)
+  assert d.code_order == "decode" and (np.asarray(d.packed) != np.asarray(t.packed)).mean() > 0.5
+  np.testing.assert_array_equal(np.asarray(nvfp4.to_standard_order(d).packed), np.asarray(t.packed))
+  np.testing.assert_array_equal(np.asarray(nvfp4.dequantize(d)), np.asarray(nvfp4.dequantize(t)))
+  one = jax.tree.map(lambda a: a[1], d)  # pytree map keeps the order
+  assert one.code_order == "decode"
+  for key, v in nvfp4.to_compressed_tensors(one).items():
+    np.testing.assert_array_equal(v, nvfp4.to_compressed_tensors(jax.tree.map(lambda a: a[1], t))[key])
+  with pytest.raises(ValueError, match="N must be even"):
+    nvfp4.to_decode_order(nvfp4.quantize(np.ones((16, 3), np.float32)))
+  with pytest.raises(ValueError, match="code_order"):
+    nvfp4.NVFP4Tensor(t.packed, t.block_scale, t.global_scale, (64, 10), code_order="marlin")
+
+
 def test_outlier_keeps_peak_and_finite_block_scales():
   w = np.zeros((64, 8), np.float32)
   rng = np.random.default_rng(0)
