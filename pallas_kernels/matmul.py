@@ -315,6 +315,18 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
   return y.reshape(*lead, n)
 
 
+def decode_order_pays() -> bool:
+  """Whether NVFP4 weights should be stored in :func:`qerl_jax.nvfp4.to_decode_order`'s code order
+  here: on a GPU where the Gluon decode GEMV runs (:func:`gluon_enabled`). Its decode-order build
+  made a 7B batch-8 decode step 4% shorter (docs/benchmarks.md, session 16); the other kernels
+  convert a layer's codes back as they read it (an extra pass over the 4-bit codes).
+
+  Raises:
+    ValueError: ``GLUON`` not "auto"/"1"/"0".
+  """
+  return _on_gpu() and gluon_enabled()
+
+
 def accumulate_applies(x: jax.Array, w, index=None) -> bool:
   """Whether :func:`quantized_matmul_into` runs its accumulating kernel for ``x [..., K]`` (rows =
   the product of the leading dims) and ``w`` (with ``index``): on a GPU, bf16 ``x``, NVFP4 ``w``,

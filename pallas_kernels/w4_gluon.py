@@ -162,7 +162,7 @@ def _splits(k: int, n: int, target: int | None = None, block_n: int = BLOCK_N, m
   return min(options, key=lambda s: (abs(tiles * s - target), s))
 
 
-def _asm() -> str:
+def _asm(decode_order: bool = False) -> str:
   """Inline PTX: code words ``$8`` (row 2j, 4 columns) and ``$9`` (row 2j+1, same columns), block
   scales ``$10, $11`` (4 bf16, times 2**118) -> ``$0..$3`` low nibbles, ``$4..$7`` high nibbles; each
   output register holds (row 2j, row 2j+1) of one column, as bf16 ``e2m1 * scale * 2**-8`` (exact).
@@ -173,13 +173,28 @@ def _asm() -> str:
   sign is already in place (the layout Marlin's FP4 dequantization gets by repacking the weight;
   here the pairing is done in registers): about 4 integer operations a register of two weights.
   (Session 7's decode paired one column's bytes at the bottom of each half and moved every sign: 6%
-  more instructions at M = 8, 1% slower; docs/benchmarks.md, session 11.)"""
+  more instructions at M = 8, 1% slower; docs/benchmarks.md, session 11.)
+
+  ``decode_order``: the codes are in :func:`qerl_jax.nvfp4.to_decode_order`'s order, where each
+  ``prmt`` word gives three of its four registers by one mask after a left shift of 0, 3 or 6 bits
+  and the fourth from three shifted pieces; the outputs are the same registers with the same values."""
   lines = ["{", ".reg .b32 u, m, t, nz, s0, s1, s2, s3;", "mov.b32 nz, 0x80008000;"]
   for q in range(4):  # the bf16 scale of column q in both halves
     sc = "$10" if q < 2 else "$11"
     lines.append(f"prmt.b32 s{q}, {sc}, {sc}, {'0x1010' if q % 2 == 0 else '0x3232'};")
   for h in range(2):  # columns 2h, 2h + 1: u = [row 2j: col 2h, col 2h+1 | row 2j+1: col 2h, col 2h+1]
     lines.append(f"prmt.b32 u, $8, $9, {'0x5410' if h == 0 else '0x7632'};")
+    if decode_order:  # u is a block word in nvfp4.DECODE_ORDER_BITS: (column, nibble) -> its bits
+      for q, nib, pieces in ((0, 0, [("shl", 0, "0x81C081C0")]), (0, 1, [("shl", 3, "0x81C081C0")]),
+                             (1, 0, [("shl", 6, "0x81C081C0")]),
+                             (1, 1, [("shr", 3, "0x01800180"), ("shl", 2, "0x80008000"), ("shr", 8, "0x00400040")])):
+        for i, (op, sh, mask) in enumerate(pieces):
+          dst = "m" if i == 0 else "t"
+          lines += [f"{op}.b32 {dst}, u, {sh};" if sh else f"mov.b32 {dst}, u;", f"and.b32 {dst}, {dst}, {mask};"]
+          lines += [] if i == 0 else ["or.b32 m, m, t;"]
+        col = 2 * h + q
+        lines.append(f"fma.rn.bf16x2 ${col + 4 * nib}, m, s{col}, nz;")
+      continue
     for p in (12, 8, 4, 0):  # nibble at bits p..p+3 of each half: column 2h + p // 8, low nibble if p % 8 == 0
       q = 2 * h + p // 8
       reg = f"${q if p % 8 == 0 else 4 + q}"
@@ -206,6 +221,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
   from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
   asm = ttgl.constexpr(_asm())
+  asm_do = ttgl.constexpr(_asm(decode_order=True))  # codes in nvfp4.to_decode_order's order
   # codes [32 rows, 256 columns]: registers n0 n1 n2 kp0 kp1 kp4; lanes kp2 kp3 n3 n4 n5; warps n6 n7.
   # With 8 warps, column bit n2 moves from the registers to the third warp bit.
   n2_reg, n2_warp = ([], [[0, 4]]) if wg else ([[0, 4]], [])
@@ -257,15 +273,16 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
     return c, s, xb
 
   @gluon.jit
-  def decode(c, s):
-    """codes [32, 256] and block scales [4, 256] of one step -> the weight operand [256 rows, 64 k]."""
+  def decode(c, s, DO: ttgl.constexpr):
+    """codes [32, 256] and block scales [4, 256] of one step -> the weight operand [256 rows, 64 k]
+    (``DO``: the codes in decode order)."""
     s = (s.to(ttgl.float32) * 3.3230699894622896e+35).to(ttgl.bfloat16)  # times 2**118
     c_a, c_b = ttgl.split(ttgl.permute(ttgl.reshape(c, [16, 2, BN]), [0, 2, 1]))  # rows 2j, 2j+1
     c_a4 = ttgl.reshape(c_a, [4, 4, BN])
     s_a = ttgl.reshape(ttgl.broadcast(ttgl.expand_dims(s, 1), c_a4)[0], [16, BN])
     s_a = ttgl.convert_layout(s_a, c_a.type.layout, assert_trivial=True)
     o1, o2, o3, o4 = ttgl.inline_asm_elementwise(
-        asm, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [c_a, c_b, s_a],
+        asm_do if DO else asm, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [c_a, c_b, s_a],
         dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16), is_pure=True, pack=4)
     if NARROW:
       j = ttgl.reshape(ttgl.join(ttgl.join(o1, o2), ttgl.join(o3, o4)), [2] * (10 + TOP))
@@ -300,7 +317,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
   @gluon.jit
   def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                  K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr):
+                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0):
     if WG:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, MB, 16])
@@ -344,7 +361,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
         c1, s1, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N,
                               False)
         if WA:  # decoded before the wait, so that it overlaps step i - 1's MMA
-          a = ttgl.convert_layout(decode(c0, s0), a_layout, assert_trivial=True)
+          a = ttgl.convert_layout(decode(c0, s0, DO), a_layout, assert_trivial=True)
         async_copy.wait_group(PRE - 1)  # this thread's copies of step i have landed
         hopper.fence_async_shared()
         # everyone's copies of step i are visible, and everyone's MMA of step i - 1 - WA is done (synchronous,
@@ -357,7 +374,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
           acc = hopper.warpgroup_mma(a, x_smem.index(i % XS), acc, is_async=True)
           acc, a = hopper.warpgroup_mma_wait(1, deps=[acc, a])
         else:
-          acc = hopper.warpgroup_mma(ttgl.convert_layout(decode(c0, s0), a_layout, assert_trivial=True),
+          acc = hopper.warpgroup_mma(ttgl.convert_layout(decode(c0, s0, DO), a_layout, assert_trivial=True),
                                      x_smem.index(i % XS), acc)
         c0, s0 = c1, s1
       if WA:
@@ -372,9 +389,9 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
           buf.store(x_slots(x0))
           hopper.fence_async_shared()
           ttgl.thread_barrier()
-          acc = hopper.warpgroup_mma(ttgl.convert_layout(decode(c0, s0), a_layout, assert_trivial=True), buf, acc)
+          acc = hopper.warpgroup_mma(ttgl.convert_layout(decode(c0, s0, DO), a_layout, assert_trivial=True), buf, acc)
         else:
-          a = ttgl.convert_layout(decode(c0, s0), a_layout)
+          a = ttgl.convert_layout(decode(c0, s0, DO), a_layout)
           acc = mma_v2(a, ttgl.convert_layout(x_slots(x0), xl), acc)
         c0, s0, x0 = c1, s1, x1
     acc = acc * (256.0 / gs)  # 2**8 undoes the decode's 2**-8
@@ -683,11 +700,12 @@ class Build(NamedTuple):
     return _register_cap(self.wg, self.narrow, self.meta["MB"], self.meta["XS"])
 
 
-def _build(m: int, k: int, n: int, layers: int) -> Build:
+def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> Build:
   """The :class:`Build` for ``x [m, k]`` times a ``[k, n]`` weight (of a stack of ``layers``), under
   the current settings (``NARROW_MIN_MB``, ``MMA_ATOMIC``, ``X_STAGES``, ``X_RING_MIN_MB``, ``WG_ASYNC``,
   :func:`atomic_split_k`); the
-  shape must be one :func:`applies` takes."""
+  shape must be one :func:`applies` takes. ``decode_order``: the weight's codes are in
+  :func:`qerl_jax.nvfp4.to_decode_order`'s order (the kernel's cheaper decode)."""
   wg = _use_wgmma(m)
   narrow = wg and _row_block(m) >= NARROW_MIN_MB
   block_n = (128 if _row_block(m) == 128 else NARROW_BLOCK_N) if narrow else BLOCK_N
@@ -695,9 +713,11 @@ def _build(m: int, k: int, n: int, layers: int) -> Build:
                    max(NARROW_MAX_STEPS, MAX_STEPS) if narrow else MAX_STEPS)
   atomic = (wg or MMA_ATOMIC) and atomic_split_k() and splits > 1  # one split stores its output: no memset
   xs = max(X_STAGES, 2) if wg and X_STAGES > 0 and _row_block(m) >= X_RING_MIN_MB else 0
-  return Build(wg, narrow, block_n, splits,
-               dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=_row_block(m), ATOMIC=atomic,
-                    XS=xs, WA=int(bool(WG_ASYNC) and xs >= 3)))
+  meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=_row_block(m), ATOMIC=atomic,
+              XS=xs, WA=int(bool(WG_ASYNC) and xs >= 3))
+  if decode_order:  # the codes in nvfp4.to_decode_order's order: the cheaper decode
+    meta["DO"] = 1
+  return Build(wg, narrow, block_n, splits, meta)
 
 
 # The wgmma builds' operand k order within each 64-wide K step: slot s holds x's k = order[s], where
@@ -758,7 +778,7 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
     raise ImportError("w4_gluon.forward needs triton (Gluon) and either a C++ compiler for the FFI launcher "
                       "or jax-triton")
   n = w.shape[1]
-  build = _build(m, k, n, 1 if index is None else w.packed.shape[0])
+  build = _build(m, k, n, 1 if index is None else w.packed.shape[0], w.code_order == "decode")
   wg, splits, meta = build.wg, build.splits, build.meta
   atomic = meta["ATOMIC"]
   # the FFI launcher zeroes the atomic builds' output itself (a memset node: no XLA buffer to fill and alias)
@@ -786,7 +806,8 @@ def into_applies(x: jax.Array, w, index=None) -> bool:
     return False
   if (index is None) != (w.packed.ndim == 2) or launcher() != "ffi":
     return False
-  build = _build(x.shape[0], x.shape[1], w.shape[1], 1 if index is None else w.packed.shape[0])
+  build = _build(x.shape[0], x.shape[1], w.shape[1], 1 if index is None else w.packed.shape[0],
+                 w.code_order == "decode")
   return build.meta["ATOMIC"] or build.splits == 1
 
 
@@ -834,7 +855,7 @@ def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array | None, offs
   if offset < 0 or offset + m * n > total:
     raise ValueError(f"w4_gluon.forward_into: region [{offset}, {offset + m * n}) does not fit a buffer of "
                      f"{total} elements")
-  build = _build(m, k, n, 1 if index is None else w.packed.shape[0])
+  build = _build(m, k, n, 1 if index is None else w.packed.shape[0], w.code_order == "decode")
   new = acc is None
   operands = _operands(x, w, index, build.meta, jnp.zeros((1,), jnp.float32) if new else acc)
   acc = _ffi_call(build, operands, jax.ShapeDtypeStruct((total,), jnp.float32), None if new else {5: 0},

@@ -605,9 +605,30 @@ def _layer_operands(w, fmt: _Format, index):
           _global_scales(w, num), jnp.asarray(index, jnp.int32).reshape(1))
 
 
+def _standard_codes(w, index):
+  """``(w, index)`` with NVFP4 codes in the standard order these kernels read. A weight in
+  :func:`qerl_jax.nvfp4.to_decode_order`'s order is converted by XLA (one pass over its codes); of a
+  stack with ``index``, only that layer (clamped, as the kernels clamp it), which is then read as one
+  matrix (``index`` None)."""
+  if not (isinstance(w, nvfp4.NVFP4Tensor) and w.code_order == "decode"):
+    return w, index
+  if index is not None and w.packed.ndim == 3:
+    layer = jnp.clip(jnp.asarray(index, jnp.int32).reshape(()), 0, w.packed.shape[0] - 1)
+    w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), w)
+    index = None
+  return nvfp4.to_standard_order(w), index
+
+
 def _run(kind, a, w, out_dtype, config, interpret, poison_output, index=None, lora=None):
   """Shared launch of the fused kernels; ``a`` is x ``[M, K]`` (fwd) or dy ``[M, N]`` (dx)."""
   fwd = kind == "fwd"
+  layer = index
+  w, index = _standard_codes(w, index)
+  if lora is not None and index is None and layer is not None and lora[1].ndim == 3:  # that layer of b too
+    xa, b, scale = lora
+    b = jax.lax.dynamic_index_in_dim(b, jnp.clip(jnp.asarray(layer, jnp.int32).reshape(()), 0, b.shape[0] - 1), 0,
+                                     keepdims=False)
+    lora = (xa, b, scale)
   fmt = _format_of(w)
   k, n = w.shape
   m = a.shape[0]
@@ -708,6 +729,7 @@ def dequantize(w, dtype=jnp.bfloat16, *, block_k2: int | None = None, block_n: i
     TypeError: unsupported weight type. ValueError: stacked weight without
       ``index`` (or an index for an unstacked one).
   """
+  w, index = _standard_codes(w, index)
   fmt = _format_of(w)
   _check_stacking(w, index, "dequantize kernel")
   k, n = w.shape

@@ -333,6 +333,22 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
   assert ".maxnreg 128" in text_wg and ".maxnreg" not in wide  # narrow wgmma builds capped at 128, wide ones not
 
 
+def test_decode_order_lowers_its_own_decode(monkeypatch):
+  """A weight in nvfp4.to_decode_order's order lowers to a kernel with the decode-order PTX (its masks
+  in the PTX, at M = 8 (mma.sync) and 64 (narrow wgmma)), another build than the standard order's."""
+  k, n, stack, x, i = _ffi_lowering_case(monkeypatch)
+  decode = jax.eval_shape(nvfp4.to_decode_order, stack)
+  assert decode.code_order == "decode"
+  for m in (8, 64):
+    xm = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    lower = lambda w: jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(xm, w, i).lower(
+        lowering_platforms=("cuda",)).as_text()
+    text, std = lower(decode), lower(stack)
+    assert ".entry w4a16_gemv" in text and "0x01800180" in text and "0x00400040" in text
+    assert "0x01800180" not in std and re.search(r'key = "([0-9a-f]{32})"', text).group(1) != re.search(
+        r'key = "([0-9a-f]{32})"', std).group(1)
+
+
 def test_forward_into_lowers_to_an_aliased_region_without_a_memset(monkeypatch):
   """forward_into: the FFI call aliases the float32 buffer to its result, asks for no memset and
   passes the region's byte offset; y is the region read back. Bad buffers and regions are refused."""
@@ -393,6 +409,55 @@ def test_gpu_forward_into_fills_its_region_only(m, k, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 17, 32, 40, 64, 100, 128])
+@pytest.mark.parametrize("k,n", [(3584, 4608), (1088, 768)])
+def test_gpu_gluon_decode_order_matches_float64(m, k, n, monkeypatch):
+  """Codes in nvfp4.to_decode_order's order (the cheaper E2M1 decode), every build (mma.sync, wgmma,
+  narrow, the x ring), a stack read at layer 1: against float64, and with a fixed summation order
+  (QERL_GLUON_DETERMINISTIC=1) bit for bit equal to the standard order."""
+  if m > 16:
+    _skip_without_wgmma()
+  wq = _weight(k, n, m + 7 * k, layers=2)
+  wd = nvfp4.to_decode_order(wq)
+  x = _act(m, k, m + n)
+  run = jax.jit(lambda x, w: w4_gluon.forward(x, w, out_dtype=jnp.float32, index=jnp.int32(1)))
+  y = run(x, wd)
+  assert bool(jnp.isfinite(y).all())
+  assert _rel(y, np.asarray(x, np.float64) @ _dense64(matmul.layer_of(wq, 1))) < 1e-4
+  monkeypatch.setenv("QERL_GLUON_DETERMINISTIC", "1")
+  run = jax.jit(lambda x, w: w4_gluon.forward(x, w, out_dtype=jnp.float32, index=jnp.int32(1)))
+  np.testing.assert_array_equal(np.asarray(run(x, wd)), np.asarray(run(x, wq)))
+
+
+@pytest.mark.gpu
+def test_gpu_decode_order_on_every_kernel_path_equals_the_standard_order(monkeypatch):
+  """A decode-order weight through quantized_matmul on the other paths (the Pallas fused kernel with
+  the Gluon kernel off, dequantize + cuBLAS at M = 200, the dx kernels of the gradient at M = 8 and
+  64, forward_into) gives the standard order's result: those paths convert the codes back first."""
+  import pallas_kernels
+  k, n = 1088, 768
+  wq = _weight(k, n, 11, layers=3)
+  wd = nvfp4.to_decode_order(wq)
+  for m in (8, 40, 200):
+    x = _act(m, k, m)
+    f = jax.jit(lambda x, w: pallas_kernels.quantized_matmul(x, w, index=jnp.int32(2)))
+    g = jax.jit(jax.grad(lambda x, w: jnp.sum(pallas_kernels.quantized_matmul(x, w, index=jnp.int32(2))
+                                              .astype(jnp.float32) ** 2)))
+    if m > w4_gluon.MAX_M:  # dequantize + cuBLAS (the Gluon kernel's atomics are not bitwise repeatable)
+      np.testing.assert_array_equal(np.asarray(f(x, wd)), np.asarray(f(x, wq)))
+    np.testing.assert_allclose(np.asarray(g(x, wd), np.float32), np.asarray(g(x, wq), np.float32), rtol=2e-2,
+                               atol=1e-2 * float(jnp.max(jnp.abs(g(x, wq).astype(jnp.float32)))))
+  monkeypatch.setattr(matmul, "GLUON", "0")  # the Pallas fused kernel at M = 8 and 40
+  for m in (8, 40):
+    x = _act(m, k, m)
+    f = jax.jit(lambda x, w: pallas_kernels.quantized_matmul(x, w, index=jnp.int32(2)))
+    np.testing.assert_array_equal(np.asarray(f(x, wd)), np.asarray(f(x, wq)))
+    dx = jax.jit(lambda dy, w: matmul.kernel_dx(dy, w, index=jnp.int32(2)))
+    dy = _act(m, n, m + 1)
+    np.testing.assert_array_equal(np.asarray(dx(dy, wd)), np.asarray(dx(dy, wq)))
+
+
+@pytest.mark.gpu
 def test_gpu_decode_steps_into_one_buffer_a_layer_match_the_plain_path(monkeypatch):
   """A model whose projections the Gluon kernel takes (K % 64 == 0, N % 256 == 0), NVFP4, fused
   q/k/v and gate/up with a bias: decoding with the layer's projections in one zeroed buffer
@@ -422,6 +487,11 @@ def test_gpu_decode_steps_into_one_buffer_a_layer_match_the_plain_path(monkeypat
   real_rows = np.asarray(mask).astype(bool)
   a, p = np.asarray(into, np.float32)[real_rows], np.asarray(plain, np.float32)[real_rows]
   assert np.isfinite(a).all() and np.abs(a - p).max() < 2e-2 * np.abs(p).max()
+  # the base in the decode kernel's code order (models.to_decode_order): prefill converts back, the
+  # decode steps read it in place; same logits up to the atomics' order
+  ordered, _ = decode_all(cfg, models.to_decode_order(base), tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16)
+  o = np.asarray(ordered, np.float32)[real_rows]
+  assert np.isfinite(o).all() and np.abs(o - p).max() < 2e-2 * np.abs(p).max()
 
 
 def test_ffi_launcher_builds_and_reports_a_missing_driver(tmp_path, monkeypatch):
@@ -556,20 +626,26 @@ def _run_ptx(asm, regs):
   return regs
 
 
-def test_decode_ptx_by_codebook():
+@pytest.mark.parametrize("code_order", ["standard", "decode"])
+def test_decode_ptx_by_codebook(code_order):
   """The decode's inline PTX, executed by a small interpreter, gives exactly
   ``E2M1[code] * scale * 2**-8`` for every code of both rows and all four columns, with E4M3 block
-  scales in and out of the subnormal range (the kernel's ``s * 2**118`` in bf16 as input)."""
+  scales in and out of the subnormal range (the kernel's ``s * 2**118`` in bf16 as input); for
+  ``code_order="decode"`` the PTX reads the two code rows as ``nvfp4.to_decode_order`` stores them
+  and must give the same registers."""
   import ml_dtypes
 
   rng = np.random.default_rng(0)
-  asm = w4_gluon._asm()
-  for trial in range(64):
+  asm = w4_gluon._asm(decode_order=code_order == "decode")
+  for trial in range(256):
     rows = rng.integers(0, 256, size=(2, 4)) if trial else np.array([[0x0F, 0xF0, 0x88, 0x77], [0x19, 0x2A, 0x3B, 0xFF]])
     scale = rng.choice([2.0 ** -9, 0.0625, 0.75, 1.0, 13.0, 448.0], size=4).astype(ml_dtypes.float8_e4m3fn)
     s118 = (scale.astype(np.float32) * np.float32(2.0 ** 118)).astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
-    regs = {"$8": int(sum(int(b) << (8 * i) for i, b in enumerate(rows[0]))),
-            "$9": int(sum(int(b) << (8 * i) for i, b in enumerate(rows[1]))),
+    stored = rows
+    if code_order == "decode":  # two code rows x four columns as the weight stores them
+      stored = np.asarray(nvfp4._permute_block_bits(jnp.asarray(rows, jnp.uint8), nvfp4.DECODE_ORDER_BITS))
+    regs = {"$8": int(sum(int(b) << (8 * i) for i, b in enumerate(stored[0]))),
+            "$9": int(sum(int(b) << (8 * i) for i, b in enumerate(stored[1]))),
             "$10": int(s118[0] | (s118[1] << 16)), "$11": int(s118[2] | (s118[3] << 16))}
     regs = _run_ptx(asm, regs)
     for q in range(4):

@@ -434,3 +434,25 @@ def test_kernels_lower_for_cuda_without_a_gpu(monkeypatch):
   for name, (fn, *args) in cases.items():
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in lowered.lower(), name  # the kernel is in the module as a Triton custom call
+
+
+def test_decode_order_weights_on_the_pallas_kernels_equal_the_standard_order():
+  """A weight in nvfp4.to_decode_order's order (the Gluon kernel's) through the interpret-mode Pallas
+  kernels: forward (with a stacked LoRA factor at a clamped layer), dx and the dequantize kernel
+  convert the layer's codes back and give the standard order's results bit for bit."""
+  k, n, m, r = 160, 72, 5, 8
+  wq = nvfp4.quantize(np.random.default_rng(3).standard_normal((3, k, n)).astype(np.float32) * 0.05)
+  wd = nvfp4.to_decode_order(wq)
+  x, dy, xa = _act((m, k), 1), _act((m, n), 2), _act((m, r), 3)
+  bs = jnp.stack([_act((r, n), 10 + i) for i in range(3)])
+  for i in (1, 7):  # 7 is clamped to the last layer
+    idx = jnp.int32(i)
+    for fn in (lambda w: w4_triton.forward(x, w, config=SMALL, interpret=True, index=idx, lora=(xa, bs, 0.5)),
+               lambda w: w4_triton.dx(dy, w, config=SMALL, interpret=True, index=idx),
+               lambda w: w4_triton.dequantize(w, interpret=True, index=idx)):
+      np.testing.assert_array_equal(np.asarray(fn(wd), np.float32), np.asarray(fn(wq), np.float32))
+  y = quantized_matmul(x, wd, backend="interpret", out_dtype=jnp.float32, index=jnp.int32(2))
+  want = np.asarray(x, np.float64) @ _dense64(jax.tree.map(lambda a: a[2], wq))
+  assert _rel(y, want) < 1e-4
+  np.testing.assert_array_equal(np.asarray(reference_matmul(x, jax.tree.map(lambda a: a[0], wd))),
+                                np.asarray(reference_matmul(x, jax.tree.map(lambda a: a[0], wq))))

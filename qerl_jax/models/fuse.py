@@ -121,8 +121,10 @@ def unfuse_projections(base: dict, cfg) -> dict:
 def _columns(w, start: int, size: int):
   cols = slice(start, start + size)
   if isinstance(w, nvfp4.NVFP4Tensor):
+    if start % 2 or size % 2:  # decode-order blocks pair columns 2c, 2c + 1
+      w = nvfp4.to_standard_order(w)
     return nvfp4.NVFP4Tensor(w.packed[..., cols], w.block_scale[..., cols], w.global_scale,
-                             shape=(w.shape[0], size))
+                             shape=(w.shape[0], size), code_order=w.code_order)
   if isinstance(w, nf4.NF4Tensor):
     return nf4.NF4Tensor(w.packed[..., cols], w.block_scale[..., cols], shape=(w.shape[0], size))
   return w[..., cols]
@@ -139,9 +141,11 @@ def _concat(ws: list, what: str):
           f"fuse_projections: the NVFP4 parts of {what} have different global scales; quantize the fused "
           "float matrices instead (quantize_base(fuse_projections(float_base))) or load with "
           "hf.load_pretrained(..., share_fused_global_scale=True)")
+    if len({w.code_order for w in ws}) > 1:
+      ws = [nvfp4.to_standard_order(w) for w in ws]
     return nvfp4.NVFP4Tensor(jnp.concatenate([w.packed for w in ws], axis=-1),
                              jnp.concatenate([w.block_scale for w in ws], axis=-1), ws[0].global_scale,
-                             shape=(ws[0].shape[0], sum(w.shape[1] for w in ws)))
+                             shape=(ws[0].shape[0], sum(w.shape[1] for w in ws)), code_order=ws[0].code_order)
   if all(isinstance(w, nf4.NF4Tensor) for w in ws):
     return nf4.NF4Tensor(jnp.concatenate([w.packed for w in ws], axis=-1),
                          jnp.concatenate([w.block_scale for w in ws], axis=-1),
