@@ -381,7 +381,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
 
 
 # Keys added to the config after runs were saved, with the value that reproduces those runs.
-_LEGACY_VALUES = {"model.fuse_projections": False}
+_LEGACY_VALUES = {"model.fuse_projections": False,
+                  "model.code_order": "auto"}  # the code order changes no value (docs/kernels.md)
 
 
 def _config_diff(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -609,12 +610,31 @@ def _load_base(config):
     pre = hf.load_pretrained(path, **kwargs)
   if fuse:
     pre = pre._replace(base=_fuse_or_keep(pre.base))
+  pre = pre._replace(base=_in_code_order(pre.base, str(config.model.get("code_order", "auto"))))
   if pre.tokenizer is None:
     raise ValueError(f"model.path={config.model.path!r} has no tokenizer; the trainer needs one")
   eos = tuple(int(i) for i in pre.generation_config.get("eos_token_ids") or ())
   if not eos:
     eos = (int(pre.tokenizer.eos_token_id),)
   return pre.cfg, pre.base, pre.tokenizer, eos
+
+
+def _in_code_order(base: dict, order: str) -> dict:
+  """``base`` with its NVFP4 codes in ``order`` (``model.code_order``): ``"decode"``
+  (:func:`qerl_jax.models.to_decode_order`), ``"standard"`` (as loaded), or ``"auto"``: decode order
+  where :func:`pallas_kernels.decode_order_pays` (a GPU running the Gluon decode kernel); there a
+  matrix the decode order cannot hold (an odd N) keeps the loaded order, with a warning."""
+  import pallas_kernels
+  from qerl_jax import models
+  if order == "standard" or (order == "auto" and not pallas_kernels.decode_order_pays()):
+    return base
+  try:
+    return models.to_decode_order(base)
+  except ValueError as e:
+    if order == "decode":
+      raise
+    print(f"warning: model.code_order: keeping the standard NVFP4 code order ({e})", file=sys.stderr)
+    return base
 
 
 def _fuse_or_keep(base: dict) -> dict:

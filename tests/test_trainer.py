@@ -168,6 +168,34 @@ def test_unfusable_base_stays_unfused_with_a_warning(capsys):
   assert models.is_fused(fused) and capsys.readouterr().err == ""
 
 
+def test_code_order_setting(monkeypatch, capsys):
+  """model.code_order: "standard" keeps the loaded codes; "decode" stores every NVFP4 linear in the
+  decode kernel's order, with the same dequantized values and the same logits; "auto" does so only
+  where pallas_kernels.decode_order_pays() (never on a CPU); a bad value is refused by validate."""
+  import pallas_kernels
+  from qerl_jax import models, nvfp4
+  from qerl_jax.trainer import _in_code_order
+  cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                           num_kv_heads=1, head_dim=16, dtype="float32")
+  base = models.quantize_base(models.init_params(cfg, jax.random.key(0), dtype=jax.numpy.float32), "nvfp4")
+  assert _in_code_order(base, "standard") is base
+  assert not pallas_kernels.decode_order_pays() and _in_code_order(base, "auto") is base
+  dec = _in_code_order(base, "decode")
+  q, qd = base["layers"]["mlp"]["down"], dec["layers"]["mlp"]["down"]
+  assert qd.code_order == "decode" and not np.array_equal(np.asarray(q.packed), np.asarray(qd.packed))
+  np.testing.assert_array_equal(np.asarray(nvfp4.dequantize(qd)), np.asarray(nvfp4.dequantize(q)))
+  tokens = jax.numpy.asarray([[3, 5, 7, 11]], jax.numpy.int32)
+  pos = jax.numpy.arange(4, dtype=jax.numpy.int32)[None]
+  np.testing.assert_array_equal(np.asarray(models.forward(cfg, dec, tokens, pos)[0]),
+                                np.asarray(models.forward(cfg, base, tokens, pos)[0]))
+  monkeypatch.setattr(pallas_kernels, "decode_order_pays", lambda: True)
+  assert _in_code_order(base, "auto")["layers"]["attn"]["q"].code_order == "decode"
+  c = toy.toy_config()
+  c.model.code_order = "marlin"
+  with pytest.raises(ValueError, match="model.code_order='marlin'"):
+    train_config.validate(c, check_paths=False)
+
+
 def _launch(*args, timeout=120):
   return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "train.py"), *args],
                         cwd=ROOT, capture_output=True, text=True, timeout=timeout,

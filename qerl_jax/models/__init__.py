@@ -6,6 +6,7 @@ API summary (all pure functions over plain nested dicts)::
   cfg = models.ModelConfig.from_hf(config_json_dict, dtype="bfloat16")   # frozen, hashable: jit static arg
   base = models.init_params(cfg, key)                 # or qerl_jax.hf.load_pretrained(path).base
   base = models.quantize_base(base, "nvfp4")          # every decoder linear -> NVFP4Tensor [L, K, N]
+  base = models.to_decode_order(base)                 # optional: codes in the GPU decode kernel's order
   print(models.summarize(base))                       # path, format, shape, bytes of every weight
 
   # full forward (training / scoring); logits float32 [B, T, V]
@@ -55,13 +56,14 @@ from qerl_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, rope_in
 from qerl_jax.models.decoder import (LINEARS, dequantize_base, forward, init_cache, init_params,
                                      lm_head_logits, logprobs_from_hidden, lora_scale_of,
                                      map_linears, positions_from_mask, quantize_base,
-                                     summarize, token_logprobs)
+                                     summarize, to_decode_order, token_logprobs)
 from qerl_jax.models.fuse import cast_adapter, fuse_adapter, fuse_projections, is_fused, unfuse_projections
 from qerl_jax.models.layers import linear, is_quantized
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "ModelConfig", "rope_inv_freq", "LINEARS", "dequantize_base",
     "forward", "init_cache", "init_params", "lm_head_logits", "logprobs_from_hidden",
-    "lora_scale_of", "map_linears", "positions_from_mask", "quantize_base", "summarize", "token_logprobs",
+    "lora_scale_of", "map_linears", "positions_from_mask", "quantize_base", "summarize", "to_decode_order",
+    "token_logprobs",
     "linear", "is_quantized", "cast_adapter", "fuse_adapter", "fuse_projections", "is_fused", "unfuse_projections",
 ]

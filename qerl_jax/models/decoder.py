@@ -120,6 +120,17 @@ def quantize_base(base: dict, quant: str = "nvfp4") -> dict:
   return map_linears(lambda w: w if layers.is_quantized(w) else fns[quant](w), base)
 
 
+def to_decode_order(base: dict) -> dict:
+  """``base`` with every NVFP4 linear's codes in the GPU decode kernel's order
+  (:func:`qerl_jax.nvfp4.to_decode_order`): same values, same bytes; the Gluon decode GEMV spends
+  fewer instructions on the E2M1 decode, and every other path converts back as it reads.
+
+  Raises:
+    ValueError: an NVFP4 linear with an odd N.
+  """
+  return map_linears(lambda w: nvfp4.to_decode_order(w) if isinstance(w, nvfp4.NVFP4Tensor) else w, base)
+
+
 def dequantize_base(base: dict, dtype=jnp.float32) -> dict:
   """The float model a quantized base represents: each 4-bit linear dequantized to ``dtype``."""
   def deq(w):
