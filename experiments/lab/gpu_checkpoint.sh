@@ -17,6 +17,8 @@
 #   STEPS=15 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=16 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=17 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=20 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=21 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-128), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
@@ -58,6 +60,15 @@
 #     2.51 -> 2.41 ms, batch 64 5.39 -> 5.43) at batch 16 and 32, with the row limit raised to 64
 #     against it off, two alternations (about 4 minutes; session 15 ran one: 2.88 / 2.93 and
 #     3.58 / 3.63 ms, hence the limit of 32).
+# 18. (session 16, run once, then removed with its setting) the wgmma builds with all of a program's x
+#     copied before the loop (no barrier a step): not faster (docs/benchmarks.md, "Session 16").
+# 19. (session 16) ejkernel's NVFP4 quantized_matmul as issue 4's peer column (experiments/lab/ejkernel_peer.py;
+#     needs .whl-ejk installed into /tmp/site as well).
+# 20. (session 16) NVFP4 codes in the decode kernel's order (nvfp4.to_decode_order, a third fewer decode
+#     operations): its GPU tests, the kernel harness (experiments/lab/gluon/decode_probe.py: standard order,
+#     an instruction-count probe, decode order) and a batch 8 / 64 rollout A/B (bench_rollout --code_order).
+# 21. (session 16) issue 6's table (2048 new tokens, batch 8 and 64) with the codes in decode order, and
+#     the kernel harness of step 20 alone (about 9 minutes).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -114,5 +125,14 @@ step 16 && { PROFILE_HLO=1 PROFILE_SEQ=48 PROFILE_TOP=30 OUT="$OUT" timeout 200 
 step 17 && for s in "ACCUMULATE_MAX_ROWS=64" "ACCUMULATE_DECODE=0" "ACCUMULATE_MAX_ROWS=64" "ACCUMULATE_DECODE=0"; do
     MODEL_SET="$s" timeout 110 python3 experiments/lab/gluon/ab_rollout.py --batches=16,32 --new_tokens=512 \
       --formats=nvfp4_fused --time_budget_s=90 2>&1 | grep "decoder\.\|_fused |"; done | tee "$OUT/accumulate_ab.txt"
+step 20 && { timeout 300 python3 -m pytest -q -m gpu tests/test_gluon.py -k "decode_order or one_buffer" 2>&1 | tail -2
+  timeout 200 python3 experiments/lab/gluon/decode_probe.py 2>&1 | grep -v "^[IW][0-9]\|Warn"
+  for o in standard decode standard decode; do
+    timeout 130 python3 experiments/bench_rollout.py --batches=8,64 --new_tokens=512 --formats=nvfp4_fused \
+      --code_order=$o --time_budget_s=110 2>&1 | grep "nvfp4_fused |" | sed "s/^/$o /"; done; } | tee "$OUT/decode_order.txt"
+step 21 && { timeout 150 python3 experiments/lab/gluon/decode_probe.py 2>&1 | grep -v "^[IW][0-9]\|Warn"
+  timeout 420 python3 experiments/bench_rollout.py --batches=8,64 --new_tokens=2048 --formats=nvfp4_fused,bf16_fused \
+    --code_order=decode --out="$OUT/issue6_2048_decode" 2>&1 | grep "_fused |\|NVFP4 /"; } | tee "$OUT/issue6_decode.txt"
+step 19 && timeout 300 python3 experiments/lab/ejkernel_peer.py 2>&1 | grep -v "^[IW][0-9]\|Warning" | tee "$OUT/ejkernel_peer.txt"
 step 13 && GL_MS=1,8,16 GL_VARIANTS="t128:TARGET_PROGRAMS=128;t256:TARGET_PROGRAMS=256;t1024:TARGET_PROGRAMS=1024" \
   timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn | tee "$OUT/targets.txt"
