@@ -4,10 +4,14 @@
 ``W`` ``[K, N]`` (or layer ``index`` of a stack ``[L, K, N]``, read in place), float32
 accumulation. It is the decode path of :func:`pallas_kernels.matmul.quantized_matmul` on a GPU.
 On an H200 against bf16 cuBLAS (the launchers' XLA flags), summed over the Qwen2.5-7B shapes, it is
-2.45x / 2.33x / 1.96x / 1.61x / 1.17x faster at M = 1 / 8 / 16 / 32 / 64, each time including the
-memset of its output, and 0.86x at M = 128, where it replaced dequantize + cuBLAS (0.46x)
-(docs/benchmarks.md, sessions 11 and 12); against XLA's Triton GEMM, which is faster than cuBLAS on the
-small q/k/v and o matrices, about 1.7x at M <= 8 and 1.0x at M = 64.
+2.52x / 2.48x / 1.98x / 1.71x / 1.09x faster at M = 1 / 8 / 16 / 32 / 64 with the codes in decode order
+(2.45x / 2.33x / 1.96x / 1.61x / 1.17x in the standard order), each time including the memset of its
+output, and 0.86x at M = 128, where it replaced dequantize + cuBLAS (0.46x) (docs/benchmarks.md,
+sessions 11, 12 and 16); against XLA's Triton GEMM, which is faster than cuBLAS on the small q/k/v and
+o matrices, about 1.7x at M <= 8 and 1.0x at M = 64 (standard order).
+
+A weight in :func:`qerl_jax.nvfp4.to_decode_order`'s code order runs the ``DO`` build of each
+kernel, whose E2M1 decode takes about a third fewer integer instructions (:func:`_asm`).
 
 Three builds of one kernel source (:func:`_kernel`): M <= 16 uses mma.sync with 4 warps, x held in
 registers by every warp, capped at 128 registers a thread (:func:`_register_cap`). M = 17-32
