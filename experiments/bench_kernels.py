@@ -61,9 +61,9 @@ flags.DEFINE_bool("sweep", False, "sweep tile configs first (winners used for th
 flags.DEFINE_integer("sweep_budget_s", 240, "stop starting new sweep buckets after this many seconds")
 flags.DEFINE_bool("table", True, "time the table")
 flags.DEFINE_string("json", "", "write rows here as JSON")
-flags.DEFINE_enum("code_order", "auto", ["auto", "standard", "decode"],
+flags.DEFINE_enum("code_order", "standard", ["standard", "decode", "auto"],
                   "NVFP4 code order of the weights (nvfp4.to_decode_order); auto: decode order where "
-                  "pallas_kernels.decode_order_pays(), as the trainer stores them")
+                  "pallas_kernels.decode_order_applies()")
 flags.DEFINE_bool("smoke", False, "CPU smoke test of this script: tiny shapes, kernels in interpret mode")
 
 # (layer, K, N): q/k/v fused (q + 2 kv heads x 128), o, gate (= up), down.
@@ -106,7 +106,7 @@ def _weights(k, n, seed):
   w = jax.random.normal(key, (k, n), jnp.float32) * 0.02
   wq = nvfp4.quantize(w)
   order = FLAGS.code_order
-  if order == "decode" or (order == "auto" and matmul.decode_order_pays() and n % 2 == 0):
+  if order == "decode" or (order == "auto" and matmul.decode_order_applies() and n % 2 == 0):
     wq = nvfp4.to_decode_order(wq)
   return w.astype(jnp.bfloat16), wq
 

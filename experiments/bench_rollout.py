@@ -57,9 +57,9 @@ flags.DEFINE_integer("kv_phases", 1, "SamplingConfig.kv_phases for the table's r
 flags.DEFINE_bool("unroll_decode", True, "SamplingConfig.unroll_decode: unroll the decode step's layer loop "
                   "(--nounroll_decode: the scanned loop, labelled '+scanned').")
 flags.DEFINE_list("extra_runs", [], "Extra runs 'format:batch:kv_phases' after the table, e.g. bf16:256:4.")
-flags.DEFINE_enum("code_order", "auto", ["auto", "standard", "decode"], "NVFP4 code order of the base, as the "
-                  "trainer's model.code_order: auto = decode order where pallas_kernels.decode_order_pays() "
-                  "(models.to_decode_order: the Gluon decode kernel's cheaper E2M1 decode).")
+flags.DEFINE_enum("code_order", "standard", ["standard", "decode", "auto"], "NVFP4 code order of the base, as "
+                  "the trainer's model.code_order (default standard): decode = models.to_decode_order, the Gluon "
+                  "decode kernel's cheaper E2M1 decode; auto = decode where pallas_kernels.decode_order_applies().")
 flags.DEFINE_float("time_budget_s", 1e9, "Skip the remaining runs once this much wall time has passed.")
 flags.DEFINE_string("out", "", "Folder for rollout.md / rollout.json (optional).")
 flags.DEFINE_integer("lora_rank", 0, "Attach a LoRA adapter of this rank to all 7 linears and train-style norms "
@@ -130,11 +130,11 @@ def make_base(cfg, fmt: str, bf16_base=None, code_order: str | None = None):
   for NVFP4 the fused float matrices are quantized, so each shares one global scale). ``code_order``
   (default ``--code_order`` where the flags are parsed, else ``"standard"``): ``"decode"`` puts the NVFP4
   codes in the decode kernel's order (models.to_decode_order); ``"auto"`` does so where
-  ``pallas_kernels.decode_order_pays()``, as the trainer does."""
+  ``pallas_kernels.decode_order_applies()``, as the trainer does."""
   if code_order is None:
     code_order = FLAGS.code_order if FLAGS.is_parsed() else "standard"
   if code_order == "auto":
-    code_order = "decode" if pallas_kernels.decode_order_pays() else "standard"
+    code_order = "decode" if pallas_kernels.decode_order_applies() else "standard"
   if fmt not in FORMATS:
     raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
   src = bf16_base if bf16_base is not None else models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)

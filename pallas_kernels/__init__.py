@@ -8,7 +8,7 @@ dequantize-in-registers kernel for small M, a one-pass dequantize + cuBLAS
 for large M); on CPU, and for inputs without a kernel, the pure-XLA reference.
 :mod:`pallas_kernels.w4_gluon` holds the Gluon decode GEMV that takes M <= 128 on NVFP4 weights
 (launched by the XLA FFI handler in ``gluon_launch.cc``; ``matmul.GLUON``).
-``decode_order_pays()`` says whether NVFP4 weights should be stored in the Gluon kernel's code order
+``decode_order_applies()`` says whether the Gluon kernel reads NVFP4 codes stored in its own order
 (``qerl_jax.nvfp4.to_decode_order``) on this machine.
 ``quantized_matmul_into(x, w, acc, offset)`` runs it into a region of a zeroed float32 buffer, so that
 a decode step's projections share one memset (forward only).
@@ -18,8 +18,8 @@ a decode step's projections share one memset (forward only).
 one layer of the stacked KV cache in place. See docs/kernels.md.
 """
 
-from pallas_kernels.matmul import (FUSED_MAX_M, accumulate_applies, decode_order_pays, quantized_matmul,
+from pallas_kernels.matmul import (FUSED_MAX_M, accumulate_applies, decode_order_applies, quantized_matmul,
                                    quantized_matmul_into, reference_matmul)
 
-__all__ = ["FUSED_MAX_M", "accumulate_applies", "decode_order_pays", "quantized_matmul", "quantized_matmul_into",
+__all__ = ["FUSED_MAX_M", "accumulate_applies", "decode_order_applies", "quantized_matmul", "quantized_matmul_into",
            "reference_matmul"]

@@ -315,11 +315,12 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
   return y.reshape(*lead, n)
 
 
-def decode_order_pays() -> bool:
-  """Whether NVFP4 weights should be stored in :func:`qerl_jax.nvfp4.to_decode_order`'s code order
-  here: on a GPU where the Gluon decode GEMV runs (:func:`gluon_enabled`). Its decode-order build
-  made a 7B batch-8 decode step 4% shorter (docs/benchmarks.md, session 16); the other kernels
-  convert a layer's codes back as they read it (an extra pass over the 4-bit codes).
+def decode_order_applies() -> bool:
+  """Whether :func:`qerl_jax.nvfp4.to_decode_order`'s code order is read in place here: on a GPU where
+  the Gluon decode GEMV runs (:func:`gluon_enabled`). There its decode-order build made a 7B decode
+  step 4.6% shorter at batch 8 and 1% at batch 64; the other kernels (prefill, the update step)
+  convert a layer's codes back first, which made an M = 2048 forward about 20% slower
+  (docs/benchmarks.md, session 16). ``model.code_order="auto"`` uses it.
 
   Raises:
     ValueError: ``GLUON`` not "auto"/"1"/"0".

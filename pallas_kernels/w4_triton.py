@@ -704,6 +704,54 @@ def _dequant_kernel(p_ref, s_ref, gs_ref, idx_ref, o_ref, *, k, n, bkp, bn, fmt:
 DEQUANT_CONFIG = (32, 256, 4)
 
 
+_STANDARD_OF_DECODE = np.argsort(nvfp4.DECODE_ORDER_BITS)  # decode-order block word bit -> standard bit
+# Lab (session 16): dequantize a decode-order weight in place (:func:`_dequant_decode_order_kernel`)
+# instead of converting its layer's codes back with XLA first. The conversion made a 7B M = 2048
+# forward about 20% slower (experiments/lab/time_code_order.py); this kernel is bit for bit right in
+# interpret mode and compiles for sm_90 (2264 instructions against the standard kernel's 1264), but
+# has not run on a GPU yet (gpu_checkpoint.sh step 22), so it is off.
+DEQUANT_DECODE_ORDER_IN_PLACE = False
+
+
+def _dequant_decode_order_kernel(p_ref, s_ref, gs_ref, idx_ref, o_ref, *, k, n, bkp, bn):
+  """:func:`_dequant_kernel` for NVFP4 codes in decode order (``nvfp4.to_decode_order``), read in
+  place. ``p_ref`` is the codes viewed as uint16 ``[L*K/4, 2, N/2]`` (a code-row pair, then a column
+  pair), so two loads give each block's word (code rows 2i, 2i+1 x columns 2c, 2c+1); the word is
+  put back into the standard bit order in registers. ``s_ref`` is the scales ``[L*K/16, N/2, 2]``;
+  ``o_ref`` is ``[K/4, 2, 2, N/2, 2]`` = ``[K, N]`` (code row parity, nibble, column pair, column parity)."""
+  pid_k, pid_n = pl.program_id(0), pl.program_id(1)
+  layer = _clamped_layer(idx_ref, p_ref.shape[0] // (k // 4))
+  igs = 1.0 / (gs_ref[layer] if gs_ref.shape[0] > 1 else gs_ref[0])
+  hr, hc = bkp // 2, bn // 2  # block rows (code-row pairs) and block columns (column pairs) of the tile
+  i0, j0 = pid_k * hr, pid_n * hc
+  row_mask = (i0 + jnp.arange(hr)) < k // 4
+  col_mask = (j0 + jnp.arange(hc)) < n // 2
+  mask = row_mask[:, None] & col_mask[None, :]
+  prow = layer * (k // 4) + i0
+  word = plgpu.load(p_ref.at[pl.ds(prow, hr), _EVEN, pl.ds(j0, hc)], mask=mask, other=0).astype(jnp.uint32)
+  word = word | (plgpu.load(p_ref.at[pl.ds(prow, hr), _ODD, pl.ds(j0, hc)], mask=mask, other=0)
+                 .astype(jnp.uint32) << 16)
+  std = jnp.zeros_like(word)
+  for delta in sorted(set(int(d) for d in _STANDARD_OF_DECODE - np.arange(32))):
+    bits = sum(1 << int(b) for b in np.nonzero(_STANDARD_OF_DECODE - np.arange(32) == delta)[0])
+    moved = word & jnp.uint32(bits)
+    std = std | (moved << delta if delta >= 0 else moved >> -delta)
+  ns = hr // 4  # scale rows of the tile: 4 code-row pairs (16 rows of K) a block scale
+  srow = layer * (k // 16) + pid_k * ns
+  s_mask = ((pid_k * ns + jnp.arange(ns)) < k // 16)[:, None] & col_mask[None, :]
+  for c in (0, 1):
+    s = plgpu.load(s_ref.at[pl.ds(srow, ns), pl.ds(j0, hc), np.int32(c)], mask=s_mask, other=0.0)
+    s = s.astype(jnp.float32) * igs * 16384.0  # 2**14 from the float16 bit trick below
+    s = jnp.broadcast_to(s[:, None, :], (ns, 4, hc)).reshape(hr, hc)
+    for r in (0, 1):
+      p16 = ((std >> (8 * (2 * r + c))) & 0xFF).astype(jnp.uint16)
+      lo = lax.bitcast_convert_type(((p16 & 7) << 9) | ((p16 & 8) << 12), jnp.float16).astype(jnp.float32)
+      hi = lax.bitcast_convert_type(((p16 & 0x70) << 5) | ((p16 & 0x80) << 8), jnp.float16).astype(jnp.float32)
+      for nib, v in ((_EVEN, lo), (_ODD, hi)):
+        plgpu.store(o_ref.at[pl.ds(i0, hr), np.int32(r), nib, pl.ds(j0, hc), np.int32(c)],
+                    (v * s).astype(o_ref.dtype), mask=mask)
+
+
 def dequantize(w, dtype=jnp.bfloat16, *, block_k2: int | None = None, block_n: int | None = None,
                num_warps: int | None = None, interpret: bool = False, index=None) -> jax.Array:
   """Dequantizes a 4-bit weight to ``dtype`` ``[K, N]`` in one pass (a Pallas kernel).
@@ -729,7 +777,6 @@ def dequantize(w, dtype=jnp.bfloat16, *, block_k2: int | None = None, block_n: i
     TypeError: unsupported weight type. ValueError: stacked weight without
       ``index`` (or an index for an unstacked one).
   """
-  w, index = _standard_codes(w, index)
   fmt = _format_of(w)
   _check_stacking(w, index, "dequantize kernel")
   k, n = w.shape
@@ -737,6 +784,10 @@ def dequantize(w, dtype=jnp.bfloat16, *, block_k2: int | None = None, block_n: i
   block_n = block_n or DEQUANT_CONFIG[1]
   num_warps = num_warps or DEQUANT_CONFIG[2]
   bkp = max(block_k2, fmt.group // 2)
+  if getattr(w, "code_order", "standard") == "decode":
+    if DEQUANT_DECODE_ORDER_IN_PLACE:  # read in place, no conversion pass
+      return _dequantize_decode_order(w, dtype, max(bkp, 16), block_n, num_warps, interpret, index)
+    w, index = _standard_codes(w, index)
   kernel = functools.partial(_dequant_kernel, k=k, n=n, bkp=bkp, bn=block_n, fmt=fmt)
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
@@ -748,4 +799,25 @@ def dequantize(w, dtype=jnp.bfloat16, *, block_k2: int | None = None, block_n: i
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         name="w4_dequantize",
     )(*_layer_operands(w, fmt, index))
+  return out.reshape(k, n)
+
+
+def _dequantize_decode_order(w, dtype, bkp: int, bn: int, num_warps: int, interpret: bool, index):
+  """:func:`dequantize` of a decode-order NVFP4 weight: the codes and scales viewed as uint16 code-row
+  and column pairs (free reshapes and a bitcast), :func:`_dequant_decode_order_kernel`."""
+  k, n = w.shape
+  packed, scales, gs, idx = _layer_operands(w, _format_of(w), index)
+  rows = packed.shape[0]
+  pairs = lax.bitcast_convert_type(packed.reshape(rows // 2, 2, n // 2, 2), jnp.uint16)  # [L*K/4, 2, N/2]
+  kernel = functools.partial(_dequant_decode_order_kernel, k=k, n=n, bkp=bkp, bn=bn)
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((k // 4, 2, 2, n // 2, 2), dtype),
+        grid=(-(-(k // 4) // (bkp // 2)), -(-(n // 2) // (bn // 2))),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        name="w4_dequantize_decode_order",
+    )(pairs, scales.reshape(scales.shape[0], n // 2, 2), gs, idx)
   return out.reshape(k, n)

@@ -137,17 +137,19 @@ DECODE_ORDER_BITS = _decode_order_bits()
 
 def _permute_block_bits(packed: jax.Array, new_of_old: np.ndarray) -> jax.Array:
   """Applies the bit permutation ``new_of_old`` to every 4-byte block word of ``packed``
-  ``[..., K/2, N]`` (K/2 and N even); grouped by shift, one mask per distinct shift."""
+  ``[..., K/2, N]`` (K/2 and N even); grouped by shift, one mask per distinct shift. Column pairs
+  are read as little-endian uint16 (a bitcast), so the block word is two 16-bit loads a code-row
+  pair apart."""
   *lead, k2, n = packed.shape
-  b = packed.reshape(*lead, k2 // 2, 2, n // 2, 2).astype(jnp.uint32)
-  word = b[..., 0, :, 0] | (b[..., 0, :, 1] << 8) | (b[..., 1, :, 0] << 16) | (b[..., 1, :, 1] << 24)
+  pairs = jax.lax.bitcast_convert_type(packed.reshape(*lead, k2 // 2, 2, n // 2, 2), jnp.uint16)
+  word = pairs[..., 0, :].astype(jnp.uint32) | (pairs[..., 1, :].astype(jnp.uint32) << 16)  # [..., K/4, N/2]
   out = jnp.zeros_like(word)
   for delta in sorted(set(int(d) for d in new_of_old - np.arange(32))):
     mask = sum(1 << int(old) for old in np.nonzero(new_of_old - np.arange(32) == delta)[0])
     moved = word & jnp.uint32(mask)
     out = out | (moved << delta if delta >= 0 else moved >> -delta)
-  rows = [jnp.stack([(out >> (16 * r)) & 0xFF, (out >> (16 * r + 8)) & 0xFF], axis=-1) for r in range(2)]
-  return jnp.stack(rows, axis=-3).reshape(packed.shape).astype(jnp.uint8)
+  out = jnp.stack([out & 0xFFFF, out >> 16], axis=-2).astype(jnp.uint16)  # [..., K/4, 2, N/2]
+  return jax.lax.bitcast_convert_type(out, jnp.uint8).reshape(packed.shape)
 
 
 def to_decode_order(t: NVFP4Tensor) -> NVFP4Tensor:

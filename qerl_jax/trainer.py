@@ -382,7 +382,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
 
 # Keys added to the config after runs were saved, with the value that reproduces those runs.
 _LEGACY_VALUES = {"model.fuse_projections": False,
-                  "model.code_order": "auto"}  # the code order changes no value (docs/kernels.md)
+                  "model.code_order": "standard"}
 
 
 def _config_diff(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -610,7 +610,7 @@ def _load_base(config):
     pre = hf.load_pretrained(path, **kwargs)
   if fuse:
     pre = pre._replace(base=_fuse_or_keep(pre.base))
-  pre = pre._replace(base=_in_code_order(pre.base, str(config.model.get("code_order", "auto"))))
+  pre = pre._replace(base=_in_code_order(pre.base, str(config.model.get("code_order", "standard"))))
   if pre.tokenizer is None:
     raise ValueError(f"model.path={config.model.path!r} has no tokenizer; the trainer needs one")
   eos = tuple(int(i) for i in pre.generation_config.get("eos_token_ids") or ())
@@ -622,11 +622,11 @@ def _load_base(config):
 def _in_code_order(base: dict, order: str) -> dict:
   """``base`` with its NVFP4 codes in ``order`` (``model.code_order``): ``"decode"``
   (:func:`qerl_jax.models.to_decode_order`), ``"standard"`` (as loaded), or ``"auto"``: decode order
-  where :func:`pallas_kernels.decode_order_pays` (a GPU running the Gluon decode kernel); there a
+  where :func:`pallas_kernels.decode_order_applies` (a GPU running the Gluon decode kernel); there a
   matrix the decode order cannot hold (an odd N) keeps the loaded order, with a warning."""
   import pallas_kernels
   from qerl_jax import models
-  if order == "standard" or (order == "auto" and not pallas_kernels.decode_order_pays()):
+  if order == "standard" or (order == "auto" and not pallas_kernels.decode_order_applies()):
     return base
   try:
     return models.to_decode_order(base)

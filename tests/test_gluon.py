@@ -430,6 +430,20 @@ def test_gpu_gluon_decode_order_matches_float64(m, k, n, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(3584, 4608), (18944, 3584), (1088, 768)])
+def test_gpu_dequantize_reads_decode_order_in_place(k, n, monkeypatch):
+  """The lab in-place dequantize of decode-order codes (w4_triton.DEQUANT_DECODE_ORDER_IN_PLACE),
+  compiled for the GPU, gives the standard order's dense weight bit for bit at each layer of a stack."""
+  from pallas_kernels import w4_triton
+  monkeypatch.setattr(w4_triton, "DEQUANT_DECODE_ORDER_IN_PLACE", True)
+  wq = _weight(k, n, k + n, layers=2)
+  wd = nvfp4.to_decode_order(wq)
+  f = jax.jit(lambda w, i: w4_triton.dequantize(w, index=i))
+  for i in (0, 1):
+    np.testing.assert_array_equal(np.asarray(f(wd, jnp.int32(i)), np.float32), np.asarray(f(wq, jnp.int32(i)), np.float32))
+
+
+@pytest.mark.gpu
 def test_gpu_decode_order_on_every_kernel_path_equals_the_standard_order(monkeypatch):
   """A decode-order weight through quantized_matmul on the other paths (the Pallas fused kernel with
   the Gluon kernel off, dequantize + cuBLAS at M = 200, the dx kernels of the gradient at M = 8 and

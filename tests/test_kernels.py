@@ -456,3 +456,19 @@ def test_decode_order_weights_on_the_pallas_kernels_equal_the_standard_order():
   assert _rel(y, want) < 1e-4
   np.testing.assert_array_equal(np.asarray(reference_matmul(x, jax.tree.map(lambda a: a[0], wd))),
                                 np.asarray(reference_matmul(x, jax.tree.map(lambda a: a[0], wq))))
+
+
+@pytest.mark.parametrize("l,k,n,block_k2,block_n", [(3, 160, 72, None, None), (2, 64, 300, 8, 32), (1, 48, 10, 16, 64)])
+def test_dequantize_reads_decode_order_in_place(l, k, n, block_k2, block_n, monkeypatch):
+  """w4_triton.DEQUANT_DECODE_ORDER_IN_PLACE (lab): the dequantize kernel reads decode-order codes in
+  place (uint16 views of each block's two code rows) and gives the standard order's dense weight bit
+  for bit, at every layer of a stack, with ragged K/4 and N/2 against the tiles."""
+  monkeypatch.setattr(w4_triton, "DEQUANT_DECODE_ORDER_IN_PLACE", True)
+  w = nvfp4.quantize(np.random.default_rng(k + n).standard_normal((l, k, n)).astype(np.float32) * 0.05)
+  wd = nvfp4.to_decode_order(w)
+  for i in range(l):
+    kw = dict(interpret=True, index=jnp.int32(i), block_k2=block_k2, block_n=block_n)
+    got = np.asarray(w4_triton.dequantize(wd, **kw), np.float32)
+    np.testing.assert_array_equal(got, np.asarray(w4_triton.dequantize(w, **kw), np.float32))
+    np.testing.assert_array_equal(got, np.asarray(nvfp4.dequantize(jax.tree.map(lambda a: a[i], w), jnp.bfloat16),
+                                                  np.float32))

@@ -169,9 +169,9 @@ def test_unfusable_base_stays_unfused_with_a_warning(capsys):
 
 
 def test_code_order_setting(monkeypatch, capsys):
-  """model.code_order: "standard" keeps the loaded codes; "decode" stores every NVFP4 linear in the
-  decode kernel's order, with the same dequantized values and the same logits; "auto" does so only
-  where pallas_kernels.decode_order_pays() (never on a CPU); a bad value is refused by validate."""
+  """model.code_order: "standard" (the default) keeps the loaded codes; "decode" stores every NVFP4
+  linear in the decode kernel's order, with the same dequantized values and the same logits; "auto"
+  does so only where pallas_kernels.decode_order_applies() (never on a CPU); a bad value is refused."""
   import pallas_kernels
   from qerl_jax import models, nvfp4
   from qerl_jax.trainer import _in_code_order
@@ -179,7 +179,7 @@ def test_code_order_setting(monkeypatch, capsys):
                            num_kv_heads=1, head_dim=16, dtype="float32")
   base = models.quantize_base(models.init_params(cfg, jax.random.key(0), dtype=jax.numpy.float32), "nvfp4")
   assert _in_code_order(base, "standard") is base
-  assert not pallas_kernels.decode_order_pays() and _in_code_order(base, "auto") is base
+  assert not pallas_kernels.decode_order_applies() and _in_code_order(base, "auto") is base
   dec = _in_code_order(base, "decode")
   q, qd = base["layers"]["mlp"]["down"], dec["layers"]["mlp"]["down"]
   assert qd.code_order == "decode" and not np.array_equal(np.asarray(q.packed), np.asarray(qd.packed))
@@ -188,9 +188,10 @@ def test_code_order_setting(monkeypatch, capsys):
   pos = jax.numpy.arange(4, dtype=jax.numpy.int32)[None]
   np.testing.assert_array_equal(np.asarray(models.forward(cfg, dec, tokens, pos)[0]),
                                 np.asarray(models.forward(cfg, base, tokens, pos)[0]))
-  monkeypatch.setattr(pallas_kernels, "decode_order_pays", lambda: True)
+  monkeypatch.setattr(pallas_kernels, "decode_order_applies", lambda: True)
   assert _in_code_order(base, "auto")["layers"]["attn"]["q"].code_order == "decode"
   c = toy.toy_config()
+  assert c.model.code_order == "standard"
   c.model.code_order = "marlin"
   with pytest.raises(ValueError, match="model.code_order='marlin'"):
     train_config.validate(c, check_paths=False)

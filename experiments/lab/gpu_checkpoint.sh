@@ -19,6 +19,7 @@
 #   STEPS=17 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=20 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=21 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=22 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-128), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
@@ -69,6 +70,10 @@
 #     an instruction-count probe, decode order) and a batch 8 / 64 rollout A/B (bench_rollout --code_order).
 # 21. (session 16) issue 6's table (2048 new tokens, batch 8 and 64) with the codes in decode order, and
 #     the kernel harness of step 20 alone (about 9 minutes).
+# 22. (next) the decode-order dequantize that reads the codes in place (w4_triton.DEQUANT_DECODE_ORDER_IN_PLACE,
+#     prepared in session 16, right in interpret mode): its GPU test, then experiments/lab/time_code_order.py
+#     with it off (session 16: an M = 2048 forward 20% slower in decode order) and on. If it closes the gap,
+#     turn it on and reconsider model.code_order's default (about 3 minutes).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -133,6 +138,11 @@ step 20 && { timeout 300 python3 -m pytest -q -m gpu tests/test_gluon.py -k "dec
 step 21 && { timeout 150 python3 experiments/lab/gluon/decode_probe.py 2>&1 | grep -v "^[IW][0-9]\|Warn"
   timeout 420 python3 experiments/bench_rollout.py --batches=8,64 --new_tokens=2048 --formats=nvfp4_fused,bf16_fused \
     --code_order=decode --out="$OUT/issue6_2048_decode" 2>&1 | grep "_fused |\|NVFP4 /"; } | tee "$OUT/issue6_decode.txt"
+step 22 && { timeout 200 python3 -m pytest -q -m gpu tests/test_gluon.py -k "dequantize_reads_decode_order" 2>&1 | tail -2
+  export XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_dynamic_slice_fusion=true"
+  timeout 150 python3 experiments/lab/time_code_order.py 2>&1 | grep -v "^[IW][0-9]\|Warn"
+  QERL_DEQUANT_IN_PLACE=1 timeout 150 python3 experiments/lab/time_code_order.py 2>&1 | grep -v "^[IW][0-9]\|Warn"
+  unset XLA_FLAGS; } | tee "$OUT/dequant_in_place.txt"
 step 19 && timeout 300 python3 experiments/lab/ejkernel_peer.py 2>&1 | grep -v "^[IW][0-9]\|Warning" | tee "$OUT/ejkernel_peer.txt"
 step 13 && GL_MS=1,8,16 GL_VARIANTS="t128:TARGET_PROGRAMS=128;t256:TARGET_PROGRAMS=256;t1024:TARGET_PROGRAMS=1024" \
   timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn | tee "$OUT/targets.txt"
