@@ -405,7 +405,8 @@ def _changed_keys(old: dict, new: dict) -> list[str]:
 
 def checkpoint_config_mismatch(meta: dict, config) -> list[tuple[str, Any, Any]]:
   """``(key, saved value, current value)`` for each config key that builds the frozen base
-  (``model.*`` but ``model.remat``) and differs between a checkpoint's saved config
+  (``model.*`` but ``model.remat`` and ``model.code_order``, which change no value) and differs
+  between a checkpoint's saved config
   (``meta["config"]``) and ``config``. An adapter restored onto a different base does not
   reproduce its run, e.g. a run saved before ``model.fuse_projections`` existed (unfused)
   evaluated with the fused default. Keys the saved config predates count as
@@ -414,7 +415,7 @@ def checkpoint_config_mismatch(meta: dict, config) -> list[tuple[str, Any, Any]]
   if not saved:
     return []
   return [d for d in _config_diff(saved, json.loads(config.to_json_best_effort()))
-          if d[0].startswith("model.") and d[0] != "model.remat"]
+          if d[0].startswith("model.") and d[0] not in ("model.remat", "model.code_order")]
 
 
 def _finite(x) -> bool:

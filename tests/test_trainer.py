@@ -142,10 +142,11 @@ def test_checkpoint_config_mismatch_reads_keys_older_runs_lack_as_their_legacy_v
   saved = json.loads(c.to_json_best_effort())
   del saved["model"]["fuse_projections"]  # a run saved before the key existed (unfused)
   saved["model"]["remat"] = not c.model.remat  # remat does not change the base: not reported
+  saved["model"]["code_order"] = "decode"  # nor does the code order (same values)
   assert trainer.checkpoint_config_mismatch({"config": saved}, c) == [("model.fuse_projections", False, True)]
   c.model.fuse_projections = False
   assert trainer.checkpoint_config_mismatch({"config": saved}, c) == []
-  assert trainer._changed_keys(saved, json.loads(c.to_json_best_effort())) == ["model.remat"]
+  assert trainer._changed_keys(saved, json.loads(c.to_json_best_effort())) == ["model.code_order", "model.remat"]
   saved["model"]["quant"] = "nf4"
   assert trainer.checkpoint_config_mismatch({"config": saved}, c) == [("model.quant", "nf4", "nvfp4")]
   assert trainer.checkpoint_config_mismatch({}, c) == []
