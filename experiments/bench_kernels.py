@@ -64,6 +64,10 @@ flags.DEFINE_string("json", "", "write rows here as JSON")
 flags.DEFINE_enum("code_order", "standard", ["standard", "decode", "auto"],
                   "NVFP4 code order of the weights (nvfp4.to_decode_order); auto: decode order where "
                   "pallas_kernels.decode_order_applies()")
+flags.DEFINE_enum("peer", "", ["", "ejkernel"], "add a peer column: ejkernel's NVFP4 quantized_matmul (forward "
+                  "rows; needs ejkernel installed, e.g. pip install --no-deps ejkernel==0.0.80.3 and its "
+                  "pure-Python dependencies; see experiments/lab/ejkernel_peer.py)")
+flags.DEFINE_string("peer_platform", "triton", "ejkernel's platform for the peer column (xla on a CPU)")
 flags.DEFINE_bool("smoke", False, "CPU smoke test of this script: tiny shapes, kernels in interpret mode")
 
 # (layer, K, N): q/k/v fused (q + 2 kv heads x 128), o, gate (= up), down.
@@ -133,6 +137,38 @@ def _row_check(kind, x, wq, cfg=None):
   return _rel(y, ref), nan
 
 
+def _ejkernel():
+  """ejkernel's ``(quantize, quantized_matmul)``. ejkernel 0.0.80.3 still calls
+  ``jax.core.concrete_or_error``, which jax 0.11 moved to ``jax.extend.core``: aliased here.
+
+  Raises:
+    ImportError: ejkernel is not installed.
+  """
+  import jax.extend.core
+  if not hasattr(jax.core, "concrete_or_error"):
+    jax.core.concrete_or_error = jax.extend.core.concrete_or_error
+  try:
+    from ejkernel.modules import quantized_matmul
+    from ejkernel.quantization import quantize
+  except ImportError as e:
+    raise ImportError("--peer=ejkernel needs ejkernel: pip install --no-deps ejkernel==0.0.80.3 beartype einops "
+                      "jaxtyping wadler_lindig pydantic (experiments/lab/ejkernel_peer.py)") from e
+  return quantize, quantized_matmul
+
+
+def _peer_row(x, w_bf16, r):
+  """``(µs, relative error)`` of ejkernel's NVFP4 ``x @ W`` on its own quantization of the same float
+  weight (uint32 codes ``[N, K/8]``, read with ``transpose=True``), over ``r`` rotating copies; the error
+  is against ejkernel's own dequantize-then-dot (``fuse=False``), as its format is not ours."""
+  quantize, qmm = _ejkernel()
+  wq, s = quantize(w_bf16.astype(jnp.float32), mode="nvfp4", axis="row")
+  call = lambda x, w, fuse=True: qmm(x, w[0], w[1], mode="nvfp4", transpose=True, fuse=fuse,
+                                     platform=FLAGS.peer_platform if fuse else "xla")
+  err = _rel(call(x, (wq, s)).astype(jnp.float32), call(x, (wq, s), fuse=False).astype(jnp.float32))
+  copies = [(wq ^ jnp.uint32(i % 2), s) for i in range(r)]
+  return _time(call, x, copies, FLAGS.reps, FLAGS.inner) * 1e6, err
+
+
 def _bench_row(model, layer, k, n, m, kind, w_bf16, wq, cfg=None, check=True):
   key = jax.random.PRNGKey(m * 7 + k)
   rows_in = (m, k) if kind == "fwd" else (m, n)
@@ -163,10 +199,14 @@ def _bench_row(model, layer, k, n, m, kind, w_bf16, wq, cfg=None, check=True):
   act = m * (k + n) * 2
   gbs = (wq.nbytes + act) / t_k / 1e9
   gbs_b = (k * n * 2 + act) / t_b / 1e9
-  return dict(model=model, layer=layer, K=k, N=n, M=m, kind=kind, us_kernel=t_k * 1e6, us_bf16=t_b * 1e6,
-              us_xla=t_x * 1e6, gbs_kernel=gbs, gbs_bf16=gbs_b, vs_bf16=t_b / t_k, vs_xla=t_x / t_k,
-              rel_err=err, nan=nan, R=r,
-              path=_path_name(kind, x, wq))
+  row = dict(model=model, layer=layer, K=k, N=n, M=m, kind=kind, us_kernel=t_k * 1e6, us_bf16=t_b * 1e6,
+             us_xla=t_x * 1e6, gbs_kernel=gbs, gbs_bf16=gbs_b, vs_bf16=t_b / t_k, vs_xla=t_x / t_k,
+             rel_err=err, nan=nan, R=r,
+             path=_path_name(kind, x, wq))
+  if FLAGS.peer and kind == "fwd":
+    row["us_peer"], row["peer_err"] = _peer_row(x, w_bf16, r)
+    row["vs_peer"] = row["us_peer"] / row["us_kernel"]
+  return row
 
 
 def _path_name(kind, x, wq) -> str:
@@ -177,14 +217,27 @@ def _path_name(kind, x, wq) -> str:
 
 
 def _print_row(d):
+  peer = ""
+  if FLAGS.peer:
+    peer = (f" {d['us_peer']:9.1f} | {d['vs_peer']:6.2f}x | {d['peer_err']:.1e} |" if "us_peer" in d else
+            " - | - | - |")
   print(f"| {d['model']:>3} | {d['layer']:>4} | {d['K']:>5}x{d['N']:<5} | {d['kind']:>3} | {d['M']:>5} | "
         f"{d['us_kernel']:9.1f} | {d['gbs_kernel']:7.0f} | {d['us_bf16']:9.1f} | {d['gbs_bf16']:7.0f} | "
-        f"{d['us_xla']:9.1f} | {d['vs_bf16']:5.2f}x | {d['vs_xla']:5.2f}x | {d['rel_err']:.1e}{' NaN!' if d['nan'] else ''} | {d['path']} |",
-        flush=True)
+        f"{d['us_xla']:9.1f} | {d['vs_bf16']:5.2f}x | {d['vs_xla']:5.2f}x | {d['rel_err']:.1e}{' NaN!' if d['nan'] else ''} | {d['path']} |"
+        + peer, flush=True)
 
 
 HEADER = ("| model | layer | K x N | kind | M | kernel us | kernel GB/s | bf16 us | bf16 GB/s | XLA deq+dot us | "
           "vs bf16 | vs XLA | rel err | path |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+PEER_HEADER = (" {peer} us | vs {peer} | {peer} err (vs its own reference) |", "---|---|---|")
+
+
+def _header() -> str:
+  """The table's header, with the peer's columns when ``--peer`` is set."""
+  if not FLAGS.peer:
+    return HEADER
+  top, rule = HEADER.split("\n")
+  return top + PEER_HEADER[0].format(peer=FLAGS.peer) + "\n" + rule + PEER_HEADER[1]
 
 
 _BACKEND = "pallas"
@@ -334,7 +387,7 @@ def main(argv):
   rows = []
   if not FLAGS.table:
     return
-  print(HEADER, flush=True)
+  print(_header(), flush=True)
   for model in FLAGS.models.split(","):
     for layer in FLAGS.layers.split(","):
       k, n = SHAPES[model][layer]
@@ -344,12 +397,13 @@ def main(argv):
         for m in [int(v) for v in ms.split(",")]:
           d = _bench_row(model, layer, k, n, m, kind, w_bf16, wq, check=FLAGS.check)
           ok &= (d["rel_err"] < 1e-2 and not d["nan"]) or not FLAGS.check
+          ok &= d.get("peer_err", 0.0) < 1e-2  # the peer's own check
           rows.append(d)
           _print_row(d)
           if FLAGS.json:
             with open(FLAGS.json, "w") as f:
               json.dump(rows, f, indent=1)
-  print("\n" + HEADER)
+  print("\n" + _header())
   for d in rows:
     _print_row(d)
   print("all checks passed" if ok else "SOME CHECKS FAILED")
