@@ -309,3 +309,23 @@ def test_logprobs_equal_full_forward_with_lora_and_noise(tiny, fused, unroll):
   np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(ro.tokens))
   other = sampling.generate(cfg, base, tokens, mask, jax.random.key(5), config, **kw)
   assert not np.array_equal(np.asarray(other.tokens), np.asarray(ro.tokens))
+
+
+def test_generate_reads_a_decode_order_base_as_the_standard_one():
+  """A base whose NVFP4 codes are in the decode kernel's order (models.to_decode_order, what the
+  trainer's model.code_order="rollout" hands the sampler on a GPU) samples exactly what the standard
+  base samples: same tokens and log-probabilities (greedy and with a fixed key)."""
+  from qerl_jax import models
+  cfg = models.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=16, dtype="float32")
+  base = models.quantize_base(models.init_params(cfg, jax.random.key(0), dtype=jnp.float32, std=0.2), "nvfp4")
+  ordered = models.to_decode_order(base)
+  assert ordered["layers"]["mlp"]["down"].code_order == "decode"
+  tokens = jnp.asarray([[0, 5, 7, 9], [3, 4, 8, 2]], jnp.int32)
+  mask = jnp.asarray([[0, 1, 1, 1], [1, 1, 1, 1]], jnp.int32)
+  for temperature in (0.0, 1.0):
+    config = SamplingConfig(max_new_tokens=6, eos_token_ids=(96,), pad_id=96, temperature=temperature)
+    a = sampling.generate(cfg, base, tokens, mask, jax.random.key(3), config)
+    b = sampling.generate(cfg, ordered, tokens, mask, jax.random.key(3), config)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))

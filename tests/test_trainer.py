@@ -189,8 +189,16 @@ def test_code_order_setting(monkeypatch, capsys):
   pos = jax.numpy.arange(4, dtype=jax.numpy.int32)[None]
   np.testing.assert_array_equal(np.asarray(models.forward(cfg, dec, tokens, pos)[0]),
                                 np.asarray(models.forward(cfg, base, tokens, pos)[0]))
+  from qerl_jax.trainer import _rollout_base
+  assert _rollout_base(base, "rollout") is base and _in_code_order(base, "rollout") is base  # no Gluon kernel here
   monkeypatch.setattr(pallas_kernels, "decode_order_applies", lambda: True)
   assert _in_code_order(base, "auto")["layers"]["attn"]["q"].code_order == "decode"
+  # "rollout": the update keeps the standard base, the sampler gets a decode-order copy of the codes
+  # that shares the block scales
+  assert _in_code_order(base, "rollout") is base and _rollout_base(base, "standard") is base
+  roll = _rollout_base(base, "rollout")["layers"]["mlp"]["down"]
+  assert roll.code_order == "decode" and roll.block_scale is q.block_scale
+  np.testing.assert_array_equal(np.asarray(roll.packed), np.asarray(qd.packed))
   c = toy.toy_config()
   assert c.model.code_order == "standard"
   c.model.code_order = "marlin"
