@@ -731,11 +731,7 @@ def _dequant_decode_order_kernel(p_ref, s_ref, gs_ref, idx_ref, o_ref, *, k, n, 
   word = plgpu.load(p_ref.at[pl.ds(prow, hr), _EVEN, pl.ds(j0, hc)], mask=mask, other=0).astype(jnp.uint32)
   word = word | (plgpu.load(p_ref.at[pl.ds(prow, hr), _ODD, pl.ds(j0, hc)], mask=mask, other=0)
                  .astype(jnp.uint32) << 16)
-  std = jnp.zeros_like(word)
-  for delta in sorted(set(int(d) for d in _STANDARD_OF_DECODE - np.arange(32))):
-    bits = sum(1 << int(b) for b in np.nonzero(_STANDARD_OF_DECODE - np.arange(32) == delta)[0])
-    moved = word & jnp.uint32(bits)
-    std = std | (moved << delta if delta >= 0 else moved >> -delta)
+  std = nvfp4.permute_word_bits(word, _STANDARD_OF_DECODE)
   ns = hr // 4  # scale rows of the tile: 4 code-row pairs (16 rows of K) a block scale
   srow = layer * (k // 16) + pid_k * ns
   s_mask = ((pid_k * ns + jnp.arange(ns)) < k // 16)[:, None] & col_mask[None, :]

@@ -135,6 +135,19 @@ def _decode_order_bits() -> np.ndarray:
 DECODE_ORDER_BITS = _decode_order_bits()
 
 
+def permute_word_bits(word: jax.Array, new_of_old: np.ndarray) -> jax.Array:
+  """Moves bit ``b`` of every uint32 in ``word`` to bit ``new_of_old[b]`` (a permutation of 0..31),
+  one mask and one shift per distinct distance. Plain ``jnp`` operations, so Pallas kernels use it
+  too (``pallas_kernels.w4_triton``'s decode-order dequantize, with the inverse of
+  :data:`DECODE_ORDER_BITS`)."""
+  out = jnp.zeros_like(word)
+  for delta in sorted(set(int(d) for d in new_of_old - np.arange(32))):
+    mask = sum(1 << int(b) for b in np.nonzero(new_of_old - np.arange(32) == delta)[0])
+    moved = word & jnp.uint32(mask)
+    out = out | (moved << delta if delta >= 0 else moved >> -delta)
+  return out
+
+
 def _permute_block_bits(packed: jax.Array, new_of_old: np.ndarray) -> jax.Array:
   """Applies the bit permutation ``new_of_old`` to every 4-byte block word of ``packed``
   ``[..., K/2, N]`` (K/2 and N even); grouped by shift, one mask per distinct shift. Column pairs
@@ -143,11 +156,7 @@ def _permute_block_bits(packed: jax.Array, new_of_old: np.ndarray) -> jax.Array:
   *lead, k2, n = packed.shape
   pairs = jax.lax.bitcast_convert_type(packed.reshape(*lead, k2 // 2, 2, n // 2, 2), jnp.uint16)
   word = pairs[..., 0, :].astype(jnp.uint32) | (pairs[..., 1, :].astype(jnp.uint32) << 16)  # [..., K/4, N/2]
-  out = jnp.zeros_like(word)
-  for delta in sorted(set(int(d) for d in new_of_old - np.arange(32))):
-    mask = sum(1 << int(old) for old in np.nonzero(new_of_old - np.arange(32) == delta)[0])
-    moved = word & jnp.uint32(mask)
-    out = out | (moved << delta if delta >= 0 else moved >> -delta)
+  out = permute_word_bits(word, new_of_old)
   out = jnp.stack([out & 0xFFFF, out >> 16], axis=-2).astype(jnp.uint16)  # [..., K/4, 2, N/2]
   return jax.lax.bitcast_convert_type(out, jnp.uint8).reshape(packed.shape)
 
