@@ -708,7 +708,7 @@ _STANDARD_OF_DECODE = np.argsort(nvfp4.DECODE_ORDER_BITS)  # decode-order block 
 # Lab (session 16): dequantize a decode-order weight in place (:func:`_dequant_decode_order_kernel`)
 # instead of converting its layer's codes back with XLA first. The conversion made a 7B M = 2048
 # forward about 20% slower (experiments/lab/time_code_order.py); this kernel is bit for bit right in
-# interpret mode and compiles for sm_90 (2264 instructions against the standard kernel's 1264), but
+# interpret mode and compiles for sm_90 (1880 instructions against the standard kernel's 1264), but
 # has not run on a GPU yet (gpu_checkpoint.sh step 22), so it is off.
 DEQUANT_DECODE_ORDER_IN_PLACE = False
 
@@ -735,17 +735,22 @@ def _dequant_decode_order_kernel(p_ref, s_ref, gs_ref, idx_ref, o_ref, *, k, n, 
   ns = hr // 4  # scale rows of the tile: 4 code-row pairs (16 rows of K) a block scale
   srow = layer * (k // 16) + pid_k * ns
   s_mask = ((pid_k * ns + jnp.arange(ns)) < k // 16)[:, None] & col_mask[None, :]
+  scales = []
   for c in (0, 1):
     s = plgpu.load(s_ref.at[pl.ds(srow, ns), pl.ds(j0, hc), np.int32(c)], mask=s_mask, other=0.0)
     s = s.astype(jnp.float32) * igs * 16384.0  # 2**14 from the float16 bit trick below
-    s = jnp.broadcast_to(s[:, None, :], (ns, 4, hc)).reshape(hr, hc)
-    for r in (0, 1):
+    scales.append(jnp.broadcast_to(s[:, None, :], (ns, 4, hc)).reshape(hr, hc))
+  for r in (0, 1):
+    vals = {_EVEN: [], _ODD: []}
+    for c in (0, 1):
       p16 = ((std >> (8 * (2 * r + c))) & 0xFF).astype(jnp.uint16)
       lo = lax.bitcast_convert_type(((p16 & 7) << 9) | ((p16 & 8) << 12), jnp.float16).astype(jnp.float32)
       hi = lax.bitcast_convert_type(((p16 & 0x70) << 5) | ((p16 & 0x80) << 8), jnp.float16).astype(jnp.float32)
-      for nib, v in ((_EVEN, lo), (_ODD, hi)):
-        plgpu.store(o_ref.at[pl.ds(i0, hr), np.int32(r), nib, pl.ds(j0, hc), np.int32(c)],
-                    (v * s).astype(o_ref.dtype), mask=mask)
+      vals[_EVEN].append((lo * scales[c]).astype(o_ref.dtype))
+      vals[_ODD].append((hi * scales[c]).astype(o_ref.dtype))
+    for nib, (v0, v1) in vals.items():  # columns 2c, 2c + 1 side by side: one contiguous store
+      plgpu.store(o_ref.at[pl.ds(i0, hr), np.int32(r), nib, pl.ds(j0, hc), :], jnp.stack([v0, v1], axis=-1),
+                  mask=mask[:, :, None])
 
 
 def dequantize(w, dtype=jnp.bfloat16, *, block_k2: int | None = None, block_n: int | None = None,
