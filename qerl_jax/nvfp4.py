@@ -136,10 +136,19 @@ DECODE_ORDER_BITS = _decode_order_bits()
 
 
 def permute_word_bits(word: jax.Array, new_of_old: np.ndarray) -> jax.Array:
-  """Moves bit ``b`` of every uint32 in ``word`` to bit ``new_of_old[b]`` (a permutation of 0..31),
-  one mask and one shift per distinct distance. Plain ``jnp`` operations, so Pallas kernels use it
+  """Moves bit ``b`` of every uint32 in ``word`` to bit ``new_of_old[b]``.
+
+  One mask and one shift per distinct distance. Plain ``jnp`` operations, so Pallas kernels use it
   too (``pallas_kernels.w4_triton``'s decode-order dequantize, with the inverse of
-  :data:`DECODE_ORDER_BITS`)."""
+  :data:`DECODE_ORDER_BITS`).
+
+  Args:
+    word: uint32 array, any shape.
+    new_of_old: int array ``[32]``, a permutation of 0..31 (static: numpy).
+
+  Returns:
+    uint32, ``word``'s shape.
+  """
   out = jnp.zeros_like(word)
   for delta in sorted(set(int(d) for d in new_of_old - np.arange(32))):
     mask = sum(1 << int(b) for b in np.nonzero(new_of_old - np.arange(32) == delta)[0])
