@@ -8,8 +8,8 @@ This times, per 7B layer matrix of a 28-layer stack (device time, one traced cal
   fused kernels still use);
 * ``dequantize``: the dequantize kernel on a standard-order stack and on a decode-order one (which it
   reads in place since session 16), checked bit for bit first;
-* ``fwd M=2048``: ``quantized_matmul`` (dequantize + cuBLAS) from a standard-order stack and from a
-  decode-order one, so the difference is the order's whole cost there.
+* ``fwd M=2048`` and ``dx``: ``quantized_matmul`` and ``matmul.kernel_dx`` (dequantize + cuBLAS) from a
+  standard-order stack and from a decode-order one, so the difference is the order's whole cost there.
 
   PYTHONPATH=$PWD python3 experiments/lab/time_code_order.py
   QERL_DEQUANT_IN_PLACE=1 PYTHONPATH=$PWD python3 experiments/lab/time_code_order.py   # the in-place kernel
@@ -27,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import devtime  # noqa: E402
-from pallas_kernels import quantized_matmul, w4_triton  # noqa: E402
+from pallas_kernels import matmul, quantized_matmul, w4_triton  # noqa: E402
 from qerl_jax import nvfp4  # noqa: E402
 
 SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
@@ -58,10 +58,14 @@ def main():
     conv = device_us(lambda w, i: w4_triton._standard_codes(w, i)[0].packed, wd, idx)
     f = lambda x, w, i: quantized_matmul(x, w, index=i)
     std, dec = device_us(f, x, w, idx), device_us(f, x, wd, idx)
+    dy = jax.random.normal(jax.random.key(2), (M, n), jnp.float32).astype(jnp.bfloat16)
+    g = lambda dy, w, i: matmul.kernel_dx(dy, w, index=i)  # the update step's backward for x
+    dx_std, dx_dec = device_us(g, dy, w, idx), device_us(g, dy, wd, idx)
     mb = k * n / 2 / 1e6
     print(f"{name:8s} codes {mb:6.1f} MB | convert {conv:7.1f} us ({2 * mb / max(conv, 1e-9):5.2f} TB/s r+w) | "
           f"dequantize: standard {deq_us[0]:6.1f} us, decode order {deq_us[1]:6.1f} us | "
-          f"fwd M={M}: standard {std:7.1f} us, decode order {dec:7.1f} us (+{100 * (dec / max(std, 1e-9) - 1):.1f}%)",
+          f"fwd M={M}: standard {std:7.1f} us, decode order {dec:7.1f} us (+{100 * (dec / max(std, 1e-9) - 1):.1f}%) | "
+          f"dx: standard {dx_std:7.1f} us, decode order {dx_dec:7.1f} us (+{100 * (dx_dec / max(dx_std, 1e-9) - 1):.1f}%)",
           flush=True)
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
 
