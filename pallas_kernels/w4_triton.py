@@ -708,16 +708,16 @@ _STANDARD_OF_DECODE = np.argsort(nvfp4.DECODE_ORDER_BITS)  # decode-order block 
 # Lab (session 16): dequantize a decode-order weight in place (:func:`_dequant_decode_order_kernel`)
 # instead of converting its layer's codes back with XLA first. The conversion made a 7B M = 2048
 # forward about 20% slower (experiments/lab/time_code_order.py); this kernel is bit for bit right in
-# interpret mode and compiles for sm_90 (1880 instructions against the standard kernel's 1264), but
+# interpret mode and compiles for sm_90 (2096 instructions against the standard kernel's 1264), but
 # has not run on a GPU yet (gpu_checkpoint.sh step 22), so it is off.
 DEQUANT_DECODE_ORDER_IN_PLACE = False
 
 
 def _dequant_decode_order_kernel(p_ref, s_ref, gs_ref, idx_ref, o_ref, *, k, n, bkp, bn):
   """:func:`_dequant_kernel` for NVFP4 codes in decode order (``nvfp4.to_decode_order``), read in
-  place. ``p_ref`` is the codes viewed as uint16 ``[L*K/4, 2, N/2]`` (a code-row pair, then a column
-  pair), so two loads give each block's word (code rows 2i, 2i+1 x columns 2c, 2c+1); the word is
-  put back into the standard bit order in registers. ``s_ref`` is the scales ``[L*K/16, N/2, 2]``;
+  place. ``p_ref`` is the codes viewed as ``[L*K/4, 2, N/2, 2]`` (a free reshape: code-row pair, its
+  parity, column pair, its parity), so four byte loads give each block's word (code rows 2i, 2i+1 x
+  columns 2c, 2c+1); the word is put back into the standard bit order in registers. ``s_ref`` is the scales ``[L*K/16, N/2, 2]``;
   ``o_ref`` is ``[K/4, 2, 2, N/2, 2]`` = ``[K, N]`` (code row parity, nibble, column pair, column parity)."""
   pid_k, pid_n = pl.program_id(0), pl.program_id(1)
   layer = _clamped_layer(idx_ref, p_ref.shape[0] // (k // 4))
@@ -728,9 +728,11 @@ def _dequant_decode_order_kernel(p_ref, s_ref, gs_ref, idx_ref, o_ref, *, k, n, 
   col_mask = (j0 + jnp.arange(hc)) < n // 2
   mask = row_mask[:, None] & col_mask[None, :]
   prow = layer * (k // 4) + i0
-  word = plgpu.load(p_ref.at[pl.ds(prow, hr), _EVEN, pl.ds(j0, hc)], mask=mask, other=0).astype(jnp.uint32)
-  word = word | (plgpu.load(p_ref.at[pl.ds(prow, hr), _ODD, pl.ds(j0, hc)], mask=mask, other=0)
-                 .astype(jnp.uint32) << 16)
+  word = jnp.zeros((hr, hc), jnp.uint32)
+  for r in (0, 1):
+    for c in (0, 1):  # byte 2r + c of the block word
+      byte = plgpu.load(p_ref.at[pl.ds(prow, hr), np.int32(r), pl.ds(j0, hc), np.int32(c)], mask=mask, other=0)
+      word = word | (byte.astype(jnp.uint32) << (8 * (2 * r + c)))
   std = nvfp4.permute_word_bits(word, _STANDARD_OF_DECODE)
   ns = hr // 4  # scale rows of the tile: 4 code-row pairs (16 rows of K) a block scale
   srow = layer * (k // 16) + pid_k * ns
@@ -804,12 +806,13 @@ def dequantize(w, dtype=jnp.bfloat16, *, block_k2: int | None = None, block_n: i
 
 
 def _dequantize_decode_order(w, dtype, bkp: int, bn: int, num_warps: int, interpret: bool, index):
-  """:func:`dequantize` of a decode-order NVFP4 weight: the codes and scales viewed as uint16 code-row
-  and column pairs (free reshapes and a bitcast), :func:`_dequant_decode_order_kernel`."""
+  """:func:`dequantize` of a decode-order NVFP4 weight: the codes and scales viewed as code-row and
+  column pairs (free reshapes, no copy: a uint16 bitcast would be one in XLA),
+  :func:`_dequant_decode_order_kernel`."""
   k, n = w.shape
   packed, scales, gs, idx = _layer_operands(w, _format_of(w), index)
   rows = packed.shape[0]
-  pairs = lax.bitcast_convert_type(packed.reshape(rows // 2, 2, n // 2, 2), jnp.uint16)  # [L*K/4, 2, N/2]
+  pairs = packed.reshape(rows // 2, 2, n // 2, 2)  # [L*K/4, 2, N/2, 2]
   kernel = functools.partial(_dequant_decode_order_kernel, k=k, n=n, bkp=bkp, bn=bn)
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
