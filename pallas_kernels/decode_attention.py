@@ -446,7 +446,6 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
   kernel = functools.partial(_append_kernel, batch=b, heads=num_heads, heads_kv=kh, group=g, group_pad=g_pad,
                              slots=s, head_dim=d, block_s=block_s, chunk=chunk, num_layers=num_layers,
                              dtype=jnp.dtype(dtype), bias_stacked=bias_N is not None and bias_N.ndim == 2)
-  rows = num_heads + 2 * kh
   flat = (num_layers * b * s, kh * d)
   out_shape = (jax.ShapeDtypeStruct((nsplit, b, kh, g_pad, d), jnp.float32),
                jax.ShapeDtypeStruct((nsplit, b, kh, g_pad), jnp.float32),

@@ -724,6 +724,13 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
   return Build(wg, narrow, block_n, splits, meta)
 
 
+def _build_for(m: int, w: nvfp4.NVFP4Tensor, index) -> Build:
+  """:func:`_build` for ``m`` rows times ``w`` (a ``[K, N]`` matrix, or with ``index`` a stack whose
+  layer count and code order come from ``w``)."""
+  k, n = w.shape
+  return _build(m, k, n, 1 if index is None else w.packed.shape[0], w.code_order == "decode")
+
+
 # The wgmma builds' operand k order within each 64-wide K step: slot s holds x's k = order[s], where
 # the 6 bits of s are k's bits in this order (s5 .. s0 = k5 k2 k0 k4 k3 k1; the kernel's ``x_slots``).
 X_SLOT_BITS = (0, 3, 5, 1, 2, 4)
@@ -782,7 +789,7 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
     raise ImportError("w4_gluon.forward needs triton (Gluon) and either a C++ compiler for the FFI launcher "
                       "or jax-triton")
   n = w.shape[1]
-  build = _build(m, k, n, 1 if index is None else w.packed.shape[0], w.code_order == "decode")
+  build = _build_for(m, w, index)
   wg, splits, meta = build.wg, build.splits, build.meta
   atomic = meta["ATOMIC"]
   # the FFI launcher zeroes the atomic builds' output itself (a memset node: no XLA buffer to fill and alias)
@@ -810,8 +817,7 @@ def into_applies(x: jax.Array, w, index=None) -> bool:
     return False
   if (index is None) != (w.packed.ndim == 2) or launcher() != "ffi":
     return False
-  build = _build(x.shape[0], x.shape[1], w.shape[1], 1 if index is None else w.packed.shape[0],
-                 w.code_order == "decode")
+  build = _build_for(x.shape[0], w, index)
   return build.meta["ATOMIC"] or build.splits == 1
 
 
@@ -859,7 +865,7 @@ def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array | None, offs
   if offset < 0 or offset + m * n > total:
     raise ValueError(f"w4_gluon.forward_into: region [{offset}, {offset + m * n}) does not fit a buffer of "
                      f"{total} elements")
-  build = _build(m, k, n, 1 if index is None else w.packed.shape[0], w.code_order == "decode")
+  build = _build_for(m, w, index)
   new = acc is None
   operands = _operands(x, w, index, build.meta, jnp.zeros((1,), jnp.float32) if new else acc)
   acc = _ffi_call(build, operands, jax.ShapeDtypeStruct((total,), jnp.float32), None if new else {5: 0},

@@ -646,15 +646,7 @@ def _rollout_base(base: dict, order: str) -> dict:
   (the block scales are shared, not copied): rollouts get the faster decode steps, the update step
   keeps reading the standard order in place. Costs half a byte a 4-bit weight (7B: 3.3 GB). Else
   ``base`` itself."""
-  import pallas_kernels
-  from qerl_jax import models
-  if order != "rollout" or not pallas_kernels.decode_order_applies():
-    return base
-  try:
-    return models.to_decode_order(base)
-  except ValueError as e:
-    print(f"warning: model.code_order: rollouts keep the standard NVFP4 code order ({e})", file=sys.stderr)
-    return base
+  return _in_code_order(base, "auto") if order == "rollout" else base
 
 
 def _fuse_or_keep(base: dict) -> dict:
