@@ -28,7 +28,6 @@ NVFP4 (two-level scaling, 16-element blocks); compressed-tensors
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import jax
 import jax.numpy as jnp

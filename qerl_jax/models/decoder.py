@@ -7,12 +7,10 @@ Parameter trees are plain nested dicts (see the package docstring). The
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels import decode_attention as decode_attn
 from qerl_jax import nf4, nvfp4
