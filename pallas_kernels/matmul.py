@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import w4_gluon, w4_triton
+from pallas_kernels import w4_gluon, w4_gluon_dx, w4_triton
 from qerl_jax import nf4, nvfp4
 
 BACKENDS = ("auto", "reference", "pallas", "interpret")
@@ -31,6 +31,12 @@ GLUON = os.environ.get("QERL_GLUON", "auto")
 # training rollout, rank 32 + AQN: 1840 tokens/s); "0" keeps the Pallas kernel, which adds the delta
 # in its epilogue (1743). QERL_GLUON_LORA in the environment sets the default at import.
 GLUON_LORA = os.environ.get("QERL_GLUON_LORA", "1")
+# The large-M Gluon dx kernel (pallas_kernels.w4_gluon_dx: dy @ W^T with no bf16 W in HBM) for
+# M >= w4_gluon_dx.MIN_M, where it applies and the Gluon kernels are enabled (gluon_enabled). "1" uses
+# it; "0" (default) keeps dequantize + cuBLAS, which writes a transient bf16 W per call but is faster:
+# 0.86x / 0.96x of bf16 at M = 2048 / 8192 against the kernel's 0.57x / 0.62x (7B shapes, H200;
+# docs/benchmarks.md, session 17). QERL_GLUON_DX in the environment sets the default.
+GLUON_DX = os.environ.get("QERL_GLUON_DX", "0")
 
 
 def _check_setting(name: str, value: str, allowed) -> None:
@@ -112,18 +118,33 @@ def _lora_delta(xa, b, scale, index=None):
                          preferred_element_type=jnp.float32)
 
 
+def _use_gluon_dx(dy2d, w, interpret: bool) -> bool:
+  """Whether :func:`kernel_dx` takes the large-M Gluon dx kernel (see ``GLUON_DX``).
+
+  Raises:
+    ValueError: ``GLUON_DX`` not "1"/"0" (or ``GLUON`` not "auto"/"1"/"0").
+  """
+  _check_setting("GLUON_DX", GLUON_DX, ("1", "0"))
+  if interpret or GLUON_DX == "0" or dy2d.shape[0] < w4_gluon_dx.MIN_M:
+    return False
+  return w4_gluon_dx.applies(dy2d.shape[0], w, dy2d.dtype) and gluon_enabled()
+
+
 def kernel_dx(dy2d: jax.Array, w, *, out_dtype=jnp.bfloat16, interpret: bool = False, index=None) -> jax.Array:
   """The kernel path's ``dy @ W^T`` for 2-D bf16 ``dy`` ``[M, N]`` -> ``[M, K]``.
 
-  Fused kernel for ``M <= FUSED_MAX_M["dx"]``, else Pallas dequantize + XLA
-  matmul contracting N (no transposed copy of W is made). ``index``: as in
-  :func:`kernel_forward`.
+  Fused kernel for ``M <= FUSED_MAX_M["dx"]``; with ``GLUON_DX = "1"`` and ``M >= w4_gluon_dx.MIN_M``
+  the large-M Gluon kernel where it applies (NVFP4 in the standard code order on sm_90), which writes
+  no bf16 W; else Pallas dequantize + XLA matmul contracting N (no transposed copy of W is made).
+  ``index``: as in :func:`kernel_forward`.
 
   Raises:
     TypeError: unsupported weight type. ValueError: N mismatch, stacked ``w``.
   """
   if dy2d.shape[0] <= FUSED_MAX_M["dx"]:
     return w4_triton.dx(dy2d, w, out_dtype=out_dtype, interpret=interpret, index=index)
+  if _use_gluon_dx(dy2d, w, interpret):
+    return w4_gluon_dx.dx(dy2d, w, index=index).astype(out_dtype)
   w_dense = w4_triton.dequantize(w, dy2d.dtype, interpret=interpret, index=index)
   return jax.lax.dot_general(dy2d, w_dense, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32).astype(out_dtype)

@@ -705,12 +705,12 @@ DEQUANT_CONFIG = (32, 256, 4)
 
 
 _STANDARD_OF_DECODE = np.argsort(nvfp4.DECODE_ORDER_BITS)  # decode-order block word bit -> standard bit
-# Lab (session 16): dequantize a decode-order weight in place (:func:`_dequant_decode_order_kernel`)
-# instead of converting its layer's codes back with XLA first. The conversion made a 7B M = 2048
-# forward about 20% slower (experiments/lab/time_code_order.py); this kernel is bit for bit right in
-# interpret mode and compiles for sm_90 (2096 instructions against the standard kernel's 1264), but
-# has not run on a GPU yet (gpu_checkpoint.sh step 22), so it is off.
-DEQUANT_DECODE_ORDER_IN_PLACE = False
+# Dequantize a decode-order weight in place (:func:`_dequant_decode_order_kernel`) instead of
+# converting its layer's codes back with XLA first (about 0.7 TB/s), which made a 7B M = 2048 forward
+# 18-22% slower. Read in place it is as fast as the standard order's kernel: M = 2048 forward and dx
+# within -2.2% .. +0.5% of the standard order, 7B shapes (docs/benchmarks.md, session 17). False
+# restores the conversion.
+DEQUANT_DECODE_ORDER_IN_PLACE = True
 
 
 def _dequant_decode_order_kernel(p_ref, s_ref, gs_ref, idx_ref, o_ref, *, k, n, bkp, bn):

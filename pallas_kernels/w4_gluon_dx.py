@@ -1,0 +1,253 @@
+"""Large-M ``dx = dy @ W^T`` for NVFP4 weights in Gluon (Triton 3.6, Hopper wgmma), no bf16 W in HBM.
+
+The backward of ``y = x @ W`` in the training step (M = batch x sequence, in the thousands):
+``dx [M, K] = dy [M, N] @ W^T`` for bf16 ``dy`` and an NVFP4 ``W`` ``[K, N]`` (or layer ``index``
+of a stack ``[L, K, N]``, read in place), float32 accumulation, bf16 output. Issue 4 asks for this
+without a bf16 copy of ``W`` in HBM; the default path (:func:`pallas_kernels.w4_triton.dequantize`
+then cuBLAS) writes one per call (136 MB for a 7B MLP matrix, 283 MB for a 32B one).
+
+**Opt-in** (``pallas_kernels.matmul.GLUON_DX = "1"`` or ``QERL_GLUON_DX=1``): on an H200 it runs at
+0.57x / 0.62x of bf16 cuBLAS at M = 2048 / 8192 (7B shapes summed), where dequantize + cuBLAS runs at
+0.86x / 0.96x (docs/benchmarks.md, session 17). It is for runs that are short of memory, not of time.
+
+The kernel computes ``dx^T [K, M] = W [K, N] @ dy^T [N, M]`` on wgmma (m64 n``BM`` k16, both operands
+from shared memory):
+
+* A is the weight: rows are K (128 a program, two warpgroups of 64), the contraction is N. Each thread
+  decodes 2-byte pieces (columns ``n, n + 1``) of one code row: the low nibbles give operand row
+  ``r`` and the high nibbles row ``r + 8`` (rows relabelled, ``k = 2 kp + nibble``, undone at the
+  store), and stores the bf16 tile (``stmatrix``) into a ring of ``A_STAGES`` shared buffers.
+  Contraction slots stay in natural order, so ``dy`` needs no permutation.
+* values: one inline-PTX block per 4 code bytes, ``e2m1 * 2**-126`` by bit placement (as
+  :func:`pallas_kernels.w4_gluon._asm`) times the block scales as bf16 ``scale * 2**118``, two
+  columns' scales a register. XLA converts the layer's E4M3 block scales to that bf16 once per call
+  (``K/16 x N`` values, 1/16 of the weight's count); the accumulator is multiplied by
+  ``2**8 / global scale``.
+* B is ``dy`` ``[64 n, BM]``, copied by cp.async ``X_STAGES - 2`` steps ahead into a ring of
+  ``X_STAGES`` shared buffers (16 contiguous bytes a copy).
+* Each step's wgmma is asynchronous and one stays in flight, so the next step's decode overlaps it.
+  (A register operand measured no faster, and an asynchronous wgmma cannot safely keep one past its
+  step: the compiler hands its registers to the next decode.)
+
+A program owns 128 rows of K and ``BM`` (256) rows of ``dy`` and runs over all of N in steps of
+64 (no split-K: at M >= 2048 there are hundreds of programs). Codes in the standard order only;
+:func:`applies` says which shapes it takes. GPU only (sm_90), launched through
+:mod:`pallas_kernels.w4_gluon`'s XLA FFI handler.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import w4_gluon, w4_triton
+from qerl_jax import nvfp4
+
+BLOCK_K = 128   # rows of K (outputs of dx) a program: two warpgroups of 64
+BLOCK_M = 256   # rows of dy a program: the wgmma's N
+STEP_N = 64     # contraction (columns of W) a step
+X_STAGES = 4    # shared buffers of the dy ring
+A_STAGES = 3    # shared buffers of the decoded operand (lab, 7B shapes: 3 beat 2 by 4-9%)
+MIN_M = 256     # the smallest M the dispatch (pallas_kernels.matmul.kernel_dx) sends here
+_SCALE_BIAS = 2.0 ** 118  # folded into the bf16 block scales; the decode gives e2m1 * 2**-126
+_ARG_DTYPES = ("*bf16", "*u8", "*bf16", "*fp32", "*i32", "*bf16")  # dy, codes, scales, global scales, layer, dx
+
+
+def applies(m: int, w, dy_dtype) -> bool:
+  """Whether :func:`dx` takes ``dy [m, N]`` (dtype ``dy_dtype``) and ``w``: an NVFP4 ``[K, N]``
+  weight (or stack) in the standard code order, bf16 ``dy``, ``m >= 1``, ``K`` a multiple of 128,
+  ``N`` a multiple of 64, every visible GPU sm_90 (wgmma) and the FFI launcher available."""
+  if not isinstance(w, nvfp4.NVFP4Tensor) or jnp.dtype(dy_dtype) != jnp.bfloat16 or w.code_order != "standard":
+    return False
+  k, n = w.shape
+  if m < 1 or k % BLOCK_K or n % STEP_N:
+    return False
+  return bool(w4_gluon._gpu_devices()) and w4_gluon._wgmma_gpus() and w4_gluon.available() \
+      and w4_gluon.launcher() == "ffi"
+
+
+def _asm() -> str:
+  """Inline PTX: code bytes ``$4`` = (columns n, n + 1, n + 8, n + 9 of one code row), bf16 scales
+  ``$5`` (n, n + 1) and ``$6`` (n + 8, n + 9), times 2**118 -> ``$0, $1``: the low nibbles (K row
+  2 kp) of columns (n, n + 1) and (n + 8, n + 9); ``$2, $3``: the high nibbles (K row 2 kp + 1). Each
+  output is bf16 ``e2m1 * scale * 2**-8`` (exact).
+
+  One ``prmt`` puts each column's byte in the top byte of its 16-bit half, where the high nibble's
+  sign is already bit 15: its magnitude moves by one shift and mask; the low nibble's sign and
+  magnitude take a shift each. Then one bf16x2 multiply by the two columns' scales."""
+  lines = ["{", ".reg .b32 u, m, t, z, nz;", "mov.b32 z, 0;", "mov.b32 nz, 0x80008000;"]
+  for h in range(2):  # columns (n, n + 1) from bytes 0, 1; (n + 8, n + 9) from bytes 2, 3
+    lines.append(f"prmt.b32 u, $4, z, {'0x1404' if h == 0 else '0x3424'};")
+    # high nibble: bits 12-15 of each half; sign in place, magnitude 12-14 -> 6-8
+    lines += ["shr.b32 m, u, 6;", "and.b32 m, m, 0x01C001C0;", "and.b32 t, u, 0x80008000;", "or.b32 m, m, t;",
+              f"fma.rn.bf16x2 ${2 + h}, m, ${5 + h}, nz;"]
+    # low nibble: bits 8-11; magnitude 8-10 -> 6-8, sign 11 -> 15
+    lines += ["shr.b32 m, u, 2;", "and.b32 m, m, 0x01C001C0;", "shl.b32 t, u, 4;", "and.b32 t, t, 0x80008000;",
+              "or.b32 m, m, t;", f"fma.rn.bf16x2 ${h}, m, ${5 + h}, nz;"]
+  return "\n".join(lines + ["}"])
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+  """Builds the Gluon kernel (imports triton lazily: CPU installs need not have it)."""
+  from triton.experimental import gluon
+  from triton.experimental.gluon import language as ttgl
+  from triton.experimental.gluon.language.nvidia import hopper
+  from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+  asm = ttgl.constexpr(_asm())
+  # codes [64 code rows, 64 columns] of one step: registers n0 n3 n4 n5; lanes n1 n2 kp0 kp1 kp2; warps
+  # kp3 kp4 kp5. A thread's 4 packed bytes are columns n, n + 1, n + 8, n + 9 of one code row.
+  code_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
+      reg_bases=[[0, 1], [0, 8], [0, 16], [0, 32]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+      warp_bases=[[8, 0], [16, 0], [32, 0]], block_bases=[], shape=[64, 64]))
+
+  @gluon.jit
+  def decode(c, s):
+    """codes [64, 64] (uint8) and bf16 scales [64, 64] (each code byte's) -> A [128 rows, 64]: row
+    ``r = 16 kp_hi + 8 nibble + kp_lo`` holds K row ``2 kp + nibble`` (kp = 8 kp_hi + kp_lo)."""
+    lo, hi = ttgl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r", [c, s], dtype=(ttgl.bfloat16, ttgl.bfloat16),
+                                         is_pure=True, pack=4)
+    j = ttgl.reshape(ttgl.join(lo, hi), [8, 8, 64, 2])  # [kp_hi, kp_lo, n, nibble]
+    return ttgl.reshape(ttgl.permute(j, [0, 3, 1, 2]), [128, 64])
+
+  @gluon.jit
+  def w4a16_dx(dy_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
+               K: ttgl.constexpr, L: ttgl.constexpr, BM: ttgl.constexpr, XS: ttgl.constexpr, AS: ttgl.constexpr):
+    mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BM, 16])
+    yl: ttgl.constexpr = ttgl.BlockedLayout([8, 1], [8, 4], [1, 8], [0, 1])  # dy [64 n, BM]: 8 contiguous n a thread
+    ys_layout: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([64, BM], ttgl.bfloat16, transposed=True)
+    y_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [XS, 64, BM], ys_layout)
+    STEPS: ttgl.constexpr = N // 64
+    # steps the copies run ahead: one MMA stays in flight past each step, so the buffer a copy takes must
+    # have been read two steps back
+    PRE: ttgl.constexpr = XS - 2
+    pid_r = ttgl.program_id(0)
+    pid_m = ttgl.program_id(1)
+    layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
+    gs = ttgl.load(gs_ptr + layer)
+    kp = ttgl.arange(0, 64, layout=ttgl.SliceLayout(1, code_layout))
+    nn = ttgl.arange(0, 64, layout=ttgl.SliceLayout(0, code_layout))
+    c_offs = ttgl.expand_dims(kp + (layer * (K // 2) + pid_r * 64), 1) * N + ttgl.expand_dims(nn, 0)
+    s_offs = ttgl.expand_dims(kp // 8 + pid_r * 8, 1) * N + ttgl.expand_dims(nn, 0)  # the layer's scales
+    ny = ttgl.arange(0, 64, layout=ttgl.SliceLayout(1, yl))
+    my = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, yl))
+    # rows past M read row M - 1 (their outputs are never stored)
+    y_offs = ttgl.expand_dims(ny, 1) + ttgl.expand_dims(ttgl.minimum(my + pid_m * BM, M - 1), 0) * N
+    for j in ttgl.static_range(PRE):
+      async_copy.async_copy_global_to_shared(y_smem.index(j), dy_ptr + y_offs + min(j, STEPS - 1) * 64)
+      async_copy.commit_group()
+    acc = ttgl.zeros([128, BM], ttgl.float32, layout=mma)
+    c0 = ttgl.load(p_ptr + c_offs)
+    s0 = ttgl.load(s_ptr + s_offs)
+    # the decoded operand through a ring of AS shared buffers; asynchronous MMAs, one in flight
+    as_layout: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([128, 64], ttgl.bfloat16)
+    a_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [AS, 128, 64], as_layout)
+    c1 = ttgl.load(p_ptr + c_offs + min(1, STEPS - 1) * 64)
+    s1 = ttgl.load(s_ptr + s_offs + min(1, STEPS - 1) * 64)
+    for i in range(STEPS):
+      nxt = ttgl.minimum(i + 2, STEPS - 1) * 64
+      c2 = ttgl.load(p_ptr + c_offs + nxt)
+      s2 = ttgl.load(s_ptr + s_offs + nxt)
+      # each warpgroup writes and its MMAs read only its own 64 rows; its MMA of step i - AS is retired
+      # (the wait below leaves one in flight, and AS >= 2)
+      a_smem.index(i % AS).store(decode(c0, s0))
+      async_copy.wait_group(PRE - 1)  # this thread's copies of step i have landed
+      hopper.fence_async_shared()  # the operand's stores and everyone's copies, visible to the tensor cores
+      ttgl.thread_barrier()  # and everyone's MMA of step i - 2 is retired: its dy buffer takes step i + PRE
+      async_copy.async_copy_global_to_shared(y_smem.index((i + PRE) % XS),
+                                             dy_ptr + y_offs + ttgl.minimum(i + PRE, STEPS - 1) * 64)
+      async_copy.commit_group()
+      acc = hopper.warpgroup_mma(a_smem.index(i % AS), y_smem.index(i % XS), acc, is_async=True)
+      acc = hopper.warpgroup_mma_wait(1, deps=[acc])
+      c0 = c1
+      s0 = s1
+      c1 = c2
+      s1 = s2
+    acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+    async_copy.wait_group(0)
+    acc = acc * (256.0 / gs)  # 2**8 undoes the decode's 2**-8
+    # rows (kp_hi, nibble, kp_lo) -> K rows 16 kp_hi + 2 kp_lo + nibble: a relabelling, no data moves
+    out = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [8, 2, 8, BM]), [0, 2, 1, 3]), [128, BM]).to(ttgl.bfloat16)
+    kk = ttgl.arange(0, 128, layout=ttgl.SliceLayout(1, out.type.layout))
+    mo = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, out.type.layout))
+    rows = mo + pid_m * BM
+    mask = ttgl.expand_dims(rows < M, 0) & ttgl.expand_dims(kk >= 0, 1)
+    ttgl.store(o_ptr + ttgl.expand_dims(rows, 0) * K + ttgl.expand_dims(kk + pid_r * 128, 1), out, mask=mask)
+
+  return w4a16_dx
+
+
+class Build(NamedTuple):
+  """One launch: the kernel's constexprs and its grid (K / 128 row tiles, M / BM tiles)."""
+  meta: dict
+
+  @property
+  def grid(self) -> tuple[int, int, int]:
+    return self.meta["K"] // BLOCK_K, -(-self.meta["M"] // self.meta["BM"]), 1
+
+
+def _build(m: int, k: int, n: int, layers: int) -> Build:
+  """The launch for ``dy [m, n]`` and a ``[k, n]`` weight (of a stack of ``layers``) under the
+  current settings.
+
+  Raises:
+    ValueError: ``X_STAGES < 3`` or ``A_STAGES < 2`` (the rings' reuse distances).
+  """
+  if X_STAGES < 3 or A_STAGES < 2:
+    raise ValueError(f"w4_gluon_dx: X_STAGES must be >= 3 and A_STAGES >= 2, got {X_STAGES} and {A_STAGES}")
+  return Build(dict(M=m, N=n, K=k, L=layers, BM=BLOCK_M, XS=X_STAGES, AS=A_STAGES))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(meta: tuple):
+  """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta``, loaded on every GPU."""
+  return w4_gluon._load(w4_gluon._compile_gluon(_kernel(), _ARG_DTYPES, dict(meta), w4_gluon._target_cc(),
+                                                num_warps=8))
+
+
+def block_scales_bf16(w: nvfp4.NVFP4Tensor, index=None) -> jax.Array:
+  """The block scales of ``w`` (layer ``index``, clamped, of a stack) as the kernel reads them: bf16
+  ``scale * 2**118`` (exact: E4M3 fits bf16's significand), ``[K/16, N]``."""
+  s = w.block_scale
+  if index is not None and s.ndim == 3:
+    s = jax.lax.dynamic_index_in_dim(s, jnp.clip(jnp.asarray(index, jnp.int32).reshape(()), 0, s.shape[0] - 1), 0,
+                                     keepdims=False)
+  return (s.astype(jnp.float32) * _SCALE_BIAS).astype(jnp.bfloat16)
+
+
+def dx(dy: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None) -> jax.Array:
+  """``dy @ W^T`` by the large-M Gluon kernel (GPU only; no VJP: :mod:`pallas_kernels.matmul` calls it
+  from the backward of ``quantized_matmul``).
+
+  Args:
+    dy: bf16 ``[M, N]``.
+    w: :class:`~qerl_jax.nvfp4.NVFP4Tensor` ``[K, N]`` in the standard code order, or with ``index``
+      a stack ``[L, K, N]``.
+    index: int32 scalar (may be traced): layer of the stack, clamped to ``[0, L)``.
+
+  Returns:
+    bf16 ``[M, K]``, accumulated in float32.
+
+  Raises:
+    ValueError: a shape or weight :func:`applies` rejects, a dy/weight N mismatch, or ``index``
+      given with an unstacked weight (or missing with a stack).
+    RuntimeError: the compiled kernel failed to load on a GPU.
+  """
+  m, n = dy.shape
+  if not applies(m, w, dy.dtype) or w.shape[1] != n:
+    raise ValueError(f"w4_gluon_dx.dx: no kernel for dy {dy.dtype}{list(dy.shape)} and weight {type(w).__name__} "
+                     f"{list(getattr(w, 'shape', ()))} (needs an sm_90 GPU with the FFI launcher, bf16 dy, NVFP4 "
+                     f"in the standard code order, K % {BLOCK_K} == 0, N % {STEP_N} == 0)")
+  if (index is None) != (w.packed.ndim == 2):
+    raise ValueError(f"w4_gluon_dx.dx: index={index!r} with packed codes of shape {w.packed.shape}")
+  k = w.shape[0]
+  codes, _, gs, idx = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
+  build = _build(m, k, n, 1 if index is None else w.packed.shape[0])
+  ptx, name, shared = _compiled(tuple(build.meta.items()))
+  return jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((m, k), jnp.bfloat16))(
+      dy, codes, block_scales_bf16(w, index), gs, idx,
+      **w4_gluon._launch_attrs(ptx, name, build.grid, shared, threads=256))
