@@ -61,7 +61,7 @@ flags.DEFINE_bool("sweep", False, "sweep tile configs first (winners used for th
 flags.DEFINE_integer("sweep_budget_s", 240, "stop starting new sweep buckets after this many seconds")
 flags.DEFINE_bool("table", True, "time the table")
 flags.DEFINE_string("json", "", "write rows here as JSON")
-flags.DEFINE_enum("code_order", "standard", ["standard", "decode", "auto"],
+flags.DEFINE_enum("code_order", "auto", ["standard", "decode", "auto"],
                   "NVFP4 code order of the weights (nvfp4.to_decode_order); auto: decode order where "
                   "pallas_kernels.decode_order_applies()")
 flags.DEFINE_enum("peer", "", ["", "ejkernel"], "add a peer column: ejkernel's NVFP4 quantized_matmul (forward "

@@ -57,8 +57,8 @@ flags.DEFINE_integer("kv_phases", 1, "SamplingConfig.kv_phases for the table's r
 flags.DEFINE_bool("unroll_decode", True, "SamplingConfig.unroll_decode: unroll the decode step's layer loop "
                   "(--nounroll_decode: the scanned loop, labelled '+scanned').")
 flags.DEFINE_list("extra_runs", [], "Extra runs 'format:batch:kv_phases' after the table, e.g. bf16:256:4.")
-flags.DEFINE_enum("code_order", "standard", ["standard", "decode", "auto"], "NVFP4 code order of the base, as "
-                  "the trainer's model.code_order (default standard): decode = models.to_decode_order, the Gluon "
+flags.DEFINE_enum("code_order", "auto", ["standard", "decode", "auto"], "NVFP4 code order of the base, as "
+                  "the trainer's model.code_order (default auto): decode = models.to_decode_order, the Gluon "
                   "decode kernel's cheaper E2M1 decode; auto = decode where pallas_kernels.decode_order_applies().")
 flags.DEFINE_float("time_budget_s", 1e9, "Skip the remaining runs once this much wall time has passed.")
 flags.DEFINE_string("out", "", "Folder for rollout.md / rollout.json (optional).")

@@ -14,8 +14,8 @@ than ``--max_prompt_length`` are skipped. Benchmarks are read from
 GSM8K answer check, the others with math-verify. Prints a table and writes
 ``<workdir or --out>/eval_<step>.json``.
 
-Evaluation only samples, so on a GPU ``--config.model.code_order=decode`` (the NVFP4 codes in the
-decode kernel's order) makes its decode steps faster (7B: 4.6% at batch 8) at no cost to the result.
+On a GPU running the Gluon decode kernel the default ``model.code_order="auto"`` stores the NVFP4 codes
+in that kernel's order, which makes the decode steps faster (7B: 4.6% at batch 8) at no cost to the result.
 """
 
 from __future__ import annotations

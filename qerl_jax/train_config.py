@@ -16,16 +16,15 @@ Layout (units in brackets)::
                           those weights round differently than with False (same error level).
                           Loading holds both copies of those matrices for a moment (7B bf16:
                           about 8.5 GB extra).
-  model.code_order        "standard" | "decode" | "auto": how NVFP4 codes are stored in memory.
-                          "decode" rearranges bits inside 2 x 2-byte blocks for a cheaper E2M1
-                          decode: a 7B decode step 4.6% shorter at batch 8, 1% at batch 64; the
-                          large-M kernels (prefill, the update step) then convert each layer's
-                          codes back first, about 20% more time on those matmuls at M = 2048.
-                          So "standard" is the default; "decode" suits small-batch or
-                          rollout-only runs; "rollout" gives the sampler a decode-order copy of
-                          the codes (half a byte a weight more: 7B 3.3 GB) and keeps the update
-                          step on the standard order; "auto" is "decode" on a GPU running the
-                          Gluon decode kernel. Same values either way.
+  model.code_order        "auto" (default) | "standard" | "decode" | "rollout": how NVFP4 codes
+                          are stored in memory. "decode" rearranges bits inside 2 x 2-byte blocks
+                          for a cheaper E2M1 decode: a 7B decode step 4.6% shorter at batch 8, 1%
+                          at batch 64; the large-M paths (prefill, the update step) read it in
+                          place as fast as the standard order (within 2% at M = 2048). "auto" is
+                          "decode" on a GPU running the Gluon decode kernel, else "standard";
+                          "rollout" gives the sampler a decode-order copy of the codes (half a
+                          byte a weight more: 7B 3.3 GB) and keeps the update step on the standard
+                          order. Same values either way.
   lora.rank / alpha / use_rslora / target_modules / train_norms / dropout
   aqn.enabled / schedule ("stages" | "exponential") / sigma_start / sigma_end / num_stages /
      rollout_only (paper variant: noise in the rollout only)
@@ -78,9 +77,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.remat = True
   c.model.fuse_projections = True  # models.fuse_projections after loading (LoRA tree unchanged);
   # runs saved before this key existed were unfused: pass False to reproduce them
-  c.model.code_order = "standard"  # NVFP4 code order: "standard", "decode" (models.to_decode_order: faster
-  # small-batch decode, slower large-M matmuls), "rollout" (a decode-order copy for the sampler only)
-  # or "auto" (decode where pallas_kernels.decode_order_applies())
+  c.model.code_order = "auto"  # NVFP4 code order: "auto" (decode where pallas_kernels.decode_order_applies(),
+  # else standard), "standard", "decode" (models.to_decode_order: faster decode steps) or "rollout" (a
+  # decode-order copy for the sampler only); runs saved before session 17 used "standard" (same values)
 
   c.lora = ml_collections.ConfigDict()
   c.lora.rank = 32
@@ -186,7 +185,7 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
 
   need(bool(m.path), "model.path is empty: give a Hugging Face folder or hub id")
   need(m.quant in QUANTS, f"model.quant={m.quant!r} is not one of {QUANTS}")
-  need(m.get("code_order", "standard") in CODE_ORDERS,
+  need(m.get("code_order", "auto") in CODE_ORDERS,
        f"model.code_order={m.get('code_order')!r} is not one of {CODE_ORDERS}")
 
   need(int(lo.rank) >= 1, f"lora.rank={lo.rank} must be >= 1 (LoRA adapters are the only "

@@ -579,7 +579,7 @@ def load_policy(config: ml_collections.ConfigDict) -> Policy:
     return ref_jit(base, batch["prompt_tokens"], batch["prompt_mask"], batch["completion_tokens"],
                    batch["completion_mask"])
 
-  generate = _make_generate(config, model_cfg, _rollout_base(base, str(config.model.get("code_order", "standard"))),
+  generate = _make_generate(config, model_cfg, _rollout_base(base, str(config.model.get("code_order", "auto"))),
                             scale, eos_ids, pad_id)
   return Policy(tokenizer=tokenizer, pad_id=int(pad_id), init_state=init_state, noise=noise,
                 update_noise=lambda z: None if aqn_cfg.noise_in_update is False else z,
@@ -612,7 +612,7 @@ def _load_base(config):
     pre = hf.load_pretrained(path, **kwargs)
   if fuse:
     pre = pre._replace(base=_fuse_or_keep(pre.base))
-  pre = pre._replace(base=_in_code_order(pre.base, str(config.model.get("code_order", "standard"))))
+  pre = pre._replace(base=_in_code_order(pre.base, str(config.model.get("code_order", "auto"))))
   if pre.tokenizer is None:
     raise ValueError(f"model.path={config.model.path!r} has no tokenizer; the trainer needs one")
   eos = tuple(int(i) for i in pre.generation_config.get("eos_token_ids") or ())

@@ -170,8 +170,8 @@ def test_unfusable_base_stays_unfused_with_a_warning(capsys):
 
 
 def test_code_order_setting(monkeypatch, capsys):
-  """model.code_order: "standard" (the default) keeps the loaded codes; "decode" stores every NVFP4
-  linear in the decode kernel's order, with the same dequantized values and the same logits; "auto"
+  """model.code_order: "standard" keeps the loaded codes; "decode" stores every NVFP4 linear in the
+  decode kernel's order, with the same dequantized values and the same logits; "auto" (the default)
   does so only where pallas_kernels.decode_order_applies() (never on a CPU); a bad value is refused."""
   import pallas_kernels
   from qerl_jax import models, nvfp4
@@ -200,7 +200,7 @@ def test_code_order_setting(monkeypatch, capsys):
   assert roll.code_order == "decode" and roll.block_scale is q.block_scale
   np.testing.assert_array_equal(np.asarray(roll.packed), np.asarray(qd.packed))
   c = toy.toy_config()
-  assert c.model.code_order == "standard"
+  assert c.model.code_order == "auto"
   c.model.code_order = "marlin"
   with pytest.raises(ValueError, match="model.code_order='marlin'"):
     train_config.validate(c, check_paths=False)
