@@ -20,6 +20,7 @@
 #   STEPS=20 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=21 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=22 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=23 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-128), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
@@ -74,6 +75,11 @@
 #     prepared in session 16, right in interpret mode): its GPU test, then experiments/lab/time_code_order.py
 #     with it off (session 16: an M = 2048 forward 20% slower in decode order) and on. If it closes the gap,
 #     turn it on and reconsider model.code_order's default (about 3 minutes).
+#     (Session 17 ran it: in place the decode order costs the large-M path nothing; on since, and
+#     model.code_order defaults to "auto".)
+# 23. (next) the opt-in large-M dx kernel (pallas_kernels/w4_gluon_dx.py, session 17: 0.57x / 0.62x of bf16
+#     at M = 2048 / 8192, 7B summed): its GPU tests, then experiments/lab/time_dx.py against bf16 and
+#     dequantize + cuBLAS with the variants given in DX_VARIANTS (about 3 minutes).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -143,6 +149,9 @@ step 22 && { timeout 200 python3 -m pytest -q -m gpu tests/test_gluon.py -k "deq
   timeout 150 python3 experiments/lab/time_code_order.py 2>&1 | grep -v "^[IW][0-9]\|Warn"
   QERL_DEQUANT_IN_PLACE=1 timeout 150 python3 experiments/lab/time_code_order.py 2>&1 | grep -v "^[IW][0-9]\|Warn"
   unset XLA_FLAGS; } | tee "$OUT/dequant_in_place.txt"
+step 23 && { timeout 120 python3 -m pytest -q -m gpu tests/test_gluon_dx.py 2>&1 | tail -2
+  DX_VARIANTS=${DX_VARIANTS:-base} timeout 300 python3 experiments/lab/time_dx.py 2>&1 | grep -v "^[IW][0-9]\|Warn"
+  } | tee "$OUT/dx_kernel.txt"
 step 19 && timeout 300 python3 experiments/lab/ejkernel_peer.py 2>&1 | grep -v "^[IW][0-9]\|Warning" | tee "$OUT/ejkernel_peer.txt"
 step 13 && GL_MS=1,8,16 GL_VARIANTS="t128:TARGET_PROGRAMS=128;t256:TARGET_PROGRAMS=256;t1024:TARGET_PROGRAMS=1024" \
   timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn | tee "$OUT/targets.txt"
