@@ -15,22 +15,7 @@ import pytest
 
 from pallas_kernels import matmul, quantized_matmul, w4_gluon, w4_gluon_dx
 from qerl_jax import nvfp4
-from tests.test_gluon import _run_ptx
-
-
-def _rel(a, b):
-  a = np.asarray(a, np.float64)
-  b = np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def _weight(k, n, seed, layers=None):
-  shape = (k, n) if layers is None else (layers, k, n)
-  return nvfp4.quantize(np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.05)
-
-
-def _dense64(wq):
-  return np.asarray(nvfp4.dequantize(wq, jnp.float32), np.float64)
+from tests.test_gluon import _dense64, _rel, _run_ptx, _weight
 
 
 def test_dx_decode_ptx_by_codebook():
