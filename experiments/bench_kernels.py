@@ -110,7 +110,7 @@ def _weights(k, n, seed):
   w = jax.random.normal(key, (k, n), jnp.float32) * 0.02
   wq = nvfp4.quantize(w)
   order = FLAGS.code_order
-  if order == "decode" or (order == "auto" and matmul.decode_order_applies() and n % 2 == 0):
+  if matmul.resolve_code_order(order) == "decode" and (order == "decode" or n % 2 == 0):  # "auto" skips odd N
     wq = nvfp4.to_decode_order(wq)
   return w.astype(jnp.bfloat16), wq
 

@@ -128,13 +128,12 @@ FORMATS = ("bf16", "nvfp4", "bf16_fused", "nvfp4_fused")
 def make_base(cfg, fmt: str, bf16_base=None, code_order: str | None = None):
   """The random base of one format; ``*_fused`` stores q/k/v and gate/up fused (models.fuse_projections;
   for NVFP4 the fused float matrices are quantized, so each shares one global scale). ``code_order``
-  (default ``--code_order`` where the flags are parsed, else ``"standard"``): ``"decode"`` puts the NVFP4
+  (default ``--code_order`` where the flags are parsed, else ``"auto"``): ``"decode"`` puts the NVFP4
   codes in the decode kernel's order (models.to_decode_order); ``"auto"`` does so where
-  ``pallas_kernels.decode_order_applies()``, as the trainer does."""
+  ``pallas_kernels.decode_order_applies()``, as the trainer does (``pallas_kernels.resolve_code_order``)."""
   if code_order is None:
-    code_order = FLAGS.code_order if FLAGS.is_parsed() else "standard"
-  if code_order == "auto":
-    code_order = "decode" if pallas_kernels.decode_order_applies() else "standard"
+    code_order = FLAGS.code_order if FLAGS.is_parsed() else "auto"
+  code_order = pallas_kernels.resolve_code_order(code_order)
   if fmt not in FORMATS:
     raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
   src = bf16_base if bf16_base is not None else models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)

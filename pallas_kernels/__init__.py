@@ -19,7 +19,7 @@ one layer of the stacked KV cache in place. See docs/kernels.md.
 """
 
 from pallas_kernels.matmul import (FUSED_MAX_M, accumulate_applies, decode_order_applies, quantized_matmul,
-                                   quantized_matmul_into, reference_matmul)
+                                   quantized_matmul_into, reference_matmul, resolve_code_order)
 
 __all__ = ["FUSED_MAX_M", "accumulate_applies", "decode_order_applies", "quantized_matmul", "quantized_matmul_into",
-           "reference_matmul"]
+           "reference_matmul", "resolve_code_order"]

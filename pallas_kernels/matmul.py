@@ -337,16 +337,33 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
 
 
 def decode_order_applies() -> bool:
-  """Whether :func:`qerl_jax.nvfp4.to_decode_order`'s code order is read in place here: on a GPU where
-  the Gluon decode GEMV runs (:func:`gluon_enabled`). There its decode-order build made a 7B decode
-  step 4.6% shorter at batch 8 and 1% at batch 64; the other kernels (prefill, the update step)
-  convert a layer's codes back first, which made an M = 2048 forward about 20% slower
-  (docs/benchmarks.md, session 16). ``model.code_order="auto"`` uses it.
+  """Whether :func:`qerl_jax.nvfp4.to_decode_order`'s code order pays here: on a GPU where the Gluon
+  decode GEMV runs (:func:`gluon_enabled`). There its decode-order build made a 7B decode step 4.6%
+  shorter at batch 8 and 1% at batch 64 (docs/benchmarks.md, session 16), and the large-M path
+  (prefill, the update step) reads that order in place as fast as the standard one (session 17).
+  ``model.code_order="auto"`` uses it (:func:`resolve_code_order`).
 
   Raises:
     ValueError: ``GLUON`` not "auto"/"1"/"0".
   """
   return _on_gpu() and gluon_enabled()
+
+
+CODE_ORDERS = ("standard", "decode", "auto")
+
+
+def resolve_code_order(order: str) -> str:
+  """``order`` (``"standard"``, ``"decode"`` or ``"auto"``) as the NVFP4 code order to store:
+  ``"auto"`` is ``"decode"`` where :func:`decode_order_applies`, else ``"standard"``.
+
+  Raises:
+    ValueError: an order not in :data:`CODE_ORDERS` (or a bad ``GLUON``).
+  """
+  if order not in CODE_ORDERS:
+    raise ValueError(f"code order {order!r} is not one of {CODE_ORDERS}")
+  if order == "auto":
+    return "decode" if decode_order_applies() else "standard"
+  return order
 
 
 def accumulate_applies(x: jax.Array, w, index=None) -> bool:

@@ -629,7 +629,7 @@ def _in_code_order(base: dict, order: str) -> dict:
   there a matrix the decode order cannot hold (an odd N) keeps the loaded order, with a warning."""
   import pallas_kernels
   from qerl_jax import models
-  if order in ("standard", "rollout") or (order == "auto" and not pallas_kernels.decode_order_applies()):
+  if order == "rollout" or pallas_kernels.resolve_code_order(order) == "standard":
     return base
   try:
     return models.to_decode_order(base)

@@ -640,6 +640,20 @@ def _run_ptx(asm, regs):
   return regs
 
 
+def test_resolve_code_order(monkeypatch):
+  """"auto" is the decode order exactly where decode_order_applies() (never on a CPU); the explicit
+  orders pass through; anything else is an error naming the value."""
+  assert matmul.resolve_code_order("standard") == "standard" and matmul.resolve_code_order("decode") == "decode"
+  if not any(d.platform == "gpu" for d in jax.devices()):
+    assert matmul.resolve_code_order("auto") == "standard"
+  monkeypatch.setattr(matmul, "decode_order_applies", lambda: True)
+  assert matmul.resolve_code_order("auto") == "decode"
+  monkeypatch.setattr(matmul, "decode_order_applies", lambda: False)
+  assert matmul.resolve_code_order("auto") == "standard"
+  with pytest.raises(ValueError, match="'rollout'"):
+    matmul.resolve_code_order("rollout")
+
+
 @pytest.mark.parametrize("code_order", ["standard", "decode"])
 def test_decode_ptx_by_codebook(code_order):
   """The decode's inline PTX, executed by a small interpreter, gives exactly

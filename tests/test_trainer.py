@@ -191,7 +191,7 @@ def test_code_order_setting(monkeypatch, capsys):
                                 np.asarray(models.forward(cfg, base, tokens, pos)[0]))
   from qerl_jax.trainer import _rollout_base
   assert _rollout_base(base, "rollout") is base and _in_code_order(base, "rollout") is base  # no Gluon kernel here
-  monkeypatch.setattr(pallas_kernels, "decode_order_applies", lambda: True)
+  monkeypatch.setattr(pallas_kernels.matmul, "decode_order_applies", lambda: True)
   assert _in_code_order(base, "auto")["layers"]["attn"]["q"].code_order == "decode"
   # "rollout": the update keeps the standard base, the sampler gets a decode-order copy of the codes
   # that shares the block scales
