@@ -519,7 +519,9 @@ def _check(x, w, fmt: _Format, cfg: TileConfig, index=None):
     raise ValueError(f"expected a 2-D operand, got shape {x.shape}")
 
 
-def _call(kernel, grid, out_shape, cfg, interpret, name, poison, *args):
+def _call(kernel, grid, out_shape, num_warps, num_stages, interpret, name, poison, *args):
+  """``pl.pallas_call`` of ``kernel`` on ``args`` (the backend's deprecation warning silenced); with
+  ``poison`` the output starts NaN-filled, so that unwritten elements show."""
   aliases = {}
   if poison:  # start from a NaN-filled output buffer so that unwritten elements show
     args = args + (jnp.full(out_shape.shape, jnp.nan, out_shape.dtype),)
@@ -531,7 +533,7 @@ def _call(kernel, grid, out_shape, cfg, interpret, name, poison, *args):
         out_shape=out_shape,
         grid=grid,
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=name,
         input_output_aliases=aliases,
     )(*args)
@@ -674,7 +676,7 @@ def _run(kind, a, w, out_dtype, config, interpret, poison_output, index=None, lo
     lora_kw = dict(lora_rank=int(xa.shape[1]), lora_scale=float(scale))
   kernel = functools.partial(_fwd_kernel if fwd else _dx_kernel, m=m, k=k, n=n, cfg=cfg, fmt=fmt,
                              steps=steps, **lora_kw)
-  out = _call(kernel, grid, out_shape, cfg, interpret, f"w4a16_{kind}", poison_output,
+  out = _call(kernel, grid, out_shape, cfg.num_warps, cfg.num_stages, interpret, f"w4a16_{kind}", poison_output,
               operand, *_layer_operands(w, fmt, index), *extra)
   if splits > 1:
     out = out.sum(axis=0).astype(out_dtype)
@@ -792,16 +794,8 @@ def dequantize(w, dtype=jnp.bfloat16, *, block_k2: int | None = None, block_n: i
       return _dequantize_decode_order(w, dtype, max(bkp, 16), block_n, num_warps, interpret, index)
     w, index = _standard_codes(w, index)
   kernel = functools.partial(_dequant_kernel, k=k, n=n, bkp=bkp, bn=block_n, fmt=fmt)
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((k // 2, 2, n), dtype),
-        grid=(-(-(k // 2) // bkp), -(-n // block_n)),
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        name="w4_dequantize",
-    )(*_layer_operands(w, fmt, index))
+  out = _call(kernel, (-(-(k // 2) // bkp), -(-n // block_n)), jax.ShapeDtypeStruct((k // 2, 2, n), dtype),
+              num_warps, 1, interpret, "w4_dequantize", False, *_layer_operands(w, fmt, index))
   return out.reshape(k, n)
 
 
@@ -814,14 +808,7 @@ def _dequantize_decode_order(w, dtype, bkp: int, bn: int, num_warps: int, interp
   rows = packed.shape[0]
   pairs = packed.reshape(rows // 2, 2, n // 2, 2)  # [L*K/4, 2, N/2, 2]
   kernel = functools.partial(_dequant_decode_order_kernel, k=k, n=n, bkp=bkp, bn=bn)
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((k // 4, 2, 2, n // 2, 2), dtype),
-        grid=(-(-(k // 4) // (bkp // 2)), -(-(n // 2) // (bn // 2))),
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        name="w4_dequantize_decode_order",
-    )(pairs, scales.reshape(scales.shape[0], n // 2, 2), gs, idx)
+  out = _call(kernel, (-(-(k // 4) // (bkp // 2)), -(-(n // 2) // (bn // 2))),
+              jax.ShapeDtypeStruct((k // 4, 2, 2, n // 2, 2), dtype), num_warps, 1, interpret,
+              "w4_dequantize_decode_order", False, pairs, scales.reshape(scales.shape[0], n // 2, 2), gs, idx)
   return out.reshape(k, n)
