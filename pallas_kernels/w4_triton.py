@@ -217,6 +217,19 @@ _E4M3_ASM_HI = _e4m3_asm(False)
 _F16_X_SCALE = 2.0 ** -4
 
 
+_BITS_GAIN = 16384.0  # 2**14: what _e2m1_bits' values lack
+
+
+def _e2m1_bits(p):
+  """Packed uint8 codes -> (low, high) nibbles as float32 ``e2m1 * 2**-14``, exactly: the code's sign
+  and magnitude bits placed in a float16 (its exponent bias is 14 more than E2M1's). Multiply by
+  ``_BITS_GAIN`` (folded into the scale) for the values."""
+  p16 = p.astype(jnp.uint16)
+  lo = lax.bitcast_convert_type(((p16 & 7) << 9) | ((p16 & 8) << 12), jnp.float16).astype(jnp.float32)
+  hi = lax.bitcast_convert_type(((p16 & 0x70) << 5) | ((p16 & 0x80) << 8), jnp.float16).astype(jnp.float32)
+  return lo, hi
+
+
 def _decode_tile(p, s, fmt: _Format, dtype, *, decode: str = "bits", multiplier=None):
   """Packed uint8 [R, C] and block scales [R*2/group, C] -> (low, high) values [R, C] in dtype.
 
@@ -248,12 +261,8 @@ def _decode_tile(p, s, fmt: _Format, dtype, *, decode: str = "bits", multiplier=
     s = s * multiplier
   s = jnp.broadcast_to(s[:, None, :], (s.shape[0], rep, cols)).reshape(rows, cols)
   if fmt.nvfp4:
-    s = s * 16384.0  # 2**14 from the float16 bit trick below
-    p16 = p.astype(jnp.uint16)
-    lo = ((p16 & 7) << 9) | ((p16 & 8) << 12)
-    hi = ((p16 & 0x70) << 5) | ((p16 & 0x80) << 8)
-    lo = lax.bitcast_convert_type(lo, jnp.float16).astype(jnp.float32)
-    hi = lax.bitcast_convert_type(hi, jnp.float16).astype(jnp.float32)
+    s = s * _BITS_GAIN
+    lo, hi = _e2m1_bits(p)
   else:
     lo = _decode_nf4(p & 0xF)
     hi = _decode_nf4(p >> 4)
@@ -742,14 +751,12 @@ def _dequant_decode_order_kernel(p_ref, s_ref, gs_ref, idx_ref, o_ref, *, k, n, 
   scales = []
   for c in (0, 1):
     s = plgpu.load(s_ref.at[pl.ds(srow, ns), pl.ds(j0, hc), np.int32(c)], mask=s_mask, other=0.0)
-    s = s.astype(jnp.float32) * igs * 16384.0  # 2**14 from the float16 bit trick below
+    s = s.astype(jnp.float32) * igs * _BITS_GAIN
     scales.append(jnp.broadcast_to(s[:, None, :], (ns, 4, hc)).reshape(hr, hc))
   for r in (0, 1):
     vals = {_EVEN: [], _ODD: []}
     for c in (0, 1):
-      p16 = ((std >> (8 * (2 * r + c))) & 0xFF).astype(jnp.uint16)
-      lo = lax.bitcast_convert_type(((p16 & 7) << 9) | ((p16 & 8) << 12), jnp.float16).astype(jnp.float32)
-      hi = lax.bitcast_convert_type(((p16 & 0x70) << 5) | ((p16 & 0x80) << 8), jnp.float16).astype(jnp.float32)
+      lo, hi = _e2m1_bits((std >> (8 * (2 * r + c))) & 0xFF)
       vals[_EVEN].append((lo * scales[c]).astype(o_ref.dtype))
       vals[_ODD].append((hi * scales[c]).astype(o_ref.dtype))
     for nib, (v0, v1) in vals.items():  # columns 2c, 2c + 1 side by side: one contiguous store
