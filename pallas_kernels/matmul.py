@@ -349,7 +349,7 @@ def decode_order_applies() -> bool:
   return _on_gpu() and gluon_enabled()
 
 
-CODE_ORDERS = ("standard", "decode", "auto")
+CODE_ORDERS = (*nvfp4.CODE_ORDERS, "auto")  # the stored orders, and "auto"
 
 
 def resolve_code_order(order: str) -> str:

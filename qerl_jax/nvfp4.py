@@ -175,7 +175,8 @@ def to_decode_order(t: NVFP4Tensor) -> NVFP4Tensor:
   Same values, same shapes and bytes; only the bits inside each 4-byte block of code rows
   ``2i, 2i + 1`` and columns ``2c, 2c + 1`` move (:data:`DECODE_ORDER_BITS`). The Gluon decode
   kernel (:mod:`pallas_kernels.w4_gluon`) then spends about a third fewer instructions on the E2M1
-  decode; every other path converts back first (:func:`to_standard_order`, a pass over the codes).
+  decode, and the large-M dequantize kernel reads it in place too; the other paths convert back first
+  (:func:`to_standard_order`, a pass over the codes).
   A no-op on a tensor already in decode order. Works under ``jax.jit``.
 
   Raises:

@@ -121,7 +121,8 @@ def quantize_base(base: dict, quant: str = "nvfp4") -> dict:
 def to_decode_order(base: dict) -> dict:
   """``base`` with every NVFP4 linear's codes in the GPU decode kernel's order
   (:func:`qerl_jax.nvfp4.to_decode_order`): same values, same bytes; the Gluon decode GEMV spends
-  fewer instructions on the E2M1 decode, and every other path converts back as it reads.
+  fewer instructions on the E2M1 decode, the large-M dequantize reads it in place, and the other
+  paths convert back as they read.
 
   Raises:
     ValueError: an NVFP4 linear with an odd N.
