@@ -100,15 +100,9 @@ def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False
   return y.astype(out_dtype)
 
 
-def _clamp_layer(index, num_layers: int) -> jax.Array:
-  """``index`` clamped to ``[0, num_layers)`` as the kernels clamp it (``lax.dynamic_index_in_dim``
-  alone would wrap a negative index to the end of the stack)."""
-  return jnp.clip(jnp.asarray(index, jnp.int32), 0, num_layers - 1)
-
-
 def _layer_b(b, index):
   """``b`` ``[R, N]`` as given, or layer ``index`` (clamped) of a stack ``[L, R, N]``."""
-  return b if b.ndim == 2 else jax.lax.dynamic_index_in_dim(b, _clamp_layer(index, b.shape[0]), 0, keepdims=False)
+  return b if b.ndim == 2 else w4_triton.layer_slice(b, index)
 
 
 def _lora_delta(xa, b, scale, index=None):
@@ -222,7 +216,7 @@ def _kernel_matmul_lora_bwd(scale, out_dtype, interpret, res, dy):
   dxa = (scale * jnp.dot(dy32, _layer_b(b, index).astype(jnp.float32).T)).astype(xa.dtype)
   db = (scale * jnp.dot(xa.astype(jnp.float32).T, dy32)).astype(b.dtype)
   if b.ndim == 3:  # only layer `index` (clamped, as in the forward) of the stack gets a cotangent
-    db = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(b), db, _clamp_layer(index, b.shape[0]), 0)
+    db = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(b), db, w4_triton.clamp_layer(index, b.shape[0]), 0)
   return dx, dw, dindex, dxa, db
 
 
@@ -250,8 +244,7 @@ def layer_of(w, index):
   """
   if w.packed.ndim != 3:
     raise ValueError(f"expected a stack of 4-bit matrices [L, K, N], got packed shape {w.packed.shape}")
-  layer = _clamp_layer(index, w.packed.shape[0])
-  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), w)
+  return w4_triton.layer_slice(w, index)
 
 
 def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", index=None,

@@ -214,8 +214,7 @@ def block_scales_bf16(w: nvfp4.NVFP4Tensor, index=None) -> jax.Array:
   ``scale * 2**118`` (exact: E4M3 fits bf16's significand), ``[K/16, N]``."""
   s = w.block_scale
   if index is not None and s.ndim == 3:
-    s = jax.lax.dynamic_index_in_dim(s, jnp.clip(jnp.asarray(index, jnp.int32).reshape(()), 0, s.shape[0] - 1), 0,
-                                     keepdims=False)
+    s = w4_triton.layer_slice(s, index)
   return (s.astype(jnp.float32) * _SCALE_BIAS).astype(jnp.bfloat16)
 
 

@@ -616,6 +616,20 @@ def _layer_operands(w, fmt: _Format, index):
           _global_scales(w, num), jnp.asarray(index, jnp.int32).reshape(1))
 
 
+def clamp_layer(index, num_layers: int) -> jax.Array:
+  """``index`` (int32 scalar or one-element array, traced or not) clamped to ``[0, num_layers)`` as the
+  kernels clamp it (``lax.dynamic_index_in_dim`` alone would wrap a negative index to the end)."""
+  return jnp.clip(jnp.asarray(index, jnp.int32).reshape(()), 0, num_layers - 1)
+
+
+def layer_slice(stack, index):
+  """Layer ``index`` (clamped, :func:`clamp_layer`) of ``stack``: an array or a pytree (a stacked
+  4-bit tensor) whose every leaf has the layer as its leading dim. An XLA dynamic slice (a copy on a
+  GPU, where the kernels read a layer in place instead)."""
+  layer = clamp_layer(index, jax.tree.leaves(stack)[0].shape[0])
+  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), stack)
+
+
 def _standard_codes(w, index):
   """``(w, index)`` with NVFP4 codes in the standard order these kernels read. A weight in
   :func:`qerl_jax.nvfp4.to_decode_order`'s order is converted by XLA (one pass over its codes); of a
@@ -624,9 +638,7 @@ def _standard_codes(w, index):
   if not (isinstance(w, nvfp4.NVFP4Tensor) and w.code_order == "decode"):
     return w, index
   if index is not None and w.packed.ndim == 3:
-    layer = jnp.clip(jnp.asarray(index, jnp.int32).reshape(()), 0, w.packed.shape[0] - 1)
-    w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), w)
-    index = None
+    w, index = layer_slice(w, index), None
   return nvfp4.to_standard_order(w), index
 
 
@@ -637,9 +649,7 @@ def _run(kind, a, w, out_dtype, config, interpret, poison_output, index=None, lo
   w, index = _standard_codes(w, index)
   if lora is not None and index is None and layer is not None and lora[1].ndim == 3:  # that layer of b too
     xa, b, scale = lora
-    b = jax.lax.dynamic_index_in_dim(b, jnp.clip(jnp.asarray(layer, jnp.int32).reshape(()), 0, b.shape[0] - 1), 0,
-                                     keepdims=False)
-    lora = (xa, b, scale)
+    lora = (xa, layer_slice(b, layer), scale)
   fmt = _format_of(w)
   k, n = w.shape
   m = a.shape[0]
