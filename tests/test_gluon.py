@@ -432,7 +432,7 @@ def test_gpu_gluon_decode_order_matches_float64(m, k, n, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", [(3584, 4608), (18944, 3584), (1088, 768)])
 def test_gpu_dequantize_reads_decode_order_in_place(k, n, monkeypatch):
-  """The lab in-place dequantize of decode-order codes (w4_triton.DEQUANT_DECODE_ORDER_IN_PLACE),
+  """The in-place dequantize of decode-order codes (w4_triton.DEQUANT_DECODE_ORDER_IN_PLACE, the default),
   compiled for the GPU, gives the standard order's dense weight bit for bit at each layer of a stack."""
   from pallas_kernels import w4_triton
   monkeypatch.setattr(w4_triton, "DEQUANT_DECODE_ORDER_IN_PLACE", True)
@@ -447,7 +447,8 @@ def test_gpu_dequantize_reads_decode_order_in_place(k, n, monkeypatch):
 def test_gpu_decode_order_on_every_kernel_path_equals_the_standard_order(monkeypatch):
   """A decode-order weight through quantized_matmul on the other paths (the Pallas fused kernel with
   the Gluon kernel off, dequantize + cuBLAS at M = 200, the dx kernels of the gradient at M = 8 and
-  64, forward_into) gives the standard order's result: those paths convert the codes back first."""
+  64, forward_into) gives the standard order's result: the Pallas paths convert the codes back first,
+  the dequantize kernel reads them in place."""
   import pallas_kernels
   k, n = 1088, 768
   wq = _weight(k, n, 11, layers=3)

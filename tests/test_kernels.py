@@ -438,8 +438,8 @@ def test_kernels_lower_for_cuda_without_a_gpu(monkeypatch):
 
 def test_decode_order_weights_on_the_pallas_kernels_equal_the_standard_order():
   """A weight in nvfp4.to_decode_order's order (the Gluon kernel's) through the interpret-mode Pallas
-  kernels: forward (with a stacked LoRA factor at a clamped layer), dx and the dequantize kernel
-  convert the layer's codes back and give the standard order's results bit for bit."""
+  kernels: forward (with a stacked LoRA factor at a clamped layer) and dx convert the layer's codes
+  back, the dequantize kernel reads them in place; all give the standard order's results bit for bit."""
   k, n, m, r = 160, 72, 5, 8
   wq = nvfp4.quantize(np.random.default_rng(3).standard_normal((3, k, n)).astype(np.float32) * 0.05)
   wd = nvfp4.to_decode_order(wq)
@@ -460,8 +460,8 @@ def test_decode_order_weights_on_the_pallas_kernels_equal_the_standard_order():
 
 @pytest.mark.parametrize("l,k,n,block_k2,block_n", [(3, 160, 72, None, None), (2, 64, 300, 8, 32), (1, 48, 10, 16, 64)])
 def test_dequantize_reads_decode_order_in_place(l, k, n, block_k2, block_n, monkeypatch):
-  """w4_triton.DEQUANT_DECODE_ORDER_IN_PLACE (lab): the dequantize kernel reads decode-order codes in
-  place (uint16 views of each block's two code rows) and gives the standard order's dense weight bit
+  """w4_triton.DEQUANT_DECODE_ORDER_IN_PLACE (the default, pinned here): the dequantize kernel reads
+  decode-order codes in place (byte views of each block's two code rows) and gives the standard order's dense weight bit
   for bit, at every layer of a stack, with ragged K/4 and N/2 against the tiles."""
   monkeypatch.setattr(w4_triton, "DEQUANT_DECODE_ORDER_IN_PLACE", True)
   w = nvfp4.quantize(np.random.default_rng(k + n).standard_normal((l, k, n)).astype(np.float32) * 0.05)
