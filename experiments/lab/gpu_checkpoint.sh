@@ -146,7 +146,7 @@ step 21 && { timeout 150 python3 experiments/lab/gluon/decode_probe.py 2>&1 | gr
     --code_order=decode --out="$OUT/issue6_2048_decode" 2>&1 | grep "_fused |\|NVFP4 /"; } | tee "$OUT/issue6_decode.txt"
 step 22 && { timeout 200 python3 -m pytest -q -m gpu tests/test_gluon.py -k "dequantize_reads_decode_order" 2>&1 | tail -2
   export XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_dynamic_slice_fusion=true"
-  timeout 150 python3 experiments/lab/time_code_order.py 2>&1 | grep -v "^[IW][0-9]\|Warn"
+  QERL_DEQUANT_IN_PLACE=0 timeout 150 python3 experiments/lab/time_code_order.py 2>&1 | grep -v "^[IW][0-9]\|Warn"
   QERL_DEQUANT_IN_PLACE=1 timeout 150 python3 experiments/lab/time_code_order.py 2>&1 | grep -v "^[IW][0-9]\|Warn"
   unset XLA_FLAGS; } | tee "$OUT/dequant_in_place.txt"
 step 23 && { timeout 120 python3 -m pytest -q -m gpu tests/test_gluon_dx.py 2>&1 | tail -2

@@ -11,11 +11,12 @@ This times, per 7B layer matrix of a 28-layer stack (device time, one traced cal
 * ``fwd M=2048`` and ``dx``: ``quantized_matmul`` and ``matmul.kernel_dx`` (dequantize + cuBLAS) from a
   standard-order stack and from a decode-order one, so the difference is the order's whole cost there.
 
-  PYTHONPATH=$PWD python3 experiments/lab/time_code_order.py
-  QERL_DEQUANT_IN_PLACE=1 PYTHONPATH=$PWD python3 experiments/lab/time_code_order.py   # the in-place kernel
+  PYTHONPATH=$PWD python3 experiments/lab/time_code_order.py                            # the in-place kernel (default)
+  QERL_DEQUANT_IN_PLACE=0 PYTHONPATH=$PWD python3 experiments/lab/time_code_order.py   # the XLA conversion first
 
 Session 16 (H200, standard dequantize after the XLA conversion): the conversion ran at about 0.7 TB/s and
-an M = 2048 forward took 19-22% longer in decode order (docs/benchmarks.md, "Session 16").
+an M = 2048 forward took 19-22% longer in decode order (docs/benchmarks.md, "Session 16"); session 17
+measured the in-place kernel within 2% of the standard order and turned it on.
 """
 import os
 import sys
@@ -40,9 +41,10 @@ def device_us(fn, *args) -> float:
 
 
 def main():
-  if os.environ.get("QERL_DEQUANT_IN_PLACE") == "1":  # the lab in-place dequantize of decode-order codes
-    w4_triton.DEQUANT_DECODE_ORDER_IN_PLACE = True
-    print("w4_triton.DEQUANT_DECODE_ORDER_IN_PLACE = True", flush=True)
+  setting = os.environ.get("QERL_DEQUANT_IN_PLACE")  # "0": the XLA conversion; "1" (the default since session 17): in place
+  if setting in ("0", "1"):
+    w4_triton.DEQUANT_DECODE_ORDER_IN_PLACE = setting == "1"
+  print(f"w4_triton.DEQUANT_DECODE_ORDER_IN_PLACE = {w4_triton.DEQUANT_DECODE_ORDER_IN_PLACE}", flush=True)
   idx = jnp.int32(13)
   for name, (k, n) in SHAPES.items():
     w = jax.jit(lambda key: nvfp4.quantize(jax.random.normal(key, (LAYERS, k, n), jnp.bfloat16) * 0.02))(
