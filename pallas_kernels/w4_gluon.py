@@ -110,11 +110,6 @@ WG_ASYNC = 0  # lab (session 13): 1 issues the x-ring builds' wgmma asynchronous
               # i's MMA runs; the copies run one step less ahead); needs X_STAGES >= 3. Offline SASS: with the ring
               # at MB = 64 (X_RING_MIN_MB = 64) 120 registers, the HGMMAs pipelined (wait 1); at MB = 128 the cap
               # of 128 registers makes ptxas serialize them (160 uncapped). Not yet measured on the GPU.
-L2_PREFETCH = 0  # lab (session 18): > 0 issues cp.async.bulk.prefetch.L2 (sm_90) for a program's code and scale rows
-                 # this many K steps ahead of their loads (>= STEPS: all of them when the program starts), so that more
-                 # of the weight stream is in flight than the registers hold; 0: off
-L2_PREFETCH_BULK = 0  # lab: 1 prefetches whole rows by cp.async.bulk.prefetch.L2 (sm_90; ptxas loops over the warp's
-                      # addresses), 0 one 128-byte line a thread by prefetch.global.L2
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -281,33 +276,6 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
     s = ttgl.load(s_ptr + ttgl.expand_dims(sg + (s_row0 + i * 4), 1) * N + ttgl.expand_dims(sn, 0) + n0)
     return c, s, xb
 
-  # L2 prefetch (lab, L2_PREFETCH): a bulk prefetch of a whole BN-byte row (sm_90; a per-warp instruction that
-  # ptxas loops over the lanes' addresses) or a per-thread prefetch of one 128-byte line
-  pf_bulk = ttgl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], "
-                           f"{narrow_n if narrow else 256}; mov.b32 $0, 0; }}")
-  pf_line = ttgl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
-  pf_layout = ttgl.constexpr(ttgl.BlockedLayout([1], [32], [_warps(wg, narrow_n)], [0]))
-
-  @gluon.jit
-  def prefetch_rows(ptr, row0, n0, first_row, last_row, N: ttgl.constexpr, BULK: ttgl.constexpr):
-    """L2 prefetch of rows [first_row, last_row) (BN bytes from column n0 of rows row0 + r)."""
-    R: ttgl.constexpr = 32 * WARPS
-    LPR: ttgl.constexpr = 1 if BULK else BN // 128  # units a row: the bulk prefetch takes the row at once
-    e = ttgl.arange(0, R, layout=pf_layout)
-    for base in ttgl.static_range(first_row * LPR, last_row * LPR, R):
-      u = e + base
-      addr = ptr + (u // LPR + row0) * N + n0 + (u % LPR) * 128
-      ttgl.inline_asm_elementwise(pf_bulk if BULK else pf_line, "=r,l,r", [addr, (u < last_row * LPR).to(ttgl.int32)],
-                                  dtype=ttgl.int32, is_pure=False, pack=1)
-
-  @gluon.jit
-  def prefetch_l2(p_ptr, s_ptr, kp0, s_row0, n0, first: ttgl.constexpr, count: ttgl.constexpr, N: ttgl.constexpr,
-                  STEPS: ttgl.constexpr, BULK: ttgl.constexpr):
-    """L2 prefetch of steps [first, first + count) (clipped to STEPS): their 32 code rows and 4 scale rows."""
-    last: ttgl.constexpr = ttgl.constexpr(min(first + count, STEPS))  # (ttgl named in the body: a closure variable)
-    prefetch_rows(p_ptr, kp0, n0, first * 32, last * 32, N, BULK)
-    prefetch_rows(s_ptr, s_row0, n0, first * 4, last * 4, N, BULK)
-
   @gluon.jit
   def decode(c, s, DO: ttgl.constexpr):
     """codes [32, 256] and block scales [4, 256] of one step -> the weight operand [256 rows, 64 k]
@@ -353,8 +321,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
   @gluon.jit
   def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                  K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0,
-                 PF: ttgl.constexpr = 0, PFB: ttgl.constexpr = 0):
+                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0):
     if WG:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, MB, 16])
@@ -383,8 +350,6 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
     x_offs = ttgl.expand_dims(kk + pid_s * (STEPS * 64), 1) + ttgl.expand_dims(mm, 0) * K
     x_mask = ttgl.expand_dims(mm < M, 0) & ttgl.expand_dims(kk >= 0, 1)
     acc = ttgl.zeros([BN, MB], ttgl.float32, layout=mma)
-    if PF:  # the first PF steps now; step i + PF at step i below
-      prefetch_l2(p_ptr, s_ptr, kp0, s_row0, n0, 0, PF, N, STEPS, PFB)
     if XS > 0:  # x, already in slot order (x_in_slot_order), copied by cp.async PRE steps ahead into a ring of XS buffers
       # rows past M read row M - 1 (their outputs are never stored)
       xp_offs = ttgl.expand_dims(kk + pid_s * (STEPS * 64), 1) + ttgl.expand_dims(ttgl.minimum(mm, M - 1), 0) * K
@@ -397,8 +362,6 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
         async_copy.commit_group()
       c0, s0, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, False)
       for i in ttgl.static_range(STEPS):
-        if PF and i + PF < STEPS:
-          prefetch_l2(p_ptr, s_ptr, kp0, s_row0, n0, i + PF, 1, N, STEPS, PFB)
         c1, s1, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N,
                               False)
         if WA:  # decoded before the wait, so that it overlaps step i - 1's MMA
@@ -423,8 +386,6 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
     else:
       c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N)
       for i in ttgl.static_range(STEPS):  # unrolled; step i+1's loads are issued before step i's math
-        if PF and i + PF < STEPS:
-          prefetch_l2(p_ptr, s_ptr, kp0, s_row0, n0, i + PF, 1, N, STEPS, PFB)
         c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N)
         if WG:
           # buffer i % 2 was last read by step i - 2's (synchronous) MMA, done before barrier i - 1
@@ -760,9 +721,6 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
               XS=xs, WA=int(bool(WG_ASYNC) and xs >= 3))
   if decode_order:  # the codes in nvfp4.to_decode_order's order: the cheaper decode
     meta["DO"] = 1
-  if L2_PREFETCH > 0:
-    meta["PF"] = int(L2_PREFETCH)
-    meta["PFB"] = int(L2_PREFETCH_BULK)
   return Build(wg, narrow, block_n, splits, meta)
 
 
