@@ -10,6 +10,7 @@ for large M); on CPU, and for inputs without a kernel, the pure-XLA reference.
 (launched by the XLA FFI handler in ``gluon_launch.cc``; ``matmul.GLUON``).
 ``decode_order_applies()`` says whether the Gluon kernel reads NVFP4 codes stored in its own order
 (``qerl_jax.nvfp4.to_decode_order``) on this machine.
+``dequantize(w)`` gives a 4-bit weight (or a stack) as a dense array, the large-M path's values.
 ``quantized_matmul_into(x, w, acc, offset)`` runs it into a region of a zeroed float32 buffer, so that
 a decode step's projections share one memset (forward only).
 ``quantized_matmul(x, w_stack, index=i)`` multiplies by layer ``i`` of a stacked
@@ -18,8 +19,8 @@ a decode step's projections share one memset (forward only).
 one layer of the stacked KV cache in place. See docs/kernels.md.
 """
 
-from pallas_kernels.matmul import (FUSED_MAX_M, accumulate_applies, decode_order_applies, quantized_matmul,
+from pallas_kernels.matmul import (FUSED_MAX_M, accumulate_applies, decode_order_applies, dequantize, quantized_matmul,
                                    quantized_matmul_into, reference_matmul, resolve_code_order)
 
-__all__ = ["FUSED_MAX_M", "accumulate_applies", "decode_order_applies", "quantized_matmul", "quantized_matmul_into",
-           "reference_matmul", "resolve_code_order"]
+__all__ = ["FUSED_MAX_M", "accumulate_applies", "decode_order_applies", "dequantize", "quantized_matmul",
+           "quantized_matmul_into", "reference_matmul", "resolve_code_order"]

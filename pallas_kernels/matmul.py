@@ -232,6 +232,47 @@ def _kernel_applies(x, w, index=None) -> bool:
           and x.dtype == jnp.bfloat16)
 
 
+def dequantize(w, dtype=jnp.bfloat16, *, backend: str = "auto") -> jax.Array:
+  """A 4-bit weight (or a stack of them) as a dense array: the values the large-M path multiplies by.
+
+  The sampler uses it to dequantize a base once for a whole rollout
+  (``SamplingConfig.dequantize_min_rows``) instead of once per layer and decode step.
+
+  Args:
+    w: NVFP4Tensor or NF4Tensor ``[K, N]``, or a stack ``[L, K, N]`` (one leading dim).
+    dtype: output dtype (bf16 or float32).
+    backend: ``"auto"`` (the Pallas dequantize kernel on a GPU, one launch per layer of a stack,
+      each reading its layer in place; else the reference), ``"reference"``
+      (:func:`qerl_jax.nvfp4.dequantize` / :func:`qerl_jax.nf4.dequantize` in XLA), ``"pallas"``
+      (the kernel; GPU only) or ``"interpret"`` (the kernel in Pallas interpret mode, for CPU tests).
+
+  Returns:
+    ``dtype`` ``[K, N]`` or ``[L, K, N]``; ``K x N x 2`` bytes a layer in bf16. The kernel's values
+    equal the reference's up to the final rounding to ``dtype`` (float32 products of the E2M1 value,
+    the E4M3 block scale and the inverse global scale, taken in a different order;
+    :func:`pallas_kernels.w4_triton.dequantize`).
+
+  Raises:
+    ValueError: unknown backend, or more than one leading dim.
+    TypeError: ``w`` is not an NVFP4Tensor or NF4Tensor.
+  """
+  if backend not in BACKENDS:
+    raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+  if not isinstance(w, (nvfp4.NVFP4Tensor, nf4.NF4Tensor)):
+    raise TypeError(f"expected an NVFP4Tensor or NF4Tensor, got {type(w).__name__}")
+  if w.packed.ndim not in (2, 3):
+    raise ValueError(f"dequantize takes [K, N] or a stack [L, K, N]; packed codes have shape {w.packed.shape}")
+  if backend == "auto":
+    backend = "pallas" if _on_gpu() else "reference"
+  if backend == "reference":
+    return _dequantize(w, dtype)
+  interpret = backend == "interpret"
+  if w.packed.ndim == 2:
+    return w4_triton.dequantize(w, dtype, interpret=interpret)
+  layers = jnp.arange(w.packed.shape[0], dtype=jnp.int32)
+  return jax.lax.map(lambda i: w4_triton.dequantize(w, dtype, interpret=interpret, index=i), layers)
+
+
 def layer_of(w, index):
   """Layer ``index`` (int32 scalar, traced or not; clamped to ``[0, L)``) of a stacked 4-bit tensor
   ``[L, K, N]`` as a ``[K, N]`` tensor.

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels
 from pallas_kernels import matmul, quantized_matmul, reference_matmul, w4_triton
 from qerl_jax import nf4, nvfp4
 
@@ -97,6 +98,44 @@ def test_dequantize_kernel_bit_exact(fmt, k, n):
   got = w4_triton.dequantize(wq, jnp.bfloat16, block_k2=32, block_n=64, interpret=True)
   np.testing.assert_array_equal(np.asarray(got, np.float32),
                                 np.asarray(mod.dequantize(wq, jnp.bfloat16), np.float32))
+
+
+def _nvfp4_dense_np(w):
+  """float64 dense weight from an NVFP4 tensor's bytes (standard code order), written from the format's
+  definition: code row 2j in the low nibble, E2M1 sign bit 3, magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6},
+  times the E4M3 block scale of 16 rows, divided by the global scale."""
+  p = np.asarray(w.packed)
+  codes = np.stack([p & 15, p >> 4], axis=-2).reshape(*p.shape[:-2], 2 * p.shape[-2], p.shape[-1])
+  v = np.array([0, .5, 1, 1.5, 2, 3, 4, 6])[codes & 7] * np.where(codes & 8, -1.0, 1.0)
+  s = np.repeat(np.asarray(w.block_scale.astype(jnp.float32), np.float64), 16, axis=-2)
+  return v * s / np.asarray(w.global_scale, np.float64)[..., None, None]
+
+
+@pytest.mark.parametrize("order", ["standard", "decode"])
+def test_public_dequantize_of_a_stack(order):
+  """pallas_kernels.dequantize (what SamplingConfig.dequantize_min_rows runs once a rollout): a stack
+  [L, K, N] through the kernel, one layer a launch (interpret mode), and through the reference; bf16
+  values bit for bit nvfp4.dequantize's, within bf16 rounding of a float64 decode of the bytes; bad
+  input raises."""
+  w = nvfp4.quantize(np.random.default_rng(5).standard_normal((3, 96, 72)).astype(np.float32) * 0.05)
+  wd = w if order == "standard" else nvfp4.to_decode_order(w)
+  want = _nvfp4_dense_np(w)
+  for backend in ("interpret", "reference"):
+    got = pallas_kernels.dequantize(wd, jnp.bfloat16, backend=backend)
+    assert got.shape == (3, 96, 72) and got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(nvfp4.dequantize(w, jnp.bfloat16), np.float32))
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2 ** -8, atol=0)
+  one = pallas_kernels.dequantize(jax.tree.map(lambda a: a[1], wd), jnp.float32, backend="interpret")
+  np.testing.assert_allclose(np.asarray(one, np.float64), want[1], rtol=1e-6, atol=0)
+  nf = nf4.quantize(np.random.default_rng(6).standard_normal((2, 128, 40)).astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(pallas_kernels.dequantize(nf, backend="interpret"), np.float32),
+                                np.asarray(nf4.dequantize(nf, jnp.bfloat16), np.float32))
+  with pytest.raises(ValueError, match="unknown backend"):
+    pallas_kernels.dequantize(w, backend="cuda")
+  with pytest.raises(TypeError, match="NVFP4Tensor or NF4Tensor"):
+    pallas_kernels.dequantize(jnp.zeros((16, 16)))
+  with pytest.raises(ValueError, match=r"stack \[L, K, N\]"):
+    pallas_kernels.dequantize(jax.tree.map(lambda a: a[None], w))
 
 
 @pytest.mark.parametrize("m", [3, 72])  # fused path, then dequantize + dot path

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
 from pallas_kernels import decode_attention as decode_attn
 from qerl_jax import nf4, nvfp4
 from qerl_jax.models import layers
@@ -130,14 +131,19 @@ def to_decode_order(base: dict) -> dict:
   return map_linears(lambda w: nvfp4.to_decode_order(w) if isinstance(w, nvfp4.NVFP4Tensor) else w, base)
 
 
-def dequantize_base(base: dict, dtype=jnp.float32) -> dict:
-  """The float model a quantized base represents: each 4-bit linear dequantized to ``dtype``."""
+def dequantize_base(base: dict, dtype=jnp.float32, *, backend: str = "reference") -> dict:
+  """The float model a quantized base represents: each 4-bit linear dequantized to ``dtype``
+  (``[L, K, N]``; ``K x N x 2`` bytes a layer in bf16).
+
+  ``backend`` is :func:`pallas_kernels.dequantize`'s: ``"reference"`` (default; XLA, exact float32
+  products) or ``"auto"`` (the Pallas dequantize kernel on a GPU, one layer at a time: the values the
+  large-M matmul path uses).
+
+  Raises:
+    ValueError: unknown ``backend``.
+  """
   def deq(w):
-    if isinstance(w, nvfp4.NVFP4Tensor):
-      return nvfp4.dequantize(w, dtype)
-    if isinstance(w, nf4.NF4Tensor):
-      return nf4.dequantize(w, dtype)
-    return w
+    return pallas_kernels.dequantize(w, dtype, backend=backend) if layers.is_quantized(w) else w
   return map_linears(deq, base)
 
 
