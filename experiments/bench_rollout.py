@@ -64,6 +64,8 @@ flags.DEFINE_float("time_budget_s", 1e9, "Skip the remaining runs once this much
 flags.DEFINE_string("out", "", "Folder for rollout.md / rollout.json (optional).")
 flags.DEFINE_integer("lora_rank", 0, "Attach a LoRA adapter of this rank to all 7 linears and train-style norms "
                      "(what a training rollout runs; 0: none, the base alone).")
+flags.DEFINE_integer("dequantize_min_rows", 0, "SamplingConfig.dequantize_min_rows: rollouts of at least this many "
+                     "rows run on a bf16 copy of a 4-bit base made once per rollout (0: never).")
 flags.DEFINE_bool("aqn", False, "Fold AQN noise into the RMSNorm weights, as a training rollout does.")
 flags.DEFINE_bool("smoke", False, "Tiny-shape correctness checks on this device, then exit.")
 flags.DEFINE_enum("shape", "qwen2.5-7b", ["qwen2.5-7b", "tiny"], "Model shape (tiny: to try the script on CPU).")
@@ -83,7 +85,7 @@ def kernel_backend() -> str:
     return "reference (pallas_kernels XLA path: dequantize to bf16, then dot)"
   if matmul.gluon_enabled():
     return (f"gluon decode GEMV (pallas_kernels.w4_gluon, launch {w4_gluon.launcher()}) for M <= "
-            f"{w4_gluon.max_rows()}, pallas fused W4A16 Triton kernels above")
+            f"{w4_gluon.max_rows()}, Pallas dequantize + cuBLAS above")
   return "pallas (pallas_kernels fused W4A16 Triton kernels, backend='auto')"
 
 
@@ -171,17 +173,22 @@ def adapter_and_noise(cfg, base, rank: int, aqn: bool):
 
 
 def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth: float, kv_phases: int = 1,
-              lora=None, lora_scale: float = 1.0, noise=None, unroll_decode: bool = True) -> dict:
+              lora=None, lora_scale: float = 1.0, noise=None, unroll_decode: bool = True,
+              dequantize_min_rows: int = 0) -> dict:
   """One compiled generate at (batch, prompt_len, new_tokens), timed twice: all rows live, and no row live.
 
   The end id is outside the vocabulary, so no row ever ends and the decode
   loop runs exactly ``new_tokens - 1`` steps (asserted) through the same
   early-stop while loop that RL uses. Calling the same executable with zero
   live prompts makes the loop exit at once: that run times prefill + cache
-  set-up + the first sample, subtracted to get the decode step time.
+  set-up + the first sample, subtracted to get the decode step time. With
+  ``dequantize_min_rows`` met, the dense copy of the base is made in both runs:
+  it counts in tokens/s, not in the step time, and the roofline counts the
+  copy's bytes (what a step then reads).
   """
   config = sampling.SamplingConfig(max_new_tokens=new_tokens, eos_token_ids=(cfg.vocab_size + 1,), pad_id=0,
-                                   temperature=1.0, kv_phases=kv_phases, unroll_decode=unroll_decode)
+                                   temperature=1.0, kv_phases=kv_phases, unroll_decode=unroll_decode,
+                                   dequantize_min_rows=dequantize_min_rows)
   tokens_np, mask_np = random_prompts(cfg, batch, prompt_len)
   bb, pb = sampling.bucket(batch), sampling.bucket(prompt_len, 16)
   tokens_np, mask_np = sampling.pad_prompts(tokens_np, mask_np, bb, pb, config.pad_id)
@@ -216,13 +223,17 @@ def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth
   # adapters too, as decode reads them: cast to the compute dtype once per rollout (and regrouped for a
   # fused base, block-diagonal b included), not the float32 training copy
   adapter = sampling._decode_adapter(cfg, base, lora) if lora is not None else None
-  w_bytes = weight_bytes_per_step(cfg, base, bb) + (tree_bytes(adapter) if adapter is not None else 0)
+  dense_copy = config.dequantizes(bb) and sampling.dequantized_base_bytes(base, cfg.dtype) > 0
+  read = base  # what a decode step reads: with the dense copy, its shapes
+  if dense_copy:
+    read = jax.eval_shape(lambda b: models.dequantize_base(b, jnp.dtype(cfg.dtype)), base)
+  w_bytes = weight_bytes_per_step(cfg, read, bb) + (tree_bytes(adapter) if adapter is not None else 0)
   slots_run = pb + new_tokens
   kv_per_slot = 2 * cfg.num_layers * bb * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(config.cache_dtype).itemsize
   ends = (0,) + config.phase_ends()  # slots each step's attention reads: prompt bucket + the phase's end
   kv_run = kv_per_slot * (pb + sum((e - s) * e for s, e in zip(ends[:-1], ends[1:])) / new_tokens)
   kv_ideal = kv_per_slot * (prompt_len + new_tokens / 2)
-  return dict(batch=batch, new_tokens=new_tokens, kv_phases=kv_phases, compile_s=t_compile, prefill_s=t_prefill, total_s=t_total,
+  return dict(batch=batch, new_tokens=new_tokens, kv_phases=kv_phases, dense_copy=dense_copy, compile_s=t_compile, prefill_s=t_prefill, total_s=t_total,
               tokens_per_s=batch * new_tokens / t_total, decode_tokens_per_s=batch * (new_tokens - 1) / (t_total - t_prefill),
               step_ms=1e3 * step, weight_gb=w_bytes / 1e9, kv_cache_gb=sampling.kv_cache_bytes(cfg, bb, slots_run) / 1e9,
               roofline_ideal_ms=1e3 * (w_bytes + kv_ideal) / bandwidth, roofline_run_ms=1e3 * (w_bytes + kv_run) / bandwidth)
@@ -319,7 +330,8 @@ def main(argv):
         print(f"skipping {fmt} batch {batch}: time budget {FLAGS.time_budget_s}s spent", flush=True)
         continue
       r = bench_one(cfg, bases[fmt], batch, FLAGS.prompt_len, overrides.get(batch, FLAGS.new_tokens), bandwidth,
-                    FLAGS.kv_phases, *extras[fmt], unroll_decode=FLAGS.unroll_decode)
+                    FLAGS.kv_phases, *extras[fmt], unroll_decode=FLAGS.unroll_decode,
+                    dequantize_min_rows=FLAGS.dequantize_min_rows)
       r["format"] = fmt + _suffix()
       rows.append(r)
       print(json.dumps(r), flush=True)
@@ -330,13 +342,14 @@ def main(argv):
       continue
     batch = int(batch)
     r = bench_one(cfg, bases[fmt], batch, FLAGS.prompt_len, overrides.get(batch, FLAGS.new_tokens), bandwidth,
-                  int(phases), *extras[fmt], unroll_decode=FLAGS.unroll_decode)
+                  int(phases), *extras[fmt], unroll_decode=FLAGS.unroll_decode,
+                  dequantize_min_rows=FLAGS.dequantize_min_rows)
     r["format"] = fmt + _suffix()
     rows.append(r)
     print(json.dumps(r), flush=True)
   lines = [header, sep]
   for r in rows:
-    lines.append(f"| {r['format']} | {r['batch']} | {r['new_tokens']} | {r['kv_phases']} | {r['tokens_per_s']:.0f} | "
+    lines.append(f"| {r['format']}{' (bf16 copy)' if r['dense_copy'] else ''} | {r['batch']} | {r['new_tokens']} | {r['kv_phases']} | {r['tokens_per_s']:.0f} | "
                  f"{r['decode_tokens_per_s']:.0f} | {r['step_ms']:.2f} | {r['roofline_ideal_ms']:.2f} | "
                  f"{100 * r['roofline_ideal_ms'] / r['step_ms']:.0f}% | {r['roofline_run_ms']:.2f} | "
                  f"{r['prefill_s']:.3f} | {r['compile_s']:.1f} | {r['kv_cache_gb']:.1f} |")
@@ -346,7 +359,8 @@ def main(argv):
     for fused in ("", "_fused"):
       q4, b16 = by.get(("nvfp4" + fused + extra, batch)), by.get(("bf16" + fused + extra, batch))
       if q4 and b16:
-        label = (" (fused projections)" if fused else "") + (f" with {extra[1:]}" if extra else "")
+        label = ((" (fused projections)" if fused else "") + (f" with {extra[1:]}" if extra else "")
+                 + (", NVFP4 on its bf16 copy" if q4["dense_copy"] else ""))
         lines.append(f"\nbatch {batch}{label}: NVFP4 / bf16 throughput = "
                      f"{q4['tokens_per_s'] / b16['tokens_per_s']:.2f}x")
   table = "\n".join(lines)

@@ -71,6 +71,19 @@ class SamplingConfig:
       with NVFP4 weights and 4.61 instead of 4.80 with bf16; the decode step
       compiled in 6-12 s instead of about 3 (docs/benchmarks_rollout.md,
       session 10). Same tokens and log-probabilities.
+    dequantize_min_rows: ``0`` (default) keeps a 4-bit base 4-bit throughout. Otherwise,
+      when the decode rows (the batch bucket times ``num_generations``) are at least
+      this many, every 4-bit linear of the base is dequantized to the compute dtype
+      once, at the start of the call, and prefill and decode run on that dense copy;
+      it lives for the rollout and costs ``K x N x 2`` bytes a layer and linear in
+      bf16 (13.1 GB for the linears of Qwen2.5-7B, reported in
+      ``metrics["dequantized_base_bytes"]``). Above 128 rows a decode step has no
+      4-bit kernel of its own: it dequantizes every layer to bf16 in HBM and then
+      runs cuBLAS, each step. Dequantizing once instead runs at about bf16's speed. Measured
+      on an H200 (Qwen2.5-7B shape, batch 256, 2048 new tokens; docs/benchmarks_rollout.md,
+      session 18): NVFP4 0.72x bf16 per step without it. The values are those of the
+      large-M matmul path, so tokens may differ from the 4-bit kernels' (different
+      rounding), as they do between batch sizes.
   """
 
   max_new_tokens: int
@@ -86,6 +99,7 @@ class SamplingConfig:
   cache_dtype: Any = jnp.bfloat16
   kv_phases: int = 1
   unroll_decode: bool = True
+  dequantize_min_rows: int = 0
 
   def __post_init__(self):
     # Accept lists for the id fields but store tuples (hashable).
@@ -110,6 +124,14 @@ class SamplingConfig:
       raise TypeError(f"SamplingConfig.unroll_decode must be a bool, got {self.unroll_decode!r}")
     if not isinstance(self.num_generations, (int, np.integer)) or self.num_generations < 1:
       raise ValueError(f"SamplingConfig.num_generations must be an int >= 1, got {self.num_generations!r}")
+    if not isinstance(self.dequantize_min_rows, (int, np.integer)) or self.dequantize_min_rows < 0:
+      raise ValueError(f"SamplingConfig.dequantize_min_rows must be an int >= 0 (0 = never), "
+                       f"got {self.dequantize_min_rows!r}")
+
+  def dequantizes(self, decode_rows: int) -> bool:
+    """Whether a rollout of ``decode_rows`` rows (batch bucket x ``num_generations``) runs on a
+    dense copy of a 4-bit base (``dequantize_min_rows``)."""
+    return 0 < self.dequantize_min_rows <= decode_rows
 
   @property
   def end_ids(self) -> tuple[int, ...]:
@@ -402,6 +424,15 @@ def kv_cache_bytes(cfg_model, batch: int, max_len: int, dtype=jnp.bfloat16) -> i
   return int(kv * jnp.dtype(dtype).itemsize + batch * max_len)
 
 
+def dequantized_base_bytes(base: dict, dtype) -> int:
+  """Bytes of the dense copy :attr:`SamplingConfig.dequantize_min_rows` makes of ``base``: every
+  4-bit linear at ``K x N`` elements of ``dtype`` a layer (0 for a base without 4-bit linears)."""
+  total = []
+  models.map_linears(lambda w: total.append(math.prod(w.packed.shape[:-2]) * w.shape[0] * w.shape[1])
+                     if models.is_quantized(w) else None, base)
+  return int(sum(total)) * jnp.dtype(dtype).itemsize
+
+
 def _extend_cache(cache: dict, extra: int) -> dict:
   """Append ``extra`` empty slots to every row of a KV cache (k, v ``[L, B, S, Hkv, hd]``, mask ``[B, S]``)."""
   return {"k": jnp.pad(cache["k"], ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))),
@@ -437,6 +468,8 @@ def _generate_impl(cfg_model, config: SamplingConfig, lora_scale: float, base, l
   g, t_max = config.num_generations, config.max_new_tokens
   n = b * g
   end_ids = config.end_ids
+  if config.dequantizes(n):  # one dense copy for the whole rollout (see SamplingConfig.dequantize_min_rows)
+    base = models.dequantize_base(base, jnp.dtype(cfg_model.dtype), backend="auto")
   fwd = dict(lora=_decode_adapter(cfg_model, base, lora), lora_cfg=lora_scale, norm_noise=norm_noise)
 
   # Prefill: B prompts once, cache of P slots; then repeat it G times and add T empty slots.
@@ -540,7 +573,8 @@ def generate(cfg_model, base: dict, prompt_tokens, prompt_mask, key: jax.Array, 
     :class:`Rollout` with ``B * G`` rows (row ``b * G + g``) and ``T =
     config.max_new_tokens`` columns. ``metrics["kv_cache_bytes"]`` is the size
     of the decode KV cache (bytes, the padded bucket), which dominates the
-    sampler's activation memory.
+    sampler's activation memory; ``metrics["dequantized_base_bytes"]`` the dense
+    copy of the base made for this rollout (0 when none; ``config.dequantize_min_rows``).
 
   Raises:
     TypeError: ``config`` is not a :class:`SamplingConfig`.
@@ -560,6 +594,7 @@ def generate(cfg_model, base: dict, prompt_tokens, prompt_mask, key: jax.Array, 
   finished = done[:n]
   metrics = {
       "kv_cache_bytes": kv_cache_bytes(cfg_model, bb * g, pb + config.max_new_tokens, config.cache_dtype),
+      "dequantized_base_bytes": dequantized_base_bytes(base, cfg_model.dtype) if config.dequantizes(bb * g) else 0,
       "decode_steps": steps,
       "bucket_batch": bb,
       "bucket_prompt_len": pb,

@@ -702,7 +702,7 @@ def _make_generate(config, model_cfg, base, lora_scale, eos_ids, pad_id):
     scfg = sampling.SamplingConfig(
         max_new_tokens=int(max_new_tokens), eos_token_ids=tuple(eos_ids), pad_id=int(pad_id),
         temperature=temp, top_p=float(s.top_p), top_k=int(s.top_k),
-        num_generations=int(num_generations))
+        num_generations=int(num_generations), dequantize_min_rows=int(s.get("dequantize_min_rows", 0)))
     return sampling.generate(model_cfg, base, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask),
                              key, scfg, lora=params, lora_cfg=lora_scale, norm_noise=noise)
 

@@ -329,3 +329,64 @@ def test_generate_reads_a_decode_order_base_as_the_standard_one():
     b = sampling.generate(cfg, ordered, tokens, mask, jax.random.key(3), config)
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
+
+
+def test_dequantize_min_rows_samples_from_a_dense_copy_of_the_base():
+  """SamplingConfig.dequantize_min_rows: at or above the threshold (decode rows = batch bucket x G) the
+  rollout runs on a dense copy of the 4-bit base, and samples what the same base dequantized beforehand
+  (models.dequantize_base, XLA) samples: same tokens and log-probabilities; the copy's bytes are
+  reported (hand count below); below the threshold, or at 0, no copy is made."""
+  from qerl_jax import models
+  cfg = models.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=16, dtype="float32")
+  base = models.quantize_base(models.init_params(cfg, jax.random.key(0), dtype=jnp.float32, std=0.2), "nvfp4")
+  dense = models.dequantize_base(base, jnp.float32)
+  tokens = jnp.asarray([[0, 5, 7, 9], [3, 4, 8, 2]], jnp.int32)
+  mask = jnp.asarray([[0, 1, 1, 1], [1, 1, 1, 1]], jnp.int32)
+  # per layer: q 64x64, k 64x32, v 64x32, o 64x64, gate 64x128, up 64x128, down 128x64 float32 weights
+  copy_bytes = 2 * (4096 + 2048 + 2048 + 4096 + 8192 + 8192 + 8192) * 4
+  for temperature in (0.0, 1.0):
+    kw = dict(max_new_tokens=6, eos_token_ids=(96,), pad_id=96, temperature=temperature, num_generations=2)
+    want = sampling.generate(cfg, dense, tokens, mask, jax.random.key(3), SamplingConfig(**kw))
+    assert want.metrics["dequantized_base_bytes"] == 0
+    for rows, copied in ((4, True), (5, False), (0, False)):  # 2 prompts x G 2 = 4 decode rows
+      ro = sampling.generate(cfg, base, tokens, mask, jax.random.key(3), SamplingConfig(**kw, dequantize_min_rows=rows))
+      assert ro.metrics["dequantized_base_bytes"] == (copy_bytes if copied else 0)
+      np.testing.assert_array_equal(np.asarray(ro.tokens), np.asarray(want.tokens))
+      np.testing.assert_allclose(np.asarray(ro.logprobs), np.asarray(want.logprobs), rtol=0, atol=1e-6)
+  fused = models.quantize_base(models.fuse_projections(
+      models.init_params(cfg, jax.random.key(0), dtype=jnp.float32, std=0.2)), "nvfp4")
+  ro = sampling.generate(cfg, fused, tokens, mask, jax.random.key(3),
+                         SamplingConfig(max_new_tokens=6, eos_token_ids=(96,), pad_id=96, temperature=0.0,
+                                        dequantize_min_rows=1))
+  assert ro.metrics["dequantized_base_bytes"] == copy_bytes  # fused q/k/v and gate/up: the same weights
+  with pytest.raises(ValueError, match="dequantize_min_rows"):
+    SamplingConfig(max_new_tokens=4, eos_token_ids=(1,), pad_id=0, dequantize_min_rows=-1)
+
+
+@pytest.mark.gpu
+def test_gpu_dequantize_min_rows_equals_sampling_a_predequantized_bf16_base():
+  """On a GPU (bf16 model, fused NVFP4 base in the decode kernel's code order, as the trainer stores it):
+  the rollout's dense copy comes from the Pallas dequantize kernel, one launch per layer, and sampling on
+  it equals sampling on the same base dequantized beforehand by XLA, token for token and log-probability
+  for log-probability (the kernel's bf16 values are nvfp4.dequantize's bit for bit). Without the copy the
+  4-bit kernels run and the log-probabilities differ from it, but within bf16 rounding."""
+  from qerl_jax import models
+  cfg = models.ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=64, dtype="bfloat16")
+  base = models.to_decode_order(models.quantize_base(models.fuse_projections(
+      models.init_params(cfg, jax.random.key(0), dtype=jnp.float32, std=0.05)), "nvfp4"))
+  dense = models.dequantize_base(base, jnp.bfloat16)  # XLA, from the standard order
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 500, (4, 12)), jnp.int32)
+  mask = jnp.ones((4, 12), jnp.int32)
+  kw = dict(max_new_tokens=16, eos_token_ids=(511,), pad_id=511, temperature=1.0)
+  want = sampling.generate(cfg, dense, tokens, mask, jax.random.key(3), SamplingConfig(**kw))
+  got = sampling.generate(cfg, base, tokens, mask, jax.random.key(3), SamplingConfig(**kw, dequantize_min_rows=4))
+  assert got.metrics["dequantized_base_bytes"] == 2 * 2 * (256 * 512 + 256 * 256 + 256 * 1024 + 512 * 256)
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  np.testing.assert_array_equal(np.asarray(got.logprobs), np.asarray(want.logprobs))
+  four_bit = sampling.generate(cfg, base, tokens, mask, jax.random.key(3), SamplingConfig(**kw))
+  assert four_bit.metrics["dequantized_base_bytes"] == 0
+  lp4, lpd = np.asarray(four_bit.logprobs), np.asarray(want.logprobs)
+  same = np.cumprod(np.asarray(four_bit.tokens) == np.asarray(want.tokens), axis=1).astype(bool)  # before a row diverges
+  np.testing.assert_allclose(lp4[same], lpd[same], atol=0.1)
