@@ -25,6 +25,13 @@ def rotating_weights(k: int, n: int, min_mb: int = 256):
   return q0, copies
 
 
+def dense_copies(k: int, n: int, min_mb: int = 512):
+  """Distinct bf16 ``[k, n]`` weights holding at least ``min_mb`` MiB (at least 2), for timing bf16
+  matmuls beyond the L2 as :func:`rotating_weights` does for the 4-bit ones."""
+  return [jax.random.normal(jax.random.key(i), (k, n), jnp.bfloat16)
+          for i in range(max(2, (min_mb << 20) // (k * n * 2)))]
+
+
 def activations(m: int, k: int):
   """bf16 ``[m, k]`` standard-normal activations and a float32 reference matmul maker."""
   return jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)

@@ -20,7 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from labcommon import SHAPES_7B, activations, rotating_weights, us_per_call  # noqa: E402
+from labcommon import SHAPES_7B, activations, dense_copies, rotating_weights, us_per_call  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -63,7 +63,7 @@ def halves(x, w):
 tot = {}
 for name, (k, n) in SHAPES.items():
   q0, qs = rotating_weights(k, n)
-  dense = [jax.random.normal(jax.random.key(i), (k, n), jnp.bfloat16) for i in range(max(2, (512 << 20) // (k * n * 2)))]
+  dense = dense_copies(k, n)
   for m in MS:
     x = activations(m, k)
     ref = reference_matmul(x, q0, out_dtype=jnp.float32)
