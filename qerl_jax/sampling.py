@@ -79,9 +79,10 @@ class SamplingConfig:
       bf16 (13.1 GB for the linears of Qwen2.5-7B, reported in
       ``metrics["dequantized_base_bytes"]``). Above 128 rows a decode step has no
       4-bit kernel of its own: it dequantizes every layer to bf16 in HBM and then
-      runs cuBLAS, each step. Dequantizing once instead runs at about bf16's speed. Measured
-      on an H200 (Qwen2.5-7B shape, batch 256, 2048 new tokens; docs/benchmarks_rollout.md,
-      session 18): NVFP4 0.72x bf16 per step without it. The values are those of the
+      runs cuBLAS, each step. Dequantizing once instead runs at about bf16's speed: on an
+      H200 (Qwen2.5-7B shape, batch 256, 2048 new tokens; docs/benchmarks_rollout.md,
+      session 18) NVFP4 ran at 0.72x of bf16's tokens/s without it and 1.01x with it,
+      the copy included. The values are those of the
       large-M matmul path, so tokens may differ from the 4-bit kernels' (different
       rounding), as they do between batch sizes.
   """
