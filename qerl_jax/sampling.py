@@ -75,8 +75,8 @@ class SamplingConfig:
       when the decode rows (the batch bucket times ``num_generations``) are at least
       this many, every 4-bit linear of the base is dequantized to the compute dtype
       once, at the start of the call, and prefill and decode run on that dense copy;
-      it lives for the rollout and costs ``K x N x 2`` bytes a layer and linear in
-      bf16 (13.1 GB for the linears of Qwen2.5-7B, reported in
+      it lives for the rollout and costs ``K x N x itemsize`` bytes a layer and linear
+      (13.1 GB for the linears of Qwen2.5-7B in bf16, reported in
       ``metrics["dequantized_base_bytes"]``). Above 128 rows a decode step has no
       4-bit kernel of its own: it dequantizes every layer to bf16 in HBM and then
       runs cuBLAS, each step. Dequantizing once instead runs at about bf16's speed: on an
@@ -183,9 +183,11 @@ class Rollout:
     prompt_tokens: int32 ``[B*G, P]``, each row's prompt (left-padded, as given).
     prompt_mask: int32 ``[B*G, P]``, 1 on real prompt tokens.
     metrics: dict of scalars: ``kv_cache_bytes`` (int, bytes of the decode KV
-      cache), ``decode_steps`` (int32, forward calls after prefill),
+      cache), ``dequantized_base_bytes`` (int, the dense copy of the base,
+      0 without one; ``SamplingConfig.dequantize_min_rows``), ``decode_steps``
+      (int32 jax scalar, forward calls after prefill, which samples token 0),
       ``bucket_batch`` / ``bucket_prompt_len`` (ints, the compiled shape),
-      ``generated_tokens`` (int32, ``sum(lengths)``).
+      ``generated_tokens`` (int32 jax scalar, ``sum(lengths)``).
   """
 
   tokens: jax.Array

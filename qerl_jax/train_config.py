@@ -40,7 +40,7 @@ Layout (units in brackets)::
   rl.num_iterations, epsilon, epsilon_high, beta, kl_estimator, scale_rewards,
   rl.mask_truncated_completions, format_reward_weight
   sampling.temperature / top_p / top_k / max_completion_length [tokens]
-  sampling.dequantize_min_rows  0: rollouts stay 4-bit; N: rollouts of >= N rows run on a bf16 copy of
+  sampling.dequantize_min_rows  0: rollouts stay 4-bit; N: rollouts of >= N rows run on a dense copy (compute dtype) of
                           the base made once a rollout (faster above 128 rows; qerl_jax.sampling.SamplingConfig)
   optim.learning_rate / b1 / b2 / weight_decay / warmup_ratio / lr_schedule / max_grad_norm
   train.total_steps, save_every, keep_checkpoints, eval_every, eval_batch_size,
@@ -127,7 +127,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.sampling.top_k = 0  # 0: off
   c.sampling.max_completion_length = 2048
   # 0: never. N > 0: a rollout of at least N rows (prompts x G, bucketed) dequantizes the 4-bit base once
-  # and samples on that bf16 copy (13.1 GB more at 7B): above 128 rows a 4-bit decode step otherwise
+  # and samples on that dense copy (13.1 GB more at 7B in bf16): above 128 rows a 4-bit decode step otherwise
   # dequantizes every layer each step (0.72x of bf16 at batch 256; docs/benchmarks_rollout.md).
   c.sampling.dequantize_min_rows = 0
 
