@@ -430,10 +430,9 @@ def kv_cache_bytes(cfg_model, batch: int, max_len: int, dtype=jnp.bfloat16) -> i
 def dequantized_base_bytes(base: dict, dtype) -> int:
   """Bytes of the dense copy :attr:`SamplingConfig.dequantize_min_rows` makes of ``base``: every
   4-bit linear at ``K x N`` elements of ``dtype`` a layer (0 for a base without 4-bit linears)."""
-  total = []
-  models.map_linears(lambda w: total.append(math.prod(w.packed.shape[:-2]) * w.shape[0] * w.shape[1])
-                     if models.is_quantized(w) else None, base)
-  return int(sum(total)) * jnp.dtype(dtype).itemsize
+  quantized = [w for w in jax.tree.leaves(base, is_leaf=models.is_quantized) if models.is_quantized(w)]
+  elements = sum(math.prod(w.packed.shape[:-2]) * w.shape[0] * w.shape[1] for w in quantized)
+  return int(elements) * jnp.dtype(dtype).itemsize
 
 
 def _extend_cache(cache: dict, extra: int) -> dict:
