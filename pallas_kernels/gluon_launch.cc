@@ -38,23 +38,6 @@ typedef struct CUmod_st* CUmodule;
 typedef struct CUfunc_st* CUfunction;
 typedef int CUdevice;
 
-// cuLaunchKernelEx's configuration (CUDA 12 driver API, cuda.h), for programmatic dependent launch.
-struct CUlaunchAttribute {
-  int id;
-  char pad[4];
-  union {
-    char bytes[64];
-    int programmatic_stream_serialization_allowed;
-  } value;
-};
-struct CUlaunchConfig {
-  unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes;
-  cudaStream_t stream;
-  CUlaunchAttribute* attrs;
-  unsigned num_attrs;
-};
-constexpr int kProgrammaticStreamSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-
 namespace {
 
 struct Driver {
@@ -69,7 +52,6 @@ struct Driver {
   CUresult (*ctx_pop)(CUcontext*) = nullptr;
   CUresult (*device_get)(CUdevice*, int) = nullptr;
   CUresult (*memset_d32_async)(unsigned long long, unsigned, size_t, cudaStream_t) = nullptr;
-  CUresult (*launch_kernel_ex)(const CUlaunchConfig*, CUfunction, void**, void**) = nullptr;  // optional
   bool ok = false;
 };
 
@@ -88,7 +70,6 @@ const Driver& GetDriver() {
     d.ctx_pop = reinterpret_cast<decltype(d.ctx_pop)>(dlsym(lib, "cuCtxPopCurrent_v2"));
     d.device_get = reinterpret_cast<decltype(d.device_get)>(dlsym(lib, "cuDeviceGet"));
     d.memset_d32_async = reinterpret_cast<decltype(d.memset_d32_async)>(dlsym(lib, "cuMemsetD32Async"));
-    d.launch_kernel_ex = reinterpret_cast<decltype(d.launch_kernel_ex)>(dlsym(lib, "cuLaunchKernelEx"));
     d.ok = d.ctx_get_current && d.module_load_data && d.module_get_function && d.launch_kernel &&
            d.func_set_attribute && d.primary_ctx_retain && d.ctx_push && d.ctx_pop && d.device_get &&
            d.memset_d32_async;
@@ -130,7 +111,7 @@ CUresult Function(const Driver& d, std::string_view key, std::string_view ptx, s
 
 ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view key,
                   std::string_view ptx, std::string_view name, int64_t grid_x, int64_t grid_y, int64_t grid_z,
-                  int64_t threads, int64_t shared, int64_t zero_results, int64_t out_offset, int64_t pdl) {
+                  int64_t threads, int64_t shared, int64_t zero_results, int64_t out_offset) {
   const Driver& d = GetDriver();
   if (!d.ok) return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_launch: libcuda.so.1 not loadable");
   CUfunction fn = nullptr;
@@ -168,19 +149,8 @@ ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRe
   pointers.push_back(nullptr);  // profile scratch
   std::vector<void*> params;
   for (void*& p : pointers) params.push_back(&p);
-  if (pdl && d.launch_kernel_ex) {  // the kernel waits (griddepcontrol.wait) before it reads what earlier kernels wrote
-    CUlaunchAttribute attr = {};
-    attr.id = kProgrammaticStreamSerialization;
-    attr.value.programmatic_stream_serialization_allowed = 1;
-    CUlaunchConfig config = {static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y),
-                             static_cast<unsigned>(grid_z), static_cast<unsigned>(threads), 1, 1,
-                             static_cast<unsigned>(shared), stream, &attr, 1};
-    r = d.launch_kernel_ex(&config, fn, params.data(), nullptr);
-  } else {
-    r = d.launch_kernel(fn, static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y), static_cast<unsigned>(grid_z),
-                        static_cast<unsigned>(threads), 1, 1, static_cast<unsigned>(shared), stream, params.data(),
-                        nullptr);
-  }
+  r = d.launch_kernel(fn, static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y), static_cast<unsigned>(grid_z),
+                      static_cast<unsigned>(threads), 1, 1, static_cast<unsigned>(shared), stream, params.data(), nullptr);
   if (r != 0) {
     return ffi::Error(ffi::ErrorCode::kInternal,
                       "qerl_gluon_launch: cuLaunchKernel(" + std::string(name) + ") failed, CUresult " + std::to_string(r));
@@ -204,8 +174,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QerlGluonLaunch, Launch,
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("shared")
                                   .Attr<int64_t>("zero_results")
-                                  .Attr<int64_t>("out_offset")
-                                  .Attr<int64_t>("pdl"),
+                                  .Attr<int64_t>("out_offset"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // Loads `name` of `ptx` (digest `key`, as the handler's attribute) into device `device`'s primary context

@@ -110,9 +110,6 @@ WG_ASYNC = 0  # lab (session 13): 1 issues the x-ring builds' wgmma asynchronous
               # i's MMA runs; the copies run one step less ahead); needs X_STAGES >= 3. Offline SASS: with the ring
               # at MB = 64 (X_RING_MIN_MB = 64) 120 registers, the HGMMAs pipelined (wait 1); at MB = 128 the cap
               # of 128 registers makes ptxas serialize them (160 uncapped). Not yet measured on the GPU.
-PDL = int(os.environ.get("QERL_GLUON_PDL", "0"))  # lab (session 19): 1 launches the kernels with programmatic
-  # dependent launch (cuLaunchKernelEx); each program issues its first step's weight loads, then waits
-  # (griddepcontrol.wait) for the kernels before it, then reads x. Read at import.
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -324,8 +321,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
   @gluon.jit
   def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                  K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0,
-                 GDC: ttgl.constexpr = 0):
+                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0):
     if WG:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, MB, 16])
@@ -388,12 +384,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
       if WA:
         acc = hopper.warpgroup_mma_wait(0, deps=[acc])
     else:
-      if GDC:  # programmatic dependent launch: the weights need no wait, x (and the output) do
-        c0, s0, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, False)
-        ttgl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=ttgl.int32, is_pure=False, pack=1)
-        x0 = ttgl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
-      else:
-        c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N)
+      c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N)
       for i in ttgl.static_range(STEPS):  # unrolled; step i+1's loads are issued before step i's math
         c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N)
         if WG:
@@ -407,9 +398,6 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
           a = ttgl.convert_layout(decode(c0, s0, DO), a_layout)
           acc = mma_v2(a, ttgl.convert_layout(x_slots(x0), xl), acc)
         c0, s0, x0 = c1, s1, x1
-    if GDC:  # the next kernel may launch now; it waits for this one's stores before it reads them
-      ttgl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=ttgl.int32,
-                                  is_pure=False, pack=1)
     acc = acc * (256.0 / gs)  # 2**8 undoes the decode's 2**-8
     # rows r -> columns n = nu(r) (the inverse relabelling), then 16-byte stores along n
     if NARROW:  # rows (r_top .. r0) = (n_top .. n4 n0 n3 n2 n1); at 128 columns [0, 1, 2, 4, 5, 6, 3, 7]
@@ -660,15 +648,13 @@ def _module_key(ptx: str, name: str) -> str:
 
 
 def _launch_attrs(ptx: str, name: str, grid: tuple[int, int, int], shared: int, threads: int = 128,
-                  zero_results: bool = False, out_offset: int = 0, pdl: bool = False) -> dict:
+                  zero_results: bool = False, out_offset: int = 0) -> dict:
   """The FFI call's attributes, as ``gluon_launch.cc`` binds them (a CPU test checks their count);
   ``zero_results``: the launcher zeroes the results on the stream before the kernel runs;
-  ``out_offset``: bytes added to the result's pointer (the kernel writes a region of it); ``pdl``: launch
-  with programmatic dependent launch (the kernel must wait, ``griddepcontrol.wait``, before it reads
-  what earlier kernels wrote)."""
+  ``out_offset``: bytes added to the result's pointer (the kernel writes a region of it)."""
   return dict(key=_module_key(ptx, name), ptx=ptx, name=name, grid_x=np.int64(grid[0]), grid_y=np.int64(grid[1]),
               grid_z=np.int64(grid[2]), threads=np.int64(threads), shared=np.int64(shared),
-              zero_results=np.int64(zero_results), out_offset=np.int64(out_offset), pdl=np.int64(pdl))
+              zero_results=np.int64(zero_results), out_offset=np.int64(out_offset))
 
 
 def _wgmma_gpus() -> bool:
@@ -735,8 +721,6 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
               XS=xs, WA=int(bool(WG_ASYNC) and xs >= 3))
   if decode_order:  # the codes in nvfp4.to_decode_order's order: the cheaper decode
     meta["DO"] = 1
-  if PDL and not xs and launcher() == "ffi":
-    meta["GDC"] = 1
   return Build(wg, narrow, block_n, splits, meta)
 
 
@@ -773,8 +757,7 @@ def _ffi_call(build: Build, operands, out_shape, aliases, **attrs):
   ``out_offset`` of :func:`_launch_attrs`."""
   ptx, name, shared = _compiled(tuple(build.meta.items()), build.wg, build.narrow_n)
   return jax.ffi.ffi_call(_FFI_TARGET, out_shape, input_output_aliases=aliases)(
-      *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=32 * build.warps,
-                                 pdl=bool(build.meta.get("GDC")), **attrs))
+      *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=32 * build.warps, **attrs))
 
 
 def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -> jax.Array:
