@@ -42,16 +42,45 @@ def unpack_nibbles(packed: jax.Array) -> jax.Array:
 
 
 def exact_divide(a: jax.Array, b) -> jax.Array:
-  """``a / b`` with ``b`` broadcast to ``a``'s shape, correctly rounded (IEEE division).
+  """``a / b`` with ``b`` broadcast to ``a``'s shape, correctly rounded (IEEE division) on every backend.
 
-  XLA's algebraic simplifier rewrites ``a / broadcast(b)`` (and ``a / constant``)
-  into ``a * (1 / b)``, which is off by one ulp for about a third of the inputs and
-  would break bit-exactness with the PyTorch recipes. Adding ``a * 0`` gives the
-  divisor ``a``'s shape without changing its value for finite ``a`` (a NaN/Inf in
-  ``a`` is rejected by the callers' checks), so XLA keeps a true division, fused
-  in the same loop.
+  Two rewrites would make it inexact, and the quantizers must match the PyTorch recipes bit for bit:
+
+  * XLA's algebraic simplifier turns ``a / broadcast(b)`` (and ``a / constant``) into
+    ``a * (1 / b)``, off by one ulp for about a third of the inputs. Adding ``a * 0`` gives the
+    divisor ``a``'s shape without changing its value for finite ``a`` (a NaN/Inf in ``a`` is
+    rejected by the callers' checks), so XLA keeps a true division.
+  * On a GPU, XLA lowers a float32 division to PTX ``div.full.f32`` (LLVM ``-nvptx-prec-divf32=1``),
+    up to 2 ulp off. So the quotient is taken in float64 (``div.rn.f64``, exact on every backend) and
+    rounded once to ``a``'s dtype: with 53 >= 2 * 24 + 2 bits, that double rounding equals a single
+    correct rounding of the quotient (Figueroa, "When is double rounding innocuous?", 1995). The
+    result is materialized (:func:`materialize`): a GPU would otherwise carry the float64 quotient
+    into the next operation unrounded.
+
+  Args:
+    a: float32 (or narrower float) array, any shape.
+    b: float array or scalar broadcastable to ``a``.
+
+  Returns:
+    ``a``'s shape and dtype.
   """
-  return a / (b + a * 0)
+  a = jnp.asarray(a)
+  with jax.enable_x64(True):
+    a64 = a.astype(jnp.float64)
+    q = (a64 / (jnp.asarray(b).astype(jnp.float64) + a64 * 0)).astype(a.dtype)
+  return materialize(q)
+
+
+def materialize(x: jax.Array) -> jax.Array:
+  """``x`` unchanged, behind an optimization barrier, so that a rounding that made it (a cast to a
+  narrower float) stays in the program.
+
+  On a GPU, XLA (``--xla_allow_excess_precision``, on by default) removes a convert pair such as
+  float32 -> float8/bf16 -> float32 and keeps the unrounded float32 value. The quantizers round
+  block scales to E4M3 and statistics to bf16 on purpose; without the barrier a GPU quantized
+  with unrounded scales and never saw an E4M3 scale round to zero (docs/foundation.md).
+  """
+  return jax.lax.optimization_barrier(x)
 
 
 def decode(codes: jax.Array, codebook: np.ndarray, dtype=jnp.float32) -> jax.Array:

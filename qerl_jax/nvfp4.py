@@ -233,8 +233,9 @@ _REDUCED_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _round_to(x: jax.Array, dtype) -> jax.Array:
-  """Float32 ``x`` rounded (RNE) to ``dtype`` and back; the identity for float32."""
-  return x if dtype is None else x.astype(dtype).astype(jnp.float32)
+  """Float32 ``x`` rounded (RNE) to ``dtype`` and back; the identity for float32. The rounded
+  value is materialized (:func:`_packing.materialize`): XLA on a GPU would drop the round trip."""
+  return x if dtype is None else _packing.materialize(x.astype(dtype)).astype(jnp.float32)
 
 
 def _global_scale_from_amax(amax: jax.Array, dtype=None) -> jax.Array:
@@ -244,7 +245,10 @@ def _global_scale_from_amax(amax: jax.Array, dtype=None) -> jax.Array:
   rounded to the tensor's dtype; ``dtype`` (bf16/f16, or None for float32) is that dtype.
   """
   safe = jnp.where(amax > 0, amax, 1.0).astype(jnp.float32)
-  recip = _round_to(_packing.exact_divide(jnp.ones_like(safe), safe), dtype)
+  # An opaque 1 (materialized): with a literal 1 as the numerator, a GPU's quotient came out one
+  # float32 ulp high (amax = 10000; docs/benchmarks.md, session 19).
+  one = _packing.materialize(jnp.ones_like(safe))
+  recip = _round_to(_packing.exact_divide(one, safe), dtype)
   gs = _round_to(recip * jnp.float32(E4M3_MAX * E2M1_MAX), dtype)
   gs = jnp.where(amax > 0, gs, 1.0)
   return jnp.minimum(gs, jnp.finfo(jnp.float32).max).astype(jnp.float32)
@@ -292,7 +296,8 @@ def _quantize_core(w: jax.Array, global_scale) -> tuple[NVFP4Tensor, jax.Array]:
   # w's dtype and the product in float32, clamp, cast to E4M3. (Divisions go through
   # exact_divide: XLA would otherwise turn them into reciprocal multiplies, one ulp off.)
   s = jnp.clip(gs_b * _round_to(_packing.exact_divide(amax_block, E2M1_MAX), low), -E4M3_MAX, E4M3_MAX)
-  s = s.astype(jnp.float8_e4m3fn)
+  # (materialized: on a GPU XLA would otherwise test and divide by the unrounded float32 scale)
+  s = _packing.materialize(s.astype(jnp.float8_e4m3fn))
   s = jnp.where(s.astype(jnp.float32) == 0, jnp.float8_e4m3fn(ZERO_BLOCK_SCALE), s)
   scale = _packing.exact_divide(s.astype(jnp.float32), gs_b)  # [..., K/16, N]
   scaled = jnp.clip(_packing.exact_divide(blocks, scale[..., :, None, :]), -E2M1_MAX, E2M1_MAX)
