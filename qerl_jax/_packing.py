@@ -78,7 +78,8 @@ def materialize(x: jax.Array) -> jax.Array:
   On a GPU, XLA (``--xla_allow_excess_precision``, on by default) removes a convert pair such as
   float32 -> float8/bf16 -> float32 and keeps the unrounded float32 value. The quantizers round
   block scales to E4M3 and statistics to bf16 on purpose; without the barrier a GPU quantized
-  with unrounded scales and never saw an E4M3 scale round to zero (docs/foundation.md).
+  with unrounded scales and never saw an E4M3 scale round to zero (README, "The weight formats";
+  docs/benchmarks.md, session 19).
   """
   return jax.lax.optimization_barrier(x)
 
