@@ -41,6 +41,10 @@ MASKED_SCORE = -1e30  # same finite fill as qerl_jax.models.layers.MASKED_SCORE
 BACKENDS = ("auto", "reference", "pallas", "interpret")
 
 
+APPEND_MIN_HEAD_DIM = 32  # decode_attention_append's Triton kernel was wrong at head_dim 16 on an H200 (relative
+# error 0.28-0.84 against the XLA reference; 2.6e-3 to 3.0e-3 at 32, 64 and 128: docs/benchmarks.md, session 19)
+
+
 def auto_backend(dtype) -> str:
   """What ``backend="auto"`` runs for queries of ``dtype``: ``"pallas"`` on a GPU for 16-bit
   queries, else ``"reference"`` (float32 stays on XLA: Triton's float32 dots are TF32)."""
@@ -418,7 +422,8 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
 
   Raises:
     ValueError: inconsistent shapes, an odd ``hd``, ``H`` not a multiple of ``Hkv``, a bad
-      ``block_s`` or an unknown backend.
+      ``block_s``, an unknown backend, or ``backend="pallas"`` with ``hd < APPEND_MIN_HEAD_DIM``
+      (``"auto"`` runs the reference there).
   """
   num_layers, b, s, kh, d = _check_cache_args(k_LxBxSxKxD, v_LxBxSxKxD, slot_mask_BxS, backend, block_s)
   if num_heads % kh:
@@ -437,7 +442,10 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
   if cos_BxR.shape != (b, d // 2) or sin_BxR.shape != (b, d // 2):
     raise ValueError(f"cos and sin must be [B={b}, hd / 2 = {d // 2}]; got {cos_BxR.shape} and {sin_BxR.shape}")
   if backend == "auto":
-    backend = auto_backend(dtype)
+    backend = auto_backend(dtype) if d >= APPEND_MIN_HEAD_DIM else "reference"
+  if backend == "pallas" and d < APPEND_MIN_HEAD_DIM:
+    raise ValueError(f"decode_attention_append: the GPU kernel needs head_dim >= {APPEND_MIN_HEAD_DIM}, got {d} "
+                     f"(its output is wrong below that); use backend='reference' or 'auto'")
   if backend == "reference":
     return reference_append(qkv_BxN, bias_N, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length,
                             cos_BxR, sin_BxR, num_heads=num_heads, dtype=dtype)

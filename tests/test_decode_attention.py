@@ -7,7 +7,7 @@ import pytest
 
 from pallas_kernels import decode_attention as da
 from qerl_jax import models
-from tests._model_utils import decode_all, left_padded_batch
+from tests._model_utils import assert_same_as_on_cpu, decode_all, left_padded_batch
 
 
 def _np_attention(q, k, v, layer, mask, length):
@@ -179,8 +179,8 @@ def test_append_kernel_matches_float64(length, layer, splits, block_s):
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
   xla_out, xla_k, xla_v = da.decode_attention_append(**c, layer=layer, length=length, num_heads=heads,
                                                      backend="reference")
-  np.testing.assert_array_equal(np.asarray(kc, np.float32), np.asarray(xla_k, np.float32))
-  np.testing.assert_array_equal(np.asarray(vc, np.float32), np.asarray(xla_v, np.float32))
+  assert_same_as_on_cpu(kc, xla_k)
+  assert_same_as_on_cpu(vc, xla_v)
   assert _rel(xla_out, ref_out) < 2e-2
 
 
@@ -277,8 +277,9 @@ def test_decoder_decode_steps_through_the_append_kernel(monkeypatch, quant, with
   # the bias reaches the kernel as the stack [L, N], of which it reads layer li in place
   monkeypatch.setattr(da, "decode_attention_append", lambda *a, **k: calls.append(a[1] is not None)
                       or (a[1] is None or a[1].shape == (cfg.num_layers, 128)) and real_append(*a, **k))
+  monkeypatch.setattr(da, "auto_backend", lambda dtype: "reference")  # what the CPU runs (a GPU: the kernel)
   xla, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
-  assert not calls  # on the CPU the decoder keeps XLA's path
+  assert not calls  # with the reference backend the decoder keeps XLA's path
   monkeypatch.setattr(da, "auto_backend", lambda dtype: "interpret")
   fused, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
   assert calls  # traced once per layer of the jitted decode step
@@ -318,3 +319,18 @@ def test_gpu_kernel_matches_reference_at_7b_shape():
     ref = da.reference(q, k, v, 2, jnp.asarray(mask), length)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _rel(out, np.asarray(ref, np.float64)) < 1e-2
+
+
+def test_append_kernel_is_not_run_below_its_minimum_head_dim(monkeypatch):
+  """Below APPEND_MIN_HEAD_DIM (32) the GPU kernel's output was wrong (session 19 on an H200: relative
+  error 0.28-0.84 at head_dim 16): "auto" runs the XLA reference there even where it would pick the
+  kernel, and an explicit backend="pallas" is refused with the reason."""
+  c, heads, _, _ = _append_case(3, dim=16, group=2)
+  monkeypatch.setattr(da, "auto_backend", lambda dtype: "pallas")  # what a GPU picks for bf16
+  out, kc, _ = da.decode_attention_append(**c, layer=1, length=9, num_heads=heads, backend="auto")
+  ref, rk, _ = da.decode_attention_append(**c, layer=1, length=9, num_heads=heads, backend="reference")
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+  np.testing.assert_array_equal(np.asarray(kc, np.float32), np.asarray(rk, np.float32))
+  with pytest.raises(ValueError, match="head_dim >= 32"):
+    da.decode_attention_append(**c, layer=1, length=9, num_heads=heads, backend="pallas")
+  assert da.APPEND_MIN_HEAD_DIM == 32
