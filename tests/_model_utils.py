@@ -83,3 +83,16 @@ def decode_all(cfg, base, tokens, mask, n_prefill, cache_dtype=None, **kw):
     outs.append(out)
   assert int(cache["index"]) == t
   return jnp.concatenate(outs, axis=1), cache
+
+
+def assert_same_as_on_cpu(actual, desired):
+  """``actual == desired`` bit for bit when JAX runs on the CPU (as in CI). On a GPU two XLA programs
+  that round the same values to bf16 may differ by one bf16 step (2**-8 relative): XLA's excess
+  precision keeps float32 where one of them would round, and fuses them differently. There the
+  arrays must agree to that step, relative to the largest magnitude."""
+  import jax
+  actual, desired = np.asarray(actual, np.float64), np.asarray(desired, np.float64)
+  if jax.default_backend() == "cpu":
+    np.testing.assert_array_equal(actual, desired)
+  else:
+    np.testing.assert_allclose(actual, desired, rtol=2.0 ** -7, atol=2.0 ** -7 * np.abs(desired).max())

@@ -318,8 +318,12 @@ def test_lora_epilogue_routing_gives_the_same_model_output(monkeypatch, fused):
   no_adapter = models.forward(cfg, base, tokens, pos, attn_mask=mask, norm_noise=noise)[0]
   real = np.asarray(mask).astype(bool)
   a, b, c = (np.asarray(v, np.float32)[real] for v in (on, off, no_adapter))
-  tol = 5e-3 * np.abs(b).max()  # bf16 rounding of a different summation order
-  assert np.abs(a - b).max() <= tol and np.abs(b - c).max() > 10 * tol  # the adapter's delta is in both
+  # bf16 rounding of a different summation order. On a GPU the two routes run different kernels (the
+  # fused gate/up of the fused base takes the Gluon kernel, a bf16 output before the adapter's delta):
+  # measured 0.8% of the largest logit there (session 19); the adapter's delta is 8.5% on the CPU.
+  gpu = jax.default_backend() != "cpu"
+  tol = (1e-2 if gpu else 5e-3) * np.abs(b).max()
+  assert np.abs(a - b).max() <= tol and np.abs(b - c).max() > (5 if gpu else 10) * tol  # the delta is in both
 
 
 @pytest.mark.parametrize("fused", [False, True])

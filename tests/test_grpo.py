@@ -241,10 +241,11 @@ def test_group_advantages_basic_and_scalings():
 
 def test_group_advantages_equal_rewards_not_representable():
     r = jnp.full((8,), 0.1, jnp.float32)
-    # the naive float32 computation divides rounding noise (std ~ 8e-9) and returns -0.935:
+    # the naive float32 computation divides rounding noise (std ~ 8e-9) and returns -0.935 on the CPU;
+    # on a GPU, whose sum leaves no noise here, it divides 0 by 0. Never the zeros it should be:
     c = r - r.sum() / 8
-    naive = c / jnp.sqrt((c * c).sum() / 7)
-    assert np.all(np.abs(np.asarray(naive)) > 0.5)
+    naive = np.asarray(c / jnp.sqrt((c * c).sum() / 7))
+    assert np.all(np.isnan(naive) | (np.abs(naive) > 0.5))
     for scale in grpo.SCALE_REWARDS:
         assert np.all(np.asarray(grpo.group_advantages(r, 8, scale_rewards=scale)) == 0.0)
     assert float(grpo.reward_metrics(r, 8)["frac_reward_zero_std"]) == 1.0
@@ -544,8 +545,11 @@ def test_update_step_through_nvfp4_model_with_lora():
     lp64, ref64 = np.asarray(lp0, np.float64), np.asarray(ref, np.float64)
     d = ref64 - lp64
     per = -np.asarray(adv, np.float64)[:, None] + 0.04 * (np.exp(d) - d - 1)
-    np.testing.assert_allclose(float(met["loss"]), per[cmask].mean(), rtol=2e-4, atol=1e-6)
-    np.testing.assert_allclose(float(met["kl"]), (np.exp(d) - d - 1)[cmask].mean(), rtol=2e-4,
+    # (the update recomputes the log-probs in its own program: on the CPU within 2e-4 of lp0; a GPU
+    # fuses that program differently, within 2e-3)
+    rtol = 2e-4 if jax.default_backend() == "cpu" else 2e-3
+    np.testing.assert_allclose(float(met["loss"]), per[cmask].mean(), rtol=rtol, atol=1e-6)
+    np.testing.assert_allclose(float(met["kl"]), (np.exp(d) - d - 1)[cmask].mean(), rtol=rtol,
                                atol=1e-7)
     assert float(met["update_skipped"]) == 0 and np.isfinite(float(met["grad_norm"]))
     assert float(met["grad_norm"]) > 0

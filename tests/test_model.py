@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from qerl_jax import hf, models, nvfp4
-from tests._model_utils import decode_all as _decode_all, left_padded_batch, make_hf_model, torch_logits
+from tests._model_utils import (assert_same_as_on_cpu, decode_all as _decode_all, left_padded_batch, make_hf_model,
+                                torch_logits)
 
 # jit every forward: one compilation per call site is much cheaper than op-by-op dispatch.
 fwd = jax.jit(models.forward, static_argnums=(0,),
@@ -376,7 +377,7 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind):
   monkeypatch.setattr(da, "decode_attention_append", lambda *a, **k: qkv_ndim.append(a[0].ndim) or real_append(*a, **k))
   into, _ = _decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
   assert qkv_ndim == ([] if lora_kind == "per_part" else [2] if lora_kind == "fused" else [1])
-  np.testing.assert_array_equal(np.asarray(into, np.float32), np.asarray(plain, np.float32))
+  assert_same_as_on_cpu(into, plain)
   b = tokens.shape[0]
   # one trace of the scanned layer body (prefill takes the plain path): the fused q/k/v (when the
   # decode attention kernel takes it), o, gate/up (fused: one call, else two) and down

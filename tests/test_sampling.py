@@ -9,14 +9,6 @@ from qerl_jax import sampling
 from qerl_jax.sampling import SamplingConfig
 
 
-@pytest.fixture(autouse=True)
-def _full_precision_float32_matmuls():
-  """float32 matmuls at full precision on every backend: a GPU's default precision multiplies float32
-  in TF32, which moved log-probabilities by up to 3e-3 against the 1e-4 these tests hold them to."""
-  with jax.default_matmul_precision("highest"):
-    yield
-
-
 def _log_softmax64(x):
   x = np.asarray(x, np.float64)
   m = x.max(-1, keepdims=True)
@@ -361,7 +353,10 @@ def test_dequantize_min_rows_samples_from_a_dense_copy_of_the_base():
       ro = sampling.generate(cfg, base, tokens, mask, jax.random.key(3), SamplingConfig(**kw, dequantize_min_rows=rows))
       assert ro.metrics["dequantized_base_bytes"] == (copy_bytes if copied else 0)
       np.testing.assert_array_equal(np.asarray(ro.tokens), np.asarray(want.tokens))
-      np.testing.assert_allclose(np.asarray(ro.logprobs), np.asarray(want.logprobs), rtol=0, atol=1e-6)
+      # (on a GPU the copy's Pallas kernel multiplies by 1 / global scale where XLA's dequantize divides:
+      # a weight may come out one float32 ulp apart; measured up to 2.8e-6 relative in a log-probability)
+      rtol = 0 if jax.default_backend() == "cpu" else 1e-5
+      np.testing.assert_allclose(np.asarray(ro.logprobs), np.asarray(want.logprobs), rtol=rtol, atol=1e-6)
   fused = models.quantize_base(models.fuse_projections(
       models.init_params(cfg, jax.random.key(0), dtype=jnp.float32, std=0.2)), "nvfp4")
   ro = sampling.generate(cfg, fused, tokens, mask, jax.random.key(3),
