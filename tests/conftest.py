@@ -1,6 +1,5 @@
 """Shared test fixtures: the ../shared data folder, GPU skipping, the real Qwen2.5 tokenizer."""
 
-import os
 import pathlib
 
 import jax

@@ -3,7 +3,6 @@ against its XLA reference at small head dims and groups, and tests/test_fuse.py'
 test with the kernel replaced by the reference (which part of a GPU decode step departs)."""
 import sys
 import numpy as np
-import jax
 import jax.numpy as jnp
 sys.path.insert(0, ".")
 from pallas_kernels import decode_attention as da
