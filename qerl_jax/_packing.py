@@ -54,8 +54,8 @@ def exact_divide(a: jax.Array, b) -> jax.Array:
     up to 2 ulp off. So the quotient is taken in float64 (``div.rn.f64``, exact on every backend) and
     rounded once to ``a``'s dtype: with 53 >= 2 * 24 + 2 bits, that double rounding equals a single
     correct rounding of the quotient (Figueroa, "When is double rounding innocuous?", 1995). The
-    result is materialized (:func:`materialize`): a GPU would otherwise carry the float64 quotient
-    into the next operation unrounded.
+    result is materialized (:func:`materialize`), so that no later rewrite reaches back into the
+    float64 quotient (a precaution; what was measured is in docs/benchmarks.md, session 19).
 
   Args:
     a: float32 (or narrower float) array, any shape.
