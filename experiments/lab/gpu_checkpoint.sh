@@ -21,6 +21,7 @@
 #   STEPS=21 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=22 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=23 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=24 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-128), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
@@ -80,6 +81,8 @@
 # 23. (next) the opt-in large-M dx kernel (pallas_kernels/w4_gluon_dx.py, session 17: 0.57x / 0.62x of bf16
 #     at M = 2048 / 8192, 7B summed): its GPU tests, then experiments/lab/time_dx.py against bf16 and
 #     dequantize + cuBLAS with the variants given in DX_VARIANTS (about 3 minutes).
+# 24. (session 19) the tests not marked gpu, on the GPU (8 workers: pytest-xdist and execnet wheels in .whl;
+#     about 4.5 minutes; session 19 fixed the 63 that failed there), then the gpu-marked nvfp4 test added then.
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -155,3 +158,6 @@ step 23 && { timeout 120 python3 -m pytest -q -m gpu tests/test_gluon_dx.py 2>&1
 step 19 && timeout 300 python3 experiments/lab/ejkernel_peer.py 2>&1 | grep -v "^[IW][0-9]\|Warning" | tee "$OUT/ejkernel_peer.txt"
 step 13 && GL_MS=1,8,16 GL_VARIANTS="t128:TARGET_PROGRAMS=128;t256:TARGET_PROGRAMS=256;t1024:TARGET_PROGRAMS=1024" \
   timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn | tee "$OUT/targets.txt"
+step 24 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 400 python3 -m pytest -q -n 8 -m "not gpu" tests \
+    -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15
+  timeout 100 python3 -m pytest -q -m gpu tests/test_nvfp4.py 2>&1 | tail -2; } | tee "$OUT/notgpu_tests_on_gpu.txt"
