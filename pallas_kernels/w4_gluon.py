@@ -110,6 +110,9 @@ WG_ASYNC = 0  # lab (session 13): 1 issues the x-ring builds' wgmma asynchronous
               # i's MMA runs; the copies run one step less ahead); needs X_STAGES >= 3. Offline SASS: with the ring
               # at MB = 64 (X_RING_MIN_MB = 64) 120 registers, the HGMMAs pipelined (wait 1); at MB = 128 the cap
               # of 128 registers makes ptxas serialize them (160 uncapped). Not yet measured on the GPU.
+MMA_MAX_REGISTERS = 128  # the mma.sync builds' register cap (M <= 16): 128 lets 4 programs of 128 threads share
+  # an SM. Lab (session 19, not yet measured): 96 fits 5 and 80 fits 6; offline sm_90 SASS of the MB = 8
+  # decode-order build spills 7 / 40 stores / loads (gate/up) and 3 / 3 (down) at 96, 37-40 / 79-86 at 80.
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -593,7 +596,7 @@ def launcher() -> str | None:
 
 
 def _register_cap(wg: bool, narrow: bool = False, mb: int = 0, xs: int = 0) -> int | None:
-  """The register cap of a build: 128 for the mma.sync builds, so that 4 programs of 128 threads share
+  """The register cap of a build: 128 (``MMA_MAX_REGISTERS``) for the mma.sync builds, so that 4 programs of 128 threads share
   an SM. Uncapped, the atomic build takes 130 registers at MB = 8 and 185 at MB = 16 (3 programs an
   SM); capped, MB = 8 fits without spills and MB = 16 spills a few registers yet runs faster: 59.5
   against 68.3 µs at M = 16, 7B shapes summed (docs/benchmarks.md, session 9). The wgmma builds
@@ -604,19 +607,20 @@ def _register_cap(wg: bool, narrow: bool = False, mb: int = 0, xs: int = 0) -> i
   always do); at MB = 128 without the cp.async x ring, 164 (one program an SM, uncapped). With the
   ring (``xs`` stages; MB = 128 by default) every wgmma build is capped at 128: uncapped it takes
   111-130 registers, capped none spill (offline SASS), and two programs share an SM."""
-  if not wg or (narrow and mb <= 64) or xs:
+  if not wg:
+    return MMA_MAX_REGISTERS
+  if (narrow and mb <= 64) or xs:
     return 128
   return None
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(meta: tuple, wg: bool, narrow_n: int = 0):
+def _compiled(meta: tuple, wg: bool, narrow_n: int = 0, maxnreg: int | None = 128):
   """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta`` (the wgmma build
-  if ``wg``, register cap :func:`_register_cap`), compiled for the oldest visible GPU (sm_90 without
-  one) and loaded on every GPU."""
-  meta = dict(meta)
-  return _load(_compile_gluon(_kernel(wg, narrow_n), _ARG_DTYPES, meta, _target_cc(), num_warps=_warps(wg, narrow_n),
-                              maxnreg=_register_cap(wg, narrow_n > 0, meta["MB"], meta["XS"])))
+  if ``wg``) with at most ``maxnreg`` registers a thread (:func:`_register_cap`; part of the cache key),
+  compiled for the oldest visible GPU (sm_90 without one) and loaded on every GPU."""
+  return _load(_compile_gluon(_kernel(wg, narrow_n), _ARG_DTYPES, dict(meta), _target_cc(),
+                              num_warps=_warps(wg, narrow_n), maxnreg=maxnreg))
 
 
 def _target_cc() -> int:
@@ -755,7 +759,7 @@ def _operands(x, w, index, meta, out):
 def _ffi_call(build: Build, operands, out_shape, aliases, **attrs):
   """``build``'s kernel on ``operands`` through the FFI launcher; ``attrs``: ``zero_results`` and
   ``out_offset`` of :func:`_launch_attrs`."""
-  ptx, name, shared = _compiled(tuple(build.meta.items()), build.wg, build.narrow_n)
+  ptx, name, shared = _compiled(tuple(build.meta.items()), build.wg, build.narrow_n, build.maxnreg)
   return jax.ffi.ffi_call(_FFI_TARGET, out_shape, input_output_aliases=aliases)(
       *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=32 * build.warps, **attrs))
 

@@ -22,6 +22,7 @@
 #   STEPS=22 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=23 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=24 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=25 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-128), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
@@ -83,6 +84,10 @@
 #     dequantize + cuBLAS with the variants given in DX_VARIANTS (about 3 minutes).
 # 24. (session 19) the tests not marked gpu, on the GPU (8 workers: pytest-xdist and execnet wheels in .whl;
 #     about 4.5 minutes; session 19 fixed the 63 that failed there), then the gpu-marked nvfp4 test added then.
+# 25. (session 19, prepared) the M <= 16 Gluon builds with fewer registers, so that more programs share an SM
+#     (w4_gluon.MMA_MAX_REGISTERS: 128 fits 4 programs of 4 warps, 96 fits 5, 80 fits 6; the kernel waits on
+#     dependency chains that 4 warps a scheduler do not hide), each also with a split-K target for the
+#     larger resident count; lab harness at M = 1 and 8 (about 4 minutes), then a batch-8 rollout A/B.
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -161,3 +166,8 @@ step 13 && GL_MS=1,8,16 GL_VARIANTS="t128:TARGET_PROGRAMS=128;t256:TARGET_PROGRA
 step 24 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 400 python3 -m pytest -q -n 8 -m "not gpu" tests \
     -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15
   timeout 100 python3 -m pytest -q -m gpu tests/test_nvfp4.py 2>&1 | tail -2; } | tee "$OUT/notgpu_tests_on_gpu.txt"
+step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REGISTERS=96,TARGET_PROGRAMS=640;r80:MMA_MAX_REGISTERS=80;r80t768:MMA_MAX_REGISTERS=80,TARGET_PROGRAMS=768" \
+    timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn
+  for s in "" "MMA_MAX_REGISTERS=96" "" "MMA_MAX_REGISTERS=96"; do
+    GL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=512 \
+      --formats=nvfp4_fused --time_budget_s=90 2>&1 | grep "w4_gluon\|nvfp4_fused |"; done; } | tee "$OUT/register_caps.txt"
