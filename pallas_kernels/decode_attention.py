@@ -43,8 +43,9 @@ BACKENDS = ("auto", "reference", "pallas", "interpret")
 
 APPEND_MIN_HEAD_DIM = 32  # decode_attention_append's Triton kernel was wrong at head_dim 16 on an H200 (relative
 # error 0.28-0.84 against the XLA reference; 2.6e-3 to 3.0e-3 at 32, 64 and 128: docs/benchmarks.md, session 19).
-# Likely cause: its scores are two dots over the RoPE halves, hd / 2 = 8 long there, and a bf16 tensor-core
-# dot contracts at least 16 (mma k16); decode_attention's one dot over hd = 16 is right.
+# The cause, seen offline in its Triton IR: the scores are two dots over the RoPE halves, 16x8 by 8x64 at
+# head_dim 16 (K = 8), which Triton's own tl.dot refuses for 16-bit inputs (K >= 16, min_dot_size) but
+# Pallas emits unchecked; decode_attention's one dot over hd = 16 is right.
 
 
 def auto_backend(dtype) -> str:
