@@ -7,6 +7,7 @@ Session 14 found libdevice's sin/cos slow path in ``decode_attention_append`` th
 
   PYTHONPATH=$PWD python3 experiments/lab/attention_offline_compile.py      # Qwen2.5-7B heads, batch 8
   ATTN_BATCH=64 PYTHONPATH=$PWD python3 experiments/lab/attention_offline_compile.py
+  ATTN_HEAD_DIM=16 ATTN_KV_HEADS=2 ATTN_GROUP=2 ...   # session 19: the score dots at head_dim 16 have K = 8
 """
 import os
 import sys
@@ -36,7 +37,9 @@ if hasattr(reg, "gpu_info_lib"):  # jax >= 0.11 asks the GPU for its compute cap
   import types
   reg.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)
 
-L, B, S, KH, G, D = 28, int(os.environ.get("ATTN_BATCH", 8)), 2304, 4, 7, 128
+L, B, S = 28, int(os.environ.get("ATTN_BATCH", 8)), 2304
+KH, G, D = (int(os.environ.get(k, v)) for k, v in (("ATTN_KV_HEADS", 4), ("ATTN_GROUP", 7), ("ATTN_HEAD_DIM", 128)))
+da.APPEND_MIN_HEAD_DIM = 0  # compile below the library's minimum too (session 19: what head_dim 16 builds)
 H, N = KH * G, (KH * G + 2 * KH) * D
 sd = jax.ShapeDtypeStruct
 i, cache, f32 = sd((), jnp.int32), sd((L, B, S, KH, D), jnp.bfloat16), jnp.float32
@@ -53,8 +56,8 @@ os.makedirs("/tmp/gl", exist_ok=True)
 for name, (fn, *args) in KERNELS.items():
   del captured[:]
   jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-  path = f"/tmp/gl/{name}_b{B}.ttir"
+  path = f"/tmp/gl/{name}_b{B}_d{D}.ttir"
   with open(path, "w") as f:
     f.write(captured[0])
   kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
-  sass(kernel, f"{name}_b{B}")
+  sass(kernel, f"{name}_b{B}_d{D}")
