@@ -41,6 +41,8 @@ MASKED_SCORE = -1e30  # same finite fill as qerl_jax.models.layers.MASKED_SCORE
 BACKENDS = ("auto", "reference", "pallas", "interpret")
 
 
+MIN_HEAD_DIM = 16  # decode_attention's score dot contracts over hd; Triton's tl.dot needs K >= 16 for 16-bit inputs
+# (Pallas does not check it: see APPEND_MIN_HEAD_DIM). Not seen failing; no model has hd < 64.
 APPEND_MIN_HEAD_DIM = 32  # decode_attention_append's Triton kernel was wrong at head_dim 16 on an H200 (relative
 # error 0.28-0.84 against the XLA reference; 2.6e-3 to 3.0e-3 at 32, 64 and 128: docs/benchmarks.md, session 19).
 # The cause, seen offline in its Triton IR: the scores are two dots over the RoPE halves, 16x8 by 8x64 at
@@ -287,7 +289,8 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
 
   Raises:
     ValueError: inconsistent shapes, ``H`` not a multiple of ``Hkv``, a bad
-      ``block_s`` or an unknown backend.
+      ``block_s``, an unknown backend, or ``backend="pallas"`` with ``hd < MIN_HEAD_DIM`` (``"auto"``
+      runs the reference there).
   """
   num_layers, b, s, kh, d = _check_cache_args(k_LxBxSxKxD, v_LxBxSxKxD, slot_mask_BxS, backend, block_s)
   if q_BxHxD.ndim != 3 or q_BxHxD.shape[0] != b or q_BxHxD.shape[2] != d:
@@ -298,7 +301,10 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
   layer = jnp.asarray(layer, jnp.int32).reshape(1)
   length = jnp.asarray(length, jnp.int32).reshape(1)
   if backend == "auto":
-    backend = auto_backend(q_BxHxD.dtype)
+    backend = auto_backend(q_BxHxD.dtype) if d >= MIN_HEAD_DIM else "reference"
+  if backend == "pallas" and d < MIN_HEAD_DIM:
+    raise ValueError(f"decode_attention: the GPU kernel needs head_dim >= {MIN_HEAD_DIM}, got {d} (a 16-bit "
+                     f"tensor-core dot contracts at least 16); use backend='reference' or 'auto'")
   if backend == "reference":
     return reference(q_BxHxD, k_LxBxSxKxD, v_LxBxSxKxD, jnp.clip(layer[0], 0, num_layers - 1), slot_mask_BxS,
                      length[0])

@@ -334,3 +334,19 @@ def test_append_kernel_is_not_run_below_its_minimum_head_dim(monkeypatch):
   with pytest.raises(ValueError, match="head_dim >= 32"):
     da.decode_attention_append(**c, layer=1, length=9, num_heads=heads, backend="pallas")
   assert da.APPEND_MIN_HEAD_DIM == 32
+
+
+def test_kernel_is_not_run_below_its_minimum_head_dim(monkeypatch):
+  """decode_attention's score dot contracts over hd, which a 16-bit tensor-core dot needs to be at least
+  16 (MIN_HEAD_DIM): below it "auto" runs the XLA reference even where it would pick the kernel, and an
+  explicit backend="pallas" is refused."""
+  q, k, v, mask = _case(4, dim=8, group=2)
+  args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16), 1,
+          jnp.asarray(mask), 40)
+  monkeypatch.setattr(da, "auto_backend", lambda dtype: "pallas")  # what a GPU picks for bf16
+  out = da.decode_attention(*args, backend="auto")
+  ref = da.decode_attention(*args, backend="reference")
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+  with pytest.raises(ValueError, match="head_dim >= 16"):
+    da.decode_attention(*args, backend="pallas")
+  assert da.MIN_HEAD_DIM == 16
