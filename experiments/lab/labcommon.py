@@ -33,8 +33,20 @@ def dense_copies(k: int, n: int, min_mb: int = 512):
 
 
 def activations(m: int, k: int):
-  """bf16 ``[m, k]`` standard-normal activations and a float32 reference matmul maker."""
+  """bf16 ``[m, k]`` standard-normal activations."""
   return jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
+
+
+def matmul_cases(shapes: dict, ms):
+  """``(name, k, n, m, x, q0, copies, dense, ref)`` for every ``name: (k, n)`` of ``shapes`` and every
+  ``m`` of ``ms``: the 4-bit weight and its rotating copies, bf16 copies (made once a shape), the
+  activations, and the XLA reference product ``x @ q0`` in float32."""
+  for name, (k, n) in shapes.items():
+    q0, copies = rotating_weights(k, n)
+    dense = dense_copies(k, n)
+    for m in ms:
+      x = activations(m, k)
+      yield name, k, n, m, x, q0, copies, dense, reference_matmul(x, q0, out_dtype=jnp.float32)
 
 
 def checked_error(forward, x, q0) -> float:

@@ -9,10 +9,10 @@ Each row is first checked against reference_matmul.
 """
 import os, sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from labcommon import SHAPES_7B, activations, dense_copies, rotating_weights, us_per_call  # noqa: E402
+from labcommon import SHAPES_7B, matmul_cases, us_per_call  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from pallas_kernels import reference_matmul, w4_gluon, w4_triton  # noqa: E402
+from pallas_kernels import w4_gluon, w4_triton  # noqa: E402
 
 w4_gluon.MMA_ATOMIC = os.environ.get("GL_MMA_ATOMIC", "1") == "1"  # 0: float32 partials (the pre-session-9 build)
 MS = [int(v) for v in os.environ.get("GL_MS", "1,8,16,32,64").split(",")]
@@ -40,35 +40,30 @@ def with_settings(settings, fn):
 
 
 tot = {}
-for name, (k, n) in SHAPES_7B.items():
-  q0, qs = rotating_weights(k, n)
-  dense = dense_copies(k, n)
-  for m in MS:
-    x = activations(m, k)
-    ref = reference_matmul(x, q0, out_dtype=jnp.float32)
-    y = w4_gluon.forward(x, q0, out_dtype=jnp.float32)
-    err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
-    assert err < 1e-2 and bool(jnp.isfinite(y).all()), err
-    row = {"bf16": us_per_call(lambda x, w: jnp.dot(x, w), x, dense),
-           "pallas": us_per_call(lambda x, w: w4_triton.forward(x, w), x, qs),
-           "gluon": us_per_call(lambda x, w: w4_gluon.forward(x, w), x, qs)}
-    for vname, settings in VARIANTS.items():
-      if vname in ONLY and m not in ONLY[vname]:
-        row[vname] = row["gluon"]
-        continue
-      try:
-        yv = with_settings(settings, lambda: jax.jit(lambda x, w: w4_gluon.forward(x, w, out_dtype=jnp.float32))(x, q0))
-        verr = float(jnp.linalg.norm(yv - ref) / jnp.linalg.norm(ref))
-        assert verr < 1e-2 and bool(jnp.isfinite(yv).all()), f"relative error {verr}"
-        row[vname] = with_settings(settings, lambda: us_per_call(lambda x, w: w4_gluon.forward(x, w), x, qs))
-      except Exception as e:  # a lab variant that fails is reported, not fatal
-        print(f"{name} M={m} {vname} FAILED: {str(e)[:300]}", flush=True)
-        row[vname] = float("nan")
-    for key, v in row.items():
-      tot[(m, key)] = tot.get((m, key), 0.0) + v
-    gbs = (k * n * 9 / 16) / row["gluon"] / 1e3
-    print(f"{name:8s} M={m:2d} err {err:.1e} | " + " | ".join(f"{key} {v:6.1f}" for key, v in row.items())
-          + f" | gluon {gbs:5.0f} GB/s, {row['bf16'] / row['gluon']:.2f}x bf16", flush=True)
+for name, k, n, m, x, q0, qs, dense, ref in matmul_cases(SHAPES_7B, MS):
+  y = w4_gluon.forward(x, q0, out_dtype=jnp.float32)
+  err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+  assert err < 1e-2 and bool(jnp.isfinite(y).all()), err
+  row = {"bf16": us_per_call(lambda x, w: jnp.dot(x, w), x, dense),
+         "pallas": us_per_call(lambda x, w: w4_triton.forward(x, w), x, qs),
+         "gluon": us_per_call(lambda x, w: w4_gluon.forward(x, w), x, qs)}
+  for vname, settings in VARIANTS.items():
+    if vname in ONLY and m not in ONLY[vname]:
+      row[vname] = row["gluon"]
+      continue
+    try:
+      yv = with_settings(settings, lambda: jax.jit(lambda x, w: w4_gluon.forward(x, w, out_dtype=jnp.float32))(x, q0))
+      verr = float(jnp.linalg.norm(yv - ref) / jnp.linalg.norm(ref))
+      assert verr < 1e-2 and bool(jnp.isfinite(yv).all()), f"relative error {verr}"
+      row[vname] = with_settings(settings, lambda: us_per_call(lambda x, w: w4_gluon.forward(x, w), x, qs))
+    except Exception as e:  # a lab variant that fails is reported, not fatal
+      print(f"{name} M={m} {vname} FAILED: {str(e)[:300]}", flush=True)
+      row[vname] = float("nan")
+  for key, v in row.items():
+    tot[(m, key)] = tot.get((m, key), 0.0) + v
+  gbs = (k * n * 9 / 16) / row["gluon"] / 1e3
+  print(f"{name:8s} M={m:2d} err {err:.1e} | " + " | ".join(f"{key} {v:6.1f}" for key, v in row.items())
+        + f" | gluon {gbs:5.0f} GB/s, {row['bf16'] / row['gluon']:.2f}x bf16", flush=True)
 print("\nsummed over the four 7B shapes (µs):")
 for m in MS:
   b, p, g = tot[(m, "bf16")], tot[(m, "pallas")], tot[(m, "gluon")]

@@ -20,12 +20,12 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from labcommon import SHAPES_7B, activations, dense_copies, rotating_weights, us_per_call  # noqa: E402
+from labcommon import SHAPES_7B, matmul_cases, us_per_call  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import pallas_kernels  # noqa: E402
-from pallas_kernels import reference_matmul, w4_gluon  # noqa: E402
+from pallas_kernels import w4_gluon  # noqa: E402
 
 MS = [int(v) for v in os.environ.get("MB_MS", "256").split(",")]
 MAX_STEPS = [int(v) for v in os.environ.get("MB_STEPS", "8,28,56").split(",")]
@@ -61,35 +61,30 @@ def halves(x, w):
 
 
 tot = {}
-for name, (k, n) in SHAPES.items():
-  q0, qs = rotating_weights(k, n)
-  dense = dense_copies(k, n)
-  for m in MS:
-    x = activations(m, k)
-    ref = reference_matmul(x, q0, out_dtype=jnp.float32)
-    variants = {"today": lambda x, w: pallas_kernels.quantized_matmul(x, w)}
-    if m > 128:
-      variants["halves"] = halves
-    for s in MAX_STEPS:
-      b = mb256_build(m, k, n, s)
-      if b is not None:
-        variants[f"mb256_le{s}"] = mb256_forward(b)
-        print(f"{name} M={m} mb256_le{s}: {b.splits} splits of {b.meta['STEPS']} steps, {b.grid[0] * b.splits} programs",
-              flush=True)
-    row = {"bf16": us_per_call(lambda x, w: jnp.dot(x, w), x, dense)}
-    for vname, fn in variants.items():
-      try:
-        y = jax.jit(fn)(x, q0).astype(jnp.float32)
-        err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
-        assert err < 1e-2 and bool(jnp.isfinite(y).all()), f"relative error {err}"
-        row[vname] = us_per_call(fn, x, qs)
-      except Exception as e:  # a lab variant that fails is reported, not fatal
-        print(f"{name} M={m} {vname} FAILED: {str(e)[:400]}", flush=True)
-        row[vname] = float("nan")
-    for key, v in row.items():
-      tot[(m, key)] = tot.get((m, key), 0.0) + (v if name != "7b_gate" else 0.0)
-    print(f"{name:9s} M={m:3d} | " + " | ".join(f"{key} {v:6.1f} ({row['bf16'] / v:.2f}x)" for key, v in row.items()),
-          flush=True)
+for name, k, n, m, x, q0, qs, dense, ref in matmul_cases(SHAPES, MS):
+  variants = {"today": lambda x, w: pallas_kernels.quantized_matmul(x, w)}
+  if m > 128:
+    variants["halves"] = halves
+  for s in MAX_STEPS:
+    b = mb256_build(m, k, n, s)
+    if b is not None:
+      variants[f"mb256_le{s}"] = mb256_forward(b)
+      print(f"{name} M={m} mb256_le{s}: {b.splits} splits of {b.meta['STEPS']} steps, {b.grid[0] * b.splits} programs",
+            flush=True)
+  row = {"bf16": us_per_call(lambda x, w: jnp.dot(x, w), x, dense)}
+  for vname, fn in variants.items():
+    try:
+      y = jax.jit(fn)(x, q0).astype(jnp.float32)
+      err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+      assert err < 1e-2 and bool(jnp.isfinite(y).all()), f"relative error {err}"
+      row[vname] = us_per_call(fn, x, qs)
+    except Exception as e:  # a lab variant that fails is reported, not fatal
+      print(f"{name} M={m} {vname} FAILED: {str(e)[:400]}", flush=True)
+      row[vname] = float("nan")
+  for key, v in row.items():
+    tot[(m, key)] = tot.get((m, key), 0.0) + (v if name != "7b_gate" else 0.0)
+  print(f"{name:9s} M={m:3d} | " + " | ".join(f"{key} {v:6.1f} ({row['bf16'] / v:.2f}x)" for key, v in row.items()),
+        flush=True)
 print("\nsummed over q/k/v, o, fused gate/up and down (µs, x bf16):")
 for m in MS:
   keys = [key for (mm, key) in tot if mm == m]
