@@ -57,6 +57,17 @@ def auto_backend(dtype) -> str:
   return "pallas" if on_gpu and jnp.dtype(dtype).itemsize == 2 else "reference"
 
 
+def _resolve_backend(backend: str, dtype, head_dim: int, min_head_dim: int, name: str, why: str) -> str:
+  """The backend an entry point runs: ``"auto"`` becomes :func:`auto_backend`'s pick, or the reference
+  below the kernel's ``min_head_dim``; an explicit ``"pallas"`` there raises ValueError (``why``)."""
+  if backend == "auto":
+    backend = auto_backend(dtype) if head_dim >= min_head_dim else "reference"
+  if backend == "pallas" and head_dim < min_head_dim:
+    raise ValueError(f"{name}: the GPU kernel needs head_dim >= {min_head_dim}, got {head_dim} ({why}); "
+                     f"use backend='reference' or 'auto'")
+  return backend
+
+
 def reference(q_BxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length):
   """XLA reference: slice layer ``layer``, mask slots ``>= length`` and unwritten ones, softmax in float32.
 
@@ -300,11 +311,8 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
     raise ValueError(f"{h} query heads are not a multiple of {kh} KV heads")
   layer = jnp.asarray(layer, jnp.int32).reshape(1)
   length = jnp.asarray(length, jnp.int32).reshape(1)
-  if backend == "auto":
-    backend = auto_backend(q_BxHxD.dtype) if d >= MIN_HEAD_DIM else "reference"
-  if backend == "pallas" and d < MIN_HEAD_DIM:
-    raise ValueError(f"decode_attention: the GPU kernel needs head_dim >= {MIN_HEAD_DIM}, got {d} (a 16-bit "
-                     f"tensor-core dot contracts at least 16); use backend='reference' or 'auto'")
+  backend = _resolve_backend(backend, q_BxHxD.dtype, d, MIN_HEAD_DIM, "decode_attention",
+                             "a 16-bit tensor-core dot contracts at least 16")
   if backend == "reference":
     return reference(q_BxHxD, k_LxBxSxKxD, v_LxBxSxKxD, jnp.clip(layer[0], 0, num_layers - 1), slot_mask_BxS,
                      length[0])
@@ -450,11 +458,8 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
     raise ValueError(f"bias must be [{n}] or a stack [L={num_layers}, {n}]; got {bias_N.shape}")
   if cos_BxR.shape != (b, d // 2) or sin_BxR.shape != (b, d // 2):
     raise ValueError(f"cos and sin must be [B={b}, hd / 2 = {d // 2}]; got {cos_BxR.shape} and {sin_BxR.shape}")
-  if backend == "auto":
-    backend = auto_backend(dtype) if d >= APPEND_MIN_HEAD_DIM else "reference"
-  if backend == "pallas" and d < APPEND_MIN_HEAD_DIM:
-    raise ValueError(f"decode_attention_append: the GPU kernel needs head_dim >= {APPEND_MIN_HEAD_DIM}, got {d} "
-                     f"(its output is wrong below that); use backend='reference' or 'auto'")
+  backend = _resolve_backend(backend, dtype, d, APPEND_MIN_HEAD_DIM, "decode_attention_append",
+                             "its output is wrong below that")
   if backend == "reference":
     return reference_append(qkv_BxN, bias_N, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length,
                             cos_BxR, sin_BxR, num_heads=num_heads, dtype=dtype)

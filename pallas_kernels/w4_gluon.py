@@ -615,7 +615,7 @@ def _register_cap(wg: bool, narrow: bool = False, mb: int = 0, xs: int = 0) -> i
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(meta: tuple, wg: bool, narrow_n: int = 0, maxnreg: int | None = 128):
+def _compiled(meta: tuple, wg: bool, narrow_n: int, maxnreg: int | None):
   """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta`` (the wgmma build
   if ``wg``) with at most ``maxnreg`` registers a thread (:func:`_register_cap`; part of the cache key),
   compiled for the oldest visible GPU (sm_90 without one) and loaded on every GPU."""
