@@ -113,6 +113,9 @@ WG_ASYNC = 0  # lab (session 13): 1 issues the x-ring builds' wgmma asynchronous
 MMA_MAX_REGISTERS = 128  # the mma.sync builds' register cap (M <= 16): 128 lets 4 programs of 128 threads share
   # an SM. Lab (session 19, not yet measured): 96 fits 5 and 80 fits 6; offline sm_90 SASS of the MB = 8
   # decode-order build spills 7 / 40 stores / loads (gate/up) and 3 / 3 (down) at 96, 37-40 / 79-86 at 80.
+LOAD_HINTS = 0  # lab (session 20): cache hints on the code and block-scale loads, which are read once a call:
+  # 0 none (the default), 1 evict_first (Triton's: L1::evict_first plus an L2 evict_first policy), 2 .cg (L2 only;
+  # ptxas refuses .cg with evict_first)
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -270,13 +273,24 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
   WG = ttgl.constexpr(wg)
 
   @gluon.jit
+  def wload(ptr, LH: ttgl.constexpr):
+    """A load of the weight stream with :data:`LOAD_HINTS` ``LH``'s cache hints."""
+    if LH == 1:
+      v = ttgl.load(ptr, eviction_policy="evict_first")
+    elif LH == 2:
+      v = ttgl.load(ptr, cache_modifier=".cg")
+    else:
+      v = ttgl.load(ptr)
+    return v
+
+  @gluon.jit
   def load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, i, N: ttgl.constexpr,
-                WITH_X: ttgl.constexpr = True):
-    c = ttgl.load(p_ptr + c_offs + i * (32 * N))
+                WITH_X: ttgl.constexpr = True, LH: ttgl.constexpr = 0):
+    c = wload(p_ptr + c_offs + i * (32 * N), LH)
     xb = ttgl.load(x_ptr + x_offs + i * 64, mask=x_mask, other=0.0) if WITH_X else 0
     sg = ttgl.arange(0, 4, layout=ttgl.SliceLayout(1, ttgl.SliceLayout(1, group_layout)))
     sn = ttgl.arange(0, BN, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(1, group_layout)))
-    s = ttgl.load(s_ptr + ttgl.expand_dims(sg + (s_row0 + i * 4), 1) * N + ttgl.expand_dims(sn, 0) + n0)
+    s = wload(s_ptr + ttgl.expand_dims(sg + (s_row0 + i * 4), 1) * N + ttgl.expand_dims(sn, 0) + n0, LH)
     return c, s, xb
 
   @gluon.jit
@@ -324,7 +338,8 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
   @gluon.jit
   def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                  K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0):
+                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0,
+                 LH: ttgl.constexpr = 0):
     if WG:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, MB, 16])
@@ -363,10 +378,10 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
         if j < STEPS:
           async_copy.async_copy_global_to_shared(x_smem.index(j), x_ptr + xp_offs + j * 64)
         async_copy.commit_group()
-      c0, s0, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, False)
+      c0, s0, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, False, LH)
       for i in ttgl.static_range(STEPS):
         c1, s1, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N,
-                              False)
+                              False, LH)
         if WA:  # decoded before the wait, so that it overlaps step i - 1's MMA
           a = ttgl.convert_layout(decode(c0, s0, DO), a_layout, assert_trivial=True)
         async_copy.wait_group(PRE - 1)  # this thread's copies of step i have landed
@@ -387,9 +402,10 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
       if WA:
         acc = hopper.warpgroup_mma_wait(0, deps=[acc])
     else:
-      c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N)
+      c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, True, LH)
       for i in ttgl.static_range(STEPS):  # unrolled; step i+1's loads are issued before step i's math
-        c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N)
+        c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N,
+                              True, LH)
         if WG:
           # buffer i % 2 was last read by step i - 2's (synchronous) MMA, done before barrier i - 1
           buf = x_smem.index(i % 2)
@@ -725,6 +741,8 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
               XS=xs, WA=int(bool(WG_ASYNC) and xs >= 3))
   if decode_order:  # the codes in nvfp4.to_decode_order's order: the cheaper decode
     meta["DO"] = 1
+  if LOAD_HINTS:
+    meta["LH"] = LOAD_HINTS
   return Build(wg, narrow, block_n, splits, meta)
 
 
