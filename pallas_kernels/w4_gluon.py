@@ -113,9 +113,13 @@ WG_ASYNC = 0  # lab (session 13): 1 issues the x-ring builds' wgmma asynchronous
 MMA_MAX_REGISTERS = 128  # the mma.sync builds' register cap (M <= 16): 128 lets 4 programs of 128 threads share
   # an SM. Lab (session 19, not yet measured): 96 fits 5 and 80 fits 6; offline sm_90 SASS of the MB = 8
   # decode-order build spills 7 / 40 stores / loads (gate/up) and 3 / 3 (down) at 96, 37-40 / 79-86 at 80.
-LOAD_HINTS = 0  # lab (session 20): cache hints on the code and block-scale loads, which are read once a call:
+LOAD_HINTS = 1  # cache hints on the code and block-scale loads of builds with MB <= LOAD_HINTS_MAX_MB (read once a call):
   # 0 none (the default), 1 evict_first (Triton's: L1::evict_first plus an L2 evict_first policy), 2 .cg (L2 only;
-  # ptxas refuses .cg with evict_first)
+  # ptxas refuses .cg with evict_first). Session 20 (H200, 7B shapes): alone, no change at M = 1-16 (50.1 against
+  # 50.2 µs summed at M = 1) and 1-3% slower at M = 32 and 64; in a batch-8 rollout, 512 new tokens, evict_first
+  # made a decode step 2.26 against 2.29 / 2.30 ms (two alternations; .cg 2.30): the weight stream no longer
+  # pushes out of the L2 what the step reads again (docs/benchmarks.md "Session 20")
+LOAD_HINTS_MAX_MB = 16  # the mma.sync builds (M <= 16) only
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -741,7 +745,7 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
               XS=xs, WA=int(bool(WG_ASYNC) and xs >= 3))
   if decode_order:  # the codes in nvfp4.to_decode_order's order: the cheaper decode
     meta["DO"] = 1
-  if LOAD_HINTS:
+  if LOAD_HINTS and _row_block(m) <= LOAD_HINTS_MAX_MB:
     meta["LH"] = LOAD_HINTS
   return Build(wg, narrow, block_n, splits, meta)
 
