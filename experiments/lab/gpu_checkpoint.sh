@@ -88,6 +88,7 @@
 #     (w4_gluon.MMA_MAX_REGISTERS: 128 fits 4 programs of 4 warps, 96 fits 5, 80 fits 6; the kernel waits on
 #     dependency chains that 4 warps a scheduler do not hide), each also with a split-K target for the
 #     larger resident count; lab harness at M = 1 and 8 (about 4 minutes), then a batch-8 rollout A/B.
+#     (Session 20 ran 24 as the whole suite in one call (-n 10: 538 passed, 6 minutes) and 25: slower, rejected.)
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
