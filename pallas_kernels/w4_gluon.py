@@ -113,6 +113,15 @@ WG_ASYNC = 0  # lab (session 13): 1 issues the x-ring builds' wgmma asynchronous
 MMA_MAX_REGISTERS = 128  # the mma.sync builds' register cap (M <= 16): 128 lets 4 programs of 128 threads share
   # an SM. 96 (5 programs) and 80 (6) spill and were slower (session 20: 51.6 and 62.5 against 50.0 µs summed over
   # the 7B shapes at M = 1; a batch-8 decode step 2.60 against 2.29 ms at 96).
+LOAD_HINTS = 1  # cache hints on the code and block-scale loads of builds with MB <= LOAD_HINTS_MAX_MB (read once a call):
+  # 0 none, 1 evict_first (the default; Triton's L1::evict_first plus an L2 evict_first policy), 2 .cg (L2 only;
+  # ptxas refuses .cg with evict_first). Session 20 (H200, 7B shapes): alone, no change at M = 1-16 (50.1 against
+  # 50.2 µs summed at M = 1) and 1-3% slower at M = 32 and 64; in a rollout, 512 new tokens, evict_first made a
+  # batch-8 decode step 2.26-2.27 against 2.29-2.31 ms and a batch-16 step 2.72 against 2.79 (two alternations
+  # each; .cg 2.30 at batch 8): the weight stream no longer pushes out of the L2 what the step reads again
+  # (docs/benchmarks.md "Session 20")
+LOAD_HINTS_MAX_MB = 16  # the mma.sync builds (M <= 16) only: on the wgmma builds a batch-32 / 64 step took 3.54 / 5.48
+  # against 3.47 / 5.33 ms with the hint
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
