@@ -83,6 +83,16 @@ def test_one_split_stores_instead_of_adding():
   assert two.splits == 2 and two.meta["ATOMIC"] == w4_gluon.atomic_split_k()
 
 
+def test_evict_first_hint_only_on_the_mma_sync_builds(monkeypatch):
+  """The weight stream's evict-first hint (LH = 1) is in the builds of M <= 16 (MB 8 and 16) and not in the
+  wgmma builds (measured slower there, session 20); LOAD_HINTS = 0 leaves it out everywhere, so that
+  those builds share the compile cache key of the builds before the setting existed."""
+  assert [w4_gluon._build(m, 3584, 4608, 1).meta.get("LH") for m in (1, 8, 16, 17, 64, 128)] == [1, 1, 1, None,
+                                                                                                None, None]
+  monkeypatch.setattr(w4_gluon, "LOAD_HINTS", 0)
+  assert "LH" not in w4_gluon._build(8, 3584, 4608, 1).meta
+
+
 def test_row_block_by_hand():
   """mma.sync builds of 8 and 16 rows up to M = 16, the wgmma builds of 32 and 64 rows above."""
   assert [w4_gluon._row_block(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128)] == [8, 8, 16, 16, 32, 32, 64, 64,
