@@ -120,6 +120,12 @@ LOAD_HINTS = 1  # cache hints on the code and block-scale loads of builds with M
   # batch-8 decode step 2.26-2.27 against 2.29-2.31 ms and a batch-16 step 2.72 against 2.79 (two alternations
   # each; .cg 2.30 at batch 8): the weight stream no longer pushes out of the L2 what the step reads again
   # (docs/benchmarks.md "Session 20")
+LOAD_ASM = 0  # lab (session 20), M <= 16 builds: the codes loaded by inline PTX that asks the L2 for 256 bytes a miss:
+  # 1 ld.global.L2::256B, 2 the read-only path (.nc.L1::no_allocate), 3 with L1::evict_first; 0 (default) Triton's
+  # loads. Measured (7B, M = 8, µs): q/k/v 8.4 -> 7.8 and o 7.5 -> 6.9 with 2, but gate 18.1 -> 18.5 and down
+  # 17.5 -> 18.3, so summed no gain, and a batch-8 step 2.30 against 2.29 ms with 3 on every shape.
+LOAD_ASM_MAX_WEIGHTS = 1 << 62  # lab: LOAD_ASM only for weights of at most this many values (K x N), e.g. 2**25 for
+  # the 7B q/k/v (16.5M) and o (12.8M) and not gate/up (136M) or down (68M); not yet measured in a rollout
 LOAD_HINTS_MAX_MB = 16  # the mma.sync builds (M <= 16) only: on the wgmma builds a batch-32 / 64 step took 3.54 / 5.48
   # against 3.47 / 5.33 ms with the hint
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
@@ -261,6 +267,10 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
         reg_bases=[[0, 0, 1], [0, 0, 2]] + [[0] + b for b in n2_reg] + [[0, 1, 0], [2, 0, 0]],
         lane_bases=[[0, 2, 0], [1, 0, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32]],
         warp_bases=[[0, 0, 64], [0, 0, 128]] + [[0] + b for b in n2_warp], block_bases=[], shape=[4, 4, 256]))
+  # LOAD_ASM (lab): inline PTX loads of the codes, 8 bytes a thread and row
+  load_asm = ttgl.constexpr(["", "ld.global.L2::256B.v2.b32 {$0, $1}, [$2];",
+                             "ld.global.nc.L1::no_allocate.L2::256B.v2.b32 {$0, $1}, [$2];",
+                             "ld.global.L1::evict_first.L2::256B.v2.b32 {$0, $1}, [$2];"])
   BN = ttgl.constexpr(narrow_n if narrow else 256)
   NARROW = ttgl.constexpr(narrow)
   # narrow: the decode's axes -> operand rows (r_top .. r0 = n_top .. n4 n0 n3 n2 n1, see decode) and the
@@ -290,9 +300,21 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
     return v
 
   @gluon.jit
+  def asm_load(ptr, LA: ttgl.constexpr):
+    """The codes [32, 256] (code_layout, 8 contiguous bytes a thread and row) loaded by LOAD_ASM ``LA``'s PTX, 8
+    bytes an instruction: each element's pointer is its chunk's first byte (the same value for all 8, so the
+    asm's 8 pointer operands are one register)."""
+    base = ptr - (ptr.to(ttgl.int64, bitcast=True) & 7).to(ttgl.int32)
+    return ttgl.inline_asm_elementwise(load_asm[LA], "=r,=r,l,l,l,l,l,l,l,l", [base], dtype=ttgl.uint8,
+                                       is_pure=True, pack=8)
+
+  @gluon.jit
   def load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, i, N: ttgl.constexpr,
-                WITH_X: ttgl.constexpr = True, LH: ttgl.constexpr = 0):
-    c = wload(p_ptr + c_offs + i * (32 * N), LH)
+                WITH_X: ttgl.constexpr = True, LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0):
+    if LA:
+      c = asm_load(p_ptr + c_offs + i * (32 * N), LA)
+    else:
+      c = wload(p_ptr + c_offs + i * (32 * N), LH)
     xb = ttgl.load(x_ptr + x_offs + i * 64, mask=x_mask, other=0.0) if WITH_X else 0
     sg = ttgl.arange(0, 4, layout=ttgl.SliceLayout(1, ttgl.SliceLayout(1, group_layout)))
     sn = ttgl.arange(0, BN, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(1, group_layout)))
@@ -345,7 +367,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
   def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                  K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
                  ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0,
-                 LH: ttgl.constexpr = 0):
+                 LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0):
     if WG:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, MB, 16])
@@ -408,10 +430,10 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
       if WA:
         acc = hopper.warpgroup_mma_wait(0, deps=[acc])
     else:
-      c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, True, LH)
+      c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, True, LH, LA)
       for i in ttgl.static_range(STEPS):  # unrolled; step i+1's loads are issued before step i's math
         c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N,
-                              True, LH)
+                              True, LH, LA)
         if WG:
           # buffer i % 2 was last read by step i - 2's (synchronous) MMA, done before barrier i - 1
           buf = x_smem.index(i % 2)
@@ -749,6 +771,8 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
     meta["DO"] = 1
   if LOAD_HINTS and _row_block(m) <= LOAD_HINTS_MAX_MB:
     meta["LH"] = LOAD_HINTS
+  if LOAD_ASM and not wg and k * n <= LOAD_ASM_MAX_WEIGHTS:
+    meta["LA"] = LOAD_ASM
   return Build(wg, narrow, block_n, splits, meta)
 
 

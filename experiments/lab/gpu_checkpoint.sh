@@ -23,6 +23,7 @@
 #   STEPS=23 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=24 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=25 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=26 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-128), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
@@ -89,6 +90,9 @@
 #     dependency chains that 4 warps a scheduler do not hide), each also with a split-K target for the
 #     larger resident count; lab harness at M = 1 and 8 (about 4 minutes), then a batch-8 rollout A/B.
 #     (Session 20 ran 24 as the whole suite in one call (-n 10: 538 passed, 6 minutes) and 25: slower, rejected.)
+# 26. (session 20, prepared) the L2::256B code loads (w4_gluon.LOAD_ASM = 2) on the small matrices only (q/k/v and o:
+#     LOAD_ASM_MAX_WEIGHTS = 2**25), where the lab harness measured 8.4 -> 7.8 and 7.5 -> 6.9 µs at M = 8; the
+#     large ones lost. Batch 8 and 16 rollout A/B, two alternations (about 4 minutes).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -167,6 +171,9 @@ step 13 && GL_MS=1,8,16 GL_VARIANTS="t128:TARGET_PROGRAMS=128;t256:TARGET_PROGRA
 step 24 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 400 python3 -m pytest -q -n 8 -m "not gpu" tests \
     -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15
   timeout 100 python3 -m pytest -q -m gpu tests/test_nvfp4.py 2>&1 | tail -2; } | tee "$OUT/notgpu_tests_on_gpu.txt"
+step 26 && for s in "" "LOAD_ASM=2,LOAD_ASM_MAX_WEIGHTS=33554432" "" "LOAD_ASM=2,LOAD_ASM_MAX_WEIGHTS=33554432"; do
+    GL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8,16 --new_tokens=512 \
+      --formats=nvfp4_fused --time_budget_s=80 2>&1 | grep "w4_gluon\.\|nvfp4_fused |"; done | tee "$OUT/load_asm.txt"
 step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REGISTERS=96,TARGET_PROGRAMS=640;r80:MMA_MAX_REGISTERS=80;r80t768:MMA_MAX_REGISTERS=80,TARGET_PROGRAMS=768" \
     timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn
   for s in "" "MMA_MAX_REGISTERS=96" "" "MMA_MAX_REGISTERS=96"; do

@@ -9,6 +9,14 @@ per-thread loads (8 bytes a code row), with two address patterns:
 * ``tiled``: the same bytes a thread and the same instructions, but each program step's 8 KB of
   codes (and 1 KB of scales) is one contiguous block, as a weight repacked by tiles would be.
 
+Session 20 adds 8-byte loads of the same addresses as int64 (``LOADS_VARIANTS``; the production addresses),
+to ask whether L2 fetch-size hints raise the ceiling of 3.2 TB/s that session 12 measured:
+
+* ``i64``: a plain load (should match ``strided``);
+* ``l2_256`` / ``l2_128``: inline PTX ``ld.global.L2::256B`` / ``L2::128B`` (the L2 fetches 256 / 128 bytes
+  a miss instead of the sectors asked for);
+* ``nc_256``: ``ld.global.nc.L1::no_allocate.L2::256B`` (the read-only path, no L1 line).
+
 Next to them, the production kernel (``w4_gluon.forward``) on the same weights, at M = 8 and the
 four Qwen2.5-7B shapes, weights rotated beyond the L2 (``labcommon.us_per_call``). Reading the
 result: if ``strided`` loads alone take about as long as the production kernel, the address
@@ -30,6 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 from pallas_kernels import w4_gluon, w4_triton  # noqa: E402
 
 M = int(os.environ.get("LOADS_M", 8))
+VARIANTS_RUN = [v for v in os.environ.get("LOADS_VARIANTS", "").split(",") if v]  # names of VARIANTS
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,6 +51,12 @@ def _kernel():
   code_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
       reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [16, 0]], lane_bases=[[4, 0], [8, 0], [0, 8], [0, 16], [0, 32]],
       warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[32, 256]))
+  # the same bytes as int64: [32 rows, 32 chunks of 8 bytes], one chunk a thread a row
+  chunk_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
+      reg_bases=[[1, 0], [2, 0], [16, 0]], lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]],
+      warp_bases=[[0, 8], [0, 16]], block_bases=[], shape=[32, 32]))
+  asm = ttgl.constexpr(["", "", "ld.global.L2::256B.b64 $0, [$1];", "ld.global.L2::128B.b64 $0, [$1];",
+                        "ld.global.nc.L1::no_allocate.L2::256B.b64 $0, [$1];"])
   scale_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
       reg_bases=[[0, 1], [0, 2], [0, 4]], lane_bases=[[1, 0], [2, 0], [0, 8], [0, 16], [0, 32]],
       warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[4, 256]))
@@ -49,7 +64,8 @@ def _kernel():
   @gluon.jit
   def loads(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
             K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-            ATOMIC: ttgl.constexpr, TILED: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr):
+            ATOMIC: ttgl.constexpr, TILED: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr,
+            LD: ttgl.constexpr = 0):
     pid_n = ttgl.program_id(0)
     pid_s = ttgl.program_id(1)
     splits = ttgl.num_programs(1)
@@ -68,12 +84,29 @@ def _kernel():
       s_offs = ttgl.expand_dims(sg + pid_s * (STEPS * 4), 1) * N + ttgl.expand_dims(sn, 0) + pid_n * 256
       c_step = 32 * N
       s_step = 4 * N
-    acc = ttgl.zeros([32, 256], ttgl.int32, layout=code_layout)
     sacc = ttgl.zeros([4, 256], ttgl.float32, layout=scale_layout)
-    for i in ttgl.static_range(STEPS):
-      acc = acc + ttgl.load(p_ptr + c_offs + i * c_step).to(ttgl.int32)
-      sacc = sacc + ttgl.load(s_ptr + s_offs + i * s_step).to(ttgl.float32)
-    total = ttgl.sum(ttgl.sum(acc, 1), 0).to(ttgl.float32) + ttgl.sum(ttgl.sum(sacc, 1), 0)
+    if LD > 0:  # int64 chunks at the production addresses; the byte sum taken from the chunks' bytes
+      kq = ttgl.arange(0, 32, layout=ttgl.SliceLayout(1, chunk_layout))
+      nq = ttgl.arange(0, 32, layout=ttgl.SliceLayout(0, chunk_layout))
+      q_ptr = p_ptr.to(ttgl.pointer_type(ttgl.int64))
+      q_offs = ttgl.expand_dims(kq + pid_s * (STEPS * 32), 1) * (N // 8) + ttgl.expand_dims(nq, 0) + pid_n * 32
+      qacc = ttgl.zeros([32, 32], ttgl.int64, layout=chunk_layout)
+      for i in ttgl.static_range(STEPS):
+        ptrs = q_ptr + q_offs + i * (4 * N)
+        if LD == 1:
+          v = ttgl.load(ptrs)
+        else:
+          v = ttgl.inline_asm_elementwise(asm[LD], "=l,l", [ptrs], dtype=ttgl.int64, is_pure=True, pack=1)
+        for b in ttgl.static_range(8):
+          qacc = qacc + ((v >> (8 * b)) & 255)
+        sacc = sacc + ttgl.load(s_ptr + s_offs + i * s_step).to(ttgl.float32)
+      total = ttgl.sum(ttgl.sum(qacc, 1), 0).to(ttgl.float32) + ttgl.sum(ttgl.sum(sacc, 1), 0)
+    else:
+      acc = ttgl.zeros([32, 256], ttgl.int32, layout=code_layout)
+      for i in ttgl.static_range(STEPS):
+        acc = acc + ttgl.load(p_ptr + c_offs + i * c_step).to(ttgl.int32)
+        sacc = sacc + ttgl.load(s_ptr + s_offs + i * s_step).to(ttgl.float32)
+      total = ttgl.sum(ttgl.sum(acc, 1), 0).to(ttgl.float32) + ttgl.sum(ttgl.sum(sacc, 1), 0)
     ttgl.store(o_ptr + pid_n * splits + pid_s, total)
 
   return loads
@@ -91,16 +124,20 @@ def _loaded(meta: tuple):
   return w4_gluon._load(_compiled(meta))
 
 
-def _meta(m: int, k: int, n: int, tiled: bool) -> tuple:
+VARIANTS = {"i64": 1, "l2_256": 2, "l2_128": 3, "nc_256": 4}  # name -> LD
+
+
+def _meta(m: int, k: int, n: int, tiled: bool, ld: int = 0) -> tuple:
   build = w4_gluon._build(m, k, n, 1)
   assert not build.wg, "the probe mirrors the mma.sync build (M <= 16)"
-  return tuple(dict(build.meta, TILED=tiled).items()), build.grid
+  meta = {key: v for key, v in build.meta.items() if key in ("M", "N", "K", "L", "STEPS", "MB", "ATOMIC", "XS", "WA")}
+  return tuple(dict(meta, TILED=tiled, LD=ld).items()), build.grid
 
 
-def loads_only(x, w, tiled: bool):
+def loads_only(x, w, tiled: bool, ld: int = 0):
   """The probe kernel on ``x [M, K]`` and the NVFP4 ``w [K, N]``: float32 ``[programs]`` byte sums."""
   m, k = x.shape
-  meta, grid = _meta(m, k, w.shape[1], tiled)
+  meta, grid = _meta(m, k, w.shape[1], tiled, ld)
   ptx, name, shared = _loaded(meta)
   operands = (x, *w4_triton._layer_operands(w, w4_triton._format_of(w), None), jnp.zeros((1,), jnp.float32))
   return jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((grid[0] * grid[1],), jnp.float32))(
@@ -116,18 +153,22 @@ def main():
     for tiled in (False, True):
       ck = _compiled(_meta(M, 3584, 18944, tiled)[0])
       sass(ck, f"loads_{'tiled' if tiled else 'strided'}")
+    for name in VARIANTS_RUN:
+      sass(_compiled(_meta(M, 3584, 18944, False, VARIANTS[name])[0]), f"loads_{name}")
     return
   totals = {}
   for shape, (k, n) in SHAPES_7B.items():
     q0, qs = rotating_weights(k, n)
     x = activations(M, k)
     want = float(jnp.sum(q0.packed.astype(jnp.float32)) + jnp.sum(q0.block_scale.astype(jnp.float32)))
-    for tiled in (False, True):  # every byte read once: the programs' sums add up to the arrays' sums
-      got = float(jnp.sum(loads_only(x, q0, tiled)))
-      assert abs(got - want) <= 1e-4 * abs(want), (shape, tiled, got, want)
+    for tiled, ld in [(False, 0), (True, 0)] + [(False, VARIANTS[v]) for v in VARIANTS_RUN]:
+      got = float(jnp.sum(loads_only(x, q0, tiled, ld)))  # every byte read once: the sums add up
+      assert abs(got - want) <= 1e-4 * abs(want), (shape, tiled, ld, got, want)
     row = {"strided": us_per_call(lambda x, w: loads_only(x, w, False), x, qs),
-           "tiled": us_per_call(lambda x, w: loads_only(x, w, True), x, qs),
-           "kernel": us_per_call(lambda x, w: w4_gluon.forward(x, w), x, qs)}
+           "tiled": us_per_call(lambda x, w: loads_only(x, w, True), x, qs)}
+    for v in VARIANTS_RUN:
+      row[v] = us_per_call(lambda x, w, ld=VARIANTS[v]: loads_only(x, w, False, ld), x, qs)
+    row["kernel"] = us_per_call(lambda x, w: w4_gluon.forward(x, w), x, qs)
     for key, v in row.items():
       totals[key] = totals.get(key, 0.0) + v
     gb = k * n * 9 / 16 / 1e3
