@@ -24,6 +24,7 @@
 #   STEPS=24 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=25 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=26 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=27 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-128), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
@@ -93,6 +94,10 @@
 # 26. (session 20, prepared) the L2::256B code loads (w4_gluon.LOAD_ASM = 2) on the small matrices only (q/k/v and o:
 #     LOAD_ASM_MAX_WEIGHTS = 2**25), where the lab harness measured 8.4 -> 7.8 and 7.5 -> 6.9 µs at M = 8; the
 #     large ones lost. Batch 8 and 16 rollout A/B, two alternations (about 4 minutes).
+# 27. (session 20, prepared) does the access width hold the weight loads at 3.2 TB/s? The loads-only probe with
+#     16 bytes a thread and row (w16: a warp instruction reads 4 rows x 128 bytes; w16r: 2 x 256) and 8 bytes in
+#     2 rows x 128 (w8r), against the production layout (w8), M = 8 (about a minute). If w16 reaches about
+#     4 TB/s, a decode build whose threads own 16 columns is the next kernel to write.
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -174,6 +179,8 @@ step 24 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 400 python3 -m pytest -
 step 26 && for s in "" "LOAD_ASM=2,LOAD_ASM_MAX_WEIGHTS=33554432" "" "LOAD_ASM=2,LOAD_ASM_MAX_WEIGHTS=33554432"; do
     GL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8,16 --new_tokens=512 \
       --formats=nvfp4_fused --time_budget_s=80 2>&1 | grep "w4_gluon\.\|nvfp4_fused |"; done | tee "$OUT/load_asm.txt"
+step 27 && LOADS_LAYOUTS=w8r,w16,w16r LOADS_VARIANTS=nc_256 timeout 200 python3 experiments/lab/gluon/loads_only.py 2>&1 \
+  | grep -v "^[IW][0-9]\|Warn" | tee "$OUT/loads_width.txt"
 step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REGISTERS=96,TARGET_PROGRAMS=640;r80:MMA_MAX_REGISTERS=80;r80t768:MMA_MAX_REGISTERS=80,TARGET_PROGRAMS=768" \
     timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn
   for s in "" "MMA_MAX_REGISTERS=96" "" "MMA_MAX_REGISTERS=96"; do

@@ -17,6 +17,11 @@ to ask whether L2 fetch-size hints raise the ceiling of 3.2 TB/s that session 12
   a miss instead of the sectors asked for);
 * ``nc_256``: ``ld.global.nc.L1::no_allocate.L2::256B`` (the read-only path, no L1 line).
 
+and other code layouts (``LOADS_LAYOUTS``, names of ``LAYOUTS``): 16 bytes a thread and row (``w16``: LDG.128,
+a warp's instruction reading 4 rows x 128 bytes; ``w16r``: 2 rows x 256 bytes) and 8 bytes with a warp reading
+2 rows x 128 bytes (``w8r``), to ask whether the access width is what holds the loads below a bf16 GEMV's
+4.2 TB/s.
+
 Next to them, the production kernel (``w4_gluon.forward``) on the same weights, at M = 8 and the
 four Qwen2.5-7B shapes, weights rotated beyond the L2 (``labcommon.us_per_call``). Reading the
 result: if ``strided`` loads alone take about as long as the production kernel, the address
@@ -41,16 +46,36 @@ M = int(os.environ.get("LOADS_M", 8))
 VARIANTS_RUN = [v for v in os.environ.get("LOADS_VARIANTS", "").split(",") if v]  # names of VARIANTS
 
 
+# Code layouts [32 rows (kp), 256 columns (n)] as (registers, lanes, warps) bases; what one warp's load
+# instruction reads in brackets.
+LAYOUTS = {
+    # the production mma.sync build's: registers n0 n1 n2 kp0 kp1 kp4, lanes kp2 kp3 n3 n4 n5, warps n6 n7
+    # (8 bytes a thread; 4 rows x 64 bytes)
+    "w8": ([[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [16, 0]], [[4, 0], [8, 0], [0, 8], [0, 16], [0, 32]],
+           [[0, 64], [0, 128]]),
+    # 8 bytes a thread, 2 rows x 128 bytes
+    "w8r": ([[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [16, 0]], [[4, 0], [0, 8], [0, 16], [0, 32], [0, 64]],
+            [[0, 128], [8, 0]]),
+    # 16 bytes a thread (LDG.128): 4 rows x 128 bytes
+    "w16": ([[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [2, 0]], [[4, 0], [8, 0], [0, 16], [0, 32], [0, 64]],
+            [[0, 128], [16, 0]]),
+    # 16 bytes a thread: 2 rows x 256 bytes
+    "w16r": ([[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [2, 0]], [[4, 0], [0, 16], [0, 32], [0, 64], [0, 128]],
+             [[8, 0], [16, 0]]),
+}
+LAYOUT_IDS = {name: i for i, name in enumerate(LAYOUTS)}
+LAYOUTS_RUN = [v for v in os.environ.get("LOADS_LAYOUTS", "").split(",") if v]  # names of LAYOUTS besides w8
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel():
+def _kernel(lay: str = "w8"):
   from triton.experimental import gluon
   from triton.experimental.gluon import language as ttgl
 
-  # the mma.sync build's layouts (w4_gluon._kernel, wg=False): codes [32 rows, 256 columns] with
-  # registers n0 n1 n2 kp0 kp1 kp4, lanes kp2 kp3 n3 n4 n5, warps n6 n7; scales [4 groups, 256]
+  # the code layout LAYOUTS[lay] (w8: the mma.sync build's, w4_gluon._kernel with wg=False); scales [4 groups, 256]
+  regs, lanes, warps = LAYOUTS[lay]
   code_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
-      reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [16, 0]], lane_bases=[[4, 0], [8, 0], [0, 8], [0, 16], [0, 32]],
-      warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[32, 256]))
+      reg_bases=regs, lane_bases=lanes, warp_bases=warps, block_bases=[], shape=[32, 256]))
   # the same bytes as int64: [32 rows, 32 chunks of 8 bytes], one chunk a thread a row
   chunk_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
       reg_bases=[[1, 0], [2, 0], [16, 0]], lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]],
@@ -65,7 +90,7 @@ def _kernel():
   def loads(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
             K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
             ATOMIC: ttgl.constexpr, TILED: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr,
-            LD: ttgl.constexpr = 0):
+            LD: ttgl.constexpr = 0, LAY: ttgl.constexpr = 0):
     pid_n = ttgl.program_id(0)
     pid_s = ttgl.program_id(1)
     splits = ttgl.num_programs(1)
@@ -115,7 +140,8 @@ def _kernel():
 @functools.lru_cache(maxsize=None)
 def _compiled(meta: tuple):
   """The probe compiled for sm_90 (the production mma.sync build's warps and register cap)."""
-  return w4_gluon._compile_gluon(_kernel(), w4_gluon._ARG_DTYPES, dict(meta), 90, num_warps=4, maxnreg=128)
+  lay = list(LAYOUTS)[dict(meta).get("LAY", 0)]
+  return w4_gluon._compile_gluon(_kernel(lay), w4_gluon._ARG_DTYPES, dict(meta), 90, num_warps=4, maxnreg=128)
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,17 +153,17 @@ def _loaded(meta: tuple):
 VARIANTS = {"i64": 1, "l2_256": 2, "l2_128": 3, "nc_256": 4}  # name -> LD
 
 
-def _meta(m: int, k: int, n: int, tiled: bool, ld: int = 0) -> tuple:
+def _meta(m: int, k: int, n: int, tiled: bool, ld: int = 0, lay: int = 0) -> tuple:
   build = w4_gluon._build(m, k, n, 1)
   assert not build.wg, "the probe mirrors the mma.sync build (M <= 16)"
   meta = {key: v for key, v in build.meta.items() if key in ("M", "N", "K", "L", "STEPS", "MB", "ATOMIC", "XS", "WA")}
-  return tuple(dict(meta, TILED=tiled, LD=ld).items()), build.grid
+  return tuple(dict(meta, TILED=tiled, LD=ld, LAY=lay).items()), build.grid
 
 
-def loads_only(x, w, tiled: bool, ld: int = 0):
+def loads_only(x, w, tiled: bool, ld: int = 0, lay: int = 0):
   """The probe kernel on ``x [M, K]`` and the NVFP4 ``w [K, N]``: float32 ``[programs]`` byte sums."""
   m, k = x.shape
-  meta, grid = _meta(m, k, w.shape[1], tiled, ld)
+  meta, grid = _meta(m, k, w.shape[1], tiled, ld, lay)
   ptx, name, shared = _loaded(meta)
   operands = (x, *w4_triton._layer_operands(w, w4_triton._format_of(w), None), jnp.zeros((1,), jnp.float32))
   return jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((grid[0] * grid[1],), jnp.float32))(
@@ -155,19 +181,24 @@ def main():
       sass(ck, f"loads_{'tiled' if tiled else 'strided'}")
     for name in VARIANTS_RUN:
       sass(_compiled(_meta(M, 3584, 18944, False, VARIANTS[name])[0]), f"loads_{name}")
+    for name in LAYOUTS_RUN:
+      sass(_compiled(_meta(M, 3584, 18944, False, 0, LAYOUT_IDS[name])[0]), f"loads_{name}")
     return
   totals = {}
   for shape, (k, n) in SHAPES_7B.items():
     q0, qs = rotating_weights(k, n)
     x = activations(M, k)
     want = float(jnp.sum(q0.packed.astype(jnp.float32)) + jnp.sum(q0.block_scale.astype(jnp.float32)))
-    for tiled, ld in [(False, 0), (True, 0)] + [(False, VARIANTS[v]) for v in VARIANTS_RUN]:
-      got = float(jnp.sum(loads_only(x, q0, tiled, ld)))  # every byte read once: the sums add up
-      assert abs(got - want) <= 1e-4 * abs(want), (shape, tiled, ld, got, want)
+    for tiled, ld, lay in ([(False, 0, 0), (True, 0, 0)] + [(False, VARIANTS[v], 0) for v in VARIANTS_RUN]
+                           + [(False, 0, LAYOUT_IDS[v]) for v in LAYOUTS_RUN]):
+      got = float(jnp.sum(loads_only(x, q0, tiled, ld, lay)))  # every byte read once: the sums add up
+      assert abs(got - want) <= 1e-4 * abs(want), (shape, tiled, ld, lay, got, want)
     row = {"strided": us_per_call(lambda x, w: loads_only(x, w, False), x, qs),
            "tiled": us_per_call(lambda x, w: loads_only(x, w, True), x, qs)}
     for v in VARIANTS_RUN:
       row[v] = us_per_call(lambda x, w, ld=VARIANTS[v]: loads_only(x, w, False, ld), x, qs)
+    for v in LAYOUTS_RUN:
+      row[v] = us_per_call(lambda x, w, lay=LAYOUT_IDS[v]: loads_only(x, w, False, 0, lay), x, qs)
     row["kernel"] = us_per_call(lambda x, w: w4_gluon.forward(x, w), x, qs)
     for key, v in row.items():
       totals[key] = totals.get(key, 0.0) + v
