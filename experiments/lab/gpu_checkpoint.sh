@@ -25,6 +25,7 @@
 #   STEPS=25 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=26 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=27 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=28 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-128), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
@@ -98,6 +99,9 @@
 #     16 bytes a thread and row (w16: a warp instruction reads 4 rows x 128 bytes; w16r: 2 x 256) and 8 bytes in
 #     2 rows x 128 (w8r), against the production layout (w8), M = 8 (about a minute). If w16 reaches about
 #     4 TB/s, a decode build whose threads own 16 columns is the next kernel to write.
+# 28. (session 20, prepared) how much faster the small matrices run from the L2 (LAB_WEIGHT_MB=0: two copies of each
+#     weight, which the L2 holds for q/k/v and o): the bound of prefetching o's weight into the L2 while
+#     attention runs (HBM is nearly idle then), M = 1 and 8 (about a minute).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -181,6 +185,8 @@ step 26 && for s in "" "LOAD_ASM=2,LOAD_ASM_MAX_WEIGHTS=33554432" "" "LOAD_ASM=2
       --formats=nvfp4_fused --time_budget_s=80 2>&1 | grep "w4_gluon\.\|nvfp4_fused |"; done | tee "$OUT/load_asm.txt"
 step 27 && LOADS_LAYOUTS=w8r,w16,w16r LOADS_VARIANTS=nc_256 timeout 200 python3 experiments/lab/gluon/loads_only.py 2>&1 \
   | grep -v "^[IW][0-9]\|Warn" | tee "$OUT/loads_width.txt"
+step 28 && LAB_WEIGHT_MB=0 GL_MS=1,8 timeout 200 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn \
+  | tee "$OUT/l2_hot.txt"
 step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REGISTERS=96,TARGET_PROGRAMS=640;r80:MMA_MAX_REGISTERS=80;r80t768:MMA_MAX_REGISTERS=80,TARGET_PROGRAMS=768" \
     timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn
   for s in "" "MMA_MAX_REGISTERS=96" "" "MMA_MAX_REGISTERS=96"; do

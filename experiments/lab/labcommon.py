@@ -15,9 +15,14 @@ from qerl_jax import nvfp4  # noqa: E402
 SHAPES_7B = {"7b_qkv": (3584, 4608), "7b_o": (3584, 3584), "7b_gate": (3584, 18944), "7b_down": (18944, 3584)}
 
 
-def rotating_weights(k: int, n: int, min_mb: int = 256):
+WEIGHT_MB = int(os.environ.get("LAB_WEIGHT_MB", 256))  # 0: two copies, which the L2 holds for the small 7B matrices
+
+
+def rotating_weights(k: int, n: int, min_mb: int | None = None):
   """(q0, copies): an NVFP4 ``[k, n]`` weight and enough distinct copies (codes XOR 1 on odd ones)
-  to hold ``min_mb`` MiB of codes, so timed calls never hit the L2."""
+  to hold ``min_mb`` MiB of codes (default ``LAB_WEIGHT_MB``, 256), so timed calls never hit the L2;
+  with ``LAB_WEIGHT_MB=0`` two copies, so that matrices of up to about 20 MB (7B q/k/v, o) are read from the L2."""
+  min_mb = WEIGHT_MB if min_mb is None else min_mb
   q0 = nvfp4.quantize(jax.random.normal(jax.random.key(0), (k, n), jnp.float32) * 0.02)
   r = max(2, -(-(min_mb << 20) // (k * n // 2)))
   copies = [jax.tree.map(lambda a, i=i: a ^ jnp.uint8(i % 2) if a.dtype == jnp.uint8 else a, q0)
