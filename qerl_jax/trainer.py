@@ -264,10 +264,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     saved, meta = checkpointer.restore(None, _state_to_save(state, 0, seed))
     state = saved["train_state"]
     start, position = int(meta["step"]), int(meta["data_position"])
-    changed = _changed_keys(meta.get("config", {}), json.loads(config.to_json_best_effort()))
-    if changed:
-      print(f"warning: resuming with a config that differs from the checkpoint's in {changed}; "
-            "the run will not match an uninterrupted one", file=sys.stderr)
+    diff = _config_diff(meta.get("config", {}), json.loads(config.to_json_best_effort()))
+    if diff:
+      shown = ", ".join(f"{key}: {a!r} -> {b!r}" for key, a, b in diff)
+      print(f"warning: resuming with a config that differs from the checkpoint's ({shown}); the run will not "
+            "match an uninterrupted one. To continue it unchanged, pass the first run's --config overrides "
+            "again.", file=sys.stderr)
     print(f"resuming from the checkpoint at step {start} in {checkpointer.directory}", file=sys.stderr)
   logger = metrics_lib.MetricsLogger(workdir, resume_step=start if start > 0 else None)
   with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -396,11 +398,6 @@ def _config_diff(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any,
     elif a != b:
       out.append((f"{prefix}{k}", a, b))
   return out
-
-
-def _changed_keys(old: dict, new: dict) -> list[str]:
-  """Dotted keys whose values differ between two config dicts (:func:`_config_diff`)."""
-  return [key for key, _, _ in _config_diff(old, new)]
 
 
 def checkpoint_config_mismatch(meta: dict, config) -> list[tuple[str, Any, Any]]:

@@ -151,7 +151,8 @@ def test_checkpoint_config_mismatch_reads_keys_older_runs_lack_as_their_legacy_v
   assert trainer.checkpoint_config_mismatch({"config": saved}, c) == [("model.fuse_projections", False, True)]
   c.model.fuse_projections = False
   assert trainer.checkpoint_config_mismatch({"config": saved}, c) == []
-  assert trainer._changed_keys(saved, json.loads(c.to_json_best_effort())) == ["model.code_order", "model.remat"]
+  assert trainer._config_diff(saved, json.loads(c.to_json_best_effort())) == [
+      ("model.code_order", "decode", c.model.code_order), ("model.remat", not c.model.remat, c.model.remat)]
   saved["model"]["quant"] = "nf4"
   assert trainer.checkpoint_config_mismatch({"config": saved}, c) == [("model.quant", "nf4", "nvfp4")]
   assert trainer.checkpoint_config_mismatch({}, c) == []
