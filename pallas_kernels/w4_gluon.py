@@ -36,7 +36,8 @@ Why Gluon: Gluon lets the kernel name the register layout of every tensor, which
 The Pallas kernel loads the codes through shared memory and gathers them byte by byte into the
 tensor-core operand (Nsight Compute: L1/shared-memory pipe 74% busy at M = 8). Here each thread
 loads exactly the bytes its MMA fragments need, 8 contiguous bytes per code row, straight into
-registers; no shared memory is used in the main loop.
+registers; no shared memory is used in the main loop. The M <= 16 builds load the weight stream
+evict-first (``LOAD_HINTS``), so that it does not push out of the L2 what a decode step reads again.
 
 The kernel computes ``(x W)^T = W^T x^T`` (swap-AB): the weight is the MMA's A operand (rows are
 output columns), the batch is the MMA's N (8 or 16). Three relabelings make the stored
@@ -120,14 +121,14 @@ LOAD_HINTS = 1  # cache hints on the code and block-scale loads of builds with M
   # batch-8 decode step 2.26-2.27 against 2.29-2.31 ms and a batch-16 step 2.72 against 2.79 (two alternations
   # each; .cg 2.30 at batch 8): the weight stream no longer pushes out of the L2 what the step reads again
   # (docs/benchmarks.md "Session 20")
+LOAD_HINTS_MAX_MB = 16  # the mma.sync builds (M <= 16) only: on the wgmma builds a batch-32 / 64 step took 3.54 / 5.48
+  # against 3.47 / 5.33 ms with the hint
 LOAD_ASM = 0  # lab (session 20), M <= 16 builds: the codes loaded by inline PTX that asks the L2 for 256 bytes a miss:
   # 1 ld.global.L2::256B, 2 the read-only path (.nc.L1::no_allocate), 3 with L1::evict_first; 0 (default) Triton's
   # loads. Measured (7B, M = 8, µs): q/k/v 8.4 -> 7.8 and o 7.5 -> 6.9 with 2, but gate 18.1 -> 18.5 and down
   # 17.5 -> 18.3, so summed no gain, and a batch-8 step 2.30 against 2.29 ms with 3 on every shape.
 LOAD_ASM_MAX_WEIGHTS = 1 << 62  # lab: LOAD_ASM only for weights of at most this many values (K x N), e.g. 2**25 for
   # the 7B q/k/v (16.5M) and o (12.8M) and not gate/up (136M) or down (68M); not yet measured in a rollout
-LOAD_HINTS_MAX_MB = 16  # the mma.sync builds (M <= 16) only: on the wgmma builds a batch-32 / 64 step took 3.54 / 5.48
-  # against 3.47 / 5.33 ms with the hint
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -755,7 +756,7 @@ class Build(NamedTuple):
 def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> Build:
   """The :class:`Build` for ``x [m, k]`` times a ``[k, n]`` weight (of a stack of ``layers``), under
   the current settings (``NARROW_MIN_MB``, ``MMA_ATOMIC``, ``X_STAGES``, ``X_RING_MIN_MB``, ``WG_ASYNC``,
-  :func:`atomic_split_k`); the
+  ``LOAD_HINTS``, ``LOAD_ASM``, :func:`atomic_split_k`); the
   shape must be one :func:`applies` takes. ``decode_order``: the weight's codes are in
   :func:`qerl_jax.nvfp4.to_decode_order`'s order (the kernel's cheaper decode)."""
   wg = _use_wgmma(m)
