@@ -403,7 +403,11 @@ def resolve_code_order(order: str) -> str:
 def accumulate_applies(x: jax.Array, w, index=None) -> bool:
   """Whether :func:`quantized_matmul_into` runs its accumulating kernel for ``x [..., K]`` (rows =
   the product of the leading dims) and ``w`` (with ``index``): on a GPU, bf16 ``x``, NVFP4 ``w``,
-  the Gluon kernel enabled (``GLUON``) and :func:`pallas_kernels.w4_gluon.into_applies`."""
+  the Gluon kernel enabled (``GLUON``) and :func:`pallas_kernels.w4_gluon.into_applies`.
+
+  Raises:
+    ValueError: ``GLUON`` not "auto"/"1"/"0" (:func:`gluon_enabled`).
+  """
   if not (_on_gpu() and isinstance(w, nvfp4.NVFP4Tensor) and _kernel_applies(x, w, index)):
     return False
   x2d = jax.ShapeDtypeStruct((int(np.prod(x.shape[:-1])), x.shape[-1]), x.dtype)

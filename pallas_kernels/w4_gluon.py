@@ -135,7 +135,11 @@ MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
-  """True when ``triton`` with Gluon imports and a launch path exists (:func:`launcher`)."""
+  """True when ``triton`` with Gluon imports and a launch path exists (:func:`launcher`).
+
+  Raises:
+    ValueError: ``QERL_GLUON_LAUNCH`` set to something other than "ffi" or "jax_triton".
+  """
   try:
     from triton.experimental import gluon  # noqa: F401
   except ImportError:
@@ -627,7 +631,11 @@ def requested_launcher() -> str:
 @functools.lru_cache(maxsize=None)
 def launcher() -> str | None:
   """``"ffi"``, ``"jax_triton"`` or None (no way to launch the kernel); :func:`requested_launcher`
-  forces one. Read once per process. Warns (once) when the FFI launcher cannot be built or loaded."""
+  forces one. Read once per process. Warns (once) when the FFI launcher cannot be built or loaded.
+
+  Raises:
+    ValueError: ``QERL_GLUON_LAUNCH`` set to something other than "ffi" or "jax_triton".
+  """
   want = requested_launcher()
   if want in ("", "ffi") and _ffi_library() is not None:
     return "ffi"

@@ -217,6 +217,7 @@ def schedule_sigma(schedule: AQNConfig, step):
       traced (returns a float32 scalar array).
 
   Raises:
+    TypeError: ``schedule`` is not an :class:`AQNConfig`.
     ValueError: ``schedule.total_steps`` unset (unless kind is ``"off"``), or a
       negative Python step.
   """
@@ -245,6 +246,9 @@ def norm_shapes_of(model_cfg) -> dict[str, tuple[int, int]]:
 
   Returns:
     ``{"input_norm": (L, D), "post_attn_norm": (L, D)}``.
+
+  Raises:
+    TypeError: ``model_cfg`` lacks ``num_layers`` or ``hidden_size``.
   """
   try:
     num_layers, hidden = int(model_cfg.num_layers), int(model_cfg.hidden_size)
@@ -286,6 +290,8 @@ def noise(key: jax.Array, step, norm_shapes: Union[Mapping[str, Any], Any],
   Raises:
     ValueError: a shape that is not 2-D, a negative Python step, or schedule
       problems (see :func:`schedule_sigma`).
+    TypeError: ``schedule`` is not an :class:`AQNConfig`, or a model config without
+      ``num_layers`` / ``hidden_size`` (:func:`norm_shapes_of`).
   """
   if not isinstance(norm_shapes, Mapping):
     norm_shapes = norm_shapes_of(norm_shapes)
@@ -324,5 +330,9 @@ def update_noise(norm_noise: Optional[Mapping[str, jax.Array]],
 
 
 def metrics(schedule: AQNConfig, step) -> dict[str, Any]:
-  """Logging helper: ``{"aqn/sigma": sigma}`` for ``step`` (float, or float32 array if traced)."""
+  """Logging helper: ``{"aqn/sigma": sigma}`` for ``step`` (float, or float32 array if traced).
+
+  Raises:
+    As :func:`schedule_sigma`.
+  """
   return {"aqn/sigma": schedule_sigma(schedule, step)}

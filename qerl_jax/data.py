@@ -287,7 +287,11 @@ def tokenize_prompts(tokenizer, prompts: Sequence[str], *, pad_to: Optional[int]
 
 
 def default_user_template(kind: str) -> str:
-  """:data:`GSM8K_USER_TEMPLATE` for ``"gsm8k"``, :data:`MATH_USER_TEMPLATE` for ``"math"``."""
+  """:data:`GSM8K_USER_TEMPLATE` for ``"gsm8k"``, :data:`MATH_USER_TEMPLATE` for ``"math"``.
+
+  Raises:
+    ValueError: any other ``kind``.
+  """
   if kind not in KINDS:
     raise ValueError(f"unknown data kind {kind!r}; expected one of {KINDS}")
   return GSM8K_USER_TEMPLATE if kind == "gsm8k" else MATH_USER_TEMPLATE
@@ -307,6 +311,10 @@ def prompt_batch(tokenizer, examples: Sequence[Example], indices: Sequence[int],
 
   Returns:
     ``(batch, answers)``: the left-padded :class:`PromptBatch` and the ``B`` gold answers.
+
+  Raises:
+    ValueError: an example of unknown kind (:func:`default_user_template`), or as
+      :func:`tokenize_prompts`.
   """
   chosen = [examples[int(i)] for i in indices]
   prompts = [build_prompt(tokenizer, e.question, system_prompt=system_prompt,

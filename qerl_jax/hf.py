@@ -108,7 +108,11 @@ class SafetensorsFile:
 
 
 def save_safetensors(path, tensors: Mapping[str, np.ndarray], metadata: Optional[dict] = None) -> None:
-  """Writes numpy arrays (including bfloat16 / float8_e4m3fn from ml_dtypes) to a safetensors file."""
+  """Writes numpy arrays (including bfloat16 / float8_e4m3fn from ml_dtypes) to a safetensors file.
+
+  Raises:
+    ValueError: a tensor of a dtype safetensors has no code for.
+  """
   header, offset, arrays = {}, 0, []
   for key, arr in tensors.items():
     arr = np.ascontiguousarray(arr)
@@ -436,6 +440,9 @@ def to_hf_state_dict(cfg: ModelConfig, base: dict, dtype=ml_dtypes.bfloat16) -> 
   (merge LoRA into a float base first to export a merged model); fused
   projections are split back into q/k/v and gate/up. Tied models get no
   ``lm_head.weight``.
+
+  Raises:
+    ValueError: a fused projection whose width does not match ``cfg`` (``unfuse_projections``).
   """
   from qerl_jax.models import fuse
   if fuse.is_fused(base):
@@ -504,7 +511,17 @@ def save_pretrained(folder, cfg: ModelConfig, base: dict, *, dtype=ml_dtypes.bfl
 
 def base_from_state_dict(cfg: ModelConfig, state_dict: Mapping[str, Any], *, dtype=np.float32) -> dict:
   """A float base tree from an in-memory HF state dict (numpy / torch tensors), e.g.
-  ``model.state_dict()`` of a transformers model; for tests and small models."""
+  ``model.state_dict()`` of a transformers model; for tests and small models.
+
+  Returns:
+    ``{"embed": [V, D], "final_norm": [D], "layers": {...}, "lm_head": [D, V] (untied only)}`` in
+    ``dtype`` (default float32), the layers stacked over ``L``: linears ``[L, in, out]`` (transposed
+    from HF's ``[out, in]``), norms ``[L, D]``, and the q/k/v biases and q/k norms where ``cfg`` has them.
+
+  Raises:
+    ValueError: ``cfg.tie_word_embeddings`` is false and the state dict has no ``lm_head.weight``.
+    KeyError: a tensor ``cfg`` needs is missing from ``state_dict``.
+  """
   sd = {k: np.asarray(v.detach().float().numpy() if hasattr(v, "detach") else v) for k, v in state_dict.items()}
   L = cfg.num_layers
   g = lambda key: sd[key].astype(dtype)

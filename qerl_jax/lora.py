@@ -114,6 +114,9 @@ def module_shapes(model_cfg) -> dict[str, tuple[int, int]]:
   Returns:
     ``{"q": (D, H*hd), "k": (D, KV*hd), "v": (D, KV*hd), "o": (H*hd, D),
     "gate": (D, I), "up": (D, I), "down": (I, D)}``.
+
+  Raises:
+    TypeError: ``model_cfg`` lacks one of those fields.
   """
   try:
     d, i = int(model_cfg.hidden_size), int(model_cfg.intermediate_size)
@@ -465,6 +468,9 @@ def save_merged_hf(folder: str, model_cfg, base: Mapping, lora: Mapping, lora_cf
     base, lora, lora_cfg: as in :func:`merge` (a base with fused projections is split first).
     dtype: checkpoint dtype (a NumPy/ml_dtypes dtype; default bfloat16).
     **save_kwargs: passed to ``hf.save_pretrained`` (tokenizer, generation_config, ...).
+
+  Raises:
+    ValueError: ``lora`` does not match ``lora_cfg`` and the model's shapes (as :func:`merge`).
   """
   import ml_dtypes
   dtype = ml_dtypes.bfloat16 if dtype is None else dtype

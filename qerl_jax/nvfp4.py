@@ -382,6 +382,9 @@ def to_compressed_tensors(t: NVFP4Tensor) -> dict[str, np.ndarray]:
     ``weight_packed`` uint8 ``[N, K/2]`` (element 2j in the low nibble),
     ``weight_scale`` float8_e4m3fn ``[N, K/16]``, ``weight_global_scale``
     float32 ``[1]`` (the divisor). Leading dims are not supported here.
+
+  Raises:
+    ValueError: ``t`` has leading (stacked) dims.
   """
   if t.packed.ndim != 2:
     raise ValueError(f"to_compressed_tensors expects one matrix, got packed shape {t.packed.shape}")

@@ -107,6 +107,9 @@ def extract_gsm8k_answer(text: str) -> Optional[str]:
 
   Returns:
     e.g. ``"1000"``, ``"-3"``, ``"2.5"``; None when no number is found.
+
+  Raises:
+    TypeError: ``text`` is not a str.
   """
   if not isinstance(text, str):
     raise TypeError(f"extract_gsm8k_answer expects str, got {type(text).__name__}")

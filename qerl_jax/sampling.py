@@ -289,6 +289,10 @@ def sample_tokens(key: jax.Array, logits: jax.Array, *, temperature: float, top_
     ``(tokens int32 [...], sample_logprob f32 [...], policy_logprob f32 [...])``:
     the log-probability under the sampling distribution (0 for greedy) and
     under ``log_softmax(logits)`` (raw, temperature 1).
+
+  Raises:
+    ValueError: ``temperature`` < 0, ``top_p`` outside (0, 1] or ``top_k`` < 0
+      (:func:`sampling_logprobs`).
   """
   raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   if temperature == 0:
@@ -579,7 +583,8 @@ def generate(cfg_model, base: dict, prompt_tokens, prompt_mask, key: jax.Array, 
     copy of the base made for this rollout (0 when none; ``config.dequantize_min_rows``).
 
   Raises:
-    TypeError: ``config`` is not a :class:`SamplingConfig`.
+    TypeError: ``config`` is not a :class:`SamplingConfig`, or ``lora_cfg`` has no LoRA scale
+      (:func:`qerl_jax.models.lora_scale_of`).
     ValueError: bad prompt shapes, a row without tokens, right padding.
   """
   if not isinstance(config, SamplingConfig):

@@ -98,6 +98,9 @@ def score(reward_fn: Callable, completions: Sequence[str], answers: Sequence[str
 
   A reward function that raises or returns a bad value costs only the affected completions:
   their reward is missing (NaN), which ``grpo.group_advantages`` turns into advantage 0.
+
+  Raises:
+    ValueError: ``completions`` and ``answers`` differ in length (a caller bug).
   """
   from qerl_jax import rewards as rewards_lib
   r, _ = rewards_lib.safe_reward(reward_fn, list(completions), list(answers))
@@ -242,6 +245,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     A summary dict: ``status``, ``steps``, ``final_accuracy``, ``initial_accuracy``,
     ``best_accuracy``, ``final_reward``, ``mean_entropy_first_quarter``, ``wall_time_s``,
     ``workdir``.
+
+  Raises:
+    ValueError / FileNotFoundError: from loading the model (:func:`load_policy`) or the data
+      (:func:`load_prompts`: a missing file, a bad spec, no usable row), or fewer training prompts
+      than one step's batch (``data.DataOrder``). A reward function that fails does not raise: its
+      completions count as missing rewards (:func:`score`).
   """
   t_start = time.perf_counter()
   seed, total = int(config.seed), int(config.train.total_steps)
@@ -427,7 +436,11 @@ def _decode(tokenizer, rollout) -> list[str]:
 
 
 def summarize(workdir: str, total_steps: int) -> dict:
-  """Summary of a run from its metrics.jsonl (used at the end of :func:`train`)."""
+  """Summary of a run from its metrics.jsonl (used at the end of :func:`train`).
+
+  Raises:
+    FileNotFoundError: ``workdir`` has no metrics.jsonl.
+  """
   rows = metrics_lib.read_metrics(workdir)
   train_rows = [r for r in rows if "reward" in r]
   evals = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
@@ -767,7 +780,11 @@ def _synthetic_rows(spec: str) -> list:
 
 
 def load_datasets(config, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
-  """``(train, eval)`` prompts of ``config.data`` (eval truncated to ``data.eval_size``)."""
+  """``(train, eval)`` prompts of ``config.data`` (eval truncated to ``data.eval_size``).
+
+  Raises:
+    FileNotFoundError / ValueError: as :func:`load_prompts` (a missing file, a bad spec, no usable row).
+  """
   train_set = load_prompts(str(config.data.train), str(config.data.task), tokenizer, config)
   eval_set = []
   if config.data.eval:

@@ -146,7 +146,11 @@ def make_optimizer(config: Any = None) -> optax.GradientTransformation:
 
 
 def make_train_state(lora_params: Any, optimizer: optax.GradientTransformation) -> TrainState:
-    """Fresh :class:`TrainState` for the trainable tree ``lora_params`` (floating leaves)."""
+    """Fresh :class:`TrainState` for the trainable tree ``lora_params`` (floating leaves).
+
+    Raises:
+        ValueError: ``lora_params`` has no leaves. TypeError: a leaf is not floating point.
+    """
     leaves = jax.tree_util.tree_leaves(lora_params)
     if not leaves:
         raise ValueError("lora_params has no leaves: nothing to train")

@@ -225,6 +225,9 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   ``original_max_position_embeddings / low_freq_factor``) and ``inv_freq``
   (shorter than ``... / high_freq_factor``), as in Meta's Llama 3.1 reference and
   transformers' ``_compute_llama3_parameters``. Computed in float32 like transformers.
+
+  Raises:
+    ValueError: a ``rope_scaling`` whose type is neither ``linear`` nor ``llama3``.
   """
   dim = cfg.head_dim
   exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)

@@ -44,7 +44,11 @@ def _dtype(cfg: ModelConfig):
 
 def lora_scale_of(lora_cfg: Any) -> float:
   """The LoRA scale from ``lora_cfg``: None -> 1.0, a number, or an object /
-  mapping with ``scale`` (e.g. ``alpha / r``)."""
+  mapping with ``scale`` (e.g. ``alpha / r``).
+
+  Raises:
+    TypeError: ``lora_cfg`` is none of these.
+  """
   if lora_cfg is None:
     return 1.0
   if isinstance(lora_cfg, (int, float)):
@@ -560,6 +564,10 @@ def token_logprobs(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: j
 
   Returns:
     ``(logprobs [B, T] f32, entropy [B, T] f32)``.
+
+  Raises:
+    As :func:`forward`: ValueError for mismatched tokens / positions / mask shapes, TypeError for a
+    bad ``lora_cfg``.
   """
   hidden, _ = forward(cfg, base, tokens, positions, lora=lora, lora_cfg=lora_cfg,
                       norm_noise=norm_noise, attn_mask=attn_mask, remat=remat, return_hidden=True,
