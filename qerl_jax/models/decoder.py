@@ -36,6 +36,11 @@ FUSED_DECODE_ATTENTION = True
 # output and memset (for A/B measurements; both read at trace time).
 ACCUMULATE_DECODE = True
 ACCUMULATE_MAX_ROWS = 32
+# Lab (session 20, off; not yet measured on a GPU): in that one-buffer decode step with the fused attention
+# kernel, the q/k/v kernel also asks the L2 for the layer's o weight once its own loads are done
+# (pallas_kernels.w4_gluon.PREFETCH_NEXT), so that o reads it from there after attention, while HBM is
+# lightly used (read at trace time).
+PREFETCH_O = False
 
 
 def _dtype(cfg: ModelConfig):
@@ -239,7 +244,7 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
     bias_stack = attn.get("qkv_bias")
     before = acc
     y, bias, acc = layers.linear_f32_into(x, attn["qkv"], acc, bias=_layer_array(bias_stack), lora=la.get("qkv"),
-                                          lora_scale=lora_scale)
+                                          lora_scale=lora_scale, prefetch=attn["o"] if PREFETCH_O else None)
     # The kernel reads in place what XLA would copy out for it: the bias stack's layer li and, when
     # q/k/v went unchanged into the head of the accumulator, that head.
     if bias is not None and isinstance(bias_stack, layers.StackedWeight):
