@@ -382,8 +382,12 @@ def _kernel(wg: bool = False, narrow_n: int = 0, prefetch: bool = False):
                            "mov.b32 $0, 0; }"])
 
   @gluon.jit
-  def prefetch_lines(ptr, first, end, REP: ttgl.constexpr, PF: ttgl.constexpr):
-    """L2 prefetch of the 128-byte lines ``[first, end)`` from ``ptr``, one a thread at a time."""
+  def prefetch_lines(ptr, pid, PER: ttgl.constexpr, TOTAL: ttgl.constexpr, PF: ttgl.constexpr):
+    """L2 prefetch of program ``pid``'s ``PER`` of the ``TOTAL`` 128-byte lines from ``ptr``, one a thread at
+    a time."""
+    first = pid * PER
+    end = ttgl.minimum(first + PER, TOTAL)
+    REP: ttgl.constexpr = (PER + 32 * WARPS - 1) // (32 * WARPS)
     e = ttgl.arange(0, 32 * WARPS, layout=pf_layout)
     for r in ttgl.static_range(REP):
       line = first + r * (32 * WARPS) + e
@@ -478,10 +482,8 @@ def _kernel(wg: bool = False, narrow_n: int = 0, prefetch: bool = False):
         c0, s0, x0 = c1, s1, x1
     if PF:  # this program's share of the next kernel's weight, asked of the L2 now that its own loads are done
       pid = pid_s * ttgl.num_programs(0) + pid_n
-      prefetch_lines(pf_c_ptr + layer.to(ttgl.int64) * PF_CB, pid * PF_PC, ttgl.minimum(pid * PF_PC + PF_PC, PF_CB // 128),
-                     (PF_PC + 32 * WARPS - 1) // (32 * WARPS), PF)
-      prefetch_lines(pf_s_ptr + layer.to(ttgl.int64) * PF_SB, pid * PF_PS, ttgl.minimum(pid * PF_PS + PF_PS, PF_SB // 128),
-                     (PF_PS + 32 * WARPS - 1) // (32 * WARPS), PF)
+      prefetch_lines(pf_c_ptr + layer.to(ttgl.int64) * PF_CB, pid, PF_PC, PF_CB // 128, PF)
+      prefetch_lines(pf_s_ptr + layer.to(ttgl.int64) * PF_SB, pid, PF_PS, PF_SB // 128, PF)
     acc = acc * (256.0 / gs)  # 2**8 undoes the decode's 2**-8
     # rows r -> columns n = nu(r) (the inverse relabelling), then 16-byte stores along n
     if NARROW:  # rows (r_top .. r0) = (n_top .. n4 n0 n3 n2 n1); at 128 columns [0, 1, 2, 4, 5, 6, 3, 7]
@@ -998,8 +1000,8 @@ def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array | None, offs
   build = _build_for(m, w, index, prefetch)
   new = acc is None
   operands = _operands(x, w, index, build.meta, jnp.zeros((1,), jnp.float32) if new else acc)
-  if prefetch is not None:  # the two stacks' codes and scales, layers folded into rows (free reshapes)
-    operands += (prefetch.packed.reshape(-1, prefetch.shape[1]), prefetch.block_scale.reshape(-1, prefetch.shape[1]))
+  if prefetch is not None:  # its codes and scales, layers folded into rows (free reshapes)
+    operands += w4_triton._layer_operands(prefetch, w4_triton._format_of(prefetch), index)[:2]
   acc = _ffi_call(build, operands, jax.ShapeDtypeStruct((total,), jnp.float32), None if new else {5: 0},
                   zero_results=new, out_offset=4 * offset)
   return jax.lax.slice(acc, (offset,), (offset + m * n,)).reshape(m, n), acc

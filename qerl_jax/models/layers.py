@@ -320,9 +320,8 @@ def linear_f32_into(x: jax.Array, w, acc: Optional[Accumulator], *, bias: Option
   tensor, index = _tensor_index(w)
   pf = (prefetch.tensor if isinstance(prefetch, StackedWeight) and isinstance(prefetch.tensor, nvfp4.NVFP4Tensor)
         and index is not None else None)
-  extra = {} if pf is None else {"prefetch": pf}  # (the plain call unchanged)
   y, buffer = pallas_kernels.quantized_matmul_into(x, tensor, acc.buffer, acc.offset, index=index, size=acc.size,
-                                                   **extra)
+                                                   prefetch=pf)
   acc = Accumulator(buffer, acc.offset + y.size, acc.size)
   if lora is not None and _epilogue_applies(x, w):  # where _base_f32's kernel would add it, before the bias
     y, lora = y + _lora_f32(x, lora, lora_scale), None
