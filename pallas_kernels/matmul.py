@@ -415,7 +415,7 @@ def accumulate_applies(x: jax.Array, w, index=None) -> bool:
 
 
 def quantized_matmul_into(x: jax.Array, w, acc: jax.Array | None, offset: int, *, index=None,
-                          size: int | None = None, prefetch=None) -> tuple[jax.Array, jax.Array]:
+                          size: int | None = None) -> tuple[jax.Array, jax.Array]:
   """``x @ W`` in float32, written into ``acc[offset : offset + M * N]`` of a zeroed float32 buffer
   (forward only; :func:`accumulate_applies` must hold): several decode-step projections share one
   memset instead of one each (:func:`pallas_kernels.w4_gluon.forward_into`).
@@ -428,8 +428,6 @@ def quantized_matmul_into(x: jax.Array, w, acc: jax.Array | None, offset: int, *
     offset: static int, elements.
     index: optional int32 scalar layer of a stacked ``w`` (clamped to ``[0, L)``).
     size: with ``acc`` None, the new buffer's length (static int).
-    prefetch: lab, None by default: an NVFP4 stack with as many layers as ``w`` whose layer ``index`` the
-      kernel asks the L2 for after its own loads (:func:`pallas_kernels.w4_gluon.forward_into`).
 
   Returns:
     ``(y float32 [..., N], acc)``; pass the returned ``acc`` on to the next call.
@@ -444,6 +442,5 @@ def quantized_matmul_into(x: jax.Array, w, acc: jax.Array | None, offset: int, *
                      f"the Gluon FFI launcher; see accumulate_applies)")
   k, n = w.shape
   y, acc = w4_gluon.forward_into(x.reshape(-1, k), w, acc, offset,
-                                 index=None if index is None else jnp.asarray(index, jnp.int32), size=size,
-                                 prefetch=prefetch)
+                                 index=None if index is None else jnp.asarray(index, jnp.int32), size=size)
   return y.reshape(*x.shape[:-1], n), acc

@@ -129,9 +129,6 @@ LOAD_ASM = 0  # lab (session 20), M <= 16 builds: the codes loaded by inline PTX
   # 17.5 -> 18.3, so summed no gain, and a batch-8 step 2.30 against 2.29 ms with 3 on every shape.
 LOAD_ASM_MAX_WEIGHTS = 1 << 62  # lab: LOAD_ASM only for weights of at most this many values (K x N), e.g. 2**25 for
   # the 7B q/k/v (16.5M) and o (12.8M) and not gate/up (136M) or down (68M); not yet measured in a rollout
-PREFETCH_NEXT = 1  # lab (session 20): the L2 prefetch of :func:`forward_into`'s ``prefetch`` weight: 1 prefetch.global.L2,
-  # 2 with L2::evict_last. Used only where a caller passes ``prefetch`` (qerl_jax.models.decoder.PREFETCH_O, off);
-  # not yet measured on a GPU (gpu_checkpoint.sh step 29)
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -236,13 +233,8 @@ def _asm(decode_order: bool = False) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(wg: bool = False, narrow_n: int = 0, prefetch: bool = False):
+def _kernel(wg: bool = False, narrow_n: int = 0):
   """Builds the Gluon kernel (imports triton lazily: CPU installs need not have it).
-
-  ``prefetch`` (lab, :data:`PREFETCH_NEXT`): the entry that also takes a second weight stack's codes
-  and block scales (two more pointers, :data:`_ARG_DTYPES_PF`) and asks the L2 for that stack's layer
-  ``index`` once the program's own loads are done (``prefetch.global.L2``), so that the next kernel
-  (a decode step's o projection after q/k/v and attention) finds its weight there.
 
   ``wg=False``: 4 warps, mma.sync, x in registers (MB = 8, 16). ``wg=True``: 8 warps (two
   warpgroups of 128 rows), Hopper ``wgmma`` with the decoded weight from registers and x from
@@ -376,33 +368,11 @@ def _kernel(wg: bool = False, narrow_n: int = 0, prefetch: bool = False):
         xs = ttgl.reshape(ttgl.permute(ttgl.reshape(xs, [2, 2, 2, 2, 2, 2, mb]), [0, 3, 4, 1, 2, 5, 6]), [64, mb])
     return xs
 
-  pf_layout = ttgl.constexpr(ttgl.BlockedLayout([1], [32], [_warps(wg, narrow_n)], [0]))
-  pf_asm = ttgl.constexpr(["", "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-                           "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; "
-                           "mov.b32 $0, 0; }"])
-
   @gluon.jit
-  def prefetch_lines(ptr, pid, PER: ttgl.constexpr, TOTAL: ttgl.constexpr, PF: ttgl.constexpr):
-    """L2 prefetch of program ``pid``'s ``PER`` of the ``TOTAL`` 128-byte lines from ``ptr``, one a thread at
-    a time."""
-    first = pid * PER
-    end = ttgl.minimum(first + PER, TOTAL)
-    REP: ttgl.constexpr = (PER + 32 * WARPS - 1) // (32 * WARPS)
-    e = ttgl.arange(0, 32 * WARPS, layout=pf_layout)
-    for r in ttgl.static_range(REP):
-      line = first + r * (32 * WARPS) + e
-      ttgl.inline_asm_elementwise(pf_asm[PF], "=r,l,r", [ptr + line.to(ttgl.int64) * 128, (line < end).to(ttgl.int32)],
-                                  dtype=ttgl.int32, is_pure=False, pack=1)
-
-  @gluon.jit
-  def gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, pf_c_ptr, pf_s_ptr, M: ttgl.constexpr,
-           N: ttgl.constexpr, K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-           ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr, LH: ttgl.constexpr,
-           LA: ttgl.constexpr, PF: ttgl.constexpr, PF_CB: ttgl.constexpr, PF_SB: ttgl.constexpr,
-           PF_PC: ttgl.constexpr, PF_PS: ttgl.constexpr):
-    """The kernel; ``PF`` (1, 2: :data:`PREFETCH_NEXT`) > 0 prefetches layer ``layer`` of the stack at
-    ``pf_c_ptr`` (``PF_CB`` code bytes a layer) and ``pf_s_ptr`` (``PF_SB`` scale bytes), ``PF_PC`` and
-    ``PF_PS`` 128-byte lines a program."""
+  def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
+                 K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
+                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0,
+                 LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0):
     if WG:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, MB, 16])
@@ -480,10 +450,6 @@ def _kernel(wg: bool = False, narrow_n: int = 0, prefetch: bool = False):
           a = ttgl.convert_layout(decode(c0, s0, DO), a_layout)
           acc = mma_v2(a, ttgl.convert_layout(x_slots(x0), xl), acc)
         c0, s0, x0 = c1, s1, x1
-    if PF:  # this program's share of the next kernel's weight, asked of the L2 now that its own loads are done
-      pid = pid_s * ttgl.num_programs(0) + pid_n
-      prefetch_lines(pf_c_ptr + layer.to(ttgl.int64) * PF_CB, pid, PF_PC, PF_CB // 128, PF)
-      prefetch_lines(pf_s_ptr + layer.to(ttgl.int64) * PF_SB, pid, PF_PS, PF_SB // 128, PF)
     acc = acc * (256.0 / gs)  # 2**8 undoes the decode's 2**-8
     # rows r -> columns n = nu(r) (the inverse relabelling), then 16-byte stores along n
     if NARROW:  # rows (r_top .. r0) = (n_top .. n4 n0 n3 n2 n1); at 128 columns [0, 1, 2, 4, 5, 6, 3, 7]
@@ -503,34 +469,13 @@ def _kernel(wg: bool = False, narrow_n: int = 0, prefetch: bool = False):
       ttgl.store(o_ptr + pid_s * (M * N) + ttgl.expand_dims(mo, 0) * N + ttgl.expand_dims(no + n0, 1), acc,
                  mask=o_mask)
 
-  @gluon.jit
-  def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
-                 K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0,
-                 LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0):
-    ttgl.static_assert(M > 0)  # (names ttgl in the body, so that the annotations resolve)
-    gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, p_ptr, s_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS, WA,
-         DO, LH, LA, 0, 0, 0, 0, 0)
-
-  @gluon.jit
-  def w4a16_gemv_pf(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, pf_c_ptr, pf_s_ptr, M: ttgl.constexpr,
-                    N: ttgl.constexpr, K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr,
-                    MB: ttgl.constexpr, ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr,
-                    DO: ttgl.constexpr = 0, LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0, PF: ttgl.constexpr = 1,
-                    PF_CB: ttgl.constexpr = 0, PF_SB: ttgl.constexpr = 0, PF_PC: ttgl.constexpr = 0,
-                    PF_PS: ttgl.constexpr = 0):
-    ttgl.static_assert(M > 0)
-    gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, pf_c_ptr, pf_s_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS,
-         WA, DO, LH, LA, PF, PF_CB, PF_SB, PF_PC, PF_PS)
-
-  return w4a16_gemv_pf if prefetch else w4a16_gemv
+  return w4a16_gemv
 
 
 _INSTALLED = []
 # x, codes, block scales, global scales, layer, zeros (the atomic builds' output, aliased, unless the FFI
 # launcher zeroes the output; else unused), out
 _ARG_DTYPES = ("*bf16", "*u8", "*fp8e4nv", "*fp32", "*i32", "*fp32", "*fp32")
-_ARG_DTYPES_PF = _ARG_DTYPES + ("*u8", "*fp8e4nv")  # the prefetching entry (PREFETCH_NEXT): a second stack's codes, scales
 
 
 def _compile_gluon(fn, arg_dtypes, constexprs: dict, cc: int, num_warps: int = 4, maxnreg: int | None = None):
@@ -727,9 +672,8 @@ def _compiled(meta: tuple, wg: bool, narrow_n: int, maxnreg: int | None):
   """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta`` (the wgmma build
   if ``wg``) with at most ``maxnreg`` registers a thread (:func:`_register_cap`; part of the cache key),
   compiled for the oldest visible GPU (sm_90 without one) and loaded on every GPU."""
-  pf = "PF" in dict(meta)  # the prefetching entry
-  return _load(_compile_gluon(_kernel(wg, narrow_n, pf), _ARG_DTYPES_PF if pf else _ARG_DTYPES, dict(meta),
-                              _target_cc(), num_warps=_warps(wg, narrow_n), maxnreg=maxnreg))
+  return _load(_compile_gluon(_kernel(wg, narrow_n), _ARG_DTYPES, dict(meta), _target_cc(),
+                              num_warps=_warps(wg, narrow_n), maxnreg=maxnreg))
 
 
 def _target_cc() -> int:
@@ -841,19 +785,11 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
   return Build(wg, narrow, block_n, splits, meta)
 
 
-def _build_for(m: int, w: nvfp4.NVFP4Tensor, index, prefetch=None) -> Build:
+def _build_for(m: int, w: nvfp4.NVFP4Tensor, index) -> Build:
   """:func:`_build` for ``m`` rows times ``w`` (a ``[K, N]`` matrix, or with ``index`` a stack whose
-  layer count and code order come from ``w``); with ``prefetch`` (a stack of as many layers) the
-  prefetching entry's constexprs (:data:`PREFETCH_NEXT`)."""
+  layer count and code order come from ``w``)."""
   k, n = w.shape
-  build = _build(m, k, n, 1 if index is None else w.packed.shape[0], w.code_order == "decode")
-  if prefetch is not None:
-    programs = build.grid[0] * build.grid[1]
-    code_bytes = prefetch.packed[0].size  # a layer's codes and block scales (1 byte each)
-    scale_bytes = prefetch.block_scale[0].size
-    build.meta.update(PF=PREFETCH_NEXT, PF_CB=code_bytes, PF_SB=scale_bytes,
-                      PF_PC=-(-(code_bytes // 128) // programs), PF_PS=-(-(scale_bytes // 128) // programs))
-  return build
+  return _build(m, k, n, 1 if index is None else w.packed.shape[0], w.code_order == "decode")
 
 
 # The wgmma builds' operand k order within each 64-wide K step: slot s holds x's k = order[s], where
@@ -947,7 +883,7 @@ def into_applies(x: jax.Array, w, index=None) -> bool:
 
 
 def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array | None, offset: int, *, index=None,
-                 size: int | None = None, prefetch: nvfp4.NVFP4Tensor | None = None) -> tuple[jax.Array, jax.Array]:
+                 size: int | None = None) -> tuple[jax.Array, jax.Array]:
   """:func:`forward` with float32 output written into a region of a zeroed buffer instead of a new
   array (GPU only; FFI launcher; forward only, no VJP).
 
@@ -967,9 +903,6 @@ def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array | None, offs
     offset: static int, in elements.
     index: as :func:`forward`.
     size: with ``acc`` None, ``S`` (static int).
-    prefetch: lab (:data:`PREFETCH_NEXT`): an NVFP4 stack ``[L, K2, N2]`` with as many layers as ``w``,
-      whose layer ``index`` the programs ask the L2 for once their own loads are done (the weight of the
-      next kernel but one, e.g. o's while attention runs). None (default): nothing prefetched.
 
   Returns:
     ``(y, acc)``: ``y`` float32 ``[M, N]`` (the region, read back), and the updated ``acc``.
@@ -993,15 +926,9 @@ def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array | None, offs
   if offset < 0 or offset + m * n > total:
     raise ValueError(f"w4_gluon.forward_into: region [{offset}, {offset + m * n}) does not fit a buffer of "
                      f"{total} elements")
-  if prefetch is not None and (index is None or prefetch.packed.ndim != 3
-                               or prefetch.packed.shape[0] != w.packed.shape[0]):
-    raise ValueError(f"w4_gluon.forward_into: prefetch needs a stack of {w.packed.shape[0]} layers like w, with "
-                     f"index; got packed codes {prefetch.packed.shape}")
-  build = _build_for(m, w, index, prefetch)
+  build = _build_for(m, w, index)
   new = acc is None
   operands = _operands(x, w, index, build.meta, jnp.zeros((1,), jnp.float32) if new else acc)
-  if prefetch is not None:  # its codes and scales, layers folded into rows (free reshapes)
-    operands += w4_triton._layer_operands(prefetch, w4_triton._format_of(prefetch), index)[:2]
   acc = _ffi_call(build, operands, jax.ShapeDtypeStruct((total,), jnp.float32), None if new else {5: 0},
                   zero_results=new, out_offset=4 * offset)
   return jax.lax.slice(acc, (offset,), (offset + m * n,)).reshape(m, n), acc

@@ -93,22 +93,6 @@ def test_evict_first_hint_only_on_the_mma_sync_builds(monkeypatch):
   assert "LH" not in w4_gluon._build(8, 3584, 4608, 1).meta
 
 
-def test_prefetch_shares_by_hand(monkeypatch):
-  """The prefetching build's constexprs for the 7B q/k/v at M = 8 with o's stack (3584 x 3584): a layer's
-  codes 1792 x 3584 = 6422528 bytes (50176 lines of 128) and scales 224 x 3584 = 802816 (6272 lines),
-  over q/k/v's 18 x 28 = 504 programs: 100 and 13 lines a program (rounded up)."""
-  import types
-  stack = lambda k, n: types.SimpleNamespace(packed=np.zeros((2, k // 2, n), np.uint8),
-                                             block_scale=np.zeros((2, k // 16, n), np.uint8), shape=(k, n),
-                                             code_order="decode")
-  monkeypatch.setattr(w4_gluon, "PREFETCH_NEXT", 2)
-  build = w4_gluon._build_for(8, stack(3584, 4608), 0, stack(3584, 3584))
-  assert build.grid[:2] == (18, 28)
-  assert {key: build.meta[key] for key in ("PF", "PF_CB", "PF_SB", "PF_PC", "PF_PS")} == dict(
-      PF=2, PF_CB=6422528, PF_SB=802816, PF_PC=100, PF_PS=13)
-  assert "PF" not in w4_gluon._build_for(8, stack(3584, 4608), 0).meta
-
-
 def test_row_block_by_hand():
   """mma.sync builds of 8 and 16 rows up to M = 16, the wgmma builds of 32 and 64 rows above."""
   assert [w4_gluon._row_block(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128)] == [8, 8, 16, 16, 32, 32, 64, 64,
@@ -435,29 +419,6 @@ def test_gpu_forward_into_fills_its_region_only(m, k, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", [1, 2])
-@pytest.mark.parametrize("m", [1, 8, 32])
-def test_gpu_forward_into_with_an_l2_prefetch_gives_the_same_product(m, policy, monkeypatch):
-  """The prefetching entry (a second stack's layer asked of the L2, PREFETCH_NEXT 1 or 2) writes the same
-  x @ W as without it (float64 reference); the prefetched stack is odd-sized (its last partial line is
-  skipped) and is left unchanged."""
-  if not w4_gluon.available() or w4_gluon.launcher() != "ffi":
-    pytest.skip("needs the Gluon kernel's FFI launcher")
-  if m > 16:
-    _skip_without_wgmma()
-  monkeypatch.setattr(w4_gluon, "PREFETCH_NEXT", policy)
-  wq = _weight(1088, 768, 5 * m, layers=2)
-  nxt = _weight(48, 1000, 9 * m, layers=2)  # 24 x 1000 code bytes a layer: 187.5 lines
-  x = _act(m, 1088, m + 3)
-  want = np.asarray(x, np.float64) @ _dense64(matmul.layer_of(wq, 1))
-  run = jax.jit(lambda x, w, p: w4_gluon.forward_into(x, w, None, 0, index=jnp.int32(1), size=m * 768, prefetch=p))
-  y, _ = run(x, wq, nxt)
-  assert bool(jnp.isfinite(y).all()) and _rel(y, want) < 1e-4
-  assert _rel(y, jax.jit(lambda x, w: w4_gluon.forward_into(x, w, None, 0, index=jnp.int32(1), size=m * 768)[0])(
-      x, wq)) < 1e-5
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 17, 32, 40, 64, 100, 128])
 @pytest.mark.parametrize("k,n", [(3584, 4608), (1088, 768)])
 def test_gpu_gluon_decode_order_matches_float64(m, k, n, monkeypatch):
@@ -551,12 +512,6 @@ def test_gpu_decode_steps_into_one_buffer_a_layer_match_the_plain_path(monkeypat
   real_rows = np.asarray(mask).astype(bool)
   a, p = np.asarray(into, np.float32)[real_rows], np.asarray(plain, np.float32)[real_rows]
   assert np.isfinite(a).all() and np.abs(a - p).max() < 2e-2 * np.abs(p).max()
-  # the q/k/v kernel asking the L2 for o's weight (decoder.PREFETCH_O, lab): same logits
-  monkeypatch.setattr(decoder, "PREFETCH_O", True)
-  pf, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16)
-  monkeypatch.setattr(decoder, "PREFETCH_O", False)
-  f = np.asarray(pf, np.float32)[real_rows]
-  assert np.isfinite(f).all() and np.abs(f - p).max() < 2e-2 * np.abs(p).max()
   # the base in the decode kernel's code order (models.to_decode_order): prefill converts back, the
   # decode steps read it in place; same logits up to the atomics' order
   ordered, _ = decode_all(cfg, models.to_decode_order(base), tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16)

@@ -359,7 +359,7 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind):
   monkeypatch.setattr(da, "auto_backend", lambda dtype: "interpret")  # the fused decode attention (q/k/v)
   regions = []  # (buffer size, offset, size) of every call, in trace order
 
-  def stand_in(x, w, acc, offset, *, index=None, size=None, prefetch=None):  # (an L2 prefetch changes no value)
+  def stand_in(x, w, acc, offset, *, index=None, size=None):
     y = pallas_kernels.quantized_matmul(x, w, index=index, out_dtype=jnp.float32).reshape(-1)
     acc = jnp.zeros((size,), jnp.float32) if acc is None else acc  # the first call makes the buffer
     regions.append((acc.shape[0], offset, y.size))

@@ -294,7 +294,7 @@ def new_accumulator(rows: int, weights, dtype=jnp.bfloat16) -> Optional[Accumula
 
 
 def linear_f32_into(x: jax.Array, w, acc: Optional[Accumulator], *, bias: Optional[jax.Array] = None,
-                    lora: Optional[dict] = None, lora_scale: float = 1.0, prefetch=None) -> tuple:
+                    lora: Optional[dict] = None, lora_scale: float = 1.0) -> tuple:
   """:func:`linear_f32_bias_deferred` whose 4-bit product is written into the next region of ``acc``
   (:func:`pallas_kernels.quantized_matmul_into`; forward only) where that applies, with the same
   float32 result (up to the order of the kernel's split-K additions, which atomics do not fix).
@@ -305,9 +305,6 @@ def linear_f32_into(x: jax.Array, w, acc: Optional[Accumulator], *, bias: Option
   Args:
     x: ``[..., K]`` activations in the compute dtype; w, bias, lora, lora_scale: as :func:`linear`.
     acc: an :class:`Accumulator` from :func:`new_accumulator`, or None.
-    prefetch: lab, None by default: a :class:`StackedWeight` (4-bit, the same stack index as ``w``) whose
-      layer the kernel asks the L2 for after its own loads (``pallas_kernels.quantized_matmul_into``);
-      ignored where the kernel does not run.
 
   Returns:
     ``(y float32 [..., N], bias still to add or None, acc)``, ``acc`` advanced past the region used.
@@ -318,10 +315,7 @@ def linear_f32_into(x: jax.Array, w, acc: Optional[Accumulator], *, bias: Option
   if acc is None or not _accumulates(x, w) or (lora is not None and pallas_kernels.matmul.GLUON_LORA != "1"):
     return (*linear_f32_bias_deferred(x, w, bias=bias, lora=lora, lora_scale=lora_scale), acc)
   tensor, index = _tensor_index(w)
-  pf = (prefetch.tensor if isinstance(prefetch, StackedWeight) and isinstance(prefetch.tensor, nvfp4.NVFP4Tensor)
-        and index is not None else None)
-  y, buffer = pallas_kernels.quantized_matmul_into(x, tensor, acc.buffer, acc.offset, index=index, size=acc.size,
-                                                   prefetch=pf)
+  y, buffer = pallas_kernels.quantized_matmul_into(x, tensor, acc.buffer, acc.offset, index=index, size=acc.size)
   acc = Accumulator(buffer, acc.offset + y.size, acc.size)
   if lora is not None and _epilogue_applies(x, w):  # where _base_f32's kernel would add it, before the bias
     y, lora = y + _lora_f32(x, lora, lora_scale), None
