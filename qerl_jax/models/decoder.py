@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_kernels
 from pallas_kernels import decode_attention as decode_attn
@@ -36,11 +37,6 @@ FUSED_DECODE_ATTENTION = True
 # output and memset (for A/B measurements; both read at trace time).
 ACCUMULATE_DECODE = True
 ACCUMULATE_MAX_ROWS = 32
-# Lab (session 20, off; not yet measured on a GPU): in that one-buffer decode step with the fused attention
-# kernel, the q/k/v kernel also asks the L2 for the layer's o weight once its own loads are done
-# (pallas_kernels.w4_gluon.PREFETCH_NEXT), so that o reads it from there after attention, while HBM is
-# lightly used (read at trace time).
-PREFETCH_O = False
 
 
 def _dtype(cfg: ModelConfig):
@@ -244,7 +240,7 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
     bias_stack = attn.get("qkv_bias")
     before = acc
     y, bias, acc = layers.linear_f32_into(x, attn["qkv"], acc, bias=_layer_array(bias_stack), lora=la.get("qkv"),
-                                          lora_scale=lora_scale, prefetch=attn["o"] if PREFETCH_O else None)
+                                          lora_scale=lora_scale)
     # The kernel reads in place what XLA would copy out for it: the bias stack's layer li and, when
     # q/k/v went unchanged into the head of the accumulator, that head.
     if bias is not None and isinstance(bias_stack, layers.StackedWeight):
@@ -485,7 +481,9 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     body = jax.checkpoint(body, prevent_cse=False)
   kc0 = None if cache is None else cache["k"]
   vc0 = None if cache is None else cache["v"]
-  xs = (scanned, lay_lora, noise, jnp.arange(cfg.num_layers))
+  # The layer indices as a constant, not an iota: in an unrolled decode step XLA folds each layer's slice of
+  # a constant into its own constant, where an iota's slice stays a small kernel a layer (0.8 µs on an H200).
+  xs = (scanned, lay_lora, noise, np.arange(cfg.num_layers, dtype=np.int32))
   (h, kc, vc), _ = jax.lax.scan(body, (h, kc0, vc0), xs, unroll=bool(unroll_layers))
 
   h = layers.rms_norm(h, base["final_norm"], cfg.rms_norm_eps)
