@@ -123,12 +123,14 @@ LOAD_HINTS = 1  # cache hints on the code and block-scale loads of builds with M
   # (docs/benchmarks.md "Session 20")
 LOAD_HINTS_MAX_MB = 16  # the mma.sync builds (M <= 16) only: on the wgmma builds a batch-32 / 64 step took 3.54 / 5.48
   # against 3.47 / 5.33 ms with the hint
-LOAD_ASM = 0  # lab (session 20), M <= 16 builds: the codes loaded by inline PTX that asks the L2 for 256 bytes a miss:
-  # 1 ld.global.L2::256B, 2 the read-only path (.nc.L1::no_allocate), 3 with L1::evict_first; 0 (default) Triton's
-  # loads. Measured (7B, M = 8, µs): q/k/v 8.4 -> 7.8 and o 7.5 -> 6.9 with 2, but gate 18.1 -> 18.5 and down
-  # 17.5 -> 18.3, so summed no gain, and a batch-8 step 2.30 against 2.29 ms with 3 on every shape.
-LOAD_ASM_MAX_WEIGHTS = 1 << 62  # lab: LOAD_ASM only for weights of at most this many values (K x N), e.g. 2**25 for
-  # the 7B q/k/v (16.5M) and o (12.8M) and not gate/up (136M) or down (68M); not yet measured in a rollout
+LOAD_ASM = 2  # M <= 16 builds of weights up to LOAD_ASM_MAX_WEIGHTS values: the codes loaded by inline PTX that asks
+  # the L2 for 256 bytes a miss: 1 ld.global.L2::256B, 2 (default) the read-only path (.nc.L1::no_allocate),
+  # 3 with L1::evict_first; 0 Triton's loads. Measured (7B, M = 8, µs): q/k/v 8.4 -> 7.8 and o 7.5 -> 6.9 with 2,
+  # but gate 18.1 -> 18.5 and down 17.5 -> 18.3 (session 20), hence the size limit. With it, a decode step
+  # (512 new tokens, two alternations; session 21): batch 8 2.26 / 2.25 against 2.27 / 2.26 ms, batch 16
+  # 2.70 / 2.70 against 2.73 / 2.71.
+LOAD_ASM_MAX_WEIGHTS = 1 << 25  # LOAD_ASM only for weights of at most this many values (K x N): the 7B q/k/v (16.5M)
+  # and o (12.8M), not gate/up (136M) or down (68M)
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 

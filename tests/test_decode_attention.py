@@ -350,3 +350,22 @@ def test_kernel_is_not_run_below_its_minimum_head_dim(monkeypatch):
   with pytest.raises(ValueError, match="head_dim >= 16"):
     da.decode_attention(*args, backend="pallas")
   assert da.MIN_HEAD_DIM == 16
+
+
+def test_combine_merges_splits_as_float64_with_empty_ones():
+  """The splits' partials combined with weights exp(m_i - max m) equal float64 (scores up to about 100
+  apart), with an empty split (m = MASKED_SCORE, l = 0) anywhere and a (row, head) whose splits are all
+  empty, which gives 0, not NaN."""
+  rng = np.random.default_rng(7)
+  n, b, kh, g_pad, d, group = 5, 3, 2, 16, 8, 7
+  o = rng.standard_normal((n, b, kh, g_pad, d)).astype(np.float32)
+  m = (30 * rng.standard_normal((n, b, kh, g_pad))).astype(np.float32)
+  l = rng.uniform(0.5, 3.0, (n, b, kh, g_pad)).astype(np.float32)
+  for sl in (np.s_[1], np.s_[:, 0, 0]):
+    m[sl], l[sl], o[sl] = da.MASKED_SCORE, 0.0, 0.0
+  w = np.exp(m.astype(np.float64) - m.max(0))
+  den = (w * l).sum(0)
+  want = ((w[..., None] * o).sum(0) / np.where(den > 0, den, 1.0)[..., None])[:, :, :group].reshape(b, kh * group, d)
+  got = np.asarray(da._combine(jnp.asarray(o), jnp.asarray(m), jnp.asarray(l), group, jnp.float32))
+  assert np.isfinite(got).all() and (got[0, :group] == 0).all()
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

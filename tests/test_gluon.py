@@ -93,6 +93,17 @@ def test_evict_first_hint_only_on_the_mma_sync_builds(monkeypatch):
   assert "LH" not in w4_gluon._build(8, 3584, 4608, 1).meta
 
 
+def test_inline_ptx_code_loads_only_on_small_mma_sync_builds(monkeypatch):
+  """The L2::256B code loads (LA = LOAD_ASM = 2) are in the M <= 16 builds of weights of at most 2**25 values
+  (the 7B q/k/v 3584 x 4608 and o 3584 x 3584), not in gate/up (3584 x 37888), down (18944 x 3584) or the
+  wgmma builds; LOAD_ASM = 0 leaves the key out."""
+  la = lambda m, k, n: w4_gluon._build(m, k, n, 1).meta.get("LA")
+  assert [la(8, 3584, 4608), la(1, 3584, 3584), la(16, 3584, 4608)] == [2, 2, 2]
+  assert [la(8, 3584, 37888), la(8, 18944, 3584), la(17, 3584, 4608), la(64, 3584, 3584)] == [None] * 4
+  monkeypatch.setattr(w4_gluon, "LOAD_ASM", 0)
+  assert la(8, 3584, 4608) is None
+
+
 def test_row_block_by_hand():
   """mma.sync builds of 8 and 16 rows up to M = 16, the wgmma builds of 32 and 64 rows above."""
   assert [w4_gluon._row_block(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128)] == [8, 8, 16, 16, 32, 32, 64, 64,
