@@ -334,16 +334,32 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
   return _combine(o, m, l, g, q_BxHxD.dtype)
 
 
+COMBINE_UNROLL_MAX = 32  # up to this many splits, _combine is written elementwise over the splits (one XLA kernel)
+
+
 def _combine(o, m, l, group, dtype):
   """The splits' float32 partials ``o [n, B, Hkv, G_pad, hd]``, ``m``/``l`` ``[n, B, Hkv, G_pad]``
-  -> ``[B, H, hd]`` in ``dtype``: weights ``exp(m_i - max_i m_i)``; empty splits have ``l = 0``."""
-  _, b, kh, _, d = o.shape
-  top = jnp.max(m, axis=0)
-  w = jnp.exp(m - top[None])
-  den = jnp.sum(w * l, axis=0)
-  num = jnp.sum(w[..., None] * o, axis=0)
+  -> ``[B, H, hd]`` in ``dtype``: weights ``exp(m_i - max_i m_i)`` (the online softmax's merge, Milakov &
+  Gimelshein 2018); empty splits have ``l = 0``.
+
+  Up to :data:`COMBINE_UNROLL_MAX` splits the max and the sums are unrolled over the split axis: elementwise
+  code that XLA runs as one kernel, where reductions over that axis ran as two (a max-and-exp kernel, then
+  the sums; 1.2 + 1.5 µs a layer in a batch-8 decode step on an H200)."""
+  n, b, kh, _, d = o.shape
+  o, m, l = o[:, :, :, :group], m[:, :, :, :group], l[:, :, :, :group]
+  if n <= COMBINE_UNROLL_MAX:
+    top = m[0]
+    for i in range(1, n):
+      top = jnp.maximum(top, m[i])
+    w = [jnp.exp(m[i] - top) for i in range(n)]
+    den = sum(w[i] * l[i] for i in range(n))
+    num = sum(w[i][..., None] * o[i] for i in range(n))
+  else:
+    w = jnp.exp(m - jnp.max(m, axis=0)[None])
+    den = jnp.sum(w * l, axis=0)
+    num = jnp.sum(w[..., None] * o, axis=0)
   out = num / jnp.where(den > 0, den, 1.0)[..., None]
-  return out[:, :, :group].reshape(b, kh * group, d).astype(dtype)
+  return out.reshape(b, kh * group, d).astype(dtype)
 
 
 def _split_qkv(qkv_BxN, bias_N, heads, heads_kv, head_dim, dtype):

@@ -352,10 +352,12 @@ def test_kernel_is_not_run_below_its_minimum_head_dim(monkeypatch):
   assert da.MIN_HEAD_DIM == 16
 
 
-def test_combine_merges_splits_as_float64_with_empty_ones():
+@pytest.mark.parametrize("unroll_max", [32, 2])
+def test_combine_merges_splits_as_float64_with_empty_ones(unroll_max, monkeypatch):
   """The splits' partials combined with weights exp(m_i - max m) equal float64 (scores up to about 100
   apart), with an empty split (m = MASKED_SCORE, l = 0) anywhere and a (row, head) whose splits are all
-  empty, which gives 0, not NaN."""
+  empty, which gives 0, not NaN; written unrolled over the 5 splits, and as reductions (unroll limit 2)."""
+  monkeypatch.setattr(da, "COMBINE_UNROLL_MAX", unroll_max)
   rng = np.random.default_rng(7)
   n, b, kh, g_pad, d, group = 5, 3, 2, 16, 8, 7
   o = rng.standard_normal((n, b, kh, g_pad, d)).astype(np.float32)

@@ -5,7 +5,8 @@ for an A/B of a kernel or launcher setting in the rollout (the settings are read
       --batches=8 --new_tokens=1024 --formats=nvfp4_fused
 
 MODEL_SET="FUSED_DECODE_ATTENTION=0" replaces qerl_jax.models.decoder's module settings the same way
-(also ACCUMULATE_DECODE=0, or ACCUMULATE_MAX_ROWS=64: a layer's projections in one buffer, session 15).
+(also ACCUMULATE_DECODE=0, or ACCUMULATE_MAX_ROWS=64: a layer's projections in one buffer, session 15), and
+DA_SET="COMBINE_UNROLL_MAX=0" pallas_kernels.decode_attention's (session 21).
 
 GL_NO_ZERO=1 drops the launcher's memset of the atomic builds' output: the results are WRONG (they add
 into whatever the buffer held); only for timing what the memsets cost in a rollout.
@@ -14,10 +15,10 @@ import os
 import runpy
 import sys
 
-from pallas_kernels import w4_gluon
+from pallas_kernels import decode_attention, w4_gluon
 from qerl_jax.models import decoder
 
-for env, module in (("GL_SET", w4_gluon), ("MODEL_SET", decoder)):
+for env, module in (("GL_SET", w4_gluon), ("MODEL_SET", decoder), ("DA_SET", decode_attention)):
   for assign in filter(None, os.environ.get(env, "").split(",")):
     name, value = assign.split("=")
     if not hasattr(module, name):
