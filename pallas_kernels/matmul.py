@@ -414,8 +414,25 @@ def accumulate_applies(x: jax.Array, w, index=None) -> bool:
   return gluon_enabled() and w4_gluon.into_applies(x2d, w, index)
 
 
+def accumulate_lora_applies(x: jax.Array, w, index, lora) -> bool:
+  """Whether :func:`quantized_matmul_into` also adds ``lora = (xa [..., R], b, scale)`` in its kernel:
+  :func:`accumulate_applies` and :func:`pallas_kernels.w4_gluon.lora_into_applies` (``b`` bf16 ``[R, N]``, or
+  ``[L, R, N]`` read at ``index``; ``scale`` a Python number).
+
+  Raises:
+    ValueError: as :func:`accumulate_applies`.
+  """
+  if not accumulate_applies(x, w, index):
+    return False
+  xa, b, scale = lora
+  rows = int(np.prod(x.shape[:-1]))
+  x2d = jax.ShapeDtypeStruct((rows, x.shape[-1]), x.dtype)
+  xa2d = jax.ShapeDtypeStruct((int(np.prod(xa.shape[:-1])), xa.shape[-1]), xa.dtype)
+  return w4_gluon.lora_into_applies(x2d, w, index, (xa2d, b, scale))
+
+
 def quantized_matmul_into(x: jax.Array, w, acc: jax.Array | None, offset: int, *, index=None,
-                          size: int | None = None) -> tuple[jax.Array, jax.Array]:
+                          size: int | None = None, lora=None) -> tuple[jax.Array, jax.Array]:
   """``x @ W`` in float32, written into ``acc[offset : offset + M * N]`` of a zeroed float32 buffer
   (forward only; :func:`accumulate_applies` must hold): several decode-step projections share one
   memset instead of one each (:func:`pallas_kernels.w4_gluon.forward_into`).
@@ -428,19 +445,25 @@ def quantized_matmul_into(x: jax.Array, w, acc: jax.Array | None, offset: int, *
     offset: static int, elements.
     index: optional int32 scalar layer of a stacked ``w`` (clamped to ``[0, L)``).
     size: with ``acc`` None, the new buffer's length (static int).
+    lora: optional ``(xa [..., R] bf16, b, scale)``: also add ``scale * xa @ b`` (a LoRA adapter's
+      up-projection) in the kernel; :func:`accumulate_lora_applies` must hold.
 
   Returns:
     ``(y float32 [..., N], acc)``; pass the returned ``acc`` on to the next call.
 
   Raises:
-    ValueError: :func:`accumulate_applies` is False, no ``size`` for a new buffer, or the region does
-      not fit.
+    ValueError: :func:`accumulate_applies` (or with ``lora``, :func:`accumulate_lora_applies`) is False,
+      no ``size`` for a new buffer, or the region does not fit.
   """
   if not accumulate_applies(x, w, index):
     raise ValueError(f"quantized_matmul_into: no accumulating kernel for x {x.dtype}{list(x.shape)} and "
                      f"{type(w).__name__} {list(w.shape)} here (GPU, bf16 x, NVFP4, M <= {w4_gluon.MAX_M}, "
                      f"the Gluon FFI launcher; see accumulate_applies)")
   k, n = w.shape
+  if lora is not None:
+    xa, b, scale = lora
+    lora = (xa.reshape(-1, xa.shape[-1]), b, scale)
   y, acc = w4_gluon.forward_into(x.reshape(-1, k), w, acc, offset,
-                                 index=None if index is None else jnp.asarray(index, jnp.int32), size=size)
+                                 index=None if index is None else jnp.asarray(index, jnp.int32), size=size,
+                                 lora=lora)
   return y.reshape(*x.shape[:-1], n), acc

@@ -131,6 +131,8 @@ LOAD_ASM = 2  # M <= 16 builds of weights up to LOAD_ASM_MAX_WEIGHTS values: the
   # 2.70 / 2.70 against 2.73 / 2.71.
 LOAD_ASM_MAX_WEIGHTS = 1 << 25  # LOAD_ASM only for weights of at most this many values (K x N): the 7B q/k/v (16.5M)
   # and o (12.8M), not gate/up (136M) or down (68M)
+LORA_IN_KERNEL = True  # forward_into(lora=...) adds a LoRA adapter's (x @ A) @ B in the mma.sync builds' epilogue
+  # (lora_into_applies) instead of leaving it to an XLA GEMM (decode steps of at most 16 rows); False: XLA
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -235,8 +237,13 @@ def _asm(decode_order: bool = False) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(wg: bool = False, narrow_n: int = 0):
+def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False):
   """Builds the Gluon kernel (imports triton lazily: CPU installs need not have it).
+
+  ``lora``: the entry that also takes a LoRA adapter's ``x @ A`` (bf16 ``[M, R]``) and ``B`` (bf16
+  ``[L, R, N]``) before the output pointers (:data:`_ARG_DTYPES_LORA`) and adds ``LS * (x @ A) @ B``
+  to its tile (constexprs ``LR`` = R and ``LS``): split ``s`` of a column tile adds ranks
+  ``16 s .. 16 s + 15`` with one more MMA, so the splits share the work (see :func:`lora_into_applies`).
 
   ``wg=False``: 4 warps, mma.sync, x in registers (MB = 8, 16). ``wg=True``: 8 warps (two
   warpgroups of 128 rows), Hopper ``wgmma`` with the decoded weight from registers and x from
@@ -371,10 +378,11 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
     return xs
 
   @gluon.jit
-  def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
-                 K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0,
-                 LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0):
+  def gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
+           K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr, ATOMIC: ttgl.constexpr,
+           XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr, LH: ttgl.constexpr, LA: ttgl.constexpr,
+           LR: ttgl.constexpr, LS: ttgl.constexpr):
+    """The kernel body; ``LR`` > 0 (the mma.sync builds only) adds the LoRA term (see _kernel's ``lora``)."""
     if WG:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, MB, 16])
@@ -461,6 +469,22 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
                          [256, MB])
     st: ttgl.constexpr = ttgl.BlockedLayout([4, 1], [32, 1], [1, WARPS], [0, 1])
     acc = ttgl.convert_layout(acc, st)
+    if LR > 0:  # LS * (x @ A) @ B for this tile: split pid_s takes ranks 16 pid_s .. 16 pid_s + 15
+      if pid_s < LR // 16:
+        r0 = pid_s * 16
+        bl: ttgl.constexpr = ttgl.BlockedLayout([1, 16], [32, 1], [WARPS, 1], [1, 0])  # B^T [BN, 16], lanes along n
+        bn = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, bl))
+        br = ttgl.arange(0, 16, layout=ttgl.SliceLayout(0, bl))
+        bt = ttgl.load(b_ptr + layer * (LR * N) + ttgl.expand_dims(br + r0, 0) * N + ttgl.expand_dims(bn + n0, 1))
+        al: ttgl.constexpr = ttgl.BlockedLayout([16, 1], [1, 32], [1, WARPS], [0, 1])  # (x @ A)^T [16, MB]
+        ar = ttgl.arange(0, 16, layout=ttgl.SliceLayout(1, al))
+        am = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, al))
+        xat = ttgl.load(xa_ptr + ttgl.expand_dims(am, 0) * LR + ttgl.expand_dims(ar + r0, 1),
+                        mask=ttgl.expand_dims(am < M, 0) & ttgl.expand_dims(ar >= 0, 1), other=0.0)
+        lacc = mma_v2(ttgl.convert_layout(bt, ttgl.DotOperandLayout(0, mma, 2)),
+                      ttgl.convert_layout(xat, ttgl.DotOperandLayout(1, mma, 2)),
+                      ttgl.zeros([BN, MB], ttgl.float32, layout=mma))
+        acc = acc + ttgl.convert_layout(lacc, st) * LS
     no = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, st))
     mo = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, st))
     o_mask = ttgl.expand_dims(mo < M, 0) & ttgl.expand_dims(no >= 0, 1)
@@ -471,13 +495,33 @@ def _kernel(wg: bool = False, narrow_n: int = 0):
       ttgl.store(o_ptr + pid_s * (M * N) + ttgl.expand_dims(mo, 0) * N + ttgl.expand_dims(no + n0, 1), acc,
                  mask=o_mask)
 
-  return w4a16_gemv
+  @gluon.jit
+  def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
+                 K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
+                 ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0,
+                 LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0):
+    ttgl.static_assert(M > 0)  # (names ttgl in the body, so that the annotations resolve)
+    gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, x_ptr, x_ptr, z_ptr, o_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS, WA,
+         DO, LH, LA, 0, 0.0)
+
+  @gluon.jit
+  def w4a16_gemv_lora(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M: ttgl.constexpr,
+                      N: ttgl.constexpr, K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr,
+                      MB: ttgl.constexpr, ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr,
+                      DO: ttgl.constexpr = 0, LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0, LR: ttgl.constexpr = 16,
+                      LS: ttgl.constexpr = 1.0):
+    ttgl.static_assert(LR % 16 == 0)
+    gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS,
+         WA, DO, LH, LA, LR, LS)
+
+  return w4a16_gemv_lora if lora else w4a16_gemv
 
 
 _INSTALLED = []
 # x, codes, block scales, global scales, layer, zeros (the atomic builds' output, aliased, unless the FFI
 # launcher zeroes the output; else unused), out
 _ARG_DTYPES = ("*bf16", "*u8", "*fp8e4nv", "*fp32", "*i32", "*fp32", "*fp32")
+_ARG_DTYPES_LORA = _ARG_DTYPES[:5] + ("*bf16", "*bf16") + _ARG_DTYPES[5:]  # + x @ A [M, R] and B [L, R, N], bf16
 
 
 def _compile_gluon(fn, arg_dtypes, constexprs: dict, cc: int, num_warps: int = 4, maxnreg: int | None = None):
@@ -674,8 +718,9 @@ def _compiled(meta: tuple, wg: bool, narrow_n: int, maxnreg: int | None):
   """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta`` (the wgmma build
   if ``wg``) with at most ``maxnreg`` registers a thread (:func:`_register_cap`; part of the cache key),
   compiled for the oldest visible GPU (sm_90 without one) and loaded on every GPU."""
-  return _load(_compile_gluon(_kernel(wg, narrow_n), _ARG_DTYPES, dict(meta), _target_cc(),
-                              num_warps=_warps(wg, narrow_n), maxnreg=maxnreg))
+  lora = "LR" in dict(meta)  # the entry with a LoRA term (forward_into's ``lora``)
+  return _load(_compile_gluon(_kernel(wg, narrow_n, lora), _ARG_DTYPES_LORA if lora else _ARG_DTYPES, dict(meta),
+                              _target_cc(), num_warps=_warps(wg, narrow_n), maxnreg=maxnreg))
 
 
 def _target_cc() -> int:
@@ -884,8 +929,28 @@ def into_applies(x: jax.Array, w, index=None) -> bool:
   return build.meta["ATOMIC"] or build.splits == 1
 
 
+def lora_into_applies(x: jax.Array, w, index, lora) -> bool:
+  """Whether :func:`forward_into` takes ``lora = (xa, b, scale)``: :func:`into_applies`,
+  :data:`LORA_IN_KERNEL`, an mma.sync build (at most 16 rows) that adds its split-K parts by atomics with
+  at least R / 16 splits (split ``s`` adds ranks ``16 s .. 16 s + 15``), R a multiple of 16, ``xa``
+  bf16 ``[M, R]``, ``b`` bf16 ``[L, R, N]`` with ``w``'s layer count L when ``index`` is given (the same
+  layer is read) else ``[R, N]``, and ``scale`` a Python number (compiled in)."""
+  xa, b, scale = lora
+  if not LORA_IN_KERNEL or not into_applies(x, w, index) or isinstance(scale, bool) or not isinstance(
+      scale, (int, float)):
+    return False
+  m, n = x.shape[0], w.shape[1]
+  r = xa.shape[-1]
+  layers = None if index is None else w.packed.shape[0]
+  want_b = (r, n) if layers is None else (layers, r, n)
+  if xa.shape != (m, r) or xa.dtype != jnp.bfloat16 or b.dtype != jnp.bfloat16 or b.shape != want_b:
+    return False
+  build = _build_for(m, w, index)
+  return not build.wg and build.meta["ATOMIC"] and r % 16 == 0 and 0 < r <= 16 * build.splits
+
+
 def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array | None, offset: int, *, index=None,
-                 size: int | None = None) -> tuple[jax.Array, jax.Array]:
+                 size: int | None = None, lora=None) -> tuple[jax.Array, jax.Array]:
   """:func:`forward` with float32 output written into a region of a zeroed buffer instead of a new
   array (GPU only; FFI launcher; forward only, no VJP).
 
@@ -905,13 +970,17 @@ def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array | None, offs
     offset: static int, in elements.
     index: as :func:`forward`.
     size: with ``acc`` None, ``S`` (static int).
+    lora: optional ``(xa, b, scale)``: the kernel also adds ``scale * xa @ b`` (a LoRA adapter's
+      up-projection, Hu et al. 2021: ``xa = x @ A`` bf16 ``[M, R]``, ``b`` bf16 ``[R, N]``, or
+      ``[L, R, N]`` read at ``index``; float32 products) where :func:`lora_into_applies` holds.
 
   Returns:
     ``(y, acc)``: ``y`` float32 ``[M, N]`` (the region, read back), and the updated ``acc``.
 
   Raises:
     ValueError: :func:`into_applies` is False, ``acc`` is not a 1-D float32 array (or None with a
-      ``size``), or the region does not fit in it.
+      ``size``), the region does not fit in it, or ``lora`` is given where :func:`lora_into_applies`
+      is False.
   """
   m, k = x.shape
   n = w.shape[1]
@@ -928,9 +997,18 @@ def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array | None, offs
   if offset < 0 or offset + m * n > total:
     raise ValueError(f"w4_gluon.forward_into: region [{offset}, {offset + m * n}) does not fit a buffer of "
                      f"{total} elements")
+  if lora is not None and not lora_into_applies(x, w, index, lora):
+    raise ValueError(f"w4_gluon.forward_into: no LoRA epilogue for x {list(x.shape)}, weight {list(w.shape)} and "
+                     f"x @ A {lora[0].dtype}{list(lora[0].shape)}, B {lora[1].dtype}{list(lora[1].shape)} "
+                     f"(see lora_into_applies)")
   build = _build_for(m, w, index)
   new = acc is None
   operands = _operands(x, w, index, build.meta, jnp.zeros((1,), jnp.float32) if new else acc)
-  acc = _ffi_call(build, operands, jax.ShapeDtypeStruct((total,), jnp.float32), None if new else {5: 0},
+  if lora is not None:  # x @ A and B go before the output buffer, the entry's order (_ARG_DTYPES_LORA)
+    xa, b, scale = lora
+    build = build._replace(meta=dict(build.meta, LR=xa.shape[-1], LS=float(scale)))
+    operands = (*operands[:-1], xa, b, operands[-1])
+  alias = len(operands) - 1
+  acc = _ffi_call(build, operands, jax.ShapeDtypeStruct((total,), jnp.float32), None if new else {alias: 0},
                   zero_results=new, out_offset=4 * offset)
   return jax.lax.slice(acc, (offset,), (offset + m * n,)).reshape(m, n), acc

@@ -528,6 +528,75 @@ def test_gpu_decode_steps_into_one_buffer_a_layer_match_the_plain_path(monkeypat
   ordered, _ = decode_all(cfg, models.to_decode_order(base), tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16)
   o = np.asarray(ordered, np.float32)[real_rows]
   assert np.isfinite(o).all() and np.abs(o - p).max() < 2e-2 * np.abs(p).max()
+  # a fused bf16 adapter (rank 16 on q, v, o, up, down): its up-projection added in the kernel
+  # (w4_gluon.LORA_IN_KERNEL) or by XLA gives the same logits, and the kernel took all four projections
+  from qerl_jax import lora as lora_lib
+  c = lora_lib.LoRAConfig(r=16, lora_alpha=32.0, target_modules=("q", "v", "o", "up", "down"))
+  ad = lora_lib.init_lora(jax.random.key(5), cfg, c)
+  ad = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(a.size), a.shape, a.dtype), ad)
+  kw = dict(lora=models.fuse_adapter(ad, cfg, dtype=jnp.bfloat16), lora_cfg=c)
+  with_lora = []
+  real_into = w4_gluon.forward_into
+  monkeypatch.setattr(w4_gluon, "forward_into", lambda *a, **k: with_lora.append(k.get("lora") is not None)
+                      or real_into(*a, **k))
+  monkeypatch.setattr(w4_gluon, "LORA_IN_KERNEL", False)
+  by_xla, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
+  assert with_lora == [False] * 4
+  monkeypatch.setattr(w4_gluon, "LORA_IN_KERNEL", True)
+  in_kernel, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
+  assert with_lora[4:] == [True] * 4
+  a, p = np.asarray(in_kernel, np.float32)[real_rows], np.asarray(by_xla, np.float32)[real_rows]
+  assert np.isfinite(a).all() and np.abs(a - p).max() < 2e-2 * np.abs(p).max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,r,stacked", [(1, 16, True), (3, 32, True), (8, 32, False), (16, 64, True), (8, 48, True)])
+def test_gpu_forward_into_with_a_lora_term_matches_float64(m, r, stacked):
+  """forward_into(lora=(x @ A, B, scale)) writes x @ W + scale (x @ A) @ B into its region: float64
+  reference on the bf16 factors, B a stack read at the layer index or one matrix; ranks 16-64 (48: three
+  splits add one 16-rank chunk each); the rest of the buffer stays zero."""
+  if not w4_gluon.available() or w4_gluon.launcher() != "ffi":
+    pytest.skip("needs the Gluon kernel's FFI launcher")
+  k, n, layers, off = 1088, 768, 3, 40
+  wq = _weight(k, n, 11 * m + r, layers=layers if stacked else None)
+  x = _act(m, k, m + r)
+  rng = np.random.default_rng(r)
+  xa = jnp.asarray(rng.standard_normal((m, r)), jnp.bfloat16)
+  b = jnp.asarray(rng.standard_normal((layers, r, n) if stacked else (r, n)) * 0.1, jnp.bfloat16)
+  index = jnp.int32(2) if stacked else None
+  w64 = _dense64(matmul.layer_of(wq, 2) if stacked else wq)
+  b64 = np.asarray(b[2] if stacked else b, np.float64)
+  want = np.asarray(x, np.float64) @ w64 + 0.75 * np.asarray(xa, np.float64) @ b64
+  assert w4_gluon.lora_into_applies(x, wq, index, (xa, b, 0.75))
+  run = jax.jit(lambda x, w, xa, b: w4_gluon.forward_into(x, w, None, off, index=index, size=off + m * n + 8,
+                                                          lora=(xa, b, 0.75)))
+  y, out = run(x, wq, xa, b)
+  out = np.asarray(out)
+  assert np.isfinite(out).all() and (out[:off] == 0).all() and (out[off + m * n:] == 0).all()
+  assert _rel(y, want) < 1e-4
+
+
+def test_lora_into_applies_by_hand(monkeypatch):
+  """The LoRA epilogue's conditions, with into_applies granted (no GPU needed): bf16 factors of the
+  right shapes, R a multiple of 16 with at most 16 ranks a split (7B q/k/v at M = 8: 28 splits, so
+  R <= 448), an mma.sync build (M <= 16), a Python scale, and LORA_IN_KERNEL."""
+  import types
+  monkeypatch.setattr(w4_gluon, "into_applies", lambda x, w, index=None: True)
+  w = types.SimpleNamespace(packed=np.zeros((28, 1792, 4608), np.uint8), shape=(3584, 4608), code_order="decode")
+  sds = jax.ShapeDtypeStruct
+  x = sds((8, 3584), jnp.bfloat16)
+  ok = (sds((8, 32), jnp.bfloat16), sds((28, 32, 4608), jnp.bfloat16), 2.0)
+  assert w4_gluon.lora_into_applies(x, w, 0, ok)
+  assert w4_gluon.lora_into_applies(x, w, 0, (sds((8, 448), jnp.bfloat16), sds((28, 448, 4608), jnp.bfloat16), 1))
+  bad = [(sds((8, 464), jnp.bfloat16), sds((28, 464, 4608), jnp.bfloat16), 2.0),  # 29 chunks > 28 splits
+         (sds((8, 24), jnp.bfloat16), sds((28, 24, 4608), jnp.bfloat16), 2.0),   # not a multiple of 16
+         (sds((8, 32), jnp.float32), ok[1], 2.0), (ok[0], sds((28, 32, 4608), jnp.float32), 2.0),
+         (ok[0], sds((32, 4608), jnp.bfloat16), 2.0),  # one matrix for a stacked weight
+         (ok[0], ok[1], jnp.float32(2.0)), (sds((7, 32), jnp.bfloat16), ok[1], 2.0)]
+  assert not any(w4_gluon.lora_into_applies(x, w, 0, lo) for lo in bad)
+  assert not w4_gluon.lora_into_applies(sds((32, 3584), jnp.bfloat16), w, 0, (sds((32, 32), jnp.bfloat16), *ok[1:]))
+  monkeypatch.setattr(w4_gluon, "LORA_IN_KERNEL", False)
+  assert not w4_gluon.lora_into_applies(x, w, 0, ok)
 
 
 def test_ffi_launcher_builds_and_reports_a_missing_driver(tmp_path, monkeypatch):

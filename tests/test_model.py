@@ -333,14 +333,19 @@ def test_config_defaults_and_errors():
     models.ModelConfig.from_hf({**base, "num_key_value_heads": 3})
 
 
-@pytest.mark.parametrize("fused,lora_kind", [(True, None), (True, "fused"), (True, "per_part"), (False, "per_part")])
-def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind):
+@pytest.mark.parametrize("fused,lora_kind,in_kernel", [(True, None, False), (True, "fused", False), (True, "fused", True),
+                                                      (True, "per_part", False), (False, "per_part", False)])
+def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kernel):
   """The decode step's 4-bit projections run into one zeroed buffer a layer (layers.Accumulator),
   each in its own region. The kernel is replaced by an XLA stand-in that adds x @ W into its region
   (so overlapping or unzeroed regions would change the result): the logits equal the plain path's
-  exactly, and the regions lie back to back and fill the buffer. Which projections take it: the
+  exactly, and the regions lie back to back and fill the buffer (the attention kernel reads q/k/v in place
+  from the buffer's head unless XLA adds an adapter's delta to it). Which projections take it: the
   fused q/k/v when the fused decode attention runs (no per-part q/k/v adapters), o, the fused
-  gate/up without per-part adapters (else unfused gate and up, one region each), and down."""
+  gate/up without per-part adapters (else unfused gate and up, one region each), and down. With
+  ``in_kernel`` the stand-in also takes the adapters' up-projection (``lora=(x @ A, B, scale)``, B the
+  layer stack read at the call's index, as the Gluon kernel does): the same logits, and every
+  projection with an adapter passes it."""
   import pallas_kernels
   from pallas_kernels import decode_attention as da
   from qerl_jax import lora as lora_lib
@@ -359,8 +364,15 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind):
   monkeypatch.setattr(da, "auto_backend", lambda dtype: "interpret")  # the fused decode attention (q/k/v)
   regions = []  # (buffer size, offset, size) of every call, in trace order
 
-  def stand_in(x, w, acc, offset, *, index=None, size=None):
+  lora_calls = []  # B's shape of every call that passed an adapter
+
+  def stand_in(x, w, acc, offset, *, index=None, size=None, lora=None):
     y = pallas_kernels.quantized_matmul(x, w, index=index, out_dtype=jnp.float32).reshape(-1)
+    if lora is not None:
+      xa, b_, scale = lora
+      lora_calls.append(b_.shape)
+      b_ = b_[index] if b_.ndim == 3 else b_
+      y = y + scale * jnp.dot(xa, b_, preferred_element_type=jnp.float32).reshape(-1)
     acc = jnp.zeros((size,), jnp.float32) if acc is None else acc  # the first call makes the buffer
     regions.append((acc.shape[0], offset, y.size))
     acc = jax.lax.dynamic_update_slice(acc, acc[offset:offset + y.size] + y, (offset,))
@@ -368,6 +380,7 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind):
 
   monkeypatch.setattr(pallas_kernels, "accumulate_applies", lambda x, w, index=None: x.shape[-1] == w.shape[0])
   monkeypatch.setattr(pallas_kernels, "quantized_matmul_into", stand_in)
+  monkeypatch.setattr(pallas_kernels.matmul, "accumulate_lora_applies", lambda x, w, index, lora: in_kernel)
   monkeypatch.setattr(decoder, "ACCUMULATE_DECODE", False)
   plain, _ = _decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
   assert not regions  # the switch turns it off
@@ -376,7 +389,7 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind):
   real_append = da.decode_attention_append
   monkeypatch.setattr(da, "decode_attention_append", lambda *a, **k: qkv_ndim.append(a[0].ndim) or real_append(*a, **k))
   into, _ = _decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
-  assert qkv_ndim == ([] if lora_kind == "per_part" else [2] if lora_kind == "fused" else [1])
+  assert qkv_ndim == ([] if lora_kind == "per_part" else [2] if lora_kind == "fused" and not in_kernel else [1])
   assert_same_as_on_cpu(into, plain)
   b = tokens.shape[0]
   # one trace of the scanned layer body (prefill takes the plain path): the fused q/k/v (when the
@@ -389,3 +402,8 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind):
   assert [r[2] for r in regions] == sizes, regions
   assert [r[1] for r in regions] == list(np.cumsum([0] + sizes[:-1]))  # back to back from 0
   assert all(r[0] == sum(sizes) for r in regions)  # and they fill the buffer exactly
+  # with the adapter in the kernel: q/k/v (q and v adapted), o, gate/up (up adapted) and down, B stacked [L, R, N]
+  r = 4
+  assert lora_calls == ([(cfg.num_layers, 2 * r, cfg.q_dim + 2 * cfg.kv_dim), (cfg.num_layers, r, cfg.hidden_size),
+                         (cfg.num_layers, r, 2 * cfg.intermediate_size), (cfg.num_layers, r, cfg.hidden_size)]
+                        if in_kernel else [])

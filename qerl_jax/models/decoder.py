@@ -242,11 +242,12 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
     y, bias, acc = layers.linear_f32_into(x, attn["qkv"], acc, bias=_layer_array(bias_stack), lora=la.get("qkv"),
                                           lora_scale=lora_scale)
     # The kernel reads in place what XLA would copy out for it: the bias stack's layer li and, when
-    # q/k/v went unchanged into the head of the accumulator, that head.
+    # q/k/v went unchanged into the head of the accumulator (no adapter, or one the 4-bit kernel added), that head.
     if bias is not None and isinstance(bias_stack, layers.StackedWeight):
       bias = bias_stack.tensor
     qkv = y.reshape(b, -1)
-    if before is not None and acc is not before and before.offset == 0 and la.get("qkv") is None:
+    finished = la.get("qkv") is None or layers.adapter_in_kernel(x, attn["qkv"], la.get("qkv"), lora_scale)
+    if before is not None and acc is not before and before.offset == 0 and finished:
       qkv = acc.buffer
     o, kc, vc = decode_attn.decode_attention_append(qkv, bias, kc, vc, li, *decode,
                                                     num_heads=cfg.num_heads, dtype=x.dtype)

@@ -293,12 +293,24 @@ def new_accumulator(rows: int, weights, dtype=jnp.bfloat16) -> Optional[Accumula
   return Accumulator(None, 0, rows * cols) if cols else None
 
 
+def adapter_in_kernel(x: jax.Array, w, lora: Optional[dict], lora_scale: float = 1.0) -> bool:
+  """Whether :func:`linear_f32_into` has the 4-bit kernel add ``lora``'s up-projection ``(x @ A) @ B``
+  itself (:func:`pallas_kernels.matmul.accumulate_lora_applies`), so that its region of the accumulator
+  holds the finished product (read in place by the next kernel). False without an adapter."""
+  if lora is None or not _epilogue_applies(x, w):
+    return False
+  tensor, index = _tensor_index(w)
+  return pallas_kernels.matmul.accumulate_lora_applies(x, tensor, index, _lora_factors(x, lora, lora_scale, w))
+
+
 def linear_f32_into(x: jax.Array, w, acc: Optional[Accumulator], *, bias: Optional[jax.Array] = None,
                     lora: Optional[dict] = None, lora_scale: float = 1.0) -> tuple:
   """:func:`linear_f32_bias_deferred` whose 4-bit product is written into the next region of ``acc``
   (:func:`pallas_kernels.quantized_matmul_into`; forward only) where that applies, with the same
   float32 result (up to the order of the kernel's split-K additions, which atomics do not fix).
-  Otherwise (``acc`` None, a float weight, a shape the kernel does not take, an adapter with
+  An adapter's up-projection ``(x @ A) @ B`` is added by the same kernel where
+  :func:`pallas_kernels.matmul.accumulate_lora_applies` holds (decode steps of at most 16 rows, ``x @ A``
+  still by XLA), else by an XLA GEMM. Otherwise (``acc`` None, a float weight, a shape the kernel does not take, an adapter with
   ``pallas_kernels.matmul.GLUON_LORA`` "0") it is :func:`linear_f32_bias_deferred` and ``acc`` is
   returned unchanged.
 
@@ -315,10 +327,14 @@ def linear_f32_into(x: jax.Array, w, acc: Optional[Accumulator], *, bias: Option
   if acc is None or not _accumulates(x, w) or (lora is not None and pallas_kernels.matmul.GLUON_LORA != "1"):
     return (*linear_f32_bias_deferred(x, w, bias=bias, lora=lora, lora_scale=lora_scale), acc)
   tensor, index = _tensor_index(w)
-  y, buffer = pallas_kernels.quantized_matmul_into(x, tensor, acc.buffer, acc.offset, index=index, size=acc.size)
+  epilogue = lora is not None and _epilogue_applies(x, w)  # where _base_f32's kernel would add it, before the bias
+  factors = _lora_factors(x, lora, lora_scale, w) if epilogue else None
+  in_kernel = adapter_in_kernel(x, w, lora, lora_scale)
+  y, buffer = pallas_kernels.quantized_matmul_into(x, tensor, acc.buffer, acc.offset, index=index, size=acc.size,
+                                                   lora=factors if in_kernel else None)
   acc = Accumulator(buffer, acc.offset + y.size, acc.size)
-  if lora is not None and _epilogue_applies(x, w):  # where _base_f32's kernel would add it, before the bias
-    y, lora = y + _lora_f32(x, lora, lora_scale), None
+  if epilogue:  # added by the kernel (pallas_kernels.w4_gluon.lora_into_applies), or here by XLA
+    y, lora = (y if in_kernel else y + _lora_f32(x, lora, lora_scale)), None
   return (*_bias_deferred(x, w, y, bias, lora, lora_scale), acc)
 
 
