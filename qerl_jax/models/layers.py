@@ -327,13 +327,12 @@ def linear_f32_into(x: jax.Array, w, acc: Optional[Accumulator], *, bias: Option
   if acc is None or not _accumulates(x, w) or (lora is not None and pallas_kernels.matmul.GLUON_LORA != "1"):
     return (*linear_f32_bias_deferred(x, w, bias=bias, lora=lora, lora_scale=lora_scale), acc)
   tensor, index = _tensor_index(w)
-  epilogue = lora is not None and _epilogue_applies(x, w)  # where _base_f32's kernel would add it, before the bias
-  factors = _lora_factors(x, lora, lora_scale, w) if epilogue else None
   in_kernel = adapter_in_kernel(x, w, lora, lora_scale)
   y, buffer = pallas_kernels.quantized_matmul_into(x, tensor, acc.buffer, acc.offset, index=index, size=acc.size,
-                                                   lora=factors if in_kernel else None)
+                                                   lora=_lora_factors(x, lora, lora_scale, w) if in_kernel else None)
   acc = Accumulator(buffer, acc.offset + y.size, acc.size)
-  if epilogue:  # added by the kernel (pallas_kernels.w4_gluon.lora_into_applies), or here by XLA
+  if lora is not None and _epilogue_applies(x, w):  # where _base_f32's kernel would add it, before the bias: added
+    # by the 4-bit kernel (pallas_kernels.w4_gluon.lora_into_applies), or here by XLA
     y, lora = (y if in_kernel else y + _lora_f32(x, lora, lora_scale)), None
   return (*_bias_deferred(x, w, y, bias, lora, lora_scale), acc)
 
