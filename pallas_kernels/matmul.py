@@ -427,7 +427,9 @@ def accumulate_lora_applies(x: jax.Array, w, index, lora) -> bool:
   xa, b, scale = lora
   rows = int(np.prod(x.shape[:-1]))
   x2d = jax.ShapeDtypeStruct((rows, x.shape[-1]), x.dtype)
-  xa2d = jax.ShapeDtypeStruct((int(np.prod(xa.shape[:-1])), xa.shape[-1]), xa.dtype)
+  lead = (xa.shape[0],) if xa.dtype == jnp.float32 and xa.ndim == x.ndim + 1 else ()  # lora_xa's partials
+  xa2d = jax.ShapeDtypeStruct((*lead, rows, xa.shape[-1]) if lead else (int(np.prod(xa.shape[:-1])), xa.shape[-1]),
+                              xa.dtype)
   return w4_gluon.lora_into_applies(x2d, w, index, (xa2d, b, scale))
 
 
@@ -446,7 +448,8 @@ def quantized_matmul_into(x: jax.Array, w, acc: jax.Array | None, offset: int, *
     index: optional int32 scalar layer of a stacked ``w`` (clamped to ``[0, L)``).
     size: with ``acc`` None, the new buffer's length (static int).
     lora: optional ``(xa [..., R] bf16, b, scale)``: also add ``scale * xa @ b`` (a LoRA adapter's
-      up-projection) in the kernel; :func:`accumulate_lora_applies` must hold.
+      up-projection) in the kernel; :func:`accumulate_lora_applies` must hold. ``xa`` may also be
+      :func:`pallas_kernels.w4_gluon.lora_xa`'s float32 partial products ``[S, ..., R]``.
 
   Returns:
     ``(y float32 [..., N], acc)``; pass the returned ``acc`` on to the next call.
@@ -462,7 +465,8 @@ def quantized_matmul_into(x: jax.Array, w, acc: jax.Array | None, offset: int, *
   k, n = w.shape
   if lora is not None:
     xa, b, scale = lora
-    lora = (xa.reshape(-1, xa.shape[-1]), b, scale)
+    parts = xa.dtype == jnp.float32 and xa.ndim == x.ndim + 1  # lora_xa's partial products [S, ..., R]
+    lora = (xa.reshape(xa.shape[0], -1, xa.shape[-1]) if parts else xa.reshape(-1, xa.shape[-1]), b, scale)
   y, acc = w4_gluon.forward_into(x.reshape(-1, k), w, acc, offset,
                                  index=None if index is None else jnp.asarray(index, jnp.int32), size=size,
                                  lora=lora)

@@ -133,6 +133,9 @@ LOAD_ASM_MAX_WEIGHTS = 1 << 25  # LOAD_ASM only for weights of at most this many
   # and o (12.8M), not gate/up (136M) or down (68M)
 LORA_IN_KERNEL = True  # forward_into(lora=...) adds a LoRA adapter's (x @ A) @ B in the mma.sync builds' epilogue
   # (lora_into_applies) instead of leaving it to an XLA GEMM (decode steps of at most 16 rows); False: XLA
+LORA_XA = 0  # lab (session 21; not yet run on a GPU): 1 has a decode step compute a LoRA adapter's x @ A by lora_xa
+  # (one kernel, float32 partials that the LoRA epilogue sums) instead of XLA's split GEMM and sum; the decoder
+  # then reads the adapters' A stacks in place (qerl_jax.models.decoder). Read at trace time.
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -240,7 +243,8 @@ def _asm(decode_order: bool = False) -> str:
 def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False):
   """Builds the Gluon kernel (imports triton lazily: CPU installs need not have it).
 
-  ``lora``: the entry that also takes a LoRA adapter's ``x @ A`` (bf16 ``[M, R]``) and ``B`` (bf16
+  ``lora``: the entry that also takes a LoRA adapter's ``x @ A`` (bf16 ``[M, R]``, or with constexpr
+  ``XP`` > 0 float32 partial products ``[XP, M, R]`` that it sums and rounds to bf16) and ``B`` (bf16
   ``[L, R, N]``) before the output pointers (:data:`_ARG_DTYPES_LORA`) and adds ``LS * (x @ A) @ B``
   to its tile (constexprs ``LR`` = R and ``LS``): split ``s`` of a column tile adds ranks
   ``16 s .. 16 s + 15`` with one more MMA, so the splits share the work (see :func:`lora_into_applies`).
@@ -381,7 +385,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False):
   def gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
            K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr, ATOMIC: ttgl.constexpr,
            XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr, LH: ttgl.constexpr, LA: ttgl.constexpr,
-           LR: ttgl.constexpr, LS: ttgl.constexpr):
+           LR: ttgl.constexpr, LS: ttgl.constexpr, XP: ttgl.constexpr):
     """The kernel body; ``LR`` > 0 (the mma.sync builds only) adds the LoRA term (see _kernel's ``lora``)."""
     if WG:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -476,11 +480,21 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False):
         bn = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, bl))
         br = ttgl.arange(0, 16, layout=ttgl.SliceLayout(0, bl))
         bt = ttgl.load(b_ptr + layer * (LR * N) + ttgl.expand_dims(br + r0, 0) * N + ttgl.expand_dims(bn + n0, 1))
-        al: ttgl.constexpr = ttgl.BlockedLayout([16, 1], [1, 32], [1, WARPS], [0, 1])  # (x @ A)^T [16, MB]
+        # (x @ A)^T [16, MB]: bf16, 16 ranks a thread (as measured on the GPU); the partials sum, one value a thread
+        al: ttgl.constexpr = (ttgl.BlockedLayout([1, 1], [16, 2], [1, WARPS], [0, 1]) if XP else
+                              ttgl.BlockedLayout([16, 1], [1, 32], [1, WARPS], [0, 1]))
         ar = ttgl.arange(0, 16, layout=ttgl.SliceLayout(1, al))
         am = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, al))
-        xat = ttgl.load(xa_ptr + ttgl.expand_dims(am, 0) * LR + ttgl.expand_dims(ar + r0, 1),
-                        mask=ttgl.expand_dims(am < M, 0) & ttgl.expand_dims(ar >= 0, 1), other=0.0)
+        if XP:  # x @ A as XP float32 partial products [XP, M, R] (lora_xa): summed here, then rounded to bf16
+          xa_offs = ttgl.expand_dims(am, 0) * LR + ttgl.expand_dims(ar + r0, 1)
+          xa_mask = ttgl.expand_dims(am < M, 0) & ttgl.expand_dims(ar >= 0, 1)
+          xas = ttgl.zeros([16, MB], ttgl.float32, layout=al)
+          for p in ttgl.static_range(XP):
+            xas += ttgl.load(xa_ptr + p * (M * LR) + xa_offs, mask=xa_mask, other=0.0)
+          xat = xas.to(ttgl.bfloat16)
+        else:
+          xat = ttgl.load(xa_ptr + ttgl.expand_dims(am, 0) * LR + ttgl.expand_dims(ar + r0, 1),
+                          mask=ttgl.expand_dims(am < M, 0) & ttgl.expand_dims(ar >= 0, 1), other=0.0)
         lacc = mma_v2(ttgl.convert_layout(bt, ttgl.DotOperandLayout(0, mma, 2)),
                       ttgl.convert_layout(xat, ttgl.DotOperandLayout(1, mma, 2)),
                       ttgl.zeros([BN, MB], ttgl.float32, layout=mma))
@@ -502,17 +516,17 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False):
                  LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0):
     ttgl.static_assert(M > 0)  # (names ttgl in the body, so that the annotations resolve)
     gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, x_ptr, x_ptr, z_ptr, o_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS, WA,
-         DO, LH, LA, 0, 0.0)
+         DO, LH, LA, 0, 0.0, 0)
 
   @gluon.jit
   def w4a16_gemv_lora(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M: ttgl.constexpr,
                       N: ttgl.constexpr, K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr,
                       MB: ttgl.constexpr, ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr,
                       DO: ttgl.constexpr = 0, LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0, LR: ttgl.constexpr = 16,
-                      LS: ttgl.constexpr = 1.0):
+                      LS: ttgl.constexpr = 1.0, XP: ttgl.constexpr = 0):
     ttgl.static_assert(LR % 16 == 0)
     gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS,
-         WA, DO, LH, LA, LR, LS)
+         WA, DO, LH, LA, LR, LS, XP)
 
   return w4a16_gemv_lora if lora else w4a16_gemv
 
@@ -522,6 +536,8 @@ _INSTALLED = []
 # launcher zeroes the output; else unused), out
 _ARG_DTYPES = ("*bf16", "*u8", "*fp8e4nv", "*fp32", "*i32", "*fp32", "*fp32")
 _ARG_DTYPES_LORA = _ARG_DTYPES[:5] + ("*bf16", "*bf16") + _ARG_DTYPES[5:]  # + x @ A [M, R] and B [L, R, N], bf16
+_ARG_DTYPES_LORA_XP = _ARG_DTYPES[:5] + ("*fp32", "*bf16") + _ARG_DTYPES[5:]  # x @ A as float32 partials [XP, M, R]
+_ARG_DTYPES_XA = ("*bf16", "*bf16", "*i32", "*fp32")  # lora_xa's kernel: x, A [L, K, R], layer, partials [S, M, R]
 
 
 def _compile_gluon(fn, arg_dtypes, constexprs: dict, cc: int, num_warps: int = 4, maxnreg: int | None = None):
@@ -718,9 +734,74 @@ def _compiled(meta: tuple, wg: bool, narrow_n: int, maxnreg: int | None):
   """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta`` (the wgmma build
   if ``wg``) with at most ``maxnreg`` registers a thread (:func:`_register_cap`; part of the cache key),
   compiled for the oldest visible GPU (sm_90 without one) and loaded on every GPU."""
-  lora = "LR" in dict(meta)  # the entry with a LoRA term (forward_into's ``lora``)
-  return _load(_compile_gluon(_kernel(wg, narrow_n, lora), _ARG_DTYPES_LORA if lora else _ARG_DTYPES, dict(meta),
-                              _target_cc(), num_warps=_warps(wg, narrow_n), maxnreg=maxnreg))
+  meta = dict(meta)
+  lora = "LR" in meta  # the entry with a LoRA term (forward_into's ``lora``)
+  dtypes = (_ARG_DTYPES_LORA_XP if meta.get("XP") else _ARG_DTYPES_LORA) if lora else _ARG_DTYPES
+  return _load(_compile_gluon(_kernel(wg, narrow_n, lora), dtypes, meta, _target_cc(), num_warps=_warps(wg, narrow_n),
+                              maxnreg=maxnreg))
+
+
+@functools.lru_cache(maxsize=None)
+def _xa_kernel():
+  """The Gluon kernel of :func:`lora_xa` (imports triton lazily): program ``s`` multiplies x's K steps
+  ``s * STEPS .. s * STEPS + STEPS - 1`` (64 each; past K masked) by A's and stores the float32 partial
+  ``[M, R]`` as part ``s``. Swap-AB: ``A^T [RP, 64] x x^T [64, MB]`` by mma.sync, ``RP`` = R padded to a
+  power of 2 (at least 16), one warp per 16 rows up to 4."""
+  from triton.experimental import gluon
+  from triton.experimental.gluon import language as ttgl
+  from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+  @gluon.jit
+  def lora_xa_parts(x_ptr, a_ptr, idx_ptr, o_ptr, M: ttgl.constexpr, K: ttgl.constexpr, R: ttgl.constexpr,
+                    RP: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
+                    WARPS: ttgl.constexpr):
+    mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+    al: ttgl.constexpr = ttgl.BlockedLayout([8, 1], [4, 8], [1, WARPS], [0, 1])  # A^T [RP, 64]: 8 contiguous r a thread
+    xl: ttgl.constexpr = ttgl.BlockedLayout([8, 1], [8, 4], [1, WARPS], [0, 1])  # x^T [64, MB], 8 contiguous k
+    pid = ttgl.program_id(0)
+    layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
+    a_base = a_ptr + layer.to(ttgl.int64) * (K * R)
+    ar = ttgl.arange(0, RP, layout=ttgl.SliceLayout(1, al))
+    ak = ttgl.arange(0, 64, layout=ttgl.SliceLayout(0, al))
+    xk = ttgl.arange(0, 64, layout=ttgl.SliceLayout(1, xl))
+    xm = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, xl))
+    acc = ttgl.zeros([RP, MB], ttgl.float32, layout=mma)
+    for i in ttgl.static_range(STEPS):
+      k0 = (pid * STEPS + i) * 64
+      at = ttgl.load(a_base + ttgl.expand_dims(ak + k0, 0) * R + ttgl.expand_dims(ar, 1),
+                     mask=ttgl.expand_dims(ar < R, 1) & ttgl.expand_dims(ak + k0 < K, 0), other=0.0)
+      xt = ttgl.load(x_ptr + ttgl.expand_dims(xm, 0) * K + ttgl.expand_dims(xk + k0, 1),
+                     mask=ttgl.expand_dims(xm < M, 0) & ttgl.expand_dims(xk + k0 < K, 1), other=0.0)
+      acc = mma_v2(ttgl.convert_layout(at, ttgl.DotOperandLayout(0, mma, 2)),
+                   ttgl.convert_layout(xt, ttgl.DotOperandLayout(1, mma, 2)), acc)
+    st: ttgl.constexpr = ttgl.BlockedLayout([1, 1], [32, 1], [WARPS, 1], [0, 1])
+    acc = ttgl.convert_layout(acc, st)
+    sr = ttgl.arange(0, RP, layout=ttgl.SliceLayout(1, st))
+    sm = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, st))
+    ttgl.store(o_ptr + pid * (M * R) + ttgl.expand_dims(sm, 0) * R + ttgl.expand_dims(sr, 1), acc,
+               mask=ttgl.expand_dims(sm < M, 0) & ttgl.expand_dims(sr < R, 1))
+
+  return lora_xa_parts
+
+
+XA_MAX_PARTS = 32  # lora_xa's partial products at most (the LoRA epilogue sums them)
+
+
+def _xa_meta(m: int, k: int, r: int, layers: int) -> dict:
+  """:func:`lora_xa`'s constexprs: ``S`` parts of ``STEPS`` K steps of 64, ``S <= XA_MAX_PARTS``."""
+  total = -(-k // 64)
+  steps = -(-total // min(XA_MAX_PARTS, total))
+  rp = max(16, 1 << (r - 1).bit_length())
+  return dict(M=m, K=k, R=r, RP=rp, L=layers, STEPS=steps, MB=_row_block(m), WARPS=min(4, rp // 16),
+              S=-(-total // steps))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_xa(meta: tuple):
+  """``(ptx, kernel name, shared bytes)`` of :func:`lora_xa`'s kernel for ``meta`` (:func:`_xa_meta`)."""
+  meta = dict(meta)
+  meta.pop("S")
+  return _load(_compile_gluon(_xa_kernel(), _ARG_DTYPES_XA, meta, _target_cc(), num_warps=meta["WARPS"]))
 
 
 def _target_cc() -> int:
@@ -933,8 +1014,9 @@ def lora_into_applies(x: jax.Array, w, index, lora) -> bool:
   """Whether :func:`forward_into` takes ``lora = (xa, b, scale)``: :func:`into_applies`,
   :data:`LORA_IN_KERNEL`, an mma.sync build (at most 16 rows) that adds its split-K parts by atomics with
   at least R / 16 splits (split ``s`` adds ranks ``16 s .. 16 s + 15``), R a multiple of 16, ``xa``
-  bf16 ``[M, R]``, ``b`` bf16 ``[L, R, N]`` with ``w``'s layer count L when ``index`` is given (the same
-  layer is read) else ``[R, N]``, and ``scale`` a Python number (compiled in)."""
+  bf16 ``[M, R]`` or :func:`lora_xa`'s float32 partial products ``[S, M, R]`` (``S <= XA_MAX_PARTS``),
+  ``b`` bf16 ``[L, R, N]`` with ``w``'s layer count L when ``index`` is given (the same layer is read)
+  else ``[R, N]``, and ``scale`` a Python number (compiled in)."""
   xa, b, scale = lora
   if not LORA_IN_KERNEL or not into_applies(x, w, index) or isinstance(scale, bool) or not isinstance(
       scale, (int, float)):
@@ -943,10 +1025,60 @@ def lora_into_applies(x: jax.Array, w, index, lora) -> bool:
   r = xa.shape[-1]
   layers = None if index is None else w.packed.shape[0]
   want_b = (r, n) if layers is None else (layers, r, n)
-  if xa.shape != (m, r) or xa.dtype != jnp.bfloat16 or b.dtype != jnp.bfloat16 or b.shape != want_b:
+  parts = xa.ndim == 3 and xa.dtype == jnp.float32 and 1 <= xa.shape[0] <= XA_MAX_PARTS and xa.shape[1:] == (m, r)
+  if not (parts or (xa.shape == (m, r) and xa.dtype == jnp.bfloat16)):
+    return False
+  if b.dtype != jnp.bfloat16 or b.shape != want_b:
     return False
   build = _build_for(m, w, index)
   return not build.wg and build.meta["ATOMIC"] and r % 16 == 0 and 0 < r <= 16 * build.splits
+
+
+def lora_xa_applies(x: jax.Array, a: jax.Array, index=None) -> bool:
+  """Whether :func:`lora_xa` takes ``x`` and ``a``: the Gluon kernel with the FFI launcher, bf16 ``x
+  [M, K]`` with ``1 <= M <= 16``, bf16 ``a`` ``[K, R]`` (``index`` None) or a stack ``[L, K, R]``
+  (``index`` given), ``1 <= R <= 128``."""
+  if not available() or launcher() != "ffi" or x.ndim != 2 or x.dtype != jnp.bfloat16 or a.dtype != jnp.bfloat16:
+    return False
+  if a.ndim != (2 if index is None else 3) or a.shape[-2] != x.shape[1]:
+    return False
+  return 1 <= x.shape[0] <= 16 and 1 <= a.shape[-1] <= 128
+
+
+def lora_xa_shape(x, a) -> tuple[int, int, int]:
+  """The shape ``(S, M, R)`` of :func:`lora_xa`'s result for ``x [M, K]`` and ``a [..., K, R]``."""
+  m, k = x.shape
+  return (_xa_meta(m, k, a.shape[-1], 1)["S"], m, a.shape[-1])
+
+
+def lora_xa(x: jax.Array, a: jax.Array, index=None) -> jax.Array:
+  """A LoRA adapter's down-projection ``x @ A`` (Hu et al. 2021) for a decode step's few rows, as float32
+  partial products over K ranges, for :func:`forward_into`'s ``lora`` (which sums them in its kernel):
+  one kernel launch, no memset and no XLA sum, where XLA runs a split GEMM and a reduction.
+
+  Args:
+    x: bf16 ``[M, K]``, ``M <= 16``.
+    a: bf16 ``[K, R]``, or with ``index`` a stack ``[L, K, R]`` read at layer ``index`` in place
+      (int32 scalar, clamped to ``[0, L)``).
+
+  Returns:
+    float32 ``[S, M, R]``: part ``s`` holds the product over K steps ``s * STEPS ..`` (64 each); the parts
+    sum to ``x @ A``. ``S <= XA_MAX_PARTS``.
+
+  Raises:
+    ValueError: :func:`lora_xa_applies` is False.
+  """
+  if not lora_xa_applies(x, a, index):
+    raise ValueError(f"w4_gluon.lora_xa: no kernel for x {x.dtype}{list(x.shape)} and A {a.dtype}{list(a.shape)} "
+                     f"(index {'given' if index is not None else 'None'}; see lora_xa_applies)")
+  m, k = x.shape
+  r = a.shape[-1]
+  meta = _xa_meta(m, k, r, 1 if index is None else a.shape[0])
+  ptx, name, shared = _compiled_xa(tuple(meta.items()))
+  layer = jnp.zeros((1,), jnp.int32) if index is None else jnp.asarray(index, jnp.int32).reshape(1)
+  return jax.ffi.ffi_call(_FFI_TARGET, jax.ShapeDtypeStruct((meta["S"], m, r), jnp.float32))(
+      x, a.reshape(-1, r), layer,
+      **_launch_attrs(ptx, name, (meta["S"], 1, 1), shared, threads=32 * meta["WARPS"]))
 
 
 def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array | None, offset: int, *, index=None,
@@ -971,8 +1103,9 @@ def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array | None, offs
     index: as :func:`forward`.
     size: with ``acc`` None, ``S`` (static int).
     lora: optional ``(xa, b, scale)``: the kernel also adds ``scale * xa @ b`` (a LoRA adapter's
-      up-projection, Hu et al. 2021: ``xa = x @ A`` bf16 ``[M, R]``, ``b`` bf16 ``[R, N]``, or
-      ``[L, R, N]`` read at ``index``; float32 products) where :func:`lora_into_applies` holds.
+      up-projection, Hu et al. 2021: ``xa = x @ A`` bf16 ``[M, R]`` or :func:`lora_xa`'s float32 partials
+      ``[S, M, R]``, summed and rounded to bf16 in the kernel; ``b`` bf16 ``[R, N]``, or ``[L, R, N]``
+      read at ``index``; float32 products) where :func:`lora_into_applies` holds.
 
   Returns:
     ``(y, acc)``: ``y`` float32 ``[M, N]`` (the region, read back), and the updated ``acc``.
@@ -1006,7 +1139,8 @@ def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array | None, offs
   operands = _operands(x, w, index, build.meta, jnp.zeros((1,), jnp.float32) if new else acc)
   if lora is not None:  # x @ A and B go before the output buffer, the entry's order (_ARG_DTYPES_LORA)
     xa, b, scale = lora
-    build = build._replace(meta=dict(build.meta, LR=xa.shape[-1], LS=float(scale)))
+    build = build._replace(meta=dict(build.meta, LR=xa.shape[-1], LS=float(scale),
+                                     **({"XP": xa.shape[0]} if xa.ndim == 3 else {})))
     operands = (*operands[:-1], xa, b, operands[-1])
   alias = len(operands) - 1
   acc = _ffi_call(build, operands, jax.ShapeDtypeStruct((total,), jnp.float32), None if new else {alias: 0},

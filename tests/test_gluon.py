@@ -547,6 +547,11 @@ def test_gpu_decode_steps_into_one_buffer_a_layer_match_the_plain_path(monkeypat
   assert with_lora[4:] == [True] * 4
   a, p = np.asarray(in_kernel, np.float32)[real_rows], np.asarray(by_xla, np.float32)[real_rows]
   assert np.isfinite(a).all() and np.abs(a - p).max() < 2e-2 * np.abs(p).max()
+  # and with x @ A by lora_xa too (w4_gluon.LORA_XA, lab): the same logits
+  monkeypatch.setattr(w4_gluon, "LORA_XA", 1)
+  xa_kernel, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
+  a = np.asarray(xa_kernel, np.float32)[real_rows]
+  assert np.isfinite(a).all() and np.abs(a - p).max() < 2e-2 * np.abs(p).max()
 
 
 @pytest.mark.gpu
@@ -576,6 +581,67 @@ def test_gpu_forward_into_with_a_lora_term_matches_float64(m, r, stacked):
   assert _rel(y, want) < 1e-4
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,r,stacked", [(1, 3584, 32, True), (8, 1088, 96, True), (16, 18944, 64, False),
+                                           (3, 1000, 8, True), (8, 3584, 128, False)])
+def test_gpu_lora_xa_partials_sum_to_float64(m, k, r, stacked):
+  """lora_xa's float32 partial products sum to x @ A (float64 on the bf16 inputs), A a stack read at the
+  layer index or one matrix; K not a multiple of 64 (1000: the last step masked), R not a power of 2
+  (96, 8: rows past R masked); at most XA_MAX_PARTS parts."""
+  if not w4_gluon.lora_xa_applies(jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((3, k, r) if stacked else (k, r),
+                                                                                     jnp.bfloat16),
+                                  0 if stacked else None):
+    pytest.skip("needs the Gluon kernel's FFI launcher")
+  rng = np.random.default_rng(m + k + r)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  a = jnp.asarray(rng.standard_normal((3, k, r) if stacked else (k, r)) * 0.05, jnp.bfloat16)
+  parts = jax.jit(lambda x, a: w4_gluon.lora_xa(x, a, jnp.int32(1) if stacked else None))(x, a)
+  assert parts.shape == w4_gluon.lora_xa_shape(x, a) and parts.shape[0] <= w4_gluon.XA_MAX_PARTS
+  want = np.asarray(x, np.float64) @ np.asarray(a[1] if stacked else a, np.float64)
+  got = np.asarray(parts, np.float64).sum(0)
+  assert np.isfinite(got).all() and _rel(got, want) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,r", [(1, 32), (8, 96), (16, 64)])
+def test_gpu_forward_into_with_lora_xa_partials_matches_float64(m, r):
+  """forward_into(lora=(lora_xa(x, A), B, scale)): the kernel sums the partials, rounds x @ A to bf16 and
+  adds scale (x @ A) @ B; float64 reference with x @ A rounded to bf16 the same way."""
+  if not w4_gluon.available() or w4_gluon.launcher() != "ffi":
+    pytest.skip("needs the Gluon kernel's FFI launcher")
+  k, n, layers = 3584, 768, 2
+  wq = _weight(k, n, 3 * m + r, layers=layers)
+  x = _act(m, k, m + r)
+  rng = np.random.default_rng(r)
+  a = jnp.asarray(rng.standard_normal((layers, k, r)) * 0.02, jnp.bfloat16)
+  b = jnp.asarray(rng.standard_normal((layers, r, n)) * 0.1, jnp.bfloat16)
+  index = jnp.int32(1)
+
+  def run(x, w, a, b):
+    parts = w4_gluon.lora_xa(x, a, index)
+    return w4_gluon.forward_into(x, w, None, 0, index=index, size=m * n, lora=(parts, b, 0.5))[0]
+
+  xa = (np.asarray(x, np.float64) @ np.asarray(a[1], np.float64)).astype(np.float32)
+  xa = np.asarray(jnp.asarray(xa, jnp.bfloat16), np.float64)
+  want = np.asarray(x, np.float64) @ _dense64(matmul.layer_of(wq, 1)) + 0.5 * xa @ np.asarray(b[1], np.float64)
+  y = jax.jit(run)(x, wq, a, b)
+  assert bool(jnp.isfinite(y).all()) and _rel(y, want) < 1e-3
+
+
+def test_lora_xa_meta_by_hand():
+  """lora_xa's launch: K steps of 64 over at most 32 parts, R padded to a power of 2 of at least 16 with one
+  warp per 16 rows up to 4. 7B q/k/v adapter (K 3584 = 56 steps, R 96): 28 parts of 2 steps, RP 128, 4 warps;
+  down (K 18944 = 296 steps, R 32): 10 steps a part, 30 parts, 2 warps; K 1000 = 16 steps (the last
+  partial): 16 parts of 1; R 8: RP 16, 1 warp."""
+  meta = lambda m, k, r: {key: w4_gluon._xa_meta(m, k, r, 28)[key] for key in ("S", "STEPS", "RP", "WARPS", "MB")}
+  assert meta(8, 3584, 96) == dict(S=28, STEPS=2, RP=128, WARPS=4, MB=8)
+  assert meta(8, 18944, 32) == dict(S=30, STEPS=10, RP=32, WARPS=2, MB=8)
+  assert meta(3, 1000, 8) == dict(S=16, STEPS=1, RP=16, WARPS=1, MB=8)
+  assert meta(16, 3584, 64) == dict(S=28, STEPS=2, RP=64, WARPS=4, MB=16)
+  assert w4_gluon.lora_xa_shape(jax.ShapeDtypeStruct((8, 18944), jnp.bfloat16),
+                                jax.ShapeDtypeStruct((28, 18944, 32), jnp.bfloat16)) == (30, 8, 32)
+
+
 def test_lora_into_applies_by_hand(monkeypatch):
   """The LoRA epilogue's conditions, with into_applies granted (no GPU needed): bf16 factors of the
   right shapes, R a multiple of 16 with at most 16 ranks a split (7B q/k/v at M = 8: 28 splits, so
@@ -595,6 +661,10 @@ def test_lora_into_applies_by_hand(monkeypatch):
          (ok[0], ok[1], jnp.float32(2.0)), (sds((7, 32), jnp.bfloat16), ok[1], 2.0)]
   assert not any(w4_gluon.lora_into_applies(x, w, 0, lo) for lo in bad)
   assert not w4_gluon.lora_into_applies(sds((32, 3584), jnp.bfloat16), w, 0, (sds((32, 32), jnp.bfloat16), *ok[1:]))
+  # lora_xa's float32 partial products [S, M, R], S <= XA_MAX_PARTS (32)
+  assert w4_gluon.lora_into_applies(x, w, 0, (sds((28, 8, 32), jnp.float32), *ok[1:]))
+  assert not w4_gluon.lora_into_applies(x, w, 0, (sds((33, 8, 32), jnp.float32), *ok[1:]))
+  assert not w4_gluon.lora_into_applies(x, w, 0, (sds((28, 8, 32), jnp.bfloat16), *ok[1:]))
   monkeypatch.setattr(w4_gluon, "LORA_IN_KERNEL", False)
   assert not w4_gluon.lora_into_applies(x, w, 0, ok)
 

@@ -334,7 +334,8 @@ def test_config_defaults_and_errors():
 
 
 @pytest.mark.parametrize("fused,lora_kind,in_kernel", [(True, None, False), (True, "fused", False), (True, "fused", True),
-                                                      (True, "per_part", False), (False, "per_part", False)])
+                                                      (True, "fused", "xa"), (True, "per_part", False),
+                                                      (False, "per_part", False)])
 def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kernel):
   """The decode step's 4-bit projections run into one zeroed buffer a layer (layers.Accumulator),
   each in its own region. The kernel is replaced by an XLA stand-in that adds x @ W into its region
@@ -345,7 +346,8 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   gate/up without per-part adapters (else unfused gate and up, one region each), and down. With
   ``in_kernel`` the stand-in also takes the adapters' up-projection (``lora=(x @ A, B, scale)``, B the
   layer stack read at the call's index, as the Gluon kernel does): the same logits, and every
-  projection with an adapter passes it."""
+  projection with an adapter passes it. With ``"xa"`` (w4_gluon.LORA_XA) x @ A comes as float32 partial
+  products from a stand-in of w4_gluon.lora_xa, which gets the adapters' A stacks and the layer index."""
   import pallas_kernels
   from pallas_kernels import decode_attention as da
   from qerl_jax import lora as lora_lib
@@ -371,6 +373,7 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
     if lora is not None:
       xa, b_, scale = lora
       lora_calls.append(b_.shape)
+      xa = xa.sum(0).astype(jnp.bfloat16) if xa.ndim == x.ndim + 1 else xa  # lora_xa's partials
       b_ = b_[index] if b_.ndim == 3 else b_
       y = y + scale * jnp.dot(xa, b_, preferred_element_type=jnp.float32).reshape(-1)
     acc = jnp.zeros((size,), jnp.float32) if acc is None else acc  # the first call makes the buffer
@@ -380,7 +383,20 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
 
   monkeypatch.setattr(pallas_kernels, "accumulate_applies", lambda x, w, index=None: x.shape[-1] == w.shape[0])
   monkeypatch.setattr(pallas_kernels, "quantized_matmul_into", stand_in)
-  monkeypatch.setattr(pallas_kernels.matmul, "accumulate_lora_applies", lambda x, w, index, lora: in_kernel)
+  monkeypatch.setattr(pallas_kernels.matmul, "accumulate_lora_applies", lambda x, w, index, lora: bool(in_kernel))
+  xa_calls = []  # A's shape of every lora_xa call
+
+  def xa_stand_in(x, a, index=None):  # float32 partial products over K ranges of 64 (lora_xa_shape's count)
+    xa_calls.append(a.shape)
+    a_l = a[index] if a.ndim == 3 else a
+    parts = pallas_kernels.w4_gluon.lora_xa_shape(x, a)[0]
+    assert parts == -(-x.shape[1] // 64)
+    return jnp.stack([jnp.dot(x[:, 64 * p:64 * p + 64], a_l[64 * p:64 * p + 64], preferred_element_type=jnp.float32)
+                      for p in range(parts)])
+
+  monkeypatch.setattr(pallas_kernels.w4_gluon, "LORA_XA", int(in_kernel == "xa"))
+  monkeypatch.setattr(pallas_kernels.w4_gluon, "lora_xa_applies", lambda x, a, index=None: True)
+  monkeypatch.setattr(pallas_kernels.w4_gluon, "lora_xa", xa_stand_in)
   monkeypatch.setattr(decoder, "ACCUMULATE_DECODE", False)
   plain, _ = _decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
   assert not regions  # the switch turns it off
@@ -407,3 +423,7 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   assert lora_calls == ([(cfg.num_layers, 2 * r, cfg.q_dim + 2 * cfg.kv_dim), (cfg.num_layers, r, cfg.hidden_size),
                          (cfg.num_layers, r, 2 * cfg.intermediate_size), (cfg.num_layers, r, cfg.hidden_size)]
                         if in_kernel else [])
+  # with LORA_XA, x @ A of those four from their A stacks [L, K, R]
+  assert xa_calls == ([(cfg.num_layers, cfg.hidden_size, 2 * r), (cfg.num_layers, cfg.q_dim, r),
+                       (cfg.num_layers, cfg.hidden_size, r), (cfg.num_layers, cfg.intermediate_size, r)]
+                      if in_kernel == "xa" else [])

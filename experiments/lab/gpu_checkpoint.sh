@@ -26,6 +26,7 @@
 #   STEPS=26 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=27 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=28 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=30 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-128), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
@@ -105,6 +106,10 @@
 # 29. (session 20; removed in session 21 with its settings) an L2 prefetch of o's weight by the q/k/v kernel: step 28
 #     bounded it at about 0.2 µs a layer, and its GPU tests failed, so it was dropped unmeasured.
 #     (Session 21 ran 26-28: docs/benchmarks.md, "Session 21".)
+# 30. (session 21, prepared) a training rollout's x @ A by one Gluon kernel (w4_gluon.LORA_XA = 1, lab: float32
+#     partial products that the LoRA epilogue sums; the decoder then keeps the adapters' A stacks whole): the LoRA
+#     GPU tests, then LoRA rank 32 + AQN rollouts at batch 8 and 16, off / on / off / on (about 6 minutes).
+#     Session 21's profile put x @ A at 4 GEMMs and 4 sums a layer (about 0.5 ms of a 2.80 ms batch-8 step).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -190,6 +195,12 @@ step 27 && LOADS_LAYOUTS=w8r,w16,w16r LOADS_VARIANTS=nc_256 timeout 200 python3 
   | grep -v "^[IW][0-9]\|Warn" | tee "$OUT/loads_width.txt"
 step 28 && LAB_WEIGHT_MB=0 GL_MS=1,8 timeout 200 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn \
   | tee "$OUT/l2_hot.txt"
+step 30 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -n 4 -m gpu tests/test_gluon.py -k "lora or one_buffer" \
+    -p no:cacheprovider 2>&1 | tail -3
+  for s in "" "LORA_XA=1" "" "LORA_XA=1"; do
+    GL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8,16 --new_tokens=512 \
+      --formats=nvfp4_fused --lora_rank=32 --aqn --time_budget_s=80 2>&1 | grep "w4_gluon\.\|nvfp4_fused+"; done; } \
+  | tee "$OUT/lora_xa.txt"
 step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REGISTERS=96,TARGET_PROGRAMS=640;r80:MMA_MAX_REGISTERS=80;r80t768:MMA_MAX_REGISTERS=80,TARGET_PROGRAMS=768" \
     timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn
   for s in "" "MMA_MAX_REGISTERS=96" "" "MMA_MAX_REGISTERS=96"; do

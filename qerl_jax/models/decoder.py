@@ -459,7 +459,9 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
   if cache is not None:
     # (the fused q/k/v bias too: the decode attention kernel reads its layer in place)
     stacked, scanned = _split_leaves(base["layers"], lambda name, v: layers.is_quantized(v) or name == "qkv_bias")
-    in_place_b = lambda name, v: name == "b" and v.dtype == dt  # an adapter's b, in the compute dtype
+    # an adapter's b (and with pallas_kernels.w4_gluon.LORA_XA its a, which lora_xa reads in place), in the
+    # compute dtype
+    in_place_b = lambda name, v: (name == "b" or (name == "a" and pallas_kernels.w4_gluon.LORA_XA)) and v.dtype == dt
     lora_b, lay_lora = _split_leaves(lay_lora, in_place_b) if stacked and layers.LORA_EPILOGUE else ({}, lay_lora)
   else:
     stacked, scanned, lora_b = {}, base["layers"], {}

@@ -91,18 +91,44 @@ def _x_at_a(x: jax.Array, a: jax.Array) -> jax.Array:
   return parts.sum(0).reshape(*x.shape[:-1], r)
 
 
-def _lora_factors(x: jax.Array, lora: dict, lora_scale: float, w=None) -> tuple:
-  """``(x @ A in x's dtype, B in x's dtype, scale)``: the operands of the LoRA up-projection.
-
-  A stacked ``B`` (:class:`StackedWeight`) stays whole when ``w`` is a stacked
-  4-bit weight of the same layer index (the kernel reads both in place), else
-  that layer is sliced out."""
-  dt = x.dtype
+def _lora_b(lora: dict, w, dt):
+  """An adapter's ``b`` in dtype ``dt``: a stacked ``B`` (:class:`StackedWeight`) stays whole when ``w`` is
+  a stacked 4-bit weight of the same layer index (the kernel reads both in place), else that layer is
+  sliced out."""
   b = lora["b"]
   if isinstance(b, StackedWeight):
     in_place = isinstance(w, StackedWeight) and w.index is b.index
     b = b.tensor if in_place else jax.lax.dynamic_index_in_dim(b.tensor, b.index, 0, keepdims=False)
-  return _x_at_a(x, lora["a"].astype(dt)).astype(dt), b.astype(dt), lora_scale
+  return b.astype(dt)
+
+
+def _lora_factors(x: jax.Array, lora: dict, lora_scale: float, w=None) -> tuple:
+  """``(x @ A in x's dtype, B in x's dtype, scale)``: the operands of the LoRA up-projection (``B`` as
+  :func:`_lora_b` gives it; a stacked ``A``, which decode steps keep with
+  ``pallas_kernels.w4_gluon.LORA_XA``, is sliced)."""
+  dt = x.dtype
+  a = lora["a"]
+  if isinstance(a, StackedWeight):
+    a = jax.lax.dynamic_index_in_dim(a.tensor, a.index, 0, keepdims=False)
+  return _x_at_a(x, a.astype(dt)).astype(dt), _lora_b(lora, w, dt), lora_scale
+
+
+def _kernel_lora_factors(x: jax.Array, lora: dict, lora_scale: float, w, shapes_only: bool = False) -> tuple:
+  """:func:`_lora_factors` for the 4-bit kernel's LoRA epilogue: with ``pallas_kernels.w4_gluon.LORA_XA``
+  and ``A`` a stack of ``w``'s layer (:class:`StackedWeight`), ``x @ A`` as the float32 partial products
+  ``[S, ..., R]`` of :func:`pallas_kernels.w4_gluon.lora_xa` (one kernel, A read in place), else as XLA
+  computes it. ``shapes_only``: ``x @ A`` as a ``jax.ShapeDtypeStruct`` (to decide, running nothing)."""
+  a, gluon = lora["a"], pallas_kernels.w4_gluon
+  x2d = x.reshape(-1, x.shape[-1])
+  if (gluon.LORA_XA and isinstance(a, StackedWeight) and isinstance(w, StackedWeight) and a.index is w.index
+      and a.tensor.dtype == x.dtype and gluon.lora_xa_applies(x2d, a.tensor, a.index)):
+    s, _, r = gluon.lora_xa_shape(x2d, a.tensor)
+    shape = (s, *x.shape[:-1], r)
+    xa = (jax.ShapeDtypeStruct(shape, jnp.float32) if shapes_only
+          else gluon.lora_xa(x2d, a.tensor, a.index).reshape(shape))
+    return xa, _lora_b(lora, w, x.dtype), lora_scale
+  xa, b, scale = _lora_factors(x, lora, lora_scale, w)
+  return (jax.ShapeDtypeStruct(xa.shape, xa.dtype) if shapes_only else xa), b, scale
 
 
 def _lora_cols(lora: dict) -> int:
@@ -300,7 +326,8 @@ def adapter_in_kernel(x: jax.Array, w, lora: Optional[dict], lora_scale: float =
   if lora is None or not _epilogue_applies(x, w):
     return False
   tensor, index = _tensor_index(w)
-  return pallas_kernels.matmul.accumulate_lora_applies(x, tensor, index, _lora_factors(x, lora, lora_scale, w))
+  return pallas_kernels.matmul.accumulate_lora_applies(x, tensor, index,
+                                                       _kernel_lora_factors(x, lora, lora_scale, w, shapes_only=True))
 
 
 def linear_f32_into(x: jax.Array, w, acc: Optional[Accumulator], *, bias: Optional[jax.Array] = None,
@@ -329,7 +356,7 @@ def linear_f32_into(x: jax.Array, w, acc: Optional[Accumulator], *, bias: Option
   tensor, index = _tensor_index(w)
   in_kernel = adapter_in_kernel(x, w, lora, lora_scale)
   y, buffer = pallas_kernels.quantized_matmul_into(x, tensor, acc.buffer, acc.offset, index=index, size=acc.size,
-                                                   lora=_lora_factors(x, lora, lora_scale, w) if in_kernel else None)
+                                                   lora=_kernel_lora_factors(x, lora, lora_scale, w) if in_kernel else None)
   acc = Accumulator(buffer, acc.offset + y.size, acc.size)
   if lora is not None and _epilogue_applies(x, w):  # where _base_f32's kernel would add it, before the bias: added
     # by the 4-bit kernel (pallas_kernels.w4_gluon.lora_into_applies), or here by XLA
