@@ -133,6 +133,8 @@ LOAD_ASM_MAX_WEIGHTS = 1 << 25  # LOAD_ASM only for weights of at most this many
   # and o (12.8M), not gate/up (136M) or down (68M)
 LORA_IN_KERNEL = True  # forward_into(lora=...) adds a LoRA adapter's (x @ A) @ B in the mma.sync builds' epilogue
   # (lora_into_applies) instead of leaving it to an XLA GEMM (decode steps of at most 16 rows); False: XLA
+LORA_IN_KERNEL_WG = 0  # lab (session 21; not yet run on a GPU): 1 lets the wgmma builds (M 17-128, sm_90) add the
+  # LoRA up-projection too (the same mma.sync epilogue), where XLA adds it otherwise
 LORA_XA = 0  # lab (session 21; not yet run on a GPU): 1 has a decode step compute a LoRA adapter's x @ A by lora_xa
   # (one kernel, float32 partials that the LoRA epilogue sums) instead of XLA's split GEMM and sum; the decoder
   # then reads the adapters' A stacks in place (qerl_jax.models.decoder). Read at trace time.
@@ -495,9 +497,12 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False):
         else:
           xat = ttgl.load(xa_ptr + ttgl.expand_dims(am, 0) * LR + ttgl.expand_dims(ar + r0, 1),
                           mask=ttgl.expand_dims(am < M, 0) & ttgl.expand_dims(ar >= 0, 1), other=0.0)
-        lacc = mma_v2(ttgl.convert_layout(bt, ttgl.DotOperandLayout(0, mma, 2)),
-                      ttgl.convert_layout(xat, ttgl.DotOperandLayout(1, mma, 2)),
-                      ttgl.zeros([BN, MB], ttgl.float32, layout=mma))
+        # mma.sync for this small product in every build (the wgmma builds' own layout is wgmma's)
+        lmma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
+                                                           instr_shape=[16, 8])
+        lacc = mma_v2(ttgl.convert_layout(bt, ttgl.DotOperandLayout(0, lmma, 2)),
+                      ttgl.convert_layout(xat, ttgl.DotOperandLayout(1, lmma, 2)),
+                      ttgl.zeros([BN, MB], ttgl.float32, layout=lmma))
         acc = acc + ttgl.convert_layout(lacc, st) * LS
     no = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, st))
     mo = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, st))
@@ -1012,7 +1017,8 @@ def into_applies(x: jax.Array, w, index=None) -> bool:
 
 def lora_into_applies(x: jax.Array, w, index, lora) -> bool:
   """Whether :func:`forward_into` takes ``lora = (xa, b, scale)``: :func:`into_applies`,
-  :data:`LORA_IN_KERNEL`, an mma.sync build (at most 16 rows) that adds its split-K parts by atomics with
+  :data:`LORA_IN_KERNEL`, an mma.sync build (at most 16 rows; or a wgmma build with the lab setting
+  :data:`LORA_IN_KERNEL_WG`) that adds its split-K parts by atomics with
   at least R / 16 splits (split ``s`` adds ranks ``16 s .. 16 s + 15``), R a multiple of 16, ``xa``
   bf16 ``[M, R]`` or :func:`lora_xa`'s float32 partial products ``[S, M, R]`` (``S <= XA_MAX_PARTS``),
   ``b`` bf16 ``[L, R, N]`` with ``w``'s layer count L when ``index`` is given (the same layer is read)
@@ -1031,7 +1037,8 @@ def lora_into_applies(x: jax.Array, w, index, lora) -> bool:
   if b.dtype != jnp.bfloat16 or b.shape != want_b:
     return False
   build = _build_for(m, w, index)
-  return not build.wg and build.meta["ATOMIC"] and r % 16 == 0 and 0 < r <= 16 * build.splits
+  return ((not build.wg or LORA_IN_KERNEL_WG) and build.meta["ATOMIC"] and r % 16 == 0
+          and 0 < r <= 16 * build.splits)
 
 
 def lora_xa_applies(x: jax.Array, a: jax.Array, index=None) -> bool:

@@ -555,13 +555,18 @@ def test_gpu_decode_steps_into_one_buffer_a_layer_match_the_plain_path(monkeypat
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,r,stacked", [(1, 16, True), (3, 32, True), (8, 32, False), (16, 64, True), (8, 48, True)])
-def test_gpu_forward_into_with_a_lora_term_matches_float64(m, r, stacked):
+@pytest.mark.parametrize("m,r,stacked", [(1, 16, True), (3, 32, True), (8, 32, False), (16, 64, True), (8, 48, True),
+                                         (32, 32, True), (40, 64, True)])
+def test_gpu_forward_into_with_a_lora_term_matches_float64(m, r, stacked, monkeypatch):
   """forward_into(lora=(x @ A, B, scale)) writes x @ W + scale (x @ A) @ B into its region: float64
   reference on the bf16 factors, B a stack read at the layer index or one matrix; ranks 16-64 (48: three
-  splits add one 16-rank chunk each); the rest of the buffer stays zero."""
+  splits add one 16-rank chunk each); the rest of the buffer stays zero. M = 32 and 40: the wgmma builds
+  (the full and the narrow one) with the lab setting LORA_IN_KERNEL_WG."""
   if not w4_gluon.available() or w4_gluon.launcher() != "ffi":
     pytest.skip("needs the Gluon kernel's FFI launcher")
+  if m > 16:
+    _skip_without_wgmma()
+    monkeypatch.setattr(w4_gluon, "LORA_IN_KERNEL_WG", 1)
   k, n, layers, off = 1088, 768, 3, 40
   wq = _weight(k, n, 11 * m + r, layers=layers if stacked else None)
   x = _act(m, k, m + r)
@@ -645,7 +650,8 @@ def test_lora_xa_meta_by_hand():
 def test_lora_into_applies_by_hand(monkeypatch):
   """The LoRA epilogue's conditions, with into_applies granted (no GPU needed): bf16 factors of the
   right shapes, R a multiple of 16 with at most 16 ranks a split (7B q/k/v at M = 8: 28 splits, so
-  R <= 448), an mma.sync build (M <= 16), a Python scale, and LORA_IN_KERNEL."""
+  R <= 448), an mma.sync build (M <= 16; a wgmma build only with LORA_IN_KERNEL_WG), a Python scale, and
+  LORA_IN_KERNEL."""
   import types
   monkeypatch.setattr(w4_gluon, "into_applies", lambda x, w, index=None: True)
   w = types.SimpleNamespace(packed=np.zeros((28, 1792, 4608), np.uint8), shape=(3584, 4608), code_order="decode")
@@ -660,7 +666,11 @@ def test_lora_into_applies_by_hand(monkeypatch):
          (ok[0], sds((32, 4608), jnp.bfloat16), 2.0),  # one matrix for a stacked weight
          (ok[0], ok[1], jnp.float32(2.0)), (sds((7, 32), jnp.bfloat16), ok[1], 2.0)]
   assert not any(w4_gluon.lora_into_applies(x, w, 0, lo) for lo in bad)
-  assert not w4_gluon.lora_into_applies(sds((32, 3584), jnp.bfloat16), w, 0, (sds((32, 32), jnp.bfloat16), *ok[1:]))
+  wg = (sds((32, 3584), jnp.bfloat16), w, 0, (sds((32, 32), jnp.bfloat16), *ok[1:]))
+  assert not w4_gluon.lora_into_applies(*wg)  # M = 32: a wgmma build
+  monkeypatch.setattr(w4_gluon, "LORA_IN_KERNEL_WG", 1)  # lab: the wgmma builds too
+  assert w4_gluon.lora_into_applies(*wg)
+  monkeypatch.setattr(w4_gluon, "LORA_IN_KERNEL_WG", 0)
   # lora_xa's float32 partial products [S, M, R], S <= XA_MAX_PARTS (32)
   assert w4_gluon.lora_into_applies(x, w, 0, (sds((28, 8, 32), jnp.float32), *ok[1:]))
   assert not w4_gluon.lora_into_applies(x, w, 0, (sds((33, 8, 32), jnp.float32), *ok[1:]))

@@ -110,6 +110,7 @@
 #     partial products that the LoRA epilogue sums; the decoder then keeps the adapters' A stacks whole): the LoRA
 #     GPU tests, then LoRA rank 32 + AQN rollouts at batch 8 and 16, off / on / off / on (about 6 minutes).
 #     Session 21's profile put x @ A at 4 GEMMs and 4 sums a layer (about 0.5 ms of a 2.80 ms batch-8 step).
+#     Then batch 32 with the up-projection in the wgmma builds too (w4_gluon.LORA_IN_KERNEL_WG = 1, lab), against off.
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -199,6 +200,9 @@ step 30 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -
     -p no:cacheprovider 2>&1 | tail -3
   for s in "" "LORA_XA=1" "" "LORA_XA=1"; do
     GL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8,16 --new_tokens=512 \
+      --formats=nvfp4_fused --lora_rank=32 --aqn --time_budget_s=80 2>&1 | grep "w4_gluon\.\|nvfp4_fused+"; done
+  for s in "" "LORA_IN_KERNEL_WG=1"; do
+    GL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=32 --new_tokens=512 \
       --formats=nvfp4_fused --lora_rank=32 --aqn --time_budget_s=80 2>&1 | grep "w4_gluon\.\|nvfp4_fused+"; done; } \
   | tee "$OUT/lora_xa.txt"
 step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REGISTERS=96,TARGET_PROGRAMS=640;r80:MMA_MAX_REGISTERS=80;r80t768:MMA_MAX_REGISTERS=80,TARGET_PROGRAMS=768" \
