@@ -337,9 +337,9 @@ def linear_f32_into(x: jax.Array, w, acc: Optional[Accumulator], *, bias: Option
   float32 result (up to the order of the kernel's split-K additions, which atomics do not fix).
   An adapter's up-projection ``(x @ A) @ B`` is added by the same kernel where
   :func:`pallas_kernels.matmul.accumulate_lora_applies` holds (decode steps of at most 16 rows, ``x @ A``
-  still by XLA), else by an XLA GEMM. Otherwise (``acc`` None, a float weight, a shape the kernel does not take, an adapter with
-  ``pallas_kernels.matmul.GLUON_LORA`` "0") it is :func:`linear_f32_bias_deferred` and ``acc`` is
-  returned unchanged.
+  still by XLA), else by an XLA GEMM. Otherwise (``acc`` None, a float weight, a shape the kernel does
+  not take, an adapter with ``pallas_kernels.matmul.GLUON_LORA`` "0") it is
+  :func:`linear_f32_bias_deferred` and ``acc`` is returned unchanged.
 
   Args:
     x: ``[..., K]`` activations in the compute dtype; w, bias, lora, lora_scale: as :func:`linear`.
@@ -355,8 +355,9 @@ def linear_f32_into(x: jax.Array, w, acc: Optional[Accumulator], *, bias: Option
     return (*linear_f32_bias_deferred(x, w, bias=bias, lora=lora, lora_scale=lora_scale), acc)
   tensor, index = _tensor_index(w)
   in_kernel = adapter_in_kernel(x, w, lora, lora_scale)
+  factors = _kernel_lora_factors(x, lora, lora_scale, w) if in_kernel else None
   y, buffer = pallas_kernels.quantized_matmul_into(x, tensor, acc.buffer, acc.offset, index=index, size=acc.size,
-                                                   lora=_kernel_lora_factors(x, lora, lora_scale, w) if in_kernel else None)
+                                                   lora=factors)
   acc = Accumulator(buffer, acc.offset + y.size, acc.size)
   if lora is not None and _epilogue_applies(x, w):  # where _base_f32's kernel would add it, before the bias: added
     # by the 4-bit kernel (pallas_kernels.w4_gluon.lora_into_applies), or here by XLA
