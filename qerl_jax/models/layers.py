@@ -127,8 +127,10 @@ def _kernel_lora_factors(x: jax.Array, lora: dict, lora_scale: float, w, shapes_
     xa = (jax.ShapeDtypeStruct(shape, jnp.float32) if shapes_only
           else gluon.lora_xa(x2d, a.tensor, a.index).reshape(shape))
     return xa, _lora_b(lora, w, x.dtype), lora_scale
-  xa, b, scale = _lora_factors(x, lora, lora_scale, w)
-  return (jax.ShapeDtypeStruct(xa.shape, xa.dtype) if shapes_only else xa), b, scale
+  if shapes_only:  # x @ A's shape and dtype as _lora_factors gives it, without tracing the product
+    r = (a.tensor if isinstance(a, StackedWeight) else a).shape[-1]
+    return jax.ShapeDtypeStruct((*x.shape[:-1], r), x.dtype), _lora_b(lora, w, x.dtype), lora_scale
+  return _lora_factors(x, lora, lora_scale, w)
 
 
 def _lora_cols(lora: dict) -> int:
