@@ -512,17 +512,23 @@ def test_gpu_decode_steps_into_one_buffer_a_layer_match_the_plain_path(monkeypat
   tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=5))
   calls = []
   real = pallas_kernels.quantized_matmul_into
-  monkeypatch.setattr(pallas_kernels, "quantized_matmul_into", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+  monkeypatch.setattr(pallas_kernels, "quantized_matmul_into",
+                      lambda *a, **k: calls.append((a[3], k.get("swiglu_at"))) or real(*a, **k))
   monkeypatch.setattr(decoder, "ACCUMULATE_DECODE", False)
   plain, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16)
   assert not calls
   monkeypatch.setattr(decoder, "ACCUMULATE_DECODE", True)
-  into, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16)
-  b = tokens.shape[0]
-  assert calls == [0, b * 512, b * (512 + 256), b * (512 + 256 + 1024)]  # q/k/v, o, gate/up, down
   real_rows = np.asarray(mask).astype(bool)
-  a, p = np.asarray(into, np.float32)[real_rows], np.asarray(plain, np.float32)[real_rows]
-  assert np.isfinite(a).all() and np.abs(a - p).max() < 2e-2 * np.abs(p).max()
+  b = tokens.shape[0]
+  for swiglu in (False, True):  # the down kernel computes SwiGLU from gate/up's region (the default) or XLA does
+    calls.clear()
+    monkeypatch.setattr(w4_gluon, "SWIGLU_IN_KERNEL", swiglu)
+    into, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16)
+    # q/k/v, o, gate/up, down (with SwiGLU in the kernel: its input is gate/up's region)
+    assert calls == [(0, None), (b * 512, None), (b * (512 + 256), None),
+                     (b * (512 + 256 + 1024), b * (512 + 256) if swiglu else None)]
+    a, p = np.asarray(into, np.float32)[real_rows], np.asarray(plain, np.float32)[real_rows]
+    assert np.isfinite(a).all() and np.abs(a - p).max() < 2e-2 * np.abs(p).max()
   # the base in the decode kernel's code order (models.to_decode_order): prefill converts back, the
   # decode steps read it in place; same logits up to the atomics' order
   ordered, _ = decode_all(cfg, models.to_decode_order(base), tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16)
@@ -540,6 +546,7 @@ def test_gpu_decode_steps_into_one_buffer_a_layer_match_the_plain_path(monkeypat
   monkeypatch.setattr(w4_gluon, "forward_into", lambda *a, **k: with_lora.append(k.get("lora") is not None)
                       or real_into(*a, **k))
   monkeypatch.setattr(w4_gluon, "LORA_IN_KERNEL", False)
+  monkeypatch.setattr(w4_gluon, "LORA_XA", 0)
   by_xla, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
   assert with_lora == [False] * 4
   monkeypatch.setattr(w4_gluon, "LORA_IN_KERNEL", True)
@@ -547,7 +554,7 @@ def test_gpu_decode_steps_into_one_buffer_a_layer_match_the_plain_path(monkeypat
   assert with_lora[4:] == [True] * 4
   a, p = np.asarray(in_kernel, np.float32)[real_rows], np.asarray(by_xla, np.float32)[real_rows]
   assert np.isfinite(a).all() and np.abs(a - p).max() < 2e-2 * np.abs(p).max()
-  # and with x @ A by lora_xa too (w4_gluon.LORA_XA, lab): the same logits
+  # and with x @ A by lora_xa too (w4_gluon.LORA_XA, the default; off above): the same logits
   monkeypatch.setattr(w4_gluon, "LORA_XA", 1)
   xa_kernel, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
   a = np.asarray(xa_kernel, np.float32)[real_rows]
@@ -561,7 +568,7 @@ def test_gpu_forward_into_with_a_lora_term_matches_float64(m, r, stacked, monkey
   """forward_into(lora=(x @ A, B, scale)) writes x @ W + scale (x @ A) @ B into its region: float64
   reference on the bf16 factors, B a stack read at the layer index or one matrix; ranks 16-64 (48: three
   splits add one 16-rank chunk each); the rest of the buffer stays zero. M = 32 and 40: the wgmma builds
-  (the full and the narrow one) with the lab setting LORA_IN_KERNEL_WG."""
+  (the full and the narrow one) with LORA_IN_KERNEL_WG."""
   if not w4_gluon.available() or w4_gluon.launcher() != "ffi":
     pytest.skip("needs the Gluon kernel's FFI launcher")
   if m > 16:
@@ -584,6 +591,72 @@ def test_gpu_forward_into_with_a_lora_term_matches_float64(m, r, stacked, monkey
   out = np.asarray(out)
   assert np.isfinite(out).all() and (out[:off] == 0).all() and (out[off + m * n:] == 0).all()
   assert _rel(y, want) < 1e-4
+
+
+def _swiglu64(gu, k):
+  """SwiGLU of float32 rows [g | u] as the decoder rounds it: g and u to bf16, silu(g) * u in float64, the
+  product to bf16; float64 [M, K]."""
+  gu = np.asarray(jnp.asarray(gu, jnp.bfloat16), np.float64)
+  g, u = gu[:, :k], gu[:, k:]
+  return np.asarray(jnp.asarray(g / (1.0 + np.exp(-g)) * u, jnp.bfloat16), np.float64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(1, 18944, 3584), (8, 18944, 3584), (3, 1088, 768), (8, 64, 256), (5, 27648, 5120)])
+def test_gpu_forward_into_with_a_swiglu_input_matches_float64(m, k, n):
+  """forward_into(swiglu_at=...) computes x = silu(g) * u from float32 rows [g | u] in the same buffer
+  (the down-projection after a fused gate/up; 7B and 32B shapes, ragged M, one split at K = 64) and
+  writes x @ W into its region: float64 reference on the bf16-rounded SwiGLU; the gate/up region is left
+  as it was and the rest of the buffer (NaN) untouched."""
+  if not w4_gluon.available() or w4_gluon.launcher() != "ffi":
+    pytest.skip("needs the Gluon kernel's FFI launcher")
+  wq = _weight(k, n, 7 * m + k, layers=2)
+  rng = np.random.default_rng(m + n)
+  gu = (rng.standard_normal((m, 2 * k)) * 2.0).astype(np.float32)
+  at, off = 24, 24 + m * 2 * k + 40  # the gate/up region, then a gap, then the output's
+  acc = jnp.full((off + m * n + 16,), jnp.nan, jnp.float32).at[at:at + m * 2 * k].set(gu.reshape(-1))
+  acc = acc.at[off:off + m * n].set(0.0)
+  want = _swiglu64(gu, k) @ _dense64(matmul.layer_of(wq, 1))
+  x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+  y, out = jax.jit(lambda w, acc: w4_gluon.forward_into(x, w, acc, off, index=jnp.int32(1), swiglu_at=at))(wq, acc)
+  out = np.asarray(out)
+  np.testing.assert_array_equal(out[at:at + m * 2 * k], gu.reshape(-1))
+  assert np.isnan(out[:at]).all() and np.isnan(out[at + m * 2 * k:off]).all() and np.isnan(out[off + m * n:]).all()
+  assert np.isfinite(np.asarray(y)).all() and _rel(y, want) < 2e-3
+
+
+def test_forward_into_with_a_swiglu_input_lowers_and_refuses_what_it_does_not_take(monkeypatch):
+  """swiglu_at: the kernel reads no x (a 1-element placeholder operand) and its PTX has the SwiGLU's exp;
+  the down-projection's x @ W lands in its region. Refused: 16 rows (the 16-row build spills with it),
+  no buffer, a LoRA term, a gate/up region that overlaps the output's or leaves the buffer, and
+  SWIGLU_IN_KERNEL off."""
+  monkeypatch.delenv("QERL_GLUON_DETERMINISTIC", raising=False)
+  _ffi_lowering_case(monkeypatch)
+  k, n = 18944, 3584
+  stack = jax.eval_shape(lambda: nvfp4.quantize(jnp.ones((2, k, n), jnp.float32)))
+  i = jax.ShapeDtypeStruct((), jnp.int32)
+  x = jax.ShapeDtypeStruct((8, k), jnp.bfloat16)
+  size = 8 * 2 * k + 8 * n
+  acc = jax.ShapeDtypeStruct((size,), jnp.float32)
+  assert w4_gluon.swiglu_into_applies(8, stack, 0) and w4_gluon.swiglu_into_applies(1, stack, 0)
+  assert not w4_gluon.swiglu_into_applies(16, stack, 0) and not w4_gluon.swiglu_into_applies(9, stack, 0)
+  fn = lambda w, i, acc: w4_gluon.forward_into(x, w, acc, 8 * 2 * k, index=i, swiglu_at=0)
+  y, _ = jax.eval_shape(fn, stack, i, acc)
+  assert (y.shape, y.dtype) == ((8, n), jnp.float32)
+  text = jax.jit(fn).trace(stack, i, acc).lower(lowering_platforms=("cuda",)).as_text()
+  assert "ex2.approx" in text and f"out_offset = {4 * 8 * 2 * k}" in text
+  assert re.search(r"tensor<1xbf16>", text)  # the placeholder x
+  for bad in [dict(x=jax.ShapeDtypeStruct((16, k), jnp.bfloat16)), dict(acc=None), dict(at=8),
+              dict(at=size - 8 * 2 * k + 1), dict(lora=True)]:
+    xx, a_ = bad.get("x", x), bad.get("acc", acc)
+    lo = (jax.ShapeDtypeStruct((xx.shape[0], 16), jnp.bfloat16), jax.ShapeDtypeStruct((2, 16, n), jnp.bfloat16),
+          1.0) if bad.get("lora") else None
+    with pytest.raises(ValueError, match="SwiGLU|gate/up region"):
+      jax.eval_shape(lambda w, i, *a: w4_gluon.forward_into(xx, w, a[0] if a else None, xx.shape[0] * 2 * k, index=i,
+                                                            size=size, lora=lo, swiglu_at=bad.get("at", 0)),
+                     stack, i, *([] if a_ is None else [a_]))
+  monkeypatch.setattr(w4_gluon, "SWIGLU_IN_KERNEL", False)
+  assert not w4_gluon.swiglu_into_applies(8, stack, 0)
 
 
 @pytest.mark.gpu
@@ -650,7 +723,7 @@ def test_lora_xa_meta_by_hand():
 def test_lora_into_applies_by_hand(monkeypatch):
   """The LoRA epilogue's conditions, with into_applies granted (no GPU needed): bf16 factors of the
   right shapes, R a multiple of 16 with at most 16 ranks a split (7B q/k/v at M = 8: 28 splits, so
-  R <= 448), an mma.sync build (M <= 16; a wgmma build only with LORA_IN_KERNEL_WG), a Python scale, and
+  R <= 448), an mma.sync build (M <= 16; a wgmma build with LORA_IN_KERNEL_WG, on by default), a Python scale, and
   LORA_IN_KERNEL."""
   import types
   monkeypatch.setattr(w4_gluon, "into_applies", lambda x, w, index=None: True)
@@ -667,10 +740,9 @@ def test_lora_into_applies_by_hand(monkeypatch):
          (ok[0], ok[1], jnp.float32(2.0)), (sds((7, 32), jnp.bfloat16), ok[1], 2.0)]
   assert not any(w4_gluon.lora_into_applies(x, w, 0, lo) for lo in bad)
   wg = (sds((32, 3584), jnp.bfloat16), w, 0, (sds((32, 32), jnp.bfloat16), *ok[1:]))
-  assert not w4_gluon.lora_into_applies(*wg)  # M = 32: a wgmma build
-  monkeypatch.setattr(w4_gluon, "LORA_IN_KERNEL_WG", 1)  # lab: the wgmma builds too
-  assert w4_gluon.lora_into_applies(*wg)
+  assert w4_gluon.lora_into_applies(*wg)  # M = 32: a wgmma build (LORA_IN_KERNEL_WG, the default)
   monkeypatch.setattr(w4_gluon, "LORA_IN_KERNEL_WG", 0)
+  assert not w4_gluon.lora_into_applies(*wg)
   # lora_xa's float32 partial products [S, M, R], S <= XA_MAX_PARTS (32)
   assert w4_gluon.lora_into_applies(x, w, 0, (sds((28, 8, 32), jnp.float32), *ok[1:]))
   assert not w4_gluon.lora_into_applies(x, w, 0, (sds((33, 8, 32), jnp.float32), *ok[1:]))

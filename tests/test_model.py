@@ -1,6 +1,7 @@
 """The decoder against transformers' PyTorch models, its KV cache, 4-bit linears, LoRA and log-probs."""
 
 import functools
+import math
 import json
 
 import jax
@@ -335,7 +336,8 @@ def test_config_defaults_and_errors():
 
 @pytest.mark.parametrize("fused,lora_kind,in_kernel", [(True, None, False), (True, "fused", False), (True, "fused", True),
                                                       (True, "fused", "xa"), (True, "per_part", False),
-                                                      (False, "per_part", False)])
+                                                      (False, "per_part", False), (True, None, "swiglu"),
+                                                      (True, "fused", "swiglu")])
 def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kernel):
   """The decode step's 4-bit projections run into one zeroed buffer a layer (layers.Accumulator),
   each in its own region. The kernel is replaced by an XLA stand-in that adds x @ W into its region
@@ -347,7 +349,10 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   ``in_kernel`` the stand-in also takes the adapters' up-projection (``lora=(x @ A, B, scale)``, B the
   layer stack read at the call's index, as the Gluon kernel does): the same logits, and every
   projection with an adapter passes it. With ``"xa"`` (w4_gluon.LORA_XA) x @ A comes as float32 partial
-  products from a stand-in of w4_gluon.lora_xa, which gets the adapters' A stacks and the layer index."""
+  products from a stand-in of w4_gluon.lora_xa, which gets the adapters' A stacks and the layer index.
+  With ``"swiglu"`` (pallas_kernels.matmul.accumulate_swiglu_applies granted) the down-projection's call gets
+  no input but the gate/up region's offset (``swiglu_at``), and the stand-in computes SwiGLU from the buffer
+  as XLA would: the same logits; with an adapter on down (or one on gate/up that XLA adds) it is not used."""
   import pallas_kernels
   from pallas_kernels import decode_attention as da
   from qerl_jax import lora as lora_lib
@@ -368,7 +373,14 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
 
   lora_calls = []  # B's shape of every call that passed an adapter
 
-  def stand_in(x, w, acc, offset, *, index=None, size=None, lora=None):
+  swiglu_calls = []  # (gate/up offset, output offset) of every call with swiglu_at
+
+  def stand_in(x, w, acc, offset, *, index=None, size=None, lora=None, swiglu_at=None):
+    if swiglu_at is not None:  # x = silu(g) * u from [g | u] rows in the buffer, rounded as the decoder does
+      swiglu_calls.append((swiglu_at, offset))
+      rows, k = math.prod(x.shape[:-1]), x.shape[-1]
+      gu = acc[swiglu_at:swiglu_at + rows * 2 * k].reshape(rows, 2 * k).astype(x.dtype).astype(jnp.float32)
+      x = (jax.nn.silu(gu[:, :k]) * gu[:, k:]).astype(x.dtype).reshape(x.shape)
     y = pallas_kernels.quantized_matmul(x, w, index=index, out_dtype=jnp.float32).reshape(-1)
     if lora is not None:
       xa, b_, scale = lora
@@ -383,7 +395,9 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
 
   monkeypatch.setattr(pallas_kernels, "accumulate_applies", lambda x, w, index=None: x.shape[-1] == w.shape[0])
   monkeypatch.setattr(pallas_kernels, "quantized_matmul_into", stand_in)
-  monkeypatch.setattr(pallas_kernels.matmul, "accumulate_lora_applies", lambda x, w, index, lora: bool(in_kernel))
+  monkeypatch.setattr(pallas_kernels.matmul, "accumulate_lora_applies",
+                      lambda x, w, index, lora: in_kernel in (True, "xa"))
+  monkeypatch.setattr(pallas_kernels.matmul, "accumulate_swiglu_applies", lambda x, w, index=None: in_kernel == "swiglu")
   xa_calls = []  # A's shape of every lora_xa call
 
   def xa_stand_in(x, a, index=None):  # float32 partial products over K ranges of 64 (lora_xa_shape's count)
@@ -405,7 +419,8 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   real_append = da.decode_attention_append
   monkeypatch.setattr(da, "decode_attention_append", lambda *a, **k: qkv_ndim.append(a[0].ndim) or real_append(*a, **k))
   into, _ = _decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
-  assert qkv_ndim == ([] if lora_kind == "per_part" else [2] if lora_kind == "fused" and not in_kernel else [1])
+  assert qkv_ndim == ([] if lora_kind == "per_part" else [2] if lora_kind == "fused" and in_kernel not in (True, "xa")
+                      else [1])
   assert_same_as_on_cpu(into, plain)
   b = tokens.shape[0]
   # one trace of the scanned layer body (prefill takes the plain path): the fused q/k/v (when the
@@ -422,7 +437,9 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   r = 4
   assert lora_calls == ([(cfg.num_layers, 2 * r, cfg.q_dim + 2 * cfg.kv_dim), (cfg.num_layers, r, cfg.hidden_size),
                          (cfg.num_layers, r, 2 * cfg.intermediate_size), (cfg.num_layers, r, cfg.hidden_size)]
-                        if in_kernel else [])
+                        if in_kernel in (True, "xa") else [])
+  # SwiGLU in the down kernel: its input is gate/up's region (the third), without an adapter in the way
+  assert swiglu_calls == ([(sizes[0] + sizes[1], sum(sizes[:3]))] if in_kernel == "swiglu" and not lora_kind else [])
   # with LORA_XA, x @ A of those four from their A stacks [L, K, R]
   assert xa_calls == ([(cfg.num_layers, cfg.hidden_size, 2 * r), (cfg.num_layers, cfg.q_dim, r),
                        (cfg.num_layers, cfg.hidden_size, r), (cfg.num_layers, cfg.intermediate_size, r)]

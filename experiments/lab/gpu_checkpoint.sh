@@ -111,6 +111,9 @@
 #     GPU tests, then LoRA rank 32 + AQN rollouts at batch 8 and 16, off / on / off / on (about 6 minutes).
 #     Session 21's profile put x @ A at 4 GEMMs and 4 sums a layer (about 0.5 ms of a 2.80 ms batch-8 step).
 #     Then batch 32 with the up-projection in the wgmma builds too (w4_gluon.LORA_IN_KERNEL_WG = 1, lab), against off.
+#     (Session 22 ran it: docs/benchmarks.md "Session 22"; both on since.)
+# 31. (session 22) SwiGLU in the down kernel's prologue (w4_gluon.SWIGLU_IN_KERNEL, on): every GPU test, a batch-8
+#     A/B at 512 new tokens (off / on, two alternations), then issue 6's batch-8 row at 2048 new tokens (about 8 minutes).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -205,6 +208,13 @@ step 30 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -
     GL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=32 --new_tokens=512 \
       --formats=nvfp4_fused --lora_rank=32 --aqn --time_budget_s=80 2>&1 | grep "w4_gluon\.\|nvfp4_fused+"; done; } \
   | tee "$OUT/lora_xa.txt"
+step 31 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -n 10 -m gpu tests -p no:cacheprovider 2>&1 | tail -4
+  for s in "SWIGLU_IN_KERNEL=0" "" "SWIGLU_IN_KERNEL=0" ""; do
+    GL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=512 \
+      --formats=nvfp4_fused --time_budget_s=60 2>&1 | grep "w4_gluon\.\|nvfp4_fused |"; done
+  timeout 200 python3 experiments/bench_rollout.py --batches=8 --new_tokens=2048 --formats=nvfp4_fused,bf16_fused \
+    --time_budget_s=150 --out="$OUT/issue6_b8" > "$OUT/issue6_b8.log" 2>&1; grep "|\|x$" "$OUT/issue6_b8.log"; } \
+  | tee "$OUT/swiglu.txt"
 step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REGISTERS=96,TARGET_PROGRAMS=640;r80:MMA_MAX_REGISTERS=80;r80t768:MMA_MAX_REGISTERS=80,TARGET_PROGRAMS=768" \
     timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn
   for s in "" "MMA_MAX_REGISTERS=96" "" "MMA_MAX_REGISTERS=96"; do

@@ -337,7 +337,16 @@ def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None):
                                loras=(lm.get("gate"), lm.get("up")), lora=lm.get("gate_up"),
                                lora_scale=lora_scale)
   elif "gate_up" in mlp:
-    gu, acc = _linear_into(mlp, lm, "gate_up", x, lora_scale, acc)
+    before = acc
+    gu, bias, acc = layers.linear_f32_into(x, mlp["gate_up"], acc, bias=mlp.get("gate_up_bias"),
+                                           lora=lm.get("gate_up"), lora_scale=lora_scale)
+    # The down kernel computes SwiGLU itself from gate/up's region when that holds the finished product.
+    finished = lm.get("gate_up") is None or layers.adapter_in_kernel(x, mlp["gate_up"], lm["gate_up"], lora_scale)
+    if (before is not None and acc is not before and bias is None and finished and lm.get("down") is None
+        and mlp.get("down_bias") is None and layers.swiglu_into_applies(gu, mlp["down"], acc, h.dtype)):
+      y, acc = layers.swiglu_linear_into(gu, before.offset, mlp["down"], acc, h.dtype)
+      return h + y.astype(h.dtype)
+    gu = layers.finish_linear(gu, bias, mlp["gate_up"], x.dtype)
     g, u = gu[..., :cfg.intermediate_size], gu[..., cfg.intermediate_size:]
   else:
     g, acc = _linear_into(mlp, lm, "gate", x, lora_scale, acc)
