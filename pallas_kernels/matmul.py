@@ -414,18 +414,6 @@ def accumulate_applies(x: jax.Array, w, index=None) -> bool:
   return gluon_enabled() and w4_gluon.into_applies(x2d, w, index)
 
 
-def accumulate_swiglu_applies(x: jax.Array, w, index=None) -> bool:
-  """Whether :func:`quantized_matmul_into` takes ``swiglu_at`` for ``x [..., K]`` (only its shape and
-  dtype count) and ``w``: :func:`accumulate_applies` and :func:`pallas_kernels.w4_gluon.swiglu_into_applies`.
-
-  Raises:
-    ValueError: as :func:`accumulate_applies`.
-  """
-  if not accumulate_applies(x, w, index):
-    return False
-  return w4_gluon.swiglu_into_applies(int(np.prod(x.shape[:-1])), w, index)
-
-
 def accumulate_lora_applies(x: jax.Array, w, index, lora) -> bool:
   """Whether :func:`quantized_matmul_into` also adds ``lora = (xa [..., R], b, scale)`` in its kernel:
   :func:`accumulate_applies` and :func:`pallas_kernels.w4_gluon.lora_into_applies` (``b`` bf16 ``[R, N]``, or
@@ -446,8 +434,7 @@ def accumulate_lora_applies(x: jax.Array, w, index, lora) -> bool:
 
 
 def quantized_matmul_into(x: jax.Array, w, acc: jax.Array | None, offset: int, *, index=None,
-                          size: int | None = None, lora=None, swiglu_at: int | None = None
-                          ) -> tuple[jax.Array, jax.Array]:
+                          size: int | None = None, lora=None) -> tuple[jax.Array, jax.Array]:
   """``x @ W`` in float32, written into ``acc[offset : offset + M * N]`` of a zeroed float32 buffer
   (forward only; :func:`accumulate_applies` must hold): several decode-step projections share one
   memset instead of one each (:func:`pallas_kernels.w4_gluon.forward_into`).
@@ -463,18 +450,13 @@ def quantized_matmul_into(x: jax.Array, w, acc: jax.Array | None, offset: int, *
     lora: optional ``(xa [..., R] bf16, b, scale)``: also add ``scale * xa @ b`` (a LoRA adapter's
       up-projection) in the kernel; :func:`accumulate_lora_applies` must hold. ``xa`` may also be
       :func:`pallas_kernels.w4_gluon.lora_xa`'s float32 partial products ``[S, ..., R]``.
-    swiglu_at: optional static int (elements): ``x`` is not read, only its shape and dtype (it may be a
-      ``jax.ShapeDtypeStruct``); the kernel computes it as SwiGLU ``silu(g) * u`` (Shazeer 2020; rounded as
-      XLA's bf16 SwiGLU) from ``acc[swiglu_at:]``, float32 rows ``[g | u]`` of ``2K`` (a fused gate/up
-      projection's region of the same buffer); :func:`accumulate_swiglu_applies` must hold, no ``lora``.
 
   Returns:
     ``(y float32 [..., N], acc)``; pass the returned ``acc`` on to the next call.
 
   Raises:
-    ValueError: :func:`accumulate_applies` (or with ``lora``, :func:`accumulate_lora_applies`; with
-      ``swiglu_at``, :func:`accumulate_swiglu_applies`) is False, no ``size`` for a new buffer, or a region
-      does not fit.
+    ValueError: :func:`accumulate_applies` (or with ``lora``, :func:`accumulate_lora_applies`) is False,
+      no ``size`` for a new buffer, or the region does not fit.
   """
   if not accumulate_applies(x, w, index):
     raise ValueError(f"quantized_matmul_into: no accumulating kernel for x {x.dtype}{list(x.shape)} and "
@@ -485,9 +467,7 @@ def quantized_matmul_into(x: jax.Array, w, acc: jax.Array | None, offset: int, *
     xa, b, scale = lora
     parts = xa.dtype == jnp.float32 and xa.ndim == x.ndim + 1  # lora_xa's partial products [S, ..., R]
     lora = (xa.reshape(xa.shape[0], -1, xa.shape[-1]) if parts else xa.reshape(-1, xa.shape[-1]), b, scale)
-  x2d = (jax.ShapeDtypeStruct((int(np.prod(x.shape[:-1])), k), x.dtype) if swiglu_at is not None
-         else x.reshape(-1, k))
-  y, acc = w4_gluon.forward_into(x2d, w, acc, offset,
+  y, acc = w4_gluon.forward_into(x.reshape(-1, k), w, acc, offset,
                                  index=None if index is None else jnp.asarray(index, jnp.int32), size=size,
-                                 lora=lora, swiglu_at=swiglu_at)
+                                 lora=lora)
   return y.reshape(*x.shape[:-1], n), acc

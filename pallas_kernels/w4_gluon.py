@@ -139,10 +139,6 @@ LORA_XA = 1  # a decode step computes a LoRA adapter's x @ A by lora_xa (one ker
   # epilogue sums) instead of XLA's split GEMM and sum, and the decoder reads the adapters' A stacks in place
   # (qerl_jax.models.decoder); 0: XLA. LoRA rank 32 + AQN, two alternations (session 22): batch 8 2.79 / 2.80
   # against 2.82 / 2.81 ms a step, batch 16 3.32 / 3.32 against 3.32 / 3.31. Read at trace time.
-SWIGLU_IN_KERNEL = True  # forward_into(swiglu_at=...) computes a decode step's down-projection input silu(g) * u
-  # in the 8-row mma.sync build (M <= 8), once a program into shared memory, from the fused gate/up projection's
-  # float32 region of the same buffer (swiglu_into_applies), instead of an XLA kernel that writes it first
-  # (1.6-1.9 µs a layer at batch 8, session 21's profile); False: XLA. Read at trace time.
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -392,11 +388,8 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False):
   def gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
            K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr, ATOMIC: ttgl.constexpr,
            XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr, LH: ttgl.constexpr, LA: ttgl.constexpr,
-           LR: ttgl.constexpr, LS: ttgl.constexpr, XP: ttgl.constexpr, SW: ttgl.constexpr, XG: ttgl.constexpr,
-           SC: ttgl.constexpr):
-    """The kernel body; ``LR`` > 0 adds the LoRA term (see _kernel's ``lora``); ``SW`` (the mma.sync builds)
-    ignores ``x_ptr`` and computes x = silu(g) * u from the float32 region ``[M, 2K]`` of [g | u] rows that
-    starts ``XG`` elements before ``o_ptr`` (see :func:`swiglu_into_applies`), ``SC`` steps at a time."""
+           LR: ttgl.constexpr, LS: ttgl.constexpr, XP: ttgl.constexpr):
+    """The kernel body; ``LR`` > 0 (the mma.sync builds only) adds the LoRA term (see _kernel's ``lora``)."""
     if WG:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, MB, 16])
@@ -458,28 +451,6 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False):
         c0, s0 = c1, s1
       if WA:
         acc = hopper.warpgroup_mma_wait(0, deps=[acc])
-    elif SW:  # x = silu(g) * u for this program's K range, once, into shared memory (x_ptr is not read)
-      c0, s0, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, False, LH, LA)
-      # SC steps a store (one barrier each; SC divides STEPS): [SC * 64 k, MB], 4 k a thread
-      swl: ttgl.constexpr = ttgl.BlockedLayout([4, 1], [16, 2], [1, WARPS], [0, 1])
-      sk = ttgl.arange(0, SC * 64, layout=ttgl.SliceLayout(1, swl))
-      sm = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, swl))
-      g_offs = ttgl.expand_dims(sk + pid_s * (STEPS * 64), 1) + ttgl.expand_dims(sm, 0) * (2 * K)  # rows [g | u]
-      g_mask = ttgl.expand_dims(sm < M, 0) & ttgl.expand_dims(sk >= 0, 1)
-      g_ptr = o_ptr - XG
-      sw_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [STEPS * 64, MB], ttgl.SwizzledSharedLayout(1, 1, 1, [0, 1]))
-      for j in ttgl.static_range(0, STEPS, SC):  # g and u rounded to bf16, the product in float32 rounded to bf16
-        g = ttgl.load(g_ptr + g_offs + j * 64, mask=g_mask, other=0.0).to(ttgl.bfloat16).to(ttgl.float32)
-        u = ttgl.load(g_ptr + g_offs + (j * 64 + K), mask=g_mask, other=0.0).to(ttgl.bfloat16).to(ttgl.float32)
-        sw_smem.slice(j * 64, SC * 64).store(
-            (ttgl.fdiv(g, 1.0 + ttgl.exp(-g), ieee_rounding=False) * u).to(ttgl.bfloat16))
-      ttgl.thread_barrier()
-      for i in ttgl.static_range(STEPS):
-        c1, s1, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N,
-                              False, LH, LA)
-        a = ttgl.convert_layout(decode(c0, s0, DO), a_layout)
-        acc = mma_v2(a, ttgl.convert_layout(x_slots(sw_smem.slice(i * 64, 64).load(xl)), xl), acc)
-        c0, s0 = c1, s1
     else:
       c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, True, LH, LA)
       for i in ttgl.static_range(STEPS):  # unrolled; step i+1's loads are issued before step i's math
@@ -548,11 +519,10 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False):
   def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                  K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
                  ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0,
-                 LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0, SW: ttgl.constexpr = 0, XG: ttgl.constexpr = 0,
-                 SC: ttgl.constexpr = 1):
+                 LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0):
     ttgl.static_assert(M > 0)  # (names ttgl in the body, so that the annotations resolve)
     gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, x_ptr, x_ptr, z_ptr, o_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS, WA,
-         DO, LH, LA, 0, 0.0, 0, SW, XG, SC)
+         DO, LH, LA, 0, 0.0, 0)
 
   @gluon.jit
   def w4a16_gemv_lora(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M: ttgl.constexpr,
@@ -562,7 +532,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False):
                       LS: ttgl.constexpr = 1.0, XP: ttgl.constexpr = 0):
     ttgl.static_assert(LR % 16 == 0)
     gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS,
-         WA, DO, LH, LA, LR, LS, XP, 0, 0, 1)
+         WA, DO, LH, LA, LR, LS, XP)
 
   return w4a16_gemv_lora if lora else w4a16_gemv
 
@@ -1072,24 +1042,6 @@ def lora_into_applies(x: jax.Array, w, index, lora) -> bool:
           and 0 < r <= 16 * build.splits)
 
 
-def swiglu_into_applies(m: int, w, index=None) -> bool:
-  """Whether :func:`forward_into` takes ``swiglu_at`` for ``m`` rows times ``w`` ``[K, N]`` (with
-  ``index``): :data:`SWIGLU_IN_KERNEL`, :func:`into_applies` for a bf16 ``x [m, K]``, and an mma.sync build
-  of 8 rows (at most 8; the 16-row build spills registers with it, offline SASS for sm_90)."""
-  x = jax.ShapeDtypeStruct((m, w.shape[0]), jnp.bfloat16)
-  return bool(SWIGLU_IN_KERNEL) and into_applies(x, w, index) and _row_block(m) == 8 and not _build_for(
-      m, w, index).wg
-
-
-def _swiglu_chunk(build: Build) -> int:
-  """The SwiGLU prologue's steps a store (constexpr ``SC``): the largest power of two that divides the
-  build's K steps a program and keeps at most 32 values of ``g`` (and of ``u``) a thread (``SC * MB <= 64``)."""
-  steps, sc = build.meta["STEPS"], 1
-  while steps % (2 * sc) == 0 and 2 * sc * build.meta["MB"] <= 64:
-    sc *= 2
-  return sc
-
-
 def lora_xa_applies(x: jax.Array, a: jax.Array, index=None) -> bool:
   """Whether :func:`lora_xa` takes ``x`` and ``a``: the Gluon kernel with the FFI launcher, bf16 ``x
   [M, K]`` with ``1 <= M <= 16``, bf16 ``a`` ``[K, R]`` (``index`` None) or a stack ``[L, K, R]``
@@ -1138,7 +1090,7 @@ def lora_xa(x: jax.Array, a: jax.Array, index=None) -> jax.Array:
 
 
 def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array | None, offset: int, *, index=None,
-                 size: int | None = None, lora=None, swiglu_at: int | None = None) -> tuple[jax.Array, jax.Array]:
+                 size: int | None = None, lora=None) -> tuple[jax.Array, jax.Array]:
   """:func:`forward` with float32 output written into a region of a zeroed buffer instead of a new
   array (GPU only; FFI launcher; forward only, no VJP).
 
@@ -1162,36 +1114,18 @@ def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array | None, offs
       up-projection, Hu et al. 2021: ``xa = x @ A`` bf16 ``[M, R]`` or :func:`lora_xa`'s float32 partials
       ``[S, M, R]``, summed and rounded to bf16 in the kernel; ``b`` bf16 ``[R, N]``, or ``[L, R, N]``
       read at ``index``; float32 products) where :func:`lora_into_applies` holds.
-    swiglu_at: optional static int: ``x`` is not read (only its shape and dtype: it may be a
-      ``jax.ShapeDtypeStruct``); the kernel computes it as SwiGLU (Shazeer 2020), ``silu(g) * u`` with ``g``
-      and ``u`` rounded to bf16 and the product rounded to bf16 as XLA's ``(silu(g.astype(f32)) *
-      u.astype(f32)).astype(bf16)``, from ``acc[swiglu_at : swiglu_at + M * 2K]``, float32 ``[M, 2K]`` rows
-      ``[g | u]`` (a fused gate/up projection's region); needs ``acc`` and :func:`swiglu_into_applies`, no
-      ``lora``; the region must not overlap the output's.
 
   Returns:
     ``(y, acc)``: ``y`` float32 ``[M, N]`` (the region, read back), and the updated ``acc``.
 
   Raises:
     ValueError: :func:`into_applies` is False, ``acc`` is not a 1-D float32 array (or None with a
-      ``size``), the region does not fit in it, ``lora`` is given where :func:`lora_into_applies`
-      is False, or ``swiglu_at`` is given where :func:`swiglu_into_applies` is False, with ``acc`` None or
-      ``lora``, or with a gate/up region that does not fit or overlaps the output's.
+      ``size``), the region does not fit in it, or ``lora`` is given where :func:`lora_into_applies`
+      is False.
   """
   m, k = x.shape
   n = w.shape[1]
-  if swiglu_at is not None:
-    swiglu_at = int(swiglu_at)
-    if x.dtype != jnp.bfloat16 or not swiglu_into_applies(m, w, index) or acc is None or lora is not None:
-      raise ValueError(f"w4_gluon.forward_into: no SwiGLU input for {m} rows ({x.dtype}) and weight "
-                       f"{list(w.shape)} (acc {'None' if acc is None else 'given'}, lora "
-                       f"{'given' if lora is not None else 'None'}; see swiglu_into_applies)")
-    lo, hi = swiglu_at, swiglu_at + m * 2 * k
-    if lo < 0 or hi > acc.shape[0] or (lo < int(offset) + m * n and int(offset) < hi):
-      raise ValueError(f"w4_gluon.forward_into: gate/up region [{lo}, {hi}) outside the buffer of {acc.shape[0]} "
-                       f"elements or overlapping the output's [{int(offset)}, {int(offset) + m * n})")
-    x = jnp.zeros((1,), jnp.bfloat16)  # not read: the kernel's x operand
-  elif not into_applies(x, w, index):
+  if not into_applies(x, w, index):
     raise ValueError(f"w4_gluon.forward_into: no accumulating kernel for x {x.dtype}{list(x.shape)} and weight "
                      f"{type(w).__name__} {list(w.shape)} (index {'given' if index is not None else 'None'}; "
                      f"launcher {launcher()!r}; see into_applies)")
@@ -1209,8 +1143,6 @@ def forward_into(x: jax.Array, w: nvfp4.NVFP4Tensor, acc: jax.Array | None, offs
                      f"x @ A {lora[0].dtype}{list(lora[0].shape)}, B {lora[1].dtype}{list(lora[1].shape)} "
                      f"(see lora_into_applies)")
   build = _build_for(m, w, index)
-  if swiglu_at is not None:  # the gate/up region lies XG elements before the output's
-    build = build._replace(meta=dict(build.meta, SW=1, XG=offset - swiglu_at, SC=_swiglu_chunk(build)))
   new = acc is None
   operands = _operands(x, w, index, build.meta, jnp.zeros((1,), jnp.float32) if new else acc)
   if lora is not None:  # x @ A and B go before the output buffer, the entry's order (_ARG_DTYPES_LORA)

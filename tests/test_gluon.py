@@ -512,23 +512,17 @@ def test_gpu_decode_steps_into_one_buffer_a_layer_match_the_plain_path(monkeypat
   tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=5))
   calls = []
   real = pallas_kernels.quantized_matmul_into
-  monkeypatch.setattr(pallas_kernels, "quantized_matmul_into",
-                      lambda *a, **k: calls.append((a[3], k.get("swiglu_at"))) or real(*a, **k))
+  monkeypatch.setattr(pallas_kernels, "quantized_matmul_into", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
   monkeypatch.setattr(decoder, "ACCUMULATE_DECODE", False)
   plain, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16)
   assert not calls
   monkeypatch.setattr(decoder, "ACCUMULATE_DECODE", True)
-  real_rows = np.asarray(mask).astype(bool)
+  into, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16)
   b = tokens.shape[0]
-  for swiglu in (False, True):  # the down kernel computes SwiGLU from gate/up's region (the default) or XLA does
-    calls.clear()
-    monkeypatch.setattr(w4_gluon, "SWIGLU_IN_KERNEL", swiglu)
-    into, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16)
-    # q/k/v, o, gate/up, down (with SwiGLU in the kernel: its input is gate/up's region)
-    assert calls == [(0, None), (b * 512, None), (b * (512 + 256), None),
-                     (b * (512 + 256 + 1024), b * (512 + 256) if swiglu else None)]
-    a, p = np.asarray(into, np.float32)[real_rows], np.asarray(plain, np.float32)[real_rows]
-    assert np.isfinite(a).all() and np.abs(a - p).max() < 2e-2 * np.abs(p).max()
+  assert calls == [0, b * 512, b * (512 + 256), b * (512 + 256 + 1024)]  # q/k/v, o, gate/up, down
+  real_rows = np.asarray(mask).astype(bool)
+  a, p = np.asarray(into, np.float32)[real_rows], np.asarray(plain, np.float32)[real_rows]
+  assert np.isfinite(a).all() and np.abs(a - p).max() < 2e-2 * np.abs(p).max()
   # the base in the decode kernel's code order (models.to_decode_order): prefill converts back, the
   # decode steps read it in place; same logits up to the atomics' order
   ordered, _ = decode_all(cfg, models.to_decode_order(base), tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16)
@@ -591,72 +585,6 @@ def test_gpu_forward_into_with_a_lora_term_matches_float64(m, r, stacked, monkey
   out = np.asarray(out)
   assert np.isfinite(out).all() and (out[:off] == 0).all() and (out[off + m * n:] == 0).all()
   assert _rel(y, want) < 1e-4
-
-
-def _swiglu64(gu, k):
-  """SwiGLU of float32 rows [g | u] as the decoder rounds it: g and u to bf16, silu(g) * u in float64, the
-  product to bf16; float64 [M, K]."""
-  gu = np.asarray(jnp.asarray(gu, jnp.bfloat16), np.float64)
-  g, u = gu[:, :k], gu[:, k:]
-  return np.asarray(jnp.asarray(g / (1.0 + np.exp(-g)) * u, jnp.bfloat16), np.float64)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n", [(1, 18944, 3584), (8, 18944, 3584), (3, 1088, 768), (8, 64, 256), (5, 27648, 5120)])
-def test_gpu_forward_into_with_a_swiglu_input_matches_float64(m, k, n):
-  """forward_into(swiglu_at=...) computes x = silu(g) * u from float32 rows [g | u] in the same buffer
-  (the down-projection after a fused gate/up; 7B and 32B shapes, ragged M, one split at K = 64) and
-  writes x @ W into its region: float64 reference on the bf16-rounded SwiGLU; the gate/up region is left
-  as it was and the rest of the buffer (NaN) untouched."""
-  if not w4_gluon.available() or w4_gluon.launcher() != "ffi":
-    pytest.skip("needs the Gluon kernel's FFI launcher")
-  wq = _weight(k, n, 7 * m + k, layers=2)
-  rng = np.random.default_rng(m + n)
-  gu = (rng.standard_normal((m, 2 * k)) * 2.0).astype(np.float32)
-  at, off = 24, 24 + m * 2 * k + 40  # the gate/up region, then a gap, then the output's
-  acc = jnp.full((off + m * n + 16,), jnp.nan, jnp.float32).at[at:at + m * 2 * k].set(gu.reshape(-1))
-  acc = acc.at[off:off + m * n].set(0.0)
-  want = _swiglu64(gu, k) @ _dense64(matmul.layer_of(wq, 1))
-  x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-  y, out = jax.jit(lambda w, acc: w4_gluon.forward_into(x, w, acc, off, index=jnp.int32(1), swiglu_at=at))(wq, acc)
-  out = np.asarray(out)
-  np.testing.assert_array_equal(out[at:at + m * 2 * k], gu.reshape(-1))
-  assert np.isnan(out[:at]).all() and np.isnan(out[at + m * 2 * k:off]).all() and np.isnan(out[off + m * n:]).all()
-  assert np.isfinite(np.asarray(y)).all() and _rel(y, want) < 2e-3
-
-
-def test_forward_into_with_a_swiglu_input_lowers_and_refuses_what_it_does_not_take(monkeypatch):
-  """swiglu_at: the kernel reads no x (a 1-element placeholder operand) and its PTX has the SwiGLU's exp;
-  the down-projection's x @ W lands in its region. Refused: 16 rows (the 16-row build spills with it),
-  no buffer, a LoRA term, a gate/up region that overlaps the output's or leaves the buffer, and
-  SWIGLU_IN_KERNEL off."""
-  monkeypatch.delenv("QERL_GLUON_DETERMINISTIC", raising=False)
-  _ffi_lowering_case(monkeypatch)
-  k, n = 18944, 3584
-  stack = jax.eval_shape(lambda: nvfp4.quantize(jnp.ones((2, k, n), jnp.float32)))
-  i = jax.ShapeDtypeStruct((), jnp.int32)
-  x = jax.ShapeDtypeStruct((8, k), jnp.bfloat16)
-  size = 8 * 2 * k + 8 * n
-  acc = jax.ShapeDtypeStruct((size,), jnp.float32)
-  assert w4_gluon.swiglu_into_applies(8, stack, 0) and w4_gluon.swiglu_into_applies(1, stack, 0)
-  assert not w4_gluon.swiglu_into_applies(16, stack, 0) and not w4_gluon.swiglu_into_applies(9, stack, 0)
-  fn = lambda w, i, acc: w4_gluon.forward_into(x, w, acc, 8 * 2 * k, index=i, swiglu_at=0)
-  y, _ = jax.eval_shape(fn, stack, i, acc)
-  assert (y.shape, y.dtype) == ((8, n), jnp.float32)
-  text = jax.jit(fn).trace(stack, i, acc).lower(lowering_platforms=("cuda",)).as_text()
-  assert "ex2.approx" in text and f"out_offset = {4 * 8 * 2 * k}" in text
-  assert re.search(r"tensor<1xbf16>", text)  # the placeholder x
-  for bad in [dict(x=jax.ShapeDtypeStruct((16, k), jnp.bfloat16)), dict(acc=None), dict(at=8),
-              dict(at=size - 8 * 2 * k + 1), dict(lora=True)]:
-    xx, a_ = bad.get("x", x), bad.get("acc", acc)
-    lo = (jax.ShapeDtypeStruct((xx.shape[0], 16), jnp.bfloat16), jax.ShapeDtypeStruct((2, 16, n), jnp.bfloat16),
-          1.0) if bad.get("lora") else None
-    with pytest.raises(ValueError, match="SwiGLU|gate/up region"):
-      jax.eval_shape(lambda w, i, *a: w4_gluon.forward_into(xx, w, a[0] if a else None, xx.shape[0] * 2 * k, index=i,
-                                                            size=size, lora=lo, swiglu_at=bad.get("at", 0)),
-                     stack, i, *([] if a_ is None else [a_]))
-  monkeypatch.setattr(w4_gluon, "SWIGLU_IN_KERNEL", False)
-  assert not w4_gluon.swiglu_into_applies(8, stack, 0)
 
 
 @pytest.mark.gpu

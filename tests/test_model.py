@@ -1,7 +1,6 @@
 """The decoder against transformers' PyTorch models, its KV cache, 4-bit linears, LoRA and log-probs."""
 
 import functools
-import math
 import json
 
 import jax
@@ -336,8 +335,8 @@ def test_config_defaults_and_errors():
 
 @pytest.mark.parametrize("fused,lora_kind,in_kernel", [(True, None, False), (True, "fused", False), (True, "fused", True),
                                                       (True, "fused", "xa"), (True, "per_part", False),
-                                                      (False, "per_part", False), (True, None, "swiglu"),
-                                                      (True, "fused", "swiglu")])
+                                                      (False, "per_part", False), (True, None, "norm"),
+                                                      (True, "fused", "norm")])
 def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kernel):
   """The decode step's 4-bit projections run into one zeroed buffer a layer (layers.Accumulator),
   each in its own region. The kernel is replaced by an XLA stand-in that adds x @ W into its region
@@ -350,11 +349,13 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   layer stack read at the call's index, as the Gluon kernel does): the same logits, and every
   projection with an adapter passes it. With ``"xa"`` (w4_gluon.LORA_XA) x @ A comes as float32 partial
   products from a stand-in of w4_gluon.lora_xa, which gets the adapters' A stacks and the layer index.
-  With ``"swiglu"`` (pallas_kernels.matmul.accumulate_swiglu_applies granted) the down-projection's call gets
-  no input but the gate/up region's offset (``swiglu_at``), and the stand-in computes SwiGLU from the buffer
-  as XLA would: the same logits; with an adapter on down (or one on gate/up that XLA adds) it is not used."""
+  With ``"norm"`` (pallas_kernels.residual_norm granted, AQN noise on the norms) the o-projection's residual add
+  and the post-attention norm go to a stand-in of the fused kernel that reads o's region of the buffer and
+  the norm weight's and noise's stacks at the layer index: the same logits; with an adapter on o that XLA
+  adds, XLA runs them."""
   import pallas_kernels
   from pallas_kernels import decode_attention as da
+  from pallas_kernels import residual_norm
   from qerl_jax import lora as lora_lib
   from qerl_jax.models import decoder
   cfg = models.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -367,20 +368,26 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
     lora = lora_lib.init_lora(jax.random.key(5), cfg, c)
     lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(a.size), a.shape, a.dtype), lora)
     kw = dict(lora=models.fuse_adapter(lora, cfg, dtype=jnp.bfloat16) if lora_kind == "fused" else lora, lora_cfg=c)
+  if in_kernel == "norm":  # AQN noise on the norms (the fused kernel reads the post-attention one in place)
+    kw["norm_noise"] = {n: 0.05 * jax.random.normal(jax.random.key(i), (cfg.num_layers, cfg.hidden_size))
+                        for i, n in enumerate(("input_norm", "post_attn_norm"))}
   tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=5))
   monkeypatch.setattr(da, "auto_backend", lambda dtype: "interpret")  # the fused decode attention (q/k/v)
+  norm_calls = []  # (o's offset, weight stack shape, noise given) of every fused residual-norm call
+
+  def norm_stand_in(h, acc, y_offset, weight, index, eps, noise=None):
+    norm_calls.append((y_offset, weight.shape, noise is not None))
+    y = acc[y_offset:y_offset + h.size].reshape(h.shape)
+    return residual_norm.reference(h, y, weight[index], eps, None if noise is None else noise[index])
+
+  monkeypatch.setattr(residual_norm, "available", lambda: in_kernel == "norm")
+  monkeypatch.setattr(residual_norm, "applies", lambda h, w, noise=None: in_kernel == "norm")
+  monkeypatch.setattr(residual_norm, "residual_rms_norm", norm_stand_in)
   regions = []  # (buffer size, offset, size) of every call, in trace order
 
   lora_calls = []  # B's shape of every call that passed an adapter
 
-  swiglu_calls = []  # (gate/up offset, output offset) of every call with swiglu_at
-
-  def stand_in(x, w, acc, offset, *, index=None, size=None, lora=None, swiglu_at=None):
-    if swiglu_at is not None:  # x = silu(g) * u from [g | u] rows in the buffer, rounded as the decoder does
-      swiglu_calls.append((swiglu_at, offset))
-      rows, k = math.prod(x.shape[:-1]), x.shape[-1]
-      gu = acc[swiglu_at:swiglu_at + rows * 2 * k].reshape(rows, 2 * k).astype(x.dtype).astype(jnp.float32)
-      x = (jax.nn.silu(gu[:, :k]) * gu[:, k:]).astype(x.dtype).reshape(x.shape)
+  def stand_in(x, w, acc, offset, *, index=None, size=None, lora=None):
     y = pallas_kernels.quantized_matmul(x, w, index=index, out_dtype=jnp.float32).reshape(-1)
     if lora is not None:
       xa, b_, scale = lora
@@ -397,7 +404,6 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   monkeypatch.setattr(pallas_kernels, "quantized_matmul_into", stand_in)
   monkeypatch.setattr(pallas_kernels.matmul, "accumulate_lora_applies",
                       lambda x, w, index, lora: in_kernel in (True, "xa"))
-  monkeypatch.setattr(pallas_kernels.matmul, "accumulate_swiglu_applies", lambda x, w, index=None: in_kernel == "swiglu")
   xa_calls = []  # A's shape of every lora_xa call
 
   def xa_stand_in(x, a, index=None):  # float32 partial products over K ranges of 64 (lora_xa_shape's count)
@@ -438,8 +444,9 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   assert lora_calls == ([(cfg.num_layers, 2 * r, cfg.q_dim + 2 * cfg.kv_dim), (cfg.num_layers, r, cfg.hidden_size),
                          (cfg.num_layers, r, 2 * cfg.intermediate_size), (cfg.num_layers, r, cfg.hidden_size)]
                         if in_kernel in (True, "xa") else [])
-  # SwiGLU in the down kernel: its input is gate/up's region (the third), without an adapter in the way
-  assert swiglu_calls == ([(sizes[0] + sizes[1], sum(sizes[:3]))] if in_kernel == "swiglu" and not lora_kind else [])
+  # the fused residual norm: o's region (the second), the post-attention weight's and noise's stacks [L, D]
+  assert norm_calls == ([(sizes[0], (cfg.num_layers, cfg.hidden_size), True)]
+                        if in_kernel == "norm" and not lora_kind else [])
   # with LORA_XA, x @ A of those four from their A stacks [L, K, R]
   assert xa_calls == ([(cfg.num_layers, cfg.hidden_size, 2 * r), (cfg.num_layers, cfg.q_dim, r),
                        (cfg.num_layers, cfg.hidden_size, r), (cfg.num_layers, cfg.intermediate_size, r)]

@@ -367,52 +367,6 @@ def linear_f32_into(x: jax.Array, w, acc: Optional[Accumulator], *, bias: Option
   return (*_bias_deferred(x, w, y, bias, lora, lora_scale), acc)
 
 
-def swiglu_into_applies(gate_up_y: jax.Array, w, acc: Optional[Accumulator], dtype=jnp.bfloat16) -> bool:
-  """Whether :func:`swiglu_linear_into` runs for the fused gate/up projection's float32 output
-  ``gate_up_y [..., 2I]`` (as :func:`linear_f32_into` returned it) and the down-projection ``w`` ``[I, N]``
-  (or a :class:`StackedWeight`): ``acc`` holds a buffer, and the 4-bit kernel takes the down-projection
-  of that many ``dtype`` rows with its SwiGLU input
-  (:func:`pallas_kernels.matmul.accumulate_swiglu_applies`)."""
-  if acc is None or acc.buffer is None or gate_up_y.shape[-1] % 2:
-    return False
-  x = jax.ShapeDtypeStruct((*gate_up_y.shape[:-1], gate_up_y.shape[-1] // 2), dtype)
-  if not _accumulates(x, w):
-    return False
-  tensor, index = _tensor_index(w)
-  return pallas_kernels.matmul.accumulate_swiglu_applies(x, tensor, index)
-
-
-def swiglu_linear_into(gate_up_y: jax.Array, gate_up_at: int, w, acc: Accumulator,
-                       dtype=jnp.bfloat16) -> tuple:
-  """The MLP's down-projection of its SwiGLU input (Shazeer 2020), ``(silu(g) * u) @ W`` in float32, by
-  the 4-bit kernel that computes ``silu(g) * u`` itself from the gate/up region of ``acc`` (where
-  :func:`swiglu_into_applies` holds): the same result as rounding ``g`` and ``u`` to ``dtype``, the
-  SwiGLU in float32 and its product to ``dtype``, then :func:`linear_f32_into`, without the XLA kernel
-  that writes the product first.
-
-  Args:
-    gate_up_y: float32 ``[..., 2I]``, ``[g | u]`` as :func:`linear_f32_into` returned it for the fused
-      gate/up projection (no bias or adapter left to add): only its shape is used.
-    gate_up_at: static int, the region's offset in ``acc`` (its ``offset`` before that call).
-    w: the down-projection ``[I, N]`` 4-bit tensor or :class:`StackedWeight` (no bias, no adapter).
-    acc: the :class:`Accumulator` that holds the region.
-
-  Returns:
-    ``(y float32 [..., N], acc)``, ``acc`` advanced past the output's region.
-
-  Raises:
-    ValueError: :func:`swiglu_into_applies` is False, or the regions do not fit.
-  """
-  if not swiglu_into_applies(gate_up_y, w, acc, dtype):
-    raise ValueError(f"swiglu_linear_into: no SwiGLU kernel input for gate/up {list(gate_up_y.shape)} and the "
-                     f"down-projection here (see swiglu_into_applies)")
-  tensor, index = _tensor_index(w)
-  x = jax.ShapeDtypeStruct((*gate_up_y.shape[:-1], gate_up_y.shape[-1] // 2), dtype)
-  y, buffer = pallas_kernels.quantized_matmul_into(x, tensor, acc.buffer, acc.offset, index=index, size=acc.size,
-                                                   swiglu_at=gate_up_at)
-  return y, Accumulator(buffer, acc.offset + y.size, acc.size)
-
-
 def finish_linear(y: jax.Array, bias: Optional[jax.Array], w, dtype) -> jax.Array:
   """The end of :func:`linear` after :func:`linear_f32_bias_deferred` or :func:`linear_f32_into`:
   ``y (+ bias)`` in float32, cast to ``dtype``."""
