@@ -335,8 +335,7 @@ def test_config_defaults_and_errors():
 
 @pytest.mark.parametrize("fused,lora_kind,in_kernel", [(True, None, False), (True, "fused", False), (True, "fused", True),
                                                       (True, "fused", "xa"), (True, "per_part", False),
-                                                      (False, "per_part", False), (True, None, "norm"),
-                                                      (True, "fused", "norm")])
+                                                      (False, "per_part", False)])
 def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kernel):
   """The decode step's 4-bit projections run into one zeroed buffer a layer (layers.Accumulator),
   each in its own region. The kernel is replaced by an XLA stand-in that adds x @ W into its region
@@ -348,14 +347,9 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   ``in_kernel`` the stand-in also takes the adapters' up-projection (``lora=(x @ A, B, scale)``, B the
   layer stack read at the call's index, as the Gluon kernel does): the same logits, and every
   projection with an adapter passes it. With ``"xa"`` (w4_gluon.LORA_XA) x @ A comes as float32 partial
-  products from a stand-in of w4_gluon.lora_xa, which gets the adapters' A stacks and the layer index.
-  With ``"norm"`` (pallas_kernels.residual_norm granted, AQN noise on the norms) the o-projection's residual add
-  and the post-attention norm go to a stand-in of the fused kernel that reads o's region of the buffer and
-  the norm weight's and noise's stacks at the layer index: the same logits; with an adapter on o that XLA
-  adds, XLA runs them."""
+  products from a stand-in of w4_gluon.lora_xa, which gets the adapters' A stacks and the layer index."""
   import pallas_kernels
   from pallas_kernels import decode_attention as da
-  from pallas_kernels import residual_norm
   from qerl_jax import lora as lora_lib
   from qerl_jax.models import decoder
   cfg = models.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -368,21 +362,8 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
     lora = lora_lib.init_lora(jax.random.key(5), cfg, c)
     lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(a.size), a.shape, a.dtype), lora)
     kw = dict(lora=models.fuse_adapter(lora, cfg, dtype=jnp.bfloat16) if lora_kind == "fused" else lora, lora_cfg=c)
-  if in_kernel == "norm":  # AQN noise on the norms (the fused kernel reads the post-attention one in place)
-    kw["norm_noise"] = {n: 0.05 * jax.random.normal(jax.random.key(i), (cfg.num_layers, cfg.hidden_size))
-                        for i, n in enumerate(("input_norm", "post_attn_norm"))}
   tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=5))
   monkeypatch.setattr(da, "auto_backend", lambda dtype: "interpret")  # the fused decode attention (q/k/v)
-  norm_calls = []  # (o's offset, weight stack shape, noise given) of every fused residual-norm call
-
-  def norm_stand_in(h, acc, y_offset, weight, index, eps, noise=None):
-    norm_calls.append((y_offset, weight.shape, noise is not None))
-    y = acc[y_offset:y_offset + h.size].reshape(h.shape)
-    return residual_norm.reference(h, y, weight[index], eps, None if noise is None else noise[index])
-
-  monkeypatch.setattr(residual_norm, "available", lambda: in_kernel == "norm")
-  monkeypatch.setattr(residual_norm, "applies", lambda h, w, noise=None: in_kernel == "norm")
-  monkeypatch.setattr(residual_norm, "residual_rms_norm", norm_stand_in)
   regions = []  # (buffer size, offset, size) of every call, in trace order
 
   lora_calls = []  # B's shape of every call that passed an adapter
@@ -402,8 +383,7 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
 
   monkeypatch.setattr(pallas_kernels, "accumulate_applies", lambda x, w, index=None: x.shape[-1] == w.shape[0])
   monkeypatch.setattr(pallas_kernels, "quantized_matmul_into", stand_in)
-  monkeypatch.setattr(pallas_kernels.matmul, "accumulate_lora_applies",
-                      lambda x, w, index, lora: in_kernel in (True, "xa"))
+  monkeypatch.setattr(pallas_kernels.matmul, "accumulate_lora_applies", lambda x, w, index, lora: bool(in_kernel))
   xa_calls = []  # A's shape of every lora_xa call
 
   def xa_stand_in(x, a, index=None):  # float32 partial products over K ranges of 64 (lora_xa_shape's count)
@@ -425,8 +405,7 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   real_append = da.decode_attention_append
   monkeypatch.setattr(da, "decode_attention_append", lambda *a, **k: qkv_ndim.append(a[0].ndim) or real_append(*a, **k))
   into, _ = _decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
-  assert qkv_ndim == ([] if lora_kind == "per_part" else [2] if lora_kind == "fused" and in_kernel not in (True, "xa")
-                      else [1])
+  assert qkv_ndim == ([] if lora_kind == "per_part" else [2] if lora_kind == "fused" and not in_kernel else [1])
   assert_same_as_on_cpu(into, plain)
   b = tokens.shape[0]
   # one trace of the scanned layer body (prefill takes the plain path): the fused q/k/v (when the
@@ -443,10 +422,7 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   r = 4
   assert lora_calls == ([(cfg.num_layers, 2 * r, cfg.q_dim + 2 * cfg.kv_dim), (cfg.num_layers, r, cfg.hidden_size),
                          (cfg.num_layers, r, 2 * cfg.intermediate_size), (cfg.num_layers, r, cfg.hidden_size)]
-                        if in_kernel in (True, "xa") else [])
-  # the fused residual norm: o's region (the second), the post-attention weight's and noise's stacks [L, D]
-  assert norm_calls == ([(sizes[0], (cfg.num_layers, cfg.hidden_size), True)]
-                        if in_kernel == "norm" and not lora_kind else [])
+                        if in_kernel else [])
   # with LORA_XA, x @ A of those four from their A stacks [L, K, R]
   assert xa_calls == ([(cfg.num_layers, cfg.hidden_size, 2 * r), (cfg.num_layers, cfg.q_dim, r),
                        (cfg.num_layers, cfg.hidden_size, r), (cfg.num_layers, cfg.intermediate_size, r)]

@@ -15,7 +15,6 @@ import numpy as np
 
 import pallas_kernels
 from pallas_kernels import decode_attention as decode_attn
-from pallas_kernels import residual_norm
 from qerl_jax import nf4, nvfp4
 from qerl_jax.models import layers
 from qerl_jax.models.config import ModelConfig, rope_inv_freq
@@ -38,11 +37,6 @@ FUSED_DECODE_ATTENTION = True
 # output and memset (for A/B measurements; both read at trace time).
 ACCUMULATE_DECODE = True
 ACCUMULATE_MAX_ROWS = 32
-# A decode step on the Gluon kernels adds the o-projection to the residual stream and applies the
-# post-attention RMSNorm in one kernel (pallas_kernels.residual_norm), reading o's float32 region of the
-# accumulator and the norm weight's and AQN noise's [L, D] stacks in place, where XLA ran two kernels a layer.
-# False: XLA (for A/B measurements; read at trace time).
-FUSED_RESIDUAL_NORM = True
 
 
 def _dtype(cfg: ModelConfig):
@@ -327,28 +321,12 @@ def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None):
   :class:`layers.Accumulator`) the 4-bit projections write into it."""
   eps = cfg.rms_norm_eps
   attn, la = lp["attn"], ll.get("attn", {})
-  before = acc
-  y, bias, acc = layers.linear_f32_into(o, attn["o"], acc, bias=attn.get("o_bias"), lora=la.get("o"),
-                                        lora_scale=lora_scale)
-  w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
-  noise_post = nn.get("post_attn_norm")
-  # o's region of the accumulator holds the finished projection: the residual add and the norm in one kernel
-  finished = bias is None and (la.get("o") is None or layers.adapter_in_kernel(o, attn["o"], la["o"], lora_scale))
-  if (FUSED_RESIDUAL_NORM and isinstance(w_post, layers.StackedWeight) and before is not None and acc is not before
-      and finished and residual_norm.applies(h.reshape(-1, h.shape[-1]), w_post.tensor,
-                                None if noise_post is None else noise_post.tensor)):
-    b_, t_, d_ = h.shape
-    h, x = residual_norm.residual_rms_norm(h.reshape(-1, d_), acc.buffer, acc.offset - y.size, w_post.tensor,
-                                           w_post.index, eps, None if noise_post is None else noise_post.tensor)
-    return _mlp(cfg, lora_scale, h.reshape(b_, t_, d_), x.reshape(b_, t_, d_), lp, ll, acc)
-  h = h + layers.finish_linear(y, bias, attn["o"], o.dtype)
-  x = layers.rms_norm(h, _layer_array(w_post), eps, _layer_array(noise_post))
-  return _mlp(cfg, lora_scale, h, x, lp, ll, acc)
-
-
-def _mlp(cfg, lora_scale, h, x, lp, ll, acc):
-  """The MLP of a layer on the normed ``x`` and its residual add to ``h``; returns the new ``h``."""
   mlp, lm = lp["mlp"], ll.get("mlp", {})
+  y, acc = _linear_into(attn, la, "o", o, lora_scale, acc)
+  h = h + y
+
+  w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
+  x = layers.rms_norm(h, w_post, eps, nn.get("post_attn_norm"))
   if acc is not None:
     # h is read again by the layer's last residual. Without the barrier XLA recomputes h + y there
     # (fusing the add into both consumers), reading o's region after the next projections wrote
@@ -479,26 +457,20 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
   # reads layer li of the b stack in place (layers._lora_factors); elsewhere the body slices it, as
   # the scan would. A float base keeps them in the scan (its GEMMs read scanned slices as before).
   if cache is not None:
-    # (the fused q/k/v bias too: the decode attention kernel reads its layer in place; and in a decode step
-    # where the fused residual-norm kernel can run, the post-attention norm's weight and noise, which it reads
-    # in place)
-    norm_in_place = t == 1 and FUSED_RESIDUAL_NORM and residual_norm.available()
-    stacked, scanned = _split_leaves(base["layers"], lambda name, v: layers.is_quantized(v) or name == "qkv_bias"
-                                     or (norm_in_place and name == "post_attn_norm"))
-    noise_stacked, noise = _split_leaves(noise, lambda name, v: norm_in_place and name == "post_attn_norm")
+    # (the fused q/k/v bias too: the decode attention kernel reads its layer in place)
+    stacked, scanned = _split_leaves(base["layers"], lambda name, v: layers.is_quantized(v) or name == "qkv_bias")
     # an adapter's b (and with pallas_kernels.w4_gluon.LORA_XA its a, which lora_xa reads in place), in the
     # compute dtype
     in_place_b = lambda name, v: (name == "b" or (name == "a" and pallas_kernels.w4_gluon.LORA_XA)) and v.dtype == dt
     lora_b, lay_lora = _split_leaves(lay_lora, in_place_b) if stacked and layers.LORA_EPILOGUE else ({}, lay_lora)
   else:
-    stacked, scanned, lora_b, noise_stacked = {}, base["layers"], {}, {}
+    stacked, scanned, lora_b = {}, base["layers"], {}
 
   def body(carry, xs):
     h, kc, vc = carry
     lp, ll, nn, li = xs
     lp = _bind_stacked(lp, stacked, li)
     ll = _bind_stacked(ll, lora_b, li)
-    nn = _bind_stacked(nn, noise_stacked, li)
     if kc is None:
       h, _ = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, None, mask, positions, None,
                     attn_chunk)
