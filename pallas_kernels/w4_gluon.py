@@ -132,7 +132,8 @@ LOAD_ASM = 2  # M <= 16 builds of weights up to LOAD_ASM_MAX_WEIGHTS values: the
 LOAD_ASM_MAX_WEIGHTS = 1 << 25  # LOAD_ASM only for weights of at most this many values (K x N): the 7B q/k/v (16.5M)
   # and o (12.8M), not gate/up (136M) or down (68M)
 LORA_IN_KERNEL = True  # forward_into(lora=...) adds a LoRA adapter's (x @ A) @ B in the mma.sync builds' epilogue
-  # (lora_into_applies) instead of leaving it to an XLA GEMM (decode steps of at most 16 rows); False: XLA
+  # (lora_into_applies) instead of leaving it to an XLA GEMM (decode steps; the wgmma builds with
+  # LORA_IN_KERNEL_WG); False: XLA
 LORA_IN_KERNEL_WG = 1  # the wgmma builds (M 17-128, sm_90) add the LoRA up-projection too (the same mma.sync
   # epilogue); 0: XLA adds it there. LoRA rank 32 + AQN, batch 32: a decode step 4.41 against 4.48 ms (session 22)
 LORA_XA = 1  # a decode step computes a LoRA adapter's x @ A by lora_xa (one kernel, float32 partials that the LoRA

@@ -338,8 +338,9 @@ def linear_f32_into(x: jax.Array, w, acc: Optional[Accumulator], *, bias: Option
   (:func:`pallas_kernels.quantized_matmul_into`; forward only) where that applies, with the same
   float32 result (up to the order of the kernel's split-K additions, which atomics do not fix).
   An adapter's up-projection ``(x @ A) @ B`` is added by the same kernel where
-  :func:`pallas_kernels.matmul.accumulate_lora_applies` holds (decode steps of at most 16 rows, ``x @ A``
-  still by XLA), else by an XLA GEMM. Otherwise (``acc`` None, a float weight, a shape the kernel does
+  :func:`pallas_kernels.matmul.accumulate_lora_applies` holds (decode steps of at most 128 rows; ``x @ A`` by
+  :func:`pallas_kernels.w4_gluon.lora_xa` at most 16, see :func:`_kernel_lora_factors`, else by XLA), else by an
+  XLA GEMM. Otherwise (``acc`` None, a float weight, a shape the kernel does
   not take, an adapter with ``pallas_kernels.matmul.GLUON_LORA`` "0") it is
   :func:`linear_f32_bias_deferred` and ``acc`` is returned unchanged.
 
