@@ -125,6 +125,9 @@
 #     (Session 22 ran it: the kernel took 2.5-2.6 µs against XLA's norm fusion 1.4-1.8, and XLA then materialized
 #     the previous layer's residual as its own add; a batch-8 step 2.24 / 2.26 against 2.21 / 2.22 ms. Removed.)
 # 34. (session 22) issue 6's table at batch 8 and 64, 2048 new tokens, with the session's final code (about 5 minutes).
+# 35. (session 22) XLA's command buffers for the decode while-loop (--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL;
+#     session 13: NVFP4 2.66 -> 2.62 ms, bf16 4.47 -> 4.34 at batch 8, not adopted untested): every GPU test under
+#     it, then batch 8 and 64 at 512 new tokens, NVFP4 and bf16, without and with it (about 6 minutes).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -229,6 +232,13 @@ step 31 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -
 step 34 && { timeout 330 python3 experiments/bench_rollout.py --batches=8,64 --new_tokens=2048 \
     --formats=nvfp4_fused,bf16_fused --time_budget_s=300 --out="$OUT/issue6" > "$OUT/issue6.log" 2>&1
   grep "|\|x$" "$OUT/issue6.log"; }
+step 35 && { CB="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+  XLA_FLAGS="$XLA_FLAGS $CB" XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -n 10 -m gpu tests \
+    -p no:cacheprovider 2>&1 | tail -3
+  for f in "" "$CB"; do echo "extra XLA flags: '$f'"
+    XLA_FLAGS="$XLA_FLAGS $f" timeout 150 python3 experiments/bench_rollout.py --batches=8,64 --new_tokens=512 \
+      --formats=nvfp4_fused,bf16_fused --time_budget_s=130 --out="$OUT/cb_${#f}" 2>&1 | grep "| nvfp4_fused |\|| bf16_fused |\|x$"; done; } \
+  | tee "$OUT/command_buffer.txt"
 step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REGISTERS=96,TARGET_PROGRAMS=640;r80:MMA_MAX_REGISTERS=80;r80t768:MMA_MAX_REGISTERS=80,TARGET_PROGRAMS=768" \
     timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn
   for s in "" "MMA_MAX_REGISTERS=96" "" "MMA_MAX_REGISTERS=96"; do
