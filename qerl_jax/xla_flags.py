@@ -4,7 +4,7 @@ Measured on an H200 with jax 0.11.2 (docs/benchmarks_rollout.md, session 3): the
 each linear's weights stacked over layers ``[L, K, N]`` and slices layer ``l`` inside the layer
 loop. With XLA's defaults a bf16 base pays for that slice with a device copy of the whole matrix
 before every matmul (``memcpy128`` in a profile: 4 x 56 µs per layer and decode step at batch 256),
-and small-M matmuls go to XLA's Triton GEMM emitter. The two flags below let cuBLAS read the slice
+and small-M matmuls go to XLA's Triton GEMM emitter. The first two flags below let cuBLAS read the slice
 in place and handle every dense matmul: bf16 rollouts at batch 8 went from 709 to 1408 tokens/s
 (89% of their roofline); NVFP4 rollouts, whose kernels already read the stack in place, did not
 change (1669 vs 1661 tokens/s). Re-checked in session 10 with the decode layers unrolled: bf16 at
