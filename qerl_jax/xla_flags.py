@@ -90,4 +90,5 @@ def define_launcher_flag():
   its holder; pass ``holder.value`` to :func:`apply_recommended` at the start of ``main``."""
   from absl import flags
   return flags.DEFINE_bool("recommended_xla_flags", True, "Add qerl_jax.xla_flags.RECOMMENDED_GPU_FLAGS to "
-                           "XLA_FLAGS (cuBLAS reads stacked bf16 weights in place; GPU only, flags you set win).")
+                           "XLA_FLAGS (cuBLAS reads stacked bf16 weights in place; the decode loop runs in a CUDA graph; "
+                           "GPU only, flags you set win).")
