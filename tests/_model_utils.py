@@ -64,8 +64,11 @@ def torch_logits(model, tokens, mask):
   return out.logits.float().numpy()
 
 
-def decode_all(cfg, base, tokens, mask, n_prefill, cache_dtype=None, **kw):
+def decode_all(cfg, base, tokens, mask, n_prefill, cache_dtype=None, compiler_options=None, **kw):
   """Prefill ``n_prefill`` tokens into a KV cache, then decode the rest one at a time.
+
+  ``compiler_options`` go to ``jax.jit`` (e.g. ``{"xla_allow_excess_precision": False}``: every bf16 value
+  rounded where the program says, so that two structurally different programs can agree bit for bit).
 
   Returns (logits ``[B, T, V]`` of every position, the final cache); ``kw`` goes to ``models.forward``.
   """
@@ -75,7 +78,8 @@ def decode_all(cfg, base, tokens, mask, n_prefill, cache_dtype=None, **kw):
   b, t = tokens.shape
   pos = models.positions_from_mask(mask)
   cache = models.init_cache(cfg, b, t + 3, dtype=cache_dtype or jnp.float32)
-  step = jax.jit(lambda c, tok, p, mk: models.forward(cfg, base, tok, p, attn_mask=mk, cache=c, **kw))
+  step = jax.jit(lambda c, tok, p, mk: models.forward(cfg, base, tok, p, attn_mask=mk, cache=c, **kw),
+                 compiler_options=compiler_options)
   out, cache = step(cache, tokens[:, :n_prefill], pos[:, :n_prefill], mask[:, :n_prefill])
   outs = [out]
   for i in range(n_prefill, t):

@@ -335,7 +335,8 @@ def test_config_defaults_and_errors():
 
 @pytest.mark.parametrize("fused,lora_kind,in_kernel", [(True, None, False), (True, "fused", False), (True, "fused", True),
                                                       (True, "fused", "xa"), (True, "per_part", False),
-                                                      (False, "per_part", False)])
+                                                      (False, "per_part", False), (True, None, "layer_end"),
+                                                      (True, "fused", "layer_end")])
 def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kernel):
   """The decode step's 4-bit projections run into one zeroed buffer a layer (layers.Accumulator),
   each in its own region. The kernel is replaced by an XLA stand-in that adds x @ W into its region
@@ -347,9 +348,15 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   ``in_kernel`` the stand-in also takes the adapters' up-projection (``lora=(x @ A, B, scale)``, B the
   layer stack read at the call's index, as the Gluon kernel does): the same logits, and every
   projection with an adapter passes it. With ``"xa"`` (w4_gluon.LORA_XA) x @ A comes as float32 partial
-  products from a stand-in of w4_gluon.lora_xa, which gets the adapters' A stacks and the layer index."""
+  products from a stand-in of w4_gluon.lora_xa, which gets the adapters' A stacks and the layer index.
+  With ``"layer_end"`` (decoder.FUSED_LAYER_END, lab; AQN noise on the norms) each layer ends with a stand-in
+  of pallas_kernels.residual_norm.residual_rms_norm: the residual add of the down-projection read from its
+  region (or, with an adapter XLA adds, from the product XLA finished), the next input norm (the final norm
+  after the last layer) and the next layer's zeroed buffer, which that layer's projections then use: the
+  same logits."""
   import pallas_kernels
   from pallas_kernels import decode_attention as da
+  from pallas_kernels import residual_norm
   from qerl_jax import lora as lora_lib
   from qerl_jax.models import decoder
   cfg = models.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -362,8 +369,23 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
     lora = lora_lib.init_lora(jax.random.key(5), cfg, c)
     lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(a.size), a.shape, a.dtype), lora)
     kw = dict(lora=models.fuse_adapter(lora, cfg, dtype=jnp.bfloat16) if lora_kind == "fused" else lora, lora_cfg=c)
+  if in_kernel == "layer_end":  # AQN noise on the norms (the fused layer end reads the input norm's stack)
+    kw["norm_noise"] = {n: 0.05 * jax.random.normal(jax.random.key(i), (cfg.num_layers, cfg.hidden_size))
+                        for i, n in enumerate(("input_norm", "post_attn_norm"))}
   tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=5))
   monkeypatch.setattr(da, "auto_backend", lambda dtype: "interpret")  # the fused decode attention (q/k/v)
+  end_calls = []  # (y's source size, offset, zero_size) of every fused layer end
+
+  def end_stand_in(h, src, offset, w_next, index, eps, noise_next=None, *, zero_size=0):
+    end_calls.append((src.shape[0], offset, zero_size))
+    y = src[offset:offset + h.size].reshape(h.shape)
+    out = residual_norm.reference(h, y, w_next[index], eps, None if noise_next is None else noise_next[index])
+    return (*out, jnp.zeros((zero_size,), jnp.float32))
+
+  monkeypatch.setattr(decoder, "FUSED_LAYER_END", int(in_kernel == "layer_end"))
+  monkeypatch.setattr(residual_norm, "available", lambda: True)
+  monkeypatch.setattr(residual_norm, "applies", lambda h, w, noise=None: True)
+  monkeypatch.setattr(residual_norm, "residual_rms_norm", end_stand_in)
   regions = []  # (buffer size, offset, size) of every call, in trace order
 
   lora_calls = []  # B's shape of every call that passed an adapter
@@ -383,7 +405,8 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
 
   monkeypatch.setattr(pallas_kernels, "accumulate_applies", lambda x, w, index=None: x.shape[-1] == w.shape[0])
   monkeypatch.setattr(pallas_kernels, "quantized_matmul_into", stand_in)
-  monkeypatch.setattr(pallas_kernels.matmul, "accumulate_lora_applies", lambda x, w, index, lora: bool(in_kernel))
+  monkeypatch.setattr(pallas_kernels.matmul, "accumulate_lora_applies",
+                      lambda x, w, index, lora: in_kernel in (True, "xa"))
   xa_calls = []  # A's shape of every lora_xa call
 
   def xa_stand_in(x, a, index=None):  # float32 partial products over K ranges of 64 (lora_xa_shape's count)
@@ -397,6 +420,9 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   monkeypatch.setattr(pallas_kernels.w4_gluon, "LORA_XA", int(in_kernel == "xa"))
   monkeypatch.setattr(pallas_kernels.w4_gluon, "lora_xa_applies", lambda x, a, index=None: True)
   monkeypatch.setattr(pallas_kernels.w4_gluon, "lora_xa", xa_stand_in)
+  # No excess precision: XLA rounds every bf16 value where the program does, so that the fused layer end
+  # (whose residual sum is a bf16 array) and XLA's fusion (which may keep it in float32) agree bit for bit.
+  kw["compiler_options"] = {"xla_allow_excess_precision": False}
   monkeypatch.setattr(decoder, "ACCUMULATE_DECODE", False)
   plain, _ = _decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
   assert not regions  # the switch turns it off
@@ -405,7 +431,8 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   real_append = da.decode_attention_append
   monkeypatch.setattr(da, "decode_attention_append", lambda *a, **k: qkv_ndim.append(a[0].ndim) or real_append(*a, **k))
   into, _ = _decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
-  assert qkv_ndim == ([] if lora_kind == "per_part" else [2] if lora_kind == "fused" and not in_kernel else [1])
+  assert qkv_ndim == ([] if lora_kind == "per_part" else [2] if lora_kind == "fused" and in_kernel not in (True, "xa")
+                      else [1])
   assert_same_as_on_cpu(into, plain)
   b = tokens.shape[0]
   # one trace of the scanned layer body (prefill takes the plain path): the fused q/k/v (when the
@@ -422,7 +449,12 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   r = 4
   assert lora_calls == ([(cfg.num_layers, 2 * r, cfg.q_dim + 2 * cfg.kv_dim), (cfg.num_layers, r, cfg.hidden_size),
                          (cfg.num_layers, r, 2 * cfg.intermediate_size), (cfg.num_layers, r, cfg.hidden_size)]
-                        if in_kernel else [])
+                        if in_kernel in (True, "xa") else [])
+  # the fused layer end (one trace of the layer body): y from the down region at the buffer's end, or with XLA's
+  # adapter delta from that product (offset 0); the next buffer as large as this one
+  total = sum(sizes)
+  assert end_calls == ([] if in_kernel != "layer_end" else [(b * cfg.hidden_size, 0, total)] if lora_kind
+                       else [(total, total - b * cfg.hidden_size, total)])
   # with LORA_XA, x @ A of those four from their A stacks [L, K, R]
   assert xa_calls == ([(cfg.num_layers, cfg.hidden_size, 2 * r), (cfg.num_layers, cfg.q_dim, r),
                        (cfg.num_layers, cfg.hidden_size, r), (cfg.num_layers, cfg.intermediate_size, r)]

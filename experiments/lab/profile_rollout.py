@@ -10,7 +10,8 @@ step's layer loop scanned (``SamplingConfig.unroll_decode=False``). ``PROFILE_PO
 median time by call position within the layer (trace order). ``PROFILE_HLO=1`` adds, under each
 XLA kernel, the fusion's output shape and the JAX op and source line it came from (from the compiled
 HLO's metadata), to find which model code a small kernel belongs to, and writes the compiled HLO
-text to $OUT (default /tmp).
+text to $OUT (default /tmp). ``PROFILE_MODEL_SET="NAME=int,..."`` sets qerl_jax.models.decoder's module
+settings first (as ab_rollout.py's MODEL_SET).
 
   PYTHONPATH=$PWD python3 experiments/lab/profile_rollout.py nvfp4:8:64 bf16:8:64 nvfp4_fused:8:64:32:aqn
 """
@@ -23,6 +24,13 @@ flags.FLAGS(["prof"])
 import bench_rollout as br
 from qerl_jax import models, sampling, xla_flags
 xla_flags.apply_recommended()  # the launchers' GPU flags (bench_rollout's main is not run here)
+from qerl_jax.models import decoder
+for _assign in filter(None, os.environ.get("PROFILE_MODEL_SET", "").split(",")):
+  _name, _value = _assign.split("=")
+  if not hasattr(decoder, _name):
+    raise SystemExit(f"qerl_jax.models.decoder has no setting {_name}")
+  setattr(decoder, _name, int(_value))
+  print(f"qerl_jax.models.decoder.{_name} = {int(_value)}", flush=True)
 
 def profile(fmt, batch, new_tokens, out, rank=0, aqn=False):
   cfg = models.ModelConfig.from_hf(br.QWEN25_7B)

@@ -15,6 +15,7 @@ import numpy as np
 
 import pallas_kernels
 from pallas_kernels import decode_attention as decode_attn
+from pallas_kernels import residual_norm
 from qerl_jax import nf4, nvfp4
 from qerl_jax.models import layers
 from qerl_jax.models.config import ModelConfig, rope_inv_freq
@@ -37,6 +38,12 @@ FUSED_DECODE_ATTENTION = True
 # output and memset (for A/B measurements; both read at trace time).
 ACCUMULATE_DECODE = True
 ACCUMULATE_MAX_ROWS = 32
+# Lab (session 22; not yet run on a GPU): 1 ends each layer of an accumulating decode step with one kernel,
+# pallas_kernels.residual_norm: the residual add of the down-projection (read in place from the buffer), the
+# next layer's input norm (the final norm after the last layer) with its AQN noise, and the next layer's
+# accumulator zeroed, where XLA runs a fusion and the launcher a memset (2.2 + 1.3 µs a layer at batch 8,
+# session 22's profile). Read at trace time.
+FUSED_LAYER_END = 0
 
 
 def _dtype(cfg: ModelConfig):
@@ -200,8 +207,25 @@ def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
 
 # ----------------------------------------------------------------------------- forward
 
+def _fused_attention(cfg, attn, la, kv, decode, dtype) -> bool:
+  """Whether a layer runs bias, RoPE, the cache write and attention in one kernel on the fused q/k/v
+  projection's float32 output (:func:`pallas_kernels.decode_attention.decode_attention_append`)."""
+  return (FUSED_DECODE_ATTENTION and kv is not None and decode is not None and "qkv" in attn and not cfg.qk_norm
+          and all(la.get(n) is None for n in ("q", "k", "v")) and decode_attn.auto_backend(dtype) != "reference")
+
+
+def _new_accumulator(cfg, rows, lp, ll, kv, decode, dtype):
+  """A layer's :class:`layers.Accumulator` for a decode step of ``rows`` rows (None where none applies)."""
+  if not (ACCUMULATE_DECODE and decode is not None and rows <= ACCUMULATE_MAX_ROWS):
+    return None
+  attn, la = lp["attn"], ll.get("attn", {})
+  return layers.new_accumulator(rows, [attn["qkv"] if _fused_attention(cfg, attn, la, kv, decode, dtype) else None,
+                                       attn["o"], *_mlp_in_weights(lp["mlp"], ll.get("mlp", {})),
+                                       lp["mlp"]["down"]], dtype)
+
+
 def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, write_at, q_chunk,
-           decode=None):
+           decode=None, layer_end=None):
   """One decoder layer.
 
   ``kv`` is None or ``(k_LxBxSxHxD, v_LxBxSxHxD, layer)``: the whole stacked
@@ -220,21 +244,23 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   which reads the layer in place and only the written slots; otherwise (prefill,
   CPU, float32) the layer is read back with a dynamic slice for
   :func:`layers.attention`.
+
+  ``layer_end`` (with :data:`FUSED_LAYER_END`, from :func:`forward`): ``(x, buffer, w_next, noise_next)``,
+  this layer's normed input and zeroed accumulator (made by the previous layer's end) and the next norm's
+  weight and noise stacks; the layer then returns ``(h, x_next, buffer_next)`` in place of ``h``.
   """
   b, t, _ = h.shape
   eps = cfg.rms_norm_eps
   attn, la = lp["attn"], ll.get("attn", {})
-  w_in = ll.get("input_norm", lp["input_norm"])
-  x = layers.rms_norm(h, w_in, eps, nn.get("input_norm"))
+  if layer_end is None:
+    x = layers.rms_norm(h, ll.get("input_norm", lp["input_norm"]), eps, nn.get("input_norm"))
+    acc = _new_accumulator(cfg, b * t, lp, ll, kv, decode, h.dtype)  # (into one buffer)
+  else:  # normed and zeroed by the previous layer's end
+    x, buffer = layer_end[:2]
+    acc = layers.Accumulator(buffer, 0, buffer.shape[0])
   # A decode step on the GPU kernels with fused q/k/v: bias, rounding, RoPE, the cache write and
   # attention run in one kernel on the projection's float32 output.
-  fused_attention = (FUSED_DECODE_ATTENTION and kv is not None and decode is not None and "qkv" in attn
-                     and not cfg.qk_norm and all(la.get(n) is None for n in ("q", "k", "v"))
-                     and decode_attn.auto_backend(x.dtype) != "reference")
-  acc = None
-  if ACCUMULATE_DECODE and decode is not None and b * t <= ACCUMULATE_MAX_ROWS:  # (into one buffer)
-    acc = layers.new_accumulator(b * t, [attn["qkv"] if fused_attention else None, attn["o"],
-                                         *_mlp_in_weights(lp["mlp"], ll.get("mlp", {})), lp["mlp"]["down"]], x.dtype)
+  fused_attention = _fused_attention(cfg, attn, la, kv, decode, x.dtype)
   if fused_attention:
     kc, vc, li = kv
     bias_stack = attn.get("qkv_bias")
@@ -251,7 +277,8 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
       qkv = acc.buffer
     o, kc, vc = decode_attn.decode_attention_append(qkv, bias, kc, vc, li, *decode,
                                                     num_heads=cfg.num_heads, dtype=x.dtype)
-    return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn, acc), (kc, vc)
+    return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn, acc,
+                            _end_of(layer_end, kv)), (kc, vc)
   if "qkv" in attn:  # fused projections (models.fuse_projections): one matmul, split back
     q, k, v = layers.fused_linear(x, attn["qkv"], (cfg.q_dim, cfg.kv_dim, cfg.kv_dim),
                                   bias=_layer_array(attn.get("qkv_bias")),
@@ -283,7 +310,13 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
       keys = jax.lax.dynamic_index_in_dim(kc, li, 0, keepdims=False)
       values = jax.lax.dynamic_index_in_dim(vc, li, 0, keepdims=False)
       o = layers.attention(q, keys, values, mask_BxTxS, q_chunk=q_chunk)
-  return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn, acc), new_kv
+  return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn, acc,
+                          _end_of(layer_end, kv)), new_kv
+
+
+def _end_of(layer_end, kv):
+  """``(w_next, noise_next, layer index)`` for :func:`_after_attention` from ``_layer``'s ``layer_end``."""
+  return None if layer_end is None else (*layer_end[2:], kv[2])
 
 
 def _layer_array(v):
@@ -315,10 +348,12 @@ def _mlp_in_weights(mlp, lm) -> list:
   return [mlp["gate"], mlp["up"]]
 
 
-def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None):
+def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None, layer_end=None):
   """The rest of a layer after attention ``o [B, T, H * hd]``: the o projection and the
   residual, then the MLP and its residual. Returns the new ``h``. With ``acc`` (a decode step's
-  :class:`layers.Accumulator`) the 4-bit projections write into it."""
+  :class:`layers.Accumulator`) the 4-bit projections write into it. With ``layer_end = (w_next,
+  noise_next, layer)`` (:data:`FUSED_LAYER_END`) the last residual, the next norm and the next accumulator
+  come from one :func:`pallas_kernels.residual_norm.residual_rms_norm`: returns ``(h, x_next, buffer_next)``."""
   eps = cfg.rms_norm_eps
   attn, la = lp["attn"], ll.get("attn", {})
   mlp, lm = lp["mlp"], ll.get("mlp", {})
@@ -343,8 +378,30 @@ def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None):
     g, acc = _linear_into(mlp, lm, "gate", x, lora_scale, acc)
     u, acc = _linear_into(mlp, lm, "up", x, lora_scale, acc)
   y = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(h.dtype)
+  if layer_end is not None:
+    return _fused_layer_end(cfg, lora_scale, h, y, mlp, lm, acc, *layer_end)
   y, acc = _linear_into(mlp, lm, "down", y, lora_scale, acc)
   return h + y
+
+
+def _fused_layer_end(cfg, lora_scale, h, x, mlp, lm, acc, w_next, noise_next, li):
+  """The down-projection of ``x`` into ``acc``, then :func:`pallas_kernels.residual_norm.residual_rms_norm`: the
+  residual add (the product read in place from its region when nothing is left to add to it), the next
+  norm by layer ``li`` of ``w_next`` / ``noise_next``, and a zeroed accumulator of ``acc``'s size for the next
+  layer. Returns ``(h, x_next, buffer_next)``."""
+  before = acc
+  y, bias, acc = layers.linear_f32_into(x, mlp["down"], acc, bias=mlp.get("down_bias"), lora=lm.get("down"),
+                                        lora_scale=lora_scale)
+  finished = bias is None and (lm.get("down") is None or layers.adapter_in_kernel(x, mlp["down"], lm["down"],
+                                                                                  lora_scale))
+  if finished and before is not None and acc is not before:
+    src, offset = acc.buffer, acc.offset - y.size
+  else:  # the product with its bias or XLA's adapter delta, as finish_linear adds them (float32)
+    src, offset = (y if bias is None else layers.finish_linear(y, bias, mlp["down"], jnp.float32)).reshape(-1), 0
+  b, t, d = h.shape
+  h, x_next, buffer = residual_norm.residual_rms_norm(h.reshape(b * t, d), src, offset, w_next, li, cfg.rms_norm_eps,
+                                                      noise_next, zero_size=acc.size)
+  return h.reshape(b, t, d), x_next.reshape(b, t, d), buffer
 
 
 def _split_leaves(tree: dict, pick):
@@ -465,9 +522,11 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     lora_b, lay_lora = _split_leaves(lay_lora, in_place_b) if stacked and layers.LORA_EPILOGUE else ({}, lay_lora)
   else:
     stacked, scanned, lora_b = {}, base["layers"], {}
+  # FUSED_LAYER_END (lab): each layer's end makes the next layer's normed input and zeroed accumulator
+  end = _layer_end_inputs(cfg, base, scanned, stacked, lay_lora, noise, h, decode) if cache is not None else None
 
   def body(carry, xs):
-    h, kc, vc = carry
+    h, x, buf, kc, vc = carry
     lp, ll, nn, li = xs
     lp = _bind_stacked(lp, stacked, li)
     ll = _bind_stacked(ll, lora_b, li)
@@ -477,8 +536,11 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     else:
       # The stacked cache rides in the carry so XLA updates it in place.
       h, (kc, vc) = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, (kc, vc, li), mask,
-                           positions, write_at, attn_chunk, decode=decode)
-    return (h, kc, vc), None
+                           positions, write_at, attn_chunk, decode=decode,
+                           layer_end=None if end is None else (x, buf, *end[2:]))
+      if end is not None:
+        h, x, buf = h
+    return (h, x, buf, kc, vc), None
 
   if remat:
     body = jax.checkpoint(body, prevent_cse=False)
@@ -487,15 +549,40 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
   # The layer indices as a constant, not an iota: in an unrolled decode step XLA folds each layer's slice of
   # a constant into its own constant, where an iota's slice stays a small kernel a layer (0.8 µs on an H200).
   xs = (scanned, lay_lora, noise, np.arange(cfg.num_layers, dtype=np.int32))
-  (h, kc, vc), _ = jax.lax.scan(body, (h, kc0, vc0), xs, unroll=bool(unroll_layers))
+  x0, buf0 = (None, None) if end is None else end[:2]
+  (h, x, _, kc, vc), _ = jax.lax.scan(body, (h, x0, buf0, kc0, vc0), xs, unroll=bool(unroll_layers))
 
-  h = layers.rms_norm(h, base["final_norm"], cfg.rms_norm_eps)
+  # (with FUSED_LAYER_END the last layer's end applied the final norm)
+  h = layers.rms_norm(h, base["final_norm"], cfg.rms_norm_eps) if end is None else x
   new_cache = None
   if cache is not None:
     new_cache = {"k": kc, "v": vc, "mask": slot_mask, "index": cache["index"] + t}
   if return_hidden:
     return h, new_cache
   return lm_head_logits(cfg, base, h), new_cache
+
+
+def _layer_end_inputs(cfg, base, scanned, stacked, lay_lora, noise, h, decode):
+  """What :data:`FUSED_LAYER_END` needs for a decode step, or None where it does not apply (the setting off, not
+  a decode step, no accumulator, an adapter on the input norm, the kernel not here): ``(x0, buffer0, w_next,
+  noise_next)``, the first layer's normed input and zeroed accumulator, and the stacks ``[L, D]`` of the norm
+  that follows each layer (the next input norm, then the final norm; float32) and of its AQN noise (zero after
+  the last layer; None without noise)."""
+  b, t, d = h.shape
+  if not FUSED_LAYER_END or decode is None or "input_norm" in lay_lora or not residual_norm.available():
+    return None
+  w_in = base["layers"]["input_norm"]
+  if not residual_norm.applies(h.reshape(b * t, d), w_in):
+    return None
+  lp0 = _bind_stacked(jax.tree.map(lambda v: v[0], scanned), stacked, np.int32(0))
+  acc = _new_accumulator(cfg, b * t, lp0, jax.tree.map(lambda v: v[0], lay_lora), (None, None, 0), decode, h.dtype)
+  if acc is None:
+    return None
+  w_next = jnp.concatenate([w_in[1:].astype(jnp.float32), base["final_norm"][None].astype(jnp.float32)])
+  n_in = noise.get("input_norm")
+  n_next = None if n_in is None else jnp.concatenate([n_in[1:].astype(jnp.float32), jnp.zeros((1, d), jnp.float32)])
+  x0 = layers.rms_norm(h, w_in[0], cfg.rms_norm_eps, None if n_in is None else n_in[0])
+  return x0, jnp.zeros((acc.size,), jnp.float32), w_next, n_next
 
 
 def lm_head_logits(cfg: ModelConfig, base: dict, hidden: jax.Array) -> jax.Array:
