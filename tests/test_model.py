@@ -336,7 +336,8 @@ def test_config_defaults_and_errors():
 @pytest.mark.parametrize("fused,lora_kind,in_kernel", [(True, None, False), (True, "fused", False), (True, "fused", True),
                                                       (True, "fused", "xa"), (True, "per_part", False),
                                                       (False, "per_part", False), (True, None, "layer_end"),
-                                                      (True, "fused", "layer_end")])
+                                                      (True, "fused", "layer_end"), (True, None, "post_attention"),
+                                                      (True, "fused", "post_attention")])
 def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kernel):
   """The decode step's 4-bit projections run into one zeroed buffer a layer (layers.Accumulator),
   each in its own region. The kernel is replaced by an XLA stand-in that adds x @ W into its region
@@ -353,7 +354,8 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   of pallas_kernels.residual_norm.residual_rms_norm: the residual add of the down-projection read from its
   region (or, with an adapter XLA adds, from the product XLA finished), the next input norm (the final norm
   after the last layer) and the next layer's zeroed buffer, which that layer's projections then use: the
-  same logits."""
+  same logits. ``"post_attention"`` (with decoder.FUSED_POST_ATTENTION too) also runs the o residual and the
+  post-attention norm as that stand-in, o read from its region (not with an adapter on o that XLA adds)."""
   import pallas_kernels
   from pallas_kernels import decode_attention as da
   from pallas_kernels import residual_norm
@@ -369,7 +371,8 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
     lora = lora_lib.init_lora(jax.random.key(5), cfg, c)
     lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(a.size), a.shape, a.dtype), lora)
     kw = dict(lora=models.fuse_adapter(lora, cfg, dtype=jnp.bfloat16) if lora_kind == "fused" else lora, lora_cfg=c)
-  if in_kernel == "layer_end":  # AQN noise on the norms (the fused layer end reads the input norm's stack)
+  fused_end = in_kernel in ("layer_end", "post_attention")
+  if fused_end:  # AQN noise on the norms (the fused layer end reads the input norm's stack)
     kw["norm_noise"] = {n: 0.05 * jax.random.normal(jax.random.key(i), (cfg.num_layers, cfg.hidden_size))
                         for i, n in enumerate(("input_norm", "post_attn_norm"))}
   tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=5))
@@ -380,9 +383,10 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
     end_calls.append((src.shape[0], offset, zero_size))
     y = src[offset:offset + h.size].reshape(h.shape)
     out = residual_norm.reference(h, y, w_next[index], eps, None if noise_next is None else noise_next[index])
-    return (*out, jnp.zeros((zero_size,), jnp.float32))
+    return (*out, jnp.zeros((zero_size,), jnp.float32)) if zero_size else out
 
-  monkeypatch.setattr(decoder, "FUSED_LAYER_END", int(in_kernel == "layer_end"))
+  monkeypatch.setattr(decoder, "FUSED_LAYER_END", int(fused_end))
+  monkeypatch.setattr(decoder, "FUSED_POST_ATTENTION", int(in_kernel == "post_attention"))
   monkeypatch.setattr(residual_norm, "available", lambda: True)
   monkeypatch.setattr(residual_norm, "applies", lambda h, w, noise=None: True)
   monkeypatch.setattr(residual_norm, "residual_rms_norm", end_stand_in)
@@ -453,8 +457,10 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   # the fused layer end (one trace of the layer body): y from the down region at the buffer's end, or with XLA's
   # adapter delta from that product (offset 0); the next buffer as large as this one
   total = sum(sizes)
-  assert end_calls == ([] if in_kernel != "layer_end" else [(b * cfg.hidden_size, 0, total)] if lora_kind
-                       else [(total, total - b * cfg.hidden_size, total)])
+  end = [(b * cfg.hidden_size, 0, total)] if lora_kind else [(total, total - b * cfg.hidden_size, total)]
+  # and with FUSED_POST_ATTENTION first the o residual and the post-attention norm, o from its region (the second)
+  post = [(total, sizes[0], 0)] if in_kernel == "post_attention" and not lora_kind else []
+  assert end_calls == (post + end if fused_end else [])
   # with LORA_XA, x @ A of those four from their A stacks [L, K, R]
   assert xa_calls == ([(cfg.num_layers, cfg.hidden_size, 2 * r), (cfg.num_layers, cfg.q_dim, r),
                        (cfg.num_layers, cfg.hidden_size, r), (cfg.num_layers, cfg.intermediate_size, r)]

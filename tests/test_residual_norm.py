@@ -131,12 +131,13 @@ def test_gpu_matches_float64(b, d, noise, weight_dtype, zero_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("with_lora", [False, True])
-def test_gpu_decode_steps_with_the_fused_layer_end_match_xla(monkeypatch, with_lora):
+@pytest.mark.parametrize("with_lora,post_attention", [(False, False), (True, False), (False, True), (True, True)])
+def test_gpu_decode_steps_with_the_fused_layer_end_match_xla(monkeypatch, with_lora, post_attention):
   """A decode step of a small NVFP4 model with AQN noise on its norms: with each layer ending in the fused kernel
   (decoder.FUSED_LAYER_END, lab) the logits equal XLA's residual add, norm and memset (the setting off) up to the
   kernel's rsqrt and the atomics' order, and the kernel ran with the next-norm stacks and a buffer of the
-  accumulator's size. With a LoRA adapter on down (added by the 4-bit kernel), the same."""
+  accumulator's size. With a LoRA adapter (its up-projection added by the 4-bit kernel), the same; with
+  FUSED_POST_ATTENTION too, the same, and the kernel also ran once a layer trace without a buffer."""
   from qerl_jax import lora as lora_lib
   from qerl_jax import models
   from qerl_jax.models import decoder
@@ -164,9 +165,12 @@ def test_gpu_decode_steps_with_the_fused_layer_end_match_xla(monkeypatch, with_l
   by_xla, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
   assert not calls
   monkeypatch.setattr(decoder, "FUSED_LAYER_END", 1)
+  monkeypatch.setattr(decoder, "FUSED_POST_ATTENTION", int(post_attention))
   fused, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
   b = tokens.shape[0]
-  assert calls and all(c == ((cfg.num_layers, cfg.hidden_size), b * (512 + 256 + 1024 + 256)) for c in calls)
+  ends = [c for c in calls if c[1]]
+  assert ends and all(c == ((cfg.num_layers, cfg.hidden_size), b * (512 + 256 + 1024 + 256)) for c in ends)
+  assert len(calls) - len(ends) == (len(ends) if post_attention else 0)
   rows = np.asarray(mask).astype(bool)
   a, p = np.asarray(fused, np.float32)[rows], np.asarray(by_xla, np.float32)[rows]
   assert np.isfinite(a).all() and np.abs(a - p).max() < 2e-2 * np.abs(p).max()

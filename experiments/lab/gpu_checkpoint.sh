@@ -132,8 +132,9 @@
 # 36. (session 22, prepared) the fused layer end (decoder.FUSED_LAYER_END, lab; pallas_kernels/residual_norm.py): the
 #     down-projection's residual add, the next input norm (+ AQN noise; the final norm after the last layer) and the
 #     next layer's zeroed accumulator in one kernel, where XLA runs a fusion (2.2 µs at batch 8) and the launcher a
-#     memset (1.3 µs). Its GPU tests, a batch 8 / 16 A/B at 512 new tokens (off / on, two alternations), and a
-#     batch-8 profile with it (about 6 minutes). Session 22's first version (the post-attention boundary, loads after
+#     memset (1.3 µs); and with it decoder.FUSED_POST_ATTENTION (lab), the same kernel for the o residual and the
+#     post-attention norm. Their GPU tests, a batch 8 / 16 A/B at 512 new tokens (off / end / end + post, two
+#     alternations), and a batch-8 profile with both (about 8 minutes). Session 22's first version (the post-attention boundary, loads after
 #     the reduction) took 2.5-2.6 µs; this one issues every load first (offline PTX: no global load after the barrier).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
@@ -248,10 +249,11 @@ step 35 && { CB="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
   | tee "$OUT/command_buffer.txt"
 step 36 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -n 6 -m gpu tests/test_residual_norm.py \
     tests/test_gluon.py -k "residual or layer_end or one_buffer or lora" -p no:cacheprovider 2>&1 | tail -3
-  for s in "" "FUSED_LAYER_END=1" "" "FUSED_LAYER_END=1"; do
+  for s in "" "FUSED_LAYER_END=1" "FUSED_LAYER_END=1,FUSED_POST_ATTENTION=1" "" "FUSED_LAYER_END=1" \
+      "FUSED_LAYER_END=1,FUSED_POST_ATTENTION=1"; do
     MODEL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8,16 --new_tokens=512 \
       --formats=nvfp4_fused --time_budget_s=80 2>&1 | grep "decoder\.\|nvfp4_fused |"; done
-  PROFILE_SEQ=40 PROFILE_MODEL_SET="FUSED_LAYER_END=1" timeout 150 python3 experiments/lab/profile_rollout.py \
+  PROFILE_SEQ=40 PROFILE_MODEL_SET="FUSED_LAYER_END=1,FUSED_POST_ATTENTION=1" timeout 150 python3 experiments/lab/profile_rollout.py \
     nvfp4_fused:8:256 2>&1 | grep -v Warn | tail -45; } | tee "$OUT/layer_end.txt"
 step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REGISTERS=96,TARGET_PROGRAMS=640;r80:MMA_MAX_REGISTERS=80;r80t768:MMA_MAX_REGISTERS=80,TARGET_PROGRAMS=768" \
     timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn

@@ -44,6 +44,11 @@ ACCUMULATE_MAX_ROWS = 32
 # accumulator zeroed, where XLA runs a fusion and the launcher a memset (2.2 + 1.3 µs a layer at batch 8,
 # session 22's profile). Read at trace time.
 FUSED_LAYER_END = 0
+# Lab (session 22; not yet run on a GPU; with FUSED_LAYER_END only): 1 also runs the o-projection's residual add and
+# the post-attention norm (+ AQN noise) as that kernel (no zeroed buffer), o read in place from the accumulator,
+# where XLA runs an add and a norm fusion (1.3 + 1.6 µs a layer at batch 8). Alone (session 22, 202370a) it lost:
+# XLA then materialized the previous layer's residual as its own add, which FUSED_LAYER_END's kernel now does.
+FUSED_POST_ATTENTION = 0
 
 
 def _dtype(cfg: ModelConfig):
@@ -245,9 +250,10 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   CPU, float32) the layer is read back with a dynamic slice for
   :func:`layers.attention`.
 
-  ``layer_end`` (with :data:`FUSED_LAYER_END`, from :func:`forward`): ``(x, buffer, w_next, noise_next)``,
-  this layer's normed input and zeroed accumulator (made by the previous layer's end) and the next norm's
-  weight and noise stacks; the layer then returns ``(h, x_next, buffer_next)`` in place of ``h``.
+  ``layer_end`` (with :data:`FUSED_LAYER_END`, from :func:`forward`): ``(x, buffer, w_next, noise_next, w_post,
+  noise_post)``, this layer's normed input and zeroed accumulator (made by the previous layer's end), the next
+  norm's weight and noise stacks, and with :data:`FUSED_POST_ATTENTION` the post-attention norm's (else None);
+  the layer then returns ``(h, x_next, buffer_next)`` in place of ``h``.
   """
   b, t, _ = h.shape
   eps = cfg.rms_norm_eps
@@ -315,7 +321,8 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
 
 
 def _end_of(layer_end, kv):
-  """``(w_next, noise_next, layer index)`` for :func:`_after_attention` from ``_layer``'s ``layer_end``."""
+  """``(w_next, noise_next, w_post, noise_post, layer index)`` for :func:`_after_attention` from ``_layer``'s
+  ``layer_end``."""
   return None if layer_end is None else (*layer_end[2:], kv[2])
 
 
@@ -352,16 +359,26 @@ def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None, layer_end=None
   """The rest of a layer after attention ``o [B, T, H * hd]``: the o projection and the
   residual, then the MLP and its residual. Returns the new ``h``. With ``acc`` (a decode step's
   :class:`layers.Accumulator`) the 4-bit projections write into it. With ``layer_end = (w_next,
-  noise_next, layer)`` (:data:`FUSED_LAYER_END`) the last residual, the next norm and the next accumulator
-  come from one :func:`pallas_kernels.residual_norm.residual_rms_norm`: returns ``(h, x_next, buffer_next)``."""
+  noise_next, w_post, noise_post, layer)`` (:data:`FUSED_LAYER_END`) the last residual, the next norm and the
+  next accumulator come from one :func:`pallas_kernels.residual_norm.residual_rms_norm` (and with ``w_post``
+  the o residual and the post-attention norm from another): returns ``(h, x_next, buffer_next)``."""
   eps = cfg.rms_norm_eps
   attn, la = lp["attn"], ll.get("attn", {})
   mlp, lm = lp["mlp"], ll.get("mlp", {})
-  y, acc = _linear_into(attn, la, "o", o, lora_scale, acc)
-  h = h + y
-
+  before = acc
+  y, bias, acc = layers.linear_f32_into(o, attn["o"], acc, bias=attn.get("o_bias"), lora=la.get("o"),
+                                        lora_scale=lora_scale)
   w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
-  x = layers.rms_norm(h, w_post, eps, nn.get("post_attn_norm"))
+  finished = bias is None and (la.get("o") is None or layers.adapter_in_kernel(o, attn["o"], la["o"], lora_scale))
+  if (layer_end is not None and layer_end[2] is not None and "post_attn_norm" not in ll and finished
+      and before is not None and acc is not before):  # FUSED_POST_ATTENTION: o read in place from its region
+    b, t, d = h.shape
+    h, x = residual_norm.residual_rms_norm(h.reshape(b * t, d), acc.buffer, acc.offset - y.size, layer_end[2],
+                                           layer_end[4], eps, layer_end[3])
+    h, x = h.reshape(b, t, d), x.reshape(b, t, d)
+  else:
+    h = h + layers.finish_linear(y, bias, attn["o"], o.dtype)
+    x = layers.rms_norm(h, w_post, eps, nn.get("post_attn_norm"))
   if acc is not None:
     # h is read again by the layer's last residual. Without the barrier XLA recomputes h + y there
     # (fusing the add into both consumers), reading o's region after the next projections wrote
@@ -379,7 +396,7 @@ def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None, layer_end=None
     u, acc = _linear_into(mlp, lm, "up", x, lora_scale, acc)
   y = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(h.dtype)
   if layer_end is not None:
-    return _fused_layer_end(cfg, lora_scale, h, y, mlp, lm, acc, *layer_end)
+    return _fused_layer_end(cfg, lora_scale, h, y, mlp, lm, acc, *layer_end[:2], layer_end[4])
   y, acc = _linear_into(mlp, lm, "down", y, lora_scale, acc)
   return h + y
 
@@ -565,9 +582,10 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
 def _layer_end_inputs(cfg, base, scanned, stacked, lay_lora, noise, h, decode):
   """What :data:`FUSED_LAYER_END` needs for a decode step, or None where it does not apply (the setting off, not
   a decode step, no accumulator, an adapter on the input norm, the kernel not here): ``(x0, buffer0, w_next,
-  noise_next)``, the first layer's normed input and zeroed accumulator, and the stacks ``[L, D]`` of the norm
-  that follows each layer (the next input norm, then the final norm; float32) and of its AQN noise (zero after
-  the last layer; None without noise)."""
+  noise_next, w_post, noise_post)``, the first layer's normed input and zeroed accumulator, the stacks ``[L, D]``
+  of the norm that follows each layer (the next input norm, then the final norm; float32) and of its AQN noise
+  (zero after the last layer; None without noise), and with :data:`FUSED_POST_ATTENTION` the post-attention
+  norm's weight and noise stacks (else None)."""
   b, t, d = h.shape
   if not FUSED_LAYER_END or decode is None or "input_norm" in lay_lora or not residual_norm.available():
     return None
@@ -582,7 +600,12 @@ def _layer_end_inputs(cfg, base, scanned, stacked, lay_lora, noise, h, decode):
   n_in = noise.get("input_norm")
   n_next = None if n_in is None else jnp.concatenate([n_in[1:].astype(jnp.float32), jnp.zeros((1, d), jnp.float32)])
   x0 = layers.rms_norm(h, w_in[0], cfg.rms_norm_eps, None if n_in is None else n_in[0])
-  return x0, jnp.zeros((acc.size,), jnp.float32), w_next, n_next
+  w_post = n_post = None
+  if FUSED_POST_ATTENTION:  # the post-attention norm's stacks, read in place by that kernel
+    w_post, n_post = base["layers"]["post_attn_norm"], noise.get("post_attn_norm")
+    if not residual_norm.applies(h.reshape(b * t, d), w_post, n_post):
+      w_post = n_post = None
+  return x0, jnp.zeros((acc.size,), jnp.float32), w_next, n_next, w_post, n_post
 
 
 def lm_head_logits(cfg: ModelConfig, base: dict, hidden: jax.Array) -> jax.Array:
