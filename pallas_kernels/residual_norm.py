@@ -45,14 +45,9 @@ def reference(h: jax.Array, y: jax.Array, weight: jax.Array, eps: float, noise=N
   Returns:
     ``(h + y, x)``, both ``[B, D]`` in ``h``'s dtype.
   """
+  from qerl_jax.models import layers  # (lazily: the decoder imports this module)
   h = h + y.astype(h.dtype)
-  hf = h.astype(jnp.float32)
-  var = jnp.mean(jnp.square(hf), axis=-1, keepdims=True)
-  normed = (hf * jax.lax.rsqrt(var + eps)).astype(h.dtype)
-  w = weight.astype(jnp.float32)
-  if noise is not None:
-    w = w + noise.astype(jnp.float32)
-  return h, (w * normed.astype(jnp.float32)).astype(h.dtype)
+  return h, layers.rms_norm(h, weight, eps, noise)
 
 
 def available() -> bool:
