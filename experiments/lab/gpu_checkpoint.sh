@@ -114,7 +114,8 @@
 #     (Session 22 ran it: docs/benchmarks.md "Session 22"; both on since.)
 # 31. (session 22) SwiGLU in the down kernel's prologue (w4_gluon.SWIGLU_IN_KERNEL, on): every GPU test, a batch-8
 #     A/B at 512 new tokens (off / on, two alternations), then issue 6's batch-8 row at 2048 new tokens (about 8 minutes).
-#     (Session 22 ran it: slower, 2.22 / 2.22 against 2.21 / 2.21 ms; the setting and its kernel path are removed.)
+#     (Session 22 ran it at 90e6b86: slower, 2.22 / 2.22 against 2.21 / 2.21 ms; the setting, its kernel path and
+#     this step's code are removed.)
 # 32. (session 22) the decode step without the post-attention optimization barrier (decoder.POST_ATTENTION_BARRIER, lab):
 #     batch 8 and 16 at 512 new tokens, on / off, two alternations (about 3 minutes). (Session 22 ran it: without
 #     the barrier 2.26 / 2.26 against 2.20 / 2.22 ms at batch 8, 2.74 / 2.75 against 2.68 / 2.68 at 16; the
@@ -230,13 +231,6 @@ step 30 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -
     GL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=32 --new_tokens=512 \
       --formats=nvfp4_fused --lora_rank=32 --aqn --time_budget_s=80 2>&1 | grep "w4_gluon\.\|nvfp4_fused+"; done; } \
   | tee "$OUT/lora_xa.txt"
-step 31 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -n 10 -m gpu tests -p no:cacheprovider 2>&1 | tail -4
-  for s in "SWIGLU_IN_KERNEL=0" "" "SWIGLU_IN_KERNEL=0" ""; do
-    GL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=512 \
-      --formats=nvfp4_fused --time_budget_s=60 2>&1 | grep "w4_gluon\.\|nvfp4_fused |"; done
-  timeout 200 python3 experiments/bench_rollout.py --batches=8 --new_tokens=2048 --formats=nvfp4_fused,bf16_fused \
-    --time_budget_s=150 --out="$OUT/issue6_b8" > "$OUT/issue6_b8.log" 2>&1; grep "|\|x$" "$OUT/issue6_b8.log"; } \
-  | tee "$OUT/swiglu.txt"
 step 34 && { timeout 330 python3 experiments/bench_rollout.py --batches=8,64 --new_tokens=2048 \
     --formats=nvfp4_fused,bf16_fused --time_budget_s=300 --out="$OUT/issue6" > "$OUT/issue6.log" 2>&1
   grep "|\|x$" "$OUT/issue6.log"; }
