@@ -414,6 +414,13 @@ def accumulate_applies(x: jax.Array, w, index=None) -> bool:
   return gluon_enabled() and w4_gluon.into_applies(x2d, w, index)
 
 
+def _lora_rows_shape(x, xa) -> tuple:
+  """``xa``'s shape with its row dims flattened, as the Gluon kernel takes it: ``[M, R]``, or ``[S, M, R]`` for
+  :func:`pallas_kernels.w4_gluon.lora_xa`'s float32 partial products ``[S, ..., R]`` (one more dim than ``x``)."""
+  lead = xa.shape[:1] if xa.dtype == jnp.float32 and xa.ndim == x.ndim + 1 else ()
+  return (*lead, int(np.prod(xa.shape[len(lead):-1])), xa.shape[-1])
+
+
 def accumulate_lora_applies(x: jax.Array, w, index, lora) -> bool:
   """Whether :func:`quantized_matmul_into` also adds ``lora = (xa [..., R], b, scale)`` in its kernel:
   :func:`accumulate_applies` and :func:`pallas_kernels.w4_gluon.lora_into_applies` (``b`` bf16 ``[R, N]``, or
@@ -425,12 +432,8 @@ def accumulate_lora_applies(x: jax.Array, w, index, lora) -> bool:
   if not accumulate_applies(x, w, index):
     return False
   xa, b, scale = lora
-  rows = int(np.prod(x.shape[:-1]))
-  x2d = jax.ShapeDtypeStruct((rows, x.shape[-1]), x.dtype)
-  lead = (xa.shape[0],) if xa.dtype == jnp.float32 and xa.ndim == x.ndim + 1 else ()  # lora_xa's partials
-  xa2d = jax.ShapeDtypeStruct((*lead, rows, xa.shape[-1]) if lead else (int(np.prod(xa.shape[:-1])), xa.shape[-1]),
-                              xa.dtype)
-  return w4_gluon.lora_into_applies(x2d, w, index, (xa2d, b, scale))
+  x2d = jax.ShapeDtypeStruct((int(np.prod(x.shape[:-1])), x.shape[-1]), x.dtype)
+  return w4_gluon.lora_into_applies(x2d, w, index, (jax.ShapeDtypeStruct(_lora_rows_shape(x, xa), xa.dtype), b, scale))
 
 
 def quantized_matmul_into(x: jax.Array, w, acc: jax.Array | None, offset: int, *, index=None,
@@ -465,8 +468,7 @@ def quantized_matmul_into(x: jax.Array, w, acc: jax.Array | None, offset: int, *
   k, n = w.shape
   if lora is not None:
     xa, b, scale = lora
-    parts = xa.dtype == jnp.float32 and xa.ndim == x.ndim + 1  # lora_xa's partial products [S, ..., R]
-    lora = (xa.reshape(xa.shape[0], -1, xa.shape[-1]) if parts else xa.reshape(-1, xa.shape[-1]), b, scale)
+    lora = (xa.reshape(_lora_rows_shape(x, xa)), b, scale)
   y, acc = w4_gluon.forward_into(x.reshape(-1, k), w, acc, offset,
                                  index=None if index is None else jnp.asarray(index, jnp.int32), size=size,
                                  lora=lora)
