@@ -229,6 +229,14 @@ def _new_accumulator(cfg, rows, lp, ll, kv, decode, dtype):
                                        lp["mlp"]["down"]], dtype)
 
 
+def _region_finished(x, w, lora, lora_scale, bias, before, after) -> bool:
+  """Whether a projection of ``x`` by ``w`` ran into the accumulator (``after`` advanced past ``before``, see
+  :func:`layers.linear_f32_into`) and its region holds the finished product, for a kernel to read in place: no
+  bias left to add, and no adapter or one the 4-bit kernel added (:func:`layers.adapter_in_kernel`)."""
+  return (before is not None and after is not before and bias is None
+          and (lora is None or layers.adapter_in_kernel(x, w, lora, lora_scale)))
+
+
 def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, write_at, q_chunk,
            decode=None, layer_end=None):
   """One decoder layer.
@@ -278,8 +286,8 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
     if bias is not None and isinstance(bias_stack, layers.StackedWeight):
       bias = bias_stack.tensor
     qkv = y.reshape(b, -1)
-    finished = la.get("qkv") is None or layers.adapter_in_kernel(x, attn["qkv"], la.get("qkv"), lora_scale)
-    if before is not None and acc is not before and before.offset == 0 and finished:
+    # (the bias goes to the kernel apart)
+    if _region_finished(x, attn["qkv"], la.get("qkv"), lora_scale, None, before, acc) and before.offset == 0:
       qkv = acc.buffer
     o, kc, vc = decode_attn.decode_attention_append(qkv, bias, kc, vc, li, *decode,
                                                     num_heads=cfg.num_heads, dtype=x.dtype)
@@ -369,9 +377,9 @@ def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None, layer_end=None
   y, bias, acc = layers.linear_f32_into(o, attn["o"], acc, bias=attn.get("o_bias"), lora=la.get("o"),
                                         lora_scale=lora_scale)
   w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
-  finished = bias is None and (la.get("o") is None or layers.adapter_in_kernel(o, attn["o"], la["o"], lora_scale))
-  if (layer_end is not None and layer_end[2] is not None and "post_attn_norm" not in ll and finished
-      and before is not None and acc is not before):  # FUSED_POST_ATTENTION: o read in place from its region
+  if (layer_end is not None and layer_end[2] is not None and "post_attn_norm" not in ll
+      and _region_finished(o, attn["o"], la.get("o"), lora_scale, bias, before, acc)):
+    # FUSED_POST_ATTENTION: o read in place from its region
     b, t, d = h.shape
     h, x = residual_norm.residual_rms_norm(h.reshape(b * t, d), acc.buffer, acc.offset - y.size, layer_end[2],
                                            layer_end[4], eps, layer_end[3])
@@ -409,9 +417,7 @@ def _fused_layer_end(cfg, lora_scale, h, x, mlp, lm, acc, w_next, noise_next, li
   before = acc
   y, bias, acc = layers.linear_f32_into(x, mlp["down"], acc, bias=mlp.get("down_bias"), lora=lm.get("down"),
                                         lora_scale=lora_scale)
-  finished = bias is None and (lm.get("down") is None or layers.adapter_in_kernel(x, mlp["down"], lm["down"],
-                                                                                  lora_scale))
-  if finished and before is not None and acc is not before:
+  if _region_finished(x, mlp["down"], lm.get("down"), lora_scale, bias, before, acc):
     src, offset = acc.buffer, acc.offset - y.size
   else:  # the product with its bias or XLA's adapter delta, as finish_linear adds them (float32)
     src, offset = (y if bias is None else layers.finish_linear(y, bias, mlp["down"], jnp.float32)).reshape(-1), 0
@@ -592,8 +598,9 @@ def _layer_end_inputs(cfg, base, scanned, stacked, lay_lora, noise, h, decode):
   w_in = base["layers"]["input_norm"]
   if not residual_norm.applies(h.reshape(b * t, d), w_in):
     return None
-  lp0 = _bind_stacked(jax.tree.map(lambda v: v[0], scanned), stacked, np.int32(0))
-  acc = _new_accumulator(cfg, b * t, lp0, jax.tree.map(lambda v: v[0], lay_lora), (None, None, 0), decode, h.dtype)
+  layer0 = lambda tree: jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), tree)  # (shapes only)
+  acc = _new_accumulator(cfg, b * t, _bind_stacked(layer0(scanned), stacked, np.int32(0)), layer0(lay_lora),
+                         (None, None, 0), decode, h.dtype)
   if acc is None:
     return None
   w_next = jnp.concatenate([w_in[1:].astype(jnp.float32), base["final_norm"][None].astype(jnp.float32)])
