@@ -104,3 +104,14 @@ def time_against_tuned(variants: dict, ms) -> None:
   print("\nsummed over the four 7B shapes (µs):")
   for m in ms:
     print(f"M={m:2d} " + " | ".join(f"{key} {v:6.1f}" for (mm, key), v in totals.items() if mm == m), flush=True)
+
+
+def set_module_settings(env: str, module) -> None:
+  """Replaces ``module``'s settings from the environment variable ``env``, ``"NAME=int,NAME=int"`` (the lab
+  scripts' ``GL_SET`` / ``MODEL_SET`` / ``DA_SET``), printing each; exits naming a setting the module lacks."""
+  for assign in filter(None, os.environ.get(env, "").split(",")):
+    name, value = assign.split("=")
+    if not hasattr(module, name):
+      raise SystemExit(f"{module.__name__} has no setting {name}")
+    setattr(module, name, int(value))
+    print(f"{module.__name__}.{name} = {int(value)}", flush=True)

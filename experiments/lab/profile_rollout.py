@@ -25,12 +25,9 @@ import bench_rollout as br
 from qerl_jax import models, sampling, xla_flags
 xla_flags.apply_recommended()  # the launchers' GPU flags (bench_rollout's main is not run here)
 from qerl_jax.models import decoder
-for _assign in filter(None, os.environ.get("PROFILE_MODEL_SET", "").split(",")):
-  _name, _value = _assign.split("=")
-  if not hasattr(decoder, _name):
-    raise SystemExit(f"qerl_jax.models.decoder has no setting {_name}")
-  setattr(decoder, _name, int(_value))
-  print(f"qerl_jax.models.decoder.{_name} = {int(_value)}", flush=True)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/lab
+from labcommon import set_module_settings
+set_module_settings("PROFILE_MODEL_SET", decoder)
 
 def profile(fmt, batch, new_tokens, out, rank=0, aqn=False):
   cfg = models.ModelConfig.from_hf(br.QWEN25_7B)

@@ -15,16 +15,13 @@ import os
 import runpy
 import sys
 
-from pallas_kernels import decode_attention, w4_gluon
-from qerl_jax.models import decoder
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # experiments/lab
+from labcommon import set_module_settings  # noqa: E402
+from pallas_kernels import decode_attention, w4_gluon  # noqa: E402
+from qerl_jax.models import decoder  # noqa: E402
 
 for env, module in (("GL_SET", w4_gluon), ("MODEL_SET", decoder), ("DA_SET", decode_attention)):
-  for assign in filter(None, os.environ.get(env, "").split(",")):
-    name, value = assign.split("=")
-    if not hasattr(module, name):
-      raise SystemExit(f"{module.__name__} has no setting {name}")
-    setattr(module, name, int(value))
-    print(f"{module.__name__}.{name} = {int(value)}", flush=True)
+  set_module_settings(env, module)
 if os.environ.get("GL_NO_ZERO") == "1":
   _attrs = w4_gluon._launch_attrs
   w4_gluon._launch_attrs = lambda *a, **k: _attrs(*a, **{**k, "zero_results": False})
