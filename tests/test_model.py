@@ -350,7 +350,7 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   layer stack read at the call's index, as the Gluon kernel does): the same logits, and every
   projection with an adapter passes it. With ``"xa"`` (w4_gluon.LORA_XA) x @ A comes as float32 partial
   products from a stand-in of w4_gluon.lora_xa, which gets the adapters' A stacks and the layer index.
-  With ``"layer_end"`` (decoder.FUSED_LAYER_END, lab; AQN noise on the norms) each layer ends with a stand-in
+  With ``"layer_end"`` (decoder.FUSED_LAYER_END; AQN noise on the norms) each layer ends with a stand-in
   of pallas_kernels.residual_norm.residual_rms_norm: the residual add of the down-projection read from its
   region (or, with an adapter XLA adds, from the product XLA finished), the next input norm (the final norm
   after the last layer) and the next layer's zeroed buffer, which that layer's projections then use: the

@@ -134,7 +134,7 @@ def test_gpu_matches_float64(b, d, noise, weight_dtype, zero_size):
 @pytest.mark.parametrize("with_lora,post_attention", [(False, False), (True, False), (False, True), (True, True)])
 def test_gpu_decode_steps_with_the_fused_layer_end_match_xla(monkeypatch, with_lora, post_attention):
   """A decode step of a small NVFP4 model with AQN noise on its norms: with each layer ending in the fused kernel
-  (decoder.FUSED_LAYER_END, lab) the logits equal XLA's residual add, norm and memset (the setting off) up to the
+  (decoder.FUSED_LAYER_END) the logits equal XLA's residual add, norm and memset (the setting off) up to the
   kernel's rsqrt and the atomics' order, and the kernel ran with the next-norm stacks and a buffer of the
   accumulator's size. With a LoRA adapter (its up-projection added by the 4-bit kernel), the same; with
   FUSED_POST_ATTENTION too, the same, and the kernel also ran once a layer trace without a buffer."""

@@ -130,13 +130,15 @@
 #     session 13: NVFP4 2.66 -> 2.62 ms, bf16 4.47 -> 4.34 at batch 8, not adopted untested): every GPU test under
 #     it, then batch 8 and 64 at 512 new tokens, NVFP4 and bf16, without and with it (about 6 minutes).
 #     (Session 22 ran 35: all 181 GPU tests pass under it, both formats faster; in the launchers' flags since.)
-# 36. (session 22, prepared) the fused layer end (decoder.FUSED_LAYER_END, lab; pallas_kernels/residual_norm.py): the
+# 36. (session 22) the fused layer end (decoder.FUSED_LAYER_END, lab; pallas_kernels/residual_norm.py): the
 #     down-projection's residual add, the next input norm (+ AQN noise; the final norm after the last layer) and the
 #     next layer's zeroed accumulator in one kernel, where XLA runs a fusion (2.2 µs at batch 8) and the launcher a
 #     memset (1.3 µs); and with it decoder.FUSED_POST_ATTENTION (lab), the same kernel for the o residual and the
 #     post-attention norm. Their GPU tests, a batch 8 / 16 A/B at 512 new tokens (off / end / end + post, two
 #     alternations), and a batch-8 profile with both (about 8 minutes). Session 22's first version (the post-attention boundary, loads after
 #     the reduction) took 2.5-2.6 µs; this one issues every load first (offline PTX: no global load after the barrier).
+#     (Session 23 ran 36: all GPU tests pass; batch 8 2.17 / 2.17 ms against 2.18 / 2.20 with both, 2.19 / 2.19 with the
+#     layer end alone; 2.27 / 2.28 against 2.30 at 2048 tokens. Both on by default since.)
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".

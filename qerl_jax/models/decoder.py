@@ -38,17 +38,18 @@ FUSED_DECODE_ATTENTION = True
 # output and memset (for A/B measurements; both read at trace time).
 ACCUMULATE_DECODE = True
 ACCUMULATE_MAX_ROWS = 32
-# Lab (session 22; not yet run on a GPU): 1 ends each layer of an accumulating decode step with one kernel,
-# pallas_kernels.residual_norm: the residual add of the down-projection (read in place from the buffer), the
-# next layer's input norm (the final norm after the last layer) with its AQN noise, and the next layer's
-# accumulator zeroed, where XLA runs a fusion and the launcher a memset (2.2 + 1.3 µs a layer at batch 8,
-# session 22's profile). Read at trace time.
-FUSED_LAYER_END = 0
-# Lab (session 22; not yet run on a GPU; with FUSED_LAYER_END only): 1 also runs the o-projection's residual add and
-# the post-attention norm (+ AQN noise) as that kernel (no zeroed buffer), o read in place from the accumulator,
-# where XLA runs an add and a norm fusion (1.3 + 1.6 µs a layer at batch 8). Alone (session 22, 202370a) it lost:
-# XLA then materialized the previous layer's residual as its own add, which FUSED_LAYER_END's kernel now does.
-FUSED_POST_ATTENTION = 0
+# 1 ends each layer of an accumulating decode step with one kernel, pallas_kernels.residual_norm: the residual
+# add of the down-projection (read in place from the buffer), the next layer's input norm (the final norm after
+# the last layer) with its AQN noise, and the next layer's accumulator zeroed, where XLA runs a fusion and the
+# launcher a memset (2.2 + 1.3 µs a layer at batch 8). FUSED_POST_ATTENTION = 1 (with it) also runs the
+# o-projection's residual add and the post-attention norm (+ AQN noise) as that kernel (no zeroed buffer), o
+# read in place, where XLA runs an add and a norm fusion (1.3 + 1.6 µs). On an H200 (7B shape, NVFP4; session
+# 23, docs/benchmarks.md) both together: a batch-8 step 2.17 / 2.17 ms against 2.18 / 2.20 at 512 new tokens
+# (batch 16: 2.66 / 2.66 against 2.68 / 2.67), 2.27 / 2.28 against 2.30 at 2048. The post-attention kernel
+# alone lost (session 22, 202370a): XLA then materialized the previous layer's residual as its own add. 0 keeps
+# XLA's ops (for A/B measurements; read at trace time).
+FUSED_LAYER_END = 1
+FUSED_POST_ATTENTION = 1
 
 
 def _dtype(cfg: ModelConfig):
@@ -545,7 +546,7 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     lora_b, lay_lora = _split_leaves(lay_lora, in_place_b) if stacked and layers.LORA_EPILOGUE else ({}, lay_lora)
   else:
     stacked, scanned, lora_b = {}, base["layers"], {}
-  # FUSED_LAYER_END (lab): each layer's end makes the next layer's normed input and zeroed accumulator
+  # FUSED_LAYER_END: each layer's end makes the next layer's normed input and zeroed accumulator
   end = _layer_end_inputs(cfg, base, scanned, stacked, lay_lora, noise, h, decode) if cache is not None else None
 
   def body(carry, xs):
