@@ -412,11 +412,22 @@ def reference_append(qkv_BxN, bias_N, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask
   return out, k_LxBxSxKxD, v_LxBxSxKxD
 
 
+# decode_attention_append's launch defaults (read at trace time; module settings so that a rollout A/B can set
+# them: experiments/lab/gluon/ab_rollout.py DA_SET=...). Session 23's sweep (H200, 7B shape, NVFP4, batch 8,
+# 2048 new tokens: 12 splits of 3 blocks; docs/benchmarks.md) found these best: a step took 2.28 ms, against
+# 2.30 with 9 splits of 4 blocks (target 264), 2.40 with 5 (132), 2.34-2.35 with 18 (1056), 2.44 with 36 (2112),
+# 2.29 with blocks of 128, 2.32 with 8 warps, 2.28 with 3 stages.
+APPEND_BLOCK_S = 64
+APPEND_TARGET_PROGRAMS = 528
+APPEND_WARPS = 4
+APPEND_STAGES = 2
+
+
 def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: jax.Array, layer,
                             slot_mask_BxS: jax.Array, length, cos_BxR: jax.Array, sin_BxR: jax.Array, *,
-                            num_heads: int, dtype=jnp.bfloat16, backend: str = "auto", block_s: int = 64,
-                            splits: int | None = None, target_programs: int = 528, num_warps: int = 4,
-                            num_stages: int = 2):
+                            num_heads: int, dtype=jnp.bfloat16, backend: str = "auto", block_s: int | None = None,
+                            splits: int | None = None, target_programs: int | None = None,
+                            num_warps: int | None = None, num_stages: int | None = None):
   """A decode step's attention from the q/k/v projection's float32 output, appending to the cache in place.
 
   In one kernel: ``y = qkv + bias`` (float32) rounded to ``dtype`` and split into
@@ -446,7 +457,8 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
     num_heads: ``H``, a multiple of ``Hkv``.
     dtype: the compute dtype q, k and v are rounded to (the model's).
     backend, block_s, splits, target_programs, num_warps, num_stages: as :func:`decode_attention`;
-      ``"auto"`` runs the kernel on a GPU for a 16-bit ``dtype``.
+      ``"auto"`` runs the kernel on a GPU for a 16-bit ``dtype``. None takes the module's
+      :data:`APPEND_BLOCK_S`, :data:`APPEND_TARGET_PROGRAMS`, :data:`APPEND_WARPS`, :data:`APPEND_STAGES`.
 
   Returns:
     ``(out [B, H, hd] in dtype, k cache, v cache)``, the caches with slot ``length - 1`` of
@@ -458,6 +470,10 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
       ``block_s``, an unknown backend, or ``backend="pallas"`` with ``hd < APPEND_MIN_HEAD_DIM``
       (``"auto"`` runs the reference there).
   """
+  block_s = APPEND_BLOCK_S if block_s is None else block_s
+  target_programs = APPEND_TARGET_PROGRAMS if target_programs is None else target_programs
+  num_warps = APPEND_WARPS if num_warps is None else num_warps
+  num_stages = APPEND_STAGES if num_stages is None else num_stages
   num_layers, b, s, kh, d = _check_cache_args(k_LxBxSxKxD, v_LxBxSxKxD, slot_mask_BxS, backend, block_s)
   if num_heads % kh:
     raise ValueError(f"{num_heads} query heads are not a multiple of {kh} KV heads")

@@ -197,6 +197,36 @@ def test_append_kernel_other_head_shapes():
   np.testing.assert_allclose(np.asarray(kc, np.float64), ref_k, rtol=2e-2, atol=2e-2)
 
 
+def test_append_launch_defaults_are_the_module_settings(monkeypatch):
+  """With block_s / target_programs left unset, decode_attention_append takes the module's APPEND_* settings
+  (what a rollout A/B sets): the grid's split count follows them, the result still matches float64, and a bad
+  setting is refused as the argument would be."""
+  c, heads, pos, inv_freq = _append_case(41)
+  length = 41
+  c["slot_mask_BxS"] = c["slot_mask_BxS"].at[:, length - 1].set(True)
+  ref_out, _, _ = _np_append(c, heads, pos, inv_freq, 1, length)
+  slots = c["k_LxBxSxKxD"].shape[2]
+
+  def grid_of():
+    jaxpr = jax.make_jaxpr(lambda c: da.decode_attention_append(**c, layer=1, length=length, num_heads=heads,
+                                                                  backend="interpret"))(c)
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    return tuple(eqn.params["grid_mapping"].grid)
+
+  b, kh = c["k_LxBxSxKxD"].shape[1], c["k_LxBxSxKxD"].shape[3]
+  for block_s, target in ((16, 1), (16, 10_000), (32, 10_000)):
+    monkeypatch.setattr(da, "APPEND_BLOCK_S", block_s)
+    monkeypatch.setattr(da, "APPEND_TARGET_PROGRAMS", target)
+    # splits by hand: 1 program per (row, KV head) at target 1; one block each at a large target
+    want = 1 if target == 1 else -(-slots // block_s)
+    assert grid_of() == (b, kh, want)
+    out, _, _ = da.decode_attention_append(**c, layer=1, length=length, num_heads=heads, backend="interpret")
+    assert _rel(out, ref_out) < 2e-2
+  monkeypatch.setattr(da, "APPEND_BLOCK_S", 48)
+  with pytest.raises(ValueError, match="block_s must be a power of 2"):
+    grid_of()
+
+
 @pytest.mark.parametrize("backend", ["interpret", "reference"])
 def test_append_reads_qkv_from_a_buffer_head_and_the_layer_of_a_bias_stack(backend):
   """q/k/v as the head of a 1-D float32 buffer (a decode step's accumulator; NaN after it) and the
