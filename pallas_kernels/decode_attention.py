@@ -160,9 +160,8 @@ def _rounded(a, dtype):
 
 
 def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, layer_ref, length_ref,
-                   o_ref, m_ref, l_ref, k_out_ref, v_out_ref, *combined_refs, batch, heads, heads_kv, group, group_pad,
-                   slots, head_dim, block_s, chunk, num_layers, dtype, bias_stacked=False, nsplit=1, counters_at=None,
-                   interpret=False):
+                   o_ref, m_ref, l_ref, k_out_ref, v_out_ref, *, batch, heads, heads_kv, group, group_pad, slots,
+                   head_dim, block_s, chunk, num_layers, dtype, bias_stacked=False):
   b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   layer = jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
   length = length_ref[0]
@@ -223,42 +222,6 @@ def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, 
   o_ref[split, b, kvh] = acc
   m_ref[split, b, kvh] = m
   l_ref[split, b, kvh] = l
-  if counters_at is not None:
-    _combine_if_last(*combined_refs, o_ref, m_ref, l_ref, b, kvh, heads=heads, heads_kv=heads_kv, group=group,
-                     group_pad=group_pad, head_dim=head_dim, nsplit=nsplit, counters_at=counters_at, dtype=dtype,
-                     interpret=interpret)
-
-
-def _combine_if_last(out_ref, buf_ref, o_ref, m_ref, l_ref, b, kvh, *, heads, heads_kv, group, group_pad, head_dim,
-                     nsplit, counters_at, dtype, interpret):
-  """The split combine in the kernel: each program of ``(b, kvh)`` adds 1 to its float32 counter (element
-  ``counters_at + b * Hkv + kvh`` of the buffer ``buf_ref``, viewed ``[rows, hd]``; zero before the launch) after
-  storing its partials; the one that finds ``nsplit - 1`` there is the last, and merges every split's partials
-  as :func:`_combine` does (the same order of operations) into rows ``kvh * G ..`` of row ``b`` of ``out_ref``
-  ``[B * H, hd]``. The atomic is acquire-release at GPU scope (Pallas's default), after a CTA barrier, so the
-  last program's loads (volatile: not from a stale L1 line) see every split's stores."""
-  if not interpret:  # every thread's partial stores before the (one thread's) release
-    plgpu.debug_barrier()
-  c = counters_at + b * heads_kv + kvh
-  seen = plgpu.atomic_add(buf_ref, (jnp.asarray(c // head_dim, jnp.int32), jnp.asarray(c % head_dim, jnp.int32)),
-                          jnp.ones((), jnp.float32))
-
-  @pl.when(seen == nsplit - 1)
-  def _():
-    ld = lambda ref, i: plgpu.load(ref.at[jnp.asarray(i, jnp.int32), b, kvh], volatile=not interpret)
-    ms = [ld(m_ref, i) for i in range(nsplit)]
-    top = ms[0]
-    for i in range(1, nsplit):
-      top = jnp.maximum(top, ms[i])
-    w = [jnp.exp(ms[i] - top) for i in range(nsplit)]
-    den = w[0] * ld(l_ref, 0)
-    num = w[0][:, None] * ld(o_ref, 0)
-    for i in range(1, nsplit):
-      den = den + w[i] * ld(l_ref, i)
-      num = num + w[i][:, None] * ld(o_ref, i)
-    out = num / jnp.where(den > 0, den, 1.0)[:, None]
-    in_group = (jnp.arange(group_pad) < group)[:, None]
-    plgpu.store(out_ref.at[pl.ds(b * heads + kvh * group, group_pad), :], out.astype(dtype), mask=in_group)
 
 
 def _choose_splits(batch: int, heads_kv: int, slots: int, block_s: int, target_programs: int) -> int:
@@ -464,8 +427,7 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
                             slot_mask_BxS: jax.Array, length, cos_BxR: jax.Array, sin_BxR: jax.Array, *,
                             num_heads: int, dtype=jnp.bfloat16, backend: str = "auto", block_s: int | None = None,
                             splits: int | None = None, target_programs: int | None = None,
-                            num_warps: int | None = None, num_stages: int | None = None,
-                            counters_at: int | None = None):
+                            num_warps: int | None = None, num_stages: int | None = None):
   """A decode step's attention from the q/k/v projection's float32 output, appending to the cache in place.
 
   In one kernel: ``y = qkv + bias`` (float32) rounded to ``dtype`` and split into
@@ -497,15 +459,10 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
     backend, block_s, splits, target_programs, num_warps, num_stages: as :func:`decode_attention`;
       ``"auto"`` runs the kernel on a GPU for a 16-bit ``dtype``. None takes the module's
       :data:`APPEND_BLOCK_S`, :data:`APPEND_TARGET_PROGRAMS`, :data:`APPEND_WARPS`, :data:`APPEND_STAGES`.
-    counters_at: static int, only with a 1-D ``qkv_BxN`` buffer and the kernel backends (lab, session 23): the
-      splits are combined in the kernel, not by XLA afterwards. Elements ``[counters_at, counters_at + B * Hkv)``
-      of the buffer must be zero (past the q/k/v head; a decode step's accumulator has them zeroed with the
-      rest); each program of a (row, KV head) adds 1.0 to its element there, and the last merges the partials.
 
   Returns:
     ``(out [B, H, hd] in dtype, k cache, v cache)``, the caches with slot ``length - 1`` of
-    layer ``layer`` written; with ``counters_at`` also the buffer (the same float32 ``[N]``, updated in
-    place: the counters hold the split count). The kernel's RoPE rounds each product and the sum to ``dtype``, as
+    layer ``layer`` written. The kernel's RoPE rounds each product and the sum to ``dtype``, as
     XLA's ``dtype`` arithmetic in :func:`qerl_jax.models.layers.rope`.
 
   Raises:
@@ -533,49 +490,31 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
     raise ValueError(f"bias must be [{n}] or a stack [L={num_layers}, {n}]; got {bias_N.shape}")
   if cos_BxR.shape != (b, d // 2) or sin_BxR.shape != (b, d // 2):
     raise ValueError(f"cos and sin must be [B={b}, hd / 2 = {d // 2}]; got {cos_BxR.shape} and {sin_BxR.shape}")
-  if counters_at is not None:
-    counters_at = int(counters_at)
-    if not head_of_buffer:
-      raise ValueError("counters_at needs qkv as a 1-D float32 buffer (the counters live in it)")
-    if counters_at < b * n or counters_at + b * kh > qkv_BxN.shape[0]:
-      raise ValueError(f"counters [{counters_at}, {counters_at + b * kh}) must lie past the q/k/v head "
-                       f"({b * n} elements) inside the buffer ({qkv_BxN.shape[0]} elements)")
   backend = _resolve_backend(backend, dtype, d, APPEND_MIN_HEAD_DIM, "decode_attention_append",
                              "its output is wrong below that")
   if backend == "reference":
-    out = reference_append(qkv_BxN, bias_N, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length,
-                           cos_BxR, sin_BxR, num_heads=num_heads, dtype=dtype)
-    return out if counters_at is None else (*out, qkv_BxN)
+    return reference_append(qkv_BxN, bias_N, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length,
+                            cos_BxR, sin_BxR, num_heads=num_heads, dtype=dtype)
 
   g, g_pad, block_s, nsplit, chunk = _geometry(b, num_heads, kh, s, block_s, splits, target_programs)
   kernel = functools.partial(_append_kernel, batch=b, heads=num_heads, heads_kv=kh, group=g, group_pad=g_pad,
                              slots=s, head_dim=d, block_s=block_s, chunk=chunk, num_layers=num_layers,
-                             dtype=jnp.dtype(dtype), bias_stacked=bias_N is not None and bias_N.ndim == 2,
-                             nsplit=nsplit, counters_at=counters_at, interpret=backend == "interpret")
+                             dtype=jnp.dtype(dtype), bias_stacked=bias_N is not None and bias_N.ndim == 2)
   flat = (num_layers * b * s, kh * d)
-  qkv = qkv_BxN.astype(jnp.float32).reshape(-1, d)
   out_shape = (jax.ShapeDtypeStruct((nsplit, b, kh, g_pad, d), jnp.float32),
                jax.ShapeDtypeStruct((nsplit, b, kh, g_pad), jnp.float32),
                jax.ShapeDtypeStruct((nsplit, b, kh, g_pad), jnp.float32),
                jax.ShapeDtypeStruct(flat, k_LxBxSxKxD.dtype), jax.ShapeDtypeStruct(flat, v_LxBxSxKxD.dtype))
-  aliases = {4: 3, 5: 4}
-  if counters_at is not None:  # the output, and the buffer updated in place (its counters)
-    out_shape += (jax.ShapeDtypeStruct((b * num_heads, d), jnp.dtype(dtype)), jax.ShapeDtypeStruct(qkv.shape, qkv.dtype))
-    aliases[0] = 6
   bias = jnp.zeros((n,), jnp.float32) if bias_N is None else bias_N
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
-    o, m, l, kc, vc, *combined = pl.pallas_call(
+    o, m, l, kc, vc = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(b, kh, nsplit), interpret=backend == "interpret",
-        input_output_aliases=aliases,
+        input_output_aliases={4: 3, 5: 4},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="decode_attention_append",
-    )(qkv, bias.reshape(-1, d),
+    )(qkv_BxN.astype(jnp.float32).reshape(-1, d), bias.reshape(-1, d),
       cos_BxR.astype(jnp.float32), sin_BxR.astype(jnp.float32),
       k_LxBxSxKxD.reshape(flat), v_LxBxSxKxD.reshape(flat), slot_mask_BxS.astype(jnp.int8),
       jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(length, jnp.int32).reshape(1))
-  kc, vc = kc.reshape(k_LxBxSxKxD.shape), vc.reshape(v_LxBxSxKxD.shape)
-  if counters_at is None:
-    return _combine(o, m, l, g, dtype), kc, vc
-  out, buffer = combined
-  return out.reshape(b, num_heads, d), kc, vc, buffer.reshape(qkv_BxN.shape)
+  return _combine(o, m, l, g, dtype), kc.reshape(k_LxBxSxKxD.shape), vc.reshape(v_LxBxSxKxD.shape)

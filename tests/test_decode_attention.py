@@ -197,52 +197,6 @@ def test_append_kernel_other_head_shapes():
   np.testing.assert_allclose(np.asarray(kc, np.float64), ref_k, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("splits,length", [(3, 41), (5, 17), (1, 70)])
-def test_append_combines_splits_in_the_kernel_with_counters(splits, length):
-  """counters_at (lab): with q/k/v at the head of a float32 buffer and zeroed counters past it, the last program
-  of each (row, KV head) merges the splits' partials in the kernel. The output matches float64 and the XLA
-  combine's output; the q/k/v head comes back untouched, each counter holds the split count (every program
-  counted once), the rest of the buffer stays zero, and the caches equal the plain launch's."""
-  c, heads, pos, inv_freq = _append_case(length)
-  c["slot_mask_BxS"] = c["slot_mask_BxS"].at[:, length - 1].set(True)
-  b, kh, d = c["k_LxBxSxKxD"].shape[1], c["k_LxBxSxKxD"].shape[3], c["k_LxBxSxKxD"].shape[4]
-  head = c["qkv_BxN"].reshape(-1)
-  counters_at = head.size + d  # one row of hd past the head, as a gap
-  buf = jnp.concatenate([head, jnp.zeros((3 * d,), jnp.float32)])
-  kw = dict(layer=2, length=length, num_heads=heads, backend="interpret", block_s=16, splits=splits)
-  plain, kc0, vc0 = da.decode_attention_append(**c, **kw)
-  out, kc, vc, buf_out = da.decode_attention_append(**{**c, "qkv_BxN": buf}, **kw, counters_at=counters_at)
-  ref_out, _, _ = _np_append(c, heads, pos, inv_freq, 2, length)
-  assert out.shape == (b, heads, d) and out.dtype == jnp.bfloat16
-  assert _rel(out, ref_out) < 2e-2
-  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(plain, np.float32), rtol=1e-2, atol=1e-2)
-  nsplit = da._geometry(b, heads, kh, c["k_LxBxSxKxD"].shape[2], 16, splits, 528)[3]
-  got = np.asarray(buf_out)
-  np.testing.assert_array_equal(got[:head.size], np.asarray(head))
-  np.testing.assert_array_equal(got[counters_at:counters_at + b * kh], np.full(b * kh, nsplit, np.float32))
-  np.testing.assert_array_equal(got[head.size:counters_at], 0)
-  np.testing.assert_array_equal(got[counters_at + b * kh:], 0)
-  np.testing.assert_array_equal(np.asarray(kc, np.float32), np.asarray(kc0, np.float32))
-  np.testing.assert_array_equal(np.asarray(vc, np.float32), np.asarray(vc0, np.float32))
-  # the reference backend returns the buffer as given
-  *_, same = da.decode_attention_append(**{**c, "qkv_BxN": buf}, **{**kw, "backend": "reference"},
-                                        counters_at=counters_at)
-  assert same is buf
-
-
-def test_append_counters_errors_name_the_problem():
-  c, heads, _, _ = _append_case(3)
-  kw = dict(layer=0, length=10, num_heads=heads, backend="interpret")
-  with pytest.raises(ValueError, match="needs qkv as a 1-D float32 buffer"):
-    da.decode_attention_append(**c, **kw, counters_at=0)
-  head = c["qkv_BxN"].reshape(-1)
-  buf = jnp.concatenate([head, jnp.zeros((32,), jnp.float32)])
-  with pytest.raises(ValueError, match="past the q/k/v head"):
-    da.decode_attention_append(**{**c, "qkv_BxN": buf}, **kw, counters_at=head.size - 1)
-  with pytest.raises(ValueError, match="past the q/k/v head"):
-    da.decode_attention_append(**{**c, "qkv_BxN": buf}, **kw, counters_at=head.size + 30)
-
-
 def test_append_launch_defaults_are_the_module_settings(monkeypatch):
   """With block_s / target_programs left unset, decode_attention_append takes the module's APPEND_* settings
   (what a rollout A/B sets): the grid's split count follows them, the result still matches float64, and a bad
@@ -379,34 +333,6 @@ def test_gpu_append_kernel_matches_reference_at_7b_shape():
     assert _rel(out, np.asarray(ref, np.float64)) < 1e-2
     np.testing.assert_array_equal(np.asarray(kc, np.float32), np.asarray(rk, np.float32))
     np.testing.assert_array_equal(np.asarray(vc, np.float32), np.asarray(rv, np.float32))
-
-
-@pytest.mark.gpu
-def test_gpu_append_kernel_combines_splits_in_the_kernel_at_7b_shape():
-  """counters_at (lab) on the GPU, 7B heads at batch 8 and 2304 slots (12 splits): the in-kernel combine equals
-  XLA's combine of the same kernel's partials (the same formula; exp may differ in the last bits), the counters
-  hold the split count, the q/k/v head is untouched; 30 launches in a row give the same output each time (a
-  program that read a partial before its writer's store landed would show as a difference or a NaN)."""
-  c, heads, _, _ = _append_case(0, layers=3, batch=8, slots=2304, kv_heads=4, group=7, dim=128)
-  head = c["qkv_BxN"].reshape(-1)
-  buf0 = jnp.concatenate([head, jnp.zeros((128,), jnp.float32)])
-  nsplit = da._geometry(8, heads, 4, 2304, da.APPEND_BLOCK_S, None, da.APPEND_TARGET_PROGRAMS)[3]
-  assert nsplit > 1
-  for length in (1, 257, 2304):
-    args = dict(c, slot_mask_BxS=c["slot_mask_BxS"].at[:, length - 1].set(True))
-    plain, kc0, _ = da.decode_attention_append(**args, layer=2, length=length, num_heads=heads, backend="pallas")
-    run = jax.jit(lambda buf: da.decode_attention_append(**{**args, "qkv_BxN": buf}, layer=2, length=length,
-                                                         num_heads=heads, backend="pallas", counters_at=head.size))
-    outs = [run(buf0) for _ in range(30)]
-    out, kc, _, buf = outs[0]
-    assert np.isfinite(np.asarray(out, np.float32)).all()
-    assert _rel(out, np.asarray(plain, np.float64)) < 1e-3
-    for o in outs[1:]:
-      np.testing.assert_array_equal(np.asarray(o[0], np.float32), np.asarray(out, np.float32))
-    got = np.asarray(buf)
-    np.testing.assert_array_equal(got[:head.size], np.asarray(head))
-    np.testing.assert_array_equal(got[head.size:head.size + 32], np.full(32, nsplit, np.float32))
-    np.testing.assert_array_equal(np.asarray(kc, np.float32), np.asarray(kc0, np.float32))
 
 
 @pytest.mark.gpu

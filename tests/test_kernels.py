@@ -469,11 +469,6 @@ def test_kernels_lower_for_cuda_without_a_gpu(monkeypatch):
               y, bias, kc, vc, l, m, t, cos, sin, num_heads=14, backend="pallas"),
           sd((2, 18 * 64), jnp.float32), bf(18 * 64), bf(3, 2, 80, 2, 64), bf(3, 2, 80, 2, 64), i,
           sd((2, 80), jnp.int8), i, sd((2, 32), jnp.float32), sd((2, 32), jnp.float32)),
-      "decode attention append, splits combined in the kernel": (
-          lambda y, bias, kc, vc, l, m, t, cos, sin: da.decode_attention_append(
-              y, bias, kc, vc, l, m, t, cos, sin, num_heads=14, backend="pallas", counters_at=2 * 18 * 64),
-          sd((2 * 18 * 64 + 64,), jnp.float32), bf(18 * 64), bf(3, 2, 80, 2, 64), bf(3, 2, 80, 2, 64), i,
-          sd((2, 80), jnp.int8), i, sd((2, 32), jnp.float32), sd((2, 32), jnp.float32)),
   }
   for name, (fn, *args) in cases.items():
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

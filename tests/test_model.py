@@ -337,8 +337,7 @@ def test_config_defaults_and_errors():
                                                       (True, "fused", "xa"), (True, "per_part", False),
                                                       (False, "per_part", False), (True, None, "layer_end"),
                                                       (True, "fused", "layer_end"), (True, None, "post_attention"),
-                                                      (True, "fused", "post_attention"), (True, None, "combine"),
-                                                      (True, "fused", "combine")])
+                                                      (True, "fused", "post_attention")])
 def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kernel):
   """The decode step's 4-bit projections run into one zeroed buffer a layer (layers.Accumulator),
   each in its own region. The kernel is replaced by an XLA stand-in that adds x @ W into its region
@@ -356,10 +355,7 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   region (or, with an adapter XLA adds, from the product XLA finished), the next input norm (the final norm
   after the last layer) and the next layer's zeroed buffer, which that layer's projections then use: the
   same logits. ``"post_attention"`` (with decoder.FUSED_POST_ATTENTION too) also runs the o residual and the
-  post-attention norm as that stand-in, o read from its region (not with an adapter on o that XLA adds).
-  ``"combine"`` (decoder.ATTENTION_COMBINE_IN_KERNEL, lab) has the interpret-mode attention kernel combine its
-  splits, counted in a zeroed tail of the buffer (one row of head_dim here), where q/k/v sit at its head: the
-  same logits, bit for bit."""
+  post-attention norm as that stand-in, o read from its region (not with an adapter on o that XLA adds)."""
   import pallas_kernels
   from pallas_kernels import decode_attention as da
   from pallas_kernels import residual_norm
@@ -391,7 +387,6 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
 
   monkeypatch.setattr(decoder, "FUSED_LAYER_END", int(fused_end))
   monkeypatch.setattr(decoder, "FUSED_POST_ATTENTION", int(in_kernel == "post_attention"))
-  monkeypatch.setattr(decoder, "ATTENTION_COMBINE_IN_KERNEL", int(in_kernel == "combine"))
   monkeypatch.setattr(residual_norm, "available", lambda: True)
   monkeypatch.setattr(residual_norm, "applies", lambda h, w, noise=None: True)
   monkeypatch.setattr(residual_norm, "residual_rms_norm", end_stand_in)
@@ -437,10 +432,8 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   assert not regions  # the switch turns it off
   monkeypatch.setattr(decoder, "ACCUMULATE_DECODE", True)
   qkv_ndim = []  # the append kernel reads q/k/v in place from the buffer's head unless an adapter delta is added
-  counters = []  # and with the in-kernel combine, where its counters are
   real_append = da.decode_attention_append
-  monkeypatch.setattr(da, "decode_attention_append", lambda *a, **k: qkv_ndim.append(a[0].ndim)
-                      or counters.append(k.get("counters_at")) or real_append(*a, **k))
+  monkeypatch.setattr(da, "decode_attention_append", lambda *a, **k: qkv_ndim.append(a[0].ndim) or real_append(*a, **k))
   into, _ = _decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
   assert qkv_ndim == ([] if lora_kind == "per_part" else [2] if lora_kind == "fused" and in_kernel not in (True, "xa")
                       else [1])
@@ -455,12 +448,7 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   sizes = [b * n for n in per_layer + [cfg.hidden_size]]
   assert [r[2] for r in regions] == sizes, regions
   assert [r[1] for r in regions] == list(np.cumsum([0] + sizes[:-1]))  # back to back from 0
-  # and they fill the buffer exactly; with the in-kernel combine a tail of one row of head_dim follows (b * Hkv
-  # counters, 8 here) when q/k/v sit at the head, and the attention kernel counts there
-  tail = cfg.head_dim if in_kernel == "combine" else 0
-  assert all(r[0] == sum(sizes) + tail for r in regions)
-  combined = in_kernel == "combine" and qkv_ndim == [1]
-  assert counters == ([sum(sizes) if combined else None] if qkv_ndim else [])
+  assert all(r[0] == sum(sizes) for r in regions)  # and they fill the buffer exactly
   # with the adapter in the kernel: q/k/v (q and v adapted), o, gate/up (up adapted) and down, B stacked [L, R, N]
   r = 4
   assert lora_calls == ([(cfg.num_layers, 2 * r, cfg.q_dim + 2 * cfg.kv_dim), (cfg.num_layers, r, cfg.hidden_size),

@@ -50,12 +50,6 @@ ACCUMULATE_MAX_ROWS = 32
 # XLA's ops (for A/B measurements; read at trace time).
 FUSED_LAYER_END = 1
 FUSED_POST_ATTENTION = 1
-# Lab (session 23; not yet run on a GPU): 1 has the fused decode-attention kernel combine its splits itself (the
-# last program of each row and KV head merges the partials, counted by atomics in a zeroed tail of the layer's
-# accumulator: decode_attention_append's counters_at), where XLA runs the combine as its own kernel (1.8-1.9 µs
-# a layer at batch 8, session 23's profile). Applies where q/k/v sit finished at the accumulator's head. Read at
-# trace time.
-ATTENTION_COMBINE_IN_KERNEL = 0
 
 
 def _dtype(cfg: ModelConfig):
@@ -231,18 +225,9 @@ def _new_accumulator(cfg, rows, lp, ll, kv, decode, dtype):
   if not (ACCUMULATE_DECODE and decode is not None and rows <= ACCUMULATE_MAX_ROWS):
     return None
   attn, la = lp["attn"], ll.get("attn", {})
-  fused = _fused_attention(cfg, attn, la, kv, decode, dtype)
-  acc = layers.new_accumulator(rows, [attn["qkv"] if fused else None, attn["o"],
-                                      *_mlp_in_weights(lp["mlp"], ll.get("mlp", {})), lp["mlp"]["down"]], dtype)
-  if acc is not None and fused and ATTENTION_COMBINE_IN_KERNEL:  # the attention kernel's counters, at the tail
-    acc = acc._replace(size=acc.size + _counter_elems(cfg, rows))
-  return acc
-
-
-def _counter_elems(cfg, rows: int) -> int:
-  """Elements of the accumulator's tail that :data:`ATTENTION_COMBINE_IN_KERNEL` reserves: one float32 counter a
-  row and KV head, padded to whole rows of ``head_dim`` (the attention kernel views the buffer ``[N / hd, hd]``)."""
-  return -(-rows * cfg.num_kv_heads // cfg.head_dim) * cfg.head_dim
+  return layers.new_accumulator(rows, [attn["qkv"] if _fused_attention(cfg, attn, la, kv, decode, dtype) else None,
+                                       attn["o"], *_mlp_in_weights(lp["mlp"], ll.get("mlp", {})),
+                                       lp["mlp"]["down"]], dtype)
 
 
 def _region_finished(x, w, lora, lora_scale, bias, before, after) -> bool:
@@ -305,13 +290,8 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
     # (the bias goes to the kernel apart)
     if _region_finished(x, attn["qkv"], la.get("qkv"), lora_scale, None, before, acc) and before.offset == 0:
       qkv = acc.buffer
-    # ATTENTION_COMBINE_IN_KERNEL: the splits' counters in the accumulator's zeroed tail, the buffer returned
-    counters = (dict(counters_at=acc.size - _counter_elems(cfg, b * t))
-                if ATTENTION_COMBINE_IN_KERNEL and acc is not None and qkv is acc.buffer else {})
-    o, kc, vc, *buffer = decode_attn.decode_attention_append(qkv, bias, kc, vc, li, *decode, num_heads=cfg.num_heads,
-                                                             dtype=x.dtype, **counters)
-    if buffer:
-      acc = acc._replace(buffer=buffer[0])
+    o, kc, vc = decode_attn.decode_attention_append(qkv, bias, kc, vc, li, *decode,
+                                                    num_heads=cfg.num_heads, dtype=x.dtype)
     return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn, acc,
                             _end_of(layer_end, kv)), (kc, vc)
   if "qkv" in attn:  # fused projections (models.fuse_projections): one matmul, split back
