@@ -139,6 +139,12 @@
 #     the reduction) took 2.5-2.6 µs; this one issues every load first (offline PTX: no global load after the barrier).
 #     (Session 23 ran 36: all GPU tests pass; batch 8 2.17 / 2.17 ms against 2.18 / 2.20 with both, 2.19 / 2.19 with the
 #     layer end alone; 2.27 / 2.28 against 2.30 at 2048 tokens. Both on by default since.)
+# 37. (session 23, prepared) the residual-norm kernel's launch shape (pallas_kernels.residual_norm; ab_rollout.py
+#     RN_SET): it takes 3.4 µs at the layer end, where it also zeroes the next accumulator (1.6 MB at batch 8, 194
+#     programs of ZERO_CHUNK = 2048 floats), and 2.8 µs after attention, where it does not; so the zeroing seems to
+#     cost 0.6 µs. Variants: ZERO_CHUNK 8192 (49 zeroing programs) and 512 (776), and 8 warps a program. Batch 8 at
+#     2048 new tokens, alternating, then a profile of the best. 70% of issue 6's roofline needs 0.25 µs a layer
+#     (about 5 minutes). Offline: every variant compiles for sm_90 without spills, all loads before the barrier.
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -251,6 +257,9 @@ step 36 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -
       --formats=nvfp4_fused --time_budget_s=80 2>&1 | grep "decoder\.\|nvfp4_fused |"; done
   PROFILE_SEQ=40 PROFILE_MODEL_SET="FUSED_LAYER_END=1,FUSED_POST_ATTENTION=1" timeout 150 python3 experiments/lab/profile_rollout.py \
     nvfp4_fused:8:256 2>&1 | grep -v Warn | tail -45; } | tee "$OUT/layer_end.txt"
+step 37 && { for s in "" "ZERO_CHUNK=8192" "ZERO_CHUNK=512" "WARPS=8" "" "ZERO_CHUNK=8192" "ZERO_CHUNK=512" "WARPS=8"; do
+    RN_SET="$s" timeout 50 python3 experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=2048 \
+      --formats=nvfp4_fused --time_budget_s=40 2>&1 | grep "residual_norm\.\|nvfp4_fused |"; done; } | tee "$OUT/residual_norm_shape.txt"
 step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REGISTERS=96,TARGET_PROGRAMS=640;r80:MMA_MAX_REGISTERS=80;r80t768:MMA_MAX_REGISTERS=80,TARGET_PROGRAMS=768" \
     timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn
   for s in "" "MMA_MAX_REGISTERS=96" "" "MMA_MAX_REGISTERS=96"; do
