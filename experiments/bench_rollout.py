@@ -350,8 +350,8 @@ def main(argv):
   lines = [header, sep]
   for r in rows:
     lines.append(f"| {r['format']}{' (bf16 copy)' if r['dense_copy'] else ''} | {r['batch']} | {r['new_tokens']} | {r['kv_phases']} | {r['tokens_per_s']:.0f} | "
-                 f"{r['decode_tokens_per_s']:.0f} | {r['step_ms']:.2f} | {r['roofline_ideal_ms']:.2f} | "
-                 f"{100 * r['roofline_ideal_ms'] / r['step_ms']:.0f}% | {r['roofline_run_ms']:.2f} | "
+                 f"{r['decode_tokens_per_s']:.0f} | {r['step_ms']:.3f} | {r['roofline_ideal_ms']:.3f} | "
+                 f"{100 * r['roofline_ideal_ms'] / r['step_ms']:.1f}% | {r['roofline_run_ms']:.2f} | "
                  f"{r['prefill_s']:.3f} | {r['compile_s']:.1f} | {r['kv_cache_gb']:.1f} |")
   by = {(r["format"], r["batch"]): r for r in rows if r["kv_phases"] == FLAGS.kv_phases}
   for batch in sorted({r["batch"] for r in rows}):
