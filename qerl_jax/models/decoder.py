@@ -7,7 +7,7 @@ Parameter trees are plain nested dicts (see the package docstring). The
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -230,6 +230,17 @@ def _new_accumulator(cfg, rows, lp, ll, kv, decode, dtype):
                                        lp["mlp"]["down"]], dtype)
 
 
+class _NextNorms(NamedTuple):
+  """The norm stacks ``[L, D]`` a fused decode step's layer ends read at the layer index (:data:`FUSED_LAYER_END`,
+  made once a step by :func:`_layer_end_inputs`): the norm after each layer (the next input norm, then the final
+  norm; float32) and its AQN noise (zero after the last layer; None without noise), and with
+  :data:`FUSED_POST_ATTENTION` the post-attention norm's weight and noise (else None)."""
+  w_next: jax.Array
+  noise_next: Optional[jax.Array]
+  w_post: Optional[jax.Array]
+  noise_post: Optional[jax.Array]
+
+
 def _region_finished(x, w, lora, lora_scale, bias, before, after) -> bool:
   """Whether a projection of ``x`` by ``w`` ran into the accumulator (``after`` advanced past ``before``, see
   :func:`layers.linear_f32_into`) and its region holds the finished product, for a kernel to read in place: no
@@ -259,19 +270,19 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   CPU, float32) the layer is read back with a dynamic slice for
   :func:`layers.attention`.
 
-  ``layer_end`` (with :data:`FUSED_LAYER_END`, from :func:`forward`): ``(x, buffer, w_next, noise_next, w_post,
-  noise_post)``, this layer's normed input and zeroed accumulator (made by the previous layer's end), the next
-  norm's weight and noise stacks, and with :data:`FUSED_POST_ATTENTION` the post-attention norm's (else None);
-  the layer then returns ``(h, x_next, buffer_next)`` in place of ``h``.
+  ``layer_end`` (with :data:`FUSED_LAYER_END`, from :func:`forward`): ``(x, buffer, norms)``, this layer's normed
+  input and zeroed accumulator (made by the previous layer's end) and the :class:`_NextNorms` stacks; the layer
+  then returns ``(h, x_next, buffer_next)`` in place of ``h``.
   """
   b, t, _ = h.shape
   eps = cfg.rms_norm_eps
   attn, la = lp["attn"], ll.get("attn", {})
+  norms = None
   if layer_end is None:
     x = layers.rms_norm(h, ll.get("input_norm", lp["input_norm"]), eps, nn.get("input_norm"))
     acc = _new_accumulator(cfg, b * t, lp, ll, kv, decode, h.dtype)  # (into one buffer)
   else:  # normed and zeroed by the previous layer's end
-    x, buffer = layer_end[:2]
+    x, buffer, norms = layer_end
     acc = layers.Accumulator(buffer, 0, buffer.shape[0])
   # A decode step on the GPU kernels with fused q/k/v: bias, rounding, RoPE, the cache write and
   # attention run in one kernel on the projection's float32 output.
@@ -292,8 +303,7 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
       qkv = acc.buffer
     o, kc, vc = decode_attn.decode_attention_append(qkv, bias, kc, vc, li, *decode,
                                                     num_heads=cfg.num_heads, dtype=x.dtype)
-    return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn, acc,
-                            _end_of(layer_end, kv)), (kc, vc)
+    return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn, acc, norms, li), (kc, vc)
   if "qkv" in attn:  # fused projections (models.fuse_projections): one matmul, split back
     q, k, v = layers.fused_linear(x, attn["qkv"], (cfg.q_dim, cfg.kv_dim, cfg.kv_dim),
                                   bias=_layer_array(attn.get("qkv_bias")),
@@ -325,14 +335,8 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
       keys = jax.lax.dynamic_index_in_dim(kc, li, 0, keepdims=False)
       values = jax.lax.dynamic_index_in_dim(vc, li, 0, keepdims=False)
       o = layers.attention(q, keys, values, mask_BxTxS, q_chunk=q_chunk)
-  return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn, acc,
-                          _end_of(layer_end, kv)), new_kv
-
-
-def _end_of(layer_end, kv):
-  """``(w_next, noise_next, w_post, noise_post, layer index)`` for :func:`_after_attention` from ``_layer``'s
-  ``layer_end``."""
-  return None if layer_end is None else (*layer_end[2:], kv[2])
+  return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn, acc, norms,
+                          None if kv is None else kv[2]), new_kv
 
 
 def _layer_array(v):
@@ -356,6 +360,16 @@ def _linear_into(grp, lgrp, name, x, lora_scale, acc):
   return layers.finish_linear(y, bias, grp[name], x.dtype), acc
 
 
+def _linear_region(grp, lgrp, name, x, lora_scale, acc):
+  """:func:`layers.linear_f32_into` of ``grp[name]`` (its bias and ``lgrp``'s adapter deferred) into ``acc``;
+  returns ``(y, bias, acc, finished)``, ``finished`` as :func:`_region_finished`: the new region of ``acc`` holds
+  the finished product, for a kernel to read in place."""
+  before = acc
+  y, bias, acc = layers.linear_f32_into(x, grp[name], acc, bias=grp.get(name + "_bias"), lora=lgrp.get(name),
+                                        lora_scale=lora_scale)
+  return y, bias, acc, _region_finished(x, grp[name], lgrp.get(name), lora_scale, bias, before, acc)
+
+
 def _mlp_in_weights(mlp, lm) -> list:
   """The MLP's input projections that :func:`_after_attention` runs through an accumulator: the fused
   gate/up unless it has per-part adapters, else gate and up."""
@@ -364,26 +378,23 @@ def _mlp_in_weights(mlp, lm) -> list:
   return [mlp["gate"], mlp["up"]]
 
 
-def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None, layer_end=None):
+def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None, norms=None, li=None):
   """The rest of a layer after attention ``o [B, T, H * hd]``: the o projection and the
   residual, then the MLP and its residual. Returns the new ``h``. With ``acc`` (a decode step's
-  :class:`layers.Accumulator`) the 4-bit projections write into it. With ``layer_end = (w_next,
-  noise_next, w_post, noise_post, layer)`` (:data:`FUSED_LAYER_END`) the last residual, the next norm and the
-  next accumulator come from one :func:`pallas_kernels.residual_norm.residual_rms_norm` (and with ``w_post``
-  the o residual and the post-attention norm from another): returns ``(h, x_next, buffer_next)``."""
+  :class:`layers.Accumulator`) the 4-bit projections write into it. With ``norms`` (:class:`_NextNorms`,
+  :data:`FUSED_LAYER_END`) and the layer index ``li`` the last residual, the next norm and the next accumulator
+  come from one :func:`pallas_kernels.residual_norm.residual_rms_norm` (and with ``norms.w_post`` the o
+  residual and the post-attention norm from another): returns ``(h, x_next, buffer_next)``."""
   eps = cfg.rms_norm_eps
   attn, la = lp["attn"], ll.get("attn", {})
   mlp, lm = lp["mlp"], ll.get("mlp", {})
-  before = acc
-  y, bias, acc = layers.linear_f32_into(o, attn["o"], acc, bias=attn.get("o_bias"), lora=la.get("o"),
-                                        lora_scale=lora_scale)
+  y, bias, acc, finished = _linear_region(attn, la, "o", o, lora_scale, acc)
   w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
-  if (layer_end is not None and layer_end[2] is not None and "post_attn_norm" not in ll
-      and _region_finished(o, attn["o"], la.get("o"), lora_scale, bias, before, acc)):
+  if norms is not None and norms.w_post is not None and "post_attn_norm" not in ll and finished:
     # FUSED_POST_ATTENTION: o read in place from its region
     b, t, d = h.shape
-    h, x = residual_norm.residual_rms_norm(h.reshape(b * t, d), acc.buffer, acc.offset - y.size, layer_end[2],
-                                           layer_end[4], eps, layer_end[3])
+    h, x = residual_norm.residual_rms_norm(h.reshape(b * t, d), acc.buffer, acc.offset - y.size, norms.w_post,
+                                           li, eps, norms.noise_post)
     h, x = h.reshape(b, t, d), x.reshape(b, t, d)
   else:
     h = h + layers.finish_linear(y, bias, attn["o"], o.dtype)
@@ -404,8 +415,8 @@ def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None, layer_end=None
     g, acc = _linear_into(mlp, lm, "gate", x, lora_scale, acc)
     u, acc = _linear_into(mlp, lm, "up", x, lora_scale, acc)
   y = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(h.dtype)
-  if layer_end is not None:
-    return _fused_layer_end(cfg, lora_scale, h, y, mlp, lm, acc, *layer_end[:2], layer_end[4])
+  if norms is not None:
+    return _fused_layer_end(cfg, lora_scale, h, y, mlp, lm, acc, norms.w_next, norms.noise_next, li)
   y, acc = _linear_into(mlp, lm, "down", y, lora_scale, acc)
   return h + y
 
@@ -415,10 +426,8 @@ def _fused_layer_end(cfg, lora_scale, h, x, mlp, lm, acc, w_next, noise_next, li
   residual add (the product read in place from its region when nothing is left to add to it), the next
   norm by layer ``li`` of ``w_next`` / ``noise_next``, and a zeroed accumulator of ``acc``'s size for the next
   layer. Returns ``(h, x_next, buffer_next)``."""
-  before = acc
-  y, bias, acc = layers.linear_f32_into(x, mlp["down"], acc, bias=mlp.get("down_bias"), lora=lm.get("down"),
-                                        lora_scale=lora_scale)
-  if _region_finished(x, mlp["down"], lm.get("down"), lora_scale, bias, before, acc):
+  y, bias, acc, finished = _linear_region(mlp, lm, "down", x, lora_scale, acc)
+  if finished:
     src, offset = acc.buffer, acc.offset - y.size
   else:  # the product with its bias or XLA's adapter delta, as finish_linear adds them (float32)
     src, offset = (y if bias is None else layers.finish_linear(y, bias, mlp["down"], jnp.float32)).reshape(-1), 0
@@ -561,7 +570,7 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
       # The stacked cache rides in the carry so XLA updates it in place.
       h, (kc, vc) = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, (kc, vc, li), mask,
                            positions, write_at, attn_chunk, decode=decode,
-                           layer_end=None if end is None else (x, buf, *end[2:]))
+                           layer_end=None if end is None else (x, buf, end[2]))
       if end is not None:
         h, x, buf = h
     return (h, x, buf, kc, vc), None
@@ -588,11 +597,8 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
 
 def _layer_end_inputs(cfg, base, scanned, stacked, lay_lora, noise, h, decode):
   """What :data:`FUSED_LAYER_END` needs for a decode step, or None where it does not apply (the setting off, not
-  a decode step, no accumulator, an adapter on the input norm, the kernel not here): ``(x0, buffer0, w_next,
-  noise_next, w_post, noise_post)``, the first layer's normed input and zeroed accumulator, the stacks ``[L, D]``
-  of the norm that follows each layer (the next input norm, then the final norm; float32) and of its AQN noise
-  (zero after the last layer; None without noise), and with :data:`FUSED_POST_ATTENTION` the post-attention
-  norm's weight and noise stacks (else None)."""
+  a decode step, no accumulator, an adapter on the input norm, the kernel not here): ``(x0, buffer0, norms)``,
+  the first layer's normed input and zeroed accumulator, and the :class:`_NextNorms` stacks."""
   b, t, d = h.shape
   if not FUSED_LAYER_END or decode is None or "input_norm" in lay_lora or not residual_norm.available():
     return None
@@ -613,7 +619,7 @@ def _layer_end_inputs(cfg, base, scanned, stacked, lay_lora, noise, h, decode):
     w_post, n_post = base["layers"]["post_attn_norm"], noise.get("post_attn_norm")
     if not residual_norm.applies(h.reshape(b * t, d), w_post, n_post):
       w_post = n_post = None
-  return x0, jnp.zeros((acc.size,), jnp.float32), w_next, n_next, w_post, n_post
+  return x0, jnp.zeros((acc.size,), jnp.float32), _NextNorms(w_next, n_next, w_post, n_post)
 
 
 def lm_head_logits(cfg: ModelConfig, base: dict, hidden: jax.Array) -> jax.Array:
