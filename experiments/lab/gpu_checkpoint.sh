@@ -145,6 +145,8 @@
 #     cost 0.6 µs. Variants: ZERO_CHUNK 8192 (49 zeroing programs) and 512 (776), and 8 warps a program. Batch 8 at
 #     2048 new tokens, alternating, then a profile of the best. 70% of issue 6's roofline needs 0.25 µs a layer
 #     (about 5 minutes). Offline: every variant compiles for sm_90 without spills, all loads before the barrier.
+#     Session 24 ran it: the chunk changed nothing, 8 warps took the step 2.279 -> 2.240 ms; 16 (2.226, now the
+#     default) and 32 (2.226) were then measured with RN_SET="WARPS=..." (docs/kernels.md).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
