@@ -337,7 +337,8 @@ def test_config_defaults_and_errors():
                                                       (True, "fused", "xa"), (True, "per_part", False),
                                                       (False, "per_part", False), (True, None, "layer_end"),
                                                       (True, "fused", "layer_end"), (True, None, "post_attention"),
-                                                      (True, "fused", "post_attention")])
+                                                      (True, "fused", "post_attention"),
+                                                      (True, "fused_norms", "post_attention")])
 def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kernel):
   """The decode step's 4-bit projections run into one zeroed buffer a layer (layers.Accumulator),
   each in its own region. The kernel is replaced by an XLA stand-in that adds x @ W into its region
@@ -355,7 +356,9 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   region (or, with an adapter XLA adds, from the product XLA finished), the next input norm (the final norm
   after the last layer) and the next layer's zeroed buffer, which that layer's projections then use: the
   same logits. ``"post_attention"`` (with decoder.FUSED_POST_ATTENTION too) also runs the o residual and the
-  post-attention norm as that stand-in, o read from its region (not with an adapter on o that XLA adds)."""
+  post-attention norm as that stand-in, o read from its region (not with an adapter on o that XLA adds).
+  ``"fused_norms"``: the adapter also trains the norms (LoRAConfig.train_norms, scales moved off the base's): the
+  fused layer ends read the trained stacks, with the same logits."""
   import pallas_kernels
   from pallas_kernels import decode_attention as da
   from pallas_kernels import residual_norm
@@ -367,10 +370,12 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   base = models.quantize_base(models.fuse_projections(base) if fused else base, "nvfp4")
   kw = {}
   if lora_kind:
-    c = lora_lib.LoRAConfig(r=4, lora_alpha=8.0, target_modules=("q", "v", "o", "up", "down"))
-    lora = lora_lib.init_lora(jax.random.key(5), cfg, c)
+    norms = lora_kind == "fused_norms"  # (no adapter on o there, so the post-attention kernel reads o's region)
+    c = lora_lib.LoRAConfig(r=4, lora_alpha=8.0, target_modules=("q", "v", "up", "down") if norms else
+                            ("q", "v", "o", "up", "down"), train_norms=norms)
+    lora = lora_lib.init_lora(jax.random.key(5), cfg, c, base=base if c.train_norms else None)
     lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(a.size), a.shape, a.dtype), lora)
-    kw = dict(lora=models.fuse_adapter(lora, cfg, dtype=jnp.bfloat16) if lora_kind == "fused" else lora, lora_cfg=c)
+    kw = dict(lora=models.fuse_adapter(lora, cfg, dtype=jnp.bfloat16) if lora_kind != "per_part" else lora, lora_cfg=c)
   fused_end = in_kernel in ("layer_end", "post_attention")
   if fused_end:  # AQN noise on the norms (the fused layer end reads the input norm's stack)
     kw["norm_noise"] = {n: 0.05 * jax.random.normal(jax.random.key(i), (cfg.num_layers, cfg.hidden_size))
@@ -435,8 +440,8 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   real_append = da.decode_attention_append
   monkeypatch.setattr(da, "decode_attention_append", lambda *a, **k: qkv_ndim.append(a[0].ndim) or real_append(*a, **k))
   into, _ = _decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
-  assert qkv_ndim == ([] if lora_kind == "per_part" else [2] if lora_kind == "fused" and in_kernel not in (True, "xa")
-                      else [1])
+  assert qkv_ndim == ([] if lora_kind == "per_part" else
+                      [2] if lora_kind in ("fused", "fused_norms") and in_kernel not in (True, "xa") else [1])
   assert_same_as_on_cpu(into, plain)
   b = tokens.shape[0]
   # one trace of the scanned layer body (prefill takes the plain path): the fused q/k/v (when the
@@ -459,7 +464,7 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   total = sum(sizes)
   end = [(b * cfg.hidden_size, 0, total)] if lora_kind else [(total, total - b * cfg.hidden_size, total)]
   # and with FUSED_POST_ATTENTION first the o residual and the post-attention norm, o from its region (the second)
-  post = [(total, sizes[0], 0)] if in_kernel == "post_attention" and not lora_kind else []
+  post = [(total, sizes[0], 0)] if in_kernel == "post_attention" and lora_kind in (None, "fused_norms") else []
   assert end_calls == (post + end if fused_end else [])
   # with LORA_XA, x @ A of those four from their A stacks [L, K, R]
   assert xa_calls == ([(cfg.num_layers, cfg.hidden_size, 2 * r), (cfg.num_layers, cfg.q_dim, r),

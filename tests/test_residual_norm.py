@@ -131,13 +131,16 @@ def test_gpu_matches_float64(b, d, noise, weight_dtype, zero_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("with_lora,post_attention", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("with_lora,post_attention", [(False, False), (True, False), (False, True), (True, True),
+                                                     ("norms", True)])
 def test_gpu_decode_steps_with_the_fused_layer_end_match_xla(monkeypatch, with_lora, post_attention):
   """A decode step of a small NVFP4 model with AQN noise on its norms: with each layer ending in the fused kernel
   (decoder.FUSED_LAYER_END) the logits equal XLA's residual add, norm and memset (the setting off) up to the
   kernel's rsqrt and the atomics' order, and the kernel ran with the next-norm stacks and a buffer of the
   accumulator's size. With a LoRA adapter (its up-projection added by the 4-bit kernel), the same; with
-  FUSED_POST_ATTENTION too, the same, and the kernel also ran once a layer trace without a buffer."""
+  FUSED_POST_ATTENTION too, the same, and the kernel also ran once a layer trace without a buffer. With
+  ``"norms"`` the adapter also trains the norms (LoRAConfig.train_norms, as the shipped recipes do; moved off the
+  base's): the fused kernels read those stacks, with the same logits."""
   from qerl_jax import lora as lora_lib
   from qerl_jax import models
   from qerl_jax.models import decoder
@@ -152,8 +155,9 @@ def test_gpu_decode_steps_with_the_fused_layer_end_match_xla(monkeypatch, with_l
            for i, n in enumerate(("input_norm", "post_attn_norm"))}
   kw = dict(norm_noise=noise)
   if with_lora:
-    c = lora_lib.LoRAConfig(r=16, lora_alpha=32.0, target_modules=("q", "v", "o", "up", "down"))
-    ad = lora_lib.init_lora(jax.random.key(5), cfg, c)
+    c = lora_lib.LoRAConfig(r=16, lora_alpha=32.0, target_modules=("q", "v", "o", "up", "down"),
+                            train_norms=with_lora == "norms")
+    ad = lora_lib.init_lora(jax.random.key(5), cfg, c, base=base if c.train_norms else None)
     ad = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(a.size), a.shape, a.dtype), ad)
     kw.update(lora=models.fuse_adapter(ad, cfg, dtype=jnp.bfloat16), lora_cfg=c)
   tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=5))

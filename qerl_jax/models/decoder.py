@@ -390,8 +390,8 @@ def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None, norms=None, li
   mlp, lm = lp["mlp"], ll.get("mlp", {})
   y, bias, acc, finished = _linear_region(attn, la, "o", o, lora_scale, acc)
   w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
-  if norms is not None and norms.w_post is not None and "post_attn_norm" not in ll and finished:
-    # FUSED_POST_ATTENTION: o read in place from its region
+  if norms is not None and norms.w_post is not None and finished:
+    # FUSED_POST_ATTENTION: o read in place from its region; norms.w_post is w_post's stack
     b, t, d = h.shape
     h, x = residual_norm.residual_rms_norm(h.reshape(b * t, d), acc.buffer, acc.offset - y.size, norms.w_post,
                                            li, eps, norms.noise_post)
@@ -597,12 +597,14 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
 
 def _layer_end_inputs(cfg, base, scanned, stacked, lay_lora, noise, h, decode):
   """What :data:`FUSED_LAYER_END` needs for a decode step, or None where it does not apply (the setting off, not
-  a decode step, no accumulator, an adapter on the input norm, the kernel not here): ``(x0, buffer0, norms)``,
-  the first layer's normed input and zeroed accumulator, and the :class:`_NextNorms` stacks."""
+  a decode step, no accumulator, the kernel not here): ``(x0, buffer0, norms)``, the first layer's normed input
+  and zeroed accumulator, and the :class:`_NextNorms` stacks. Trained norms (``lay_lora``'s ``input_norm`` /
+  ``post_attn_norm`` ``[L, D]``, :class:`qerl_jax.lora.LoRAConfig` ``train_norms``) replace the base's, as in
+  the layer."""
   b, t, d = h.shape
-  if not FUSED_LAYER_END or decode is None or "input_norm" in lay_lora or not residual_norm.available():
+  if not FUSED_LAYER_END or decode is None or not residual_norm.available():
     return None
-  w_in = base["layers"]["input_norm"]
+  w_in = lay_lora.get("input_norm", base["layers"]["input_norm"])
   if not residual_norm.applies(h.reshape(b * t, d), w_in):
     return None
   layer0 = lambda tree: jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), tree)  # (shapes only)
@@ -616,7 +618,7 @@ def _layer_end_inputs(cfg, base, scanned, stacked, lay_lora, noise, h, decode):
   x0 = layers.rms_norm(h, w_in[0], cfg.rms_norm_eps, None if n_in is None else n_in[0])
   w_post = n_post = None
   if FUSED_POST_ATTENTION:  # the post-attention norm's stacks, read in place by that kernel
-    w_post, n_post = base["layers"]["post_attn_norm"], noise.get("post_attn_norm")
+    w_post, n_post = lay_lora.get("post_attn_norm", base["layers"]["post_attn_norm"]), noise.get("post_attn_norm")
     if not residual_norm.applies(h.reshape(b * t, d), w_post, n_post):
       w_post = n_post = None
   return x0, jnp.zeros((acc.size,), jnp.float32), _NextNorms(w_next, n_next, w_post, n_post)
