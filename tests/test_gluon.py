@@ -590,10 +590,12 @@ def test_gpu_forward_into_with_a_lora_term_matches_float64(m, r, stacked, monkey
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,r,stacked", [(1, 3584, 32, True), (8, 1088, 96, True), (16, 18944, 64, False),
                                            (3, 1000, 8, True), (8, 3584, 128, False)])
-def test_gpu_lora_xa_partials_sum_to_float64(m, k, r, stacked):
+@pytest.mark.parametrize("parts_max", [32, 64])
+def test_gpu_lora_xa_partials_sum_to_float64(monkeypatch, m, k, r, stacked, parts_max):
   """lora_xa's float32 partial products sum to x @ A (float64 on the bf16 inputs), A a stack read at the
   layer index or one matrix; K not a multiple of 64 (1000: the last step masked), R not a power of 2
-  (96, 8: rows past R masked); at most XA_MAX_PARTS parts."""
+  (96, 8: rows past R masked); at most XA_MAX_PARTS parts (the default 32, and 64: session 24's prepared A/B)."""
+  monkeypatch.setattr(w4_gluon, "XA_MAX_PARTS", parts_max)
   if not w4_gluon.lora_xa_applies(jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((3, k, r) if stacked else (k, r),
                                                                                      jnp.bfloat16),
                                   0 if stacked else None):
@@ -610,9 +612,12 @@ def test_gpu_lora_xa_partials_sum_to_float64(m, k, r, stacked):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,r", [(1, 32), (8, 96), (16, 64)])
-def test_gpu_forward_into_with_lora_xa_partials_matches_float64(m, r):
-  """forward_into(lora=(lora_xa(x, A), B, scale)): the kernel sums the partials, rounds x @ A to bf16 and
-  adds scale (x @ A) @ B; float64 reference with x @ A rounded to bf16 the same way."""
+@pytest.mark.parametrize("parts_max", [32, 64])
+def test_gpu_forward_into_with_lora_xa_partials_matches_float64(monkeypatch, m, r, parts_max):
+  """forward_into(lora=(lora_xa(x, A), B, scale)): the kernel sums the partials (28 of them with XA_MAX_PARTS
+  32, 56 with 64), rounds x @ A to bf16 and adds scale (x @ A) @ B; float64 reference with x @ A rounded to
+  bf16 the same way."""
+  monkeypatch.setattr(w4_gluon, "XA_MAX_PARTS", parts_max)
   if not w4_gluon.available() or w4_gluon.launcher() != "ffi":
     pytest.skip("needs the Gluon kernel's FFI launcher")
   k, n, layers = 3584, 768, 2

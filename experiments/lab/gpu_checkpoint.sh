@@ -147,6 +147,13 @@
 #     (about 5 minutes). Offline: every variant compiles for sm_90 without spills, all loads before the barrier.
 #     Session 24 ran it: the chunk changed nothing, 8 warps took the step 2.279 -> 2.240 ms; 16 (2.226, now the
 #     default) and 32 (2.226) were then measured with RN_SET="WARPS=..." (docs/kernels.md).
+# 38. (session 24, prepared) training rollouts (LoRA rank 32 on all linears + trained norms + AQN, as the recipes run):
+#     (a) the GPU tests of the fused layer end with trained norms (34b08de turned it on there; before, any adapter
+#     norm turned it off) and of lora_xa at XA_MAX_PARTS 32 and 64; (b) the layer end's gain on such a rollout
+#     (MODEL_SET="FUSED_LAYER_END=0" is the code before 34b08de), batch 8 and 16 at 512 new tokens, alternating;
+#     (c) XA_MAX_PARTS=64 against 32: session 24's profile put x @ A at 16.6 µs a layer (down's 7.8 µs from 30
+#     programs of 10 K steps; 64 gives 60 programs of 5; offline: no spills in lora_xa or the epilogue at 64);
+#     (d) the profile again (about 8 minutes).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -262,6 +269,16 @@ step 36 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -
 step 37 && { for s in "" "ZERO_CHUNK=8192" "ZERO_CHUNK=512" "WARPS=8" "" "ZERO_CHUNK=8192" "ZERO_CHUNK=512" "WARPS=8"; do
     RN_SET="$s" timeout 50 python3 experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=2048 \
       --formats=nvfp4_fused --time_budget_s=40 2>&1 | grep "residual_norm\.\|nvfp4_fused |"; done; } | tee "$OUT/residual_norm_shape.txt"
+step 38 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -n 6 -m gpu tests/test_residual_norm.py \
+    tests/test_gluon.py -k "layer_end or lora_xa" -p no:cacheprovider 2>&1 | tail -3
+  for s in "FUSED_LAYER_END=0" "" "FUSED_LAYER_END=0" ""; do
+    MODEL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8,16 --new_tokens=512 \
+      --formats=nvfp4_fused --lora_rank=32 --aqn --time_budget_s=80 2>&1 | grep "decoder\.\|nvfp4_fused+"; done
+  for s in "XA_MAX_PARTS=64" "" "XA_MAX_PARTS=64" ""; do
+    GL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8,16 --new_tokens=512 \
+      --formats=nvfp4_fused --lora_rank=32 --aqn --time_budget_s=80 2>&1 | grep "w4_gluon\.\|nvfp4_fused+"; done
+  PROFILE_TOP=16 PROFILE_POSITIONS=1 timeout 120 python3 experiments/lab/profile_rollout.py nvfp4_fused:8:256:32:aqn 2>&1 \
+    | grep -v Warn | tail -24; } | tee "$OUT/training_rollout.txt"
 step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REGISTERS=96,TARGET_PROGRAMS=640;r80:MMA_MAX_REGISTERS=80;r80t768:MMA_MAX_REGISTERS=80,TARGET_PROGRAMS=768" \
     timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn
   for s in "" "MMA_MAX_REGISTERS=96" "" "MMA_MAX_REGISTERS=96"; do
