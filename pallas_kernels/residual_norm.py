@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from pallas_kernels import w4_gluon
 
 MAX_DIM = 16384  # hidden sizes taken (one program holds a row, padded to a power of 2)
-WARPS = 16  # warps a program: a batch-8 decode step 2.279 ms at 4, 2.240 at 8, 2.229 at 16 (H200, session 24)
+WARPS = 16  # warps a program: a batch-8 decode step 2.279 ms at 4, 2.240 at 8, 2.226 at 16 (H200, session 24)
 ZERO_CHUNK = 2048  # float32 elements a zeroing program writes (4 a thread at 16 warps; 8192 and 512: no gain)
 
 
