@@ -791,7 +791,11 @@ def _xa_kernel():
   return lora_xa_parts
 
 
-XA_MAX_PARTS = 32  # lora_xa's partial products at most (the LoRA epilogue sums them)
+# lora_xa's partial products at most (the LoRA epilogue sums them). Only the 7B down adapter (296 K steps) reaches
+# it: 99 parts of 3 steps at 128, where 32 gave 30 parts of 10 and the few programs took 7.8 us. Measured on the
+# H200 (LoRA rank 32 + norms + AQN, batch 8, 512 new tokens, alternating; docs/benchmarks.md "Session 25"): a decode
+# step 2.72 / 2.71 ms at 32, 2.60 / 2.60 at 64, 2.57 / 2.56 at 128 (against 2.61 / 2.60 in the same run).
+XA_MAX_PARTS = 128
 
 
 def _xa_meta(m: int, k: int, r: int, layers: int) -> dict:

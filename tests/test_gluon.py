@@ -590,11 +590,11 @@ def test_gpu_forward_into_with_a_lora_term_matches_float64(m, r, stacked, monkey
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,r,stacked", [(1, 3584, 32, True), (8, 1088, 96, True), (16, 18944, 64, False),
                                            (3, 1000, 8, True), (8, 3584, 128, False)])
-@pytest.mark.parametrize("parts_max", [32, 64])
+@pytest.mark.parametrize("parts_max", [32, 64, 128])
 def test_gpu_lora_xa_partials_sum_to_float64(monkeypatch, m, k, r, stacked, parts_max):
   """lora_xa's float32 partial products sum to x @ A (float64 on the bf16 inputs), A a stack read at the
   layer index or one matrix; K not a multiple of 64 (1000: the last step masked), R not a power of 2
-  (96, 8: rows past R masked); at most XA_MAX_PARTS parts (the default 32, and 64: session 24's prepared A/B)."""
+  (96, 8: rows past R masked); at most XA_MAX_PARTS parts (the default 128 since session 25, 32 before it, and 64)."""
   monkeypatch.setattr(w4_gluon, "XA_MAX_PARTS", parts_max)
   if not w4_gluon.lora_xa_applies(jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((3, k, r) if stacked else (k, r),
                                                                                      jnp.bfloat16),
@@ -612,10 +612,10 @@ def test_gpu_lora_xa_partials_sum_to_float64(monkeypatch, m, k, r, stacked, part
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,r", [(1, 32), (8, 96), (16, 64)])
-@pytest.mark.parametrize("parts_max", [32, 64])
+@pytest.mark.parametrize("parts_max", [32, 64, 128])
 def test_gpu_forward_into_with_lora_xa_partials_matches_float64(monkeypatch, m, r, parts_max):
   """forward_into(lora=(lora_xa(x, A), B, scale)): the kernel sums the partials (28 of them with XA_MAX_PARTS
-  32, 56 with 64), rounds x @ A to bf16 and adds scale (x @ A) @ B; float64 reference with x @ A rounded to
+  32, 56 with 64 and 128 (the default)), rounds x @ A to bf16 and adds scale (x @ A) @ B; float64 reference with x @ A rounded to
   bf16 the same way."""
   monkeypatch.setattr(w4_gluon, "XA_MAX_PARTS", parts_max)
   if not w4_gluon.available() or w4_gluon.launcher() != "ffi":
@@ -639,18 +639,21 @@ def test_gpu_forward_into_with_lora_xa_partials_matches_float64(monkeypatch, m, 
   assert bool(jnp.isfinite(y).all()) and _rel(y, want) < 1e-3
 
 
-def test_lora_xa_meta_by_hand():
-  """lora_xa's launch: K steps of 64 over at most 32 parts, R padded to a power of 2 of at least 16 with one
-  warp per 16 rows up to 4. 7B q/k/v adapter (K 3584 = 56 steps, R 96): 28 parts of 2 steps, RP 128, 4 warps;
-  down (K 18944 = 296 steps, R 32): 10 steps a part, 30 parts, 2 warps; K 1000 = 16 steps (the last
-  partial): 16 parts of 1; R 8: RP 16, 1 warp."""
+def test_lora_xa_meta_by_hand(monkeypatch):
+  """lora_xa's launch: K steps of 64 over at most XA_MAX_PARTS (128) parts, R padded to a power of 2 of at least
+  16 with one warp per 16 rows up to 4. 7B q/k/v adapter (K 3584 = 56 steps, R 96): 56 parts of 1 step, RP 128,
+  4 warps; down (K 18944 = 296 steps, R 32): 3 steps a part (ceil(296 / 128)), 99 parts (ceil(296 / 3)), 2 warps;
+  K 1000 = 16 steps (the last partial): 16 parts of 1; R 8: RP 16, 1 warp. With 32 parts at most (the default
+  before session 25): 28 parts of 2 steps, and down's 30 parts of 10."""
   meta = lambda m, k, r: {key: w4_gluon._xa_meta(m, k, r, 28)[key] for key in ("S", "STEPS", "RP", "WARPS", "MB")}
-  assert meta(8, 3584, 96) == dict(S=28, STEPS=2, RP=128, WARPS=4, MB=8)
-  assert meta(8, 18944, 32) == dict(S=30, STEPS=10, RP=32, WARPS=2, MB=8)
+  assert meta(8, 3584, 96) == dict(S=56, STEPS=1, RP=128, WARPS=4, MB=8)
+  assert meta(8, 18944, 32) == dict(S=99, STEPS=3, RP=32, WARPS=2, MB=8)
   assert meta(3, 1000, 8) == dict(S=16, STEPS=1, RP=16, WARPS=1, MB=8)
-  assert meta(16, 3584, 64) == dict(S=28, STEPS=2, RP=64, WARPS=4, MB=16)
+  assert meta(16, 3584, 64) == dict(S=56, STEPS=1, RP=64, WARPS=4, MB=16)
   assert w4_gluon.lora_xa_shape(jax.ShapeDtypeStruct((8, 18944), jnp.bfloat16),
-                                jax.ShapeDtypeStruct((28, 18944, 32), jnp.bfloat16)) == (30, 8, 32)
+                                jax.ShapeDtypeStruct((28, 18944, 32), jnp.bfloat16)) == (99, 8, 32)
+  monkeypatch.setattr(w4_gluon, "XA_MAX_PARTS", 32)
+  assert meta(8, 3584, 96)["S"] == 28 and meta(8, 18944, 32) == dict(S=30, STEPS=10, RP=32, WARPS=2, MB=8)
 
 
 def test_lora_into_applies_by_hand(monkeypatch):
@@ -676,9 +679,10 @@ def test_lora_into_applies_by_hand(monkeypatch):
   assert w4_gluon.lora_into_applies(*wg)  # M = 32: a wgmma build (LORA_IN_KERNEL_WG, the default)
   monkeypatch.setattr(w4_gluon, "LORA_IN_KERNEL_WG", 0)
   assert not w4_gluon.lora_into_applies(*wg)
-  # lora_xa's float32 partial products [S, M, R], S <= XA_MAX_PARTS (32)
-  assert w4_gluon.lora_into_applies(x, w, 0, (sds((28, 8, 32), jnp.float32), *ok[1:]))
-  assert not w4_gluon.lora_into_applies(x, w, 0, (sds((33, 8, 32), jnp.float32), *ok[1:]))
+  # lora_xa's float32 partial products [S, M, R], S <= XA_MAX_PARTS (128)
+  assert w4_gluon.XA_MAX_PARTS == 128
+  assert w4_gluon.lora_into_applies(x, w, 0, (sds((99, 8, 32), jnp.float32), *ok[1:]))
+  assert not w4_gluon.lora_into_applies(x, w, 0, (sds((129, 8, 32), jnp.float32), *ok[1:]))
   assert not w4_gluon.lora_into_applies(x, w, 0, (sds((28, 8, 32), jnp.bfloat16), *ok[1:]))
   monkeypatch.setattr(w4_gluon, "LORA_IN_KERNEL", False)
   assert not w4_gluon.lora_into_applies(x, w, 0, ok)

@@ -154,6 +154,13 @@
 #     (c) XA_MAX_PARTS=64 against 32: session 24's profile put x @ A at 16.6 µs a layer (down's 7.8 µs from 30
 #     programs of 10 K steps; 64 gives 60 programs of 5; offline: no spills in lora_xa or the epilogue at 64);
 #     (d) the profile again (about 8 minutes).
+#     Session 25 ran it: 21 GPU tests pass; the layer end 2.714 / 2.719 ms a step against 2.745 / 2.753 without it
+#     at batch 8 (3.17 against 3.27 at 16); XA_MAX_PARTS=64 2.600 / 2.603 against 2.721 / 2.705 (3.09 against
+#     3.18 at 16), now the default.
+# 39. (session 25) (a) whether this jaxlib knows programmatic dependent launch (xla_gpu_enable_pdl, and the FFI
+#     custom calls' uses_pdl attribute of later XLA); (b) the lora_xa GPU tests at XA_MAX_PARTS 32 / 64 / 128;
+#     (c) XA_MAX_PARTS=128 against 64 on the training rollout; (d) --xla_gpu_enable_pdl true against false on
+#     the base rollout, batch 8 (about 8 minutes).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -279,6 +286,20 @@ step 38 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -
       --formats=nvfp4_fused --lora_rank=32 --aqn --time_budget_s=80 2>&1 | grep "w4_gluon\.\|nvfp4_fused+"; done
   PROFILE_TOP=16 PROFILE_POSITIONS=1 timeout 120 python3 experiments/lab/profile_rollout.py nvfp4_fused:8:256:32:aqn 2>&1 \
     | grep -v Warn | tail -24; } | tee "$OUT/training_rollout.txt"
+step 39 && { python3 -c "import jax; print('jax', jax.__version__)"; echo "XLA_FLAGS=${XLA_FLAGS:-}"
+  for so in $(python3 -c "import glob, os, jaxlib; r = os.path.dirname(os.path.dirname(jaxlib.__file__)); print(' '.join(glob.glob(r + '/jaxlib/*.so') + glob.glob(r + '/jax_plugins/**/*.so', recursive=True)))"); do
+    h=$(grep -aoE "[A-Za-z_.]{0,30}(uses_pdl|enable_pdl[a-z_]*|pdl_launch[a-z_]*|pdl_wait)" "$so" | sort -u | tr '\n' ' ')
+    [[ -n "$h" ]] && echo "$(basename "$so"): $h"; done
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -n 6 -m gpu tests/test_gluon.py -k "lora_xa" \
+    -p no:cacheprovider 2>&1 | tail -2
+  for s in "XA_MAX_PARTS=128" "" "XA_MAX_PARTS=128" ""; do
+    GL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8,16 --new_tokens=512 \
+      --formats=nvfp4_fused --lora_rank=32 --aqn --time_budget_s=80 2>&1 | grep "w4_gluon\.\|nvfp4_fused+"; done
+  for f in "--xla_gpu_enable_pdl=true" "--xla_gpu_enable_pdl=false" "--xla_gpu_enable_pdl=true" "--xla_gpu_enable_pdl=false"; do
+    echo "extra XLA flags: $f"
+    XLA_FLAGS="${XLA_FLAGS:-} $f" timeout 80 python3 experiments/bench_rollout.py --batches=8 --new_tokens=512 \
+      --formats=nvfp4_fused --time_budget_s=50 --out="$OUT/pdl" 2>&1 | grep "| nvfp4_fused |"; done; } \
+  | tee "$OUT/pdl_xa128.txt"
 step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REGISTERS=96,TARGET_PROGRAMS=640;r80:MMA_MAX_REGISTERS=80;r80t768:MMA_MAX_REGISTERS=80,TARGET_PROGRAMS=768" \
     timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn
   for s in "" "MMA_MAX_REGISTERS=96" "" "MMA_MAX_REGISTERS=96"; do
