@@ -165,6 +165,10 @@
 #     the A/Bs, run directly: PDL 2.089 / 2.105 ms against 2.099 / 2.100 (nothing: the FFI custom calls have no
 #     uses_pdl in this XLA, only mosaic_gpu.uses_pdl); XA_MAX_PARTS=128 2.569 / 2.563 against 2.609 / 2.597 (now
 #     the default); 24 lora_xa GPU tests pass.
+# 40. (session 25, prepared) with XA_MAX_PARTS = 128 the default: (a) the whole GPU suite (every LoRA decode test now
+#     runs 99 down parts); (b) the training-rollout table, NVFP4 against bf16 with the recipes' adapter (LoRA rank 32
+#     + trained norms + AQN), batch 8, 16, 32 and 64 at 512 new tokens, to replace README's batch-32 / 64 figures
+#     that predate trained norms in the fused layer end (about 8 minutes).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -304,6 +308,11 @@ step 39 && { python3 -c "import jax; print('jax', jax.__version__)"; echo "XLA_F
     XLA_FLAGS="${XLA_FLAGS:-} $f" timeout 80 python3 experiments/bench_rollout.py --batches=8 --new_tokens=512 \
       --formats=nvfp4_fused --time_budget_s=50 --out="$OUT/pdl" 2>&1 | grep "| nvfp4_fused |"; done; } \
   | tee "$OUT/pdl_xa128.txt"
+step 40 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -n 10 -m gpu tests -p no:cacheprovider \
+    2>&1 | tail -3
+  timeout 330 python3 experiments/bench_rollout.py --batches=8,16,32,64 --new_tokens=512 --lora_rank=32 --aqn \
+    --formats=nvfp4_fused,bf16_fused --time_budget_s=300 --out="$OUT/training" 2>&1 | grep "|\|x$"; } \
+  | tee "$OUT/training_table.txt"
 step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REGISTERS=96,TARGET_PROGRAMS=640;r80:MMA_MAX_REGISTERS=80;r80t768:MMA_MAX_REGISTERS=80,TARGET_PROGRAMS=768" \
     timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn
   for s in "" "MMA_MAX_REGISTERS=96" "" "MMA_MAX_REGISTERS=96"; do
