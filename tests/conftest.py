@@ -38,7 +38,8 @@ def _full_precision_float32_matmuls():
 def shared_dir() -> pathlib.Path:
   """../shared beside the repository (data and fixtures); skips when absent (a user's fresh clone)."""
   if not SHARED.is_dir():
-    pytest.skip(f"{SHARED} not present: the project's shared data is only beside the dev checkout")
+    pytest.skip(f"{SHARED} not present: these tests read the project's shared data (GSM8K, MATH, third-party "
+                "fixtures), which a fresh clone does not have")
   return SHARED
 
 
