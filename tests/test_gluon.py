@@ -615,8 +615,8 @@ def test_gpu_lora_xa_partials_sum_to_float64(monkeypatch, m, k, r, stacked, part
 @pytest.mark.parametrize("parts_max", [32, 64, 128])
 def test_gpu_forward_into_with_lora_xa_partials_matches_float64(monkeypatch, m, r, parts_max):
   """forward_into(lora=(lora_xa(x, A), B, scale)): the kernel sums the partials (28 of them with XA_MAX_PARTS
-  32, 56 with 64 and 128 (the default)), rounds x @ A to bf16 and adds scale (x @ A) @ B; float64 reference with x @ A rounded to
-  bf16 the same way."""
+  32, 56 with 64 and 128 (the default)), rounds x @ A to bf16 and adds scale (x @ A) @ B; float64 reference with
+  x @ A rounded to bf16 the same way."""
   monkeypatch.setattr(w4_gluon, "XA_MAX_PARTS", parts_max)
   if not w4_gluon.available() or w4_gluon.launcher() != "ffi":
     pytest.skip("needs the Gluon kernel's FFI launcher")
