@@ -140,6 +140,15 @@ LORA_XA = 1  # a decode step computes a LoRA adapter's x @ A by lora_xa (one ker
   # epilogue sums) instead of XLA's split GEMM and sum, and the decoder reads the adapters' A stacks in place
   # (qerl_jax.models.decoder); 0: XLA. LoRA rank 32 + AQN, two alternations (session 22): batch 8 2.79 / 2.80
   # against 2.82 / 2.81 ms a step, batch 16 3.32 / 3.32 against 3.32 / 3.31. Read at trace time.
+MMA_WARPS = 4  # lab (session 26): 8 runs the mma.sync builds (M <= 16) of weights over MMA_WARPS_MIN_WEIGHTS values
+  # with 8 warps a program: column bit n2 moves from the registers to a warp (as in the wgmma builds), so a thread
+  # holds half the codes of a step (4 contiguous bytes a row) and needs fewer registers; under MMA8_MAX_REGISTERS
+  # more warps share an SM (hypothesis: the M <= 16 kernel is half issue-bound, half stalled on load -> decode -> MMA
+  # with 4 warps a scheduler; docs/benchmarks.md, session 9). FFI launcher only (jax-triton compiles it uncapped).
+MMA_WARPS_MIN_WEIGHTS = 1 << 25  # MMA_WARPS only for weights of more values (K x N) than this: the 7B gate/up and
+  # down, not q/k/v and o (whose LOAD_ASM loads take 8 bytes a thread and row)
+MMA8_MAX_REGISTERS = 128  # the 8-warp mma.sync builds' register cap: 128 fits 2 programs an SM, 80 fits 3, 64 fits 4
+MMA8_TARGET_PROGRAMS = 0  # their split-K target (0: TARGET_PROGRAMS)
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -244,7 +253,7 @@ def _asm(decode_order: bool = False) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False):
+def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = False):
   """Builds the Gluon kernel (imports triton lazily: CPU installs need not have it).
 
   ``lora``: the entry that also takes a LoRA adapter's ``x @ A`` (bf16 ``[M, R]``, or with constexpr
@@ -258,6 +267,9 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False):
   shared memory (MB = 32, 64): x is stored once per program and step instead of held by every warp.
   ``narrow_n`` (with ``wg``; 0: off): ``narrow_n`` (128 or 256) columns a program, each
   warpgroup 64 of them (one m64 wgmma), so that a thread holds half the accumulator; 8 or 16 warps.
+  ``w8`` (mma.sync only; :data:`MMA_WARPS` 8): 8 warps, column bit n2 on the third warp bit as in the wgmma
+  builds (each thread 4 contiguous code bytes a row, half the codes a step), rows 16, 32 and 64 of the
+  operand on the warps.
   """
   from triton.experimental import gluon
   from triton.experimental.gluon import language as ttgl
@@ -268,7 +280,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False):
   asm_do = ttgl.constexpr(_asm(decode_order=True))  # codes in nvfp4.to_decode_order's order
   # codes [32 rows, 256 columns]: registers n0 n1 n2 kp0 kp1 kp4; lanes kp2 kp3 n3 n4 n5; warps n6 n7.
   # With 8 warps, column bit n2 moves from the registers to the third warp bit.
-  n2_reg, n2_warp = ([], [[0, 4]]) if wg else ([[0, 4]], [])
+  n2_reg, n2_warp = ([], [[0, 4]]) if wg or w8 else ([[0, 4]], [])
   narrow = narrow_n > 0
   # the narrow build's warps own column bits n4 and up (n4 n5 n6, and n7 with 16 warps)
   top_bits = [1 << b for b in range(4, narrow_n.bit_length() - 1)] if narrow else []
@@ -305,9 +317,9 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False):
 
   # Operand rows from the decode's output axes (j: 4 bits, labelled columns: 8, p, lo/hi): warps own
   # rows 16 and 32 (and 64 with 8 warps), so there the warp bit n2 (axis 9) takes row 64 and p row 128.
-  a_perm = ttgl.constexpr([12, 9] if wg else [9, 12])
-  o_n2 = ttgl.constexpr(1 if wg else 0)  # the inverse, rows -> [n7 .. n0]: [2, 3, 5, 6, 7, o_n2, 1 - o_n2, 4, 8]
-  WARPS = ttgl.constexpr(_warps(wg, narrow_n))
+  a_perm = ttgl.constexpr([12, 9] if wg or w8 else [9, 12])
+  o_n2 = ttgl.constexpr(1 if wg or w8 else 0)  # the inverse, rows -> [n7 .. n0]: [2, 3, 5, 6, 7, o_n2, 1 - o_n2, 4, 8]
+  WARPS = ttgl.constexpr(_warps(wg, narrow_n, w8))
   WG = ttgl.constexpr(wg)
 
   @gluon.jit
@@ -401,7 +413,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False):
       xs_layout: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([64, MB], ttgl.bfloat16, transposed=True)
       x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [XS if XS > 2 else 2, 64, MB], xs_layout)
     else:
-      mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+      mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
       a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 8)
       xl: ttgl.constexpr = ttgl.DotOperandLayout(1, mma, 8)
     pid_n = ttgl.program_id(0)
@@ -717,7 +729,7 @@ def launcher() -> str | None:
   return None
 
 
-def _register_cap(wg: bool, narrow: bool = False, mb: int = 0, xs: int = 0) -> int | None:
+def _register_cap(wg: bool, narrow: bool = False, mb: int = 0, xs: int = 0, w8: bool = False) -> int | None:
   """The register cap of a build: 128 (``MMA_MAX_REGISTERS``) for the mma.sync builds, so that 4 programs of 128 threads share
   an SM. Uncapped, the atomic build takes 130 registers at MB = 8 and 185 at MB = 16 (3 programs an
   SM); capped, MB = 8 fits without spills and MB = 16 spills a few registers yet runs faster: 59.5
@@ -728,7 +740,10 @@ def _register_cap(wg: bool, narrow: bool = False, mb: int = 0, xs: int = 0) -> i
   wgmma build takes 123 registers at MB = 64: two programs share an SM (capped at 128 so that they
   always do); at MB = 128 without the cp.async x ring, 164 (one program an SM, uncapped). With the
   ring (``xs`` stages; MB = 128 by default) every wgmma build is capped at 128: uncapped it takes
-  111-130 registers, capped none spill (offline SASS), and two programs share an SM."""
+  111-130 registers, capped none spill (offline SASS), and two programs share an SM. The 8-warp mma.sync
+  builds (``w8``, lab) take ``MMA8_MAX_REGISTERS``."""
+  if w8:
+    return MMA8_MAX_REGISTERS
   if not wg:
     return MMA_MAX_REGISTERS
   if (narrow and mb <= 64) or xs:
@@ -737,15 +752,15 @@ def _register_cap(wg: bool, narrow: bool = False, mb: int = 0, xs: int = 0) -> i
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(meta: tuple, wg: bool, narrow_n: int, maxnreg: int | None):
+def _compiled(meta: tuple, wg: bool, narrow_n: int, maxnreg: int | None, w8: bool = False):
   """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta`` (the wgmma build
   if ``wg``) with at most ``maxnreg`` registers a thread (:func:`_register_cap`; part of the cache key),
   compiled for the oldest visible GPU (sm_90 without one) and loaded on every GPU."""
   meta = dict(meta)
   lora = "LR" in meta  # the entry with a LoRA term (forward_into's ``lora``)
   dtypes = (_ARG_DTYPES_LORA_XP if meta.get("XP") else _ARG_DTYPES_LORA) if lora else _ARG_DTYPES
-  return _load(_compile_gluon(_kernel(wg, narrow_n, lora), dtypes, meta, _target_cc(), num_warps=_warps(wg, narrow_n),
-                              maxnreg=maxnreg))
+  return _load(_compile_gluon(_kernel(wg, narrow_n, lora, w8), dtypes, meta, _target_cc(),
+                              num_warps=_warps(wg, narrow_n, w8), maxnreg=maxnreg))
 
 
 @functools.lru_cache(maxsize=None)
@@ -858,9 +873,9 @@ def _wgmma_gpus() -> bool:
   return all(_cc(d) == 90 for d in _gpu_devices())
 
 
-def _warps(wg: bool, narrow_n: int = 0) -> int:
-  """Warps a program: 4 (mma.sync), 8 (wgmma), or one per 16 columns of a narrow build."""
-  return narrow_n // 16 if narrow_n else 8 if wg else 4
+def _warps(wg: bool, narrow_n: int = 0, w8: bool = False) -> int:
+  """Warps a program: 4 (mma.sync; 8 with ``w8``), 8 (wgmma), or one per 16 columns of a narrow build."""
+  return narrow_n // 16 if narrow_n else 8 if wg or w8 else 4
 
 
 def _gpu_devices():
@@ -874,12 +889,14 @@ def _cc(device) -> int:
 
 class Build(NamedTuple):
   """One launch of the kernel: which build (``wg``: wgmma; ``narrow``: 128 columns a program),
-  columns a program, split count, and the kernel's constexprs."""
+  columns a program, split count, the kernel's constexprs, and ``w8``: an mma.sync build of 8 warps
+  (:data:`MMA_WARPS`)."""
   wg: bool
   narrow: bool
   block_n: int
   splits: int
   meta: dict
+  w8: bool = False
 
   @property
   def grid(self) -> tuple[int, int, int]:
@@ -892,12 +909,12 @@ class Build(NamedTuple):
 
   @property
   def warps(self) -> int:
-    return _warps(self.wg, self.narrow_n)
+    return _warps(self.wg, self.narrow_n, self.w8)
 
   @property
   def maxnreg(self) -> int | None:
     """The register cap it compiles with (:func:`_register_cap`)."""
-    return _register_cap(self.wg, self.narrow, self.meta["MB"], self.meta["XS"])
+    return _register_cap(self.wg, self.narrow, self.meta["MB"], self.meta["XS"], self.w8)
 
 
 def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> Build:
@@ -909,7 +926,9 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
   wg = _use_wgmma(m)
   narrow = wg and _row_block(m) >= NARROW_MIN_MB
   block_n = (128 if _row_block(m) == 128 else NARROW_BLOCK_N) if narrow else BLOCK_N
-  splits = _splits(k, n, NARROW_TARGET_PROGRAMS if narrow else WG_TARGET_PROGRAMS if wg else None, block_n,
+  w8 = not wg and MMA_WARPS == 8 and k * n > MMA_WARPS_MIN_WEIGHTS
+  splits = _splits(k, n, NARROW_TARGET_PROGRAMS if narrow else WG_TARGET_PROGRAMS if wg else
+                   (MMA8_TARGET_PROGRAMS or None) if w8 else None, block_n,
                    max(NARROW_MAX_STEPS, MAX_STEPS) if narrow else MAX_STEPS)
   atomic = (wg or MMA_ATOMIC) and atomic_split_k() and splits > 1  # one split stores its output: no memset
   xs = max(X_STAGES, 2) if wg and X_STAGES > 0 and _row_block(m) >= X_RING_MIN_MB else 0
@@ -919,9 +938,9 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
     meta["DO"] = 1
   if LOAD_HINTS and _row_block(m) <= LOAD_HINTS_MAX_MB:
     meta["LH"] = LOAD_HINTS
-  if LOAD_ASM and not wg and k * n <= LOAD_ASM_MAX_WEIGHTS:
+  if LOAD_ASM and not wg and not w8 and k * n <= LOAD_ASM_MAX_WEIGHTS:  # (its loads take 8 bytes a thread and row)
     meta["LA"] = LOAD_ASM
-  return Build(wg, narrow, block_n, splits, meta)
+  return Build(wg, narrow, block_n, splits, meta, w8)
 
 
 def _build_for(m: int, w: nvfp4.NVFP4Tensor, index) -> Build:
@@ -955,7 +974,7 @@ def _operands(x, w, index, meta, out):
 def _ffi_call(build: Build, operands, out_shape, aliases, **attrs):
   """``build``'s kernel on ``operands`` through the FFI launcher; ``attrs``: ``zero_results`` and
   ``out_offset`` of :func:`_launch_attrs`."""
-  ptx, name, shared = _compiled(tuple(build.meta.items()), build.wg, build.narrow_n, build.maxnreg)
+  ptx, name, shared = _compiled(tuple(build.meta.items()), build.wg, build.narrow_n, build.maxnreg, build.w8)
   return jax.ffi.ffi_call(_FFI_TARGET, out_shape, input_output_aliases=aliases)(
       *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=32 * build.warps, **attrs))
 
@@ -1003,7 +1022,7 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
     import jax_triton
 
     _install()
-    out = jax_triton.triton_call(*operands, kernel=_kernel(wg, build.narrow_n), out_shape=out_shape,
+    out = jax_triton.triton_call(*operands, kernel=_kernel(wg, build.narrow_n, w8=build.w8), out_shape=out_shape,
                                  grid=build.grid[:2], num_warps=build.warps, input_output_aliases=aliases or {}, **meta)
   y = out if atomic else out[0] if splits == 1 else out.sum(axis=0)
   return y.astype(out_dtype or x.dtype)

@@ -104,6 +104,26 @@ def test_inline_ptx_code_loads_only_on_small_mma_sync_builds(monkeypatch):
   assert la(8, 3584, 4608) is None
 
 
+def test_eight_warp_mma_sync_builds_only_where_asked(monkeypatch):
+  """MMA_WARPS = 8 (lab) gives the M <= 16 builds of weights over MMA_WARPS_MIN_WEIGHTS values (the 7B gate/up
+  3584 x 37888 and down 18944 x 3584) 8 warps and MMA8_MAX_REGISTERS, without the 8-byte inline-PTX loads; q/k/v,
+  o and the wgmma builds keep theirs; the default (4) changes nothing; MMA8_TARGET_PROGRAMS moves their split."""
+  b = w4_gluon._build(8, 3584, 37888, 1)
+  assert (b.w8, b.warps, b.maxnreg, b.splits) == (False, 4, 128, 7)
+  monkeypatch.setattr(w4_gluon, "MMA_WARPS", 8)
+  monkeypatch.setattr(w4_gluon, "MMA8_MAX_REGISTERS", 80)
+  for m, k, n in ((8, 3584, 37888), (1, 18944, 3584), (16, 3584, 37888)):
+    b = w4_gluon._build(m, k, n, 1)
+    assert (b.w8, b.warps, b.maxnreg, b.wg) == (True, 8, 80, False) and "LA" not in b.meta
+  for m, k, n in ((8, 3584, 4608), (8, 3584, 3584), (32, 3584, 37888)):
+    b = w4_gluon._build(m, k, n, 1)
+    assert not b.w8 and b.warps == (8 if m > 16 else 4)
+  assert w4_gluon._build(8, 3584, 4608, 1).meta["LA"] == 2
+  # 148 column tiles x 8 splits (7 steps each) = 1184 programs is nearest 1188 among 56 steps' divisors
+  monkeypatch.setattr(w4_gluon, "MMA8_TARGET_PROGRAMS", 1188)
+  assert w4_gluon._build(8, 3584, 37888, 1).splits == 8 and w4_gluon._build(8, 3584, 4608, 1).splits == 28
+
+
 def test_row_block_by_hand():
   """mma.sync builds of 8 and 16 rows up to M = 16, the wgmma builds of 32 and 64 rows above."""
   assert [w4_gluon._row_block(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128)] == [8, 8, 16, 16, 32, 32, 64, 64,
@@ -172,6 +192,27 @@ def _check_forward_against_float64(m, k, n):
   assert y.shape == (m, n) and bool(jnp.isfinite(y).all())
   # exact E2M1 x E4M3 values, bf16 products, float32 accumulation in a different order
   assert _rel(y, np.asarray(x, np.float64) @ _dense64(wq)) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cap", [128, 80, 64])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("k,n", [(3584, 4608), (1088, 768), (64, 256)])
+def test_gpu_gluon_eight_warp_build_matches_float64(m, k, n, cap, monkeypatch):
+  """MMA_WARPS = 8 (lab): the mma.sync builds with 8 warps (column bit n2 on a warp), every weight
+  (MMA_WARPS_MIN_WEIGHTS = 0), register caps 128 / 80 / 64 (64 spills at MB = 16), ragged M, against float64;
+  also in decode order at layer 1 of a stack."""
+  monkeypatch.setattr(w4_gluon, "MMA_WARPS", 8)
+  monkeypatch.setattr(w4_gluon, "MMA_WARPS_MIN_WEIGHTS", 0)
+  monkeypatch.setattr(w4_gluon, "MMA8_MAX_REGISTERS", cap)
+  assert w4_gluon._build(m, k, n, 1).warps == 8
+  _check_forward_against_float64(m, k, n)
+  wq = _weight(k, n, m + 5 * k, layers=2)
+  x = _act(m, k, 3 * m + n)
+  y = jax.jit(lambda x, w: w4_gluon.forward(x, w, out_dtype=jnp.float32, index=jnp.int32(1)))(
+      x, nvfp4.to_decode_order(wq))
+  assert bool(jnp.isfinite(y).all())
+  assert _rel(y, np.asarray(x, np.float64) @ _dense64(matmul.layer_of(wq, 1))) < 1e-4
 
 
 def _skip_without_wgmma():
@@ -352,6 +393,25 @@ def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
       lowering_platforms=("cuda",)).as_text()
   assert "mma.sync" in text and ".maxnreg 128" in text and ".maxnreg 128" in first
   assert ".maxnreg 128" in text_wg and ".maxnreg" not in wide  # narrow wgmma builds capped at 128, wide ones not
+
+
+def test_eight_warp_build_lowers_for_cuda_without_a_gpu(monkeypatch):
+  """MMA_WARPS = 8 (lab): the call lowers with 256 threads, mma.sync, the 8-warp register cap and 4-byte code loads
+  (each thread 4 contiguous bytes a row); the default build takes 8-byte loads."""
+  k, n, stack, x, i = _ffi_lowering_case(monkeypatch)
+  lower = lambda: jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x, stack, i).lower(
+      lowering_platforms=("cuda",)).as_text()
+  monkeypatch.setattr(w4_gluon, "LOAD_ASM", 0)  # Triton's own loads in both, so that their widths compare
+  four = lower()
+  monkeypatch.setattr(w4_gluon, "MMA_WARPS", 8)
+  monkeypatch.setattr(w4_gluon, "MMA_WARPS_MIN_WEIGHTS", 0)
+  monkeypatch.setattr(w4_gluon, "MMA8_MAX_REGISTERS", 80)
+  eight = lower()
+  assert "threads = 128" in four and "threads = 256" in eight and "grid_x = 18" in eight and "grid_y = 28" in eight
+  assert "mma.sync" in eight and ".maxnreg 80" in eight and ".maxnreg 128" in four
+  # the weight stream's evict-first loads (the codes; the block scales are 4 bytes in both)
+  assert "ld.global.L1::evict_first.L2::cache_hint.v2.b32" in four
+  assert "ld.global.L1::evict_first.L2::cache_hint.b32" in eight and ".cache_hint.v2.b32" not in eight
 
 
 def test_decode_order_lowers_its_own_decode(monkeypatch):

@@ -169,6 +169,10 @@
 #     runs 99 down parts); (b) the training-rollout table, NVFP4 against bf16 with the recipes' adapter (LoRA rank 32
 #     + trained norms + AQN), batch 8, 16, 32 and 64 at 512 new tokens, to replace README's batch-32 / 64 figures
 #     that predate trained norms in the fused layer end (about 8 minutes).
+# 41. (session 26) the 8-warp mma.sync builds (w4_gluon.MMA_WARPS = 8, lab; gate/up and down only): (a) their GPU
+#     tests against float64 (caps 128 / 80 / 64); (b) the kernel harness at M = 1, 8, 16 (standard order, gate alone)
+#     with caps 128, 80, 64 and the 80 cap with 1188 split-K programs; (c) the base rollout, batch 8 and 16, 512 new
+#     tokens, 4 warps against 8 at caps 80 and 64, alternating (about 9 minutes).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -313,6 +317,14 @@ step 40 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -
   timeout 330 python3 experiments/bench_rollout.py --batches=8,16,32,64 --new_tokens=512 --lora_rank=32 --aqn \
     --formats=nvfp4_fused,bf16_fused --time_budget_s=300 --out="$OUT/training" 2>&1 | grep "|\|x$"; } \
   | tee "$OUT/training_table.txt"
+step 41 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 170 python3 -m pytest -q -n 10 -m gpu tests/test_gluon.py \
+    -k "eight_warp" -p no:cacheprovider 2>&1 | tail -3
+  GL_MS=1,8,16 GL_VARIANTS="w8:MMA_WARPS=8;w8r80:MMA_WARPS=8,MMA8_MAX_REGISTERS=80;w8r64:MMA_WARPS=8,MMA8_MAX_REGISTERS=64;w8r80t:MMA_WARPS=8,MMA8_MAX_REGISTERS=80,MMA8_TARGET_PROGRAMS=1188" \
+    timeout 150 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn | grep "7b_gate\|7b_down\|M=\|FAIL"
+  for s in "" "MMA_WARPS=8,MMA8_MAX_REGISTERS=80" "MMA_WARPS=8,MMA8_MAX_REGISTERS=64" "" "MMA_WARPS=8,MMA8_MAX_REGISTERS=80" \
+      "MMA_WARPS=8,MMA8_MAX_REGISTERS=64"; do
+    GL_SET="$s" timeout 60 python3 experiments/lab/gluon/ab_rollout.py --batches=8,16 --new_tokens=512 \
+      --formats=nvfp4_fused --time_budget_s=45 2>&1 | grep "w4_gluon\.\|nvfp4_fused |"; done; } | tee "$OUT/eight_warps.txt"
 step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REGISTERS=96,TARGET_PROGRAMS=640;r80:MMA_MAX_REGISTERS=80;r80t768:MMA_MAX_REGISTERS=80,TARGET_PROGRAMS=768" \
     timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn
   for s in "" "MMA_MAX_REGISTERS=96" "" "MMA_MAX_REGISTERS=96"; do
