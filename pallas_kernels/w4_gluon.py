@@ -143,8 +143,10 @@ LORA_XA = 1  # a decode step computes a LoRA adapter's x @ A by lora_xa (one ker
 MMA_WARPS = 4  # lab (session 26): 8 runs the mma.sync builds (M <= 16) of weights over MMA_WARPS_MIN_WEIGHTS values
   # with 8 warps a program: column bit n2 moves from the registers to a warp (as in the wgmma builds), so a thread
   # holds half the codes of a step (4 contiguous bytes a row) and needs fewer registers; under MMA8_MAX_REGISTERS
-  # more warps share an SM (hypothesis: the M <= 16 kernel is half issue-bound, half stalled on load -> decode -> MMA
-  # with 4 warps a scheduler; docs/benchmarks.md, session 9). FFI launcher only (jax-triton compiles it uncapped).
+  # more warps share an SM. Measured slower (H200; docs/benchmarks.md "Session 26"): 7B gate at M = 8 18.1 us with
+  # 4 warps, 19.3 / 19.8 / 20.8 with 8 at caps 128 / 80 / 64; a batch-8 decode step 2.08-2.10 ms against 2.20-2.21
+  # (cap 80) and 2.51 (cap 64). More resident warps do not pay for narrower loads and x loaded by twice the warps.
+  # FFI launcher only (jax-triton compiles it uncapped).
 MMA_WARPS_MIN_WEIGHTS = 1 << 25  # MMA_WARPS only for weights of more values (K x N) than this: the 7B gate/up and
   # down, not q/k/v and o (whose LOAD_ASM loads take 8 bytes a thread and row)
 MMA8_MAX_REGISTERS = 128  # the 8-warp mma.sync builds' register cap: 128 fits 2 programs an SM, 80 fits 3, 64 fits 4
