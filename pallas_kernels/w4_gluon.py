@@ -151,6 +151,9 @@ MMA_WARPS_MIN_WEIGHTS = 1 << 25  # MMA_WARPS only for weights of more values (K 
   # down, not q/k/v and o (whose LOAD_ASM loads take 8 bytes a thread and row)
 MMA8_MAX_REGISTERS = 128  # the 8-warp mma.sync builds' register cap: 128 fits 2 programs an SM, 80 fits 3, 64 fits 4
 MMA8_TARGET_PROGRAMS = 0  # their split-K target (0: TARGET_PROGRAMS)
+SCALE_PAIRS = 0  # lab (session 26): 1 pairs each block scale into both bf16 halves of a register once a block
+  # (cvt.rn.bf16x2.f32) instead of four prmt in every decode block of 16 weights (SASS of the 7B gate/up at M = 8:
+  # see docs/benchmarks.md "Session 26"); every build
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -211,7 +214,7 @@ def _splits(k: int, n: int, target: int | None = None, block_n: int = BLOCK_N, m
   return min(options, key=lambda s: (abs(tiles * s - target), s))
 
 
-def _asm(decode_order: bool = False) -> str:
+def _asm(decode_order: bool = False, scale_pairs: bool = False) -> str:
   """Inline PTX: code words ``$8`` (row 2j, 4 columns) and ``$9`` (row 2j+1, same columns), block
   scales ``$10, $11`` (4 bf16, times 2**118) -> ``$0..$3`` low nibbles, ``$4..$7`` high nibbles; each
   output register holds (row 2j, row 2j+1) of one column, as bf16 ``e2m1 * scale * 2**-8`` (exact).
@@ -226,11 +229,16 @@ def _asm(decode_order: bool = False) -> str:
 
   ``decode_order``: the codes are in :func:`qerl_jax.nvfp4.to_decode_order`'s order, where each
   ``prmt`` word gives three of its four registers by one mask after a left shift of 0, 3 or 6 bits
-  and the fourth from three shifted pieces; the outputs are the same registers with the same values."""
+  and the fourth from three shifted pieces; the outputs are the same registers with the same values.
+
+  ``scale_pairs`` (:data:`SCALE_PAIRS`): the scales come as four registers ``$10..$13``, column q's bf16
+  scale already in both halves (made once a block by the kernel's ``cvt.rn.bf16x2.f32``), instead of
+  two registers that this block pairs with four ``prmt``."""
   lines = ["{", ".reg .b32 u, m, t, nz, s0, s1, s2, s3;", "mov.b32 nz, 0x80008000;"]
   for q in range(4):  # the bf16 scale of column q in both halves
     sc = "$10" if q < 2 else "$11"
-    lines.append(f"prmt.b32 s{q}, {sc}, {sc}, {'0x1010' if q % 2 == 0 else '0x3232'};")
+    lines.append(f"mov.b32 s{q}, ${10 + q};" if scale_pairs else
+                 f"prmt.b32 s{q}, {sc}, {sc}, {'0x1010' if q % 2 == 0 else '0x3232'};")
   for h in range(2):  # columns 2h, 2h + 1: u = [row 2j: col 2h, col 2h+1 | row 2j+1: col 2h, col 2h+1]
     lines.append(f"prmt.b32 u, $8, $9, {'0x5410' if h == 0 else '0x7632'};")
     if decode_order:  # u is a block word in nvfp4.DECODE_ORDER_BITS: (column, nibble) -> its bits
@@ -280,6 +288,8 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
 
   asm = ttgl.constexpr(_asm())
   asm_do = ttgl.constexpr(_asm(decode_order=True))  # codes in nvfp4.to_decode_order's order
+  asm_sp = ttgl.constexpr(_asm(scale_pairs=True))  # DO bit 1 (SCALE_PAIRS): the scales paired once a block
+  asm_do_sp = ttgl.constexpr(_asm(decode_order=True, scale_pairs=True))
   # codes [32 rows, 256 columns]: registers n0 n1 n2 kp0 kp1 kp4; lanes kp2 kp3 n3 n4 n5; warps n6 n7.
   # With 8 warps, column bit n2 moves from the registers to the third warp bit.
   n2_reg, n2_warp = ([], [[0, 4]]) if wg or w8 else ([[0, 4]], [])
@@ -360,15 +370,25 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
   @gluon.jit
   def decode(c, s, DO: ttgl.constexpr):
     """codes [32, 256] and block scales [4, 256] of one step -> the weight operand [256 rows, 64 k]
-    (``DO``: the codes in decode order)."""
-    s = (s.to(ttgl.float32) * 3.3230699894622896e+35).to(ttgl.bfloat16)  # times 2**118
+    (``DO`` bit 0: the codes in decode order; bit 1: :data:`SCALE_PAIRS`)."""
     c_a, c_b = ttgl.split(ttgl.permute(ttgl.reshape(c, [16, 2, BN]), [0, 2, 1]))  # rows 2j, 2j+1
     c_a4 = ttgl.reshape(c_a, [4, 4, BN])
+    if DO == 2 or DO == 3:  # each block scale times 2**118 in both bf16 halves of a register, once a block
+      sf = s.to(ttgl.float32) * 3.3230699894622896e+35
+      s = ttgl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,r", [sf], dtype=ttgl.uint32,
+                                      is_pure=True, pack=1)
+    else:
+      s = (s.to(ttgl.float32) * 3.3230699894622896e+35).to(ttgl.bfloat16)  # times 2**118
     s_a = ttgl.reshape(ttgl.broadcast(ttgl.expand_dims(s, 1), c_a4)[0], [16, BN])
     s_a = ttgl.convert_layout(s_a, c_a.type.layout, assert_trivial=True)
-    o1, o2, o3, o4 = ttgl.inline_asm_elementwise(
-        asm_do if DO else asm, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [c_a, c_b, s_a],
-        dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16), is_pure=True, pack=4)
+    if DO == 2 or DO == 3:
+      o1, o2, o3, o4 = ttgl.inline_asm_elementwise(
+          asm_do_sp if DO == 3 else asm_sp, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [c_a, c_b, s_a],
+          dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16), is_pure=True, pack=4)
+    else:
+      o1, o2, o3, o4 = ttgl.inline_asm_elementwise(
+          asm_do if DO else asm, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [c_a, c_b, s_a],
+          dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16), is_pure=True, pack=4)
     if NARROW:
       j = ttgl.reshape(ttgl.join(ttgl.join(o1, o2), ttgl.join(o3, o4)), [2] * (10 + TOP))
       # axes [kp4 kp3 kp2 | kp1 (labelled; holds column n0) | n_top .. n1 | n0 (labelled; holds row parity,
@@ -936,8 +956,8 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
   xs = max(X_STAGES, 2) if wg and X_STAGES > 0 and _row_block(m) >= X_RING_MIN_MB else 0
   meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=_row_block(m), ATOMIC=atomic,
               XS=xs, WA=int(bool(WG_ASYNC) and xs >= 3))
-  if decode_order:  # the codes in nvfp4.to_decode_order's order: the cheaper decode
-    meta["DO"] = 1
+  if decode_order or SCALE_PAIRS:  # bit 0: the codes in nvfp4.to_decode_order's order (the cheaper decode)
+    meta["DO"] = int(decode_order) | (2 if SCALE_PAIRS else 0)
   if LOAD_HINTS and _row_block(m) <= LOAD_HINTS_MAX_MB:
     meta["LH"] = LOAD_HINTS
   if LOAD_ASM and not wg and not w8 and k * n <= LOAD_ASM_MAX_WEIGHTS:  # (its loads take 8 bytes a thread and row)

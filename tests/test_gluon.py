@@ -215,6 +215,25 @@ def test_gpu_gluon_eight_warp_build_matches_float64(m, k, n, cap, monkeypatch):
   assert _rel(y, np.asarray(x, np.float64) @ _dense64(matmul.layer_of(wq, 1))) < 1e-4
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("code_order", ["standard", "decode"])
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 17, 32, 40, 64, 100, 128])
+@pytest.mark.parametrize("k,n", [(3584, 4608), (1088, 768)])
+def test_gpu_gluon_scale_pairs_match_float64(m, k, n, code_order, monkeypatch):
+  """SCALE_PAIRS = 1 (lab): the block scales paired into both bf16 halves once a block (cvt.rn.bf16x2.f32),
+  every build (mma.sync, wgmma, narrow, the x ring), both code orders, a stack read at layer 1, against float64."""
+  if m > 16:
+    _skip_without_wgmma()
+  monkeypatch.setattr(w4_gluon, "SCALE_PAIRS", 1)
+  assert w4_gluon._build(m, k, n, 2, code_order == "decode").meta["DO"] == (3 if code_order == "decode" else 2)
+  wq = _weight(k, n, m + 3 * k, layers=2)
+  x = _act(m, k, 5 * m + n)
+  y = jax.jit(lambda x, w: w4_gluon.forward(x, w, out_dtype=jnp.float32, index=jnp.int32(1)))(
+      x, nvfp4.to_decode_order(wq) if code_order == "decode" else wq)
+  assert bool(jnp.isfinite(y).all())
+  assert _rel(y, np.asarray(x, np.float64) @ _dense64(matmul.layer_of(wq, 1))) < 1e-4
+
+
 def _skip_without_wgmma():
   if not w4_gluon._wgmma_gpus():
     pytest.skip("the wgmma builds (M > 16) are for sm_90")
@@ -894,17 +913,19 @@ def test_resolve_code_order(monkeypatch):
     matmul.resolve_code_order("rollout")
 
 
+@pytest.mark.parametrize("scale_pairs", [False, True])
 @pytest.mark.parametrize("code_order", ["standard", "decode"])
-def test_decode_ptx_by_codebook(code_order):
+def test_decode_ptx_by_codebook(code_order, scale_pairs):
   """The decode's inline PTX, executed by a small interpreter, gives exactly
   ``E2M1[code] * scale * 2**-8`` for every code of both rows and all four columns, with E4M3 block
   scales in and out of the subnormal range (the kernel's ``s * 2**118`` in bf16 as input); for
   ``code_order="decode"`` the PTX reads the two code rows as ``nvfp4.to_decode_order`` stores them
-  and must give the same registers."""
+  and must give the same registers. ``scale_pairs`` (SCALE_PAIRS): the four scales arrive each in both
+  halves of its own register."""
   import ml_dtypes
 
   rng = np.random.default_rng(0)
-  asm = w4_gluon._asm(decode_order=code_order == "decode")
+  asm = w4_gluon._asm(decode_order=code_order == "decode", scale_pairs=scale_pairs)
   for trial in range(256):
     rows = rng.integers(0, 256, size=(2, 4)) if trial else np.array([[0x0F, 0xF0, 0x88, 0x77], [0x19, 0x2A, 0x3B, 0xFF]])
     scale = rng.choice([2.0 ** -9, 0.0625, 0.75, 1.0, 13.0, 448.0], size=4).astype(ml_dtypes.float8_e4m3fn)
@@ -915,6 +936,8 @@ def test_decode_ptx_by_codebook(code_order):
     regs = {"$8": int(sum(int(b) << (8 * i) for i, b in enumerate(stored[0]))),
             "$9": int(sum(int(b) << (8 * i) for i, b in enumerate(stored[1]))),
             "$10": int(s118[0] | (s118[1] << 16)), "$11": int(s118[2] | (s118[3] << 16))}
+    if scale_pairs:  # what the kernel's cvt.rn.bf16x2.f32 of each scale gives
+      regs.update({f"${10 + q}": int(s118[q] | (s118[q] << 16)) for q in range(4)})
     regs = _run_ptx(asm, regs)
     for q in range(4):
       for nib, reg in ((0, f"${q}"), (1, f"${4 + q}")):
