@@ -151,9 +151,13 @@ MMA_WARPS_MIN_WEIGHTS = 1 << 25  # MMA_WARPS only for weights of more values (K 
   # down, not q/k/v and o (whose LOAD_ASM loads take 8 bytes a thread and row)
 MMA8_MAX_REGISTERS = 128  # the 8-warp mma.sync builds' register cap: 128 fits 2 programs an SM, 80 fits 3, 64 fits 4
 MMA8_TARGET_PROGRAMS = 0  # their split-K target (0: TARGET_PROGRAMS)
-SCALE_PAIRS = 0  # lab (session 26): 1 pairs each block scale into both bf16 halves of a register once a block
-  # (cvt.rn.bf16x2.f32) instead of four prmt in every decode block of 16 weights (SASS of the 7B gate/up at M = 8:
-  # see docs/benchmarks.md "Session 26"); every build
+SCALE_PAIRS = 2  # (session 26) where each block scale is paired into both bf16 halves of a register once a block
+  # (cvt.rn.bf16x2.f32) instead of by four prmt in every decode block of 16 weights: 2 (default) the wgmma builds
+  # (M > 16), 1 every build, 0 none. SASS (7B gate/up): M = 8 3256 -> 3192 instructions a thread, M = 32
+  # 1976 -> 1896. Measured on the H200 (docs/benchmarks.md "Session 26"): harness 0.6-1.8% faster summed over the
+  # 7B shapes at M = 1-64; base decode step at 512 new tokens, batch 64 5.190 / 5.187 ms against 5.253, batch 32
+  # 3.332 / 3.359 against 3.336 (with 2); at batch 8 2.094-2.099 against 2.081-2.098 and at batch 16 2.646-2.656
+  # against 2.563 (with 1: the M = 16 build spills 8 registers instead of 6), hence 2
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -956,8 +960,9 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
   xs = max(X_STAGES, 2) if wg and X_STAGES > 0 and _row_block(m) >= X_RING_MIN_MB else 0
   meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=_row_block(m), ATOMIC=atomic,
               XS=xs, WA=int(bool(WG_ASYNC) and xs >= 3))
-  if decode_order or SCALE_PAIRS:  # bit 0: the codes in nvfp4.to_decode_order's order (the cheaper decode)
-    meta["DO"] = int(decode_order) | (2 if SCALE_PAIRS else 0)
+  pairs = SCALE_PAIRS == 1 or (SCALE_PAIRS == 2 and wg)
+  if decode_order or pairs:  # bit 0: the codes in nvfp4.to_decode_order's order (the cheaper decode); bit 1: pairs
+    meta["DO"] = int(decode_order) | (2 if pairs else 0)
   if LOAD_HINTS and _row_block(m) <= LOAD_HINTS_MAX_MB:
     meta["LH"] = LOAD_HINTS
   if LOAD_ASM and not wg and not w8 and k * n <= LOAD_ASM_MAX_WEIGHTS:  # (its loads take 8 bytes a thread and row)

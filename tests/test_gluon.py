@@ -124,6 +124,18 @@ def test_eight_warp_mma_sync_builds_only_where_asked(monkeypatch):
   assert w4_gluon._build(8, 3584, 37888, 1).splits == 8 and w4_gluon._build(8, 3584, 4608, 1).splits == 28
 
 
+def test_scale_pairs_rule_by_hand(monkeypatch):
+  """DO bit 1 (block scales paired once a block): by default (SCALE_PAIRS = 2) in the wgmma builds only; 1 every
+  build; 0 none. Bit 0 is the decode code order."""
+  do = lambda m, order: w4_gluon._build(m, 3584, 37888, 28, order).meta.get("DO", 0)
+  assert [do(m, False) for m in (1, 8, 16, 17, 64, 128)] == [0, 0, 0, 2, 2, 2]
+  assert [do(m, True) for m in (8, 16, 32, 128)] == [1, 1, 3, 3]
+  monkeypatch.setattr(w4_gluon, "SCALE_PAIRS", 1)
+  assert [do(m, False) for m in (8, 64)] == [2, 2]
+  monkeypatch.setattr(w4_gluon, "SCALE_PAIRS", 0)
+  assert [do(m, True) for m in (8, 64)] == [1, 1] and do(64, False) == 0
+
+
 def test_row_block_by_hand():
   """mma.sync builds of 8 and 16 rows up to M = 16, the wgmma builds of 32 and 64 rows above."""
   assert [w4_gluon._row_block(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128)] == [8, 8, 16, 16, 32, 32, 64, 64,
@@ -226,6 +238,10 @@ def test_gpu_gluon_scale_pairs_match_float64(m, k, n, code_order, monkeypatch):
     _skip_without_wgmma()
   monkeypatch.setattr(w4_gluon, "SCALE_PAIRS", 1)
   assert w4_gluon._build(m, k, n, 2, code_order == "decode").meta["DO"] == (3 if code_order == "decode" else 2)
+  monkeypatch.setattr(w4_gluon, "SCALE_PAIRS", 2)  # the wgmma builds only
+  assert w4_gluon._build(m, k, n, 2, code_order == "decode").meta.get("DO", 0) == (
+      (2 if m > 16 else 0) + (code_order == "decode"))
+  monkeypatch.setattr(w4_gluon, "SCALE_PAIRS", 1)
   wq = _weight(k, n, m + 3 * k, layers=2)
   x = _act(m, k, 5 * m + n)
   y = jax.jit(lambda x, w: w4_gluon.forward(x, w, out_dtype=jnp.float32, index=jnp.int32(1)))(

@@ -175,6 +175,7 @@
 #     tokens, 4 warps against 8 at caps 80 and 64, alternating (about 9 minutes).
 # 42. (session 26) SCALE_PAIRS = 1 (block scales paired once a block, not by four prmt in each decode block): its GPU
 #     tests, the harness at M = 1, 8, 16, 32, 64, and the base rollout at batch 8 and 16, alternating (about 6 minutes).
+# 43. (session 26) SCALE_PAIRS = 2 (the wgmma builds only) on the base rollout at batch 32 and 64, alternating.
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -334,6 +335,9 @@ step 42 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -
   for s in "" "SCALE_PAIRS=1" "" "SCALE_PAIRS=1"; do
     GL_SET="$s" timeout 60 python3 experiments/lab/gluon/ab_rollout.py --batches=8,16 --new_tokens=512 \
       --formats=nvfp4_fused --time_budget_s=45 2>&1 | grep "w4_gluon\.\|nvfp4_fused |"; done; } | tee "$OUT/scale_pairs.txt"
+step 43 && { for s in "" "SCALE_PAIRS=2" "" "SCALE_PAIRS=2"; do
+    GL_SET="$s" timeout 75 python3 experiments/lab/gluon/ab_rollout.py --batches=32,64 --new_tokens=512 \
+      --formats=nvfp4_fused --time_budget_s=55 2>&1 | grep "w4_gluon\.\|nvfp4_fused |"; done; } | tee "$OUT/scale_pairs_wg.txt"
 step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REGISTERS=96,TARGET_PROGRAMS=640;r80:MMA_MAX_REGISTERS=80;r80t768:MMA_MAX_REGISTERS=80,TARGET_PROGRAMS=768" \
     timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn
   for s in "" "MMA_MAX_REGISTERS=96" "" "MMA_MAX_REGISTERS=96"; do
