@@ -946,9 +946,15 @@ class Build(NamedTuple):
 def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> Build:
   """The :class:`Build` for ``x [m, k]`` times a ``[k, n]`` weight (of a stack of ``layers``), under
   the current settings (``NARROW_MIN_MB``, ``MMA_ATOMIC``, ``X_STAGES``, ``X_RING_MIN_MB``, ``WG_ASYNC``,
-  ``LOAD_HINTS``, ``LOAD_ASM``, :func:`atomic_split_k`); the
+  ``LOAD_HINTS``, ``LOAD_ASM``, ``MMA_WARPS``, ``SCALE_PAIRS``, :func:`atomic_split_k`); the
   shape must be one :func:`applies` takes. ``decode_order``: the weight's codes are in
-  :func:`qerl_jax.nvfp4.to_decode_order`'s order (the kernel's cheaper decode)."""
+  :func:`qerl_jax.nvfp4.to_decode_order`'s order (the kernel's cheaper decode).
+
+  Raises:
+    ValueError: ``MMA_WARPS`` or ``SCALE_PAIRS`` set to a value it does not take."""
+  if MMA_WARPS not in (4, 8) or SCALE_PAIRS not in (0, 1, 2):
+    raise ValueError(f"w4_gluon: MMA_WARPS={MMA_WARPS!r} (expected 4 or 8), SCALE_PAIRS={SCALE_PAIRS!r} (expected 0, 1 "
+                     "or 2)")
   wg = _use_wgmma(m)
   narrow = wg and _row_block(m) >= NARROW_MIN_MB
   block_n = (128 if _row_block(m) == 128 else NARROW_BLOCK_N) if narrow else BLOCK_N

@@ -838,6 +838,13 @@ def test_bad_settings_raise(monkeypatch):
   monkeypatch.setenv("QERL_GLUON_LAUNCH", "triton")
   with pytest.raises(ValueError, match="QERL_GLUON_LAUNCH"):
     w4_gluon.requested_launcher()
+  monkeypatch.setattr(w4_gluon, "SCALE_PAIRS", 3)
+  with pytest.raises(ValueError, match="SCALE_PAIRS=3"):
+    w4_gluon._build(8, 128, 512, 1)
+  monkeypatch.setattr(w4_gluon, "SCALE_PAIRS", 2)
+  monkeypatch.setattr(w4_gluon, "MMA_WARPS", 16)
+  with pytest.raises(ValueError, match="MMA_WARPS=16"):
+    w4_gluon._build(8, 128, 512, 1)
 
 
 def test_module_key_tells_kernels_apart():
