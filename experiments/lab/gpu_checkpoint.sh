@@ -176,6 +176,10 @@
 # 42. (session 26) SCALE_PAIRS = 1 (block scales paired once a block, not by four prmt in each decode block): its GPU
 #     tests, the harness at M = 1, 8, 16, 32, 64, and the base rollout at batch 8 and 16, alternating (about 6 minutes).
 # 43. (session 26) SCALE_PAIRS = 2 (the wgmma builds only) on the base rollout at batch 32 and 64, alternating.
+#     Session 26 ran 41-43 (docs/benchmarks.md "Session 26"): 8 warps slower (off); SCALE_PAIRS=1 slower at batch 16,
+#     SCALE_PAIRS=2 5.19 against 5.25 ms at batch 64 (now the default).
+# 44. (session 26, prepared) with SCALE_PAIRS = 2 the default: issue 6's table (batch 8, 64 at 2048 new tokens, 256
+#     at 1024), then the training rollout at batch 32 and 64 (512 new tokens), the two batches it changes (about 9 min).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -338,6 +342,12 @@ step 42 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -
 step 43 && { for s in "" "SCALE_PAIRS=2" "" "SCALE_PAIRS=2"; do
     GL_SET="$s" timeout 75 python3 experiments/lab/gluon/ab_rollout.py --batches=32,64 --new_tokens=512 \
       --formats=nvfp4_fused --time_budget_s=55 2>&1 | grep "w4_gluon\.\|nvfp4_fused |"; done; } | tee "$OUT/scale_pairs_wg.txt"
+step 44 && { timeout 400 python3 experiments/bench_rollout.py --batches=8,64,256 --new_tokens=2048 \
+    --new_tokens_by_batch=256:1024 --formats=nvfp4_fused,bf16_fused --time_budget_s=360 --out="$OUT/issue6" 2>&1 \
+    | grep "|\|x$"
+  timeout 150 python3 experiments/bench_rollout.py --batches=32,64 --new_tokens=512 --lora_rank=32 --aqn \
+    --formats=nvfp4_fused,bf16_fused --time_budget_s=120 --out="$OUT/training" 2>&1 | grep "|\|x$"; } \
+  | tee "$OUT/issue6_scale_pairs.txt"
 step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REGISTERS=96,TARGET_PROGRAMS=640;r80:MMA_MAX_REGISTERS=80;r80t768:MMA_MAX_REGISTERS=80,TARGET_PROGRAMS=768" \
     timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn
   for s in "" "MMA_MAX_REGISTERS=96" "" "MMA_MAX_REGISTERS=96"; do
