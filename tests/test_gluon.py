@@ -232,8 +232,9 @@ def test_gpu_gluon_eight_warp_build_matches_float64(m, k, n, cap, monkeypatch):
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 17, 32, 40, 64, 100, 128])
 @pytest.mark.parametrize("k,n", [(3584, 4608), (1088, 768)])
 def test_gpu_gluon_scale_pairs_match_float64(m, k, n, code_order, monkeypatch):
-  """SCALE_PAIRS = 1 (lab): the block scales paired into both bf16 halves once a block (cvt.rn.bf16x2.f32),
-  every build (mma.sync, wgmma, narrow, the x ring), both code orders, a stack read at layer 1, against float64."""
+  """SCALE_PAIRS = 1 (every build; the default 2 pairs in the wgmma builds only): the block scales paired into
+  both bf16 halves once a block (cvt.rn.bf16x2.f32) in the mma.sync, wgmma, narrow and x-ring builds, both code
+  orders, a stack read at layer 1, against float64."""
   if m > 16:
     _skip_without_wgmma()
   monkeypatch.setattr(w4_gluon, "SCALE_PAIRS", 1)
