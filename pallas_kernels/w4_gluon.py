@@ -375,24 +375,22 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
   def decode(c, s, DO: ttgl.constexpr):
     """codes [32, 256] and block scales [4, 256] of one step -> the weight operand [256 rows, 64 k]
     (``DO`` bit 0: the codes in decode order; bit 1: :data:`SCALE_PAIRS`)."""
+    pairs: ttgl.constexpr = DO == 2 or DO == 3
     c_a, c_b = ttgl.split(ttgl.permute(ttgl.reshape(c, [16, 2, BN]), [0, 2, 1]))  # rows 2j, 2j+1
     c_a4 = ttgl.reshape(c_a, [4, 4, BN])
-    if DO == 2 or DO == 3:  # each block scale times 2**118 in both bf16 halves of a register, once a block
-      sf = s.to(ttgl.float32) * 3.3230699894622896e+35
-      s = ttgl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,r", [sf], dtype=ttgl.uint32,
+    s = s.to(ttgl.float32) * 3.3230699894622896e+35  # times 2**118
+    if pairs:  # in both bf16 halves of a register, once a block
+      s = ttgl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,r", [s], dtype=ttgl.uint32,
                                       is_pure=True, pack=1)
     else:
-      s = (s.to(ttgl.float32) * 3.3230699894622896e+35).to(ttgl.bfloat16)  # times 2**118
+      s = s.to(ttgl.bfloat16)
     s_a = ttgl.reshape(ttgl.broadcast(ttgl.expand_dims(s, 1), c_a4)[0], [16, BN])
     s_a = ttgl.convert_layout(s_a, c_a.type.layout, assert_trivial=True)
-    if DO == 2 or DO == 3:
-      o1, o2, o3, o4 = ttgl.inline_asm_elementwise(
-          asm_do_sp if DO == 3 else asm_sp, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [c_a, c_b, s_a],
-          dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16), is_pure=True, pack=4)
-    else:
-      o1, o2, o3, o4 = ttgl.inline_asm_elementwise(
-          asm_do if DO else asm, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [c_a, c_b, s_a],
-          dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16), is_pure=True, pack=4)
+    # 8 outputs; the codes of rows 2j and 2j+1; 4 scale registers (pairs) or 2 (four bf16 scales)
+    o1, o2, o3, o4 = ttgl.inline_asm_elementwise(
+        (asm_do_sp if DO == 3 else asm_sp) if pairs else (asm_do if DO else asm),
+        "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r" if pairs else "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [c_a, c_b, s_a],
+        dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16), is_pure=True, pack=4)
     if NARROW:
       j = ttgl.reshape(ttgl.join(ttgl.join(o1, o2), ttgl.join(o3, o4)), [2] * (10 + TOP))
       # axes [kp4 kp3 kp2 | kp1 (labelled; holds column n0) | n_top .. n1 | n0 (labelled; holds row parity,

@@ -11,9 +11,9 @@ can every target bit (i, p) take a distinct source bit p - t, t in T_i, inside t
 
 Session 26's answer: no assignment with at most two pieces a register costs fewer than 11 instructions, nor one with
 three single-piece registers and a three-piece one (checked separately, same matching), so the shipped order (11:
-pieces 1 + 1 + 1 + 3) is at the minimum of this family; none with 6 pieces uses left shifts only; with 6 pieces and one right shift
-there are several (e.g. shifts {0}, {3}, {-3, 1}, {2, 6}), which move one ALU shift to the FMA pipe per 8 weights
-at the same total count. Not built: the ALU saving is 1 of about 9 ALU operations per 8 weights.
+pieces 1 + 1 + 1 + 3) is at the minimum of this family; none with 6 pieces uses left shifts only; with 6 pieces and
+one right shift there are several (e.g. shifts {0}, {3}, {-3, 1}, {2, 6}), which move one ALU shift to the FMA pipe
+per 8 weights at the same total count. Not built: the ALU saving is 1 of about 9 ALU operations per 8 weights.
 """
 import itertools
 
