@@ -12,6 +12,11 @@
 // graph; byte counts must be multiples of 4), for kernels that add into them. out_offset (bytes) is
 // added to every result's pointer: the kernel writes a region of a larger (aliased) buffer, such as
 // a decode step's float32 accumulator that one memset zeroed for several kernels.
+// tma = [count, then 6 ints per descriptor: operand, rows, columns, box rows, box columns, L2 promotion]: the
+// kernel takes that many TMA descriptors (Triton's host tensor descriptors) before the pointers, each 2-D over an
+// operand of one-byte elements, row-major and contiguous: the CUtensorMap (128 bytes, encoded here by
+// cuTensorMapEncodeTiled at each launch, so a CUDA graph records the operand's current address), then the shape
+// as two int32 and the strides as two int64 (elements), as Triton 3.6's launcher passes them. [0]: none.
 // Modules are loaded once per (CUDA context, key) pair, where the key is a short digest of the PTX and
 // kernel name computed once in Python, so that a launch looks up a few dozen bytes instead of copying
 // and comparing the whole PTX: qerl_gluon_preload loads them outside any stream capture (called from
@@ -37,6 +42,9 @@ typedef struct CUctx_st* CUcontext;
 typedef struct CUmod_st* CUmodule;
 typedef struct CUfunc_st* CUfunction;
 typedef int CUdevice;
+struct alignas(64) CUtensorMap {
+  uint64_t opaque[16];
+};
 
 namespace {
 
@@ -52,6 +60,10 @@ struct Driver {
   CUresult (*ctx_pop)(CUcontext*) = nullptr;
   CUresult (*device_get)(CUdevice*, int) = nullptr;
   CUresult (*memset_d32_async)(unsigned long long, unsigned, size_t, cudaStream_t) = nullptr;
+  // (map, data type, rank, address, dims, strides, box, element strides, interleave, swizzle, L2 promotion,
+  // out-of-bounds fill); optional (only the TMA builds need it)
+  CUresult (*tensor_map_encode_tiled)(CUtensorMap*, int, unsigned, void*, const uint64_t*, const uint64_t*,
+                                      const unsigned*, const unsigned*, int, int, int, int) = nullptr;
   bool ok = false;
 };
 
@@ -70,6 +82,8 @@ const Driver& GetDriver() {
     d.ctx_pop = reinterpret_cast<decltype(d.ctx_pop)>(dlsym(lib, "cuCtxPopCurrent_v2"));
     d.device_get = reinterpret_cast<decltype(d.device_get)>(dlsym(lib, "cuDeviceGet"));
     d.memset_d32_async = reinterpret_cast<decltype(d.memset_d32_async)>(dlsym(lib, "cuMemsetD32Async"));
+    d.tensor_map_encode_tiled =
+        reinterpret_cast<decltype(d.tensor_map_encode_tiled)>(dlsym(lib, "cuTensorMapEncodeTiled"));
     d.ok = d.ctx_get_current && d.module_load_data && d.module_get_function && d.launch_kernel &&
            d.func_set_attribute && d.primary_ctx_retain && d.ctx_push && d.ctx_pop && d.device_get &&
            d.memset_d32_async;
@@ -111,7 +125,8 @@ CUresult Function(const Driver& d, std::string_view key, std::string_view ptx, s
 
 ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view key,
                   std::string_view ptx, std::string_view name, int64_t grid_x, int64_t grid_y, int64_t grid_z,
-                  int64_t threads, int64_t shared, int64_t zero_results, int64_t out_offset) {
+                  int64_t threads, int64_t shared, int64_t zero_results, int64_t out_offset,
+                  ffi::Span<const int64_t> tma) {
   const Driver& d = GetDriver();
   if (!d.ok) return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_launch: libcuda.so.1 not loadable");
   CUfunction fn = nullptr;
@@ -119,6 +134,45 @@ ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRe
   if (r != 0) {
     return ffi::Error(ffi::ErrorCode::kInternal,
                       "qerl_gluon_launch: loading kernel " + std::string(name) + " failed, CUresult " + std::to_string(r));
+  }
+  if (tma.size() < 1 || tma.size() != 1 + 6 * static_cast<size_t>(tma[0])) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "qerl_gluon_launch: tma attribute of " +
+                                                            std::to_string(tma.size()) + " values is malformed");
+  }
+  const size_t descriptors = static_cast<size_t>(tma[0]);
+  std::vector<CUtensorMap> maps(descriptors);
+  std::vector<int32_t> shapes(2 * descriptors);
+  std::vector<int64_t> strides(2 * descriptors);
+  for (size_t t = 0; t < descriptors; ++t) {
+    const int64_t* spec = tma.begin() + 1 + 6 * t;
+    if (spec[0] < 0 || static_cast<size_t>(spec[0]) >= args.size()) {
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument, "qerl_gluon_launch: tma operand out of range");
+    }
+    if (!d.tensor_map_encode_tiled) {
+      return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_launch: cuTensorMapEncodeTiled not in libcuda.so.1");
+    }
+    auto buffer = args.get<ffi::AnyBuffer>(static_cast<size_t>(spec[0]));
+    if (buffer.has_error()) return buffer.error();
+    const uint64_t dims[2] = {static_cast<uint64_t>(spec[2]), static_cast<uint64_t>(spec[1])};  // innermost first
+    const uint64_t row_bytes[1] = {static_cast<uint64_t>(spec[2])};
+    const unsigned box[2] = {static_cast<unsigned>(spec[4]), static_cast<unsigned>(spec[3])};
+    const unsigned element_strides[2] = {1, 1};
+    if (buffer->size_bytes() != static_cast<size_t>(spec[1] * spec[2])) {
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument, "qerl_gluon_launch: tma operand of " +
+                                                              std::to_string(buffer->size_bytes()) +
+                                                              " bytes is not rows x columns");
+    }
+    // CU_TENSOR_MAP_DATA_TYPE_UINT8, no interleave, no swizzle, no out-of-bounds fill
+    r = d.tensor_map_encode_tiled(&maps[t], 0, 2, buffer->untyped_data(), dims, row_bytes, box, element_strides, 0,
+                                  0, static_cast<int>(spec[5]), 0);
+    if (r != 0) {
+      return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_launch: cuTensorMapEncodeTiled failed, CUresult " +
+                                                       std::to_string(r));
+    }
+    shapes[2 * t] = static_cast<int32_t>(spec[1]);
+    shapes[2 * t + 1] = static_cast<int32_t>(spec[2]);
+    strides[2 * t] = spec[2];
+    strides[2 * t + 1] = 1;
   }
   std::vector<void*> pointers;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -148,6 +202,13 @@ ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRe
   pointers.push_back(nullptr);  // global scratch
   pointers.push_back(nullptr);  // profile scratch
   std::vector<void*> params;
+  for (size_t t = 0; t < descriptors; ++t) {  // the descriptors' parameters come first (the kernel's signature)
+    params.push_back(&maps[t]);
+    params.push_back(&shapes[2 * t]);
+    params.push_back(&shapes[2 * t + 1]);
+    params.push_back(&strides[2 * t]);
+    params.push_back(&strides[2 * t + 1]);
+  }
   for (void*& p : pointers) params.push_back(&p);
   r = d.launch_kernel(fn, static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y), static_cast<unsigned>(grid_z),
                       static_cast<unsigned>(threads), 1, 1, static_cast<unsigned>(shared), stream, params.data(), nullptr);
@@ -174,7 +235,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QerlGluonLaunch, Launch,
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("shared")
                                   .Attr<int64_t>("zero_results")
-                                  .Attr<int64_t>("out_offset"),
+                                  .Attr<int64_t>("out_offset")
+                                  .Attr<ffi::Span<const int64_t>>("tma"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // Loads `name` of `ptx` (digest `key`, as the handler's attribute) into device `device`'s primary context

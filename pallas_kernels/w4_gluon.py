@@ -158,6 +158,10 @@ SCALE_PAIRS = 2  # (session 26) where each block scale is paired into both bf16 
   # 7B shapes at M = 1-64; base decode step at 512 new tokens, batch 64 5.190 / 5.187 ms against 5.253, batch 32
   # 3.332 / 3.359 against 3.336 (with 2); at batch 8 2.094-2.099 against 2.081-2.098 and at batch 16 2.646-2.656
   # against 2.563 (with 1: the M = 16 build spills 8 registers instead of 6), hence 2
+TMA_STAGES = 0  # lab (session 27): > 0 runs the mma.sync builds (M <= 16) with the codes and block scales copied by TMA
+  # (host descriptors that the FFI launcher encodes) into this many shared buffers, one mbarrier each, refilled that
+  # many steps ahead, instead of loaded to registers one step ahead (LOAD_ASM, LOAD_HINTS then do not apply)
+TMA_L2_PROMOTION = 2  # the descriptors' L2 promotion (CUtensorMapL2promotion: 0 none, 1 64 B, 2 128 B, 3 256 B)
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -267,7 +271,7 @@ def _asm(decode_order: bool = False, scale_pairs: bool = False) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = False):
+def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = False, tma: bool = False):
   """Builds the Gluon kernel (imports triton lazily: CPU installs need not have it).
 
   ``lora``: the entry that also takes a LoRA adapter's ``x @ A`` (bf16 ``[M, R]``, or with constexpr
@@ -284,11 +288,16 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
   ``w8`` (mma.sync only; :data:`MMA_WARPS` 8): 8 warps, column bit n2 on the third warp bit as in the wgmma
   builds (each thread 4 contiguous code bytes a row, half the codes a step), rows 16, 32 and 64 of the
   operand on the warps.
+  ``tma`` (mma.sync only; :data:`TMA_STAGES`, lab): the entry takes two TMA descriptors first (codes
+  ``[L K / 2, N]`` in boxes of ``[32, 256]``, block scales ``[L K / 16, N]`` in boxes of ``[4, 256]``;
+  :func:`_tma_specs`), and the codes and scales of ``TS`` steps are copied by TMA into a ring of shared
+  buffers (one mbarrier each) ahead of their use, instead of loaded to registers one step ahead.
   """
   from triton.experimental import gluon
   from triton.experimental.gluon import language as ttgl
   from triton.experimental.gluon.language.nvidia import hopper
   from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+  from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma as hopper_tma
 
   asm = ttgl.constexpr(_asm())
   asm_do = ttgl.constexpr(_asm(decode_order=True))  # codes in nvfp4.to_decode_order's order
@@ -425,8 +434,9 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
   def gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
            K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr, ATOMIC: ttgl.constexpr,
            XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr, LH: ttgl.constexpr, LA: ttgl.constexpr,
-           LR: ttgl.constexpr, LS: ttgl.constexpr, XP: ttgl.constexpr):
-    """The kernel body; ``LR`` > 0 (the mma.sync builds only) adds the LoRA term (see _kernel's ``lora``)."""
+           LR: ttgl.constexpr, LS: ttgl.constexpr, XP: ttgl.constexpr, cd=None, sd=None, TS: ttgl.constexpr = 0):
+    """The kernel body; ``LR`` > 0 (the mma.sync builds only) adds the LoRA term (see _kernel's ``lora``);
+    ``TS`` > 0 (mma.sync only): codes and scales by TMA (descriptors ``cd``, ``sd``) into ``TS`` shared buffers."""
     if WG:
       mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, MB, 16])
@@ -455,7 +465,38 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
     x_offs = ttgl.expand_dims(kk + pid_s * (STEPS * 64), 1) + ttgl.expand_dims(mm, 0) * K
     x_mask = ttgl.expand_dims(mm < M, 0) & ttgl.expand_dims(kk >= 0, 1)
     acc = ttgl.zeros([BN, MB], ttgl.float32, layout=mma)
-    if XS > 0:  # x, already in slot order (x_in_slot_order), copied by cp.async PRE steps ahead into a ring of XS buffers
+    if TS > 0:  # codes and scales by TMA: NB shared buffers, one mbarrier each, refilled NB steps ahead
+      NB: ttgl.constexpr = TS if TS < STEPS else STEPS
+      tile_bytes: ttgl.constexpr = 36 * BN  # 32 code rows and 4 scale rows of BN bytes
+      c_smem = ttgl.allocate_shared_memory(ttgl.uint8, [NB, 32, BN], cd.layout)
+      s_smem = ttgl.allocate_shared_memory(ttgl.float8e4nv, [NB, 4, BN], sd.layout)
+      bars = ttgl.allocate_shared_memory(ttgl.int64, [NB, 1], mbarrier.MBarrierLayout())
+      for j in ttgl.static_range(NB):
+        mbarrier.init(bars.index(j), count=1)
+      hopper.fence_async_shared()
+      for j in ttgl.static_range(NB):
+        mbarrier.expect(bars.index(j), tile_bytes)
+        hopper_tma.async_copy_global_to_shared(cd, [kp0 + j * 32, n0], bars.index(j), c_smem.index(j))
+        hopper_tma.async_copy_global_to_shared(sd, [s_row0 + j * 4, n0], bars.index(j), s_smem.index(j))
+      ttgl.thread_barrier()  # every thread sees the initialised barriers before it waits on one
+      x0 = ttgl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+      for i in ttgl.static_range(STEPS):
+        x1 = ttgl.load(x_ptr + x_offs + min(i + 1, STEPS - 1) * 64, mask=x_mask, other=0.0)
+        mbarrier.wait(bars.index(i % NB), (i // NB) & 1)
+        c0 = c_smem.index(i % NB).load(code_layout)
+        s0 = s_smem.index(i % NB).load(ttgl.SliceLayout(1, group_layout))
+        if i + NB < STEPS:  # everyone has read buffer i % NB: refill it with step i + NB
+          ttgl.thread_barrier()
+          hopper.fence_async_shared()
+          mbarrier.expect(bars.index(i % NB), tile_bytes)
+          hopper_tma.async_copy_global_to_shared(cd, [kp0 + (i + NB) * 32, n0], bars.index(i % NB),
+                                                 c_smem.index(i % NB))
+          hopper_tma.async_copy_global_to_shared(sd, [s_row0 + (i + NB) * 4, n0], bars.index(i % NB),
+                                                 s_smem.index(i % NB))
+        a = ttgl.convert_layout(decode(c0, s0, DO), a_layout)
+        acc = mma_v2(a, ttgl.convert_layout(x_slots(x0), xl), acc)
+        x0 = x1
+    elif XS > 0:  # x, already in slot order (x_in_slot_order), copied by cp.async PRE steps ahead into a ring of XS buffers
       # rows past M read row M - 1 (their outputs are never stored)
       xp_offs = ttgl.expand_dims(kk + pid_s * (STEPS * 64), 1) + ttgl.expand_dims(ttgl.minimum(mm, M - 1), 0) * K
       # copies run PRE steps ahead: XS - 1, or XS - 2 with an asynchronous MMA (WA), whose buffer is free
@@ -571,7 +612,45 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
     gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS,
          WA, DO, LH, LA, LR, LS, XP)
 
+  @gluon.jit
+  def w4a16_gemv_tma(cd, sd, x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
+                     K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
+                     ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0,
+                     LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0, TS: ttgl.constexpr = 2):
+    ttgl.static_assert(TS > 0)
+    gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, x_ptr, x_ptr, z_ptr, o_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS, WA,
+         DO, LH, LA, 0, 0.0, 0, cd, sd, TS)
+
+  @gluon.jit
+  def w4a16_gemv_lora_tma(cd, sd, x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr,
+                          M: ttgl.constexpr, N: ttgl.constexpr, K: ttgl.constexpr, L: ttgl.constexpr,
+                          STEPS: ttgl.constexpr, MB: ttgl.constexpr, ATOMIC: ttgl.constexpr, XS: ttgl.constexpr,
+                          WA: ttgl.constexpr, DO: ttgl.constexpr = 0, LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0,
+                          LR: ttgl.constexpr = 16, LS: ttgl.constexpr = 1.0, XP: ttgl.constexpr = 0,
+                          TS: ttgl.constexpr = 2):
+    ttgl.static_assert(LR % 16 == 0)
+    gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS,
+         WA, DO, LH, LA, LR, LS, XP, cd, sd, TS)
+
+  if tma:
+    return w4a16_gemv_lora_tma if lora else w4a16_gemv_tma
   return w4a16_gemv_lora if lora else w4a16_gemv
+
+
+# The TMA entry's descriptors (TMA_STAGES): codes [L K / 2, N] u8 in boxes of [32, 256] and block scales [L K / 16, N]
+# in boxes of [4, 256], unswizzled (Triton's host tensor-descriptor signature)
+_TMA_LAYOUT = "NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)"
+_TMA_DESCRIPTORS = (f"tensordesc<u8[32, 256],{_TMA_LAYOUT}>", f"tensordesc<fp8e4nv[4, 256],{_TMA_LAYOUT}>")
+
+
+def _tma_specs(operands, meta) -> np.ndarray:
+  """The FFI launcher's ``tma`` attribute (``gluon_launch.cc``): ``[0]``, or for a TMA build (constexpr ``TS``) the
+  two descriptors over operands 1 (codes) and 2 (block scales), each ``operand, rows, columns, box rows, box
+  columns, L2 promotion``."""
+  if "TS" not in meta:
+    return np.zeros((1,), np.int64)
+  (cr, cn), (sr, sn) = operands[1].shape, operands[2].shape
+  return np.array([2, 1, cr, cn, 32, BLOCK_N, TMA_L2_PROMOTION, 2, sr, sn, 4, BLOCK_N, TMA_L2_PROMOTION], np.int64)
 
 
 _INSTALLED = []
@@ -783,8 +862,9 @@ def _compiled(meta: tuple, wg: bool, narrow_n: int, maxnreg: int | None, w8: boo
   meta = dict(meta)
   lora = "LR" in meta  # the entry with a LoRA term (forward_into's ``lora``)
   dtypes = (_ARG_DTYPES_LORA_XP if meta.get("XP") else _ARG_DTYPES_LORA) if lora else _ARG_DTYPES
-  return _load(_compile_gluon(_kernel(wg, narrow_n, lora, w8), dtypes, meta, _target_cc(),
-                              num_warps=_warps(wg, narrow_n, w8), maxnreg=maxnreg))
+  tma = "TS" in meta  # the TMA entry: two descriptors first (_TMA_DESCRIPTORS)
+  return _load(_compile_gluon(_kernel(wg, narrow_n, lora, w8, tma), (_TMA_DESCRIPTORS if tma else ()) + dtypes,
+                              meta, _target_cc(), num_warps=_warps(wg, narrow_n, w8), maxnreg=maxnreg))
 
 
 @functools.lru_cache(maxsize=None)
@@ -883,13 +963,15 @@ def _module_key(ptx: str, name: str) -> str:
 
 
 def _launch_attrs(ptx: str, name: str, grid: tuple[int, int, int], shared: int, threads: int = 128,
-                  zero_results: bool = False, out_offset: int = 0) -> dict:
+                  zero_results: bool = False, out_offset: int = 0, tma=None) -> dict:
   """The FFI call's attributes, as ``gluon_launch.cc`` binds them (a CPU test checks their count);
   ``zero_results``: the launcher zeroes the results on the stream before the kernel runs;
-  ``out_offset``: bytes added to the result's pointer (the kernel writes a region of it)."""
+  ``out_offset``: bytes added to the result's pointer (the kernel writes a region of it); ``tma``: the
+  TMA descriptors' specs (:func:`_tma_specs`; default none)."""
   return dict(key=_module_key(ptx, name), ptx=ptx, name=name, grid_x=np.int64(grid[0]), grid_y=np.int64(grid[1]),
               grid_z=np.int64(grid[2]), threads=np.int64(threads), shared=np.int64(shared),
-              zero_results=np.int64(zero_results), out_offset=np.int64(out_offset))
+              zero_results=np.int64(zero_results), out_offset=np.int64(out_offset),
+              tma=np.zeros((1,), np.int64) if tma is None else np.asarray(tma, np.int64))
 
 
 def _wgmma_gpus() -> bool:
@@ -967,6 +1049,9 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
   pairs = SCALE_PAIRS == 1 or (SCALE_PAIRS == 2 and wg)
   if decode_order or pairs:  # bit 0: the codes in nvfp4.to_decode_order's order (the cheaper decode); bit 1: pairs
     meta["DO"] = int(decode_order) | (2 if pairs else 0)
+  if TMA_STAGES > 0 and not wg and not w8:  # codes and scales by TMA (no register loads to hint)
+    meta["TS"] = int(TMA_STAGES)
+    return Build(wg, narrow, block_n, splits, meta, w8)
   if LOAD_HINTS and _row_block(m) <= LOAD_HINTS_MAX_MB:
     meta["LH"] = LOAD_HINTS
   if LOAD_ASM and not wg and not w8 and k * n <= LOAD_ASM_MAX_WEIGHTS:  # (its loads take 8 bytes a thread and row)
@@ -1007,7 +1092,8 @@ def _ffi_call(build: Build, operands, out_shape, aliases, **attrs):
   ``out_offset`` of :func:`_launch_attrs`."""
   ptx, name, shared = _compiled(tuple(build.meta.items()), build.wg, build.narrow_n, build.maxnreg, build.w8)
   return jax.ffi.ffi_call(_FFI_TARGET, out_shape, input_output_aliases=aliases)(
-      *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=32 * build.warps, **attrs))
+      *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=32 * build.warps,
+                                 tma=_tma_specs(operands, build.meta), **attrs))
 
 
 def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -> jax.Array:
@@ -1052,6 +1138,8 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, out_dtype=None, index=None) -
   else:
     import jax_triton
 
+    if "TS" in meta:
+      raise ValueError("w4_gluon.forward: TMA_STAGES needs the FFI launcher (jax-triton passes no TMA descriptors)")
     _install()
     out = jax_triton.triton_call(*operands, kernel=_kernel(wg, build.narrow_n, w8=build.w8), out_shape=out_shape,
                                  grid=build.grid[:2], num_warps=build.warps, input_output_aliases=aliases or {}, **meta)

@@ -251,6 +251,25 @@ def test_gpu_gluon_scale_pairs_match_float64(m, k, n, code_order, monkeypatch):
   assert _rel(y, np.asarray(x, np.float64) @ _dense64(matmul.layer_of(wq, 1))) < 1e-4
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [1, 2, 3, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("k,n", [(3584, 4608), (18944, 3584), (1088, 768), (64, 256)])
+def test_gpu_gluon_tma_build_matches_float64(m, k, n, stages, monkeypatch):
+  """TMA_STAGES (lab): the M <= 16 builds with codes and scales copied by TMA into 1, 2, 3 or 8 shared buffers
+  (8 steps a program at K = 18944: buffers refilled; one step at K = 64), ragged M, against float64; and in decode
+  order at layer 1 of a stack."""
+  monkeypatch.setattr(w4_gluon, "TMA_STAGES", stages)
+  assert w4_gluon._build(m, k, n, 1).meta["TS"] == stages
+  _check_forward_against_float64(m, k, n)
+  wq = _weight(k, n, m + 7 * k, layers=2)
+  x = _act(m, k, 5 * m + n)
+  y = jax.jit(lambda x, w: w4_gluon.forward(x, w, out_dtype=jnp.float32, index=jnp.int32(1)))(
+      x, nvfp4.to_decode_order(wq))
+  assert bool(jnp.isfinite(y).all())
+  assert _rel(y, np.asarray(x, np.float64) @ _dense64(matmul.layer_of(wq, 1))) < 1e-4
+
+
 def _skip_without_wgmma():
   if not w4_gluon._wgmma_gpus():
     pytest.skip("the wgmma builds (M > 16) are for sm_90")
@@ -448,6 +467,28 @@ def test_eight_warp_build_lowers_for_cuda_without_a_gpu(monkeypatch):
   # the weight stream's evict-first loads (the codes; the block scales are 4 bytes in both)
   assert "ld.global.L1::evict_first.L2::cache_hint.v2.b32" in four
   assert "ld.global.L1::evict_first.L2::cache_hint.b32" in eight and ".cache_hint.v2.b32" not in eight
+
+
+def test_tma_build_lowers_for_cuda_without_a_gpu(monkeypatch):
+  """TMA_STAGES (lab): the M <= 16 build takes two TMA descriptors first (the 128-byte CUtensorMap parameters),
+  copies the codes and scales by cp.async.bulk.tensor into shared memory, and the call carries their specs (by
+  hand: codes [3 x 1792, 4608] in boxes of 32 x 256, scales [3 x 224, 4608] in boxes of 4 x 256); the default
+  build has none and loads the codes to registers."""
+  k, n, stack, x, i = _ffi_lowering_case(monkeypatch)
+  lower = lambda: jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x, stack, i).lower(
+      lowering_platforms=("cuda",)).as_text()
+  plain = lower()
+  assert "cp.async.bulk.tensor" not in plain and "tma = dense<0> : tensor<1xi64>" in plain
+  monkeypatch.setattr(w4_gluon, "TMA_STAGES", 3)
+  build = w4_gluon._build(8, k, n, 3)
+  assert build.meta["TS"] == 3 and "LA" not in build.meta and "LH" not in build.meta
+  assert w4_gluon._build(32, k, n, 3).wg and "TS" not in w4_gluon._build(32, k, n, 3).meta  # mma.sync builds only
+  text = lower()
+  assert ".entry w4a16_gemv_tma" in text and "cp.async.bulk.tensor.2d.shared::cluster.global" in text
+  assert ".param .align 64 .b8 w4a16_gemv_tma_param_0[128]" in text and "mbarrier.try_wait" in text
+  rows_c, rows_s, l2 = 3 * k // 2, 3 * k // 16, w4_gluon.TMA_L2_PROMOTION
+  assert f"tma = dense<[2, 1, {rows_c}, {n}, 32, 256, {l2}, 2, {rows_s}, {n}, 4, 256, {l2}]> : tensor<13xi64>" in text
+  assert "grid_x = 18" in text and "grid_y = 28" in text and "threads = 128" in text
 
 
 def test_decode_order_lowers_its_own_decode(monkeypatch):
