@@ -180,6 +180,10 @@
 #     SCALE_PAIRS=2 5.19 against 5.25 ms at batch 64 (now the default).
 # 44. (session 26, prepared) with SCALE_PAIRS = 2 the default: issue 6's table (batch 8, 64 at 2048 new tokens, 256
 #     at 1024), then the training rollout at batch 32 and 64 (512 new tokens), the two batches it changes (about 9 min).
+# 45. (session 27) TMA_STAGES (lab): the TMA builds with more programs an SM's worth (they take 90 registers, so 5
+#     programs of 4 warps share an SM) and with fewer steps a program (buffers never refilled: no barrier a step),
+#     against the same split rule without TMA; kernel harness at M = 1 and 8 (about 3 min). Session 27 ran the
+#     GPU tests and 1 / 2 / 4 / 8 buffers (slower than the default; docs/benchmarks.md "Session 27") and step 44.
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -348,6 +352,8 @@ step 44 && { timeout 400 python3 experiments/bench_rollout.py --batches=8,64,256
   timeout 150 python3 experiments/bench_rollout.py --batches=32,64 --new_tokens=512 --lora_rank=32 --aqn \
     --formats=nvfp4_fused,bf16_fused --time_budget_s=120 --out="$OUT/training" 2>&1 | grep "|\|x$"; } \
   | tee "$OUT/issue6_scale_pairs.txt"
+step 45 && { GL_MS=1,8 GL_VARIANTS="tma1:TMA_STAGES=1;tma1t640:TMA_STAGES=1,TARGET_PROGRAMS=640;tma4s4:TMA_STAGES=4,MAX_STEPS=4,TARGET_PROGRAMS=1024;tma2s2:TMA_STAGES=2,MAX_STEPS=2,TARGET_PROGRAMS=2048;s4:MAX_STEPS=4,TARGET_PROGRAMS=1024" \
+    timeout 400 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn; } | tee "$OUT/tma_grid.txt"
 step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REGISTERS=96,TARGET_PROGRAMS=640;r80:MMA_MAX_REGISTERS=80;r80t768:MMA_MAX_REGISTERS=80,TARGET_PROGRAMS=768" \
     timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn
   for s in "" "MMA_MAX_REGISTERS=96" "" "MMA_MAX_REGISTERS=96"; do
