@@ -197,6 +197,17 @@ def test_gpu_gluon_matches_float64(m, k, n, mma_atomic, monkeypatch):
   _check_forward_against_float64(m, k, n)
 
 
+def _check_stack_layer_against_float64(m, k, n, weight_seed, act_seed, decode_order=True):
+  """forward at layer 1 of a 2-layer stack (codes in decode order unless ``decode_order`` is False), jitted, against
+  float64."""
+  wq = _weight(k, n, weight_seed, layers=2)
+  x = _act(m, k, act_seed)
+  y = jax.jit(lambda x, w: w4_gluon.forward(x, w, out_dtype=jnp.float32, index=jnp.int32(1)))(
+      x, nvfp4.to_decode_order(wq) if decode_order else wq)
+  assert bool(jnp.isfinite(y).all())
+  assert _rel(y, np.asarray(x, np.float64) @ _dense64(matmul.layer_of(wq, 1))) < 1e-4
+
+
 def _check_forward_against_float64(m, k, n):
   wq = _weight(k, n, m + k)
   x = _act(m, k, n)
@@ -219,12 +230,7 @@ def test_gpu_gluon_eight_warp_build_matches_float64(m, k, n, cap, monkeypatch):
   monkeypatch.setattr(w4_gluon, "MMA8_MAX_REGISTERS", cap)
   assert w4_gluon._build(m, k, n, 1).warps == 8
   _check_forward_against_float64(m, k, n)
-  wq = _weight(k, n, m + 5 * k, layers=2)
-  x = _act(m, k, 3 * m + n)
-  y = jax.jit(lambda x, w: w4_gluon.forward(x, w, out_dtype=jnp.float32, index=jnp.int32(1)))(
-      x, nvfp4.to_decode_order(wq))
-  assert bool(jnp.isfinite(y).all())
-  assert _rel(y, np.asarray(x, np.float64) @ _dense64(matmul.layer_of(wq, 1))) < 1e-4
+  _check_stack_layer_against_float64(m, k, n, m + 5 * k, 3 * m + n)
 
 
 @pytest.mark.gpu
@@ -243,12 +249,7 @@ def test_gpu_gluon_scale_pairs_match_float64(m, k, n, code_order, monkeypatch):
   assert w4_gluon._build(m, k, n, 2, code_order == "decode").meta.get("DO", 0) == (
       (2 if m > 16 else 0) + (code_order == "decode"))
   monkeypatch.setattr(w4_gluon, "SCALE_PAIRS", 1)
-  wq = _weight(k, n, m + 3 * k, layers=2)
-  x = _act(m, k, 5 * m + n)
-  y = jax.jit(lambda x, w: w4_gluon.forward(x, w, out_dtype=jnp.float32, index=jnp.int32(1)))(
-      x, nvfp4.to_decode_order(wq) if code_order == "decode" else wq)
-  assert bool(jnp.isfinite(y).all())
-  assert _rel(y, np.asarray(x, np.float64) @ _dense64(matmul.layer_of(wq, 1))) < 1e-4
+  _check_stack_layer_against_float64(m, k, n, m + 3 * k, 5 * m + n, code_order == "decode")
 
 
 @pytest.mark.gpu
@@ -262,12 +263,7 @@ def test_gpu_gluon_tma_build_matches_float64(m, k, n, stages, monkeypatch):
   monkeypatch.setattr(w4_gluon, "TMA_STAGES", stages)
   assert w4_gluon._build(m, k, n, 1).meta["TS"] == stages
   _check_forward_against_float64(m, k, n)
-  wq = _weight(k, n, m + 7 * k, layers=2)
-  x = _act(m, k, 5 * m + n)
-  y = jax.jit(lambda x, w: w4_gluon.forward(x, w, out_dtype=jnp.float32, index=jnp.int32(1)))(
-      x, nvfp4.to_decode_order(wq))
-  assert bool(jnp.isfinite(y).all())
-  assert _rel(y, np.asarray(x, np.float64) @ _dense64(matmul.layer_of(wq, 1))) < 1e-4
+  _check_stack_layer_against_float64(m, k, n, m + 7 * k, 5 * m + n)
 
 
 def _skip_without_wgmma():
