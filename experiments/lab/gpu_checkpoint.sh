@@ -183,7 +183,8 @@
 # 45. (session 27) TMA_STAGES (lab): the TMA builds with more programs an SM's worth (they take 90 registers, so 5
 #     programs of 4 warps share an SM) and with fewer steps a program (buffers never refilled: no barrier a step),
 #     against the same split rule without TMA; kernel harness at M = 1 and 8 (about 3 min). Session 27 ran the
-#     GPU tests and 1 / 2 / 4 / 8 buffers (slower than the default; docs/benchmarks.md "Session 27") and step 44.
+#     GPU tests and 1 / 2 / 4 / 8 buffers, step 44 and this step: every TMA variant slower than the default
+#     (docs/benchmarks.md "Session 27").
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
