@@ -160,7 +160,9 @@ SCALE_PAIRS = 2  # (session 26) where each block scale is paired into both bf16 
   # against 2.563 (with 1: the M = 16 build spills 8 registers instead of 6), hence 2
 TMA_STAGES = 0  # lab (session 27): > 0 runs the mma.sync builds (M <= 16) with the codes and block scales copied by TMA
   # (host descriptors that the FFI launcher encodes) into this many shared buffers, one mbarrier each, refilled that
-  # many steps ahead, instead of loaded to registers one step ahead (LOAD_ASM, LOAD_HINTS then do not apply)
+  # many steps ahead, instead of loaded to registers one step ahead (LOAD_ASM, LOAD_HINTS then do not apply). Measured
+  # slower on the H200 (7B shapes summed, M = 1 / 8: 48.9 / 50.4 µs by default, 51.1 / 53.4 with 1 buffer, 51.8 / 55.2
+  # with 4, 60.0 / 63.3 with 8; more programs or unrefilled buffers 51.3-57.2; docs/benchmarks.md "Session 27")
 TMA_L2_PROMOTION = 2  # the descriptors' L2 promotion (CUtensorMapL2promotion: 0 none, 1 64 B, 2 128 B, 3 256 B)
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
@@ -1026,7 +1028,7 @@ class Build(NamedTuple):
 def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> Build:
   """The :class:`Build` for ``x [m, k]`` times a ``[k, n]`` weight (of a stack of ``layers``), under
   the current settings (``NARROW_MIN_MB``, ``MMA_ATOMIC``, ``X_STAGES``, ``X_RING_MIN_MB``, ``WG_ASYNC``,
-  ``LOAD_HINTS``, ``LOAD_ASM``, ``MMA_WARPS``, ``SCALE_PAIRS``, :func:`atomic_split_k`); the
+  ``LOAD_HINTS``, ``LOAD_ASM``, ``MMA_WARPS``, ``SCALE_PAIRS``, ``TMA_STAGES``, :func:`atomic_split_k`); the
   shape must be one :func:`applies` takes. ``decode_order``: the weight's codes are in
   :func:`qerl_jax.nvfp4.to_decode_order`'s order (the kernel's cheaper decode).
 

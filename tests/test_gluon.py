@@ -485,6 +485,13 @@ def test_tma_build_lowers_for_cuda_without_a_gpu(monkeypatch):
   rows_c, rows_s, l2 = 3 * k // 2, 3 * k // 16, w4_gluon.TMA_L2_PROMOTION
   assert f"tma = dense<[2, 1, {rows_c}, {n}, 32, 256, {l2}, 2, {rows_s}, {n}, 4, 256, {l2}]> : tensor<13xi64>" in text
   assert "grid_x = 18" in text and "grid_y = 28" in text and "threads = 128" in text
+  # a decode step's call with a LoRA term (forward_into's lora): the TMA entry of the LoRA kernel, same descriptors
+  xa = jax.ShapeDtypeStruct((8, 32), jnp.bfloat16)
+  b = jax.ShapeDtypeStruct((3, 32, n), jnp.bfloat16)
+  lora = jax.jit(lambda x, w, i, xa, b: w4_gluon.forward_into(x, w, None, 0, index=i, size=8 * n, lora=(xa, b, 2.0))[0]
+                 ).trace(x, stack, i, xa, b).lower(lowering_platforms=("cuda",)).as_text()
+  assert ".entry w4a16_gemv_lora_tma" in lora and "cp.async.bulk.tensor.2d.shared::cluster.global" in lora
+  assert f"tma = dense<[2, 1, {rows_c}, {n}, 32, 256, {l2}, 2, {rows_s}, {n}, 4, 256, {l2}]>" in lora
 
 
 def test_decode_order_lowers_its_own_decode(monkeypatch):
