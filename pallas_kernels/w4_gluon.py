@@ -383,6 +383,14 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
     return c, s, xb
 
   @gluon.jit
+  def tma_fill(cd, sd, bar, c_buf, s_buf, c_row, s_row, n0):
+    """Arms ``bar`` for one step's codes and scales (36 rows of BN bytes) and copies them by TMA into ``c_buf``,
+    ``s_buf`` from code row ``c_row`` and scale row ``s_row`` (column ``n0``)."""
+    mbarrier.expect(bar, 36 * BN)
+    hopper_tma.async_copy_global_to_shared(cd, [c_row, n0], bar, c_buf)
+    hopper_tma.async_copy_global_to_shared(sd, [s_row, n0], bar, s_buf)
+
+  @gluon.jit
   def decode(c, s, DO: ttgl.constexpr):
     """codes [32, 256] and block scales [4, 256] of one step -> the weight operand [256 rows, 64 k]
     (``DO`` bit 0: the codes in decode order; bit 1: :data:`SCALE_PAIRS`)."""
@@ -469,7 +477,6 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
     acc = ttgl.zeros([BN, MB], ttgl.float32, layout=mma)
     if TS > 0:  # codes and scales by TMA: NB shared buffers, one mbarrier each, refilled NB steps ahead
       NB: ttgl.constexpr = TS if TS < STEPS else STEPS
-      tile_bytes: ttgl.constexpr = 36 * BN  # 32 code rows and 4 scale rows of BN bytes
       c_smem = ttgl.allocate_shared_memory(ttgl.uint8, [NB, 32, BN], cd.layout)
       s_smem = ttgl.allocate_shared_memory(ttgl.float8e4nv, [NB, 4, BN], sd.layout)
       bars = ttgl.allocate_shared_memory(ttgl.int64, [NB, 1], mbarrier.MBarrierLayout())
@@ -477,9 +484,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
         mbarrier.init(bars.index(j), count=1)
       hopper.fence_async_shared()
       for j in ttgl.static_range(NB):
-        mbarrier.expect(bars.index(j), tile_bytes)
-        hopper_tma.async_copy_global_to_shared(cd, [kp0 + j * 32, n0], bars.index(j), c_smem.index(j))
-        hopper_tma.async_copy_global_to_shared(sd, [s_row0 + j * 4, n0], bars.index(j), s_smem.index(j))
+        tma_fill(cd, sd, bars.index(j), c_smem.index(j), s_smem.index(j), kp0 + j * 32, s_row0 + j * 4, n0)
       ttgl.thread_barrier()  # every thread sees the initialised barriers before it waits on one
       x0 = ttgl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
       for i in ttgl.static_range(STEPS):
@@ -490,11 +495,8 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
         if i + NB < STEPS:  # everyone has read buffer i % NB: refill it with step i + NB
           ttgl.thread_barrier()
           hopper.fence_async_shared()
-          mbarrier.expect(bars.index(i % NB), tile_bytes)
-          hopper_tma.async_copy_global_to_shared(cd, [kp0 + (i + NB) * 32, n0], bars.index(i % NB),
-                                                 c_smem.index(i % NB))
-          hopper_tma.async_copy_global_to_shared(sd, [s_row0 + (i + NB) * 4, n0], bars.index(i % NB),
-                                                 s_smem.index(i % NB))
+          tma_fill(cd, sd, bars.index(i % NB), c_smem.index(i % NB), s_smem.index(i % NB), kp0 + (i + NB) * 32,
+                   s_row0 + (i + NB) * 4, n0)
         a = ttgl.convert_layout(decode(c0, s0, DO), a_layout)
         acc = mma_v2(a, ttgl.convert_layout(x_slots(x0), xl), acc)
         x0 = x1
@@ -639,20 +641,22 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
   return w4a16_gemv_lora if lora else w4a16_gemv
 
 
-# The TMA entry's descriptors (TMA_STAGES): codes [L K / 2, N] u8 in boxes of [32, 256] and block scales [L K / 16, N]
-# in boxes of [4, 256], unswizzled (Triton's host tensor-descriptor signature)
+# The TMA entry's descriptors (TMA_STAGES), one step of a program each: (operand, element type, box) for the codes
+# [L K / 2, N] u8 (boxes of 32 x 256) and the block scales [L K / 16, N] (4 x 256), unswizzled
+_TMA_BOXES = ((1, "u8", (BLOCK_K // 2, BLOCK_N)), (2, "fp8e4nv", (BLOCK_K // 16, BLOCK_N)))
 _TMA_LAYOUT = "NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)"
-_TMA_DESCRIPTORS = (f"tensordesc<u8[32, 256],{_TMA_LAYOUT}>", f"tensordesc<fp8e4nv[4, 256],{_TMA_LAYOUT}>")
+# their signature types (Triton's host tensor descriptors)
+_TMA_DESCRIPTORS = tuple(f"tensordesc<{t}[{r}, {c}],{_TMA_LAYOUT}>" for _, t, (r, c) in _TMA_BOXES)
 
 
-def _tma_specs(operands, meta) -> np.ndarray:
-  """The FFI launcher's ``tma`` attribute (``gluon_launch.cc``): ``[0]``, or for a TMA build (constexpr ``TS``) the
-  two descriptors over operands 1 (codes) and 2 (block scales), each ``operand, rows, columns, box rows, box
-  columns, L2 promotion``."""
+def _tma_specs(operands, meta) -> np.ndarray | None:
+  """The FFI launcher's ``tma`` attribute (``gluon_launch.cc``) for a TMA build (constexpr ``TS``): the two
+  descriptors of :data:`_TMA_BOXES`, each ``operand, rows, columns, box rows, box columns, L2 promotion``, after
+  their count; None for the other builds."""
   if "TS" not in meta:
-    return np.zeros((1,), np.int64)
-  (cr, cn), (sr, sn) = operands[1].shape, operands[2].shape
-  return np.array([2, 1, cr, cn, 32, BLOCK_N, TMA_L2_PROMOTION, 2, sr, sn, 4, BLOCK_N, TMA_L2_PROMOTION], np.int64)
+    return None
+  specs = [[i, *operands[i].shape, *box, TMA_L2_PROMOTION] for i, _, box in _TMA_BOXES]
+  return np.array([len(specs)] + [v for spec in specs for v in spec], np.int64)
 
 
 _INSTALLED = []
@@ -969,7 +973,7 @@ def _launch_attrs(ptx: str, name: str, grid: tuple[int, int, int], shared: int, 
   """The FFI call's attributes, as ``gluon_launch.cc`` binds them (a CPU test checks their count);
   ``zero_results``: the launcher zeroes the results on the stream before the kernel runs;
   ``out_offset``: bytes added to the result's pointer (the kernel writes a region of it); ``tma``: the
-  TMA descriptors' specs (:func:`_tma_specs`; default none)."""
+  TMA descriptors' specs (:func:`_tma_specs`; None: the kernel takes none, sent as ``[0]``)."""
   return dict(key=_module_key(ptx, name), ptx=ptx, name=name, grid_x=np.int64(grid[0]), grid_y=np.int64(grid[1]),
               grid_z=np.int64(grid[2]), threads=np.int64(threads), shared=np.int64(shared),
               zero_results=np.int64(zero_results), out_offset=np.int64(out_offset),
