@@ -158,6 +158,9 @@ SCALE_PAIRS = 2  # (session 26) where each block scale is paired into both bf16 
   # 7B shapes at M = 1-64; base decode step at 512 new tokens, batch 64 5.190 / 5.187 ms against 5.253, batch 32
   # 3.332 / 3.359 against 3.336 (with 2); at batch 8 2.094-2.099 against 2.081-2.098 and at batch 16 2.646-2.656
   # against 2.563 (with 1: the M = 16 build spills 8 registers instead of 6), hence 2
+SCALE_BYTES = 0  # lab (session 28): 1 gives the decode's inline PTX the block scales of builds without SCALE_PAIRS as
+  # raw E4M3 bytes, made into bf16 scale * 2**118 pairs by bit placement and two multiplies (_asm's scale_bytes)
+  # instead of the kernel's float32 conversion (offline SASS before: about 4.7 instructions a scale)
 TMA_STAGES = 0  # lab (session 27): > 0 runs the mma.sync builds (M <= 16) with the codes and block scales copied by TMA
   # (host descriptors that the FFI launcher encodes) into this many shared buffers, one mbarrier each, refilled that
   # many steps ahead, instead of loaded to registers one step ahead (LOAD_ASM, LOAD_HINTS then do not apply). Measured
@@ -224,7 +227,7 @@ def _splits(k: int, n: int, target: int | None = None, block_n: int = BLOCK_N, m
   return min(options, key=lambda s: (abs(tiles * s - target), s))
 
 
-def _asm(decode_order: bool = False, scale_pairs: bool = False) -> str:
+def _asm(decode_order: bool = False, scale_pairs: bool = False, scale_bytes: bool = False) -> str:
   """Inline PTX: code words ``$8`` (row 2j, 4 columns) and ``$9`` (row 2j+1, same columns), block
   scales ``$10, $11`` (4 bf16, times 2**118) -> ``$0..$3`` low nibbles, ``$4..$7`` high nibbles; each
   output register holds (row 2j, row 2j+1) of one column, as bf16 ``e2m1 * scale * 2**-8`` (exact).
@@ -243,10 +246,21 @@ def _asm(decode_order: bool = False, scale_pairs: bool = False) -> str:
 
   ``scale_pairs`` (:data:`SCALE_PAIRS`): the scales come as four registers ``$10..$13``, column q's bf16
   scale already in both halves (made once a block by the kernel's ``cvt.rn.bf16x2.f32``), instead of
-  two registers that this block pairs with four ``prmt``."""
+  two registers that this block pairs with four ``prmt``.
+
+  ``scale_bytes`` (:data:`SCALE_BYTES`, lab): ``$10`` holds the four block scales as raw E4M3 bytes. Column q's byte
+  goes to bits 4..11 of both halves (one ``prmt``, one shift): an E4M3 byte shifted left by 4 is the bf16 of
+  ``scale * 2**-120`` (exponent and mantissa land in bf16's; E4M3 subnormals on bf16 subnormals), and two exact
+  bf16x2 multiplies by 2**119 make it ``scale * 2**118``, instead of the kernel's float32 conversion."""
   lines = ["{", ".reg .b32 u, m, t, nz, s0, s1, s2, s3;", "mov.b32 nz, 0x80008000;"]
+  if scale_bytes:
+    lines += [".reg .b32 z, c119;", "mov.b32 z, 0;", "mov.b32 c119, 0x7B007B00;"]  # bf16 2**119 in both halves
   for q in range(4):  # the bf16 scale of column q in both halves
     sc = "$10" if q < 2 else "$11"
+    if scale_bytes:
+      lines += [f"prmt.b32 s{q}, $10, z, 0x4{q}4{q};", f"shl.b32 s{q}, s{q}, 4;",
+                f"fma.rn.bf16x2 s{q}, s{q}, c119, nz;", f"fma.rn.bf16x2 s{q}, s{q}, c119, nz;"]
+      continue
     lines.append(f"mov.b32 s{q}, ${10 + q};" if scale_pairs else
                  f"prmt.b32 s{q}, {sc}, {sc}, {'0x1010' if q % 2 == 0 else '0x3232'};")
   for h in range(2):  # columns 2h, 2h + 1: u = [row 2j: col 2h, col 2h+1 | row 2j+1: col 2h, col 2h+1]
@@ -305,6 +319,8 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
   asm_do = ttgl.constexpr(_asm(decode_order=True))  # codes in nvfp4.to_decode_order's order
   asm_sp = ttgl.constexpr(_asm(scale_pairs=True))  # DO bit 1 (SCALE_PAIRS): the scales paired once a block
   asm_do_sp = ttgl.constexpr(_asm(decode_order=True, scale_pairs=True))
+  asm_sb = ttgl.constexpr(_asm(scale_bytes=True))  # DO bit 2 (SCALE_BYTES): the scales as raw E4M3 bytes
+  asm_do_sb = ttgl.constexpr(_asm(decode_order=True, scale_bytes=True))
   # codes [32 rows, 256 columns]: registers n0 n1 n2 kp0 kp1 kp4; lanes kp2 kp3 n3 n4 n5; warps n6 n7.
   # With 8 warps, column bit n2 moves from the registers to the third warp bit.
   n2_reg, n2_warp = ([], [[0, 4]]) if wg or w8 else ([[0, 4]], [])
@@ -393,21 +409,26 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
   @gluon.jit
   def decode(c, s, DO: ttgl.constexpr):
     """codes [32, 256] and block scales [4, 256] of one step -> the weight operand [256 rows, 64 k]
-    (``DO`` bit 0: the codes in decode order; bit 1: :data:`SCALE_PAIRS`)."""
+    (``DO`` bit 0: the codes in decode order; bit 1: :data:`SCALE_PAIRS`; bit 2: :data:`SCALE_BYTES`)."""
     pairs: ttgl.constexpr = DO == 2 or DO == 3
+    sbytes: ttgl.constexpr = DO == 4 or DO == 5
     c_a, c_b = ttgl.split(ttgl.permute(ttgl.reshape(c, [16, 2, BN]), [0, 2, 1]))  # rows 2j, 2j+1
     c_a4 = ttgl.reshape(c_a, [4, 4, BN])
-    s = s.to(ttgl.float32) * 3.3230699894622896e+35  # times 2**118
-    if pairs:  # in both bf16 halves of a register, once a block
-      s = ttgl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,r", [s], dtype=ttgl.uint32,
+    if sbytes:  # raw E4M3 bytes: the asm converts them
+      s = s.to(ttgl.uint8, bitcast=True)
+    elif pairs:  # times 2**118, in both bf16 halves of a register, once a block
+      s = ttgl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,r",
+                                      [s.to(ttgl.float32) * 3.3230699894622896e+35], dtype=ttgl.uint32,
                                       is_pure=True, pack=1)
-    else:
-      s = s.to(ttgl.bfloat16)
+    else:  # times 2**118, bf16
+      s = (s.to(ttgl.float32) * 3.3230699894622896e+35).to(ttgl.bfloat16)
     s_a = ttgl.reshape(ttgl.broadcast(ttgl.expand_dims(s, 1), c_a4)[0], [16, BN])
     s_a = ttgl.convert_layout(s_a, c_a.type.layout, assert_trivial=True)
     # 8 outputs; the codes of rows 2j and 2j+1; 4 scale registers (pairs) or 2 (four bf16 scales)
     o1, o2, o3, o4 = ttgl.inline_asm_elementwise(
+        (asm_do_sb if DO == 5 else asm_sb) if sbytes else
         (asm_do_sp if DO == 3 else asm_sp) if pairs else (asm_do if DO else asm),
+        "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r" if sbytes else
         "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r" if pairs else "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [c_a, c_b, s_a],
         dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16), is_pure=True, pack=4)
     if NARROW:
@@ -1053,8 +1074,9 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
   meta = dict(M=m, N=n, K=k, L=layers, STEPS=k // BLOCK_K // splits, MB=_row_block(m), ATOMIC=atomic,
               XS=xs, WA=int(bool(WG_ASYNC) and xs >= 3))
   pairs = SCALE_PAIRS == 1 or (SCALE_PAIRS == 2 and wg)
-  if decode_order or pairs:  # bit 0: the codes in nvfp4.to_decode_order's order (the cheaper decode); bit 1: pairs
-    meta["DO"] = int(decode_order) | (2 if pairs else 0)
+  sbytes = bool(SCALE_BYTES) and not pairs
+  if decode_order or pairs or sbytes:  # bit 0: the codes in nvfp4.to_decode_order's order (the cheaper decode);
+    meta["DO"] = int(decode_order) | (2 if pairs else 0) | (4 if sbytes else 0)  # bit 1: pairs; bit 2: scale bytes
   if TMA_STAGES > 0 and not wg and not w8:  # codes and scales by TMA (no register loads to hint)
     meta["TS"] = int(TMA_STAGES)
     return Build(wg, narrow, block_n, splits, meta, w8)

@@ -253,6 +253,18 @@ def test_gpu_gluon_scale_pairs_match_float64(m, k, n, code_order, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("code_order", ["standard", "decode"])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("k,n", [(3584, 4608), (18944, 3584), (1088, 768)])
+def test_gpu_gluon_scale_bytes_match_float64(m, k, n, code_order, monkeypatch):
+  """SCALE_BYTES = 1 (lab): the mma.sync builds' decode takes the block scales as raw E4M3 bytes (bit placement
+  and two multiplies in its PTX), both code orders, ragged M, a stack read at layer 1, against float64."""
+  monkeypatch.setattr(w4_gluon, "SCALE_BYTES", 1)
+  assert w4_gluon._build(m, k, n, 2, code_order == "decode").meta["DO"] == 4 + (code_order == "decode")
+  _check_stack_layer_against_float64(m, k, n, m + 3 * k, 5 * m + n, code_order == "decode")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("stages", [1, 2, 3, 8])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("k,n", [(3584, 4608), (18944, 3584), (1088, 768), (64, 256)])
@@ -981,7 +993,7 @@ def test_resolve_code_order(monkeypatch):
     matmul.resolve_code_order("rollout")
 
 
-@pytest.mark.parametrize("scale_pairs", [False, True])
+@pytest.mark.parametrize("scale_pairs", [False, True, "bytes"])
 @pytest.mark.parametrize("code_order", ["standard", "decode"])
 def test_decode_ptx_by_codebook(code_order, scale_pairs):
   """The decode's inline PTX, executed by a small interpreter, gives exactly
@@ -989,11 +1001,12 @@ def test_decode_ptx_by_codebook(code_order, scale_pairs):
   scales in and out of the subnormal range (the kernel's ``s * 2**118`` in bf16 as input); for
   ``code_order="decode"`` the PTX reads the two code rows as ``nvfp4.to_decode_order`` stores them
   and must give the same registers. ``scale_pairs`` (SCALE_PAIRS): the four scales arrive each in both
-  halves of its own register."""
+  halves of its own register; ``"bytes"`` (SCALE_BYTES): the four scales arrive as raw E4M3 bytes in one register."""
   import ml_dtypes
 
   rng = np.random.default_rng(0)
-  asm = w4_gluon._asm(decode_order=code_order == "decode", scale_pairs=scale_pairs)
+  asm = w4_gluon._asm(decode_order=code_order == "decode", scale_pairs=scale_pairs is True,
+                      scale_bytes=scale_pairs == "bytes")
   for trial in range(256):
     rows = rng.integers(0, 256, size=(2, 4)) if trial else np.array([[0x0F, 0xF0, 0x88, 0x77], [0x19, 0x2A, 0x3B, 0xFF]])
     scale = rng.choice([2.0 ** -9, 0.0625, 0.75, 1.0, 13.0, 448.0], size=4).astype(ml_dtypes.float8_e4m3fn)
@@ -1004,7 +1017,10 @@ def test_decode_ptx_by_codebook(code_order, scale_pairs):
     regs = {"$8": int(sum(int(b) << (8 * i) for i, b in enumerate(stored[0]))),
             "$9": int(sum(int(b) << (8 * i) for i, b in enumerate(stored[1]))),
             "$10": int(s118[0] | (s118[1] << 16)), "$11": int(s118[2] | (s118[3] << 16))}
-    if scale_pairs:  # what the kernel's cvt.rn.bf16x2.f32 of each scale gives
+    if scale_pairs == "bytes":
+      regs["$10"] = int(sum(int(b) << (8 * q) for q, b in enumerate(scale.view(np.uint8))))
+      del regs["$11"]
+    elif scale_pairs:  # what the kernel's cvt.rn.bf16x2.f32 of each scale gives
       regs.update({f"${10 + q}": int(s118[q] | (s118[q] << 16)) for q in range(4)})
     regs = _run_ptx(asm, regs)
     for q in range(4):
