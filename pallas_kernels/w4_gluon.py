@@ -160,7 +160,8 @@ SCALE_PAIRS = 2  # (session 26) where each block scale is paired into both bf16 
   # against 2.563 (with 1: the M = 16 build spills 8 registers instead of 6), hence 2
 SCALE_BYTES = 0  # lab (session 28): 1 gives the decode's inline PTX the block scales of builds without SCALE_PAIRS as
   # raw E4M3 bytes, made into bf16 scale * 2**118 pairs by bit placement and two multiplies (_asm's scale_bytes)
-  # instead of the kernel's float32 conversion (offline SASS before: about 4.7 instructions a scale)
+  # instead of the kernel's float32 conversion. Offline sm_90 SASS: M = 8 the same 3256 instructions a thread (384 of the
+  # conversion become FMA-pipe ones), M = 16 3640 -> 3592. Not yet measured on the GPU (docs/benchmarks.md "Session 28")
 TMA_STAGES = 0  # lab (session 27): > 0 runs the mma.sync builds (M <= 16) with the codes and block scales copied by TMA
   # (host descriptors that the FFI launcher encodes) into this many shared buffers, one mbarrier each, refilled that
   # many steps ahead, instead of loaded to registers one step ahead (LOAD_ASM, LOAD_HINTS then do not apply). Measured
