@@ -417,15 +417,16 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
     c_a4 = ttgl.reshape(c_a, [4, 4, BN])
     if sbytes:  # raw E4M3 bytes: the asm converts them
       s = s.to(ttgl.uint8, bitcast=True)
-    elif pairs:  # times 2**118, in both bf16 halves of a register, once a block
-      s = ttgl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,r",
-                                      [s.to(ttgl.float32) * 3.3230699894622896e+35], dtype=ttgl.uint32,
-                                      is_pure=True, pack=1)
-    else:  # times 2**118, bf16
-      s = (s.to(ttgl.float32) * 3.3230699894622896e+35).to(ttgl.bfloat16)
+    else:
+      s = s.to(ttgl.float32) * 3.3230699894622896e+35  # times 2**118
+      if pairs:  # in both bf16 halves of a register, once a block
+        s = ttgl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,r", [s], dtype=ttgl.uint32,
+                                        is_pure=True, pack=1)
+      else:
+        s = s.to(ttgl.bfloat16)
     s_a = ttgl.reshape(ttgl.broadcast(ttgl.expand_dims(s, 1), c_a4)[0], [16, BN])
     s_a = ttgl.convert_layout(s_a, c_a.type.layout, assert_trivial=True)
-    # 8 outputs; the codes of rows 2j and 2j+1; 4 scale registers (pairs) or 2 (four bf16 scales)
+    # 8 outputs; the codes of rows 2j and 2j+1; 4 scale registers (pairs), 2 (four bf16 scales) or 1 (E4M3 bytes)
     o1, o2, o3, o4 = ttgl.inline_asm_elementwise(
         (asm_do_sb if DO == 5 else asm_sb) if sbytes else
         (asm_do_sp if DO == 3 else asm_sp) if pairs else (asm_do if DO else asm),

@@ -993,20 +993,20 @@ def test_resolve_code_order(monkeypatch):
     matmul.resolve_code_order("rollout")
 
 
-@pytest.mark.parametrize("scale_pairs", [False, True, "bytes"])
+@pytest.mark.parametrize("scales", ["bf16", "pairs", "bytes"])
 @pytest.mark.parametrize("code_order", ["standard", "decode"])
-def test_decode_ptx_by_codebook(code_order, scale_pairs):
+def test_decode_ptx_by_codebook(code_order, scales):
   """The decode's inline PTX, executed by a small interpreter, gives exactly
   ``E2M1[code] * scale * 2**-8`` for every code of both rows and all four columns, with E4M3 block
   scales in and out of the subnormal range (the kernel's ``s * 2**118`` in bf16 as input); for
   ``code_order="decode"`` the PTX reads the two code rows as ``nvfp4.to_decode_order`` stores them
-  and must give the same registers. ``scale_pairs`` (SCALE_PAIRS): the four scales arrive each in both
-  halves of its own register; ``"bytes"`` (SCALE_BYTES): the four scales arrive as raw E4M3 bytes in one register."""
+  and must give the same registers. ``scales``: ``"bf16"`` two scales a register; ``"pairs"`` (SCALE_PAIRS) each in
+  both halves of its own register; ``"bytes"`` (SCALE_BYTES) the four as raw E4M3 bytes in one register."""
   import ml_dtypes
 
   rng = np.random.default_rng(0)
-  asm = w4_gluon._asm(decode_order=code_order == "decode", scale_pairs=scale_pairs is True,
-                      scale_bytes=scale_pairs == "bytes")
+  asm = w4_gluon._asm(decode_order=code_order == "decode", scale_pairs=scales == "pairs",
+                      scale_bytes=scales == "bytes")
   for trial in range(256):
     rows = rng.integers(0, 256, size=(2, 4)) if trial else np.array([[0x0F, 0xF0, 0x88, 0x77], [0x19, 0x2A, 0x3B, 0xFF]])
     scale = rng.choice([2.0 ** -9, 0.0625, 0.75, 1.0, 13.0, 448.0], size=4).astype(ml_dtypes.float8_e4m3fn)
@@ -1017,10 +1017,10 @@ def test_decode_ptx_by_codebook(code_order, scale_pairs):
     regs = {"$8": int(sum(int(b) << (8 * i) for i, b in enumerate(stored[0]))),
             "$9": int(sum(int(b) << (8 * i) for i, b in enumerate(stored[1]))),
             "$10": int(s118[0] | (s118[1] << 16)), "$11": int(s118[2] | (s118[3] << 16))}
-    if scale_pairs == "bytes":
+    if scales == "bytes":
       regs["$10"] = int(sum(int(b) << (8 * q) for q, b in enumerate(scale.view(np.uint8))))
       del regs["$11"]
-    elif scale_pairs:  # what the kernel's cvt.rn.bf16x2.f32 of each scale gives
+    elif scales == "pairs":  # what the kernel's cvt.rn.bf16x2.f32 of each scale gives
       regs.update({f"${10 + q}": int(s118[q] | (s118[q] << 16)) for q in range(4)})
     regs = _run_ptx(asm, regs)
     for q in range(4):
