@@ -151,6 +151,14 @@ MMA_WARPS_MIN_WEIGHTS = 1 << 25  # MMA_WARPS only for weights of more values (K 
   # down, not q/k/v and o (whose LOAD_ASM loads take 8 bytes a thread and row)
 MMA8_MAX_REGISTERS = 128  # the 8-warp mma.sync builds' register cap: 128 fits 2 programs an SM, 80 fits 3, 64 fits 4
 MMA8_TARGET_PROGRAMS = 0  # their split-K target (0: TARGET_PROGRAMS)
+SMALL_TARGET_PROGRAMS = 0  # lab (session 29): the split-K target of the mma.sync builds (M <= 16) of weights of at most
+  # LOAD_ASM_MAX_WEIGHTS values (the 7B q/k/v and o: 28 splits of 2 steps at 512); 0: TARGET_PROGRAMS. 1024 (56 splits
+  # of 1 step, 78 registers, 6 programs an SM) was slower on the H200: M = 8 q/k/v 9.2 against 7.8 µs, o 7.7 against
+  # 7.0; a batch-8 decode step 2.146 against 2.083-2.101 ms (docs/benchmarks.md "Session 29")
+SMALL_MAX_REGISTERS = 0  # lab (session 29): the register cap of those builds (0: MMA_MAX_REGISTERS). Offline (sm_90, M = 8,
+  # decode order): 2 steps take 110 registers (4 programs an SM), 96 without spills (5); 1 step 78 (6), 64 without
+  # spills (8). Measured: 96 the same at M = 8 (q/k/v 7.8, o 7.0 µs; batch-8 step 2.098 ms) and slower at M = 16
+  # (spills: q/k/v 11.0 against 9.8; batch-16 step 2.735 against 2.558-2.566); 1 step at 64, 2.141 ms at batch 8
 SCALE_PAIRS = 2  # (session 26) where each block scale is paired into both bf16 halves of a register once a block
   # (cvt.rn.bf16x2.f32) instead of by four prmt in every decode block of 16 weights: 2 (default) the wgmma builds
   # (M > 16), 1 every build, 0 none. SASS (7B gate/up): M = 8 3256 -> 3192 instructions a thread, M = 32
@@ -161,7 +169,9 @@ SCALE_PAIRS = 2  # (session 26) where each block scale is paired into both bf16 
 SCALE_BYTES = 0  # lab (session 28): 1 gives the decode's inline PTX the block scales of builds without SCALE_PAIRS as
   # raw E4M3 bytes, made into bf16 scale * 2**118 pairs by bit placement and two multiplies (_asm's scale_bytes)
   # instead of the kernel's float32 conversion. Offline sm_90 SASS: M = 8 the same 3256 instructions a thread (384 of the
-  # conversion become FMA-pipe ones), M = 16 3640 -> 3592. Not yet measured on the GPU (docs/benchmarks.md "Session 28")
+  # conversion become FMA-pipe ones), M = 16 3640 -> 3592. Measured on the H200 (session 29; its 30 GPU tests pass):
+  # harness 2% faster at M = 1 and 8 (7B shapes summed, 48.1 / 49.6 against 49.0 / 50.6 µs), but no faster in a rollout
+  # (batch-8 step 2.098 / 2.092 against 2.074 / 2.099 ms) and slower at batch 16 (2.650 / 2.652 against 2.563 / 2.560)
 TMA_STAGES = 0  # lab (session 27): > 0 runs the mma.sync builds (M <= 16) with the codes and block scales copied by TMA
   # (host descriptors that the FFI launcher encodes) into this many shared buffers, one mbarrier each, refilled that
   # many steps ahead, instead of loaded to registers one step ahead (LOAD_ASM, LOAD_HINTS then do not apply). Measured
@@ -1049,7 +1059,10 @@ class Build(NamedTuple):
   @property
   def maxnreg(self) -> int | None:
     """The register cap it compiles with (:func:`_register_cap`)."""
-    return _register_cap(self.wg, self.narrow, self.meta["MB"], self.meta["XS"], self.w8)
+    cap = _register_cap(self.wg, self.narrow, self.meta["MB"], self.meta["XS"], self.w8)
+    if SMALL_MAX_REGISTERS and not self.wg and not self.w8 and self.meta["K"] * self.meta["N"] <= LOAD_ASM_MAX_WEIGHTS:
+      return SMALL_MAX_REGISTERS
+    return cap
 
 
 def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> Build:
@@ -1068,8 +1081,9 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
   narrow = wg and _row_block(m) >= NARROW_MIN_MB
   block_n = (128 if _row_block(m) == 128 else NARROW_BLOCK_N) if narrow else BLOCK_N
   w8 = not wg and MMA_WARPS == 8 and k * n > MMA_WARPS_MIN_WEIGHTS
+  small = not wg and not w8 and k * n <= LOAD_ASM_MAX_WEIGHTS
   splits = _splits(k, n, NARROW_TARGET_PROGRAMS if narrow else WG_TARGET_PROGRAMS if wg else
-                   (MMA8_TARGET_PROGRAMS or None) if w8 else None, block_n,
+                   (MMA8_TARGET_PROGRAMS or None) if w8 else (SMALL_TARGET_PROGRAMS or None) if small else None, block_n,
                    max(NARROW_MAX_STEPS, MAX_STEPS) if narrow else MAX_STEPS)
   atomic = (wg or MMA_ATOMIC) and atomic_split_k() and splits > 1  # one split stores its output: no memset
   xs = max(X_STAGES, 2) if wg and X_STAGES > 0 and _row_block(m) >= X_RING_MIN_MB else 0

@@ -104,6 +104,22 @@ def test_inline_ptx_code_loads_only_on_small_mma_sync_builds(monkeypatch):
   assert la(8, 3584, 4608) is None
 
 
+def test_small_matrix_settings_only_where_asked(monkeypatch):
+  """SMALL_TARGET_PROGRAMS and SMALL_MAX_REGISTERS (lab) change the split and register cap of the M <= 16 builds of
+  weights of at most LOAD_ASM_MAX_WEIGHTS values (the 7B q/k/v 3584 x 4608: 18 column tiles, 56 K steps; o 3584 x
+  3584: 14 tiles) and of nothing else; by hand: 1024 programs -> 56 splits of 1 step (1008 and 784 programs)."""
+  build = lambda m, k, n: w4_gluon._build(m, k, n, 28)
+  assert [(build(8, k, n).splits, build(8, k, n).maxnreg) for k, n in ((3584, 4608), (3584, 3584))] == [(28, 128)] * 2
+  monkeypatch.setattr(w4_gluon, "SMALL_TARGET_PROGRAMS", 1024)
+  monkeypatch.setattr(w4_gluon, "SMALL_MAX_REGISTERS", 64)
+  for m, k, n in ((8, 3584, 4608), (16, 3584, 3584), (1, 3584, 4608)):
+    b = build(m, k, n)
+    assert (b.splits, b.meta["STEPS"], b.maxnreg) == (56, 1, 64)
+  for m, k, n, splits in ((8, 3584, 37888, 7), (8, 18944, 3584, 37), (32, 3584, 4608, 14)):
+    b = build(m, k, n)  # gate/up, down (more values) and a wgmma build keep theirs
+    assert b.splits == splits and b.maxnreg != 64
+
+
 def test_eight_warp_mma_sync_builds_only_where_asked(monkeypatch):
   """MMA_WARPS = 8 (lab) gives the M <= 16 builds of weights over MMA_WARPS_MIN_WEIGHTS values (the 7B gate/up
   3584 x 37888 and down 18944 x 3584) 8 warps and MMA8_MAX_REGISTERS, without the 8-byte inline-PTX loads; q/k/v,
