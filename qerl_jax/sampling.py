@@ -274,6 +274,77 @@ def sampling_logprobs(logits: jax.Array, *, temperature: float, top_k: int = 0, 
   return jax.nn.log_softmax(x, axis=-1)
 
 
+INVERSE_CDF = 0  # 1: sample_tokens draws a token by inverse-CDF sampling over vocabulary chunks (one uniform
+  # number a row; draw_by_inverse_cdf); 0 (default): the Gumbel-max trick (jax.random.categorical: one Gumbel
+  # number per vocabulary entry). Read at trace time. Same distribution; for a given key the two give different
+  # tokens. Measured on an H200 (session 29; 7B shape, NVFP4, batch 8, 512 new tokens, alternating): a decode step
+  # 2.117 / 2.116 ms with 1 against 2.104 / 2.106 with 0, so XLA's chunk sums, running sums and gathers cost more
+  # than the Gumbel numbers they save (docs/benchmarks.md "Session 29")
+DRAW_CHUNKS = 128  # the vocabulary chunks draw_by_inverse_cdf sums first (at most; fewer for small vocabularies)
+
+
+def _draw_chunks(vocab: int) -> int:
+  return max(1, min(DRAW_CHUNKS, math.isqrt(vocab)))
+
+
+def draw_by_inverse_cdf(key: jax.Array, log_weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """One token per row, drawn with probability ``softmax(log_weights)`` by inverse-CDF sampling.
+
+  Each row takes one uniform number ``u`` in [0, 1) and returns the first token whose cumulative
+  weight exceeds ``u`` times the row's total (the inverse transform method; Devroye 1986,
+  "Non-Uniform Random Variate Generation", section 2.1). The vocabulary is cut into ``C`` chunks
+  (:data:`DRAW_CHUNKS`, at most ``sqrt(V)``): the chunks' weights are summed first, the chunk is
+  chosen from their running sum, and only that chunk's ``ceil(V / C)`` weights get a running sum.
+  This costs one random number a row, where the Gumbel-max trick (``jax.random.categorical``) needs
+  one a vocabulary entry. Weights are ``exp(log_weights - max)`` in float32; a token of weight 0
+  (``-inf``) is never drawn, and neither is one beyond the last chunk with weight.
+
+  Args:
+    key: one PRNG key (independent draws for every row) or a batch of keys matching
+      ``log_weights.shape[:-1]`` (one a row; new-style typed or raw ``uint32`` keys).
+    log_weights: float ``[..., V]``, unnormalised log-probabilities (computed in float32); ``-inf``
+      excludes a token. A row with no finite entry draws token 0 with ``lse`` ``-inf``.
+
+  Returns:
+    ``(tokens int32 [...], lse float32 [...])``: the drawn tokens and each row's
+    ``logsumexp(log_weights)`` (so ``log_weights[token] - lse`` is the token's log-probability).
+  """
+  x = log_weights.astype(jnp.float32)
+  lead, vocab = x.shape[:-1], x.shape[-1]
+  rows = math.prod(lead)
+  x = x.reshape(rows, vocab)
+  if _is_batched_key(key, len(lead)):
+    flat_keys = key.reshape((rows,) + key.shape[len(lead):])
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(flat_keys)
+  else:
+    u = jax.random.uniform(key, (rows,), jnp.float32)
+  c = _draw_chunks(vocab)
+  width = -(-vocab // c)
+  if c * width != vocab:
+    x = jnp.pad(x, ((0, 0), (0, c * width - vocab)), constant_values=NEG_INF)
+  m = jnp.max(x, axis=-1)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)  # a row of -inf: all weights 0 (no NaN)
+  chunk_sums = jnp.sum(jnp.exp(x - m[:, None]).reshape(rows, c, width), axis=-1)  # [rows, C]
+  running = jnp.cumsum(chunk_sums, axis=-1)
+  total = running[:, -1]
+  target = u * total
+  # the first chunk whose running sum exceeds the target has weight (its sum raised the running sum);
+  # rounding of u * total up to total leaves none: then the last chunk with weight
+  above = running > target[:, None]
+  last_with_weight = (c - 1) - jnp.argmax((chunk_sums > 0)[:, ::-1], axis=-1)
+  chunk = jnp.where(jnp.any(above, axis=-1), jnp.argmax(above, axis=-1), last_with_weight)
+  before = jnp.where(chunk > 0, jnp.take_along_axis(running, jnp.maximum(chunk - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+  inner_x = jnp.take_along_axis(x.reshape(rows, c, width), chunk[:, None, None], axis=1)[:, 0]  # [rows, width]
+  inner_w = jnp.exp(inner_x - m[:, None])
+  inner_running = before[:, None] + jnp.cumsum(inner_w, axis=-1)
+  inner_above = inner_running > target[:, None]
+  inner_last = (width - 1) - jnp.argmax((inner_w > 0)[:, ::-1], axis=-1)
+  inner = jnp.where(jnp.any(inner_above, axis=-1), jnp.argmax(inner_above, axis=-1), inner_last)
+  tokens = jnp.where(total > 0, chunk * width + inner, 0).astype(jnp.int32)  # (no weight at all: token 0)
+  lse = jnp.where(total > 0, m + jnp.log(total), NEG_INF)
+  return tokens.reshape(lead), lse.reshape(lead)
+
+
 def sample_tokens(key: jax.Array, logits: jax.Array, *, temperature: float, top_k: int = 0,
                   top_p: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Draw one token per row and return it with its log-probabilities.
@@ -285,6 +356,11 @@ def sample_tokens(key: jax.Array, logits: jax.Array, *, temperature: float, top_
     temperature, top_k, top_p: see :class:`SamplingConfig`; temperature 0 is
       greedy (argmax of ``logits``; the first index wins ties).
 
+  The token is drawn by ``jax.random.categorical`` (the Gumbel-max trick; the default) or, with
+  :data:`INVERSE_CDF` = 1, by :func:`draw_by_inverse_cdf` (one uniform number a row). At temperature 1
+  with no top-k / top-p the sampling distribution is the raw one, and the inverse-CDF path then
+  needs no ``[..., V]`` log-softmax: both log-probabilities are ``logits[token] - logsumexp(logits)``.
+
   Returns:
     ``(tokens int32 [...], sample_logprob f32 [...], policy_logprob f32 [...])``:
     the log-probability under the sampling distribution (0 for greedy) and
@@ -294,13 +370,24 @@ def sample_tokens(key: jax.Array, logits: jax.Array, *, temperature: float, top_
     ValueError: ``temperature`` < 0, ``top_p`` outside (0, 1] or ``top_k`` < 0
       (:func:`sampling_logprobs`).
   """
+  unfiltered = temperature == 1.0 and (top_k == 0 or top_k >= logits.shape[-1]) and top_p == 1.0
+  if temperature != 0:
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  if INVERSE_CDF and unfiltered:  # the sampling distribution is the raw one: no [..., V] log-softmax at all
+    x = logits.astype(jnp.float32)
+    tokens, lse = draw_by_inverse_cdf(key, x)
+    policy_lp = jnp.take_along_axis(x, tokens[..., None], axis=-1)[..., 0] - lse
+    return tokens, policy_lp, policy_lp
   raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   if temperature == 0:
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sample_lp = jnp.zeros(tokens.shape, jnp.float32)
+  elif INVERSE_CDF:
+    lp = sampling_logprobs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    tokens, _ = draw_by_inverse_cdf(key, lp)
+    sample_lp = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
   else:
     lp = sampling_logprobs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
     if _is_batched_key(key, lp.ndim - 1):
       flat_keys = key.reshape((-1,) + key.shape[lp.ndim - 1:])
       flat = jax.vmap(lambda k, l: jax.random.categorical(k, l))(flat_keys, lp.reshape(-1, lp.shape[-1]))

@@ -64,7 +64,10 @@ def test_temperature_matches_float64():
 _sample = jax.jit(sampling.sample_tokens, static_argnames=("temperature", "top_k", "top_p"))
 
 
-def test_sample_tokens_greedy_top_k1_and_frequencies():
+@pytest.mark.parametrize("inverse_cdf", [1, 0])
+def test_sample_tokens_greedy_top_k1_and_frequencies(inverse_cdf, monkeypatch):
+  monkeypatch.setattr(sampling, "INVERSE_CDF", inverse_cdf)  # read at trace time: a fresh jit below
+  _sample = jax.jit(sampling.sample_tokens, static_argnames=("temperature", "top_k", "top_p"))
   rng = np.random.default_rng(1)
   logits = jnp.asarray(rng.normal(size=(4, 50)).astype(np.float32))
   tok, slp, plp = _sample(jax.random.key(0), logits, temperature=0.0)
@@ -77,14 +80,57 @@ def test_sample_tokens_greedy_top_k1_and_frequencies():
   np.testing.assert_array_equal(np.asarray(tok1), np.asarray(tok))
   np.testing.assert_allclose(np.asarray(slp1), 0.0, atol=1e-6)
 
-  # Empirical frequencies of 4000 per-row draws from the top-p 0.75 set {0.5, 0.2, 0.15} / 0.85.
+  # Empirical frequencies of 4000 per-row draws at temperature 1, unfiltered (sampling = policy distribution).
   n = 4000
+  keys = jax.random.split(jax.random.key(9), n)
+  toks, slp, plp = _sample(keys, jnp.broadcast_to(jnp.asarray(LOGITS), (n, 5)), temperature=1.0)
+  np.testing.assert_allclose(np.bincount(np.asarray(toks), minlength=5) / n, PROBS, atol=0.03)
+  np.testing.assert_allclose(np.asarray(slp), np.log(PROBS[np.asarray(toks)]), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(plp), np.asarray(slp), atol=1e-6)
+
+  # Empirical frequencies of 4000 per-row draws from the top-p 0.75 set {0.5, 0.2, 0.15} / 0.85.
   keys = jax.random.split(jax.random.key(7), n)
   toks, slp, plp = _sample(keys, jnp.broadcast_to(jnp.asarray(LOGITS), (n, 5)), temperature=1.0, top_p=0.75)
   counts = np.bincount(np.asarray(toks), minlength=5) / n
   np.testing.assert_allclose(counts, [0.15 / 0.85, 0, 0.5 / 0.85, 0, 0.2 / 0.85], atol=0.03)
   np.testing.assert_allclose(np.asarray(slp), np.log(PROBS[np.asarray(toks)] / 0.85), atol=1e-5)
   np.testing.assert_allclose(np.asarray(plp), np.log(PROBS[np.asarray(toks)]), atol=1e-5)
+
+
+# Weights over 23 tokens with zeros inside and at the end, and mass on both sides of chunk edges (4 chunks of 6,
+# one padded slot).
+DRAW_P = np.array([0, 0.1, 0, 0, 0, 0.05, 0.2, 0, 0, 0, 0, 0.15, 0, 0.3, 0, 0, 0, 0, 0.12, 0.08, 0, 0, 0])
+
+
+@pytest.mark.parametrize("batched_keys", [True, False])
+def test_draw_by_inverse_cdf_frequencies_and_lse(batched_keys):
+  """20000 draws from DRAW_P / 2 (unnormalised: every weight halved, so lse = log 0.5): frequencies within 4 standard
+  deviations (at most 0.0035 here, so 0.015), zero-weight tokens never drawn, lse against float64."""
+  assert sampling._draw_chunks(23) == 4  # sqrt(23) -> 4 chunks of ceil(23 / 4) = 6
+  n = 20000
+  with np.errstate(divide="ignore"):
+    logw = jnp.asarray(np.log(DRAW_P / 2), jnp.float32)
+  key = jax.random.split(jax.random.key(11), n) if batched_keys else jax.random.key(11)
+  tok, lse = jax.jit(sampling.draw_by_inverse_cdf)(key, jnp.broadcast_to(logw, (n, 23)))
+  assert tok.dtype == jnp.int32 and tok.shape == (n,) and lse.shape == (n,)
+  counts = np.bincount(np.asarray(tok), minlength=23)
+  assert counts.size == 23 and counts[DRAW_P == 0].sum() == 0
+  np.testing.assert_allclose(counts / n, DRAW_P, atol=0.015)
+  np.testing.assert_allclose(np.asarray(lse), np.log(0.5), atol=1e-6)
+
+
+def test_draw_by_inverse_cdf_edges(monkeypatch):
+  """A row of -inf draws token 0 with lse -inf (no NaN); u just below 1, whose product with the total can round up
+  to the total, draws the last token with weight (19), not a later zero or the padded slot;
+  u = 0 draws the first token with weight (1); a leading batch shape is kept."""
+  with np.errstate(divide="ignore"):
+    logw = jnp.asarray(np.log(DRAW_P), jnp.float32)
+  tok, lse = sampling.draw_by_inverse_cdf(jax.random.key(0), jnp.full((2, 3, 23), -jnp.inf))
+  assert tok.shape == (2, 3) and (np.asarray(tok) == 0).all() and np.isneginf(np.asarray(lse)).all()
+  for u, want in ((np.float32(1) - np.float32(2.0 ** -24), 19), (np.float32(0), 1)):
+    monkeypatch.setattr(sampling.jax.random, "uniform", lambda key, shape=(), dtype=jnp.float32, u=u: jnp.full(shape, u, dtype))
+    tok, _ = sampling.draw_by_inverse_cdf(jax.random.key(0), logw[None])
+    assert int(tok[0]) == want
 
 
 def test_sample_tokens_fixed_key_reproducible():
