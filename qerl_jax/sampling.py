@@ -308,6 +308,9 @@ def draw_by_inverse_cdf(key: jax.Array, log_weights: jax.Array) -> tuple[jax.Arr
   Returns:
     ``(tokens int32 [...], lse float32 [...])``: the drawn tokens and each row's
     ``logsumexp(log_weights)`` (so ``log_weights[token] - lse`` is the token's log-probability).
+
+  Raises:
+    nothing of its own; a key that is neither one key nor one a row fails in ``jax.random.uniform``.
   """
   x = log_weights.astype(jnp.float32)
   lead, vocab = x.shape[:-1], x.shape[-1]
@@ -382,13 +385,11 @@ def sample_tokens(key: jax.Array, logits: jax.Array, *, temperature: float, top_
   if temperature == 0:
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sample_lp = jnp.zeros(tokens.shape, jnp.float32)
-  elif INVERSE_CDF:
-    lp = sampling_logprobs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    tokens, _ = draw_by_inverse_cdf(key, lp)
-    sample_lp = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
   else:
     lp = sampling_logprobs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    if _is_batched_key(key, lp.ndim - 1):
+    if INVERSE_CDF:
+      tokens, _ = draw_by_inverse_cdf(key, lp)
+    elif _is_batched_key(key, lp.ndim - 1):
       flat_keys = key.reshape((-1,) + key.shape[lp.ndim - 1:])
       flat = jax.vmap(lambda k, l: jax.random.categorical(k, l))(flat_keys, lp.reshape(-1, lp.shape[-1]))
       tokens = flat.reshape(lp.shape[:-1]).astype(jnp.int32)
