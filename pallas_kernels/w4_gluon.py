@@ -1059,16 +1059,16 @@ class Build(NamedTuple):
   @property
   def maxnreg(self) -> int | None:
     """The register cap it compiles with (:func:`_register_cap`)."""
-    cap = _register_cap(self.wg, self.narrow, self.meta["MB"], self.meta["XS"], self.w8)
     if SMALL_MAX_REGISTERS and not self.wg and not self.w8 and self.meta["K"] * self.meta["N"] <= LOAD_ASM_MAX_WEIGHTS:
-      return SMALL_MAX_REGISTERS
-    return cap
+      return SMALL_MAX_REGISTERS  # (lab) the q/k/v- and o-sized mma.sync builds
+    return _register_cap(self.wg, self.narrow, self.meta["MB"], self.meta["XS"], self.w8)
 
 
 def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> Build:
   """The :class:`Build` for ``x [m, k]`` times a ``[k, n]`` weight (of a stack of ``layers``), under
   the current settings (``NARROW_MIN_MB``, ``MMA_ATOMIC``, ``X_STAGES``, ``X_RING_MIN_MB``, ``WG_ASYNC``,
-  ``LOAD_HINTS``, ``LOAD_ASM``, ``MMA_WARPS``, ``SCALE_PAIRS``, ``TMA_STAGES``, :func:`atomic_split_k`); the
+  ``LOAD_HINTS``, ``LOAD_ASM``, ``MMA_WARPS``, ``SCALE_PAIRS``, ``TMA_STAGES``, ``SMALL_TARGET_PROGRAMS``,
+  :func:`atomic_split_k`); the
   shape must be one :func:`applies` takes. ``decode_order``: the weight's codes are in
   :func:`qerl_jax.nvfp4.to_decode_order`'s order (the kernel's cheaper decode).
 

@@ -7,7 +7,7 @@ for an A/B of a kernel or launcher setting in the rollout (the settings are read
 MODEL_SET="FUSED_DECODE_ATTENTION=0" replaces qerl_jax.models.decoder's module settings the same way
 (also ACCUMULATE_DECODE=0, or ACCUMULATE_MAX_ROWS=64: a layer's projections in one buffer, session 15),
 DA_SET="COMBINE_UNROLL_MAX=0" pallas_kernels.decode_attention's (session 21; APPEND_TARGET_PROGRAMS=1056 etc.,
-session 23), RN_SET="WARPS=8,ZERO_CHUNK=8192" pallas_kernels.residual_norm's, and SAMPLING_SET="INVERSE_CDF=0"
+session 23), RN_SET="WARPS=8,ZERO_CHUNK=8192" pallas_kernels.residual_norm's, and SAMPLING_SET="INVERSE_CDF=1"
 qerl_jax.sampling's (session 29).
 
 GL_NO_ZERO=1 drops the launcher's memset of the atomic builds' output: the results are WRONG (they add
