@@ -1059,9 +1059,15 @@ class Build(NamedTuple):
   @property
   def maxnreg(self) -> int | None:
     """The register cap it compiles with (:func:`_register_cap`)."""
-    if SMALL_MAX_REGISTERS and not self.wg and not self.w8 and self.meta["K"] * self.meta["N"] <= LOAD_ASM_MAX_WEIGHTS:
-      return SMALL_MAX_REGISTERS  # (lab) the q/k/v- and o-sized mma.sync builds
+    if SMALL_MAX_REGISTERS and _small_mma_sync(self.wg, self.w8, self.meta["K"], self.meta["N"]):
+      return SMALL_MAX_REGISTERS  # (lab)
     return _register_cap(self.wg, self.narrow, self.meta["MB"], self.meta["XS"], self.w8)
+
+
+def _small_mma_sync(wg: bool, w8: bool, k: int, n: int) -> bool:
+  """A 4-warp mma.sync build (M <= 16) of a weight of at most LOAD_ASM_MAX_WEIGHTS values (the 7B q/k/v and o): the
+  builds that LOAD_ASM, SMALL_TARGET_PROGRAMS and SMALL_MAX_REGISTERS apply to."""
+  return not wg and not w8 and k * n <= LOAD_ASM_MAX_WEIGHTS
 
 
 def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> Build:
@@ -1081,7 +1087,7 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
   narrow = wg and _row_block(m) >= NARROW_MIN_MB
   block_n = (128 if _row_block(m) == 128 else NARROW_BLOCK_N) if narrow else BLOCK_N
   w8 = not wg and MMA_WARPS == 8 and k * n > MMA_WARPS_MIN_WEIGHTS
-  small = not wg and not w8 and k * n <= LOAD_ASM_MAX_WEIGHTS
+  small = _small_mma_sync(wg, w8, k, n)
   splits = _splits(k, n, NARROW_TARGET_PROGRAMS if narrow else WG_TARGET_PROGRAMS if wg else
                    (MMA8_TARGET_PROGRAMS or None) if w8 else (SMALL_TARGET_PROGRAMS or None) if small else None, block_n,
                    max(NARROW_MAX_STEPS, MAX_STEPS) if narrow else MAX_STEPS)
@@ -1098,7 +1104,7 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
     return Build(wg, narrow, block_n, splits, meta, w8)
   if LOAD_HINTS and _row_block(m) <= LOAD_HINTS_MAX_MB:
     meta["LH"] = LOAD_HINTS
-  if LOAD_ASM and not wg and not w8 and k * n <= LOAD_ASM_MAX_WEIGHTS:  # (its loads take 8 bytes a thread and row)
+  if LOAD_ASM and small:  # (its loads take 8 bytes a thread and row)
     meta["LA"] = LOAD_ASM
   return Build(wg, narrow, block_n, splits, meta, w8)
 
