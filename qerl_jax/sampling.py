@@ -317,8 +317,7 @@ def draw_by_inverse_cdf(key: jax.Array, log_weights: jax.Array) -> tuple[jax.Arr
   rows = math.prod(lead)
   x = x.reshape(rows, vocab)
   if _is_batched_key(key, len(lead)):
-    flat_keys = key.reshape((rows,) + key.shape[len(lead):])
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(flat_keys)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(_flat_keys(key, len(lead)))
   else:
     u = jax.random.uniform(key, (rows,), jnp.float32)
   c = _draw_chunks(vocab)
@@ -327,25 +326,32 @@ def draw_by_inverse_cdf(key: jax.Array, log_weights: jax.Array) -> tuple[jax.Arr
     x = jnp.pad(x, ((0, 0), (0, c * width - vocab)), constant_values=NEG_INF)
   m = jnp.max(x, axis=-1)
   m = jnp.where(jnp.isfinite(m), m, 0.0)  # a row of -inf: all weights 0 (no NaN)
-  chunk_sums = jnp.sum(jnp.exp(x - m[:, None]).reshape(rows, c, width), axis=-1)  # [rows, C]
+  chunks = x.reshape(rows, c, width)
+  chunk_sums = jnp.sum(jnp.exp(chunks - m[:, None, None]), axis=-1)  # [rows, C]
   running = jnp.cumsum(chunk_sums, axis=-1)
   total = running[:, -1]
   target = u * total
-  # the first chunk whose running sum exceeds the target has weight (its sum raised the running sum);
-  # rounding of u * total up to total leaves none: then the last chunk with weight
-  above = running > target[:, None]
-  last_with_weight = (c - 1) - jnp.argmax((chunk_sums > 0)[:, ::-1], axis=-1)
-  chunk = jnp.where(jnp.any(above, axis=-1), jnp.argmax(above, axis=-1), last_with_weight)
+  chunk = _first_past(running, target, chunk_sums)
   before = jnp.where(chunk > 0, jnp.take_along_axis(running, jnp.maximum(chunk - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
-  inner_x = jnp.take_along_axis(x.reshape(rows, c, width), chunk[:, None, None], axis=1)[:, 0]  # [rows, width]
-  inner_w = jnp.exp(inner_x - m[:, None])
-  inner_running = before[:, None] + jnp.cumsum(inner_w, axis=-1)
-  inner_above = inner_running > target[:, None]
-  inner_last = (width - 1) - jnp.argmax((inner_w > 0)[:, ::-1], axis=-1)
-  inner = jnp.where(jnp.any(inner_above, axis=-1), jnp.argmax(inner_above, axis=-1), inner_last)
+  inner_w = jnp.exp(jnp.take_along_axis(chunks, chunk[:, None, None], axis=1)[:, 0] - m[:, None])  # [rows, width]
+  inner = _first_past(before[:, None] + jnp.cumsum(inner_w, axis=-1), target, inner_w)
   tokens = jnp.where(total > 0, chunk * width + inner, 0).astype(jnp.int32)  # (no weight at all: token 0)
   lse = jnp.where(total > 0, m + jnp.log(total), NEG_INF)
   return tokens.reshape(lead), lse.reshape(lead)
+
+
+def _first_past(running: jax.Array, target: jax.Array, weights: jax.Array) -> jax.Array:
+  """int ``[rows]``: the first index whose running sum ``[rows, n]`` exceeds ``target [rows]``. It has weight (its
+  weight raised the running sum past the target); where none does (``u * total`` rounded up to the total), the
+  last index with weight ``> 0`` in ``weights [rows, n]``."""
+  above = running > target[:, None]
+  last_with_weight = (weights.shape[-1] - 1) - jnp.argmax((weights > 0)[:, ::-1], axis=-1)
+  return jnp.where(jnp.any(above, axis=-1), jnp.argmax(above, axis=-1), last_with_weight)
+
+
+def _flat_keys(key: jax.Array, batch_ndim: int) -> jax.Array:
+  """A batch of keys ``[...]`` (:func:`_is_batched_key`) as ``[rows]`` (raw ``uint32`` keys keep their key axis)."""
+  return key.reshape((-1,) + key.shape[batch_ndim:])
 
 
 def sample_tokens(key: jax.Array, logits: jax.Array, *, temperature: float, top_k: int = 0,
@@ -390,8 +396,8 @@ def sample_tokens(key: jax.Array, logits: jax.Array, *, temperature: float, top_
     if INVERSE_CDF:
       tokens, _ = draw_by_inverse_cdf(key, lp)
     elif _is_batched_key(key, lp.ndim - 1):
-      flat_keys = key.reshape((-1,) + key.shape[lp.ndim - 1:])
-      flat = jax.vmap(lambda k, l: jax.random.categorical(k, l))(flat_keys, lp.reshape(-1, lp.shape[-1]))
+      flat = jax.vmap(lambda k, l: jax.random.categorical(k, l))(_flat_keys(key, lp.ndim - 1),
+                                                                 lp.reshape(-1, lp.shape[-1]))
       tokens = flat.reshape(lp.shape[:-1]).astype(jnp.int32)
     else:
       tokens = jax.random.categorical(key, lp, axis=-1).astype(jnp.int32)
