@@ -177,6 +177,12 @@ TMA_STAGES = 0  # lab (session 27): > 0 runs the mma.sync builds (M <= 16) with 
   # many steps ahead, instead of loaded to registers one step ahead (LOAD_ASM, LOAD_HINTS then do not apply). Measured
   # slower on the H200 (7B shapes summed, M = 1 / 8: 48.9 / 50.4 µs by default, 51.1 / 53.4 with 1 buffer, 51.8 / 55.2
   # with 4, 60.0 / 63.3 with 8; more programs or unrefilled buffers 51.3-57.2; docs/benchmarks.md "Session 27")
+WS_STAGES = 0  # lab (session 30): > 0 runs the mma.sync builds (M <= 16) warp-specialized: one loader warp copies the
+  # codes and block scales by TMA (TMA_STAGES' descriptors) into this many shared buffers, each with a "ready" and an
+  # "empty" mbarrier, while the 4 compute warps decode and multiply; they hold no prefetched step in registers and
+  # meet no block-wide barrier in the loop (TMA_STAGES' builds lost to theirs: docs/benchmarks.md, session 27)
+WS_MAX_REGISTERS = 64  # the warp-specialized builds' register cap at launch: 2 warpgroups of 64 (the loader's warpgroup
+  # gives its registers back: 24 a thread), so the compute warps get up to 104 and 4 programs share an SM
 TMA_L2_PROMOTION = 2  # the descriptors' L2 promotion (CUtensorMapL2promotion: 0 none, 1 64 B, 2 128 B, 3 256 B)
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
@@ -375,6 +381,8 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
   o_n2 = ttgl.constexpr(1 if wg or w8 else 0)  # the inverse, rows -> [n7 .. n0]: [2, 3, 5, 6, 7, o_n2, 1 - o_n2, 4, 8]
   WARPS = ttgl.constexpr(_warps(wg, narrow_n, w8))
   WG = ttgl.constexpr(wg)
+  mma_sync = ttgl.constexpr(ttgl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, 8]))
 
   @gluon.jit
   def wload(ptr, LH: ttgl.constexpr):
@@ -416,6 +424,38 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
     mbarrier.expect(bar, 36 * BN)
     hopper_tma.async_copy_global_to_shared(cd, [c_row, n0], bar, c_buf)
     hopper_tma.async_copy_global_to_shared(sd, [s_row, n0], bar, s_buf)
+
+  @gluon.jit
+  def ws_load(cd, sd, c_smem, s_smem, ready, empty, kp0, s_row0, n0, STEPS: ttgl.constexpr):
+    """WS_STAGES' loader warp: step i's codes and scales by TMA into buffer i % NB once the compute warps have
+    released its previous fill (``empty``), signalling ``ready``."""
+    NB: ttgl.constexpr = c_smem.type.shape[0]
+    for i in ttgl.static_range(STEPS):
+      if i >= NB:
+        mbarrier.wait(empty.index(i % NB), (i // NB - 1) & 1)
+      tma_fill(cd, sd, ready.index(i % NB), c_smem.index(i % NB), s_smem.index(i % NB), kp0 + i * 32, s_row0 + i * 4,
+               n0)
+
+  @gluon.jit
+  def ws_compute(x_ptr, x_offs, x_mask, c_smem, s_smem, ready, empty, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
+                 DO: ttgl.constexpr):
+    """WS_STAGES' compute warps: each step waits for its buffer, reads it to registers, releases it to the loader,
+    then decodes and multiplies; x by register loads one step ahead. Returns the [BN, MB] float32 accumulator."""
+    NB: ttgl.constexpr = c_smem.type.shape[0]
+    acc = ttgl.zeros([BN, MB], ttgl.float32, layout=mma_sync)
+    xl: ttgl.constexpr = ttgl.DotOperandLayout(1, mma_sync, 8)
+    x0 = ttgl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+    for i in ttgl.static_range(STEPS):
+      x1 = ttgl.load(x_ptr + x_offs + min(i + 1, STEPS - 1) * 64, mask=x_mask, other=0.0)
+      mbarrier.wait(ready.index(i % NB), (i // NB) & 1)
+      c0 = c_smem.index(i % NB).load(code_layout)
+      s0 = s_smem.index(i % NB).load(ttgl.SliceLayout(1, group_layout))
+      if i + NB < STEPS:  # the loader refills this buffer with step i + NB (no proxy fence: the arrive orders the
+        mbarrier.arrive(empty.index(i % NB), count=1)  # reads, as CUTLASS's TMA pipelines release their buffers)
+      a = ttgl.convert_layout(decode(c0, s0, DO), ttgl.DotOperandLayout(0, mma_sync, 8))
+      acc = mma_v2(a, ttgl.convert_layout(x_slots(x0), xl), acc)
+      x0 = x1
+    return (acc,)  # (warp_specialize takes the default partition's results as a tuple)
 
   @gluon.jit
   def decode(c, s, DO: ttgl.constexpr):
@@ -477,7 +517,8 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
   def gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
            K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr, ATOMIC: ttgl.constexpr,
            XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr, LH: ttgl.constexpr, LA: ttgl.constexpr,
-           LR: ttgl.constexpr, LS: ttgl.constexpr, XP: ttgl.constexpr, cd=None, sd=None, TS: ttgl.constexpr = 0):
+           LR: ttgl.constexpr, LS: ttgl.constexpr, XP: ttgl.constexpr, cd=None, sd=None, TS: ttgl.constexpr = 0,
+           WS: ttgl.constexpr = 0):
     """The kernel body; ``LR`` > 0 (the mma.sync builds only) adds the LoRA term (see _kernel's ``lora``);
     ``TS`` > 0 (mma.sync only): codes and scales by TMA (descriptors ``cd``, ``sd``) into ``TS`` shared buffers."""
     if WG:
@@ -508,7 +549,20 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
     x_offs = ttgl.expand_dims(kk + pid_s * (STEPS * 64), 1) + ttgl.expand_dims(mm, 0) * K
     x_mask = ttgl.expand_dims(mm < M, 0) & ttgl.expand_dims(kk >= 0, 1)
     acc = ttgl.zeros([BN, MB], ttgl.float32, layout=mma)
-    if TS > 0:  # codes and scales by TMA: NB shared buffers, one mbarrier each, refilled NB steps ahead
+    if WS:  # warp-specialized (WS_STAGES): a loader warp fills NB buffers by TMA; the 4 warps here compute
+      NB: ttgl.constexpr = TS if TS < STEPS else STEPS
+      c_smem = ttgl.allocate_shared_memory(ttgl.uint8, [NB, 32, BN], cd.layout)
+      s_smem = ttgl.allocate_shared_memory(ttgl.float8e4nv, [NB, 4, BN], sd.layout)
+      ready = ttgl.allocate_shared_memory(ttgl.int64, [NB, 1], mbarrier.MBarrierLayout())
+      empty = ttgl.allocate_shared_memory(ttgl.int64, [NB, 1], mbarrier.MBarrierLayout())
+      for j in ttgl.static_range(NB):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(empty.index(j), count=1)
+      hopper.fence_async_shared()
+      acc = ttgl.warp_specialize([(ws_compute, (x_ptr, x_offs, x_mask, c_smem, s_smem, ready, empty, STEPS, MB, DO)),
+                                  (ws_load, (cd, sd, c_smem, s_smem, ready, empty, kp0, s_row0, n0, STEPS))],
+                                 [1], [24])[0]
+    elif TS > 0:  # codes and scales by TMA: NB shared buffers, one mbarrier each, refilled NB steps ahead
       NB: ttgl.constexpr = TS if TS < STEPS else STEPS
       c_smem = ttgl.allocate_shared_memory(ttgl.uint8, [NB, 32, BN], cd.layout)
       s_smem = ttgl.allocate_shared_memory(ttgl.float8e4nv, [NB, 4, BN], sd.layout)
@@ -653,10 +707,10 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
   def w4a16_gemv_tma(cd, sd, x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                      K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
                      ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0,
-                     LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0, TS: ttgl.constexpr = 2):
+                     LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0, TS: ttgl.constexpr = 2, WS: ttgl.constexpr = 0):
     ttgl.static_assert(TS > 0)
     gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, x_ptr, x_ptr, z_ptr, o_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS, WA,
-         DO, LH, LA, 0, 0.0, 0, cd, sd, TS)
+         DO, LH, LA, 0, 0.0, 0, cd, sd, TS, WS)
 
   @gluon.jit
   def w4a16_gemv_lora_tma(cd, sd, x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr,
@@ -664,10 +718,10 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
                           STEPS: ttgl.constexpr, MB: ttgl.constexpr, ATOMIC: ttgl.constexpr, XS: ttgl.constexpr,
                           WA: ttgl.constexpr, DO: ttgl.constexpr = 0, LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0,
                           LR: ttgl.constexpr = 16, LS: ttgl.constexpr = 1.0, XP: ttgl.constexpr = 0,
-                          TS: ttgl.constexpr = 2):
+                          TS: ttgl.constexpr = 2, WS: ttgl.constexpr = 0):
     ttgl.static_assert(LR % 16 == 0)
     gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS,
-         WA, DO, LH, LA, LR, LS, XP, cd, sd, TS)
+         WA, DO, LH, LA, LR, LS, XP, cd, sd, TS, WS)
 
   if tma:
     return w4a16_gemv_lora_tma if lora else w4a16_gemv_tma
@@ -1057,8 +1111,16 @@ class Build(NamedTuple):
     return _warps(self.wg, self.narrow_n, self.w8)
 
   @property
+  def threads(self) -> int:
+    """Threads a program: its warps, and with ``WS_STAGES`` a second warpgroup for the loader warp (Hopper
+    allocates registers by warpgroup, so Triton launches 8 warps for 4 + 1)."""
+    return 32 * (8 if self.meta.get("WS") else self.warps)
+
+  @property
   def maxnreg(self) -> int | None:
     """The register cap it compiles with (:func:`_register_cap`)."""
+    if self.meta.get("WS"):
+      return WS_MAX_REGISTERS
     if SMALL_MAX_REGISTERS and _small_mma_sync(self.wg, self.w8, self.meta["K"], self.meta["N"]):
       return SMALL_MAX_REGISTERS  # (lab)
     return _register_cap(self.wg, self.narrow, self.meta["MB"], self.meta["XS"], self.w8)
@@ -1099,8 +1161,10 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
   sbytes = bool(SCALE_BYTES) and not pairs
   if decode_order or pairs or sbytes:  # bit 0: the codes in nvfp4.to_decode_order's order (the cheaper decode);
     meta["DO"] = int(decode_order) | (2 if pairs else 0) | (4 if sbytes else 0)  # bit 1: pairs; bit 2: scale bytes
-  if TMA_STAGES > 0 and not wg and not w8:  # codes and scales by TMA (no register loads to hint)
-    meta["TS"] = int(TMA_STAGES)
+  if (TMA_STAGES > 0 or WS_STAGES > 0) and not wg and not w8:  # codes and scales by TMA (no register loads to hint)
+    meta["TS"] = int(WS_STAGES or TMA_STAGES)
+    if WS_STAGES > 0:  # by a loader warp (the TMA entry's warp-specialized branch)
+      meta["WS"] = 1
     return Build(wg, narrow, block_n, splits, meta, w8)
   if LOAD_HINTS and _row_block(m) <= LOAD_HINTS_MAX_MB:
     meta["LH"] = LOAD_HINTS
@@ -1142,7 +1206,7 @@ def _ffi_call(build: Build, operands, out_shape, aliases, **attrs):
   ``out_offset`` of :func:`_launch_attrs`."""
   ptx, name, shared = _compiled(tuple(build.meta.items()), build.wg, build.narrow_n, build.maxnreg, build.w8)
   return jax.ffi.ffi_call(_FFI_TARGET, out_shape, input_output_aliases=aliases)(
-      *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=32 * build.warps,
+      *operands, **_launch_attrs(ptx, name, build.grid, shared, threads=build.threads,
                                  tma=_tma_specs(operands, build.meta), **attrs))
 
 

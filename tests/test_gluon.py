@@ -294,6 +294,21 @@ def test_gpu_gluon_tma_build_matches_float64(m, k, n, stages, monkeypatch):
   _check_stack_layer_against_float64(m, k, n, m + 7 * k, 5 * m + n)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("k,n", [(3584, 4608), (18944, 3584), (1088, 768), (64, 256)])
+def test_gpu_gluon_warp_specialized_build_matches_float64(m, k, n, stages, monkeypatch):
+  """WS_STAGES (lab): the M <= 16 builds with a loader warp copying codes and scales by TMA into 1, 2 or 4 buffers
+  that the compute warps release (8 steps a program at K = 18944: every buffer refilled; one step at K = 64), ragged
+  M, against float64; and in decode order at layer 1 of a stack."""
+  monkeypatch.setattr(w4_gluon, "WS_STAGES", stages)
+  build = w4_gluon._build(m, k, n, 1)
+  assert build.meta["TS"] == stages and build.meta["WS"] == 1 and build.threads == 256
+  _check_forward_against_float64(m, k, n)
+  _check_stack_layer_against_float64(m, k, n, m + 5 * k, 3 * m + n)
+
+
 def _skip_without_wgmma():
   if not w4_gluon._wgmma_gpus():
     pytest.skip("the wgmma builds (M > 16) are for sm_90")
@@ -520,6 +535,23 @@ def test_tma_build_lowers_for_cuda_without_a_gpu(monkeypatch):
                  ).trace(x, stack, i, xa, b).lower(lowering_platforms=("cuda",)).as_text()
   assert ".entry w4a16_gemv_lora_tma" in lora and "cp.async.bulk.tensor.2d.shared::cluster.global" in lora
   assert f"tma = dense<[2, 1, {rows_c}, {n}, 32, 256, {l2}, 2, {rows_s}, {n}, 4, 256, {l2}]>" in lora
+
+
+def test_warp_specialized_build_lowers_for_cuda_without_a_gpu(monkeypatch):
+  """WS_STAGES (lab): the M <= 16 build takes the TMA entry, launches two warpgroups (256 threads: 4 compute warps,
+  the loader warp's group) at WS_MAX_REGISTERS a thread, and hands registers between them (setmaxnreg); the wgmma
+  builds do not take it."""
+  k, n, stack, x, i = _ffi_lowering_case(monkeypatch)
+  monkeypatch.setattr(w4_gluon, "WS_STAGES", 2)
+  build = w4_gluon._build(8, k, n, 3)
+  assert build.meta["TS"] == 2 and build.meta["WS"] == 1 and build.maxnreg == w4_gluon.WS_MAX_REGISTERS == 64
+  assert "WS" not in w4_gluon._build(32, k, n, 3).meta
+  text = jax.jit(lambda x, w, i: w4_gluon.forward(x, w, index=i)).trace(x, stack, i).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert ".entry w4a16_gemv_tma" in text and "cp.async.bulk.tensor.2d.shared::cluster.global" in text
+  assert "threads = 256" in text and ".reqntid 256" in text and ".maxnreg 64" in text
+  # (the PTX inside the MLIR text writes its tabs as \09)
+  assert "setmaxnreg.dec.sync.aligned.u32 \\0924;" in text and "setmaxnreg.inc.sync.aligned.u32 \\09104;" in text
 
 
 def test_decode_order_lowers_its_own_decode(monkeypatch):
