@@ -180,9 +180,19 @@ TMA_STAGES = 0  # lab (session 27): > 0 runs the mma.sync builds (M <= 16) with 
 WS_STAGES = 0  # lab (session 30): > 0 runs the mma.sync builds (M <= 16) warp-specialized: one loader warp copies the
   # codes and block scales by TMA (TMA_STAGES' descriptors) into this many shared buffers, each with a "ready" and an
   # "empty" mbarrier, while the 4 compute warps decode and multiply; they hold no prefetched step in registers and
-  # meet no block-wide barrier in the loop (TMA_STAGES' builds lost to theirs: docs/benchmarks.md, session 27)
+  # meet a block-wide barrier only in the epilogue (TMA_STAGES' builds lost to theirs: docs/benchmarks.md, session 27).
+  # Measured slower on the H200 (session 30; its 60 GPU tests pass): 7B shapes summed, M = 1 / 8, 51.5-52.6 /
+  # 53.0-53.6 µs against 49.1 / 50.4 with 1-4 buffers; a batch-8 rollout step 2.36 ms (4 buffers, large matrices only)
+  # against 2.09-2.11. With the weight L2-resident (WS_PROBE 1) the compute warps alone take as long as the whole
+  # kernel (gate 17.0-17.5 µs), while the loader alone takes 12.5-14: the decode GEMV is bound by its compute warps
 WS_MAX_REGISTERS = 64  # the warp-specialized builds' register cap at launch: 2 warpgroups of 64 (the loader's warpgroup
-  # gives its registers back: 24 a thread), so the compute warps get up to 104 and 4 programs share an SM
+  # gives its registers back: 24 a thread), so the compute warps get up to 104 and 4 programs share an SM. At least
+  # 64: 48 (5 programs an SM, 72 registers a compute thread) was slower (56.0 / 57.9 µs) and, with 4 buffers and 4 steps
+  # a program, wrong (relative error 0.5 on the H200; not investigated), so _build refuses caps under 64
+WS_SMALL = 1  # WS_STAGES applies to the builds of _small_mma_sync (the 7B q/k/v and o) too; 0: the larger ones only
+WS_PROBE = 0  # lab probe of the WS_STAGES builds (wrong results; experiments/lab/gluon/ws_probe.py only): 1 has the loader
+  # copy split 0's first two steps over and over (an L2-resident stream: what the compute warps take alone), 2 has
+  # the compute warps take each buffer and release it without decoding or multiplying (what the loader takes alone)
 TMA_L2_PROMOTION = 2  # the descriptors' L2 promotion (CUtensorMapL2promotion: 0 none, 1 64 B, 2 128 B, 3 256 B)
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
@@ -426,19 +436,22 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
     hopper_tma.async_copy_global_to_shared(sd, [s_row, n0], bar, s_buf)
 
   @gluon.jit
-  def ws_load(cd, sd, c_smem, s_smem, ready, empty, kp0, s_row0, n0, STEPS: ttgl.constexpr):
+  def ws_load(cd, sd, c_smem, s_smem, ready, empty, kp0, s_row0, n0, STEPS: ttgl.constexpr, WSP: ttgl.constexpr):
     """WS_STAGES' loader warp: step i's codes and scales by TMA into buffer i % NB once the compute warps have
-    released its previous fill (``empty``), signalling ``ready``."""
+    released its previous fill (``empty``), signalling ``ready``. ``WSP`` 1: :data:`WS_PROBE`'s L2-resident stream."""
     NB: ttgl.constexpr = c_smem.type.shape[0]
     for i in ttgl.static_range(STEPS):
       if i >= NB:
         mbarrier.wait(empty.index(i % NB), (i // NB - 1) & 1)
-      tma_fill(cd, sd, ready.index(i % NB), c_smem.index(i % NB), s_smem.index(i % NB), kp0 + i * 32, s_row0 + i * 4,
-               n0)
+      if WSP == 1:
+        tma_fill(cd, sd, ready.index(i % NB), c_smem.index(i % NB), s_smem.index(i % NB), (i % 2) * 32, (i % 2) * 4, n0)
+      else:
+        tma_fill(cd, sd, ready.index(i % NB), c_smem.index(i % NB), s_smem.index(i % NB), kp0 + i * 32,
+                 s_row0 + i * 4, n0)
 
   @gluon.jit
   def ws_compute(x_ptr, x_offs, x_mask, c_smem, s_smem, ready, empty, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
-                 DO: ttgl.constexpr):
+                 DO: ttgl.constexpr, WSP: ttgl.constexpr):
     """WS_STAGES' compute warps: each step waits for its buffer, reads it to registers, releases it to the loader,
     then decodes and multiplies; x by register loads one step ahead. Returns the [BN, MB] float32 accumulator."""
     NB: ttgl.constexpr = c_smem.type.shape[0]
@@ -452,8 +465,9 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
       s0 = s_smem.index(i % NB).load(ttgl.SliceLayout(1, group_layout))
       if i + NB < STEPS:  # the loader refills this buffer with step i + NB (no proxy fence: the arrive orders the
         mbarrier.arrive(empty.index(i % NB), count=1)  # reads, as CUTLASS's TMA pipelines release their buffers)
-      a = ttgl.convert_layout(decode(c0, s0, DO), ttgl.DotOperandLayout(0, mma_sync, 8))
-      acc = mma_v2(a, ttgl.convert_layout(x_slots(x0), xl), acc)
+      if WSP != 2:
+        a = ttgl.convert_layout(decode(c0, s0, DO), ttgl.DotOperandLayout(0, mma_sync, 8))
+        acc = mma_v2(a, ttgl.convert_layout(x_slots(x0), xl), acc)
       x0 = x1
     return (acc,)  # (warp_specialize takes the default partition's results as a tuple)
 
@@ -518,7 +532,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
            K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr, ATOMIC: ttgl.constexpr,
            XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr, LH: ttgl.constexpr, LA: ttgl.constexpr,
            LR: ttgl.constexpr, LS: ttgl.constexpr, XP: ttgl.constexpr, cd=None, sd=None, TS: ttgl.constexpr = 0,
-           WS: ttgl.constexpr = 0):
+           WS: ttgl.constexpr = 0, WSP: ttgl.constexpr = 0):
     """The kernel body; ``LR`` > 0 (the mma.sync builds only) adds the LoRA term (see _kernel's ``lora``);
     ``TS`` > 0 (mma.sync only): codes and scales by TMA (descriptors ``cd``, ``sd``) into ``TS`` shared buffers."""
     if WG:
@@ -559,8 +573,9 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
         mbarrier.init(ready.index(j), count=1)
         mbarrier.init(empty.index(j), count=1)
       hopper.fence_async_shared()
-      acc = ttgl.warp_specialize([(ws_compute, (x_ptr, x_offs, x_mask, c_smem, s_smem, ready, empty, STEPS, MB, DO)),
-                                  (ws_load, (cd, sd, c_smem, s_smem, ready, empty, kp0, s_row0, n0, STEPS))],
+      acc = ttgl.warp_specialize([(ws_compute, (x_ptr, x_offs, x_mask, c_smem, s_smem, ready, empty, STEPS, MB, DO,
+                                                WSP)),
+                                  (ws_load, (cd, sd, c_smem, s_smem, ready, empty, kp0, s_row0, n0, STEPS, WSP))],
                                  [1], [24])[0]
     elif TS > 0:  # codes and scales by TMA: NB shared buffers, one mbarrier each, refilled NB steps ahead
       NB: ttgl.constexpr = TS if TS < STEPS else STEPS
@@ -707,10 +722,11 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
   def w4a16_gemv_tma(cd, sd, x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                      K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
                      ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0,
-                     LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0, TS: ttgl.constexpr = 2, WS: ttgl.constexpr = 0):
+                     LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0, TS: ttgl.constexpr = 2, WS: ttgl.constexpr = 0,
+                     WSP: ttgl.constexpr = 0):
     ttgl.static_assert(TS > 0)
     gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, x_ptr, x_ptr, z_ptr, o_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS, WA,
-         DO, LH, LA, 0, 0.0, 0, cd, sd, TS, WS)
+         DO, LH, LA, 0, 0.0, 0, cd, sd, TS, WS, WSP)
 
   @gluon.jit
   def w4a16_gemv_lora_tma(cd, sd, x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr,
@@ -718,10 +734,10 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
                           STEPS: ttgl.constexpr, MB: ttgl.constexpr, ATOMIC: ttgl.constexpr, XS: ttgl.constexpr,
                           WA: ttgl.constexpr, DO: ttgl.constexpr = 0, LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0,
                           LR: ttgl.constexpr = 16, LS: ttgl.constexpr = 1.0, XP: ttgl.constexpr = 0,
-                          TS: ttgl.constexpr = 2, WS: ttgl.constexpr = 0):
+                          TS: ttgl.constexpr = 2, WS: ttgl.constexpr = 0, WSP: ttgl.constexpr = 0):
     ttgl.static_assert(LR % 16 == 0)
     gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS,
-         WA, DO, LH, LA, LR, LS, XP, cd, sd, TS, WS)
+         WA, DO, LH, LA, LR, LS, XP, cd, sd, TS, WS, WSP)
 
   if tma:
     return w4a16_gemv_lora_tma if lora else w4a16_gemv_tma
@@ -1135,16 +1151,20 @@ def _small_mma_sync(wg: bool, w8: bool, k: int, n: int) -> bool:
 def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> Build:
   """The :class:`Build` for ``x [m, k]`` times a ``[k, n]`` weight (of a stack of ``layers``), under
   the current settings (``NARROW_MIN_MB``, ``MMA_ATOMIC``, ``X_STAGES``, ``X_RING_MIN_MB``, ``WG_ASYNC``,
-  ``LOAD_HINTS``, ``LOAD_ASM``, ``MMA_WARPS``, ``SCALE_PAIRS``, ``TMA_STAGES``, ``SMALL_TARGET_PROGRAMS``,
-  :func:`atomic_split_k`); the
+  ``LOAD_HINTS``, ``LOAD_ASM``, ``MMA_WARPS``, ``SCALE_PAIRS``, ``TMA_STAGES``, ``WS_STAGES``,
+  ``SMALL_TARGET_PROGRAMS``, :func:`atomic_split_k`); the
   shape must be one :func:`applies` takes. ``decode_order``: the weight's codes are in
   :func:`qerl_jax.nvfp4.to_decode_order`'s order (the kernel's cheaper decode).
 
   Raises:
-    ValueError: ``MMA_WARPS`` or ``SCALE_PAIRS`` set to a value it does not take."""
+    ValueError: ``MMA_WARPS`` or ``SCALE_PAIRS`` set to a value it does not take, or ``WS_STAGES`` with
+      ``WS_MAX_REGISTERS`` under 64."""
   if MMA_WARPS not in (4, 8) or SCALE_PAIRS not in (0, 1, 2):
     raise ValueError(f"w4_gluon: MMA_WARPS={MMA_WARPS!r} (expected 4 or 8), SCALE_PAIRS={SCALE_PAIRS!r} (expected 0, 1 "
                      "or 2)")
+  if WS_STAGES and WS_MAX_REGISTERS < 64:
+    raise ValueError(f"w4_gluon: WS_MAX_REGISTERS={WS_MAX_REGISTERS!r} is under 64, where the warp-specialized build "
+                     "measured wrong results (session 30)")
   wg = _use_wgmma(m)
   narrow = wg and _row_block(m) >= NARROW_MIN_MB
   block_n = (128 if _row_block(m) == 128 else NARROW_BLOCK_N) if narrow else BLOCK_N
@@ -1161,10 +1181,13 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
   sbytes = bool(SCALE_BYTES) and not pairs
   if decode_order or pairs or sbytes:  # bit 0: the codes in nvfp4.to_decode_order's order (the cheaper decode);
     meta["DO"] = int(decode_order) | (2 if pairs else 0) | (4 if sbytes else 0)  # bit 1: pairs; bit 2: scale bytes
-  if (TMA_STAGES > 0 or WS_STAGES > 0) and not wg and not w8:  # codes and scales by TMA (no register loads to hint)
-    meta["TS"] = int(WS_STAGES or TMA_STAGES)
-    if WS_STAGES > 0:  # by a loader warp (the TMA entry's warp-specialized branch)
+  ws = WS_STAGES > 0 and (WS_SMALL or not small)
+  if (TMA_STAGES > 0 or ws) and not wg and not w8:  # codes and scales by TMA (no register loads to hint)
+    meta["TS"] = int(WS_STAGES if ws else TMA_STAGES)
+    if ws:  # by a loader warp (the TMA entry's warp-specialized branch)
       meta["WS"] = 1
+      if WS_PROBE:
+        meta["WSP"] = int(WS_PROBE)
     return Build(wg, narrow, block_n, splits, meta, w8)
   if LOAD_HINTS and _row_block(m) <= LOAD_HINTS_MAX_MB:
     meta["LH"] = LOAD_HINTS

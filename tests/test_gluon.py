@@ -554,6 +554,23 @@ def test_warp_specialized_build_lowers_for_cuda_without_a_gpu(monkeypatch):
   assert "setmaxnreg.dec.sync.aligned.u32 \\0924;" in text and "setmaxnreg.inc.sync.aligned.u32 \\09104;" in text
 
 
+def test_warp_specialized_settings_only_where_asked(monkeypatch):
+  """WS_SMALL 0 keeps the 7B q/k/v (a small matrix) on the register-load build while gate/up takes the loader warp;
+  WS_PROBE reaches the build as its constexpr; a register cap under 64 is refused by name."""
+  monkeypatch.setattr(w4_gluon, "WS_STAGES", 3)
+  monkeypatch.setattr(w4_gluon, "WS_SMALL", 0)
+  assert "WS" not in w4_gluon._build(8, 3584, 4608, 28).meta and "LA" in w4_gluon._build(8, 3584, 4608, 28).meta
+  big = w4_gluon._build(8, 3584, 37888, 28)
+  assert big.meta["WS"] == 1 and big.meta["TS"] == 3 and big.threads == 256 and "WSP" not in big.meta
+  monkeypatch.setattr(w4_gluon, "WS_PROBE", 2)
+  assert w4_gluon._build(8, 3584, 37888, 28).meta["WSP"] == 2
+  monkeypatch.setattr(w4_gluon, "WS_MAX_REGISTERS", 48)
+  with pytest.raises(ValueError, match="WS_MAX_REGISTERS=48"):
+    w4_gluon._build(8, 3584, 37888, 28)
+  monkeypatch.setattr(w4_gluon, "WS_STAGES", 0)
+  assert w4_gluon._build(8, 3584, 37888, 28).threads == 128  # off: the cap does not matter
+
+
 def test_decode_order_lowers_its_own_decode(monkeypatch):
   """A weight in nvfp4.to_decode_order's order lowers to a kernel with the decode-order PTX (its masks
   in the PTX, at M = 8 (mma.sync) and 64 (narrow wgmma)), another build than the standard order's."""
