@@ -166,6 +166,10 @@ SCALE_PAIRS = 2  # (session 26) where each block scale is paired into both bf16 
   # 7B shapes at M = 1-64; base decode step at 512 new tokens, batch 64 5.190 / 5.187 ms against 5.253, batch 32
   # 3.332 / 3.359 against 3.336 (with 2); at batch 8 2.094-2.099 against 2.081-2.098 and at batch 16 2.646-2.656
   # against 2.563 (with 1: the M = 16 build spills 8 registers instead of 6), hence 2
+SCALE_F16 = 0  # lab (session 30): 1 converts the block scales of the builds without SCALE_PAIRS or SCALE_BYTES (the
+  # mma.sync builds, M <= 16) by cvt to float16 and two integer operations a register (_SCALE_F16_ASM), instead of
+  # float16 -> float32, a float32 multiply and a pack to bf16: about 2 instead of 6 instructions a pair of scales, for
+  # a kernel that is bound by its compute warps (WS_PROBE)
 SCALE_BYTES = 0  # lab (session 28): 1 gives the decode's inline PTX the block scales of builds without SCALE_PAIRS as
   # raw E4M3 bytes, made into bf16 scale * 2**118 pairs by bit placement and two multiplies (_asm's scale_bytes)
   # instead of the kernel's float32 conversion. Offline sm_90 SASS: M = 8 the same 3256 instructions a thread (384 of the
@@ -313,6 +317,26 @@ def _asm(decode_order: bool = False, scale_pairs: bool = False, scale_bytes: boo
   return "\n".join(lines + ["}"])
 
 
+# SCALE_F16: four E4M3 block scales (one byte each, $2) -> four bf16 of scale * 2**118 ($0, $1). cvt gives each pair's
+# exact float16; its bits shifted right by 3 put float16's exponent on bf16's exponent bits and its 3 nonzero mantissa
+# bits (E4M3 has 3) on bf16's top three, and adding 230 to the exponent field (0x7300 a half) turns 2**(e - 15) into
+# 2**(e - 15 + 118) under bf16's bias of 127. Every positive E4M3 value (subnormals included) is a normal float16 with
+# exponent field 6..23, so the sum stays in 16 bits (no carry between halves) and is exact. Zero, negative and NaN
+# scales are outside it (zero gives 2**103), which the NVFP4 quantizer never writes (its block scales are positive).
+_SCALE_F16_ASM = "\n".join([
+    "{", ".reg .b16 lo, hi;", ".reg .b32 a, b;", "mov.b32 {lo, hi}, $2;",
+    "cvt.rn.f16x2.e4m3x2 a, lo;", "cvt.rn.f16x2.e4m3x2 b, hi;",
+    "shr.b32 a, a, 3;", "shr.b32 b, b, 3;", "add.u32 $0, a, 0x73007300;", "add.u32 $1, b, 0x73007300;", "}"])
+
+
+def scale_f16_bits(codes: np.ndarray) -> np.ndarray:
+  """:data:`_SCALE_F16_ASM`'s arithmetic on the host, for tests: E4M3 bytes (uint8, any shape) -> the bf16 bit
+  patterns (uint16) of ``scale * 2**118`` it produces (float16 bits >> 3, plus 0x7300)."""
+  import ml_dtypes
+  f16 = np.asarray(codes, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float16).view(np.uint16)
+  return ((f16.astype(np.uint32) >> 3) + 0x7300).astype(np.uint16)
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = False, tma: bool = False):
   """Builds the Gluon kernel (imports triton lazily: CPU installs need not have it).
@@ -346,6 +370,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
   asm_do = ttgl.constexpr(_asm(decode_order=True))  # codes in nvfp4.to_decode_order's order
   asm_sp = ttgl.constexpr(_asm(scale_pairs=True))  # DO bit 1 (SCALE_PAIRS): the scales paired once a block
   asm_do_sp = ttgl.constexpr(_asm(decode_order=True, scale_pairs=True))
+  scale_f16_asm = ttgl.constexpr(_SCALE_F16_ASM)
   asm_sb = ttgl.constexpr(_asm(scale_bytes=True))  # DO bit 2 (SCALE_BYTES): the scales as raw E4M3 bytes
   asm_do_sb = ttgl.constexpr(_asm(decode_order=True, scale_bytes=True))
   # codes [32 rows, 256 columns]: registers n0 n1 n2 kp0 kp1 kp4; lanes kp2 kp3 n3 n4 n5; warps n6 n7.
@@ -472,15 +497,20 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
     return (acc,)  # (warp_specialize takes the default partition's results as a tuple)
 
   @gluon.jit
-  def decode(c, s, DO: ttgl.constexpr):
+  def decode(c, s, DO_ALL: ttgl.constexpr):
     """codes [32, 256] and block scales [4, 256] of one step -> the weight operand [256 rows, 64 k]
-    (``DO`` bit 0: the codes in decode order; bit 1: :data:`SCALE_PAIRS`; bit 2: :data:`SCALE_BYTES`)."""
+    (``DO_ALL`` bit 0: the codes in decode order; bit 1: :data:`SCALE_PAIRS`; bit 2: :data:`SCALE_BYTES`; bit 3:
+    :data:`SCALE_F16`)."""
+    DO: ttgl.constexpr = DO_ALL % 8
     pairs: ttgl.constexpr = DO == 2 or DO == 3
     sbytes: ttgl.constexpr = DO == 4 or DO == 5
     c_a, c_b = ttgl.split(ttgl.permute(ttgl.reshape(c, [16, 2, BN]), [0, 2, 1]))  # rows 2j, 2j+1
     c_a4 = ttgl.reshape(c_a, [4, 4, BN])
     if sbytes:  # raw E4M3 bytes: the asm converts them
       s = s.to(ttgl.uint8, bitcast=True)
+    elif DO_ALL >= 8:  # SCALE_F16: E4M3 -> float16 (exact), then bf16 * 2**118 by bit placement (_SCALE_F16_ASM)
+      s = ttgl.inline_asm_elementwise(scale_f16_asm, "=r,=r,r", [s.to(ttgl.uint8, bitcast=True)],
+                                      dtype=ttgl.bfloat16, is_pure=True, pack=4)
     else:
       s = s.to(ttgl.float32) * 3.3230699894622896e+35  # times 2**118
       if pairs:  # in both bf16 halves of a register, once a block
@@ -1179,8 +1209,10 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
               XS=xs, WA=int(bool(WG_ASYNC) and xs >= 3))
   pairs = SCALE_PAIRS == 1 or (SCALE_PAIRS == 2 and wg)
   sbytes = bool(SCALE_BYTES) and not pairs
-  if decode_order or pairs or sbytes:  # bit 0: the codes in nvfp4.to_decode_order's order (the cheaper decode);
-    meta["DO"] = int(decode_order) | (2 if pairs else 0) | (4 if sbytes else 0)  # bit 1: pairs; bit 2: scale bytes
+  sf16 = bool(SCALE_F16) and not pairs and not sbytes
+  if decode_order or pairs or sbytes or sf16:  # bit 0: the codes in nvfp4.to_decode_order's order (the cheaper decode);
+    meta["DO"] = (int(decode_order) | (2 if pairs else 0) | (4 if sbytes else 0)  # bit 1: pairs; bit 2: scale bytes;
+                  | (8 if sf16 else 0))  # bit 3: SCALE_F16
   ws = WS_STAGES > 0 and (WS_SMALL or not small)
   if (TMA_STAGES > 0 or ws) and not wg and not w8:  # codes and scales by TMA (no register loads to hint)
     meta["TS"] = int(WS_STAGES if ws else TMA_STAGES)

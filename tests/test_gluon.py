@@ -10,6 +10,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -278,6 +279,36 @@ def test_gpu_gluon_scale_bytes_match_float64(m, k, n, code_order, monkeypatch):
   monkeypatch.setattr(w4_gluon, "SCALE_BYTES", 1)
   assert w4_gluon._build(m, k, n, 2, code_order == "decode").meta["DO"] == 4 + (code_order == "decode")
   _check_stack_layer_against_float64(m, k, n, m + 3 * k, 5 * m + n, code_order == "decode")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("code_order", ["standard", "decode"])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("k,n", [(3584, 4608), (18944, 3584), (1088, 768)])
+def test_gpu_gluon_scale_f16_matches_float64(m, k, n, code_order, monkeypatch):
+  """SCALE_F16 = 1 (lab): the mma.sync builds convert block scales through float16 bits (_SCALE_F16_ASM), both code
+  orders, ragged M, a stack read at layer 1, against float64; and a weight whose blocks take every positive finite
+  E4M3 scale (0x01-0x7e, subnormals included) in shuffled order, so a misplaced scale or byte shows."""
+  monkeypatch.setattr(w4_gluon, "SCALE_F16", 1)
+  assert w4_gluon._build(m, k, n, 2, code_order == "decode").meta["DO"] == 8 + (code_order == "decode")
+  _check_stack_layer_against_float64(m, k, n, m + 9 * k, 7 * m + n, code_order == "decode")
+  rng = np.random.default_rng(m + k + n)
+  scales = (rng.permutation((k // 16) * n) % 126 + 1).astype(np.uint8).reshape(k // 16, n)
+  wq = nvfp4.NVFP4Tensor(jnp.asarray(rng.integers(0, 256, (k // 2, n), dtype=np.uint8)),
+                         jnp.asarray(scales.view(ml_dtypes.float8_e4m3fn)), jnp.float32(0.75), (k, n))
+  x = _act(m, k, n + 1)
+  y = w4_gluon.forward(x, nvfp4.to_decode_order(wq) if code_order == "decode" else wq, out_dtype=jnp.float32)
+  assert bool(jnp.isfinite(y).all()) and _rel(y, np.asarray(x, np.float64) @ _dense64(wq)) < 1e-4
+
+
+def test_scale_f16_bits_are_the_scale_times_2_to_118():
+  """SCALE_F16's bit arithmetic (float16 bits >> 3, + 0x7300) gives bf16 ``scale * 2**118`` exactly for every
+  positive finite E4M3 byte, subnormals included (0x01-0x07 are 2**-9 .. 7 * 2**-9; 0x7e is 448)."""
+  codes = np.arange(1, 127, dtype=np.uint8)
+  got = w4_gluon.scale_f16_bits(codes).view(ml_dtypes.bfloat16).astype(np.float64)
+  want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * 2.0 ** 118
+  np.testing.assert_array_equal(got, want)
+  assert want[0] == 2.0 ** (118 - 9) and want[-1] == 448 * 2.0 ** 118
 
 
 @pytest.mark.gpu
