@@ -501,14 +501,15 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
     """codes [32, 256] and block scales [4, 256] of one step -> the weight operand [256 rows, 64 k]
     (``DO_ALL`` bit 0: the codes in decode order; bit 1: :data:`SCALE_PAIRS`; bit 2: :data:`SCALE_BYTES`; bit 3:
     :data:`SCALE_F16`)."""
-    DO: ttgl.constexpr = DO_ALL % 8
+    DO: ttgl.constexpr = (DO_ALL or 0) % 8  # (an entry's DO left out of the constexprs arrives as None)
+    SF: ttgl.constexpr = (DO_ALL or 0) >= 8
     pairs: ttgl.constexpr = DO == 2 or DO == 3
     sbytes: ttgl.constexpr = DO == 4 or DO == 5
     c_a, c_b = ttgl.split(ttgl.permute(ttgl.reshape(c, [16, 2, BN]), [0, 2, 1]))  # rows 2j, 2j+1
     c_a4 = ttgl.reshape(c_a, [4, 4, BN])
     if sbytes:  # raw E4M3 bytes: the asm converts them
       s = s.to(ttgl.uint8, bitcast=True)
-    elif DO_ALL >= 8:  # SCALE_F16: E4M3 -> float16 (exact), then bf16 * 2**118 by bit placement (_SCALE_F16_ASM)
+    elif SF:  # SCALE_F16: E4M3 -> float16 (exact), then bf16 * 2**118 by bit placement (_SCALE_F16_ASM)
       s = ttgl.inline_asm_elementwise(scale_f16_asm, "=r,=r,r", [s.to(ttgl.uint8, bitcast=True)],
                                       dtype=ttgl.bfloat16, is_pure=True, pack=4)
     else:
