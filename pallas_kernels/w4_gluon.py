@@ -478,6 +478,14 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
                  s_row0 + i * 4, n0)
 
   @gluon.jit
+  def ring_step(x_ptr, x_offs, x_mask, bar, c_buf, s_buf, nxt, phase):
+    """A step of a shared-memory ring (TMA_STAGES, WS_STAGES): step ``nxt``'s x loaded ahead, the wait on ``bar``
+    (parity ``phase``), then the step's codes and block scales read from ``c_buf``, ``s_buf``."""
+    x1 = ttgl.load(x_ptr + x_offs + nxt * 64, mask=x_mask, other=0.0)
+    mbarrier.wait(bar, phase)
+    return x1, c_buf.load(code_layout), s_buf.load(ttgl.SliceLayout(1, group_layout))
+
+  @gluon.jit
   def ws_compute(x_ptr, x_offs, x_mask, c_smem, s_smem, ready, empty, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
                  DO: ttgl.constexpr, WSP: ttgl.constexpr):
     """WS_STAGES' compute warps: each step waits for its buffer, reads it to registers, releases it to the loader,
@@ -487,10 +495,8 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
     xl: ttgl.constexpr = ttgl.DotOperandLayout(1, mma_sync, 8)
     x0 = ttgl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
     for i in ttgl.static_range(STEPS):
-      x1 = ttgl.load(x_ptr + x_offs + min(i + 1, STEPS - 1) * 64, mask=x_mask, other=0.0)
-      mbarrier.wait(ready.index(i % NB), (i // NB) & 1)
-      c0 = c_smem.index(i % NB).load(code_layout)
-      s0 = s_smem.index(i % NB).load(ttgl.SliceLayout(1, group_layout))
+      x1, c0, s0 = ring_step(x_ptr, x_offs, x_mask, ready.index(i % NB), c_smem.index(i % NB), s_smem.index(i % NB),
+                             min(i + 1, STEPS - 1), (i // NB) & 1)
       if i + NB < STEPS:  # the loader refills this buffer with step i + NB (no proxy fence: the arrive orders the
         mbarrier.arrive(empty.index(i % NB), count=1)  # reads, as CUTLASS's TMA pipelines release their buffers)
       if WSP != 2:
@@ -624,10 +630,8 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
       ttgl.thread_barrier()  # every thread sees the initialised barriers before it waits on one
       x0 = ttgl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
       for i in ttgl.static_range(STEPS):
-        x1 = ttgl.load(x_ptr + x_offs + min(i + 1, STEPS - 1) * 64, mask=x_mask, other=0.0)
-        mbarrier.wait(bars.index(i % NB), (i // NB) & 1)
-        c0 = c_smem.index(i % NB).load(code_layout)
-        s0 = s_smem.index(i % NB).load(ttgl.SliceLayout(1, group_layout))
+        x1, c0, s0 = ring_step(x_ptr, x_offs, x_mask, bars.index(i % NB), c_smem.index(i % NB), s_smem.index(i % NB),
+                               min(i + 1, STEPS - 1), (i // NB) & 1)
         if i + NB < STEPS:  # everyone has read buffer i % NB: refill it with step i + NB
           ttgl.thread_barrier()
           hopper.fence_async_shared()
