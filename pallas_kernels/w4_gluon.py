@@ -419,6 +419,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
   o_n2 = ttgl.constexpr(1 if wg or w8 else 0)  # the inverse, rows -> [n7 .. n0]: [2, 3, 5, 6, 7, o_n2, 1 - o_n2, 4, 8]
   WARPS = ttgl.constexpr(_warps(wg, narrow_n, w8))
   WG = ttgl.constexpr(wg)
+  # the mma.sync accumulator layout: the M <= 16 builds', and every build's LoRA product
   mma_sync = ttgl.constexpr(ttgl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, 8]))
 
@@ -585,7 +586,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
       xs_layout: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([64, MB], ttgl.bfloat16, transposed=True)
       x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [XS if XS > 2 else 2, 64, MB], xs_layout)
     else:
-      mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+      mma: ttgl.constexpr = mma_sync
       a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 8)
       xl: ttgl.constexpr = ttgl.DotOperandLayout(1, mma, 8)
     pid_n = ttgl.program_id(0)
@@ -721,11 +722,9 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
           xat = ttgl.load(xa_ptr + ttgl.expand_dims(am, 0) * LR + ttgl.expand_dims(ar + r0, 1),
                           mask=ttgl.expand_dims(am < M, 0) & ttgl.expand_dims(ar >= 0, 1), other=0.0)
         # mma.sync for this small product in every build (the wgmma builds' own layout is wgmma's)
-        lmma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
-                                                           instr_shape=[16, 8])
-        lacc = mma_v2(ttgl.convert_layout(bt, ttgl.DotOperandLayout(0, lmma, 2)),
-                      ttgl.convert_layout(xat, ttgl.DotOperandLayout(1, lmma, 2)),
-                      ttgl.zeros([BN, MB], ttgl.float32, layout=lmma))
+        lacc = mma_v2(ttgl.convert_layout(bt, ttgl.DotOperandLayout(0, mma_sync, 2)),
+                      ttgl.convert_layout(xat, ttgl.DotOperandLayout(1, mma_sync, 2)),
+                      ttgl.zeros([BN, MB], ttgl.float32, layout=mma_sync))
         acc = acc + ttgl.convert_layout(lacc, st) * LS
     no = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, st))
     mo = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, st))
