@@ -201,6 +201,10 @@ WS_PROBE = 0  # lab probe of the WS_STAGES builds (wrong results; experiments/la
   # copy split 0's first two steps over and over (an L2-resident stream: what the compute warps take alone), 2 has
   # the compute warps take each buffer and release it without decoding or multiplying (what the loader takes alone)
 TMA_L2_PROMOTION = 2  # the descriptors' L2 promotion (CUtensorMapL2promotion: 0 none, 1 64 B, 2 128 B, 3 256 B)
+L2_PROBE = 0  # lab probe (session 31; wrong results, experiments/lab/gluon/l2_probe.py only): 1 has every split of a
+# column tile read split 0's codes and scales, so the weight stream is L2-resident and the time is the kernel's
+# without HBM (the register-load builds, M <= 128; the TMA and loader-warp builds have WS_PROBE). Measured: 0.87-0.94
+# of the time from HBM at the 7B shapes, M = 1-64: the kernel is bound inside its programs
 MMA_ATOMIC = True  # split-K by atomics in the mma.sync builds (M <= 16) too: 1-4% faster at M = 1-16 than
                    # float32 partials (docs/benchmarks.md, session 9); False stores partials as before
 
@@ -573,7 +577,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
            K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr, ATOMIC: ttgl.constexpr,
            XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr, LH: ttgl.constexpr, LA: ttgl.constexpr,
            LR: ttgl.constexpr, LS: ttgl.constexpr, XP: ttgl.constexpr, cd=None, sd=None, TS: ttgl.constexpr = 0,
-           WS: ttgl.constexpr = 0, WSP: ttgl.constexpr = 0):
+           WS: ttgl.constexpr = 0, WSP: ttgl.constexpr = 0, LP: ttgl.constexpr = 0):
     """The kernel body; ``LR`` > 0 (the mma.sync builds only) adds the LoRA term (see _kernel's ``lora``);
     ``TS`` > 0 (mma.sync only): codes and scales by TMA (descriptors ``cd``, ``sd``) into ``TS`` shared buffers."""
     if WG:
@@ -594,8 +598,11 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
     layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
     gs = ttgl.load(gs_ptr + layer)
     n0 = pid_n * BN
-    kp0 = pid_s * (STEPS * 32) + layer * (K // 2)  # first code row of this split (layers folded)
-    s_row0 = pid_s * (STEPS * 4) + layer * (K // 16)
+    pid_w = pid_s
+    if LP:  # (L2_PROBE: every split reads split 0's weight rows, an L2-resident stream)
+      pid_w = 0
+    kp0 = pid_w * (STEPS * 32) + layer * (K // 2)  # first code row of this split (layers folded)
+    s_row0 = pid_w * (STEPS * 4) + layer * (K // 16)
     kp = ttgl.arange(0, 32, layout=ttgl.SliceLayout(1, code_layout))
     nn = ttgl.arange(0, BN, layout=ttgl.SliceLayout(0, code_layout))
     c_offs = ttgl.expand_dims(kp + kp0, 1) * N + ttgl.expand_dims(nn, 0) + n0
@@ -740,10 +747,10 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
   def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                  K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
                  ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0,
-                 LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0):
+                 LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0, LP: ttgl.constexpr = 0):
     ttgl.static_assert(M > 0)  # (names ttgl in the body, so that the annotations resolve)
     gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, x_ptr, x_ptr, z_ptr, o_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS, WA,
-         DO, LH, LA, 0, 0.0, 0)
+         DO, LH, LA, 0, 0.0, 0, LP=LP)
 
   @gluon.jit
   def w4a16_gemv_lora(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M: ttgl.constexpr,
@@ -1228,6 +1235,8 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
       if WS_PROBE:
         meta["WSP"] = int(WS_PROBE)
     return Build(wg, narrow, block_n, splits, meta, w8)
+  if L2_PROBE:  # (lab probe: wrong results)
+    meta["LP"] = 1
   if LOAD_HINTS and _row_block(m) <= LOAD_HINTS_MAX_MB:
     meta["LH"] = LOAD_HINTS
   if LOAD_ASM and small:  # (its loads take 8 bytes a thread and row)

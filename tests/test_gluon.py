@@ -602,6 +602,33 @@ def test_warp_specialized_settings_only_where_asked(monkeypatch):
   assert w4_gluon._build(8, 3584, 37888, 28).threads == 128  # off: the cap does not matter
 
 
+def test_l2_probe_only_where_asked(monkeypatch):
+  """L2_PROBE (lab probe): the register-load builds (mma.sync and wgmma) take it as their constexpr LP; off, no build
+  has it (so their PTX is the library's)."""
+  assert all("LP" not in w4_gluon._build(m, 3584, 18944, 28).meta for m in (1, 8, 64))
+  monkeypatch.setattr(w4_gluon, "L2_PROBE", 1)
+  assert all(w4_gluon._build(m, 3584, 18944, 28).meta["LP"] == 1 for m in (1, 8, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [8, 64])
+def test_gpu_l2_probe_reads_split_0_rows_in_every_split(m, monkeypatch):
+  """L2_PROBE = 1 computes, for every split s of K, x[:, split s] @ W[split 0's rows] (so that its stream is
+  L2-resident): checked against that product in float64, which differs from x @ W."""
+  if m > 16:
+    _skip_without_wgmma()
+  k, n = 3584, 4608
+  monkeypatch.setattr(w4_gluon, "L2_PROBE", 1)
+  build = w4_gluon._build(m, k, n, 1)
+  steps = build.meta["STEPS"] * w4_gluon.BLOCK_K
+  wq = _weight(k, n, 7)
+  x = _act(m, k, 8)
+  y = w4_gluon.forward(x, wq, out_dtype=jnp.float32)
+  w64, x64 = _dense64(wq), np.asarray(x, np.float64)
+  want = sum(x64[:, s * steps:(s + 1) * steps] @ w64[:steps] for s in range(build.splits))
+  assert build.splits > 1 and _rel(y, want) < 1e-4 and _rel(y, x64 @ w64) > 0.1
+
+
 def test_decode_order_lowers_its_own_decode(monkeypatch):
   """A weight in nvfp4.to_decode_order's order lowers to a kernel with the decode-order PTX (its masks
   in the PTX, at M = 8 (mma.sync) and 64 (narrow wgmma)), another build than the standard order's."""
