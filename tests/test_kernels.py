@@ -342,6 +342,25 @@ def test_unrolled_and_prefetching_loops_match_float64(unroll, prefetch, splits):
   assert _rel(y, np.asarray(x, np.float64) @ _dense64(wq)) < 1e-4
 
 
+def test_large_m_gemm_writes_bf16_itself():
+  """The large-M path (dequantize, then XLA's GEMM) asks the GEMM for a bf16 result when the output is bf16 (cuBLAS
+  accumulates in float32 and rounds once; no float32 [M, N] and conversion pass), forward and dx; a float32 output
+  and interpret mode keep the float32 product."""
+  from pallas_kernels import matmul
+  wq = jax.eval_shape(lambda: nvfp4.quantize(jnp.ones((256, 192), jnp.float32)))
+  x, dy = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16), jax.ShapeDtypeStruct((128, 192), jnp.bfloat16)
+
+  def dots(fn, *args):
+    eqns = jax.make_jaxpr(fn)(*args).jaxpr.eqns
+    return [str(e.params["preferred_element_type"]) for e in eqns if e.primitive.name == "dot_general"]
+
+  assert dots(lambda x, w: matmul.kernel_forward(x, w), x, wq) == ["bfloat16"]
+  assert dots(lambda d, w: matmul.kernel_dx(d, w), dy, wq) == ["bfloat16"]
+  assert dots(lambda x, w: matmul.kernel_forward(x, w, out_dtype=jnp.float32), x, wq) == ["float32"]
+  assert dots(lambda x, w: matmul.kernel_forward(x, w, interpret=True), x, wq) == ["float32"]
+  assert dots(lambda d, w: matmul.kernel_dx(d, w, interpret=True), dy, wq) == ["float32"]
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
