@@ -723,6 +723,9 @@ def _dequant_kernel(p_ref, s_ref, gs_ref, idx_ref, o_ref, *, k, n, bkp, bn, fmt:
 
 # (block_k2, block_n, num_warps) of the dequantize kernel, tuned on an H200.
 DEQUANT_CONFIG = (32, 256, 4)
+# the same for codes in decode order, read in place (experiments/lab/dequant_sweep.py, session 31: 52.1 µs at the 7B
+# gate matrix and 108.9 at the 32B down against 56-59 and 117-123 with DEQUANT_CONFIG; bit-exact, 18 configs)
+DEQUANT_DECODE_ORDER_CONFIG = (16, 256, 8)
 
 
 _STANDARD_OF_DECODE = np.argsort(nvfp4.DECODE_ORDER_BITS)  # decode-order block word bit -> standard bit
@@ -788,7 +791,8 @@ def dequantize(w, dtype=jnp.bfloat16, *, block_k2: int | None = None, block_n: i
     w: NVFP4Tensor or NF4Tensor ``[K, N]`` without leading dims.
     dtype: output dtype (bf16 or float32).
     block_k2: packed rows (K/2) per program; a power of 2 and a multiple of
-      group/2 (default from :data:`DEQUANT_CONFIG`).
+      group/2 (default from :data:`DEQUANT_CONFIG`, or :data:`DEQUANT_DECODE_ORDER_CONFIG` for codes in
+      decode order read in place).
     block_n: columns per program (power of 2).
     num_warps: Triton launch parameter.
     interpret: Pallas interpret mode (CPU tests).
@@ -802,9 +806,11 @@ def dequantize(w, dtype=jnp.bfloat16, *, block_k2: int | None = None, block_n: i
   fmt = _format_of(w)
   _check_stacking(w, index, "dequantize kernel")
   k, n = w.shape
-  block_k2 = block_k2 or DEQUANT_CONFIG[0]
-  block_n = block_n or DEQUANT_CONFIG[1]
-  num_warps = num_warps or DEQUANT_CONFIG[2]
+  in_place = getattr(w, "code_order", "standard") == "decode" and DEQUANT_DECODE_ORDER_IN_PLACE
+  config = DEQUANT_DECODE_ORDER_CONFIG if in_place else DEQUANT_CONFIG
+  block_k2 = block_k2 or config[0]
+  block_n = block_n or config[1]
+  num_warps = num_warps or config[2]
   bkp = max(block_k2, fmt.group // 2)
   if getattr(w, "code_order", "standard") == "decode":
     if DEQUANT_DECODE_ORDER_IN_PLACE:  # read in place, no conversion pass
