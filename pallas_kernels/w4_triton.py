@@ -812,9 +812,9 @@ def dequantize(w, dtype=jnp.bfloat16, *, block_k2: int | None = None, block_n: i
   block_n = block_n or config[1]
   num_warps = num_warps or config[2]
   bkp = max(block_k2, fmt.group // 2)
+  if in_place:  # read in place, no conversion pass
+    return _dequantize_decode_order(w, dtype, max(bkp, 16), block_n, num_warps, interpret, index)
   if getattr(w, "code_order", "standard") == "decode":
-    if DEQUANT_DECODE_ORDER_IN_PLACE:  # read in place, no conversion pass
-      return _dequantize_decode_order(w, dtype, max(bkp, 16), block_n, num_warps, interpret, index)
     w, index = _standard_codes(w, index)
   kernel = functools.partial(_dequant_kernel, k=k, n=n, bkp=bkp, bn=block_n, fmt=fmt)
   out = _call(kernel, (-(-(k // 2) // bkp), -(-n // block_n)), jax.ShapeDtypeStruct((k // 2, 2, n), dtype),
