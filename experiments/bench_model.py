@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
 from qerl_jax import models
+from qerl_jax.models import layers
 
 flags.DEFINE_string("config", None, "a Hugging Face config.json", required=True)
 flags.DEFINE_integer("layers", 4, "layers to keep (times scale ~linearly with L)")
@@ -21,6 +23,8 @@ flags.DEFINE_integer("prompt", 256, "prompt tokens")
 flags.DEFINE_integer("length", 1024, "tokens per sequence for the log-prob gradient")
 flags.DEFINE_string("quant", "nvfp4", "nvfp4 | nf4 | none")
 flags.DEFINE_integer("rank", 32, "LoRA rank (all 7 linears)")
+flags.DEFINE_bool("fuse", True, "q/k/v and gate/up as one matrix each (models.fuse_projections), as the trainer's "
+                  "default model.fuse_projections; 4-bit codes in the order model.code_order='auto' picks")
 F = flags.FLAGS
 
 
@@ -40,7 +44,12 @@ def main(argv):
   hf_cfg["num_hidden_layers"] = F.layers
   cfg = models.ModelConfig.from_hf(hf_cfg, dtype="bfloat16")
   key = jax.random.key(0)
-  base = models.quantize_base(models.init_params(cfg, key), F.quant)
+  base = models.init_params(cfg, key)
+  if F.fuse:
+    base = models.fuse_projections(base)
+  base = models.quantize_base(base, F.quant)
+  if F.quant == "nvfp4" and pallas_kernels.resolve_code_order("auto") == "decode":
+    base = models.to_decode_order(base)
   shapes = cfg.linear_shapes()
   lora = {"layers": {"attn": {}, "mlp": {}}}
   for (g, n), (k, nn) in shapes.items():
@@ -77,8 +86,9 @@ def main(argv):
           ("logprob grad", B * T, _time(grad, base, lora, n=2))]
   dev = jax.devices()[0]
   stats = dev.memory_stats() or {}
-  print(f"\n{cfg.architecture} D={cfg.hidden_size} L={cfg.num_layers} quant={F.quant} rank={F.rank} "
-        f"on {dev.device_kind}; peak device memory {stats.get('peak_bytes_in_use', 0) / 2**30:.1f} GiB")
+  print(f"\n{cfg.architecture} D={cfg.hidden_size} L={cfg.num_layers} quant={F.quant} rank={F.rank} fuse={F.fuse} "
+        f"BF16_EPILOGUE={layers.BF16_EPILOGUE} on {dev.device_kind}; "
+        f"peak device memory {stats.get('peak_bytes_in_use', 0) / 2**30:.1f} GiB")
   print(f"{'op':>13} | {'tokens':>7} | {'ms':>9} | {'ms / layer':>10}")
   for name, ntok, ms in rows:
     print(f"{name:>13} | {ntok:7d} | {ms:9.2f} | {ms / cfg.num_layers:10.2f}")

@@ -100,6 +100,25 @@ def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False
   return (y + _lora_delta(*lora, index=index)).astype(out_dtype)
 
 
+def dense_path_applies(x: jax.Array, w, index=None) -> bool:
+  """Whether :func:`quantized_matmul` (``backend="auto"``) multiplies ``x [..., K]`` by ``w`` (with ``index``) on
+  the large-M path of :func:`kernel_forward`: the weight dequantized by a Pallas kernel, then one cuBLAS GEMM.
+  That holds on a GPU for bf16 ``x``, a 4-bit ``w`` the kernels take, and more rows (the product of ``x``'s
+  leading dims) than the fused kernel's ``FUSED_MAX_M["fwd"]``, where the Gluon decode GEMV does not apply
+  (it takes up to 128 rows). There a bf16 result is the GEMM's own output, so a caller can add its
+  bf16 ``[M, N]`` terms to it in the GEMM's epilogue (:func:`qerl_jax.models.layers.linear`). Shapes only
+  are read (``x`` may be a ``jax.ShapeDtypeStruct``).
+
+  Raises:
+    ValueError: ``GLUON`` not "auto"/"1"/"0" or ``GLUON_LORA`` not "1"/"0".
+  """
+  if not (_on_gpu() and _kernel_applies(x, w, index)):
+    return False
+  rows = int(np.prod(x.shape[:-1]))
+  x2d = jax.ShapeDtypeStruct((rows, x.shape[-1]), x.dtype)
+  return rows > FUSED_MAX_M["fwd"] and not _use_gluon(x2d, w, False, None)
+
+
 def _layer_b(b, index):
   """``b`` ``[R, N]`` as given, or layer ``index`` (clamped) of a stack ``[L, R, N]``."""
   return b if b.ndim == 2 else w4_triton.layer_slice(b, index)

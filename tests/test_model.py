@@ -470,3 +470,184 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
   assert xa_calls == ([(cfg.num_layers, cfg.hidden_size, 2 * r), (cfg.num_layers, cfg.q_dim, r),
                        (cfg.num_layers, cfg.hidden_size, r), (cfg.num_layers, cfg.intermediate_size, r)]
                       if in_kernel == "xa" else [])
+
+
+# ------------------------------------------------------ the large-M bf16 route (layers.BF16_EPILOGUE) ---
+
+def _bf16_dots(fn, *args) -> int:
+  """How many dot_general equations of ``fn``'s jaxpr (nested ones included: they print inline) ask for a bf16
+  result (the only primitive here with that parameter)."""
+  text = str(jax.make_jaxpr(fn)(*args))
+  return text.count("preferred_element_type=bfloat16")
+
+
+@pytest.fixture
+def dense_route(monkeypatch):
+  """As on a GPU's large-M path: pallas_kernels.matmul.dense_path_applies holds for every 4-bit weight (on CPU the
+  4-bit product is then the XLA reference's, rounded to bf16), so the bf16 route of layers.linear runs."""
+  from pallas_kernels import matmul
+  monkeypatch.setattr(matmul, "dense_path_applies", lambda x, w, index=None: True)
+
+
+def _rel(got, ref):
+  got = np.asarray(got, np.float64)
+  return np.linalg.norm(got - ref) / np.linalg.norm(ref)
+
+
+def test_bf16_route_linear_matches_float64(dense_route, monkeypatch):
+  """linear's bf16 route (4-bit product, bias and LoRA delta in the GEMM's bf16 epilogue) against float64 on the
+  dequantized weight: every term counts (each one's contribution is far above the tolerance)."""
+  from qerl_jax.models import layers
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(4, 24, 64)), jnp.bfloat16)
+  q = nvfp4.quantize(jnp.asarray(rng.normal(size=(64, 48)), jnp.float32))
+  bias = jnp.asarray(rng.normal(size=(48,)), jnp.bfloat16)
+  lora = {"a": jnp.asarray(0.3 * rng.normal(size=(64, 4)), jnp.float32),
+          "b": jnp.asarray(rng.normal(size=(4, 48)), jnp.float32)}
+  x64, w64 = np.asarray(x, np.float64), np.asarray(nvfp4.dequantize(q), np.float64)
+  base = x64 @ w64
+  ref = base + np.asarray(bias, np.float64) + 2.0 * (x64 @ np.asarray(lora["a"], np.float64)) @ np.asarray(
+      lora["b"], np.float64)
+  for term in (base, ref - base):
+    assert np.linalg.norm(term) > 0.2 * np.linalg.norm(ref)
+  f = jax.jit(lambda x: layers.linear(x, q, bias=bias, lora=lora, lora_scale=2.0))
+  y = f(x)
+  assert y.dtype == jnp.bfloat16 and y.shape == (4, 24, 48)
+  assert np.isfinite(np.asarray(y, np.float32)).all()
+  assert _rel(y, ref) < 1e-2  # bf16 rounding (2^-8 relative at most) of x @ A, the delta and the sum
+  assert _bf16_dots(f, x) == 1  # the delta's GEMM writes bf16
+  monkeypatch.setattr(layers, "BF16_EPILOGUE", False)
+  g = jax.jit(lambda x: layers.linear(x, q, bias=bias, lora=lora, lora_scale=2.0))
+  assert _bf16_dots(g, x) == 0 and _rel(g(x), ref) < 1e-2
+  # no adapter: the product with its bias only
+  y0 = layers.linear(x, q, bias=bias)
+  assert _rel(y0, base + np.asarray(bias, np.float64)) < 1e-2
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_bf16_route_fused_linear_matches_float64(dense_route, fused):
+  """fused_linear's bf16 route: per-part adapters (one part without) side by side, or one fused adapter, and the
+  fused bias, each part against float64."""
+  from qerl_jax.models import layers
+  rng = np.random.default_rng(4)
+  sizes = (32, 16, 16)
+  x = jnp.asarray(rng.normal(size=(80, 64)), jnp.bfloat16)
+  w = rng.normal(size=(64, 64))
+  q = nvfp4.quantize(jnp.asarray(w, jnp.float32))
+  bias = jnp.asarray(rng.normal(size=(64,)), jnp.bfloat16)
+  x64 = np.asarray(x, np.float64)
+  ref = x64 @ np.asarray(nvfp4.dequantize(q), np.float64) + np.asarray(bias, np.float64)
+  if fused:
+    ab = {"a": jnp.asarray(0.3 * rng.normal(size=(64, 6)), jnp.float32),
+          "b": jnp.asarray(rng.normal(size=(6, 64)), jnp.float32)}
+    ref = ref + 0.5 * (x64 @ np.asarray(ab["a"], np.float64)) @ np.asarray(ab["b"], np.float64)
+    kw = {"lora": ab}
+  else:
+    loras = []
+    for size in sizes:
+      loras.append({"a": jnp.asarray(0.3 * rng.normal(size=(64, 4)), jnp.float32),
+                    "b": jnp.asarray(rng.normal(size=(4, size)), jnp.float32)})
+    loras[1] = None
+    deltas = [np.zeros((80, s)) if l is None else
+              0.5 * (x64 @ np.asarray(l["a"], np.float64)) @ np.asarray(l["b"], np.float64)
+              for l, s in zip(loras, sizes)]
+    ref = ref + np.concatenate(deltas, axis=1)
+    kw = {"loras": tuple(loras)}
+  parts = layers.fused_linear(x, q, sizes, bias=bias, lora_scale=0.5, **kw)
+  start = 0
+  for part, size in zip(parts, sizes):
+    assert part.shape == (80, size) and part.dtype == jnp.bfloat16
+    assert _rel(part, ref[:, start:start + size]) < 1e-2
+    start += size
+  with pytest.raises(ValueError, match="add up to 48"):
+    layers.fused_linear(x, q, (16, 16, 16), bias=bias, lora_scale=0.5, **kw)
+  if not fused:
+    with pytest.raises(ValueError, match="part 2's adapter b has 16 columns, the part 8"):
+      layers.fused_linear(x, q, (32, 24, 8), bias=bias, lora_scale=0.5, **kw)
+
+
+def test_bf16_route_model_forward_and_lora_gradient(dense_route, monkeypatch):
+  """The whole NVFP4 model (bf16, per-part adapters, q/k/v bias) through the bf16 route: its log-probs and the
+  adapter's gradient are as close to the float32 model's on the dequantized weights as the float32 route's are."""
+  from qerl_jax import lora as L
+  from qerl_jax.models import layers
+  cfg = models.ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=16, tie_word_embeddings=False, attention_bias=True)
+  base = models.quantize_base(models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16, std=0.1), "nvfp4")
+  c = L.LoRAConfig(r=4, lora_alpha=8)
+  adapter = L.init_lora(jax.random.key(1), cfg, c, base)
+  adapter = jax.tree.map(lambda t: t + 0.05 * jax.random.normal(jax.random.key(2), t.shape, t.dtype), adapter)
+  tokens = jax.random.randint(jax.random.key(3), (3, 24), 0, 96, jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (3, 24))
+
+  def run(cfg, base):
+    def loss(ad):
+      lp, _ = models.token_logprobs(cfg, base, tokens, pos, lora=ad, lora_cfg=c, remat=True)
+      return jnp.sum(lp), lp
+    (_, lp), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(adapter)
+    return np.asarray(lp, np.float64), jax.tree.map(lambda t: np.asarray(t, np.float64), g)
+
+  cfg32 = cfg.replace(dtype="float32")
+  lp_ref, g_ref = run(cfg32, models.dequantize_base(base, jnp.float32))
+  errs = {}
+  for route in (True, False):
+    monkeypatch.setattr(layers, "BF16_EPILOGUE", route)
+    lp, g = run(cfg, base)
+    errs[route] = (_rel(lp, lp_ref), max(_rel(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref))))
+  for route in (True, False):
+    assert errs[route][0] < 2e-2 and errs[route][1] < 6e-2, errs
+  assert errs[True][0] < 1.5 * errs[False][0] + 1e-3 and errs[True][1] < 1.5 * errs[False][1] + 1e-2, errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", ["nvfp4", "nf4"])
+def test_gpu_bf16_route_linear_matches_float64(quant):
+  """On the GPU the bf16 route runs where the large-M path does (more rows than the fused kernel takes, past the
+  Gluon GEMV's 128): the dequantized weight's GEMM writes bf16 with the bias and adapter delta added, against
+  float64 (7B q/k/v width, ragged rows)."""
+  from pallas_kernels import matmul
+  from qerl_jax import nf4
+  from qerl_jax.models import layers
+  rng = np.random.default_rng(5)
+  k, n = 3584, 4608
+  w = jnp.asarray(0.02 * rng.normal(size=(k, n)), jnp.float32)
+  q = nvfp4.quantize(w) if quant == "nvfp4" else nf4.quantize(w)
+  deq = nvfp4.dequantize(q) if quant == "nvfp4" else nf4.dequantize(q)
+  bias = jnp.asarray(rng.normal(size=(n,)), jnp.bfloat16)
+  lora = {"a": jnp.asarray(0.02 * rng.normal(size=(k, 16)), jnp.float32),
+          "b": jnp.asarray(rng.normal(size=(16, n)), jnp.float32)}
+  assert not matmul.dense_path_applies(jax.ShapeDtypeStruct((8, k), jnp.bfloat16), q)
+  assert not matmul.dense_path_applies(jax.ShapeDtypeStruct((300, k), jnp.float32), q)
+  for m in (129, 300, 2048):
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    assert matmul.dense_path_applies(x, q)
+    y = jax.jit(lambda x: layers.linear(x, q, bias=bias, lora=lora, lora_scale=2.0))(x)
+    x64 = np.asarray(x, np.float64)
+    ref = (x64 @ np.asarray(deq, np.float64) + np.asarray(bias, np.float64)
+           + 2.0 * (x64 @ np.asarray(lora["a"], np.float64)) @ np.asarray(lora["b"], np.float64))
+    assert y.dtype == jnp.bfloat16 and np.isfinite(np.asarray(y, np.float32)).all()
+    err = _rel(y, ref)
+    assert err < 1e-2, (m, err)
+  # q/k/v fused, per-part adapters (k without), at 2048 rows: one block-diagonal delta GEMM
+  sizes = (3584, 512, 512)
+  loras = ({"a": lora["a"], "b": lora["b"][:, :3584]}, None, {"a": lora["a"][:, :8], "b": lora["b"][:8, 4096:]})
+  parts = jax.jit(lambda x: layers.fused_linear(x, q, sizes, bias=bias, loras=loras, lora_scale=2.0))(x)
+  delta = np.zeros((x.shape[0], n))
+  delta[:, :3584] = 2.0 * (x64 @ np.asarray(lora["a"], np.float64)) @ np.asarray(lora["b"][:, :3584], np.float64)
+  delta[:, 4096:] = 2.0 * (x64 @ np.asarray(lora["a"][:, :8], np.float64)) @ np.asarray(lora["b"][:8, 4096:],
+                                                                                         np.float64)
+  ref = x64 @ np.asarray(deq, np.float64) + np.asarray(bias, np.float64) + delta
+  for part, lo, hi in zip(parts, (0, 3584, 4096), (3584, 4096, 4608)):
+    err = _rel(part, ref[:, lo:hi])
+    assert part.dtype == jnp.bfloat16 and err < 1e-2, (lo, err)
+
+
+def test_bf16_epilogue_env_flag(monkeypatch):
+  from qerl_jax.models import layers
+  monkeypatch.setenv("QERL_BF16_EPILOGUE", "0")
+  assert layers._env_flag("QERL_BF16_EPILOGUE", "1") is False
+  monkeypatch.setenv("QERL_BF16_EPILOGUE", "yes")
+  with pytest.raises(ValueError, match="QERL_BF16_EPILOGUE is 'yes'; expected '0' or '1'"):
+    layers._env_flag("QERL_BF16_EPILOGUE", "1")
+  monkeypatch.delenv("QERL_BF16_EPILOGUE")
+  assert layers._env_flag("QERL_BF16_EPILOGUE", "1") is True
