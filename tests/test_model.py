@@ -554,6 +554,8 @@ def test_bf16_route_fused_linear_matches_float64(dense_route, fused):
     ref = ref + np.concatenate(deltas, axis=1)
     kw = {"loras": tuple(loras)}
   parts = layers.fused_linear(x, q, sizes, bias=bias, lora_scale=0.5, **kw)
+  # one bf16 delta GEMM for the whole output (per-part adapters as one block-diagonal adapter)
+  assert _bf16_dots(lambda x: layers.fused_linear(x, q, sizes, bias=bias, lora_scale=0.5, **kw), x) == 1
   start = 0
   for part, size in zip(parts, sizes):
     assert part.shape == (80, size) and part.dtype == jnp.bfloat16
