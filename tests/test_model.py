@@ -653,3 +653,40 @@ def test_bf16_epilogue_env_flag(monkeypatch):
     layers._env_flag("QERL_BF16_EPILOGUE", "1")
   monkeypatch.delenv("QERL_BF16_EPILOGUE")
   assert layers._env_flag("QERL_BF16_EPILOGUE", "1") is True
+
+
+@pytest.mark.parametrize("fuse_adapter", [False, True])
+def test_bf16_route_prefill_with_cache(dense_route, monkeypatch, fuse_adapter):
+  """Prefill against a KV cache (the layer scan reads 4-bit weights and adapter stacks in place, as
+  layers.StackedWeight) through the bf16 route, with the trainer's fused projections and either per-part adapters or
+  the sampler's fused one: its logits are as close to the float32 model's (dequantized weights, no cache) as the
+  float32 route's, and the route ran (bf16 delta GEMMs in the jaxpr)."""
+  from qerl_jax import lora as L
+  from qerl_jax.models import layers
+  cfg = models.ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=16, tie_word_embeddings=False, attention_bias=True)
+  dense = models.fuse_projections(models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16, std=0.1))
+  base = models.quantize_base(dense, "nvfp4")
+  c = L.LoRAConfig(r=4, lora_alpha=8)
+  adapter = L.init_lora(jax.random.key(1), cfg, c)
+  adapter = jax.tree.map(lambda t: t + 0.05 * jax.random.normal(jax.random.key(2), t.shape, t.dtype), adapter)
+  run_adapter = models.fuse_adapter(adapter, cfg) if fuse_adapter else adapter
+  # in the compute dtype, as the sampler casts it: the b stacks then stay out of the layer scan (StackedWeight)
+  run_adapter = jax.tree.map(lambda t: t.astype(jnp.bfloat16), run_adapter)
+  tokens = jax.random.randint(jax.random.key(3), (2, 40), 0, 96, jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (2, 40))
+
+  def prefill(ad):
+    logits, _ = models.forward(cfg, base, tokens, pos, lora=ad, lora_cfg=c, cache=models.init_cache(cfg, 2, 48))
+    return logits
+
+  ref, _ = jax.jit(lambda ad: models.forward(cfg.replace(dtype="float32"), models.dequantize_base(base, jnp.float32),
+                                             tokens, pos, lora=ad, lora_cfg=c))(adapter)
+  ref = np.asarray(ref, np.float64)
+  errs = {}
+  for route in (True, False):
+    monkeypatch.setattr(layers, "BF16_EPILOGUE", route)
+    f = jax.jit(lambda ad: prefill(ad))
+    errs[route] = _rel(f(run_adapter), ref)
+    assert (_bf16_dots(f, run_adapter) > 0) == route
+  assert errs[True] < 2e-2 and errs[True] < 1.5 * errs[False] + 1e-3, errs
