@@ -2,6 +2,7 @@
 
 import functools
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -564,7 +565,8 @@ def test_bf16_route_fused_linear_matches_float64(dense_route, fused):
   with pytest.raises(ValueError, match="add up to 48"):
     layers.fused_linear(x, q, (16, 16, 16), bias=bias, lora_scale=0.5, **kw)
   if not fused:
-    with pytest.raises(ValueError, match="part 2's adapter b has 16 columns, the part 8"):
+    with pytest.raises(ValueError, match=re.escape("fused_linear: part 2 has a (64, 4), b (4, 16); expected "
+                                                   "a [..., K, r] and b [..., r, 8]")):
       layers.fused_linear(x, q, (32, 24, 8), bias=bias, lora_scale=0.5, **kw)
 
 

@@ -291,7 +291,7 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
     kc, vc, li = kv
     bias_stack = attn.get("qkv_bias")
     before = acc
-    y, bias, acc = layers.linear_f32_into(x, attn["qkv"], acc, bias=_layer_array(bias_stack), lora=la.get("qkv"),
+    y, bias, acc = layers.linear_f32_into(x, attn["qkv"], acc, bias=layers.layer_array(bias_stack), lora=la.get("qkv"),
                                           lora_scale=lora_scale)
     # The kernel reads in place what XLA would copy out for it: the bias stack's layer li and, when
     # q/k/v went unchanged into the head of the accumulator (no adapter, or one the 4-bit kernel added), that head.
@@ -306,7 +306,7 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
     return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn, acc, norms, li), (kc, vc)
   if "qkv" in attn:  # fused projections (models.fuse_projections): one matmul, split back
     q, k, v = layers.fused_linear(x, attn["qkv"], (cfg.q_dim, cfg.kv_dim, cfg.kv_dim),
-                                  bias=_layer_array(attn.get("qkv_bias")),
+                                  bias=layers.layer_array(attn.get("qkv_bias")),
                                   loras=(la.get("q"), la.get("k"), la.get("v")), lora=la.get("qkv"),
                                   lora_scale=lora_scale)
   else:
@@ -337,14 +337,6 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
       o = layers.attention(q, keys, values, mask_BxTxS, q_chunk=q_chunk)
   return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn, acc, norms,
                           None if kv is None else kv[2]), new_kv
-
-
-def _layer_array(v):
-  """``v``, or for a :class:`layers.StackedWeight` its layer (an XLA slice, which fuses into an XLA
-  consumer)."""
-  if isinstance(v, layers.StackedWeight):
-    return jax.lax.dynamic_index_in_dim(v.tensor, v.index, 0, keepdims=False)
-  return v
 
 
 def _linear(grp, lgrp, name, x, lora_scale):

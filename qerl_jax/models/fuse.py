@@ -199,21 +199,42 @@ def fuse_adapter(lora, cfg, dtype=None):
       raise ValueError(f"fuse_adapter: the adapter already has {group}/{fused_name}")
     if not any(name in g for name, _ in parts):
       continue
-    total = sum(size for _, size in parts)
-    a_parts, b_parts, col = [], [], 0
-    for name, size in parts:
-      ad = g.pop(name, None)
-      if ad is not None:
-        a, b = ad["a"], ad["b"]
-        if b.shape[-1] != size or a.shape[-1] != b.shape[-2] or a.shape[:-2] != b.shape[:-2]:
-          raise ValueError(f"fuse_adapter: {group}/{name} has a {tuple(a.shape)}, b {tuple(b.shape)}; expected "
-                           f"a [..., K, r] and b [..., r, {size}] with the same leading dims")
-        a_parts.append(a)
-        b_parts.append(jnp.pad(b, [(0, 0)] * (b.ndim - 1) + [(col, total - col - size)]))
-      col += size
-    g[fused_name] = {"a": jnp.concatenate(a_parts, axis=-1), "b": jnp.concatenate(b_parts, axis=-2)}
+    g[fused_name] = block_diagonal([(f"{group}/{name}", g.pop(name, None), size) for name, size in parts],
+                                   "fuse_adapter")
     lay[group] = g
   return {**lora, "layers": lay}
+
+
+def block_diagonal(parts, caller: str) -> dict:
+  """Adapters of the parts of a fused matrix as one adapter of the fused output (LoRA, Hu et al. 2021):
+  ``A = [A_1 | A_2 | ...]`` ``[..., K, sum r_i]`` and ``B`` ``[..., sum r_i, sum n_i]`` block diagonal, the rows of
+  ``B_i`` over part ``i``'s columns and every other entry exactly 0, so that ``(x @ A) @ B`` restricted to part
+  ``i``'s columns is ``(x @ A_i) @ B_i``. Parts without an adapter get zero columns.
+
+  Args:
+    parts: ``(name, adapter or None, n_i)`` per part, in column order; an adapter is ``{"a": [..., K, r_i],
+      "b": [..., r_i, n_i]}`` (the same leading dims, if any). At least one adapter.
+    caller: the name the errors begin with.
+
+  Returns:
+    ``{"a": ..., "b": ...}`` as above.
+
+  Raises:
+    ValueError: a part's ``b`` width differs from ``n_i``, or its ``a`` / ``b`` ranks or leading dims disagree
+      (names the part).
+  """
+  total = sum(size for _, _, size in parts)
+  a_parts, b_parts, col = [], [], 0
+  for name, ad, size in parts:
+    if ad is not None:
+      a, b = ad["a"], ad["b"]
+      if b.shape[-1] != size or a.shape[-1] != b.shape[-2] or a.shape[:-2] != b.shape[:-2]:
+        raise ValueError(f"{caller}: {name} has a {tuple(a.shape)}, b {tuple(b.shape)}; expected "
+                         f"a [..., K, r] and b [..., r, {size}] with the same leading dims")
+      a_parts.append(a)
+      b_parts.append(jnp.pad(b, [(0, 0)] * (b.ndim - 1) + [(col, total - col - size)]))
+    col += size
+  return {"a": jnp.concatenate(a_parts, axis=-1), "b": jnp.concatenate(b_parts, axis=-2)}
 
 
 def cast_adapter(lora, dtype):

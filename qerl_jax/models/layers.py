@@ -16,6 +16,7 @@ import numpy as np
 
 import pallas_kernels
 from qerl_jax import nf4, nvfp4
+from qerl_jax.models import fuse
 
 MASKED_SCORE = -1e30  # finite, so a fully masked (padding) query row gives no NaN
 
@@ -37,6 +38,14 @@ class StackedWeight(NamedTuple):
   """
   tensor: Any
   index: Any
+
+
+def layer_array(v):
+  """``v``, or for a :class:`StackedWeight` its layer ``index`` (an XLA slice, which fuses into an XLA
+  consumer)."""
+  if isinstance(v, StackedWeight):
+    return jax.lax.dynamic_index_in_dim(v.tensor, v.index, 0, keepdims=False)
+  return v
 
 
 def is_quantized(w) -> bool:
@@ -100,7 +109,7 @@ def _lora_b(lora: dict, w, dt):
   b = lora["b"]
   if isinstance(b, StackedWeight):
     in_place = isinstance(w, StackedWeight) and w.index is b.index
-    b = b.tensor if in_place else jax.lax.dynamic_index_in_dim(b.tensor, b.index, 0, keepdims=False)
+    b = b.tensor if in_place else layer_array(b)
   return b.astype(dt)
 
 
@@ -109,9 +118,7 @@ def _lora_factors(x: jax.Array, lora: dict, lora_scale: float, w=None) -> tuple:
   :func:`_lora_b` gives it; a stacked ``A``, which decode steps keep with
   ``pallas_kernels.w4_gluon.LORA_XA``, is sliced)."""
   dt = x.dtype
-  a = lora["a"]
-  if isinstance(a, StackedWeight):
-    a = jax.lax.dynamic_index_in_dim(a.tensor, a.index, 0, keepdims=False)
+  a = layer_array(lora["a"])
   return _x_at_a(x, a.astype(dt)).astype(dt), _lora_b(lora, w, dt), lora_scale
 
 
@@ -210,33 +217,22 @@ def _linear_bf16(x: jax.Array, w, bias: Optional[jax.Array], lora: Optional[dict
   return y if c is None else y + c
 
 
-def _layer_of(t):
-  """An adapter factor as an array: layer ``index`` of a :class:`StackedWeight`, else ``t``."""
-  return jax.lax.dynamic_index_in_dim(t.tensor, t.index, 0, keepdims=False) if isinstance(t, StackedWeight) else t
-
-
 def _block_diagonal(loras: tuple, sizes: tuple) -> Optional[dict]:
-  """Per-part adapters (None where a part has none) as one adapter of the fused output: ``a = [A_1 | A_2 | ...]``
-  ``[K, sum r]`` and ``b`` block diagonal ``[sum r, sum(sizes)]`` (zero columns for a part without one), so that its
-  delta, part by part, is each part's own (the zero blocks add exact zeros). One GEMM then writes the whole delta,
-  where per-part GEMMs need a concatenation pass over ``[M, sum(sizes)]`` (:func:`qerl_jax.models.fuse.fuse_adapter`
-  builds the same for sampling). None when no part has an adapter.
+  """Per-part adapters (None where a part has none) as one adapter of the fused output
+  (:func:`qerl_jax.models.fuse.block_diagonal`, as :func:`qerl_jax.models.fuse.fuse_adapter` builds it for
+  sampling), so that one GEMM writes the whole delta where per-part GEMMs need a concatenation pass over
+  ``[M, sum(sizes)]``. A stacked factor (:class:`StackedWeight`) is sliced at its layer. None when no part has an
+  adapter.
 
   Raises:
-    ValueError: a part's ``b`` whose width is not the part's size.
+    ValueError: a part's ``b`` whose width is not the part's size, or whose rank differs from its ``a``'s.
   """
-  parts = [(i, loras[i]) for i in range(min(len(loras), len(sizes))) if loras[i] is not None]
-  if not parts:
+  parts = [(f"part {i}", None if i >= len(loras) or loras[i] is None
+            else {"a": layer_array(loras[i]["a"]), "b": layer_array(loras[i]["b"])}, size)
+           for i, size in enumerate(sizes)]
+  if all(ad is None for _, ad, _ in parts):
     return None
-  a = jnp.concatenate([_layer_of(l["a"]) for _, l in parts], axis=-1)
-  rows = []
-  for i, l in parts:
-    b = _layer_of(l["b"])
-    if b.shape[-1] != sizes[i]:
-      raise ValueError(f"fused_linear: part {i}'s adapter b has {b.shape[-1]} columns, the part {sizes[i]}")
-    left, right = sum(sizes[:i]), sum(sizes[i + 1:])
-    rows.append(jnp.pad(b, ((0, 0), (left, right))))
-  return {"a": a, "b": jnp.concatenate(rows, axis=0)}
+  return fuse.block_diagonal(parts, "fused_linear")
 
 
 def linear(x: jax.Array, w, *, bias: Optional[jax.Array] = None,
