@@ -5,7 +5,8 @@ weights, 256-token prompts, no early stop), runs it once under ``jax.profiler.tr
 perfetto trace, and prints the kernels by total device time. Arguments:
 ``format:batch:new_tokens[:lora_rank[:aqn]]`` (a LoRA rank > 0 attaches a training-style adapter on all 7
 linears, as ``bench_rollout.py --lora_rank``; a fifth field ``aqn`` adds AQN norm noise).
-``PROFILE_TOP`` sets how many kernels are listed (default 22); ``PROFILE_SCAN=1`` keeps the decode
+``PROFILE_PROMPT`` sets the prompt length (default 256; a longer one stands for the KV cache of a
+later decode step). ``PROFILE_TOP`` sets how many kernels are listed (default 22); ``PROFILE_SCAN=1`` keeps the decode
 step's layer loop scanned (``SamplingConfig.unroll_decode=False``). ``PROFILE_POSITIONS=1`` adds, for a kernel called 2-8 times a layer and step, its
 median time by call position within the layer (trace order). ``PROFILE_HLO=1`` adds, under each
 XLA kernel, the fusion's output shape and the JAX op and source line it came from (from the compiled
@@ -35,7 +36,7 @@ def profile(fmt, batch, new_tokens, out, rank=0, aqn=False):
   lora, scale, noise = br.adapter_and_noise(cfg, base, rank, aqn)
   config = sampling.SamplingConfig(max_new_tokens=new_tokens, eos_token_ids=(cfg.vocab_size + 1,), pad_id=0, temperature=1.0,
                                    unroll_decode=os.environ.get("PROFILE_SCAN", "0") != "1")
-  t, m = br.random_prompts(cfg, batch, 256)
+  t, m = br.random_prompts(cfg, batch, int(os.environ.get("PROFILE_PROMPT", 256)))
   tokens, mask = jnp.asarray(t), jnp.asarray(m)
   c = sampling._generate_jit.lower(cfg, config, scale, base, lora, noise, tokens, mask, jax.random.key(1),
                                    jnp.int32(batch)).compile()
