@@ -48,7 +48,7 @@ KERNELS = {
                          sd((B, H, D), jnp.bfloat16), cache, cache, i, sd((B, S), jnp.int8), i),
     "decode_attention_append": (
         lambda y, bias, kc, vc, l, m, t, cos, sin: da.decode_attention_append(
-            y, bias, kc, vc, l, m, t, cos, sin, num_heads=H, backend="pallas"),
+            y, bias, kc, vc, l, m, t, cos, sin, num_heads=H, backend="pallas", prefetch=int(os.environ.get("ATTN_PREFETCH", 0))),
         sd((B, N), f32), sd((N,), jnp.bfloat16), cache, cache, i, sd((B, S), jnp.int8), i,
         sd((B, D // 2), f32), sd((B, D // 2), f32)),
 }
