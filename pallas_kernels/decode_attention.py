@@ -433,10 +433,10 @@ APPEND_BLOCK_S = 64
 APPEND_TARGET_PROGRAMS = 528
 APPEND_WARPS = 4
 APPEND_STAGES = 2
-APPEND_PREFETCH = 0  # lab (session 34, prepared offline, not yet run on a GPU): > 0 has each program first load one
-# element of every 32-byte sector of its first APPEND_PREFETCH slots' K and V (a multiple of 16, at most its
-# chunk), so that those slots are on their way from HBM while the program loads q, k and v, adds the bias and
-# applies RoPE; its pipelined cache loads come after all that (session 29, offline SASS).
+APPEND_PREFETCH = 0  # lab (session 34, prepared offline, not yet run on a GPU): > 0 (a power of 2, at least 16) has
+# each program first load one element of every 32-byte sector of its first APPEND_PREFETCH slots' K and V (cut to
+# the largest power of 2 within its chunk), so that those slots are on their way from HBM while the program loads
+# q, k and v, adds the bias and applies RoPE; its pipelined cache loads come after all that (session 29, offline SASS).
 
 
 def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: jax.Array, layer,

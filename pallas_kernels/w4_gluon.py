@@ -461,7 +461,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
                 WL: ttgl.constexpr = 0):
     if LA:
       c = asm_load(p_ptr + c_offs + i * (32 * N), LA)
-    elif WL:  # (WIDE_CODE_LOADS) c_offs is in wide_layout: 8-byte loads, then a move within each warp
+    elif WL:  # (WIDE_CODE_LOADS) c_offs is in wide_layout: 8-byte loads, converted (through shared memory)
       c = ttgl.convert_layout(wload(p_ptr + c_offs + i * (32 * N), LH), code_layout)
     else:
       c = wload(p_ptr + c_offs + i * (32 * N), LH)
