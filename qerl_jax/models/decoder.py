@@ -347,17 +347,17 @@ def _linear(grp, lgrp, name, x, lora_scale):
 def _linear_into(grp, lgrp, name, x, lora_scale, acc):
   """:func:`_linear` run into the :class:`layers.Accumulator` ``acc`` where that applies (else as
   :func:`_linear`); returns ``(y, acc)``."""
-  if acc is None:  # (layers.linear: the same as linear_f32_into without an accumulator, plus its bf16 route)
-    return _linear(grp, lgrp, name, x, lora_scale), acc
-  y, bias, acc = layers.linear_f32_into(x, grp[name], acc, bias=grp.get(name + "_bias"), lora=lgrp.get(name),
-                                        lora_scale=lora_scale)
+  y, bias, acc, _ = _linear_region(grp, lgrp, name, x, lora_scale, acc)
   return layers.finish_linear(y, bias, grp[name], x.dtype), acc
 
 
 def _linear_region(grp, lgrp, name, x, lora_scale, acc):
   """:func:`layers.linear_f32_into` of ``grp[name]`` (its bias and ``lgrp``'s adapter deferred) into ``acc``;
   returns ``(y, bias, acc, finished)``, ``finished`` as :func:`_region_finished`: the new region of ``acc`` holds
-  the finished product, for a kernel to read in place."""
+  the finished product, for a kernel to read in place. Without an accumulator (prefill, training, CPU) ``y`` is
+  :func:`_linear`'s finished result (with :func:`layers.linear`'s bf16 route) and ``bias`` None."""
+  if acc is None:
+    return _linear(grp, lgrp, name, x, lora_scale), None, acc, False
   before = acc
   y, bias, acc = layers.linear_f32_into(x, grp[name], acc, bias=grp.get(name + "_bias"), lora=lgrp.get(name),
                                         lora_scale=lora_scale)
@@ -382,11 +382,8 @@ def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None, norms=None, li
   eps = cfg.rms_norm_eps
   attn, la = lp["attn"], ll.get("attn", {})
   mlp, lm = lp["mlp"], ll.get("mlp", {})
+  y, bias, acc, finished = _linear_region(attn, la, "o", o, lora_scale, acc)
   w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
-  if acc is None:  # prefill, training, CPU: layers.linear
-    y, finished = _linear(attn, la, "o", o, lora_scale), False
-  else:
-    y, bias, acc, finished = _linear_region(attn, la, "o", o, lora_scale, acc)
   if norms is not None and norms.w_post is not None and finished:
     # FUSED_POST_ATTENTION: o read in place from its region; norms.w_post is w_post's stack
     b, t, d = h.shape
@@ -394,7 +391,7 @@ def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None, norms=None, li
                                            li, eps, norms.noise_post)
     h, x = h.reshape(b, t, d), x.reshape(b, t, d)
   else:
-    h = h + (y if acc is None else layers.finish_linear(y, bias, attn["o"], o.dtype))
+    h = h + layers.finish_linear(y, bias, attn["o"], o.dtype)
     x = layers.rms_norm(h, w_post, eps, nn.get("post_attn_norm"))
   if acc is not None:
     # h is read again by the layer's last residual. Without the barrier XLA recomputes h + y there

@@ -271,6 +271,12 @@ def linear(x: jax.Array, w, *, bias: Optional[jax.Array] = None,
   return finish_linear(y, bias, w, x.dtype)
 
 
+def _check_part_sizes(sizes: tuple[int, ...], n: int) -> None:
+  """Raises ValueError unless ``sizes`` add up to the fused weight's ``n`` columns."""
+  if n != sum(sizes):
+    raise ValueError(f"fused_linear: part sizes {sizes} add up to {sum(sizes)}, but W has {n} columns")
+
+
 def fused_linear(x: jax.Array, w, sizes: tuple[int, ...], *, bias: Optional[jax.Array] = None,
                  loras: tuple = (), lora: Optional[dict] = None,
                  lora_scale: float = 1.0) -> tuple[jax.Array, ...]:
@@ -306,16 +312,13 @@ def fused_linear(x: jax.Array, w, sizes: tuple[int, ...], *, bias: Optional[jax.
     raise ValueError(f"fused_linear: the fused adapter's b has {_lora_cols(lora)} columns, the parts "
                      f"{sizes} add up to {sum(sizes)}")
   if _bf16_epilogue_applies(x, w):
-    n = _tensor_index(w)[0].shape[-1]
-    if n != sum(sizes):
-      raise ValueError(f"fused_linear: part sizes {sizes} add up to {sum(sizes)}, but W has {n} columns")
+    _check_part_sizes(sizes, _tensor_index(w)[0].shape[-1])
     if any(l is not None for l in loras):
       lora = _block_diagonal(loras, sizes)
     y = _linear_bf16(x, w, bias, lora, lora_scale)
     return tuple(jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=-1))
   y, lora = _base_f32(x, w, lora, lora_scale)
-  if y.shape[-1] != sum(sizes):
-    raise ValueError(f"fused_linear: part sizes {sizes} add up to {sum(sizes)}, but W has {y.shape[-1]} columns")
+  _check_part_sizes(sizes, y.shape[-1])
   if bias is not None:
     y = _add_bias(y, bias, w)
   if lora is not None:
