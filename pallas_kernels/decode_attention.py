@@ -161,21 +161,11 @@ def _rounded(a, dtype):
 
 def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, layer_ref, length_ref,
                    o_ref, m_ref, l_ref, k_out_ref, v_out_ref, *, batch, heads, heads_kv, group, group_pad, slots,
-                   head_dim, block_s, chunk, num_layers, dtype, bias_stacked=False, prefetch=0, pf_count=0,
-                   pf_stride=1):
+                   head_dim, block_s, chunk, num_layers, dtype, bias_stacked=False):
   b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   layer = jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
   length = length_ref[0]
   write_at = length - 1  # this step's slot: attended from registers, written by split 0, never read
-  row0 = (layer * batch + b) * slots
-  col = kvh * head_dim
-  s_begin, s_end, blocks = _split_blocks(split, chunk, write_at, block_s)
-  if prefetch:  # (APPEND_PREFETCH) one element of each 32-byte sector of the first slots' K and V, loaded first
-    pf_rows = pl.ds(row0 + s_begin, prefetch)
-    pf_cols = pl.ds(col, pf_count, stride=pf_stride)
-    pf_inside = (s_begin + jnp.arange(prefetch) < s_end)[:, None]
-    pf_k = plgpu.load(k_ref.at[pf_rows, pf_cols], mask=pf_inside, other=0.0)
-    pf_v = plgpu.load(v_ref.at[pf_rows, pf_cols], mask=pf_inside, other=0.0)
   half = head_dim // 2
   f32 = jnp.float32
   # The projection's output folded to [B * (H + 2 Hkv), hd]: one row per head (q heads, then k, then v);
@@ -197,6 +187,9 @@ def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, 
   q1, q2 = _rope_rounded(q1, q2, cos, sin, dtype)
   k1, k2 = _rope_rounded(k1, k2, cos, sin, dtype)
 
+  row0 = (layer * batch + b) * slots
+  col = kvh * head_dim
+
   @pl.when(split == 0)
   def _():
     row = pl.ds(row0 + write_at, 1)
@@ -213,6 +206,8 @@ def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, 
   acc = jnp.where(new_kept[:, None], v_new, 0.0) + jnp.zeros((group_pad, head_dim), f32)
   q1, q2 = q1.astype(dtype), q2.astype(dtype)
 
+  s_begin, s_end, blocks = _split_blocks(split, chunk, write_at, block_s)
+
   def body(i, carry):
     s0 = s_begin + i * block_s
     inside, keep = _block_keep(mask_ref, b, s0, s_end, block_s)
@@ -227,13 +222,6 @@ def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, 
   o_ref[split, b, kvh] = acc
   m_ref[split, b, kvh] = m
   l_ref[split, b, kvh] = l
-  if prefetch:
-    # A store that never runs (length >= 1), which keeps the touches: the same values back to their own slots,
-    # which this kernel never writes otherwise (they precede write_at).
-    @pl.when(length < 0)
-    def _():
-      plgpu.store(k_out_ref.at[pf_rows, pf_cols], pf_k, mask=pf_inside)
-      plgpu.store(v_out_ref.at[pf_rows, pf_cols], pf_v, mask=pf_inside)
 
 
 def _choose_splits(batch: int, heads_kv: int, slots: int, block_s: int, target_programs: int) -> int:
@@ -433,18 +421,13 @@ APPEND_BLOCK_S = 64
 APPEND_TARGET_PROGRAMS = 528
 APPEND_WARPS = 4
 APPEND_STAGES = 2
-APPEND_PREFETCH = 0  # lab (session 34, prepared offline, not yet run on a GPU): > 0 (a power of 2, at least 16) has
-# each program first load one element of every 32-byte sector of its first APPEND_PREFETCH slots' K and V (cut to
-# the largest power of 2 within its chunk), so that those slots are on their way from HBM while the program loads
-# q, k and v, adds the bias and applies RoPE; its pipelined cache loads come after all that (session 29, offline SASS).
 
 
 def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: jax.Array, layer,
                             slot_mask_BxS: jax.Array, length, cos_BxR: jax.Array, sin_BxR: jax.Array, *,
                             num_heads: int, dtype=jnp.bfloat16, backend: str = "auto", block_s: int | None = None,
                             splits: int | None = None, target_programs: int | None = None,
-                            num_warps: int | None = None, num_stages: int | None = None,
-                            prefetch: int | None = None):
+                            num_warps: int | None = None, num_stages: int | None = None):
   """A decode step's attention from the q/k/v projection's float32 output, appending to the cache in place.
 
   In one kernel: ``y = qkv + bias`` (float32) rounded to ``dtype`` and split into
@@ -476,9 +459,6 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
     backend, block_s, splits, target_programs, num_warps, num_stages: as :func:`decode_attention`;
       ``"auto"`` runs the kernel on a GPU for a 16-bit ``dtype``. None takes the module's
       :data:`APPEND_BLOCK_S`, :data:`APPEND_TARGET_PROGRAMS`, :data:`APPEND_WARPS`, :data:`APPEND_STAGES`.
-    prefetch: slots (a power of 2, at least 16; 0: none) at the start of each program's chunk whose K and V it
-      touches first, one element of every 32-byte sector (cut to the largest power of 2 within the chunk; none
-      where the head's row is not a power-of-2 count of sectors). None takes :data:`APPEND_PREFETCH`.
 
   Returns:
     ``(out [B, H, hd] in dtype, k cache, v cache)``, the caches with slot ``length - 1`` of
@@ -487,12 +467,9 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
 
   Raises:
     ValueError: inconsistent shapes, an odd ``hd``, ``H`` not a multiple of ``Hkv``, a bad
-      ``block_s``, an unknown backend, ``backend="pallas"`` with ``hd < APPEND_MIN_HEAD_DIM``
-      (``"auto"`` runs the reference there), or a ``prefetch`` that is not 0 or a power of 2 of at least 16.
+      ``block_s``, an unknown backend, or ``backend="pallas"`` with ``hd < APPEND_MIN_HEAD_DIM``
+      (``"auto"`` runs the reference there).
   """
-  prefetch = APPEND_PREFETCH if prefetch is None else prefetch
-  if prefetch and (prefetch < 16 or prefetch & (prefetch - 1)):
-    raise ValueError(f"prefetch must be 0 or a power of 2 >= 16, got {prefetch}")
   block_s = APPEND_BLOCK_S if block_s is None else block_s
   target_programs = APPEND_TARGET_PROGRAMS if target_programs is None else target_programs
   num_warps = APPEND_WARPS if num_warps is None else num_warps
@@ -520,16 +497,9 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
                             cos_BxR, sin_BxR, num_heads=num_heads, dtype=dtype)
 
   g, g_pad, block_s, nsplit, chunk = _geometry(b, num_heads, kh, s, block_s, splits, target_programs)
-  sector = max(1, 32 // jnp.dtype(k_LxBxSxKxD.dtype).itemsize)  # cache elements in a 32-byte sector
-  pf_count = d // sector  # sectors in a head's row
-  if prefetch and (d % sector or pf_count & (pf_count - 1)):
-    prefetch = 0
-  pf_stride = 1 if backend == "interpret" else sector  # Pallas' interpreter has no strided loads: contiguous there
-  prefetch = min(prefetch, 1 << (chunk.bit_length() - 1)) if prefetch else 0
   kernel = functools.partial(_append_kernel, batch=b, heads=num_heads, heads_kv=kh, group=g, group_pad=g_pad,
                              slots=s, head_dim=d, block_s=block_s, chunk=chunk, num_layers=num_layers,
-                             dtype=jnp.dtype(dtype), bias_stacked=bias_N is not None and bias_N.ndim == 2,
-                             prefetch=prefetch, pf_count=pf_count, pf_stride=pf_stride)
+                             dtype=jnp.dtype(dtype), bias_stacked=bias_N is not None and bias_N.ndim == 2)
   flat = (num_layers * b * s, kh * d)
   out_shape = (jax.ShapeDtypeStruct((nsplit, b, kh, g_pad, d), jnp.float32),
                jax.ShapeDtypeStruct((nsplit, b, kh, g_pad), jnp.float32),

@@ -201,10 +201,6 @@ WS_PROBE = 0  # lab probe of the WS_STAGES builds (wrong results; experiments/la
   # copy split 0's first two steps over and over (an L2-resident stream: what the compute warps take alone), 2 has
   # the compute warps take each buffer and release it without decoding or multiplying (what the loader takes alone)
 TMA_L2_PROMOTION = 2  # the descriptors' L2 promotion (CUtensorMapL2promotion: 0 none, 1 64 B, 2 128 B, 3 256 B)
-WIDE_CODE_LOADS = 0  # lab (session 34, prepared offline, not yet run on a GPU): 1 has the narrow wgmma builds (MB = 64,
-# 128) load their codes 8 contiguous bytes a thread (registers n0 n1 n2 kp0, lanes n3 kp1 kp2 kp3 kp4: 2 loads a step
-# instead of 8 of 2 bytes), then convert them to the decode's layout (registers n0 kp0 kp1 kp4), which Triton does
-# through shared memory (offline sm_90 SASS at M = 64: 4 STS + 4 LDS a step, one barrier more in all, 115 registers).
 L2_PROBE = 0  # lab probe (session 31; wrong results, experiments/lab/gluon/l2_probe.py only): 1 has every split of a
 # column tile read split 0's codes and scales, so the weight stream is L2-resident and the time is the kernel's
 # without HBM (the register-load builds, M <= 128; the TMA and loader-warp builds have WS_PROBE). Measured: 0.87-0.94
@@ -413,10 +409,6 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
                              "ld.global.L1::evict_first.L2::256B.v2.b32 {$0, $1}, [$2];"])
   BN = ttgl.constexpr(narrow_n if narrow else 256)
   NARROW = ttgl.constexpr(narrow)
-  # (WIDE_CODE_LOADS: constexpr WL) each warp owns the columns it owns in code_layout; registers and lanes trade bits
-  wide_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
-      reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0]], lane_bases=[[0, 8], [2, 0], [4, 0], [8, 0], [16, 0]],
-      warp_bases=[[0, b] for b in top_bits], block_bases=[], shape=[32, narrow_n]) if narrow else code_layout.value)
   # narrow: the decode's axes -> operand rows (r_top .. r0 = n_top .. n4 n0 n3 n2 n1, see decode) and the
   # accumulator's rows -> columns, for TOP = len(top_bits) warp-owned column bits
   TOP = ttgl.constexpr(len(top_bits))
@@ -457,12 +449,9 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
 
   @gluon.jit
   def load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, i, N: ttgl.constexpr,
-                WITH_X: ttgl.constexpr = True, LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0,
-                WL: ttgl.constexpr = 0):
+                WITH_X: ttgl.constexpr = True, LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0):
     if LA:
       c = asm_load(p_ptr + c_offs + i * (32 * N), LA)
-    elif WL:  # (WIDE_CODE_LOADS) c_offs is in wide_layout: 8-byte loads, converted (through shared memory)
-      c = ttgl.convert_layout(wload(p_ptr + c_offs + i * (32 * N), LH), code_layout)
     else:
       c = wload(p_ptr + c_offs + i * (32 * N), LH)
     xb = ttgl.load(x_ptr + x_offs + i * 64, mask=x_mask, other=0.0) if WITH_X else 0
@@ -588,7 +577,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
            K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr, ATOMIC: ttgl.constexpr,
            XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr, LH: ttgl.constexpr, LA: ttgl.constexpr,
            LR: ttgl.constexpr, LS: ttgl.constexpr, XP: ttgl.constexpr, cd=None, sd=None, TS: ttgl.constexpr = 0,
-           WS: ttgl.constexpr = 0, WSP: ttgl.constexpr = 0, LP: ttgl.constexpr = 0, WL: ttgl.constexpr = 0):
+           WS: ttgl.constexpr = 0, WSP: ttgl.constexpr = 0, LP: ttgl.constexpr = 0):
     """The kernel body; ``LR`` > 0 (the mma.sync builds only) adds the LoRA term (see _kernel's ``lora``);
     ``TS`` > 0 (mma.sync only): codes and scales by TMA (descriptors ``cd``, ``sd``) into ``TS`` shared buffers."""
     if WG:
@@ -614,12 +603,8 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
       pid_w = 0
     kp0 = pid_w * (STEPS * 32) + layer * (K // 2)  # first code row of this split (layers folded)
     s_row0 = pid_w * (STEPS * 4) + layer * (K // 16)
-    if WL:
-      kp = ttgl.arange(0, 32, layout=ttgl.SliceLayout(1, wide_layout))
-      nn = ttgl.arange(0, BN, layout=ttgl.SliceLayout(0, wide_layout))
-    else:
-      kp = ttgl.arange(0, 32, layout=ttgl.SliceLayout(1, code_layout))
-      nn = ttgl.arange(0, BN, layout=ttgl.SliceLayout(0, code_layout))
+    kp = ttgl.arange(0, 32, layout=ttgl.SliceLayout(1, code_layout))
+    nn = ttgl.arange(0, BN, layout=ttgl.SliceLayout(0, code_layout))
     c_offs = ttgl.expand_dims(kp + kp0, 1) * N + ttgl.expand_dims(nn, 0) + n0
     kk = ttgl.arange(0, 64, layout=ttgl.SliceLayout(1, xl))
     mm = ttgl.arange(0, MB, layout=ttgl.SliceLayout(0, xl))
@@ -673,10 +658,10 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
         if j < STEPS:
           async_copy.async_copy_global_to_shared(x_smem.index(j), x_ptr + xp_offs + j * 64)
         async_copy.commit_group()
-      c0, s0, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, False, LH, WL=WL)
+      c0, s0, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, False, LH)
       for i in ttgl.static_range(STEPS):
         c1, s1, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N,
-                              False, LH, WL=WL)
+                              False, LH)
         if WA:  # decoded before the wait, so that it overlaps step i - 1's MMA
           a = ttgl.convert_layout(decode(c0, s0, DO), a_layout, assert_trivial=True)
         async_copy.wait_group(PRE - 1)  # this thread's copies of step i have landed
@@ -697,10 +682,10 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
       if WA:
         acc = hopper.warpgroup_mma_wait(0, deps=[acc])
     else:
-      c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, True, LH, LA, WL=WL)
+      c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, True, LH, LA)
       for i in ttgl.static_range(STEPS):  # unrolled; step i+1's loads are issued before step i's math
         c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N,
-                              True, LH, LA, WL=WL)
+                              True, LH, LA)
         if WG:
           # buffer i % 2 was last read by step i - 2's (synchronous) MMA, done before barrier i - 1
           buf = x_smem.index(i % 2)
@@ -762,20 +747,20 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
   def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                  K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
                  ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0,
-                 LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0, LP: ttgl.constexpr = 0, WL: ttgl.constexpr = 0):
+                 LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0, LP: ttgl.constexpr = 0):
     ttgl.static_assert(M > 0)  # (names ttgl in the body, so that the annotations resolve)
     gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, x_ptr, x_ptr, z_ptr, o_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS, WA,
-         DO, LH, LA, 0, 0.0, 0, LP=LP, WL=WL or 0)
+         DO, LH, LA, 0, 0.0, 0, LP=LP)
 
   @gluon.jit
   def w4a16_gemv_lora(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M: ttgl.constexpr,
                       N: ttgl.constexpr, K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr,
                       MB: ttgl.constexpr, ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr,
                       DO: ttgl.constexpr = 0, LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0, LR: ttgl.constexpr = 16,
-                      LS: ttgl.constexpr = 1.0, XP: ttgl.constexpr = 0, WL: ttgl.constexpr = 0):
+                      LS: ttgl.constexpr = 1.0, XP: ttgl.constexpr = 0):
     ttgl.static_assert(LR % 16 == 0)
     gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS,
-         WA, DO, LH, LA, LR, LS, XP, WL=WL or 0)
+         WA, DO, LH, LA, LR, LS, XP)
 
   @gluon.jit
   def w4a16_gemv_tma(cd, sd, x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
@@ -1252,8 +1237,6 @@ def _build(m: int, k: int, n: int, layers: int, decode_order: bool = False) -> B
     return Build(wg, narrow, block_n, splits, meta, w8)
   if L2_PROBE:  # (lab probe: wrong results)
     meta["LP"] = 1
-  if WIDE_CODE_LOADS and narrow:  # (lab) 8-byte code loads, moved into the decode's layout within each warp
-    meta["WL"] = 1
   if LOAD_HINTS and _row_block(m) <= LOAD_HINTS_MAX_MB:
     meta["LH"] = LOAD_HINTS
   if LOAD_ASM and small:  # (its loads take 8 bytes a thread and row)

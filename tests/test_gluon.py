@@ -370,29 +370,6 @@ def test_gpu_gluon_x_ring_matches_float64(m, k, n, stages, wg_async, monkeypatch
   _check_forward_against_float64(m, k, n)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("code_order", ["standard", "decode"])
-@pytest.mark.parametrize("m", [40, 64, 100, 128])
-@pytest.mark.parametrize("k,n", [(3584, 4608), (18944, 3584), (1088, 768)])
-def test_gpu_gluon_wide_code_loads_match_float64(m, k, n, code_order, monkeypatch):
-  """WIDE_CODE_LOADS = 1 (lab): the narrow wgmma builds (MB = 64, 128; with the x ring at 128) load their codes
-  8 bytes a thread and convert them to the decode's layout; both code orders, ragged M, a stack read at layer 1,
-  against float64."""
-  _skip_without_wgmma()
-  monkeypatch.setattr(w4_gluon, "WIDE_CODE_LOADS", 1)
-  assert w4_gluon._build(m, k, n, 2, code_order == "decode").meta["WL"] == 1
-  _check_stack_layer_against_float64(m, k, n, m + 5 * k, 3 * m + n, code_order == "decode")
-
-
-def test_wide_code_loads_only_change_the_narrow_builds(monkeypatch):
-  """WIDE_CODE_LOADS marks the narrow wgmma builds (MB >= NARROW_MIN_MB: M = 33-128) and no other build; off (the
-  default), no build carries it, so the default kernels' constexprs (and compile caches) are unchanged."""
-  shapes = [(m, 3584, 4608) for m in (1, 8, 16, 17, 32, 33, 64, 100, 128)]
-  assert all("WL" not in w4_gluon._build(m, k, n, 1).meta for m, k, n in shapes)
-  monkeypatch.setattr(w4_gluon, "WIDE_CODE_LOADS", 1)
-  assert [m for m, k, n in shapes if w4_gluon._build(m, k, n, 1).meta.get("WL")] == [33, 64, 100, 128]
-
-
 def test_x_slot_order_is_the_kernels_operand_order():
   """x_in_slot_order equals the kernel's in-register relabelling (x_slots), worked by hand on the
   k index: the k-pair swap (bits 0, 1), then wgmma's k_width-2 relabelling (bits 1-4 as 3, 4, 1, 2);

@@ -7,7 +7,6 @@ Session 14 found libdevice's sin/cos slow path in ``decode_attention_append`` th
 
   PYTHONPATH=$PWD python3 experiments/lab/attention_offline_compile.py      # Qwen2.5-7B heads, batch 8
   ATTN_BATCH=64 PYTHONPATH=$PWD python3 experiments/lab/attention_offline_compile.py
-  ATTN_PREFETCH=64 ...   # session 34: decode_attention_append with APPEND_PREFETCH's touches
   ATTN_HEAD_DIM=16 ATTN_KV_HEADS=2 ATTN_GROUP=2 ...   # session 19: the score dots at head_dim 16 have K = 8
 """
 import os

@@ -185,12 +185,10 @@
 #     against the same split rule without TMA; kernel harness at M = 1 and 8 (about 3 min). Session 27 ran the
 #     GPU tests and 1 / 2 / 4 / 8 buffers, step 44 and this step: every TMA variant slower than the default
 #     (docs/benchmarks.md "Session 27").
-# 46. (session 34, prepared) WIDE_CODE_LOADS (lab): the narrow wgmma builds' codes by 8-byte loads. Its GPU test
-#     against float64 first, then the kernel harness at M = 40, 64, 100 and 128 and a batch-64 / 128 rollout A/B
-#     (512 new tokens, alternating; about 6 min).
-# 47. (session 34, prepared) APPEND_PREFETCH (lab, pallas_kernels.decode_attention): each program of the decode
-#     attention touches its first 64 slots' K and V sectors before it loads q. Its GPU test, then a batch-8
-#     rollout A/B at 1024 new tokens (the long KV cache it is for), alternating (about 3 min).
+# 46. (session 34, run in session 35, then removed with its setting) WIDE_CODE_LOADS: the narrow wgmma builds'
+#     codes by 8-byte loads; right, and slower at every M (docs/benchmarks.md "Session 35").
+# 47. (session 34, run in session 35, then removed with its setting) APPEND_PREFETCH: the decode attention touching
+#     its first cache slots early; right, and not faster (docs/benchmarks.md "Session 35").
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -361,19 +359,6 @@ step 44 && { timeout 400 python3 experiments/bench_rollout.py --batches=8,64,256
   | tee "$OUT/issue6_scale_pairs.txt"
 step 45 && { GL_MS=1,8 GL_VARIANTS="tma1:TMA_STAGES=1;tma1t640:TMA_STAGES=1,TARGET_PROGRAMS=640;tma4s4:TMA_STAGES=4,MAX_STEPS=4,TARGET_PROGRAMS=1024;tma2s2:TMA_STAGES=2,MAX_STEPS=2,TARGET_PROGRAMS=2048;s4:MAX_STEPS=4,TARGET_PROGRAMS=1024" \
     timeout 400 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn; } | tee "$OUT/tma_grid.txt"
-step 46 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -n 12 -m gpu tests/test_gluon.py \
-    -k wide_code -p no:cacheprovider 2>&1 | tail -2
-  XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_dynamic_slice_fusion=true" GL_MS=40,64,100,128 \
-    GL_VARIANTS="wide:WIDE_CODE_LOADS=1" timeout 150 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v -i warn
-  for s in "" "WIDE_CODE_LOADS=1" "" "WIDE_CODE_LOADS=1"; do
-    GL_SET="$s" timeout 80 python3 experiments/lab/gluon/ab_rollout.py --batches=64,128 --new_tokens=512 \
-      --formats=nvfp4_fused --time_budget_s=70 2>&1 | grep "w4_gluon\.\|nvfp4_fused |"; done; } | tee "$OUT/wide_code_loads.txt"
-step 47 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -m gpu tests/test_decode_attention.py \
-    -k prefetch -p no:cacheprovider 2>&1 | tail -2
-  for s in "" "APPEND_PREFETCH=64" "" "APPEND_PREFETCH=64" "APPEND_PREFETCH=32"; do
-    DA_SET="$s" timeout 60 python3 experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=1024 \
-      --formats=nvfp4_fused --time_budget_s=50 2>&1 | grep "decode_attention\.\|nvfp4_fused |"; done; } \
-  | tee "$OUT/append_prefetch.txt"
 step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REGISTERS=96,TARGET_PROGRAMS=640;r80:MMA_MAX_REGISTERS=80;r80t768:MMA_MAX_REGISTERS=80,TARGET_PROGRAMS=768" \
     timeout 300 python3 experiments/lab/gluon/time_jax.py 2>&1 | grep -v Warn
   for s in "" "MMA_MAX_REGISTERS=96" "" "MMA_MAX_REGISTERS=96"; do
