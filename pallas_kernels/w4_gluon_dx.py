@@ -54,6 +54,17 @@ A_STAGES = 3    # shared buffers of the decoded operand (7B shapes summed: 3 bea
 MIN_M = 256     # the smallest M the dispatch (pallas_kernels.matmul.kernel_dx) sends here
 _SCALE_BIAS = 2.0 ** 118  # folded into the bf16 block scales; the decode gives e2m1 * 2**-126
 _ARG_DTYPES = ("*bf16", "*u8", "*bf16", "*fp32", "*i32", "*bf16")  # dy, codes, scales, global scales, layer, dx
+# the warp-specialized build reads the codes as 32-bit words and the bf16 block scales as bf16 pairs
+_WS_ARG_DTYPES = ("*bf16", "*i32", "*i32", "*fp32", "*i32", "*bf16")
+WS = 1            # (session 36) the warp-specialized build (_ws_kernel) where it applies; 0: the session-17 build
+WS_BLOCK_M = 256  # its rows of dy a program (two MMA warpgroups of 128: two m64 wgmmas each)
+WS_BLOCK_K = 128  # its rows of K (outputs) a program: the wgmma's N
+WS_STAGES = 4     # its ring of (dy, decoded W) shared buffers
+WS_DECODE_WARPS = 4  # warps of its producer partition (cp.async of dy, E2M1 decode into shared memory)
+WS_MAXNREG = 0    # its register cap at launch (0: 65536 / threads, rounded down to a multiple of 8)
+WS_CODE_STAGES = 4  # its producer's ring of code and block-scale buffers (cp.async, CS - 1 steps ahead)
+WS_PROBE = 0      # lab probe (wrong results): 1 skips its decode (the MMAs read stale buffers), 2 its MMAs
+WS_DECODE_REGS = 0  # its producer partition's registers (0: derived from the cap)
 
 
 def applies(m: int, w, dy_dtype) -> bool:
@@ -181,6 +192,175 @@ def _kernel():
   return w4a16_dx
 
 
+@functools.lru_cache(maxsize=None)
+def _ws_kernel():
+  """The warp-specialized build (lab, :data:`WS`): ``dx [BM, BK] = dy [BM, N] @ W^T`` per program.
+
+  * A producer partition (:data:`WS_DECODE_WARPS` warps) fills a ring of :data:`WS_STAGES` pairs of
+    shared buffers, one pair per 64 columns of N: ``dy [BM, 64]`` by cp.async (arriving on ``a_ready``
+    when the copies land), and ``W [BK, 64]`` decoded from its codes (register loads one step ahead,
+    the E2M1 bit placement of :func:`_asm` times the bf16 block scales) and stored in the natural
+    ``[k, n]`` order (then ``b_ready``). It refills a pair once the MMA partition releases it.
+  * The default partition (8 warps, two warpgroups of 64 rows) waits for a pair, runs
+    ``acc += dy @ W^T`` on wgmma (B is the stored tile transposed, K-major), keeps one MMA in flight
+    and releases the previous step's pair (``empty``).
+  """
+  from triton.experimental import gluon
+  from triton.experimental.gluon import language as ttgl
+  from triton.experimental.gluon.language.nvidia import hopper
+  from triton.experimental.gluon.language.nvidia.ampere import async_copy
+  from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+  asm = ttgl.constexpr(_asm())
+
+  @gluon.jit
+  def decode_half(c, se, so, dst):
+    """code words [Q, 4, 16] (code rows 4 q + r, 4 columns a word) and their block scales as bf16 pairs
+    ``se`` (columns 4 w, 4 w + 1) and ``so`` (4 w + 2, 4 w + 3), [Q, 16] (one scale row for each quad of
+    code rows) -> W rows 8 q + 2 r + nibble, as bf16 pairs, stored into ``dst`` ([8 Q, 32] int32 words)."""
+    q: ttgl.constexpr = c.shape[0]
+    lo01, lo23, hi01, hi23 = ttgl.inline_asm_elementwise(
+        asm, "=r,=r,=r,=r,r,r,r", [c, ttgl.broadcast(ttgl.expand_dims(se, 1), c)[0],
+                                  ttgl.broadcast(ttgl.expand_dims(so, 1), c)[0]],
+        dtype=(ttgl.int32, ttgl.int32, ttgl.int32, ttgl.int32), is_pure=True, pack=1)
+    lo = ttgl.reshape(ttgl.join(lo01, lo23), [q, 4, 32])
+    hi = ttgl.reshape(ttgl.join(hi01, hi23), [q, 4, 32])
+    dst.store(ttgl.reshape(ttgl.permute(ttgl.join(lo, hi), [0, 1, 3, 2]), [8 * q, 32]))
+
+  @gluon.jit
+  def producer(dy_ptr, p_ptr, s_ptr, a_smem, b_smem, a_ready, b_ready, empty, pid_k, pid_m, layer,
+               M: ttgl.constexpr, N: ttgl.constexpr, K: ttgl.constexpr, BM: ttgl.constexpr, BK: ttgl.constexpr,
+               S: ttgl.constexpr, DW: ttgl.constexpr, CS: ttgl.constexpr, PR: ttgl.constexpr):
+    STEPS: ttgl.constexpr = N // 64
+    Q: ttgl.constexpr = 4 * DW  # quads of code rows a chunk (the layout's extent); a step has BK / 2 code rows
+    H: ttgl.constexpr = BK // (8 * Q)  # chunks a step (1 or 2)
+    NW: ttgl.constexpr = N // 4  # code words a row
+    # code words [Q quads, 4 rows, 16 words of 4 columns]: a thread holds 4 consecutive code rows (one
+    # block-scale row) x 2 words, so its 4 rows share one load of 8 scales
+    cl: ttgl.constexpr = ttgl.BlockedLayout([1, 4, 2], [4, 1, 8], [DW, 1, 1], [2, 1, 0])
+    sl: ttgl.constexpr = ttgl.SliceLayout(1, cl)
+    cq = ttgl.arange(0, Q, layout=ttgl.SliceLayout(1, ttgl.SliceLayout(2, cl)))
+    cr = ttgl.arange(0, 4, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(2, cl)))
+    cw = ttgl.arange(0, 16, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(1, cl)))
+    kp = ttgl.expand_dims(ttgl.expand_dims(cq * 4, 1) + ttgl.expand_dims(cr, 0), 2)  # [Q, 4, 1]
+    c_offs = (kp + (layer * (K // 2) + pid_k * (BK // 2))) * NW + ttgl.expand_dims(ttgl.expand_dims(cw, 0), 1)
+    sq = ttgl.arange(0, Q, layout=ttgl.SliceLayout(1, sl))
+    sw = ttgl.arange(0, 16, layout=ttgl.SliceLayout(0, sl))
+    # code row 4 q + r of the tile is in block-scale row (4 q + r) // 8 = q // 2; bf16 pairs (N / 2 a row)
+    s_offs = ttgl.expand_dims(sq // 2 + pid_k * (BK // 16), 1) * (N // 2) + ttgl.expand_dims(sw * 2, 0)
+    # dy [BM, 64]: 16 contiguous bytes a copy; rows past M read row M - 1 (their outputs are not stored)
+    yl: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [4, 8], [DW, 1], [1, 0])
+    ym = ttgl.arange(0, BM, layout=ttgl.SliceLayout(1, yl))
+    yn = ttgl.arange(0, 64, layout=ttgl.SliceLayout(0, yl))
+    y_offs = ttgl.expand_dims(ttgl.minimum(ym + pid_m * BM, M - 1), 1) * N + ttgl.expand_dims(yn, 0)
+    H_C: ttgl.constexpr = 4 * Q * NW  # the second chunk's code rows (words)
+    H_S: ttgl.constexpr = (Q // 2) * (N // 2)  # and block-scale rows (bf16 pairs)
+    bw_layout: ttgl.constexpr = ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    # codes and block scales by cp.async into a ring of CS shared buffers, CS - 1 steps ahead of their decode;
+    # each thread copies exactly the words it reads back, so its own wait_group orders the two
+    rl: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    rl2: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    c_smem = ttgl.allocate_shared_memory(ttgl.int32, [CS * H, Q, 4, 16], rl)
+    e_smem = ttgl.allocate_shared_memory(ttgl.int32, [CS * H, Q, 16], rl2)
+    o_smem = ttgl.allocate_shared_memory(ttgl.int32, [CS * H, Q, 16], rl2)
+    for j in ttgl.static_range(CS - 1):
+      for h in ttgl.static_range(H):
+        jj = min(j, STEPS - 1)
+        async_copy.async_copy_global_to_shared(c_smem.index(j * H + h), p_ptr + c_offs + h * H_C + jj * 16)
+        async_copy.async_copy_global_to_shared(e_smem.index(j * H + h), s_ptr + s_offs + h * H_S + jj * 32)
+        async_copy.async_copy_global_to_shared(o_smem.index(j * H + h), s_ptr + s_offs + h * H_S + jj * 32 + 1)
+      async_copy.commit_group()
+    for i in range(STEPS):
+      st = i % S
+      mbarrier.wait(empty.index(st), ((i // S) & 1) ^ 1)
+      async_copy.async_copy_global_to_shared(a_smem.index(st), dy_ptr + y_offs + i * 64)
+      async_copy.mbarrier_arrive(a_ready.index(st), increment_count=False)
+      nxt = ttgl.minimum(i + CS - 1, STEPS - 1)
+      ns = (i + CS - 1) % CS
+      for h in ttgl.static_range(H):
+        async_copy.async_copy_global_to_shared(c_smem.index(ns * H + h), p_ptr + c_offs + h * H_C + nxt * 16)
+        async_copy.async_copy_global_to_shared(e_smem.index(ns * H + h), s_ptr + s_offs + h * H_S + nxt * 32)
+        async_copy.async_copy_global_to_shared(o_smem.index(ns * H + h), s_ptr + s_offs + h * H_S + nxt * 32 + 1)
+      async_copy.commit_group()
+      async_copy.wait_group(CS - 1)  # this thread's copies of step i have landed
+      cs = i % CS
+      bw = b_smem.index(st)._reinterpret(ttgl.int32, [BK, 32], bw_layout)
+      for h in ttgl.static_range(H):
+        c = c_smem.index(cs * H + h).load(cl)
+        e = e_smem.index(cs * H + h).load(sl)
+        o = o_smem.index(cs * H + h).load(sl)
+        if PR != 1:
+          decode_half(c, e, o, bw.slice(h * 8 * Q, 8 * Q))
+      hopper.fence_async_shared()
+      mbarrier.arrive(b_ready.index(st), count=1)
+
+  @gluon.jit
+  def mma_loop(a_smem, b_smem, a_ready, b_ready, empty, BM: ttgl.constexpr, BK: ttgl.constexpr, N: ttgl.constexpr,
+               S: ttgl.constexpr, PR: ttgl.constexpr):
+    STEPS: ttgl.constexpr = N // 64
+    mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BK, 16])
+    acc = ttgl.zeros([BM, BK], ttgl.float32, layout=mma)
+    for i in range(STEPS):
+      st = i % S
+      ph = (i // S) & 1
+      mbarrier.wait(a_ready.index(st), ph)
+      mbarrier.wait(b_ready.index(st), ph)
+      hopper.fence_async_shared()  # the copies' generic-proxy writes, before the tensor cores read them
+      if PR != 2:
+        acc = hopper.warpgroup_mma(a_smem.index(st), b_smem.index(st).permute((1, 0)), acc, is_async=True)
+      acc = hopper.warpgroup_mma_wait(1, deps=[acc])
+      # step i - 1's MMA is retired in both warpgroups (the arrive waits for the partition): free its pair
+      mbarrier.arrive(empty.index((i + S - 1) % S), count=1, pred=i > 0)
+    acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+    return (acc,)
+
+  @gluon.jit
+  def w4a16_dx_ws(dy_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
+                  K: ttgl.constexpr, L: ttgl.constexpr, BM: ttgl.constexpr, BK: ttgl.constexpr, S: ttgl.constexpr,
+                  DW: ttgl.constexpr, DR: ttgl.constexpr, CS: ttgl.constexpr, PR: ttgl.constexpr):
+    pid_k = ttgl.program_id(0)
+    pid_m = ttgl.program_id(1)
+    layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
+    gs = ttgl.load(gs_ptr + layer)
+    a_layout: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([BM, 64], ttgl.bfloat16)
+    b_layout: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([BK, 64], ttgl.bfloat16)
+    a_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [S, BM, 64], a_layout)
+    b_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [S, BK, 64], b_layout)
+    a_ready = ttgl.allocate_shared_memory(ttgl.int64, [S, 1], mbarrier.MBarrierLayout())
+    b_ready = ttgl.allocate_shared_memory(ttgl.int64, [S, 1], mbarrier.MBarrierLayout())
+    empty = ttgl.allocate_shared_memory(ttgl.int64, [S, 1], mbarrier.MBarrierLayout())
+    for j in ttgl.static_range(S):
+      mbarrier.init(a_ready.index(j), count=DW * 32)  # every producer thread's copies (cp.async, no increment)
+      mbarrier.init(b_ready.index(j), count=1)
+      mbarrier.init(empty.index(j), count=1)
+    acc = ttgl.warp_specialize(
+        [(mma_loop, (a_smem, b_smem, a_ready, b_ready, empty, BM, BK, N, S, PR)),
+         (producer, (dy_ptr, p_ptr, s_ptr, a_smem, b_smem, a_ready, b_ready, empty, pid_k, pid_m, layer, M, N, K, BM,
+                     BK, S, DW, CS, PR))],
+        [DW], [DR])[0]
+    out = (acc * (256.0 / gs)).to(ttgl.bfloat16)  # 2**8 undoes the decode's 2**-8
+    rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(1, out.type.layout)) + pid_m * BM
+    cols = ttgl.arange(0, BK, layout=ttgl.SliceLayout(0, out.type.layout)) + pid_k * BK
+    mask = ttgl.expand_dims(rows < M, 1) & ttgl.expand_dims(cols >= 0, 0)
+    ttgl.store(o_ptr + ttgl.expand_dims(rows, 1) * K + ttgl.expand_dims(cols, 0), out, mask=mask)
+
+  return w4a16_dx_ws
+
+
+def ws_applies(m: int, k: int, n: int) -> bool:
+  """Whether the warp-specialized build takes ``dy [m, n]`` against a ``[k, n]`` weight (``K`` a multiple
+  of :data:`WS_BLOCK_K`), with :data:`WS` on."""
+  return bool(WS) and k % WS_BLOCK_K == 0 and n % STEP_N == 0
+
+
+def _ws_regs() -> tuple[int, int]:
+  """(launch cap, producer registers) of the warp-specialized build: ``8 + WS_DECODE_WARPS`` warps share
+  the 65536 registers of an SM."""
+  threads = 32 * (8 + WS_DECODE_WARPS)
+  cap = WS_MAXNREG or (65536 // threads) // 8 * 8
+  return cap, WS_DECODE_REGS or max(24, min(cap, 128) // 8 * 8)
+
+
 class Build(NamedTuple):
   """One launch: the kernel's constexprs and its grid (K / 128 row tiles, M / BM tiles)."""
   meta: dict
@@ -207,6 +387,13 @@ def _compiled(meta: tuple):
   """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta``, loaded on every GPU."""
   return w4_gluon._load(w4_gluon._compile_gluon(_kernel(), _ARG_DTYPES, dict(meta), w4_gluon._target_cc(),
                                                 num_warps=8))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_ws(meta: tuple, cap: int):
+  """``(ptx, kernel name, shared bytes)`` of the warp-specialized build, loaded on every GPU."""
+  return w4_gluon._load(w4_gluon._compile_gluon(_ws_kernel(), _WS_ARG_DTYPES, dict(meta), w4_gluon._target_cc(),
+                                                num_warps=8, maxnreg=cap))
 
 
 def block_scales_bf16(w: nvfp4.NVFP4Tensor, index=None) -> jax.Array:
@@ -245,8 +432,17 @@ def dx(dy: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None) -> jax.Array:
     raise ValueError(f"w4_gluon_dx.dx: index={index!r} with packed codes of shape {w.packed.shape}")
   k = w.shape[0]
   codes, _, gs, idx = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
-  build = _build(m, k, n, 1 if index is None else w.packed.shape[0])
-  ptx, name, shared = _compiled(tuple(build.meta.items()))
+  layers = 1 if index is None else w.packed.shape[0]
+  if ws_applies(m, k, n):
+    cap, regs = _ws_regs()
+    meta = dict(M=m, N=n, K=k, L=layers, BM=WS_BLOCK_M, BK=WS_BLOCK_K, S=WS_STAGES, DW=WS_DECODE_WARPS, DR=regs,
+                CS=WS_CODE_STAGES, PR=WS_PROBE)
+    ptx, name, shared = _compiled_ws(tuple(meta.items()), cap)
+    grid, threads = (k // WS_BLOCK_K, -(-m // WS_BLOCK_M), 1), 32 * (8 + WS_DECODE_WARPS)
+  else:
+    build = _build(m, k, n, layers)
+    ptx, name, shared = _compiled(tuple(build.meta.items()))
+    grid, threads = build.grid, 256
   return jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((m, k), jnp.bfloat16))(
       dy, codes, block_scales_bf16(w, index), gs, idx,
-      **w4_gluon._launch_attrs(ptx, name, build.grid, shared, threads=256))
+      **w4_gluon._launch_attrs(ptx, name, grid, shared, threads=threads))

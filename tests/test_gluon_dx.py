@@ -99,17 +99,22 @@ def _skip_without_kernel():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ws", [0, 1])
 @pytest.mark.parametrize("m,k,n", [
     (2048, 3584, 4608),   # 7B q/k/v
     (300, 18944, 3584),   # 7B down, ragged M (two M tiles, the second with 44 rows)
     (1000, 3584, 3584),   # 7B o
     (257, 1152, 768),     # one row in the last M tile
+    (129, 1280, 768),     # the same in the warp-specialized build's 128-row tiles
     (64, 128, 64),        # one program, one step
+    (64, 256, 64),        # the same in the warp-specialized build
+    (200, 512, 320),      # a ring of 4 wrapped once (5 steps)
 ])
-def test_gpu_dx_matches_float64(m, k, n):
+def test_gpu_dx_matches_float64(m, k, n, ws, monkeypatch):
   """dx = dy @ W^T against float64 (bf16 output: relative error at bf16 rounding), every row written
-  and finite."""
+  and finite; ``ws``: the warp-specialized build (``WS``) where it applies (K a multiple of 256)."""
   _skip_without_kernel()
+  monkeypatch.setattr(w4_gluon_dx, "WS", ws)
   wq = _weight(k, n, m + k)
   dy = jnp.asarray(np.random.default_rng(n).standard_normal((m, n)) * 2.0, jnp.bfloat16)
   got = jax.jit(w4_gluon_dx.dx)(dy, wq)
@@ -121,10 +126,12 @@ def test_gpu_dx_matches_float64(m, k, n):
 
 
 @pytest.mark.gpu
-def test_gpu_dx_reads_a_stacked_layer():
+@pytest.mark.parametrize("ws,k", [(0, 1152), (1, 1280)])
+def test_gpu_dx_reads_a_stacked_layer(ws, k, monkeypatch):
   """With ``index`` the kernel reads that layer of a stack in place (clamped like the other kernels)."""
   _skip_without_kernel()
-  wq = _weight(1152, 768, 5, layers=3)
+  monkeypatch.setattr(w4_gluon_dx, "WS", ws)
+  wq = _weight(k, 768, 5, layers=3)
   dy = jnp.asarray(np.random.default_rng(6).standard_normal((512, 768)), jnp.bfloat16)
   f = jax.jit(lambda dy, w, i: w4_gluon_dx.dx(dy, w, index=i))
   for index, layer in ((0, 0), (2, 2), (5, 2)):

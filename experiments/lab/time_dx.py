@@ -38,7 +38,8 @@ def variants():
 def main():
   ms = [int(m) for m in os.environ.get("DX_MS", "2048,8192").split(",")]
   shapes = os.environ.get("DX_SHAPES", ",".join(SHAPES)).split(",")
-  defaults = {k: getattr(w4_gluon_dx, k) for k in ("BLOCK_M", "X_STAGES", "A_STAGES")}
+  defaults = {k: getattr(w4_gluon_dx, k) for k in ("BLOCK_M", "X_STAGES", "A_STAGES", "WS", "WS_STAGES",
+                                                  "WS_DECODE_WARPS", "WS_MAXNREG", "WS_DECODE_REGS", "WS_PROBE", "WS_CODE_STAGES", "WS_BLOCK_M", "WS_BLOCK_K")}
   idx = jnp.int32(13)
   totals = {}
   for name in shapes:
