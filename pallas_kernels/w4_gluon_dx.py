@@ -7,8 +7,16 @@ without a bf16 copy of ``W`` in HBM; the default path (:func:`pallas_kernels.w4_
 then cuBLAS) writes one per call (136 MB for a 7B MLP matrix, 283 MB for a 32B one).
 
 **Opt-in** (``pallas_kernels.matmul.GLUON_DX = "1"`` or ``QERL_GLUON_DX=1``): on an H200 it runs at
-0.57x / 0.62x of bf16 cuBLAS at M = 2048 / 8192 (7B shapes summed), where dequantize + cuBLAS runs at
-0.86x / 0.96x (docs/benchmarks.md, session 17). It is for runs that are short of memory, not of time.
+0.71x / 0.78x of bf16 cuBLAS at M = 2048 / 8192 (7B shapes summed; the warp-specialized build, session
+36), where dequantize + cuBLAS runs at 0.93x / 1.04x in the same harness (docs/benchmarks.md, session
+36). It is for runs that are short of memory, not of time.
+
+Two builds (:data:`WS` picks):
+
+* **Warp-specialized** (:func:`_ws_kernel`, the default): ``dx [BM, BK] = dy [BM, N] @ W^T`` per
+  program with a producer partition (cp.async of dy and of the codes and scales, the E2M1 decode into
+  shared memory) and an MMA partition (wgmma, B the decoded tile K-major), synchronised by mbarriers.
+* **Session 17's** (``WS = 0``), described next.
 
 The kernel computes ``dx^T [K, M] = W [K, N] @ dy^T [N, M]`` on wgmma (m64 n``BM`` k16, both operands
 from shared memory):
@@ -57,6 +65,7 @@ _ARG_DTYPES = ("*bf16", "*u8", "*bf16", "*fp32", "*i32", "*bf16")  # dy, codes, 
 # the warp-specialized build reads the codes as 32-bit words and the bf16 block scales as bf16 pairs
 _WS_ARG_DTYPES = ("*bf16", "*i32", "*i32", "*fp32", "*i32", "*bf16")
 WS = 1            # (session 36) the warp-specialized build (_ws_kernel) where it applies; 0: the session-17 build
+                  # (7B shapes summed, M = 2048 / 8192: 0.71x / 0.78x of bf16 against 0.57x / 0.63x)
 WS_BLOCK_M = 256  # its rows of dy a program (two MMA warpgroups of 128: two m64 wgmmas each)
 WS_BLOCK_K = 128  # its rows of K (outputs) a program: the wgmma's N
 WS_STAGES = 4     # its ring of (dy, decoded W) shared buffers
