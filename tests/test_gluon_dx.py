@@ -105,14 +105,14 @@ def _skip_without_kernel():
     (300, 18944, 3584),   # 7B down, ragged M (two M tiles, the second with 44 rows)
     (1000, 3584, 3584),   # 7B o
     (257, 1152, 768),     # one row in the last M tile
-    (129, 1280, 768),     # the same in the warp-specialized build's 128-row tiles
+    (129, 1280, 768),     # 129 rows of one 256-row tile (the warp-specialized build)
     (64, 128, 64),        # one program, one step
-    (64, 256, 64),        # the same in the warp-specialized build
+    (64, 256, 64),        # one step, two 128-row K tiles (the warp-specialized build)
     (200, 512, 320),      # a ring of 4 wrapped once (5 steps)
 ])
 def test_gpu_dx_matches_float64(m, k, n, ws, monkeypatch):
   """dx = dy @ W^T against float64 (bf16 output: relative error at bf16 rounding), every row written
-  and finite; ``ws``: the warp-specialized build (``WS``) where it applies (K a multiple of 256)."""
+  and finite; ``ws``: the warp-specialized build (``WS``) or session 17's."""
   _skip_without_kernel()
   monkeypatch.setattr(w4_gluon_dx, "WS", ws)
   wq = _weight(k, n, m + k)
