@@ -203,16 +203,18 @@ def _kernel():
 
 @functools.lru_cache(maxsize=None)
 def _ws_kernel():
-  """The warp-specialized build (lab, :data:`WS`): ``dx [BM, BK] = dy [BM, N] @ W^T`` per program.
+  """The warp-specialized build (:data:`WS`): ``dx [BM, BK] = dy [BM, N] @ W^T`` per program.
 
   * A producer partition (:data:`WS_DECODE_WARPS` warps) fills a ring of :data:`WS_STAGES` pairs of
-    shared buffers, one pair per 64 columns of N: ``dy [BM, 64]`` by cp.async (arriving on ``a_ready``
-    when the copies land), and ``W [BK, 64]`` decoded from its codes (register loads one step ahead,
-    the E2M1 bit placement of :func:`_asm` times the bf16 block scales) and stored in the natural
-    ``[k, n]`` order (then ``b_ready``). It refills a pair once the MMA partition releases it.
-  * The default partition (8 warps, two warpgroups of 64 rows) waits for a pair, runs
-    ``acc += dy @ W^T`` on wgmma (B is the stored tile transposed, K-major), keeps one MMA in flight
-    and releases the previous step's pair (``empty``).
+    shared buffers, one pair per 64 columns of N: ``dy [BM, 64]`` by cp.async (the copies arrive on
+    ``a_ready`` when they land), and ``W [BK, 64]`` decoded from its codes and stored in the natural
+    ``[k, n]`` order (then ``b_ready``). The codes and bf16 block scales come by cp.async into a ring of
+    :data:`WS_CODE_STAGES` buffers of its own, ``WS_CODE_STAGES - 1`` steps ahead; the decode is the
+    E2M1 bit placement of :func:`_asm` times the scales, on 32-bit words. It refills a pair once the MMA
+    partition releases it (``empty``).
+  * The default partition (8 warps: two warpgroups of ``BM / 2`` rows, one or two m64 wgmmas each) waits
+    for a pair, runs ``acc += dy @ W^T`` on wgmma (B is the stored tile transposed, K-major), keeps one
+    MMA in flight and releases the previous step's pair.
   """
   from triton.experimental import gluon
   from triton.experimental.gluon import language as ttgl
@@ -362,6 +364,16 @@ def ws_applies(m: int, k: int, n: int) -> bool:
   return bool(WS) and k % WS_BLOCK_K == 0 and n % STEP_N == 0
 
 
+def _ws_check():
+  """Raises ValueError for warp-specialized settings the kernel cannot take: ``WS_BLOCK_M`` 128 or 256,
+  ``WS_BLOCK_K`` one or two chunks of ``32 WS_DECODE_WARPS`` rows, rings of at least 2 buffers."""
+  chunk = 32 * WS_DECODE_WARPS
+  if WS_BLOCK_M not in (128, 256) or WS_BLOCK_K not in (chunk, 2 * chunk) or WS_STAGES < 2 or WS_CODE_STAGES < 2:
+    raise ValueError(f"w4_gluon_dx: warp-specialized settings WS_BLOCK_M={WS_BLOCK_M} (128 or 256), "
+                     f"WS_BLOCK_K={WS_BLOCK_K} ({chunk} or {2 * chunk} with WS_DECODE_WARPS={WS_DECODE_WARPS}), "
+                     f"WS_STAGES={WS_STAGES} and WS_CODE_STAGES={WS_CODE_STAGES} (each >= 2) are not supported")
+
+
 def _ws_regs() -> tuple[int, int]:
   """(launch cap, producer registers) of the warp-specialized build: ``8 + WS_DECODE_WARPS`` warps share
   the 65536 registers of an SM."""
@@ -443,6 +455,7 @@ def dx(dy: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None) -> jax.Array:
   codes, _, gs, idx = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
   layers = 1 if index is None else w.packed.shape[0]
   if ws_applies(m, k, n):
+    _ws_check()
     cap, regs = _ws_regs()
     meta = dict(M=m, N=n, K=k, L=layers, BM=WS_BLOCK_M, BK=WS_BLOCK_K, S=WS_STAGES, DW=WS_DECODE_WARPS, DR=regs,
                 CS=WS_CODE_STAGES, PR=WS_PROBE)

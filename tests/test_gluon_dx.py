@@ -90,6 +90,17 @@ def test_dx_setting_is_checked(monkeypatch):
     matmul._use_gluon_dx(jnp.zeros((512, 128), jnp.bfloat16), _weight(256, 128, 0), False)
 
 
+def test_ws_settings_are_checked(monkeypatch):
+  """The warp-specialized build's tile and ring settings are validated before a launch is built (no GPU needed)."""
+  w4_gluon_dx._ws_check()  # the defaults
+  for name, bad in (("WS_BLOCK_M", 64), ("WS_BLOCK_K", 64), ("WS_STAGES", 1), ("WS_CODE_STAGES", 1)):
+    with monkeypatch.context() as mp:
+      mp.setattr(w4_gluon_dx, name, bad)
+      with pytest.raises(ValueError, match=name):
+        w4_gluon_dx._ws_check()
+  assert w4_gluon_dx._ws_regs() == (168, 128)  # 12 warps share 65536 registers; the producer gets 128
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
