@@ -38,8 +38,8 @@ from shared memory):
   step: the compiler hands its registers to the next decode.)
 
 A program owns 128 rows of K and ``BM`` (256) rows of ``dy`` and runs over all of N in steps of
-64 (no split-K: at M >= 2048 there are hundreds of programs). Codes in the standard order only;
-:func:`applies` says which shapes it takes. GPU only (sm_90), launched through
+64 (no split-K: at M >= 2048 there are hundreds of programs). Both builds read codes in the standard order
+(a decode-order layer is converted first); :func:`applies` says which shapes it takes. GPU only (sm_90), launched through
 :mod:`pallas_kernels.w4_gluon`'s XLA FFI handler.
 """
 
@@ -50,6 +50,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import w4_gluon, w4_triton
 from qerl_jax import nvfp4
@@ -78,9 +79,9 @@ WS_DECODE_REGS = 0  # its producer partition's registers (0: derived from the ca
 
 def applies(m: int, w, dy_dtype) -> bool:
   """Whether :func:`dx` takes ``dy [m, N]`` (dtype ``dy_dtype``) and ``w``: an NVFP4 ``[K, N]``
-  weight (or stack) in the standard code order, bf16 ``dy``, ``m >= 1``, ``K`` a multiple of 128,
+  weight (or stack) in either code order, bf16 ``dy``, ``m >= 1``, ``K`` a multiple of 128,
   ``N`` a multiple of 64, every visible GPU sm_90 (wgmma) and the FFI launcher available."""
-  if not isinstance(w, nvfp4.NVFP4Tensor) or jnp.dtype(dy_dtype) != jnp.bfloat16 or w.code_order != "standard":
+  if not isinstance(w, nvfp4.NVFP4Tensor) or jnp.dtype(dy_dtype) != jnp.bfloat16:
     return False
   k, n = w.shape
   if m < 1 or k % BLOCK_K or n % STEP_N:
@@ -201,6 +202,34 @@ def _kernel():
   return w4a16_dx
 
 
+def _standard_order_steps() -> tuple[tuple[int, int], ...]:
+  """``(shift, mask)`` pairs that take a decode-order block word back to the standard order
+  (:data:`qerl_jax.nvfp4.DECODE_ORDER_BITS` inverted): ``out = OR of (word & mask) << shift`` (a negative
+  shift: a logical right shift). Masks as signed int32 values (the kernel's integer type)."""
+  new_of_old = np.argsort(nvfp4.DECODE_ORDER_BITS)
+  steps = []
+  for delta in sorted(set(int(d) for d in new_of_old - np.arange(32))):
+    mask = sum(1 << int(b) for b in np.nonzero(new_of_old - np.arange(32) == delta)[0])
+    steps.append((delta, mask - (1 << 32) if mask >= 1 << 31 else mask))
+  return tuple(steps)
+
+
+def standard_order_words(r0: np.ndarray, r1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """The warp-specialized build's in-register conversion, in numpy (for tests): the uint32 code words of code
+  rows ``2 i`` (``r0``) and ``2 i + 1`` (``r1``) of a decode-order weight (4 columns a word) -> the same words in
+  the standard order. Each word pair holds two block words (columns ``4 w, 4 w + 1`` and ``4 w + 2, 4 w + 3``)."""
+  r0, r1 = r0.astype(np.uint32), r1.astype(np.uint32)
+  blocks = [(r0 & 0xFFFF) | (r1 << 16), (r0 >> 16) | (r1 & 0xFFFF0000)]
+  out = []
+  for blk in blocks:
+    o = np.zeros_like(blk)
+    for delta, mask in _standard_order_steps():
+      moved = blk & np.uint32(mask & 0xFFFFFFFF)
+      o |= (moved << np.uint32(delta)) if delta >= 0 else (moved >> np.uint32(-delta))
+    out.append(o)
+  return (out[0] & 0xFFFF) | (out[1] << 16), (out[0] >> 16) | (out[1] & 0xFFFF0000)
+
+
 @functools.lru_cache(maxsize=None)
 def _ws_kernel():
   """The warp-specialized build (:data:`WS`): ``dx [BM, BK] = dy [BM, N] @ W^T`` per program.
@@ -224,6 +253,38 @@ def _ws_kernel():
 
   asm = ttgl.constexpr(_asm())
 
+  steps = _standard_order_steps()
+  INV_D = ttgl.constexpr(tuple(d for d, _ in steps))
+  INV_M = ttgl.constexpr(tuple(m for _, m in steps))
+
+  @gluon.jit
+  def lsr(x, n: ttgl.constexpr):
+    """Logical right shift of int32 ``x`` by ``n``."""
+    return (x.to(ttgl.uint32, bitcast=True) >> n).to(ttgl.int32, bitcast=True)
+
+  @gluon.jit
+  def unpermute(blk):
+    """A decode-order block word -> the standard order (:func:`_standard_order_steps`)."""
+    out = blk & 0
+    for t in ttgl.static_range(len(INV_D)):
+      if INV_D[t] >= 0:
+        out = out | ((blk & INV_M[t]) << INV_D[t])
+      else:
+        out = out | lsr(blk & INV_M[t], -INV_D[t])
+    return out
+
+  @gluon.jit
+  def to_standard(c):
+    """code words [Q, 4, 16] of a decode-order weight (code rows 4 q + r) -> the standard order: rows 4 q + 2 a
+    and 4 q + 2 a + 1 make two block words a word (as :func:`standard_order_words`)."""
+    q: ttgl.constexpr = c.shape[0]
+    r0, r1 = ttgl.split(ttgl.permute(ttgl.reshape(c, [q, 2, 2, 16]), [0, 1, 3, 2]))
+    o01 = unpermute((r0 & 0xFFFF) | (r1 << 16))
+    o23 = unpermute(lsr(r0, 16) | (r1 & -65536))
+    s0 = (o01 & 0xFFFF) | (o23 << 16)
+    s1 = lsr(o01, 16) | (o23 & -65536)
+    return ttgl.reshape(ttgl.permute(ttgl.join(s0, s1), [0, 1, 3, 2]), [q, 4, 16])
+
   @gluon.jit
   def decode_half(c, se, so, dst):
     """code words [Q, 4, 16] (code rows 4 q + r, 4 columns a word) and their block scales as bf16 pairs
@@ -241,7 +302,7 @@ def _ws_kernel():
   @gluon.jit
   def producer(dy_ptr, p_ptr, s_ptr, a_smem, b_smem, a_ready, b_ready, empty, pid_k, pid_m, layer,
                M: ttgl.constexpr, N: ttgl.constexpr, K: ttgl.constexpr, BM: ttgl.constexpr, BK: ttgl.constexpr,
-               S: ttgl.constexpr, DW: ttgl.constexpr, CS: ttgl.constexpr, PR: ttgl.constexpr):
+               S: ttgl.constexpr, DW: ttgl.constexpr, CS: ttgl.constexpr, PR: ttgl.constexpr, DO: ttgl.constexpr):
     STEPS: ttgl.constexpr = N // 64
     Q: ttgl.constexpr = 4 * DW  # quads of code rows a chunk (the layout's extent); a step has BK / 2 code rows
     H: ttgl.constexpr = BK // (8 * Q)  # chunks a step (1 or 2)
@@ -298,6 +359,8 @@ def _ws_kernel():
       bw = b_smem.index(st)._reinterpret(ttgl.int32, [BK, 32], bw_layout)
       for h in ttgl.static_range(H):
         c = c_smem.index(cs * H + h).load(cl)
+        if DO:
+          c = to_standard(c)
         e = e_smem.index(cs * H + h).load(sl)
         o = o_smem.index(cs * H + h).load(sl)
         if PR != 1:
@@ -328,7 +391,8 @@ def _ws_kernel():
   @gluon.jit
   def w4a16_dx_ws(dy_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                   K: ttgl.constexpr, L: ttgl.constexpr, BM: ttgl.constexpr, BK: ttgl.constexpr, S: ttgl.constexpr,
-                  DW: ttgl.constexpr, DR: ttgl.constexpr, CS: ttgl.constexpr, PR: ttgl.constexpr):
+                  DW: ttgl.constexpr, DR: ttgl.constexpr, CS: ttgl.constexpr, PR: ttgl.constexpr,
+                  DO: ttgl.constexpr):
     pid_k = ttgl.program_id(0)
     pid_m = ttgl.program_id(1)
     layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
@@ -347,7 +411,7 @@ def _ws_kernel():
     acc = ttgl.warp_specialize(
         [(mma_loop, (a_smem, b_smem, a_ready, b_ready, empty, BM, BK, N, S, PR)),
          (producer, (dy_ptr, p_ptr, s_ptr, a_smem, b_smem, a_ready, b_ready, empty, pid_k, pid_m, layer, M, N, K, BM,
-                     BK, S, DW, CS, PR))],
+                     BK, S, DW, CS, PR, DO))],
         [DW], [DR])[0]
     out = (acc * (256.0 / gs)).to(ttgl.bfloat16)  # 2**8 undoes the decode's 2**-8
     rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(1, out.type.layout)) + pid_m * BM
@@ -432,7 +496,8 @@ def dx(dy: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None) -> jax.Array:
 
   Args:
     dy: bf16 ``[M, N]``.
-    w: :class:`~qerl_jax.nvfp4.NVFP4Tensor` ``[K, N]`` in the standard code order, or with ``index``
+    w: :class:`~qerl_jax.nvfp4.NVFP4Tensor` ``[K, N]`` (either code order: a decode-order layer is converted to
+      the standard order first, by XLA), or with ``index``
       a stack ``[L, K, N]``.
     index: int32 scalar (may be traced): layer of the stack, clamped to ``[0, L)``.
 
@@ -447,18 +512,25 @@ def dx(dy: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None) -> jax.Array:
   m, n = dy.shape
   if not applies(m, w, dy.dtype) or w.shape[1] != n:
     raise ValueError(f"w4_gluon_dx.dx: no kernel for dy {dy.dtype}{list(dy.shape)} and weight {type(w).__name__} "
-                     f"{list(getattr(w, 'shape', ()))} (needs an sm_90 GPU with the FFI launcher, bf16 dy, NVFP4 "
-                     f"in the standard code order, K % {BLOCK_K} == 0, N % {STEP_N} == 0)")
+                     f"{list(getattr(w, 'shape', ()))} (needs an sm_90 GPU with the FFI launcher, bf16 dy, NVFP4, "
+                     f"K % {BLOCK_K} == 0, N % {STEP_N} == 0)")
   if (index is None) != (w.packed.ndim == 2):
     raise ValueError(f"w4_gluon_dx.dx: index={index!r} with packed codes of shape {w.packed.shape}")
+  ws = ws_applies(m, w.shape[0], n)
+  if w.code_order == "decode" and not ws:
+    # the session-17 build reads the standard order: the layer's codes are converted first (an XLA pass over
+    # them, a transient 4-bit copy of the layer; the warp-specialized build converts in registers instead)
+    if index is not None:
+      w, index = w4_triton.layer_slice(w, index), None
+    w = nvfp4.to_standard_order(w)
   k = w.shape[0]
   codes, _, gs, idx = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
   layers = 1 if index is None else w.packed.shape[0]
-  if ws_applies(m, k, n):
+  if ws:
     _ws_check()
     cap, regs = _ws_regs()
     meta = dict(M=m, N=n, K=k, L=layers, BM=WS_BLOCK_M, BK=WS_BLOCK_K, S=WS_STAGES, DW=WS_DECODE_WARPS, DR=regs,
-                CS=WS_CODE_STAGES, PR=WS_PROBE)
+                CS=WS_CODE_STAGES, PR=WS_PROBE, DO=int(w.code_order == "decode"))
     ptx, name, shared = _compiled_ws(tuple(meta.items()), cap)
     grid, threads = (k // WS_BLOCK_K, -(-m // WS_BLOCK_M), 1), 32 * (8 + WS_DECODE_WARPS)
   else:

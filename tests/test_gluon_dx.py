@@ -73,7 +73,6 @@ def test_dx_kernel_shape_rules():
   N not a multiple of 64, decode-order codes, float32 dy, NF4-like non-NVFP4 weights."""
   assert not w4_gluon_dx.applies(512, _weight(192, 128, 0), jnp.bfloat16)   # K % 128
   assert not w4_gluon_dx.applies(512, _weight(256, 96, 0), jnp.bfloat16)    # N % 64
-  assert not w4_gluon_dx.applies(512, nvfp4.to_decode_order(_weight(256, 128, 0)), jnp.bfloat16)
   assert not w4_gluon_dx.applies(512, _weight(256, 128, 0), jnp.float32)
   assert not w4_gluon_dx.applies(512, jnp.zeros((256, 128), jnp.bfloat16), jnp.bfloat16)
 
@@ -88,6 +87,19 @@ def test_dx_setting_is_checked(monkeypatch):
   monkeypatch.setattr(matmul, "GLUON_DX", "yes")
   with pytest.raises(ValueError, match="GLUON_DX"):
     matmul._use_gluon_dx(jnp.zeros((512, 128), jnp.bfloat16), _weight(256, 128, 0), False)
+
+
+def test_standard_order_words_undo_the_decode_order():
+  """The warp-specialized build's in-register conversion of decode-order codes (its numpy twin, the same masks and
+  shifts) gives back the standard-order bytes nvfp4.to_standard_order computes, on random codes."""
+  wq = _weight(64, 40, 21)
+  wd = nvfp4.to_decode_order(wq)
+  words = np.ascontiguousarray(np.asarray(wd.packed)).view(np.uint32)  # [K/2, N/4], 4 columns a word
+  s0, s1 = w4_gluon_dx.standard_order_words(words[0::2], words[1::2])
+  got = np.empty_like(words)
+  got[0::2], got[1::2] = s0, s1
+  np.testing.assert_array_equal(got.view(np.uint8), np.asarray(wq.packed))
+  assert not np.array_equal(np.asarray(wd.packed), np.asarray(wq.packed))  # the orders differ on these codes
 
 
 def test_ws_settings_are_checked(monkeypatch):
@@ -148,6 +160,22 @@ def test_gpu_dx_reads_a_stacked_layer(ws, k, monkeypatch):
   for index, layer in ((0, 0), (2, 2), (5, 2)):
     want = np.asarray(dy, np.float64) @ _dense64(jax.tree.map(lambda a: a[layer], wq)).T
     assert _rel(f(dy, wq, jnp.int32(index)), want) < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ws", [0, 1])
+def test_gpu_dx_reads_a_decode_order_layer(ws, monkeypatch):
+  """A decode-order stack (the GPU default of the trainer's ``code_order="auto"``) gives the same dx as its
+  standard-order values: the layer is converted first, then either build runs."""
+  _skip_without_kernel()
+  monkeypatch.setattr(w4_gluon_dx, "WS", ws)
+  wq = _weight(1280, 768, 11, layers=3)
+  wd = nvfp4.to_decode_order(wq)
+  dy = jnp.asarray(np.random.default_rng(12).standard_normal((300, 768)), jnp.bfloat16)
+  assert w4_gluon_dx.applies(300, wd, jnp.bfloat16)
+  got = jax.jit(lambda dy, w, i: w4_gluon_dx.dx(dy, w, index=i))(dy, wd, jnp.int32(1))
+  want = np.asarray(dy, np.float64) @ _dense64(jax.tree.map(lambda a: a[1], wq)).T
+  assert _rel(got, want) < 4e-3
 
 
 @pytest.mark.gpu

@@ -4,6 +4,7 @@ dequantize + cuBLAS path it replaces, per 7B layer matrix of a 28-layer stack (l
 
   XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" PYTHONPATH=$PWD python3 experiments/lab/time_dx.py
   DX_VARIANTS="base;as2:A_STAGES=2;xs5:X_STAGES=5" DX_MS=2048 ...   # module settings per variant
+  DX_ORDER=decode ...                                                 # decode-order codes (converted per call)
 """
 import os
 import statistics
@@ -46,6 +47,8 @@ def main():
     k, n = SHAPES[name]
     w = jax.jit(lambda key: nvfp4.quantize(jax.random.normal(key, (LAYERS, k, n), jnp.bfloat16) * 0.02))(jax.random.key(0))
     wb = jax.jit(lambda w: nvfp4.dequantize(jax.tree.map(lambda a: a[13], w), jnp.bfloat16))(w)
+    if os.environ.get("DX_ORDER") == "decode":  # the trainer's GPU default (model.code_order="auto")
+      w = jax.jit(nvfp4.to_decode_order)(w)
     for m in ms:
       dy = jax.random.normal(jax.random.key(2), (m, n), jnp.float32).astype(jnp.bfloat16)
       bf16 = device_us(lambda dy, wb: jax.lax.dot_general(dy, wb, (((1,), (1,)), ((), ())),
