@@ -24,6 +24,7 @@ Usage (on the GPU):
   PYTHONUNBUFFERED=1 python experiments/bench_kernels.py --json /tmp/bench.json
   python experiments/bench_kernels.py --models 7b --ms 1,2048 --kinds fwd   # a quick subset
   python experiments/bench_kernels.py --sweep                                # tile-config sweep
+  python experiments/bench_kernels.py --kinds dx --gluon_dx                  # + the opt-in no-bf16-W dx kernel
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import devtime  # experiments/devtime.py (this script's folder is on sys.path)
-from pallas_kernels import matmul, w4_triton
+from pallas_kernels import matmul, w4_gluon_dx, w4_triton
 from qerl_jax import nvfp4, xla_flags
 
 FLAGS = flags.FLAGS
@@ -68,6 +69,8 @@ flags.DEFINE_enum("peer", "", ["", "ejkernel"], "add a peer column: ejkernel's N
                   "rows; needs ejkernel installed, e.g. pip install --no-deps ejkernel==0.0.80.3 and its "
                   "pure-Python dependencies; see experiments/lab/ejkernel_peer.py)")
 flags.DEFINE_string("peer_platform", "triton", "ejkernel's platform for the peer column (xla on a CPU)")
+flags.DEFINE_bool("gluon_dx", False, "add columns to the dx rows: the opt-in large-M Gluon dx kernel, which writes no "
+                  "bf16 W (pallas_kernels.w4_gluon_dx; QERL_GLUON_DX=1), where it applies (an sm_90 GPU)")
 flags.DEFINE_bool("smoke", False, "CPU smoke test of this script: tiny shapes, kernels in interpret mode")
 
 # (layer, K, N): q/k/v fused (q + 2 kv heads x 128), o, gate (= up), down.
@@ -206,6 +209,11 @@ def _bench_row(model, layer, k, n, m, kind, w_bf16, wq, cfg=None, check=True):
   if FLAGS.peer and kind == "fwd":
     row["us_peer"], row["peer_err"] = _peer_row(x, w_bf16, r)
     row["vs_peer"] = row["us_peer"] / row["us_kernel"]
+  if FLAGS.gluon_dx and kind == "dx" and w4_gluon_dx.applies(m, wq, x.dtype):
+    ref = jnp.dot(x, nvfp4.dequantize(wq, jnp.bfloat16).T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    row["gluon_dx_err"] = _rel(jax.jit(w4_gluon_dx.dx)(x, wq), ref)
+    row["us_gluon_dx"] = _time(lambda x, w: w4_gluon_dx.dx(x, w), x, wqs, FLAGS.reps, FLAGS.inner) * 1e6
+    row["gluon_dx_vs_bf16"] = row["us_bf16"] / row["us_gluon_dx"]
   return row
 
 
@@ -221,6 +229,9 @@ def _print_row(d):
   if FLAGS.peer:
     peer = (f" {d['us_peer']:9.1f} | {d['vs_peer']:6.2f}x | {d['peer_err']:.1e} |" if "us_peer" in d else
             " - | - | - |")
+  if FLAGS.gluon_dx:
+    peer += (f" {d['us_gluon_dx']:9.1f} | {d['gluon_dx_vs_bf16']:5.2f}x | {d['gluon_dx_err']:.1e} |"
+             if "us_gluon_dx" in d else " - | - | - |")
   print(f"| {d['model']:>3} | {d['layer']:>4} | {d['K']:>5}x{d['N']:<5} | {d['kind']:>3} | {d['M']:>5} | "
         f"{d['us_kernel']:9.1f} | {d['gbs_kernel']:7.0f} | {d['us_bf16']:9.1f} | {d['gbs_bf16']:7.0f} | "
         f"{d['us_xla']:9.1f} | {d['vs_bf16']:5.2f}x | {d['vs_xla']:5.2f}x | {d['rel_err']:.1e}{' NaN!' if d['nan'] else ''} | {d['path']} |"
@@ -232,12 +243,18 @@ HEADER = ("| model | layer | K x N | kind | M | kernel us | kernel GB/s | bf16 u
 PEER_HEADER = (" {peer} us | vs {peer} | {peer} err (vs its own reference) |", "---|---|---|")
 
 
+GLUON_DX_HEADER = (" no-bf16-W dx us | its vs bf16 | its rel err |", "---|---|---|")
+
+
 def _header() -> str:
-  """The table's header, with the peer's columns when ``--peer`` is set."""
-  if not FLAGS.peer:
-    return HEADER
+  """The table's header, with the peer's columns when ``--peer`` is set and the Gluon dx kernel's with
+  ``--gluon_dx``."""
   top, rule = HEADER.split("\n")
-  return top + PEER_HEADER[0].format(peer=FLAGS.peer) + "\n" + rule + PEER_HEADER[1]
+  if FLAGS.peer:
+    top, rule = top + PEER_HEADER[0].format(peer=FLAGS.peer), rule + PEER_HEADER[1]
+  if FLAGS.gluon_dx:
+    top, rule = top + GLUON_DX_HEADER[0], rule + GLUON_DX_HEADER[1]
+  return top + "\n" + rule
 
 
 _BACKEND = "pallas"
@@ -398,6 +415,7 @@ def main(argv):
           d = _bench_row(model, layer, k, n, m, kind, w_bf16, wq, check=FLAGS.check)
           ok &= (d["rel_err"] < 1e-2 and not d["nan"]) or not FLAGS.check
           ok &= d.get("peer_err", 0.0) < 1e-2  # the peer's own check
+          ok &= d.get("gluon_dx_err", 0.0) < 1e-2
           rows.append(d)
           _print_row(d)
           if FLAGS.json:
