@@ -38,8 +38,9 @@ from shared memory):
   step: the compiler hands its registers to the next decode.)
 
 A program owns 128 rows of K and ``BM`` (256) rows of ``dy`` and runs over all of N in steps of
-64 (no split-K: at M >= 2048 there are hundreds of programs). Both builds read codes in the standard order
-(a decode-order layer is converted first); :func:`applies` says which shapes it takes. GPU only (sm_90), launched through
+64 (no split-K: at M >= 2048 there are hundreds of programs). It reads codes in the standard order (a
+decode-order layer is converted by XLA first; the warp-specialized build converts them in registers);
+:func:`applies` says which shapes it takes. GPU only (sm_90), launched through
 :mod:`pallas_kernels.w4_gluon`'s XLA FFI handler.
 """
 
@@ -204,30 +205,22 @@ def _kernel():
 
 def _standard_order_steps() -> tuple[tuple[int, int], ...]:
   """``(shift, mask)`` pairs that take a decode-order block word back to the standard order
-  (:data:`qerl_jax.nvfp4.DECODE_ORDER_BITS` inverted): ``out = OR of (word & mask) << shift`` (a negative
-  shift: a logical right shift). Masks as signed int32 values (the kernel's integer type)."""
-  new_of_old = np.argsort(nvfp4.DECODE_ORDER_BITS)
-  steps = []
-  for delta in sorted(set(int(d) for d in new_of_old - np.arange(32))):
-    mask = sum(1 << int(b) for b in np.nonzero(new_of_old - np.arange(32) == delta)[0])
-    steps.append((delta, mask - (1 << 32) if mask >= 1 << 31 else mask))
-  return tuple(steps)
+  (:func:`qerl_jax.nvfp4.bit_moves` of :data:`qerl_jax.nvfp4.DECODE_ORDER_BITS` inverted), masks as signed int32
+  values (the kernel's integer type)."""
+  return tuple((d, m - (1 << 32) if m >= 1 << 31 else m)
+               for d, m in nvfp4.bit_moves(np.argsort(nvfp4.DECODE_ORDER_BITS)))
 
 
 def standard_order_words(r0: np.ndarray, r1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """The warp-specialized build's in-register conversion, in numpy (for tests): the uint32 code words of code
   rows ``2 i`` (``r0``) and ``2 i + 1`` (``r1``) of a decode-order weight (4 columns a word) -> the same words in
-  the standard order. Each word pair holds two block words (columns ``4 w, 4 w + 1`` and ``4 w + 2, 4 w + 3``)."""
+  the standard order. Each word pair holds two block words (columns ``4 w, 4 w + 1`` and ``4 w + 2, 4 w + 3``),
+  each permuted back by :func:`qerl_jax.nvfp4.permute_word_bits` with the kernel's moves."""
   r0, r1 = r0.astype(np.uint32), r1.astype(np.uint32)
-  blocks = [(r0 & 0xFFFF) | (r1 << 16), (r0 >> 16) | (r1 & 0xFFFF0000)]
-  out = []
-  for blk in blocks:
-    o = np.zeros_like(blk)
-    for delta, mask in _standard_order_steps():
-      moved = blk & np.uint32(mask & 0xFFFFFFFF)
-      o |= (moved << np.uint32(delta)) if delta >= 0 else (moved >> np.uint32(-delta))
-    out.append(o)
-  return (out[0] & 0xFFFF) | (out[1] << 16), (out[0] >> 16) | (out[1] & 0xFFFF0000)
+  inverse = np.argsort(nvfp4.DECODE_ORDER_BITS)
+  lo, hi = (np.asarray(nvfp4.permute_word_bits(jnp.asarray(b), inverse))
+            for b in ((r0 & 0xFFFF) | (r1 << 16), (r0 >> 16) | (r1 & 0xFFFF0000)))
+  return (lo & 0xFFFF) | (hi << 16), (lo >> 16) | (hi & 0xFFFF0000)
 
 
 @functools.lru_cache(maxsize=None)
@@ -496,8 +489,9 @@ def dx(dy: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None) -> jax.Array:
 
   Args:
     dy: bf16 ``[M, N]``.
-    w: :class:`~qerl_jax.nvfp4.NVFP4Tensor` ``[K, N]`` (either code order: a decode-order layer is converted to
-      the standard order first, by XLA), or with ``index``
+    w: :class:`~qerl_jax.nvfp4.NVFP4Tensor` ``[K, N]`` in either code order (decode-order codes: the
+      warp-specialized build converts them in registers, session 17's gets the layer converted by XLA first), or
+      with ``index``
       a stack ``[L, K, N]``.
     index: int32 scalar (may be traced): layer of the stack, clamped to ``[0, L)``.
 

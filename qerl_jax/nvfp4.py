@@ -149,11 +149,25 @@ def permute_word_bits(word: jax.Array, new_of_old: np.ndarray) -> jax.Array:
     uint32, ``word``'s shape.
   """
   out = jnp.zeros_like(word)
-  for delta in sorted(set(int(d) for d in new_of_old - np.arange(32))):
-    mask = sum(1 << int(b) for b in np.nonzero(new_of_old - np.arange(32) == delta)[0])
+  for delta, mask in bit_moves(new_of_old):
     moved = word & jnp.uint32(mask)
     out = out | (moved << delta if delta >= 0 else moved >> -delta)
   return out
+
+
+def bit_moves(new_of_old: np.ndarray) -> tuple[tuple[int, int], ...]:
+  """The bit permutation ``new_of_old`` (bit ``b`` to bit ``new_of_old[b]`` of a 32-bit word) as ``(shift, mask)``
+  pairs, one per distinct distance, ascending: the word is ``OR of (word & mask) << shift`` (a negative shift moves
+  right). What :func:`permute_word_bits` applies; GPU kernels that permute in registers take the same pairs.
+
+  Args:
+    new_of_old: int array ``[32]``, a permutation of 0..31 (static: numpy).
+
+  Returns:
+    tuple of ``(shift, mask)``, ``mask`` an unsigned 32-bit value.
+  """
+  moves = new_of_old - np.arange(32)
+  return tuple((d, sum(1 << int(b) for b in np.nonzero(moves == d)[0])) for d in sorted(set(int(v) for v in moves)))
 
 
 def _permute_block_bits(packed: jax.Array, new_of_old: np.ndarray) -> jax.Array:
