@@ -159,9 +159,13 @@ def _rounded(a, dtype):
   return a.astype(dtype).astype(jnp.float32)
 
 
-def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, layer_ref, length_ref,
-                   o_ref, m_ref, l_ref, k_out_ref, v_out_ref, *, batch, heads, heads_kv, group, group_pad, slots,
-                   head_dim, block_s, chunk, num_layers, dtype, bias_stacked=False):
+def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, layer_ref, length_ref, *refs,
+                   batch, heads, heads_kv, group, group_pad, slots, head_dim, block_s, chunk, nsplit, num_layers,
+                   dtype, bias_stacked=False, dynamic_chunks=False, combine=False, interpret=False):
+  if combine:  # the sync counters come in (aliased) and go out; the combined output is one more output
+    _, o_ref, m_ref, l_ref, k_out_ref, v_out_ref, out_ref, sync_ref = refs
+  else:
+    o_ref, m_ref, l_ref, k_out_ref, v_out_ref = refs
   b, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   layer = jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
   length = length_ref[0]
@@ -206,6 +210,8 @@ def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, 
   acc = jnp.where(new_kept[:, None], v_new, 0.0) + jnp.zeros((group_pad, head_dim), f32)
   q1, q2 = q1.astype(dtype), q2.astype(dtype)
 
+  if dynamic_chunks:  # the written slots [0, write_at) dealt evenly (in whole blocks) over the nsplit programs
+    chunk = jnp.maximum(pl.cdiv(pl.cdiv(write_at, block_s), nsplit), 1) * block_s
   s_begin, s_end, blocks = _split_blocks(split, chunk, write_at, block_s)
 
   def body(i, carry):
@@ -222,6 +228,35 @@ def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, 
   o_ref[split, b, kvh] = acc
   m_ref[split, b, kvh] = m
   l_ref[split, b, kvh] = l
+  if combine:
+    # The last of this (row, KV head)'s nsplit programs to finish merges their partials: the split-K "last
+    # block" pattern (as CUTLASS's semaphore: every thread's stores, a block barrier, then one release/acquire
+    # atomic). It resets the counter, so the counters are zero again when the kernel ends.
+    if not interpret:  # (no barrier in interpret mode, where programs run one after another)
+      plgpu.debug_barrier()
+    pair = b * heads_kv + kvh
+    arrived = plgpu.atomic_add(sync_ref, pair, jnp.ones((), jnp.int32))  # acq_rel at GPU scope
+
+    @pl.when(arrived == nsplit - 1)
+    def _():
+      # the splits that saw any slot (split 0 always holds the new token's)
+      active = jnp.maximum(pl.cdiv(write_at, chunk), 1)
+      # Plain loads: the acquire orders them after the other programs' stores (on sm_90 the atomic is followed by
+      # an L1 invalidate, CCTL.IVALL, and a block barrier; seen in the SASS).
+      ld = lambda ref, i: plgpu.load(ref.at[jnp.asarray(i, jnp.int32), b, kvh])
+      top = lax.fori_loop(1, active, lambda i, t: jnp.maximum(t, ld(m_ref, i)), ld(m_ref, 0))
+
+      def merge(i, carry):
+        den, num = carry
+        w = jnp.exp(ld(m_ref, i) - top)
+        return den + w * ld(l_ref, i), num + w[:, None] * ld(o_ref, i)
+
+      den, num = lax.fori_loop(0, active, merge, (jnp.zeros((group_pad,), f32),
+                                                  jnp.zeros((group_pad, head_dim), f32)))
+      out = num / jnp.where(den > 0, den, 1.0)[:, None]
+      plgpu.store(out_ref.at[pl.ds((b * heads_kv + kvh) * group, group_pad), :], out.astype(out_ref.dtype),
+                  mask=in_group)
+      plgpu.store(sync_ref.at[pl.ds(pair, 1)], jnp.zeros((1,), jnp.int32))
 
 
 def _choose_splits(batch: int, heads_kv: int, slots: int, block_s: int, target_programs: int) -> int:
@@ -421,13 +456,25 @@ APPEND_BLOCK_S = 64
 APPEND_TARGET_PROGRAMS = 528
 APPEND_WARPS = 4
 APPEND_STAGES = 2
+# Chunks of the slot axis per program: False fixes them by the cache size (a chunk past the filled length does no
+# work; session 14's choice), True deals the filled slots evenly over the same number of programs at run time.
+APPEND_DYNAMIC_CHUNKS = False
+
+
+def new_sync(batch: int, heads_kv: int) -> jax.Array:
+  """The zeroed counters :func:`decode_attention_append` takes as ``sync``: int32 ``[batch * heads_kv]``.
+
+  The kernel leaves them zero again, so one array, carried from call to call (it is an aliased output),
+  serves every layer of a decode step."""
+  return jnp.zeros((batch * heads_kv,), jnp.int32)
 
 
 def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: jax.Array, layer,
                             slot_mask_BxS: jax.Array, length, cos_BxR: jax.Array, sin_BxR: jax.Array, *,
                             num_heads: int, dtype=jnp.bfloat16, backend: str = "auto", block_s: int | None = None,
                             splits: int | None = None, target_programs: int | None = None,
-                            num_warps: int | None = None, num_stages: int | None = None):
+                            num_warps: int | None = None, num_stages: int | None = None,
+                            sync: jax.Array | None = None, dynamic_chunks: bool | None = None):
   """A decode step's attention from the q/k/v projection's float32 output, appending to the cache in place.
 
   In one kernel: ``y = qkv + bias`` (float32) rounded to ``dtype`` and split into
@@ -459,22 +506,31 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
     backend, block_s, splits, target_programs, num_warps, num_stages: as :func:`decode_attention`;
       ``"auto"`` runs the kernel on a GPU for a 16-bit ``dtype``. None takes the module's
       :data:`APPEND_BLOCK_S`, :data:`APPEND_TARGET_PROGRAMS`, :data:`APPEND_WARPS`, :data:`APPEND_STAGES`.
+    sync: None, or int32 ``[B * Hkv]`` zeros (:func:`new_sync`): then the kernel also merges the splits'
+      partials itself (the last program of each (row, KV head) to finish does it, counted on ``sync``) instead
+      of a separate XLA kernel after it, leaves ``sync`` zero again and returns it as a fourth result, to pass
+      to the next call (it is an aliased output, so a carried one costs no copy). The reference ignores it.
+    dynamic_chunks: deal the filled slots evenly over the programs at run time (None takes
+      :data:`APPEND_DYNAMIC_CHUNKS`; the default fixes each program's chunk by the cache size).
 
   Returns:
     ``(out [B, H, hd] in dtype, k cache, v cache)``, the caches with slot ``length - 1`` of
-    layer ``layer`` written. The kernel's RoPE rounds each product and the sum to ``dtype``, as
-    XLA's ``dtype`` arithmetic in :func:`qerl_jax.models.layers.rope`.
+    layer ``layer`` written; with ``sync``, ``(out, k cache, v cache, sync)``. The kernel's RoPE rounds each
+    product and the sum to ``dtype``, as XLA's ``dtype`` arithmetic in :func:`qerl_jax.models.layers.rope`.
 
   Raises:
     ValueError: inconsistent shapes, an odd ``hd``, ``H`` not a multiple of ``Hkv``, a bad
-      ``block_s``, an unknown backend, or ``backend="pallas"`` with ``hd < APPEND_MIN_HEAD_DIM``
-      (``"auto"`` runs the reference there).
+      ``block_s``, a ``sync`` that is not int32 ``[B * Hkv]``, an unknown backend, or ``backend="pallas"``
+      with ``hd < APPEND_MIN_HEAD_DIM`` (``"auto"`` runs the reference there).
   """
   block_s = APPEND_BLOCK_S if block_s is None else block_s
   target_programs = APPEND_TARGET_PROGRAMS if target_programs is None else target_programs
   num_warps = APPEND_WARPS if num_warps is None else num_warps
   num_stages = APPEND_STAGES if num_stages is None else num_stages
+  dynamic_chunks = APPEND_DYNAMIC_CHUNKS if dynamic_chunks is None else dynamic_chunks
   num_layers, b, s, kh, d = _check_cache_args(k_LxBxSxKxD, v_LxBxSxKxD, slot_mask_BxS, backend, block_s)
+  if sync is not None and (sync.shape != (b * kh,) or sync.dtype != jnp.int32):
+    raise ValueError(f"sync must be int32 [B * Hkv = {b * kh}] (new_sync); got {sync.dtype}{list(sync.shape)}")
   if num_heads % kh:
     raise ValueError(f"{num_heads} query heads are not a multiple of {kh} KV heads")
   if d % 2:
@@ -493,28 +549,42 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
   backend = _resolve_backend(backend, dtype, d, APPEND_MIN_HEAD_DIM, "decode_attention_append",
                              "its output is wrong below that")
   if backend == "reference":
-    return reference_append(qkv_BxN, bias_N, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length,
-                            cos_BxR, sin_BxR, num_heads=num_heads, dtype=dtype)
+    out = reference_append(qkv_BxN, bias_N, k_LxBxSxKxD, v_LxBxSxKxD, layer, slot_mask_BxS, length,
+                           cos_BxR, sin_BxR, num_heads=num_heads, dtype=dtype)
+    return out if sync is None else (*out, sync)
 
   g, g_pad, block_s, nsplit, chunk = _geometry(b, num_heads, kh, s, block_s, splits, target_programs)
+  combine = sync is not None
   kernel = functools.partial(_append_kernel, batch=b, heads=num_heads, heads_kv=kh, group=g, group_pad=g_pad,
-                             slots=s, head_dim=d, block_s=block_s, chunk=chunk, num_layers=num_layers,
-                             dtype=jnp.dtype(dtype), bias_stacked=bias_N is not None and bias_N.ndim == 2)
+                             slots=s, head_dim=d, block_s=block_s, chunk=chunk, nsplit=nsplit,
+                             num_layers=num_layers, dtype=jnp.dtype(dtype),
+                             bias_stacked=bias_N is not None and bias_N.ndim == 2, dynamic_chunks=bool(dynamic_chunks),
+                             combine=combine, interpret=backend == "interpret")
   flat = (num_layers * b * s, kh * d)
   out_shape = (jax.ShapeDtypeStruct((nsplit, b, kh, g_pad, d), jnp.float32),
                jax.ShapeDtypeStruct((nsplit, b, kh, g_pad), jnp.float32),
                jax.ShapeDtypeStruct((nsplit, b, kh, g_pad), jnp.float32),
                jax.ShapeDtypeStruct(flat, k_LxBxSxKxD.dtype), jax.ShapeDtypeStruct(flat, v_LxBxSxKxD.dtype))
-  bias = jnp.zeros((n,), jnp.float32) if bias_N is None else bias_N
+  args = (qkv_BxN.astype(jnp.float32).reshape(-1, d), (jnp.zeros((n,), jnp.float32) if bias_N is None
+                                                       else bias_N).reshape(-1, d),
+          cos_BxR.astype(jnp.float32), sin_BxR.astype(jnp.float32),
+          k_LxBxSxKxD.reshape(flat), v_LxBxSxKxD.reshape(flat), slot_mask_BxS.astype(jnp.int8),
+          jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(length, jnp.int32).reshape(1))
+  aliases = {4: 3, 5: 4}
+  if combine:
+    out_shape += (jax.ShapeDtypeStruct((b * num_heads, d), jnp.dtype(dtype)), jax.ShapeDtypeStruct((b * kh,), jnp.int32))
+    args += (sync,)
+    aliases[9] = 6
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
-    o, m, l, kc, vc = pl.pallas_call(
+    res = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(b, kh, nsplit), interpret=backend == "interpret",
-        input_output_aliases={4: 3, 5: 4},
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="decode_attention_append",
-    )(qkv_BxN.astype(jnp.float32).reshape(-1, d), bias.reshape(-1, d),
-      cos_BxR.astype(jnp.float32), sin_BxR.astype(jnp.float32),
-      k_LxBxSxKxD.reshape(flat), v_LxBxSxKxD.reshape(flat), slot_mask_BxS.astype(jnp.int8),
-      jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(length, jnp.int32).reshape(1))
-  return _combine(o, m, l, g, dtype), kc.reshape(k_LxBxSxKxD.shape), vc.reshape(v_LxBxSxKxD.shape)
+    )(*args)
+  o, m, l, kc, vc = res[:5]
+  kc, vc = kc.reshape(k_LxBxSxKxD.shape), vc.reshape(v_LxBxSxKxD.shape)
+  if combine:
+    return res[5].reshape(b, num_heads, d), kc, vc, res[6]
+  return _combine(o, m, l, g, dtype), kc, vc

@@ -184,6 +184,32 @@ def test_append_kernel_matches_float64(length, layer, splits, block_s):
   assert _rel(xla_out, ref_out) < 2e-2
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("length,splits,block_s", [(70, 3, 16), (41, None, 16), (1, 2, 16), (33, 5, 16)])
+def test_append_kernel_merges_its_splits_with_sync(length, splits, block_s, dynamic):
+  """With ``sync`` the kernel's last program per (row, KV head) merges the splits' partials: the output matches
+  float64, the counters come back zero (so they serve the next call), and the result equals XLA's combine."""
+  c, heads, pos, inv_freq = _append_case(length + 100)
+  c["slot_mask_BxS"] = c["slot_mask_BxS"].at[:, length - 1].set(True)
+  kw = dict(layer=2, length=length, num_heads=heads, backend="interpret", block_s=block_s, splits=splits,
+            dynamic_chunks=dynamic)
+  out, kc, vc, sync = da.decode_attention_append(**c, **kw, sync=da.new_sync(3, 2))
+  ref_out, ref_k, _ = _np_append(c, heads, pos, inv_freq, 2, length)
+  assert out.shape == (3, heads, 32) and out.dtype == jnp.bfloat16
+  assert _rel(out, ref_out) < 2e-2
+  np.testing.assert_array_equal(np.asarray(sync), np.zeros(6, np.int32))
+  np.testing.assert_allclose(np.asarray(kc, np.float64), ref_k, rtol=2e-2, atol=2e-2)
+  xla_combined, _, _ = da.decode_attention_append(**c, **kw)  # the same partials merged by XLA
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(xla_combined, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_append_kernel_rejects_a_bad_sync():
+  c, heads, _, _ = _append_case(3)
+  for bad in (jnp.zeros((5,), jnp.int32), jnp.zeros((6,), jnp.float32)):
+    with pytest.raises(ValueError, match="sync must be int32"):
+      da.decode_attention_append(**c, layer=0, length=10, num_heads=heads, backend="interpret", sync=bad)
+
+
 def test_append_kernel_other_head_shapes():
   """A group of 3 query heads per KV head and a head dim of 64 (Llama 3.2's shapes), a full cache."""
   c, heads, pos, inv_freq = _append_case(11, layers=2, batch=2, slots=48, kv_heads=4, group=3, dim=64)
@@ -282,13 +308,18 @@ def test_append_errors_name_the_problem():
     da.decode_attention_append(**c, layer=0, length=10, num_heads=13)
 
 
-@pytest.mark.parametrize("quant,with_lora", [(None, False), (None, True), ("nvfp4", False), ("nvfp4", True)])
-def test_decoder_decode_steps_through_the_append_kernel(monkeypatch, quant, with_lora):
+@pytest.mark.parametrize("quant,with_lora,combine", [(None, False, 0), (None, True, 0), ("nvfp4", False, 0),
+                                                     ("nvfp4", True, 0), ("nvfp4", False, 1)])
+def test_decoder_decode_steps_through_the_append_kernel(monkeypatch, quant, with_lora, combine):
   """Fused q/k/v with a bias (and a fused adapter; bf16 or NVFP4 base weights), bf16: prefill then decode
   through the append kernel (interpret mode) gives the same logits as decoding through XLA's RoPE, cache
   update and attention. On the NVFP4 base the 4-bit matmul adds the adapter itself (its epilogue) and the
-  kernel adds the bias; on the bf16 base XLA adds both."""
+  kernel adds the bias; on the bf16 base XLA adds both. With ``FUSED_ATTENTION_COMBINE`` the kernel also
+  merges its splits, on counters carried from layer to layer."""
   from qerl_jax import lora as lora_lib
+  from qerl_jax.models import decoder
+  monkeypatch.setattr(decoder, "FUSED_ATTENTION_COMBINE", combine)
+  syncs = []  # the counters each call got: zeros (the previous layer's call left them so)
   cfg = models.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                            num_kv_heads=2, head_dim=16, attention_bias=True, dtype="bfloat16")
   base = models.fuse_projections(models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16, std=0.1))
@@ -306,6 +337,7 @@ def test_decoder_decode_steps_through_the_append_kernel(monkeypatch, quant, with
   real_append = da.decode_attention_append
   # the bias reaches the kernel as the stack [L, N], of which it reads layer li in place
   monkeypatch.setattr(da, "decode_attention_append", lambda *a, **k: calls.append(a[1] is not None)
+                      or syncs.append(k.get("sync"))
                       or (a[1] is None or a[1].shape == (cfg.num_layers, 128)) and real_append(*a, **k))
   monkeypatch.setattr(da, "auto_backend", lambda dtype: "reference")  # what the CPU runs (a GPU: the kernel)
   xla, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
@@ -313,6 +345,7 @@ def test_decoder_decode_steps_through_the_append_kernel(monkeypatch, quant, with
   monkeypatch.setattr(da, "auto_backend", lambda dtype: "interpret")
   fused, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
   assert calls  # traced once per layer of the jitted decode step
+  assert all((sync is not None) == bool(combine) for sync in syncs)
   # the kernel adds the bias unless an adapter delta must follow it in XLA (no 4-bit epilogue)
   assert all(calls) == (not with_lora or quant is not None) and any(calls) == all(calls)
   real = np.asarray(mask).astype(bool)
@@ -331,6 +364,25 @@ def test_gpu_append_kernel_matches_reference_at_7b_shape():
     ref, rk, rv = da.decode_attention_append(**args, layer=2, length=length, num_heads=heads, backend="reference")
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _rel(out, np.asarray(ref, np.float64)) < 1e-2
+    np.testing.assert_array_equal(np.asarray(kc, np.float32), np.asarray(rk, np.float32))
+    np.testing.assert_array_equal(np.asarray(vc, np.float32), np.asarray(rv, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_gpu_append_kernel_merges_its_splits_at_7b_shape(dynamic):
+  """The splits merged in the kernel (``sync``, the last program of each (row, KV head)) at Qwen2.5-7B's heads,
+  batch 8, 2304 slots, over lengths that fill 1 to 12 splits, with the counters carried from call to call."""
+  c, heads, _, _ = _append_case(0, layers=3, batch=8, slots=2304, kv_heads=4, group=7, dim=128)
+  sync = da.new_sync(8, 4)
+  for length in (1, 65, 257, 1304, 2304):
+    args = dict(c, slot_mask_BxS=c["slot_mask_BxS"].at[:, length - 1].set(True))
+    out, kc, vc, sync = da.decode_attention_append(**args, layer=2, length=length, num_heads=heads,
+                                                   backend="pallas", sync=sync, dynamic_chunks=dynamic)
+    ref, rk, rv = da.decode_attention_append(**args, layer=2, length=length, num_heads=heads, backend="reference")
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert _rel(out, np.asarray(ref, np.float64)) < 1e-2, length
+    np.testing.assert_array_equal(np.asarray(sync), np.zeros(32, np.int32))
     np.testing.assert_array_equal(np.asarray(kc, np.float32), np.asarray(rk, np.float32))
     np.testing.assert_array_equal(np.asarray(vc, np.float32), np.asarray(rv, np.float32))
 

@@ -8,6 +8,7 @@ Session 14 found libdevice's sin/cos slow path in ``decode_attention_append`` th
   PYTHONPATH=$PWD python3 experiments/lab/attention_offline_compile.py      # Qwen2.5-7B heads, batch 8
   ATTN_BATCH=64 PYTHONPATH=$PWD python3 experiments/lab/attention_offline_compile.py
   ATTN_HEAD_DIM=16 ATTN_KV_HEADS=2 ATTN_GROUP=2 ...   # session 19: the score dots at head_dim 16 have K = 8
+  ATTN_SYNC=1 ATTN_DYNAMIC=1 ...   # decode_attention_append with the splits merged in the kernel, dynamic chunks
 """
 import os
 import sys
@@ -47,11 +48,12 @@ KERNELS = {
     "decode_attention": (lambda q, kc, vc, l, m, t: da.decode_attention(q, kc, vc, l, m, t, backend="pallas"),
                          sd((B, H, D), jnp.bfloat16), cache, cache, i, sd((B, S), jnp.int8), i),
     "decode_attention_append": (
-        lambda y, bias, kc, vc, l, m, t, cos, sin: da.decode_attention_append(
+        lambda y, bias, kc, vc, l, m, t, cos, sin, sync: da.decode_attention_append(
             y, bias, kc, vc, l, m, t, cos, sin, num_heads=H, backend="pallas",
-            prefetch=int(os.environ.get("ATTN_PREFETCH", 0))),
+            sync=sync if os.environ.get("ATTN_SYNC") == "1" else None,
+            dynamic_chunks=os.environ.get("ATTN_DYNAMIC") == "1"),
         sd((B, N), f32), sd((N,), jnp.bfloat16), cache, cache, i, sd((B, S), jnp.int8), i,
-        sd((B, D // 2), f32), sd((B, D // 2), f32)),
+        sd((B, D // 2), f32), sd((B, D // 2), f32), sd((B * KH,), jnp.int32)),
 }
 os.makedirs("/tmp/gl", exist_ok=True)
 for name, (fn, *args) in KERNELS.items():

@@ -189,6 +189,12 @@
 #     codes by 8-byte loads; right, and slower at every M (docs/benchmarks.md "Session 35").
 # 47. (session 34, run in session 35, then removed with its setting) APPEND_PREFETCH: the decode attention touching
 #     its first cache slots early; right, and not faster (docs/benchmarks.md "Session 35").
+# 48. (session 37, prepared) decode attention merging its splits in the kernel (decoder.FUSED_ATTENTION_COMBINE = 1:
+#     the last program of each (row, KV head) merges, counted on carried `sync` counters; off) and dealing the filled
+#     slots over its programs at run time (decode_attention.APPEND_DYNAMIC_CHUNKS = 1; off): (a) the GPU tests of
+#     tests/test_decode_attention.py (the merge at the 7B shape, lengths 1-2304, counters carried); (b) a batch-8
+#     base rollout at 1024 new tokens, alternating off / merge / merge + dynamic chunks / those with 1056 programs;
+#     (c) the decode step's kernel sequence with the merge on (about 8 minutes).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -364,3 +370,14 @@ step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REG
   for s in "" "MMA_MAX_REGISTERS=96" "" "MMA_MAX_REGISTERS=96"; do
     GL_SET="$s" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=512 \
       --formats=nvfp4_fused --time_budget_s=90 2>&1 | grep "w4_gluon\|nvfp4_fused |"; done; } | tee "$OUT/register_caps.txt"
+step 48 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -n 4 -m gpu tests/test_decode_attention.py \
+    -p no:cacheprovider 2>&1 | tail -3
+  for s in "FUSED_ATTENTION_COMBINE=0|" "FUSED_ATTENTION_COMBINE=1|" "FUSED_ATTENTION_COMBINE=1|APPEND_DYNAMIC_CHUNKS=1" \
+      "FUSED_ATTENTION_COMBINE=1|APPEND_DYNAMIC_CHUNKS=1,APPEND_TARGET_PROGRAMS=1056" "FUSED_ATTENTION_COMBINE=0|" \
+      "FUSED_ATTENTION_COMBINE=1|"; do
+    echo "== decoder ${s%%|*}; decode_attention ${s#*|}"
+    MODEL_SET="${s%%|*}" DA_SET="${s#*|}" timeout 75 python3 experiments/lab/gluon/ab_rollout.py --batches=8 \
+      --new_tokens=1024 --formats=nvfp4_fused --time_budget_s=60 2>&1 | grep "nvfp4_fused |"; done
+  PROFILE_MODEL_SET="FUSED_ATTENTION_COMBINE=1" PROFILE_PROMPT=1280 PROFILE_POSITIONS=1 PROFILE_TOP=12 PROFILE_SEQ=9 \
+    timeout 120 python3 experiments/lab/profile_rollout.py nvfp4_fused:8:48 2>&1 | grep -v "Warn\|profiler.py" | tail -24; } \
+  | tee "$OUT/attention_merge.txt"

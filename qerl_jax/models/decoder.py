@@ -50,6 +50,11 @@ ACCUMULATE_MAX_ROWS = 32
 # XLA's ops (for A/B measurements; read at trace time).
 FUSED_LAYER_END = 1
 FUSED_POST_ATTENTION = 1
+# 1 lets decode_attention_append merge its splits' partials itself (its `sync` counters, carried from layer to
+# layer with the cache), where XLA runs a combine kernel after it (2.4 µs of a batch-8 layer's 72, 7B shape, on an
+# H200; session 37's profile). Off until measured on a GPU: session 37 tested it in interpret mode and compiled it
+# for sm_90 offline only (experiments/lab/gpu_checkpoint.sh step 48 checks and times it). Read at trace time.
+FUSED_ATTENTION_COMBINE = 0
 
 
 def _dtype(cfg: ModelConfig):
@@ -253,11 +258,12 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
            decode=None, layer_end=None):
   """One decoder layer.
 
-  ``kv`` is None or ``(k_LxBxSxHxD, v_LxBxSxHxD, layer)``: the whole stacked
-  cache and this layer's index. Only the ``T`` new slots
+  ``kv`` is None or ``(k_LxBxSxHxD, v_LxBxSxHxD, layer, sync)``: the whole stacked
+  cache, this layer's index and the decode attention kernel's counters (or None; see
+  :data:`FUSED_ATTENTION_COMBINE`). Only the ``T`` new slots
   ``[layer, :, write_at:write_at + T]`` are written (an in-place
   dynamic-update-slice of the carried buffer); returns the updated stacked
-  ``(k, v)`` as ``new_kv``. (Slicing the layer out, updating it and writing the
+  ``(k, v, sync)`` as ``new_kv``. (Slicing the layer out, updating it and writing the
   whole layer back costs a full KV-cache copy per decode step.) A decode step with
   fused q/k/v weights (no per-part adapters, no q/k norm) on the kernel does all of
   that and attention in one call,
@@ -288,7 +294,7 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   # attention run in one kernel on the projection's float32 output.
   fused_attention = _fused_attention(cfg, attn, la, kv, decode, x.dtype)
   if fused_attention:
-    kc, vc, li = kv
+    kc, vc, li, sync = kv
     bias_stack = attn.get("qkv_bias")
     before = acc
     y, bias, acc = layers.linear_f32_into(x, attn["qkv"], acc, bias=layers.layer_array(bias_stack), lora=la.get("qkv"),
@@ -301,9 +307,10 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
     # (the bias goes to the kernel apart)
     if _region_finished(x, attn["qkv"], la.get("qkv"), lora_scale, None, before, acc) and before.offset == 0:
       qkv = acc.buffer
-    o, kc, vc = decode_attn.decode_attention_append(qkv, bias, kc, vc, li, *decode,
-                                                    num_heads=cfg.num_heads, dtype=x.dtype)
-    return _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn, acc, norms, li), (kc, vc)
+    o, kc, vc, *sync = decode_attn.decode_attention_append(qkv, bias, kc, vc, li, *decode, num_heads=cfg.num_heads,
+                                                           dtype=x.dtype, sync=sync)
+    return (_after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn, acc, norms, li),
+            (kc, vc, sync[0] if sync else None))
   if "qkv" in attn:  # fused projections (models.fuse_projections): one matmul, split back
     q, k, v = layers.fused_linear(x, attn["qkv"], (cfg.q_dim, cfg.kv_dim, cfg.kv_dim),
                                   bias=layers.layer_array(attn.get("qkv_bias")),
@@ -323,11 +330,11 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
     new_kv = None
     o = layers.attention(q, k, v, mask_BxTxS, q_chunk=q_chunk)
   else:
-    kc, vc, li = kv
+    kc, vc, li, sync = kv
     at = (li, 0, write_at, 0, 0)
     kc = jax.lax.dynamic_update_slice(kc, k[None].astype(kc.dtype), at)
     vc = jax.lax.dynamic_update_slice(vc, v[None].astype(vc.dtype), at)
-    new_kv = (kc, vc)
+    new_kv = (kc, vc, sync)
     if decode is not None and decode_attn.auto_backend(q.dtype) != "reference":
       # Decode step on the kernel: layer li of the stacked cache is read in place.
       o = decode_attn.decode_attention(q[:, 0], kc, vc, li, *decode[:2])
@@ -553,7 +560,7 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
   end = _layer_end_inputs(cfg, base, scanned, stacked, lay_lora, noise, h, decode) if cache is not None else None
 
   def body(carry, xs):
-    h, x, buf, kc, vc = carry
+    h, x, buf, kc, vc, sync = carry
     lp, ll, nn, li = xs
     lp = _bind_stacked(lp, stacked, li)
     ll = _bind_stacked(ll, lora_b, li)
@@ -562,12 +569,12 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
                     attn_chunk)
     else:
       # The stacked cache rides in the carry so XLA updates it in place.
-      h, (kc, vc) = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, (kc, vc, li), mask,
+      h, (kc, vc, sync) = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, (kc, vc, li, sync), mask,
                            positions, write_at, attn_chunk, decode=decode,
                            layer_end=None if end is None else (x, buf, end[2]))
       if end is not None:
         h, x, buf = h
-    return (h, x, buf, kc, vc), None
+    return (h, x, buf, kc, vc, sync), None
 
   if remat:
     body = jax.checkpoint(body, prevent_cse=False)
@@ -577,7 +584,9 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
   # a constant into its own constant, where an iota's slice stays a small kernel a layer (0.8 µs on an H200).
   xs = (scanned, lay_lora, noise, np.arange(cfg.num_layers, dtype=np.int32))
   x0, buf0 = (None, None) if end is None else end[:2]
-  (h, x, _, kc, vc), _ = jax.lax.scan(body, (h, x0, buf0, kc0, vc0), xs, unroll=bool(unroll_layers))
+  # FUSED_ATTENTION_COMBINE: the decode attention kernel's zeroed counters, carried through the layers
+  sync0 = (decode_attn.new_sync(b, cfg.num_kv_heads) if FUSED_ATTENTION_COMBINE and decode is not None else None)
+  (h, x, _, kc, vc, _), _ = jax.lax.scan(body, (h, x0, buf0, kc0, vc0, sync0), xs, unroll=bool(unroll_layers))
 
   # (with FUSED_LAYER_END the last layer's end applied the final norm)
   h = layers.rms_norm(h, base["final_norm"], cfg.rms_norm_eps) if end is None else x
