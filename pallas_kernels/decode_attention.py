@@ -225,10 +225,19 @@ def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, 
     return _online_softmax(*carry, sc, keep, ld(v_ref, col, head_dim))
 
   m, l, acc = lax.fori_loop(0, blocks, body, (m, l, acc))
-  o_ref[split, b, kvh] = acc
-  m_ref[split, b, kvh] = m
-  l_ref[split, b, kvh] = l
-  if combine:
+  # the splits that saw any slot (split 0 always holds the new token's)
+  active = jnp.maximum(pl.cdiv(write_at, chunk), 1)
+  if not combine:  # XLA's combine reads every split's partials
+    o_ref[split, b, kvh] = acc
+    m_ref[split, b, kvh] = m
+    l_ref[split, b, kvh] = l
+  else:  # the merge below reads the active splits' rows of real query heads only
+    @pl.when(split < active)
+    def _():
+      plgpu.store(o_ref.at[split, b, kvh], acc, mask=in_group)
+      m_ref[split, b, kvh] = m
+      l_ref[split, b, kvh] = l
+
     # The last of this (row, KV head)'s nsplit programs to finish merges their partials: the split-K "last
     # block" pattern (as CUTLASS's semaphore: every thread's stores, a block barrier, then one release/acquire
     # atomic). It resets the counter, so the counters are zero again when the kernel ends.
@@ -239,17 +248,15 @@ def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, 
 
     @pl.when(arrived == nsplit - 1)
     def _():
-      # the splits that saw any slot (split 0 always holds the new token's)
-      active = jnp.maximum(pl.cdiv(write_at, chunk), 1)
       # Plain loads: the acquire orders them after the other programs' stores (on sm_90 the atomic is followed by
       # an L1 invalidate, CCTL.IVALL, and a block barrier; seen in the SASS).
-      ld = lambda ref, i: plgpu.load(ref.at[jnp.asarray(i, jnp.int32), b, kvh])
+      ld = lambda ref, i, **kw: plgpu.load(ref.at[jnp.asarray(i, jnp.int32), b, kvh], **kw)
       top = lax.fori_loop(1, active, lambda i, t: jnp.maximum(t, ld(m_ref, i)), ld(m_ref, 0))
 
       def merge(i, carry):
         den, num = carry
         w = jnp.exp(ld(m_ref, i) - top)
-        return den + w * ld(l_ref, i), num + w[:, None] * ld(o_ref, i)
+        return den + w * ld(l_ref, i), num + w[:, None] * ld(o_ref, i, mask=in_group, other=0.0)
 
       den, num = lax.fori_loop(0, active, merge, (jnp.zeros((group_pad,), f32),
                                                   jnp.zeros((group_pad, head_dim), f32)))
