@@ -161,7 +161,8 @@ def _rounded(a, dtype):
 
 def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, layer_ref, length_ref, *refs,
                    batch, heads, heads_kv, group, group_pad, slots, head_dim, block_s, chunk, nsplit, num_layers,
-                   dtype, bias_stacked=False, dynamic_chunks=False, combine=False, interpret=False):
+                   dtype, bias_stacked=False, dynamic_chunks=False, combine=False, interpret=False,
+                   group_rows=16, merge_chunk=8):
   if combine:  # the sync counters come in (aliased) and go out; the combined output is one more output
     _, o_ref, m_ref, l_ref, k_out_ref, v_out_ref, out_ref, sync_ref = refs
   else:
@@ -248,21 +249,33 @@ def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, 
 
     @pl.when(arrived == nsplit - 1)
     def _():
-      # Plain loads: the acquire orders them after the other programs' stores (on sm_90 the atomic is followed by
-      # an L1 invalidate, CCTL.IVALL, and a block barrier; seen in the SASS).
-      ld = lambda ref, i, **kw: plgpu.load(ref.at[jnp.asarray(i, jnp.int32), b, kvh], **kw)
-      top = lax.fori_loop(1, active, lambda i, t: jnp.maximum(t, ld(m_ref, i)), ld(m_ref, 0))
+      # The partials come in chunks of `merge_chunk` splits, each chunk's m, l and o as one masked load (a loop of
+      # one split a step waited on the L2 twice a split in the offline SASS), merged online (running max, rescaled
+      # sums; Milakov & Gimelshein 2018). Plain loads: the acquire orders them after the
+      # other programs' stores (on sm_90 the atomic is followed by an L1 invalidate, CCTL.IVALL, and a barrier).
+      rows = jnp.arange(group_rows) < group
 
-      def merge(i, carry):
-        den, num = carry
-        w = jnp.exp(ld(m_ref, i) - top)
-        return den + w * ld(l_ref, i), num + w[:, None] * ld(o_ref, i, mask=in_group, other=0.0)
+      def merge(c, carry):  # chunk c of merge_chunk splits, merged into the running (max, sum, output)
+        top, den, num = carry
+        c0 = c * merge_chunk
+        live = (c0 + jnp.arange(merge_chunk) < active)[:, None] & rows[None, :]  # [ch, rows]
+        at = lambda ref: ref.at[pl.ds(c0, merge_chunk), b, kvh, pl.ds(0, group_rows)]
+        mc = plgpu.load(at(m_ref), mask=live, other=-jnp.inf)
+        lc = plgpu.load(at(l_ref), mask=live, other=0.0)
+        oc = plgpu.load(at(o_ref), mask=live[:, :, None], other=0.0)  # [ch, rows, hd]
+        new_top = jnp.maximum(top, jnp.max(mc, axis=0))
+        rescale = jnp.exp(top - new_top)  # 0 before the first chunk (split 0 is always active)
+        w = jnp.exp(mc - new_top[None, :])  # 0 where not live
+        return (new_top, den * rescale + jnp.sum(w * lc, axis=0),
+                num * rescale[:, None] + jnp.sum(w[:, :, None] * oc, axis=0))
 
-      den, num = lax.fori_loop(0, active, merge, (jnp.zeros((group_pad,), f32),
-                                                  jnp.zeros((group_pad, head_dim), f32)))
+      init = (jnp.full((group_rows,), -jnp.inf, f32), jnp.zeros((group_rows,), f32),
+              jnp.zeros((group_rows, head_dim), f32))
+      # only the chunks holding active splits: one at most 8 active splits (a batch-8 7B step up to 1536 slots)
+      _, den, num = lax.fori_loop(0, pl.cdiv(active, merge_chunk), merge, init)
       out = num / jnp.where(den > 0, den, 1.0)[:, None]
-      plgpu.store(out_ref.at[pl.ds((b * heads_kv + kvh) * group, group_pad), :], out.astype(out_ref.dtype),
-                  mask=in_group)
+      plgpu.store(out_ref.at[pl.ds((b * heads_kv + kvh) * group, group_rows), :], out.astype(out_ref.dtype),
+                  mask=rows[:, None])
       plgpu.store(sync_ref.at[pl.ds(pair, 1)], jnp.zeros((1,), jnp.int32))
 
 
@@ -466,6 +479,14 @@ APPEND_STAGES = 2
 # Chunks of the slot axis per program: False fixes them by the cache size (a chunk past the filled length does no
 # work; session 14's choice), True deals the filled slots evenly over the same number of programs at run time.
 APPEND_DYNAMIC_CHUNKS = False
+# With ``sync``, the merging program loads this many splits' partials at once, one chunk a step over the chunks that
+# hold active splits. Offline sm_90 (7B heads, batch 8): 8 makes the kernel 152 registers (without sync 96), 4 makes
+# it 128; the batch-8 step has at most 12 splits, 7 active at the rollout's mean length.
+MERGE_CHUNK = 8
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
 
 
 def new_sync(batch: int, heads_kv: int) -> jax.Array:
@@ -566,11 +587,14 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
                              slots=s, head_dim=d, block_s=block_s, chunk=chunk, nsplit=nsplit,
                              num_layers=num_layers, dtype=jnp.dtype(dtype),
                              bias_stacked=bias_N is not None and bias_N.ndim == 2, dynamic_chunks=bool(dynamic_chunks),
-                             combine=combine, interpret=backend == "interpret")
+                             combine=combine, interpret=backend == "interpret", group_rows=_pow2(g),
+                             merge_chunk=min(MERGE_CHUNK, _pow2(nsplit)))
   flat = (num_layers * b * s, kh * d)
-  out_shape = (jax.ShapeDtypeStruct((nsplit, b, kh, g_pad, d), jnp.float32),
-               jax.ShapeDtypeStruct((nsplit, b, kh, g_pad), jnp.float32),
-               jax.ShapeDtypeStruct((nsplit, b, kh, g_pad), jnp.float32),
+  # (with the merge, room for whole chunks of splits: its loads are masked past the last one)
+  parts = -(-nsplit // kernel.keywords["merge_chunk"]) * kernel.keywords["merge_chunk"] if combine else nsplit
+  out_shape = (jax.ShapeDtypeStruct((parts, b, kh, g_pad, d), jnp.float32),
+               jax.ShapeDtypeStruct((parts, b, kh, g_pad), jnp.float32),
+               jax.ShapeDtypeStruct((parts, b, kh, g_pad), jnp.float32),
                jax.ShapeDtypeStruct(flat, k_LxBxSxKxD.dtype), jax.ShapeDtypeStruct(flat, v_LxBxSxKxD.dtype))
   args = (qkv_BxN.astype(jnp.float32).reshape(-1, d), (jnp.zeros((n,), jnp.float32) if bias_N is None
                                                        else bias_N).reshape(-1, d),

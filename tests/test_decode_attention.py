@@ -185,11 +185,14 @@ def test_append_kernel_matches_float64(length, layer, splits, block_s):
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize("length,splits,block_s", [(70, 3, 16), (41, None, 16), (1, 2, 16), (33, 5, 16)])
-def test_append_kernel_merges_its_splits_with_sync(length, splits, block_s, dynamic):
-  """With ``sync`` the kernel's last program per (row, KV head) merges the splits' partials: the output matches
-  float64, the counters come back zero (so they serve the next call), and the result equals XLA's combine."""
-  c, heads, pos, inv_freq = _append_case(length + 100)
+@pytest.mark.parametrize("length,splits,slots", [(70, 3, 70), (41, None, 70), (1, 2, 70), (33, 5, 70),
+                                                 (190, None, 200), (100, None, 200), (200, 13, 200)])
+def test_append_kernel_merges_its_splits_with_sync(length, splits, slots, dynamic):
+  """With ``sync`` the kernel's last program per (row, KV head) merges the splits' partials (in chunks of
+  MERGE_CHUNK = 8 splits: 200 slots make 13 splits of one block of 16): the output matches float64, the counters
+  come back zero (so they serve the next call), and the result equals XLA's combine."""
+  block_s = 16
+  c, heads, pos, inv_freq = _append_case(length + 100, slots=slots)
   c["slot_mask_BxS"] = c["slot_mask_BxS"].at[:, length - 1].set(True)
   kw = dict(layer=2, length=length, num_heads=heads, backend="interpret", block_s=block_s, splits=splits,
             dynamic_chunks=dynamic)

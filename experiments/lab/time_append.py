@@ -4,6 +4,7 @@ launch variants: wall time per call (median of repeated calls) and summed kernel
 decoder's scan carry XLA copies the cache; compare those in a rollout, ab_rollout.py MODEL_SET.)
 
   APPEND_BATCHES=8,64 APPEND_LENGTH=1300 PYTHONPATH=$PWD python3 experiments/lab/time_append.py
+  APPEND_VARIANTS="append;merge;merge dyn" ...   # a subset (names as in VARIANTS; session 37: the in-kernel merge)
 """
 import os, sys, time
 sys.path.insert(0, os.path.join(os.getcwd(), "experiments"))
@@ -19,12 +20,23 @@ inv = jnp.asarray(1e6 ** -(np.arange(0, D, 2) / D), jnp.float32)
 
 
 def variant(**kw):
-  return lambda y, bias, kc, vc, li, mask8, cos, sin: da.decode_attention_append(
-      y, bias, kc, vc, li, mask8, length, cos, sin, num_heads=H, **kw)
+  """A call ``(y, bias, kc, vc, li, mask8, cos, sin, sync) -> (o, kc, vc, sync)``; ``merge=True`` passes the carried
+  ``sync`` (the splits merged in the kernel), else XLA combines them and ``sync`` passes through."""
+  merge = kw.pop("merge", False)
+
+  def call(y, bias, kc, vc, li, mask8, cos, sin, sync):
+    out = da.decode_attention_append(y, bias, kc, vc, li, mask8, length, cos, sin, num_heads=H,
+                                     sync=sync if merge else None, **kw)
+    return out if merge else (*out, sync)
+  return call
 
 
 VARIANTS = {"append": variant(), "append t264": variant(target_programs=264),
-            "append t1056": variant(target_programs=1056), "append t2112": variant(target_programs=2112)}
+            "append t1056": variant(target_programs=1056), "append t2112": variant(target_programs=2112),
+            "merge": variant(merge=True), "merge dyn": variant(merge=True, dynamic_chunks=True),
+            "merge dyn t1056": variant(merge=True, dynamic_chunks=True, target_programs=1056)}
+VARIANTS = {k: v for k, v in VARIANTS.items() if not os.environ.get("APPEND_VARIANTS")
+            or k in os.environ["APPEND_VARIANTS"].split(";")}
 
 for batch in [int(b) for b in os.environ.get("APPEND_BATCHES", "8,64").split(",")]:
   rng = np.random.default_rng(0)
@@ -32,13 +44,14 @@ for batch in [int(b) for b in os.environ.get("APPEND_BATCHES", "8,64").split(","
   bias = jnp.asarray(rng.standard_normal(N), jnp.bfloat16)
   mask8 = jnp.ones((batch, S), jnp.int8)
   pos = jnp.full((batch,), length + 7, jnp.int32)
-  results = {}
+  results, ref = {}, None
   for name, fn in VARIANTS.items():
     def run(kc, vc, ys=ys, fn=fn):
       acc = jnp.zeros((batch, H, D), jnp.float32)
       cos, sin = da.rope_cos_sin(pos, inv)  # once per step, as the decoder does
+      sync = da.new_sync(batch, KH)  # once a step, carried through the layers
       for li in range(L):  # unrolled, as the decode step
-        o, kc, vc = fn(ys[li], bias, kc, vc, li, mask8, cos, sin)
+        o, kc, vc, sync = fn(ys[li], bias, kc, vc, li, mask8, cos, sin, sync)
         acc = acc + o.astype(jnp.float32)
       return acc, kc, vc
     f = jax.jit(run, donate_argnums=(0, 1))
@@ -46,7 +59,7 @@ for batch in [int(b) for b in os.environ.get("APPEND_BATCHES", "8,64").split(","
     kc = jnp.asarray(crng.standard_normal((L, batch, S, KH, D)), jnp.bfloat16)
     vc = jnp.asarray(crng.standard_normal((L, batch, S, KH, D)), jnp.bfloat16)
     acc, kc, vc = f(kc, vc)
-    if name == "append":
+    if ref is None:  # the first variant's output is the others' reference
       ref = np.asarray(acc)
     err = float(np.abs(np.asarray(acc) - ref).max() / np.abs(ref).max())
     state = [kc, vc]  # the caches are donated: each call takes the previous call's
