@@ -374,7 +374,7 @@ step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REG
       --formats=nvfp4_fused --time_budget_s=90 2>&1 | grep "w4_gluon\|nvfp4_fused |"; done; } | tee "$OUT/register_caps.txt"
 step 48 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -n 4 -m gpu tests/test_decode_attention.py \
     -p no:cacheprovider 2>&1 | tail -3
-  for n in 300 1300 2300; do APPEND_BATCHES=8,64 APPEND_LENGTH=$n APPEND_VARIANTS="append;merge;merge dyn;merge dyn t1056" \
+  for n in 300 1300 2300; do APPEND_BATCHES=8,64 APPEND_LENGTH=$n APPEND_VARIANTS="append;merge;merge dyn;merge dyn t1056;merge dyn t2112" \
     timeout 60 python3 experiments/lab/time_append.py 2>&1 | grep "^batch" | sed "s/^/length $n: /"; done
   for s in "FUSED_ATTENTION_COMBINE=0|" "FUSED_ATTENTION_COMBINE=1|" "FUSED_ATTENTION_COMBINE=1|MERGE_CHUNK=4" \
       "FUSED_ATTENTION_COMBINE=1|APPEND_DYNAMIC_CHUNKS=1" \

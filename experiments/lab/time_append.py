@@ -34,7 +34,8 @@ def variant(**kw):
 VARIANTS = {"append": variant(), "append t264": variant(target_programs=264),
             "append t1056": variant(target_programs=1056), "append t2112": variant(target_programs=2112),
             "merge": variant(merge=True), "merge dyn": variant(merge=True, dynamic_chunks=True),
-            "merge dyn t1056": variant(merge=True, dynamic_chunks=True, target_programs=1056)}
+            "merge dyn t1056": variant(merge=True, dynamic_chunks=True, target_programs=1056),
+            "merge dyn t2112": variant(merge=True, dynamic_chunks=True, target_programs=2112)}
 VARIANTS = {k: v for k, v in VARIANTS.items() if not os.environ.get("APPEND_VARIANTS")
             or k in os.environ["APPEND_VARIANTS"].split(";")}
 
