@@ -192,11 +192,11 @@
 # 48. (session 37, prepared) decode attention merging its splits in the kernel (decoder.FUSED_ATTENTION_COMBINE = 1:
 #     the last program of each (row, KV head) merges, counted on carried `sync` counters; off) and dealing the filled
 #     slots over its programs at run time (decode_attention.APPEND_DYNAMIC_CHUNKS = 1; off): (a) the GPU tests of
-#     tests/test_decode_attention.py (the merge at the 7B shape, lengths 1-2304, counters carried); the kernel alone,
-#     28 layers at 300 / 1300 / 2300 filled slots, batch 8 and 64 (time_append.py); (b) a batch-8
-#     base rollout at 1024 new tokens, alternating off / merge / merge in chunks of 4 / merge + dynamic chunks / those
-#     with 1056 programs;
-#     (c) the decode step's kernel sequence with the merge on (about 8 minutes).
+#     tests/test_decode_attention.py (the merge at the 7B shape, lengths 1-2304, counters carried); (b) the kernel
+#     alone, 28 layers at 300 / 1300 / 2300 filled slots, batch 8 and 64 (time_append.py); (c) the decode step's
+#     kernel sequence with the merge on (about 7 minutes).
+# 49. (session 37, prepared) step 48's settings in batch-8 base rollouts at 1024 new tokens, alternating off / merge /
+#     merge in chunks of 4 / merge + run-time chunks / those with 1056 programs (about 8 minutes; a call of its own).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -375,14 +375,15 @@ step 25 && { GL_MS=1,8 GL_VARIANTS="r96:MMA_MAX_REGISTERS=96;r96t640:MMA_MAX_REG
 step 48 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -n 4 -m gpu tests/test_decode_attention.py \
     -p no:cacheprovider 2>&1 | tail -3
   for n in 300 1300 2300; do APPEND_BATCHES=8,64 APPEND_LENGTH=$n APPEND_VARIANTS="append;merge;merge dyn;merge dyn t1056;merge dyn t2112" \
-    timeout 60 python3 experiments/lab/time_append.py 2>&1 | grep "^batch" | sed "s/^/length $n: /"; done
-  for s in "FUSED_ATTENTION_COMBINE=0|" "FUSED_ATTENTION_COMBINE=1|" "FUSED_ATTENTION_COMBINE=1|MERGE_CHUNK=4" \
+    timeout 100 python3 experiments/lab/time_append.py 2>&1 | grep "^batch" | sed "s/^/length $n: /"; done
+  PROFILE_MODEL_SET="FUSED_ATTENTION_COMBINE=1" PROFILE_PROMPT=1280 PROFILE_POSITIONS=1 PROFILE_TOP=12 PROFILE_SEQ=9 \
+    timeout 120 python3 experiments/lab/profile_rollout.py nvfp4_fused:8:48 2>&1 | grep -v "Warn\|profiler.py" | tail -24; } \
+  | tee "$OUT/attention_merge.txt"
+step 49 && { for s in "FUSED_ATTENTION_COMBINE=0|" "FUSED_ATTENTION_COMBINE=1|" "FUSED_ATTENTION_COMBINE=1|MERGE_CHUNK=4" \
       "FUSED_ATTENTION_COMBINE=1|APPEND_DYNAMIC_CHUNKS=1" \
       "FUSED_ATTENTION_COMBINE=1|APPEND_DYNAMIC_CHUNKS=1,APPEND_TARGET_PROGRAMS=1056" "FUSED_ATTENTION_COMBINE=0|" \
       "FUSED_ATTENTION_COMBINE=1|"; do
     echo "== decoder ${s%%|*}; decode_attention ${s#*|}"
     MODEL_SET="${s%%|*}" DA_SET="${s#*|}" timeout 75 python3 experiments/lab/gluon/ab_rollout.py --batches=8 \
-      --new_tokens=1024 --formats=nvfp4_fused --time_budget_s=60 2>&1 | grep "nvfp4_fused |"; done
-  PROFILE_MODEL_SET="FUSED_ATTENTION_COMBINE=1" PROFILE_PROMPT=1280 PROFILE_POSITIONS=1 PROFILE_TOP=12 PROFILE_SEQ=9 \
-    timeout 120 python3 experiments/lab/profile_rollout.py nvfp4_fused:8:48 2>&1 | grep -v "Warn\|profiler.py" | tail -24; } \
-  | tee "$OUT/attention_merge.txt"
+      --new_tokens=1024 --formats=nvfp4_fused --time_budget_s=60 2>&1 | grep "nvfp4_fused |"; done; } \
+  | tee "$OUT/attention_merge_rollouts.txt"

@@ -54,7 +54,7 @@ FUSED_POST_ATTENTION = 1
 # layer with the cache), where XLA runs a combine kernel after it (2.4 µs of a batch-8 layer's 72, 7B shape, on an
 # H200; session 37's profile). Session 23's first in-kernel merge was slower (2.37 against 2.28 ms a step); this one
 # loads less and vectorized (docs/kernels.md). Off until measured on a GPU: session 37 tested it in interpret mode and
-# compiled it for sm_90 offline only (experiments/lab/gpu_checkpoint.sh step 48 checks and times it). Read at trace
+# compiled it for sm_90 offline only (experiments/lab/gpu_checkpoint.sh steps 48-49 check and time it). Read at trace
 # time.
 FUSED_ATTENTION_COMBINE = 0
 
