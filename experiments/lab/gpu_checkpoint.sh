@@ -194,7 +194,9 @@
 #     slots over its programs at run time (decode_attention.APPEND_DYNAMIC_CHUNKS = 1; off): (a) the GPU tests of
 #     tests/test_decode_attention.py (the merge at the 7B shape, lengths 1-2304, counters carried); (b) the kernel
 #     alone, 28 layers at 300 / 1300 / 2300 filled slots, batch 8 and 64 (time_append.py); (c) the decode step's
-#     kernel sequence with the merge on (about 7 minutes).
+#     kernel sequence with the merge on, with each kernel's HLO origin, whole in $OUT/profile_merge.txt (the step's
+#     tail names what the LM head and sampling run: one reduction there took 9.3 µs a step in session 37's
+#     profile) (about 7 minutes).
 # 49. (session 37, prepared) step 48's settings in batch-8 base rollouts at 1024 new tokens, alternating off / merge /
 #     merge in chunks of 4 / merge + run-time chunks / those with 1056 programs (about 8 minutes; a call of its own).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
@@ -376,9 +378,12 @@ step 48 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -
     -p no:cacheprovider 2>&1 | tail -3
   for n in 300 1300 2300; do APPEND_BATCHES=8,64 APPEND_LENGTH=$n APPEND_VARIANTS="append;merge;merge dyn;merge dyn t1056;merge dyn t2112" \
     timeout 100 python3 experiments/lab/time_append.py 2>&1 | grep "^batch" | sed "s/^/length $n: /"; done
-  PROFILE_MODEL_SET="FUSED_ATTENTION_COMBINE=1" PROFILE_PROMPT=1280 PROFILE_POSITIONS=1 PROFILE_TOP=12 PROFILE_SEQ=9 \
-    timeout 120 python3 experiments/lab/profile_rollout.py nvfp4_fused:8:48 2>&1 | grep -v "Warn\|profiler.py" | tail -24; } \
-  | tee "$OUT/attention_merge.txt"
+  PROFILE_MODEL_SET="FUSED_ATTENTION_COMBINE=1" PROFILE_PROMPT=1280 PROFILE_POSITIONS=1 PROFILE_TOP=40 PROFILE_SEQ=300 \
+    PROFILE_HLO=1 timeout 150 python3 experiments/lab/profile_rollout.py nvfp4_fused:8:48 2>&1 \
+    | grep -v "Warn\|profiler.py" > "$OUT/profile_merge.txt"
+  grep -m1 "one decode step" "$OUT/profile_merge.txt"; grep -A9 -m1 "one decode step" "$OUT/profile_merge.txt" | tail -9
+  echo "(the step's last 30 kernels: the LM head and sampling)"; grep -B30 -m1 "^ *[0-9.]* ms " "$OUT/profile_merge.txt" \
+    | head -30; } | tee "$OUT/attention_merge.txt"
 step 49 && { for s in "FUSED_ATTENTION_COMBINE=0|" "FUSED_ATTENTION_COMBINE=1|" "FUSED_ATTENTION_COMBINE=1|MERGE_CHUNK=4" \
       "FUSED_ATTENTION_COMBINE=1|APPEND_DYNAMIC_CHUNKS=1" \
       "FUSED_ATTENTION_COMBINE=1|APPEND_DYNAMIC_CHUNKS=1,APPEND_TARGET_PROGRAMS=1056" "FUSED_ATTENTION_COMBINE=0|" \
