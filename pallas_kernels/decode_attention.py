@@ -226,13 +226,13 @@ def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, 
     return _online_softmax(*carry, sc, keep, ld(v_ref, col, head_dim))
 
   m, l, acc = lax.fori_loop(0, blocks, body, (m, l, acc))
-  # the splits that saw any slot (split 0 always holds the new token's)
-  active = jnp.maximum(pl.cdiv(write_at, chunk), 1)
   if not combine:  # XLA's combine reads every split's partials
     o_ref[split, b, kvh] = acc
     m_ref[split, b, kvh] = m
     l_ref[split, b, kvh] = l
   else:  # the merge below reads the active splits' rows of real query heads only
+    active = jnp.maximum(pl.cdiv(write_at, chunk), 1)  # the splits that saw a slot (split 0 holds the new token's)
+
     @pl.when(split < active)
     def _():
       plgpu.store(o_ref.at[split, b, kvh], acc, mask=in_group)
@@ -298,11 +298,16 @@ def _check_cache_args(k_LxBxSxKxD, v_LxBxSxKxD, slot_mask_BxS, backend, block_s)
   return k_LxBxSxKxD.shape
 
 
+def _pow2(n: int) -> int:
+  """The least power of 2 >= ``n`` (1 for ``n <= 1``)."""
+  return 1 << max(n - 1, 0).bit_length()
+
+
 def _geometry(batch, heads, heads_kv, slots, block_s, splits, target_programs) -> tuple:
   """``(G, G padded to a tensor-core tile of >= 16 rows, block_s, splits, chunk)`` of a launch."""
   g = heads // heads_kv
-  g_pad = max(16, 1 << (g - 1).bit_length())
-  block_s = min(block_s, max(16, 1 << (slots - 1).bit_length()))
+  g_pad = max(16, _pow2(g))
+  block_s = min(block_s, max(16, _pow2(slots)))
   nsplit, chunk = _splits_and_chunk(batch, heads_kv, slots, block_s, splits, target_programs)
   return g, g_pad, block_s, nsplit, chunk
 
@@ -485,10 +490,6 @@ APPEND_DYNAMIC_CHUNKS = False
 MERGE_CHUNK = 8
 
 
-def _pow2(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
-
-
 def new_sync(batch: int, heads_kv: int) -> jax.Array:
   """The zeroed counters :func:`decode_attention_append` takes as ``sync``: int32 ``[batch * heads_kv]``.
 
@@ -583,15 +584,16 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
 
   g, g_pad, block_s, nsplit, chunk = _geometry(b, num_heads, kh, s, block_s, splits, target_programs)
   combine = sync is not None
+  merge_chunk = min(MERGE_CHUNK, _pow2(nsplit))
   kernel = functools.partial(_append_kernel, batch=b, heads=num_heads, heads_kv=kh, group=g, group_pad=g_pad,
                              slots=s, head_dim=d, block_s=block_s, chunk=chunk, nsplit=nsplit,
                              num_layers=num_layers, dtype=jnp.dtype(dtype),
                              bias_stacked=bias_N is not None and bias_N.ndim == 2, dynamic_chunks=bool(dynamic_chunks),
                              combine=combine, interpret=backend == "interpret", group_rows=_pow2(g),
-                             merge_chunk=min(MERGE_CHUNK, _pow2(nsplit)))
+                             merge_chunk=merge_chunk)
   flat = (num_layers * b * s, kh * d)
   # (with the merge, room for whole chunks of splits: its loads are masked past the last one)
-  parts = -(-nsplit // kernel.keywords["merge_chunk"]) * kernel.keywords["merge_chunk"] if combine else nsplit
+  parts = -(-nsplit // merge_chunk) * merge_chunk if combine else nsplit
   out_shape = (jax.ShapeDtypeStruct((parts, b, kh, g_pad, d), jnp.float32),
                jax.ShapeDtypeStruct((parts, b, kh, g_pad), jnp.float32),
                jax.ShapeDtypeStruct((parts, b, kh, g_pad), jnp.float32),

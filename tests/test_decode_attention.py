@@ -322,7 +322,7 @@ def test_decoder_decode_steps_through_the_append_kernel(monkeypatch, quant, with
   from qerl_jax import lora as lora_lib
   from qerl_jax.models import decoder
   monkeypatch.setattr(decoder, "FUSED_ATTENTION_COMBINE", combine)
-  syncs = []  # the counters each call got: zeros (the previous layer's call left them so)
+  syncs = []  # the counters each call got (None without the merge)
   cfg = models.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                            num_kv_heads=2, head_dim=16, attention_bias=True, dtype="bfloat16")
   base = models.fuse_projections(models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16, std=0.1))
