@@ -97,7 +97,9 @@ def make_lr_schedule(config: Any) -> Callable[[jax.Array], jax.Array]:
         if kind == "constant":
             factor = jnp.float32(1.0)
         elif kind == "constant_with_warmup":
-            factor = jnp.minimum(warm, 1.0)
+            # HF: c / warmup while c < warmup, then 1 (so the full rate from update 0 when there
+            # is no warmup; min(c, 1) would give a zero first update)
+            factor = jnp.where(c < warmup, warm, 1.0)
         else:
             progress = jnp.clip((c - warmup) / max(total - warmup, 1), 0.0, 1.0)
             decay = (0.5 * (1.0 + jnp.cos(jnp.pi * progress)) if kind == "cosine"

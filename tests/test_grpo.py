@@ -348,6 +348,18 @@ def test_lr_schedule_warmup_cosine():
         update.make_lr_schedule({"lr_scheduler_type": "exp", "max_steps": 3})
 
 
+def test_lr_schedule_constant_with_warmup():
+    # Hugging Face's constant_with_warmup: c / warmup while c < warmup, then 1. Without warmup
+    # (no max_steps, or warmup_ratio 0) the first update already gets the full rate.
+    cfg = {"learning_rate": 1e-3, "lr_scheduler_type": "constant_with_warmup"}
+    for extra in ({}, {"max_steps": 50, "warmup_ratio": 0.0}):
+        sched = update.make_lr_schedule({**cfg, **extra})
+        np.testing.assert_allclose([float(sched(c)) for c in (0, 1, 7)], [1e-3] * 3, rtol=1e-6)
+    sched = update.make_lr_schedule({**cfg, "warmup_steps": 4})
+    np.testing.assert_allclose([float(sched(c)) for c in range(6)],
+                               [0.0, 0.25e-3, 0.5e-3, 0.75e-3, 1e-3, 1e-3], rtol=1e-6, atol=1e-12)
+
+
 def test_optimizer_first_step_adamw_clip_and_decay_mask():
     cfg = {"learning_rate": 1e-3, "lr_scheduler_type": "constant", "weight_decay": 0.1,
            "max_grad_norm": 0.2}
