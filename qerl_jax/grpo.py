@@ -274,9 +274,9 @@ def loss_normalizer(mask, *, loss_type: str, max_completion_length: int | None =
     """The denominator of ``loss_type`` for a batch (or a whole gradient-accumulation window).
 
     * ``grpo``: number of sequences with at least one unmasked token (each sequence is first
-      averaged over its own tokens, see :func:`policy_loss_terms`);
-    * ``bnpo`` / ``dapo``: number of unmasked tokens;
-    * ``dr_grpo``: number of sequences (minus the dropped truncated ones when
+      averaged over its own tokens, see :func:`policy_loss_terms`; DeepSeekMath eq. 3);
+    * ``bnpo`` / ``dapo``: number of unmasked tokens (DAPO's token-level loss, BNPO);
+    * ``dr_grpo`` (Dr. GRPO): number of sequences (minus the dropped truncated ones when
       ``mask_truncated_completions``) times ``max_completion_length`` (default ``T``).
     Summing the numerators of several micro-batches and dividing once by the normaliser of their
     concatenation gives exactly the loss of the concatenated batch.
@@ -410,6 +410,15 @@ def finalize_policy_loss(terms: Mapping[str, Any], normalizer) -> tuple[jax.Arra
     ``loss = loss_sum / max(normalizer, 1)``; the metrics are means over unmasked tokens
     (0 when there are none), named as in TRL: ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
     ``clip_ratio/region_mean``, ``kl``, ``entropy`` (nats), plus ``num_tokens``.
+
+    Args:
+      terms: the dict of float32 scalars :func:`policy_loss_terms` returns (or their sums over
+        the micro-batches of a window): ``loss_sum``, ``tokens``, ``clip_low``, ``clip_high``,
+        ``clip_region``, ``kl``, ``entropy``.
+      normalizer: float scalar from :func:`loss_normalizer` (of the same batch or window).
+
+    Returns: ``(loss, metrics)``, a float32 scalar and a dict of float32 scalars.
+    Raises: KeyError if ``terms`` lacks one of the keys above.
     """
     n = jnp.maximum(terms["tokens"], 1.0)
     loss = terms["loss_sum"] / jnp.maximum(jnp.asarray(normalizer, jnp.float32), 1.0)

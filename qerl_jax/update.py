@@ -229,7 +229,8 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
     increments ``skipped_updates``.
 
     Returns: the jitted function. Its metrics (float32 scalars): ``loss``, ``grad_norm`` (before
-    clipping), ``learning_rate`` (of this update), ``update_skipped`` (0/1),
+    clipping), ``learning_rate`` (of this update, from ``config``'s schedule fields; only when
+    ``config`` defines a schedule: ``max_steps`` set or a constant one), ``update_skipped`` (0/1),
     ``skipped_updates`` (cumulative), ``num_tokens``, ``clip_ratio/low_mean``,
     ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``entropy``, and ``kl`` when the batch
     has ``ref_logprobs``.
