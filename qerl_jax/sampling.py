@@ -170,8 +170,9 @@ class Rollout:
       (renormalised over the kept tokens). Greedy (temperature 0) samples from
       a point mass, so its ``logprobs`` are 0. 0 where ``mask`` is 0.
     policy_logprobs: float32 ``[B*G, T]``, the raw policy's log-probability,
-      ``log_softmax(logits)`` at temperature 1 with no filtering: what a full
-      forward over prompt + completion gives (``models.token_logprobs``).
+      ``log_softmax(logits)`` at temperature 1 with no filtering and no
+      min-new-tokens mask: what a full forward over prompt + completion gives
+      (``models.token_logprobs``), whatever the sampling settings.
       At temperature 1 with top_k 0, top_p 1 and past ``min_new_tokens`` it
       equals ``logprobs``. 0 where ``mask`` is 0.
     mask: int32 ``[B*G, T]``, 1 up to and including each row's first end token,
@@ -590,11 +591,15 @@ def _generate_impl(cfg_model, config: SamplingConfig, lora_scale: float, base, l
   def choose(t, logits, done, bufs):
     """Sample completion token ``t`` for every row; rows already ended get pad / mask 0."""
     tokens_buf, lp_buf, plp_buf, mask_buf = bufs
+    raw_logits = logits
     if config.min_new_tokens > 0:
       logits = forbid_tokens(logits, end_ids, t < config.min_new_tokens)
     keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(row_keys)
     tok, lp, plp = sample_tokens(keys, logits, temperature=config.temperature, top_k=config.top_k,
                                  top_p=config.top_p)
+    if config.min_new_tokens > 0:  # policy_logprobs: the raw policy's, not renormalised over the non-end ids
+      x = raw_logits.astype(jnp.float32)
+      plp = jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(x, axis=-1)
     live = ~done
     tok = jnp.where(live, tok, jnp.int32(config.pad_id))
     col = lambda buf, v: jax.lax.dynamic_update_slice_in_dim(buf, v[:, None].astype(buf.dtype), t, axis=1)

@@ -307,6 +307,42 @@ def test_top_k1_groups_and_min_new_tokens_match_greedy(tiny, greedy_case):
   assert (np.asarray(ro.lengths) >= 4).all()
 
 
+def _small_model():
+  """(cfg, base): a random float32 model small enough for CPU tests (no PyTorch needed)."""
+  from qerl_jax import models
+  cfg = models.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=16, dtype="float32")
+  return cfg, models.init_params(cfg, jax.random.key(0), dtype=jnp.float32, std=0.2)
+
+
+def _full_forward_logprobs64(cfg, base, ro, prompt_len):
+  """float64 ``[N, T]``: log_softmax (numpy, float64) of one full forward over prompt + completion, at each
+  completion token, 0 where the completion mask is 0."""
+  from qerl_jax import models
+  seq = jnp.concatenate([ro.prompt_tokens, ro.tokens], axis=1)
+  seq_mask = jnp.concatenate([ro.prompt_mask, ro.mask], axis=1)
+  logits, _ = models.forward(cfg, base, seq, models.positions_from_mask(seq_mask), attn_mask=seq_mask)
+  logp = _log_softmax64(np.asarray(logits[:, :-1]))  # predicts seq[:, 1:]
+  full = np.take_along_axis(logp, np.asarray(seq)[:, 1:, None], axis=-1)[..., 0]
+  return full[:, prompt_len - 1:] * np.asarray(ro.mask)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0, 0.7])
+def test_policy_logprobs_are_the_raw_policy_before_min_new_tokens(temperature):
+  """policy_logprobs (the trainer's old log-probs) equal one full forward's log_softmax at temperature 1 also
+  while min_new_tokens forbids the end ids: they are the raw policy's, not renormalised over the allowed
+  tokens. A third of the vocabulary are end ids, so the renormalisation would be visible (about 0.5 nats)."""
+  cfg, base = _small_model()
+  tokens = np.array([[0, 5, 7, 9], [3, 4, 8, 2], [0, 0, 0, 11]], np.int32)
+  mask = np.array([[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]], np.int32)
+  config = SamplingConfig(max_new_tokens=8, eos_token_ids=tuple(range(0, 97, 3)), pad_id=0, min_new_tokens=4,
+                          temperature=temperature, num_generations=2, cache_dtype=jnp.float32)
+  ro = sampling.generate(cfg, base, tokens, mask, jax.random.key(1), config)
+  assert (np.asarray(ro.lengths) >= 4).all()
+  want = _full_forward_logprobs64(cfg, base, ro, tokens.shape[1])
+  np.testing.assert_allclose(np.asarray(ro.policy_logprobs), want, atol=1e-4)
+
+
 def _lora_and_noise(cfg, key):
   """Adapters on q, v, up and down (k, o and gate without), rank 4 except v (2); AQN-style noise."""
   k = jax.random.split(key, 9)
