@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Optional, Sequence
 
 import flax.struct
@@ -85,6 +86,11 @@ class SamplingConfig:
       the copy included. The values are those of the
       large-M matmul path, so tokens may differ from the 4-bit kernels' (different
       rounding), as they do between batch sizes.
+
+  Raises:
+    ValueError: naming the field, for a value out of range or of the wrong kind (ids that
+      are not ints >= 0, a float where an int is due, a ``cache_dtype`` that is not floating).
+    TypeError: ``unroll_decode`` or ``early_stop`` not a bool; id fields neither an int nor iterable.
   """
 
   max_new_tokens: int
@@ -104,30 +110,44 @@ class SamplingConfig:
 
   def __post_init__(self):
     # Accept lists for the id fields but store tuples (hashable).
-    object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in _as_ids(self.eos_token_ids, "eos_token_ids")))
-    object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in _as_ids(self.stop_token_ids, "stop_token_ids")))
-    if not isinstance(self.max_new_tokens, (int, np.integer)) or self.max_new_tokens < 1:
+    object.__setattr__(self, "eos_token_ids", _as_ids(self.eos_token_ids, "eos_token_ids"))
+    object.__setattr__(self, "stop_token_ids", _as_ids(self.stop_token_ids, "stop_token_ids"))
+    if not _is_int(self.pad_id) or self.pad_id < 0:
+      raise ValueError(f"SamplingConfig.pad_id must be an int >= 0 (a token id), got {self.pad_id!r}")
+    if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
       raise ValueError(f"SamplingConfig.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-    if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+    if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
       raise ValueError(
-          f"SamplingConfig.min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}")
+          f"SamplingConfig.min_new_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}], "
+          f"got {self.min_new_tokens!r}")
     if not self.eos_token_ids:
       raise ValueError("SamplingConfig.eos_token_ids is empty: give every end-of-sequence id of the checkpoint")
-    if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+    if not (_is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
       raise ValueError(f"SamplingConfig.temperature must be a finite float >= 0, got {self.temperature!r}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p!r}")
-    if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+    object.__setattr__(self, "temperature", float(self.temperature))  # numpy scalars too; a plain float
+    if not (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0):
+      raise ValueError(f"SamplingConfig.top_p must be a float in (0, 1], got {self.top_p!r}")
+    object.__setattr__(self, "top_p", float(self.top_p))
+    if not _is_int(self.top_k) or self.top_k < 0:
       raise ValueError(f"SamplingConfig.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-    if not isinstance(self.kv_phases, (int, np.integer)) or not 1 <= self.kv_phases <= self.max_new_tokens:
+    if not _is_int(self.kv_phases) or not 1 <= self.kv_phases <= self.max_new_tokens:
       raise ValueError(f"SamplingConfig.kv_phases must be an int in [1, max_new_tokens], got {self.kv_phases!r}")
     if not isinstance(self.unroll_decode, bool):
       raise TypeError(f"SamplingConfig.unroll_decode must be a bool, got {self.unroll_decode!r}")
-    if not isinstance(self.num_generations, (int, np.integer)) or self.num_generations < 1:
+    if not isinstance(self.early_stop, bool):
+      raise TypeError(f"SamplingConfig.early_stop must be a bool, got {self.early_stop!r}")
+    if not _is_int(self.num_generations) or self.num_generations < 1:
       raise ValueError(f"SamplingConfig.num_generations must be an int >= 1, got {self.num_generations!r}")
-    if not isinstance(self.dequantize_min_rows, (int, np.integer)) or self.dequantize_min_rows < 0:
+    if not _is_int(self.dequantize_min_rows) or self.dequantize_min_rows < 0:
       raise ValueError(f"SamplingConfig.dequantize_min_rows must be an int >= 0 (0 = never), "
                        f"got {self.dequantize_min_rows!r}")
+    try:
+      floating = jnp.issubdtype(jnp.dtype(self.cache_dtype), jnp.floating)
+    except TypeError:
+      floating = False
+    if not floating:
+      raise ValueError(f"SamplingConfig.cache_dtype must be a floating dtype (e.g. jnp.bfloat16), "
+                       f"got {self.cache_dtype!r}")
 
   def dequantizes(self, decode_rows: int) -> bool:
     """Whether a rollout of ``decode_rows`` rows (batch bucket x ``num_generations``) runs on a
@@ -149,13 +169,31 @@ class SamplingConfig:
     return tuple(-(-t * (i + 1) // n) for i in range(n))
 
 
-def _as_ids(ids, name) -> tuple:
-  if isinstance(ids, (int, np.integer)):
-    return (ids,)
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+  return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _as_ids(ids, name) -> tuple[int, ...]:
+  """``ids`` (one id or an iterable of them) as a tuple of Python ints.
+
+  Raises:
+    TypeError: ``ids`` is neither an int nor iterable.
+    ValueError: an id that is not an int >= 0 (a float is not truncated, a string not parsed).
+  """
+  if _is_int(ids):
+    ids = (ids,)
   try:
-    return tuple(ids)
+    ids = tuple(ids)
   except TypeError:
     raise TypeError(f"SamplingConfig.{name} must be a tuple of ints, got {ids!r}") from None
+  bad = [i for i in ids if not _is_int(i) or i < 0]
+  if bad:
+    raise ValueError(f"SamplingConfig.{name} must hold token ids (ints >= 0), got {bad!r} in {ids!r}")
+  return tuple(int(i) for i in ids)
 
 
 @flax.struct.dataclass

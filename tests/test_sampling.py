@@ -202,6 +202,33 @@ def test_validation_errors():
                                                                           stop_token_ids=(2, 3), pad_id=0))
 
 
+@pytest.mark.parametrize("field, value", [
+    ("pad_id", None), ("pad_id", -1), ("pad_id", 1.5), ("pad_id", "0"),
+    ("eos_token_ids", (1.7,)), ("eos_token_ids", ("151645",)), ("eos_token_ids", (-5,)), ("stop_token_ids", (2, -1)),
+    ("min_new_tokens", None), ("min_new_tokens", 1.5), ("max_new_tokens", True),
+    ("top_p", None), ("top_p", "0.9"), ("top_p", jnp.float32(0.5)),
+    ("cache_dtype", "float33"), ("cache_dtype", jnp.int8),
+])
+def test_config_rejects_bad_values_naming_the_field(field, value):
+  """Each bad value raises a ValueError that names its field (not a bare TypeError from a comparison, and not a
+  silent truncation: eos id 1.7 used to become 1, pad_id=None failed only inside the jit-compiled call)."""
+  kw = dict(max_new_tokens=4, eos_token_ids=(1,), pad_id=0)
+  with pytest.raises(ValueError, match=f"SamplingConfig.{field}"):
+    SamplingConfig(**{**kw, field: value})
+
+
+def test_config_early_stop_must_be_bool_and_numpy_scalars_are_accepted():
+  """early_stop="no" used to be accepted (truthy: early stopping on); numpy scalars for temperature / top_p are
+  plain numbers (temperature np.float32(0.7) used to be rejected as not "a finite float >= 0"), stored as floats."""
+  kw = dict(max_new_tokens=4, eos_token_ids=(1,), pad_id=0)
+  with pytest.raises(TypeError, match="early_stop"):
+    SamplingConfig(**kw, early_stop="no")
+  cfg = SamplingConfig(max_new_tokens=4, eos_token_ids=np.array([3, 4]), pad_id=np.int64(0),
+                       temperature=np.float32(0.5), top_p=np.float64(0.25))
+  assert type(cfg.temperature) is float and cfg.temperature == 0.5 and type(cfg.top_p) is float and cfg.top_p == 0.25
+  assert cfg == SamplingConfig(max_new_tokens=4, eos_token_ids=(3, 4), pad_id=0, temperature=0.5, top_p=0.25)
+
+
 # ----------------------------------------------------------------------------
 # generate() against transformers (tiny random Qwen2 checkpoint, float32).
 # ----------------------------------------------------------------------------
