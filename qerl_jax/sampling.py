@@ -14,7 +14,8 @@ means greedy (argmax), with no division.
 
 Everything here is a pure function of its inputs and the PRNG key; each row
 ``r`` draws its randomness from ``fold_in(fold_in(key, r), step)``, so a row's
-samples do not depend on the batch or shape bucket it was padded into.
+samples do not depend on the shape bucket it was padded into (they do depend on
+its index ``r``: the same prompt at another row index samples other tokens).
 """
 
 from __future__ import annotations
@@ -398,8 +399,8 @@ def sample_tokens(key: jax.Array, logits: jax.Array, *, temperature: float, top_
   """Draw one token per row and return it with its log-probabilities.
 
   Args:
-    key: PRNG key(s): one key (shared draw over all rows) or a batch of keys
-      ``[...]`` matching ``logits.shape[:-1]`` (one independent draw per row).
+    key: PRNG key(s): one key for all rows (still independent draws per row) or a
+      batch of keys ``[...]`` matching ``logits.shape[:-1]`` (one key per row).
     logits: float ``[..., V]`` (already min-new-tokens masked if wanted).
     temperature, top_k, top_p: see :class:`SamplingConfig`; temperature 0 is
       greedy (argmax of ``logits``; the first index wins ties).
@@ -511,8 +512,17 @@ def pad_prompts(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, batch: int, 
   mask 1 only on the last column, so they are well defined (no fully masked
   attention row) and are dropped from the result.
 
+  Args:
+    prompt_tokens: int ``[B, P]``, left-padded.
+    prompt_mask: int or bool ``[B, P]``, 1 on real tokens.
+    batch, length: the padded shape, ``batch >= B`` and ``length >= P``.
+    pad_id: token written in the new positions.
+
   Returns:
     ``(tokens int32 [batch, length], mask int32 [batch, length])``.
+
+  Raises:
+    ValueError: ``batch < B`` or ``length < P``.
   """
   b, p = prompt_tokens.shape
   if batch < b or length < p:
@@ -528,14 +538,22 @@ def pad_prompts(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, batch: int, 
 def validate_prompts(prompt_tokens, prompt_mask) -> None:
   """Check shapes and left padding of concrete prompt arrays.
 
+  Args:
+    prompt_tokens: int ``[B, P]`` (only its shape is read).
+    prompt_mask: int or bool ``[B, P]``, 1 on real tokens; its values are checked
+      unless it is traced.
+
   Raises:
-    ValueError: rank or shape mismatch, a row with no prompt token, a mask that
-      is not 0/1, or a row that is not left-padded (a 1 followed by a 0).
+    ValueError: rank or shape mismatch, no rows (``B = 0``), a row with no prompt
+      token, a mask that is not 0/1, or a row that is not left-padded (a 1
+      followed by a 0).
   """
   if prompt_tokens.ndim != 2:
     raise ValueError(f"generate: prompt_tokens must be [B, P], got shape {prompt_tokens.shape}")
   if prompt_mask.shape != prompt_tokens.shape:
     raise ValueError(f"generate: prompt_mask shape {prompt_mask.shape} != prompt_tokens shape {prompt_tokens.shape}")
+  if prompt_tokens.shape[0] == 0:
+    raise ValueError(f"generate: no prompts (prompt_tokens shape {prompt_tokens.shape})")
   try:
     m = np.asarray(prompt_mask)
   except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
@@ -705,7 +723,8 @@ def generate(cfg_model, base: dict, prompt_tokens, prompt_mask, key: jax.Array, 
     base: frozen base parameter tree (bf16 or NVFP4/NF4 linears).
     prompt_tokens: int ``[B, P]`` token ids, left-padded.
     prompt_mask: int/bool ``[B, P]``, 1 on real tokens (each row's ones at the end).
-    key: a PRNG key (typed or raw uint32 ``[2]``); unused when greedy.
+    key: a PRNG key (typed or raw uint32 ``[2]``); required even when greedy, where
+      its value does not matter.
     config: :class:`SamplingConfig` (a static jit argument).
     lora: optional adapter tree (see :mod:`qerl_jax.models`).
     lora_cfg: LoRA scale: None, a float, or anything with ``.scale``.
@@ -722,7 +741,8 @@ def generate(cfg_model, base: dict, prompt_tokens, prompt_mask, key: jax.Array, 
   Raises:
     TypeError: ``config`` is not a :class:`SamplingConfig`, or ``lora_cfg`` has no LoRA scale
       (:func:`qerl_jax.models.lora_scale_of`).
-    ValueError: bad prompt shapes, a row without tokens, right padding.
+    ValueError: bad prompt shapes, no rows, a row without tokens, a mask that is not 0/1,
+      right padding (:func:`validate_prompts`).
   """
   if not isinstance(config, SamplingConfig):
     raise TypeError(f"generate: config must be a SamplingConfig, got {type(config).__name__}")

@@ -187,6 +187,8 @@ def test_validation_errors():
     sampling.validate_prompts(ok, np.array([[0, 0, 0], [1, 1, 1]]))
   with pytest.raises(ValueError, match="shape"):
     sampling.validate_prompts(ok, np.ones((2, 4)))
+  with pytest.raises(ValueError, match="no prompts"):  # used to surface as "bucket: size must be >= 1"
+    sampling.validate_prompts(np.ones((0, 3), np.int32), np.ones((0, 3), np.int32))
   with pytest.raises(ValueError, match="eos_token_ids"):
     SamplingConfig(max_new_tokens=4, eos_token_ids=(), pad_id=0)
   with pytest.raises(ValueError, match="top_p"):
