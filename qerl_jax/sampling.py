@@ -14,13 +14,15 @@ means greedy (argmax), with no division.
 
 Everything here is a pure function of its inputs and the PRNG key; each row
 ``r`` draws its randomness from ``fold_in(fold_in(key, r), step)``, so a row's
-samples do not depend on the batch or shape bucket it was padded into.
+samples do not depend on the shape bucket it was padded into (they do depend on
+its index ``r``: the same prompt at another row index samples other tokens).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Optional, Sequence
 
 import flax.struct
@@ -85,6 +87,11 @@ class SamplingConfig:
       the copy included. The values are those of the
       large-M matmul path, so tokens may differ from the 4-bit kernels' (different
       rounding), as they do between batch sizes.
+
+  Raises:
+    ValueError: naming the field, for a value out of range or of the wrong kind (ids that
+      are not ints >= 0, a float where an int is due, a ``cache_dtype`` that is not floating).
+    TypeError: ``unroll_decode`` or ``early_stop`` not a bool; id fields neither an int nor iterable.
   """
 
   max_new_tokens: int
@@ -104,30 +111,44 @@ class SamplingConfig:
 
   def __post_init__(self):
     # Accept lists for the id fields but store tuples (hashable).
-    object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in _as_ids(self.eos_token_ids, "eos_token_ids")))
-    object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in _as_ids(self.stop_token_ids, "stop_token_ids")))
-    if not isinstance(self.max_new_tokens, (int, np.integer)) or self.max_new_tokens < 1:
+    object.__setattr__(self, "eos_token_ids", _as_ids(self.eos_token_ids, "eos_token_ids"))
+    object.__setattr__(self, "stop_token_ids", _as_ids(self.stop_token_ids, "stop_token_ids"))
+    if not _is_int(self.pad_id) or self.pad_id < 0:
+      raise ValueError(f"SamplingConfig.pad_id must be an int >= 0 (a token id), got {self.pad_id!r}")
+    if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
       raise ValueError(f"SamplingConfig.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-    if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+    if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
       raise ValueError(
-          f"SamplingConfig.min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}")
+          f"SamplingConfig.min_new_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}], "
+          f"got {self.min_new_tokens!r}")
     if not self.eos_token_ids:
       raise ValueError("SamplingConfig.eos_token_ids is empty: give every end-of-sequence id of the checkpoint")
-    if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+    if not (_is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
       raise ValueError(f"SamplingConfig.temperature must be a finite float >= 0, got {self.temperature!r}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p!r}")
-    if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+    object.__setattr__(self, "temperature", float(self.temperature))  # numpy scalars too; a plain float
+    if not (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0):
+      raise ValueError(f"SamplingConfig.top_p must be a float in (0, 1], got {self.top_p!r}")
+    object.__setattr__(self, "top_p", float(self.top_p))
+    if not _is_int(self.top_k) or self.top_k < 0:
       raise ValueError(f"SamplingConfig.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-    if not isinstance(self.kv_phases, (int, np.integer)) or not 1 <= self.kv_phases <= self.max_new_tokens:
+    if not _is_int(self.kv_phases) or not 1 <= self.kv_phases <= self.max_new_tokens:
       raise ValueError(f"SamplingConfig.kv_phases must be an int in [1, max_new_tokens], got {self.kv_phases!r}")
     if not isinstance(self.unroll_decode, bool):
       raise TypeError(f"SamplingConfig.unroll_decode must be a bool, got {self.unroll_decode!r}")
-    if not isinstance(self.num_generations, (int, np.integer)) or self.num_generations < 1:
+    if not isinstance(self.early_stop, bool):
+      raise TypeError(f"SamplingConfig.early_stop must be a bool, got {self.early_stop!r}")
+    if not _is_int(self.num_generations) or self.num_generations < 1:
       raise ValueError(f"SamplingConfig.num_generations must be an int >= 1, got {self.num_generations!r}")
-    if not isinstance(self.dequantize_min_rows, (int, np.integer)) or self.dequantize_min_rows < 0:
+    if not _is_int(self.dequantize_min_rows) or self.dequantize_min_rows < 0:
       raise ValueError(f"SamplingConfig.dequantize_min_rows must be an int >= 0 (0 = never), "
                        f"got {self.dequantize_min_rows!r}")
+    try:
+      floating = jnp.issubdtype(jnp.dtype(self.cache_dtype), jnp.floating)
+    except TypeError:
+      floating = False
+    if not floating:
+      raise ValueError(f"SamplingConfig.cache_dtype must be a floating dtype (e.g. jnp.bfloat16), "
+                       f"got {self.cache_dtype!r}")
 
   def dequantizes(self, decode_rows: int) -> bool:
     """Whether a rollout of ``decode_rows`` rows (batch bucket x ``num_generations``) runs on a
@@ -149,13 +170,31 @@ class SamplingConfig:
     return tuple(-(-t * (i + 1) // n) for i in range(n))
 
 
-def _as_ids(ids, name) -> tuple:
-  if isinstance(ids, (int, np.integer)):
-    return (ids,)
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+  return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _as_ids(ids, name) -> tuple[int, ...]:
+  """``ids`` (one id or an iterable of them) as a tuple of Python ints.
+
+  Raises:
+    TypeError: ``ids`` is neither an int nor iterable.
+    ValueError: an id that is not an int >= 0 (a float is not truncated, a string not parsed).
+  """
+  if _is_int(ids):
+    ids = (ids,)
   try:
-    return tuple(ids)
+    ids = tuple(ids)
   except TypeError:
     raise TypeError(f"SamplingConfig.{name} must be a tuple of ints, got {ids!r}") from None
+  bad = [i for i in ids if not _is_int(i) or i < 0]
+  if bad:
+    raise ValueError(f"SamplingConfig.{name} must hold token ids (ints >= 0), got {bad!r} in {ids!r}")
+  return tuple(int(i) for i in ids)
 
 
 @flax.struct.dataclass
@@ -170,8 +209,9 @@ class Rollout:
       (renormalised over the kept tokens). Greedy (temperature 0) samples from
       a point mass, so its ``logprobs`` are 0. 0 where ``mask`` is 0.
     policy_logprobs: float32 ``[B*G, T]``, the raw policy's log-probability,
-      ``log_softmax(logits)`` at temperature 1 with no filtering: what a full
-      forward over prompt + completion gives (``models.token_logprobs``).
+      ``log_softmax(logits)`` at temperature 1 with no filtering and no
+      min-new-tokens mask: what a full forward over prompt + completion gives
+      (``models.token_logprobs``), whatever the sampling settings.
       At temperature 1 with top_k 0, top_p 1 and past ``min_new_tokens`` it
       equals ``logprobs``. 0 where ``mask`` is 0.
     mask: int32 ``[B*G, T]``, 1 up to and including each row's first end token,
@@ -359,8 +399,8 @@ def sample_tokens(key: jax.Array, logits: jax.Array, *, temperature: float, top_
   """Draw one token per row and return it with its log-probabilities.
 
   Args:
-    key: PRNG key(s): one key (shared draw over all rows) or a batch of keys
-      ``[...]`` matching ``logits.shape[:-1]`` (one independent draw per row).
+    key: PRNG key(s): one key for all rows (still independent draws per row) or a
+      batch of keys ``[...]`` matching ``logits.shape[:-1]`` (one key per row).
     logits: float ``[..., V]`` (already min-new-tokens masked if wanted).
     temperature, top_k, top_p: see :class:`SamplingConfig`; temperature 0 is
       greedy (argmax of ``logits``; the first index wins ties).
@@ -472,8 +512,17 @@ def pad_prompts(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, batch: int, 
   mask 1 only on the last column, so they are well defined (no fully masked
   attention row) and are dropped from the result.
 
+  Args:
+    prompt_tokens: int ``[B, P]``, left-padded.
+    prompt_mask: int or bool ``[B, P]``, 1 on real tokens.
+    batch, length: the padded shape, ``batch >= B`` and ``length >= P``.
+    pad_id: token written in the new positions.
+
   Returns:
     ``(tokens int32 [batch, length], mask int32 [batch, length])``.
+
+  Raises:
+    ValueError: ``batch < B`` or ``length < P``.
   """
   b, p = prompt_tokens.shape
   if batch < b or length < p:
@@ -489,14 +538,22 @@ def pad_prompts(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, batch: int, 
 def validate_prompts(prompt_tokens, prompt_mask) -> None:
   """Check shapes and left padding of concrete prompt arrays.
 
+  Args:
+    prompt_tokens: int ``[B, P]`` (only its shape is read).
+    prompt_mask: int or bool ``[B, P]``, 1 on real tokens; its values are checked
+      unless it is traced.
+
   Raises:
-    ValueError: rank or shape mismatch, a row with no prompt token, a mask that
-      is not 0/1, or a row that is not left-padded (a 1 followed by a 0).
+    ValueError: rank or shape mismatch, no rows (``B = 0``), a row with no prompt
+      token, a mask that is not 0/1, or a row that is not left-padded (a 1
+      followed by a 0).
   """
   if prompt_tokens.ndim != 2:
     raise ValueError(f"generate: prompt_tokens must be [B, P], got shape {prompt_tokens.shape}")
   if prompt_mask.shape != prompt_tokens.shape:
     raise ValueError(f"generate: prompt_mask shape {prompt_mask.shape} != prompt_tokens shape {prompt_tokens.shape}")
+  if prompt_tokens.shape[0] == 0:
+    raise ValueError(f"generate: no prompts (prompt_tokens shape {prompt_tokens.shape})")
   try:
     m = np.asarray(prompt_mask)
   except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
@@ -590,11 +647,15 @@ def _generate_impl(cfg_model, config: SamplingConfig, lora_scale: float, base, l
   def choose(t, logits, done, bufs):
     """Sample completion token ``t`` for every row; rows already ended get pad / mask 0."""
     tokens_buf, lp_buf, plp_buf, mask_buf = bufs
+    raw_logits = logits
     if config.min_new_tokens > 0:
       logits = forbid_tokens(logits, end_ids, t < config.min_new_tokens)
     keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(row_keys)
     tok, lp, plp = sample_tokens(keys, logits, temperature=config.temperature, top_k=config.top_k,
                                  top_p=config.top_p)
+    if config.min_new_tokens > 0:  # policy_logprobs: the raw policy's, not renormalised over the non-end ids
+      x = raw_logits.astype(jnp.float32)
+      plp = jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(x, axis=-1)
     live = ~done
     tok = jnp.where(live, tok, jnp.int32(config.pad_id))
     col = lambda buf, v: jax.lax.dynamic_update_slice_in_dim(buf, v[:, None].astype(buf.dtype), t, axis=1)
@@ -662,7 +723,8 @@ def generate(cfg_model, base: dict, prompt_tokens, prompt_mask, key: jax.Array, 
     base: frozen base parameter tree (bf16 or NVFP4/NF4 linears).
     prompt_tokens: int ``[B, P]`` token ids, left-padded.
     prompt_mask: int/bool ``[B, P]``, 1 on real tokens (each row's ones at the end).
-    key: a PRNG key (typed or raw uint32 ``[2]``); unused when greedy.
+    key: a PRNG key (typed or raw uint32 ``[2]``); required even when greedy, where
+      its value does not matter.
     config: :class:`SamplingConfig` (a static jit argument).
     lora: optional adapter tree (see :mod:`qerl_jax.models`).
     lora_cfg: LoRA scale: None, a float, or anything with ``.scale``.
@@ -679,7 +741,8 @@ def generate(cfg_model, base: dict, prompt_tokens, prompt_mask, key: jax.Array, 
   Raises:
     TypeError: ``config`` is not a :class:`SamplingConfig`, or ``lora_cfg`` has no LoRA scale
       (:func:`qerl_jax.models.lora_scale_of`).
-    ValueError: bad prompt shapes, a row without tokens, right padding.
+    ValueError: bad prompt shapes, no rows, a row without tokens, a mask that is not 0/1,
+      right padding (:func:`validate_prompts`).
   """
   if not isinstance(config, SamplingConfig):
     raise TypeError(f"generate: config must be a SamplingConfig, got {type(config).__name__}")

@@ -187,6 +187,8 @@ def test_validation_errors():
     sampling.validate_prompts(ok, np.array([[0, 0, 0], [1, 1, 1]]))
   with pytest.raises(ValueError, match="shape"):
     sampling.validate_prompts(ok, np.ones((2, 4)))
+  with pytest.raises(ValueError, match="no prompts"):  # used to surface as "bucket: size must be >= 1"
+    sampling.validate_prompts(np.ones((0, 3), np.int32), np.ones((0, 3), np.int32))
   with pytest.raises(ValueError, match="eos_token_ids"):
     SamplingConfig(max_new_tokens=4, eos_token_ids=(), pad_id=0)
   with pytest.raises(ValueError, match="top_p"):
@@ -200,6 +202,33 @@ def test_validation_errors():
   cfg = SamplingConfig(max_new_tokens=4, eos_token_ids=[1, 2], stop_token_ids=[2, 3], pad_id=0)
   assert cfg.end_ids == (1, 2, 3) and hash(cfg) == hash(SamplingConfig(max_new_tokens=4, eos_token_ids=(1, 2),
                                                                           stop_token_ids=(2, 3), pad_id=0))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("pad_id", None), ("pad_id", -1), ("pad_id", 1.5), ("pad_id", "0"),
+    ("eos_token_ids", (1.7,)), ("eos_token_ids", ("151645",)), ("eos_token_ids", (-5,)), ("stop_token_ids", (2, -1)),
+    ("min_new_tokens", None), ("min_new_tokens", 1.5), ("max_new_tokens", True),
+    ("top_p", None), ("top_p", "0.9"), ("top_p", jnp.float32(0.5)),
+    ("cache_dtype", "float33"), ("cache_dtype", jnp.int8),
+])
+def test_config_rejects_bad_values_naming_the_field(field, value):
+  """Each bad value raises a ValueError that names its field (not a bare TypeError from a comparison, and not a
+  silent truncation: eos id 1.7 used to become 1, pad_id=None failed only inside the jit-compiled call)."""
+  kw = dict(max_new_tokens=4, eos_token_ids=(1,), pad_id=0)
+  with pytest.raises(ValueError, match=f"SamplingConfig.{field}"):
+    SamplingConfig(**{**kw, field: value})
+
+
+def test_config_early_stop_must_be_bool_and_numpy_scalars_are_accepted():
+  """early_stop="no" used to be accepted (truthy: early stopping on); numpy scalars for temperature / top_p are
+  plain numbers (temperature np.float32(0.7) used to be rejected as not "a finite float >= 0"), stored as floats."""
+  kw = dict(max_new_tokens=4, eos_token_ids=(1,), pad_id=0)
+  with pytest.raises(TypeError, match="early_stop"):
+    SamplingConfig(**kw, early_stop="no")
+  cfg = SamplingConfig(max_new_tokens=4, eos_token_ids=np.array([3, 4]), pad_id=np.int64(0),
+                       temperature=np.float32(0.5), top_p=np.float64(0.25))
+  assert type(cfg.temperature) is float and cfg.temperature == 0.5 and type(cfg.top_p) is float and cfg.top_p == 0.25
+  assert cfg == SamplingConfig(max_new_tokens=4, eos_token_ids=(3, 4), pad_id=0, temperature=0.5, top_p=0.25)
 
 
 # ----------------------------------------------------------------------------
@@ -305,6 +334,42 @@ def test_top_k1_groups_and_min_new_tokens_match_greedy(tiny, greedy_case):
   np.testing.assert_array_equal(np.asarray(ro.tokens), np.repeat(ref, 2, axis=0))
   np.testing.assert_array_equal(np.asarray(ro.prompt_tokens), np.repeat(tokens, 2, axis=0))
   assert (np.asarray(ro.lengths) >= 4).all()
+
+
+def _small_model():
+  """(cfg, base): a random float32 model small enough for CPU tests (no PyTorch needed)."""
+  from qerl_jax import models
+  cfg = models.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=16, dtype="float32")
+  return cfg, models.init_params(cfg, jax.random.key(0), dtype=jnp.float32, std=0.2)
+
+
+def _full_forward_logprobs64(cfg, base, ro, prompt_len):
+  """float64 ``[N, T]``: log_softmax (numpy, float64) of one full forward over prompt + completion, at each
+  completion token, 0 where the completion mask is 0."""
+  from qerl_jax import models
+  seq = jnp.concatenate([ro.prompt_tokens, ro.tokens], axis=1)
+  seq_mask = jnp.concatenate([ro.prompt_mask, ro.mask], axis=1)
+  logits, _ = models.forward(cfg, base, seq, models.positions_from_mask(seq_mask), attn_mask=seq_mask)
+  logp = _log_softmax64(np.asarray(logits[:, :-1]))  # predicts seq[:, 1:]
+  full = np.take_along_axis(logp, np.asarray(seq)[:, 1:, None], axis=-1)[..., 0]
+  return full[:, prompt_len - 1:] * np.asarray(ro.mask)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0, 0.7])
+def test_policy_logprobs_are_the_raw_policy_before_min_new_tokens(temperature):
+  """policy_logprobs (the trainer's old log-probs) equal one full forward's log_softmax at temperature 1 also
+  while min_new_tokens forbids the end ids: they are the raw policy's, not renormalised over the allowed
+  tokens. A third of the vocabulary are end ids, so the renormalisation would be visible (about 0.5 nats)."""
+  cfg, base = _small_model()
+  tokens = np.array([[0, 5, 7, 9], [3, 4, 8, 2], [0, 0, 0, 11]], np.int32)
+  mask = np.array([[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]], np.int32)
+  config = SamplingConfig(max_new_tokens=8, eos_token_ids=tuple(range(0, 97, 3)), pad_id=0, min_new_tokens=4,
+                          temperature=temperature, num_generations=2, cache_dtype=jnp.float32)
+  ro = sampling.generate(cfg, base, tokens, mask, jax.random.key(1), config)
+  assert (np.asarray(ro.lengths) >= 4).all()
+  want = _full_forward_logprobs64(cfg, base, ro, tokens.shape[1])
+  np.testing.assert_allclose(np.asarray(ro.policy_logprobs), want, atol=1e-4)
 
 
 def _lora_and_noise(cfg, key):
