@@ -47,7 +47,8 @@ class SamplingConfig:
       its first end token, which is kept in the completion with mask 1.
     pad_id: token written after a row's end (mask 0). It may equal an end id;
       the mask never compares token values with it.
-    temperature: softmax temperature; ``0`` = greedy (argmax), top-k/top-p ignored.
+    temperature: softmax temperature; ``0`` = greedy (argmax), top-k/top-p ignored; otherwise at
+      least float32's smallest normal number (about 1.18e-38).
     top_p: nucleus mass in ``(0, 1]``; ``1`` disables it.
     top_k: keep the ``k`` most likely tokens; ``0`` disables it. When set, top-p
       is computed over those ``k`` candidates only (no full-vocabulary sort).
@@ -123,8 +124,10 @@ class SamplingConfig:
           f"got {self.min_new_tokens!r}")
     if not self.eos_token_ids:
       raise ValueError("SamplingConfig.eos_token_ids is empty: give every end-of-sequence id of the checkpoint")
-    if not (_is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
-      raise ValueError(f"SamplingConfig.temperature must be a finite float >= 0, got {self.temperature!r}")
+    if not (_is_real(self.temperature) and math.isfinite(self.temperature)
+            and (self.temperature == 0 or self.temperature >= _MIN_TEMPERATURE)):
+      raise ValueError(f"SamplingConfig.temperature must be 0 (greedy) or a finite float >= {_MIN_TEMPERATURE:.3g} "
+                       f"(float32's smallest normal number), got {self.temperature!r}")
     object.__setattr__(self, "temperature", float(self.temperature))  # numpy scalars too; a plain float
     if not (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0):
       raise ValueError(f"SamplingConfig.top_p must be a float in (0, 1], got {self.top_p!r}")
@@ -168,6 +171,9 @@ class SamplingConfig:
     """Completion steps at which each decode phase ends: ``ceil(T * (i + 1) / kv_phases)``."""
     n, t = self.kv_phases, self.max_new_tokens
     return tuple(-(-t * (i + 1) // n) for i in range(n))
+
+
+_MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)  # below it a float32 temperature flushes to 0 on GPUs
 
 
 def _is_int(x) -> bool:
@@ -272,7 +278,9 @@ def sampling_logprobs(logits: jax.Array, *, temperature: float, top_k: int = 0, 
 
   Args:
     logits: ``[..., V]`` (any float dtype; computed in float32).
-    temperature: > 0 (use :func:`sample_tokens` for greedy).
+    temperature: >= float32's smallest normal number (about 1.18e-38; use :func:`sample_tokens`
+      for greedy). The logits are shifted by their row maximum before the division, so a tiny
+      temperature gives a point mass, never NaN.
     top_k: keep tokens whose logit is >= the k-th largest (ties at the
       threshold are kept); 0 = off.
     top_p: nucleus mass in (0, 1]: sorted by probability, token ``i`` is kept
@@ -284,17 +292,21 @@ def sampling_logprobs(logits: jax.Array, *, temperature: float, top_k: int = 0, 
     ``-inf`` on the removed ones.
 
   Raises:
-    ValueError: temperature <= 0, top_p outside (0, 1], top_k < 0.
+    ValueError: temperature below float32's smallest normal number (0 included), top_p outside
+      (0, 1], top_k < 0.
   """
-  if not temperature > 0:
-    raise ValueError(f"sampling_logprobs: temperature must be > 0 (0 is greedy), got {temperature}")
+  if not temperature >= _MIN_TEMPERATURE:
+    raise ValueError(f"sampling_logprobs: temperature must be >= {_MIN_TEMPERATURE:.3g} (float32's smallest normal "
+                     f"number; 0 is greedy), got {temperature}")
   if not 0.0 < top_p <= 1.0:
     raise ValueError(f"sampling_logprobs: top_p must be in (0, 1], got {top_p}")
   if top_k < 0:
     raise ValueError(f"sampling_logprobs: top_k must be >= 0, got {top_k}")
   x = logits.astype(jnp.float32)
   if temperature != 1.0:
-    x = x / jnp.float32(temperature)
+    # shifted by the row's max first (softmax is shift-invariant): at a tiny temperature x / T would
+    # overflow to inf and inf - inf to NaN, where (x - max) / T is <= 0 (-inf at worst, never NaN)
+    x = (x - jnp.max(x, axis=-1, keepdims=True)) / jnp.float32(temperature)
   vocab = x.shape[-1]
   threshold = None
   if 0 < top_k < vocab:

@@ -61,6 +61,26 @@ def test_temperature_matches_float64():
     np.testing.assert_allclose(np.asarray(lp), _log_softmax64(logits / t), atol=1e-5)
 
 
+def test_tiny_temperature_is_finite():
+  """At temperature 1e-37, logits / T overflowed float32 to inf (100 / 1e-37) and log_softmax gave NaN
+  (inf - inf). The distribution is then a point mass on the largest logit: log-prob 0 there, -inf or a huge
+  negative number elsewhere (hand-worked), and sampling returns that token with log-prob 0. A temperature
+  below float32's smallest normal number (it would flush to 0) is rejected."""
+  logits = jnp.asarray([[2.0, 100.0, -5.0, 99.5], [-1.0, -3.0, 0.5, 0.25]], jnp.float32)
+  lp = np.asarray(sampling.sampling_logprobs(logits, temperature=1e-37))
+  assert not np.isnan(lp).any()
+  np.testing.assert_array_equal(np.argmax(lp, axis=-1), [1, 2])
+  np.testing.assert_array_equal(lp[[0, 1], [1, 2]], [0.0, 0.0])
+  assert (np.delete(lp[0], 1) < -1e30).all() and (np.delete(lp[1], 2) < -1e30).all()
+  tok, slp, _ = sampling.sample_tokens(jax.random.key(0), logits, temperature=1e-37)
+  np.testing.assert_array_equal(np.asarray(tok), [1, 2])
+  np.testing.assert_array_equal(np.asarray(slp), [0.0, 0.0])
+  with pytest.raises(ValueError, match="temperature"):
+    sampling.sampling_logprobs(logits, temperature=1e-39)
+  with pytest.raises(ValueError, match="temperature"):
+    SamplingConfig(max_new_tokens=4, eos_token_ids=(1,), pad_id=0, temperature=1e-39)
+
+
 _sample = jax.jit(sampling.sample_tokens, static_argnames=("temperature", "top_k", "top_p"))
 
 
