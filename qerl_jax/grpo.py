@@ -13,7 +13,8 @@ References
   clipped surrogate, per-sequence mean) and eq. (4) (the k3 KL estimator).
 * KL estimators k1/k2/k3: J. Schulman, "Approximating KL Divergence", 2020 (blog note).
 * DAPO: Yu et al. 2025, arXiv:2503.14476 (clip-higher ``epsilon_high``, token-level mean,
-  dropping over-long truncated completions).
+  dropping over-long truncated completions, dynamic sampling (section 3.2; here
+  :func:`informative_groups`), the soft overlong punishment (eq. 13; :func:`overlong_penalty`)).
 * Dr. GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783
   (constant normaliser ``num_sequences * max_completion_length``, no std scaling).
 * BNPO: Xiao et al. 2025, arXiv:2506.02864 (normalise by the tokens of the batch).
@@ -36,6 +37,8 @@ __all__ = [
     "LOG_RATIO_CLAMP",
     "group_advantages",
     "reward_metrics",
+    "informative_groups",
+    "overlong_penalty",
     "kl_divergence",
     "loss_normalizer",
     "policy_loss_terms",
@@ -198,6 +201,70 @@ def reward_metrics(rewards, group_size: int, *, std_ddof: int = 1,
 # --------------------------------------------------------------------------------------------
 # KL
 # --------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("group_size", "std_ddof", "zero_std_rtol"))
+def informative_groups(rewards, group_size: int, *, std_ddof: int = 1,
+                       zero_std_rtol: float = _ZERO_STD_RTOL) -> jax.Array:
+    """Which groups carry a learning signal: DAPO's dynamic-sampling filter (Yu et al. 2025, sec. 3.2).
+
+    A group whose valid rewards are all equal (all correct or all wrong, with no other reward term to
+    tell them apart) gets advantage 0 for every member, so it adds no gradient but still counts in the
+    token-level normaliser. DAPO over-samples prompts and keeps only the groups for which this is True.
+
+    Args: as :func:`group_advantages` (``rewards`` float ``[num_prompts * group_size]``, non-finite =
+      missing; the same ``zero_std_rtol`` test of equality).
+
+    Returns:
+      bool ``[num_prompts]``: True where the group's advantages are not all zero under
+      ``scale_rewards="group"``, i.e. at least ``std_ddof + 1`` valid rewards that are not all equal.
+
+    Raises: as :func:`group_advantages`.
+    """
+    rewards = _check_rewards(rewards, group_size, std_ddof, zero_std_rtol)
+    return ~_group_stats(rewards, group_size, std_ddof, zero_std_rtol)["zero_std"]
+
+
+def overlong_penalty(lengths, max_length: int, buffer_length: int, penalty_factor: float = 1.0) -> jax.Array:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), a length-dependent reward term.
+
+    With ``L = max_length`` and ``C = buffer_length``, a completion of ``n`` tokens gets
+    ``0`` for ``n <= L - C``, ``-penalty_factor * (n - (L - C)) / C`` for ``L - C < n <= L`` (a
+    linear ramp to ``-penalty_factor`` at ``n = L``), and ``-penalty_factor`` for ``n > L``. It is
+    added to the task reward, so a truncated completion (``n = L``) scores ``-penalty_factor`` below
+    a short one. The DAPO recipe uses ``L = 20480``, ``C = 4096``, ``penalty_factor = 1`` (verl's
+    ``overlong_buffer``).
+
+    Args:
+      lengths: int ``[...]``, completion lengths in tokens (the end token included, as
+        ``sampling.Rollout.lengths``).
+      max_length: ``L``, the maximum completion length in tokens, a Python int >= 1.
+      buffer_length: ``C``, the punished interval in tokens, a Python int in ``[0, max_length]``;
+        0 turns the term off (all zeros).
+      penalty_factor: the penalty at and beyond ``L``, a finite float >= 0.
+
+    Returns:
+      float32 ``[...]`` (same shape as ``lengths``), each in ``[-penalty_factor, 0]``.
+
+    Raises:
+      ValueError: ``max_length`` < 1, ``buffer_length`` outside ``[0, max_length]``, a negative or
+        non-finite ``penalty_factor``, or non-integer ``lengths``.
+    """
+    if not _is_int(max_length) or max_length < 1:
+        raise ValueError(f"overlong_penalty: max_length must be an int >= 1, got {max_length!r}")
+    if not _is_int(buffer_length) or not 0 <= buffer_length <= max_length:
+        raise ValueError(f"overlong_penalty: buffer_length must be an int in [0, max_length={max_length}], "
+                         f"got {buffer_length!r}")
+    factor = float(penalty_factor)
+    if not (factor >= 0.0 and factor != float("inf")):
+        raise ValueError(f"overlong_penalty: penalty_factor must be a finite float >= 0, got {penalty_factor!r}")
+    lengths = jnp.asarray(lengths)
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"overlong_penalty: lengths must be integers (tokens), got dtype {lengths.dtype}")
+    if buffer_length == 0:
+        return jnp.zeros(lengths.shape, jnp.float32)
+    exceed = jnp.clip(lengths - (max_length - buffer_length), 0, buffer_length).astype(jnp.float32)
+    return -exceed / jnp.float32(buffer_length) * jnp.float32(factor)
+
+
 @functools.partial(jax.jit, static_argnames=("estimator",))
 def kl_divergence(logprobs, ref_logprobs, *, estimator: str = "k3") -> jax.Array:
     """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman 2020).

@@ -39,6 +39,15 @@ Layout (units in brackets)::
   rl.micro_batch_size     completions per gradient-accumulation micro-batch
   rl.num_iterations, epsilon, epsilon_high, beta, kl_estimator, scale_rewards,
   rl.mask_truncated_completions, format_reward_weight
+  rl.dynamic_sampling     DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): sample further batches of
+                          prompts (up to rl.max_sampling_rounds a step) until the update has
+                          batch_size / G groups whose rewards are not all equal; groups that carry no
+                          signal fill the batch only when the rounds run out. Off by default.
+  rl.max_sampling_rounds  rollouts a step at most with dynamic sampling (each consumes one batch of prompts)
+  rl.overlong_buffer_length [tokens], rl.overlong_penalty_factor
+                          DAPO's soft overlong punishment (eq. 13): completions longer than
+                          max_completion_length - buffer lose up to penalty_factor of reward,
+                          linearly; 0 (the default) turns it off
   sampling.temperature / top_p / top_k / max_completion_length [tokens]
   sampling.dequantize_min_rows  0: rollouts stay 4-bit; N: rollouts of >= N rows run on a dense copy (compute dtype) of
                           the base made once a rollout (faster above 128 rows; qerl_jax.sampling.SamplingConfig)
@@ -120,6 +129,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.scale_rewards = "group"
   c.rl.mask_truncated_completions = True
   c.rl.format_reward_weight = 0.0
+  c.rl.dynamic_sampling = False  # DAPO: keep sampling prompts until every group in the update carries signal
+  c.rl.max_sampling_rounds = 4  # at most this many rollouts a step with dynamic_sampling
+  c.rl.overlong_buffer_length = 0  # DAPO's soft overlong punishment over the last N tokens; 0: off
+  c.rl.overlong_penalty_factor = 1.0
 
   c.sampling = ml_collections.ConfigDict()
   c.sampling.temperature = 1.0
@@ -242,6 +255,16 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
        f"{SCALE_REWARDS}")
   need(float(rl.format_reward_weight) >= 0, f"rl.format_reward_weight={rl.format_reward_weight} "
        "must be >= 0")
+  need(isinstance(rl.get("dynamic_sampling", False), bool),
+       f"rl.dynamic_sampling={rl.get('dynamic_sampling')!r} must be True or False")
+  need(int(rl.get("max_sampling_rounds", 1)) >= 1,
+       f"rl.max_sampling_rounds={rl.get('max_sampling_rounds')} must be >= 1 (rollouts a step)")
+  buf = int(rl.get("overlong_buffer_length", 0))
+  need(0 <= buf <= int(s.max_completion_length),
+       f"rl.overlong_buffer_length={buf} must be in [0, sampling.max_completion_length="
+       f"{s.max_completion_length}] (0 turns the overlong penalty off)")
+  factor = float(rl.get("overlong_penalty_factor", 1.0))
+  need(0 <= factor < float("inf"), f"rl.overlong_penalty_factor={factor} must be a finite number >= 0")
 
   need(float(s.temperature) >= 0, f"sampling.temperature={s.temperature} must be >= 0 "
        "(0 is greedy)")

@@ -7,7 +7,10 @@ One step of :func:`train` (QeRL, arXiv:2510.11696, Alg. 1 with GRPO, Shao et al.
 3. sample ``num_generations`` completions per prompt with the 4-bit base + LoRA + noise
    (``sampling.generate``);
 4. score each completion on the host (bounded time, one float each; a failed score is missing,
-   NaN, and gets advantage 0);
+   NaN, and gets advantage 0), plus DAPO's overlong penalty when ``rl.overlong_buffer_length``
+   is set; with ``rl.dynamic_sampling`` (DAPO), steps 1, 3 and 4 repeat on the next batches of
+   prompts until ``batch_size / G`` groups carry signal (rewards not all equal) or
+   ``rl.max_sampling_rounds`` rollouts were made, and the update takes those groups;
 5. group-normalised advantages (``grpo.group_advantages``);
 6. reference log-probs with LoRA off when ``rl.beta > 0``;
 7. ``num_iterations`` updates over micro-batches (``grpo`` objective, optax AdamW);
@@ -29,6 +32,7 @@ import math
 import os
 import sys
 import time
+import types
 from typing import Any, Callable, Sequence
 
 import jax
@@ -137,6 +141,47 @@ class Policy:
   ref_logprobs: Callable[[dict, Any], jax.Array]
   update: Callable[..., tuple[Any, dict]]
   description: str = ""
+
+
+@dataclasses.dataclass
+class _Round:
+  """One rollout of a step and its rewards (``N = len(prompts) * G`` rows)."""
+  prompts: list            # [len(prompts)] Prompt
+  prompt_tokens: Any       # int32 [len(prompts), P]
+  prompt_mask: Any         # int32 [len(prompts), P]
+  rollout: Any             # sampling.Rollout with N rows
+  completions: list        # [N] str
+  answers: list            # [N] str
+  correct: np.ndarray      # float32 [N], the answer check (NaN: missing)
+  rewards: np.ndarray      # float32 [N], the training reward (+ bonus, + overlong penalty)
+
+
+def _select_groups(rounds: Sequence[_Round], num_groups: int, group_size: int, *, dynamic: bool):
+  """The groups one update takes from a step's rollouts: ``(rows, prompts, informative)``.
+
+  Without dynamic sampling (one round): every group of it. With it: the first ``num_groups`` groups
+  whose rewards are not all equal (``grpo.informative_groups``), in sampling order; when the rounds
+  hold fewer, the earliest other groups fill the batch (they get advantage 0), so its shape stays
+  fixed. ``rows``: ``(round, first row)`` of each taken group; ``prompts``: their ``(round, prompt)``;
+  ``informative``: how many taken groups carry signal.
+  """
+  if not dynamic:
+    (r,) = rounds
+    n = len(r.prompts)
+    return [(0, i * group_size) for i in range(n)], [(0, i) for i in range(n)], None
+  good, rest = [], []
+  for ri, r in enumerate(rounds):
+    for gi, ok in enumerate(np.asarray(grpo.informative_groups(jnp.asarray(r.rewards), group_size))):
+      (good if ok else rest).append((ri, gi))
+  taken = (good + rest)[:num_groups]
+  good_set = set(good)
+  return [(ri, gi * group_size) for ri, gi in taken], taken, sum(t in good_set for t in taken)
+
+
+def _take_rows(rounds: Sequence[_Round], rows, group_size: int, field: str):
+  """``rollout.<field>`` of the taken groups' rows, concatenated (``[num_groups * G, ...]``)."""
+  parts = [getattr(rounds[ri].rollout, field)[r0:r0 + group_size] for ri, r0 in rows]
+  return jnp.concatenate([jnp.asarray(p) for p in parts], axis=0)
 
 
 def _update_batch(prompt_tokens, prompt_mask, rollout, advantages) -> dict:
@@ -261,6 +306,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   train_set, eval_set = datasets or load_datasets(config, policy.tokenizer)
   correctness_fn, bonus_fn = reward_fns or make_reward_fns(config)
   eval_max_new = int(config.train.eval_max_completion_length or config.sampling.max_completion_length)
+  max_new = int(config.sampling.max_completion_length)
+  dynamic = bool(config.rl.get("dynamic_sampling", False))
+  max_rounds = int(config.rl.get("max_sampling_rounds", 1)) if dynamic else 1
+  overlong_buffer = int(config.rl.get("overlong_buffer_length", 0))
 
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=int(config.train.keep_checkpoints),
@@ -304,28 +353,50 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   for step in range(start, end):
     t0 = time.perf_counter()
     keys = step_keys(seed, step)
-    # 1. the step's prompts, from the seeded order of the training set
+    # 1-4. the step's prompts (from the seeded order of the training set), its AQN noise, G
+    #      completions per prompt, their rewards; with dynamic sampling (DAPO) again on the next
+    #      prompts until enough groups carry signal
     epoch = position // order.batches_per_epoch
-    batch = [train_set[i] for i in order.batch_indices(position)]
-    position += 1
-    prompt_tokens, prompt_mask = _prompt_batch(policy.tokenizer, batch, prompt_length, policy.pad_id)
-    # 2. that step's AQN noise on the RMSNorm scales
     noise = policy.noise(step)
-    # 3. G completions per prompt (rollout)
-    rollout = policy.generate(state.params, noise, prompt_tokens, prompt_mask, keys.sample,
-                              num_generations=G, greedy=False,
-                              max_new_tokens=int(config.sampling.max_completion_length))
-    completions = _decode(policy.tokenizer, rollout)
-    t1 = time.perf_counter()
-    # 4. rewards on the host: one float each, failures missing (NaN); the answer check runs
-    #    once and the training reward adds the optional bonus (format) to it
-    answers = [p.answer for p in batch for _ in range(G)]
-    correct, _ = score(correctness_fn, completions, answers)
-    rewards = correct if bonus_fn is None else correct + score(bonus_fn, completions, answers)[0]
-    missing = int(np.isnan(rewards).sum())
-    # 5. group-normalised advantages (NaN rewards -> advantage 0)
+    rounds, t_rollout, t_reward = [], time.perf_counter() - t0, 0.0
+    for rnd in range(max_rounds):
+      tr = time.perf_counter()
+      batch = [train_set[i] for i in order.batch_indices(position)]
+      position += 1
+      prompt_tokens, prompt_mask = _prompt_batch(policy.tokenizer, batch, prompt_length, policy.pad_id)
+      rollout = policy.generate(state.params, noise, prompt_tokens, prompt_mask,
+                                keys.sample if rnd == 0 else jax.random.fold_in(keys.sample, rnd),
+                                num_generations=G, greedy=False,
+                                max_new_tokens=int(config.sampling.max_completion_length))
+      completions = _decode(policy.tokenizer, rollout)
+      t_rollout += time.perf_counter() - tr
+      tr = time.perf_counter()
+      # rewards on the host: one float each, failures missing (NaN); the answer check runs once and
+      # the training reward adds the optional bonus (format) and DAPO's overlong penalty to it
+      answers = [p.answer for p in batch for _ in range(G)]
+      correct, _ = score(correctness_fn, completions, answers)
+      rewards = correct if bonus_fn is None else correct + score(bonus_fn, completions, answers)[0]
+      if overlong_buffer:
+        rewards = rewards + np.asarray(grpo.overlong_penalty(
+            np.asarray(rollout.lengths), max_new, overlong_buffer, float(config.rl.overlong_penalty_factor)))
+      rounds.append(_Round(batch, prompt_tokens, prompt_mask, rollout, completions, answers, correct,
+                           np.asarray(rewards, np.float32)))
+      t_reward += time.perf_counter() - tr
+      if not dynamic or sum(int(np.asarray(grpo.informative_groups(jnp.asarray(r.rewards), G)).sum())
+                            for r in rounds) >= prompts_per_step:
+        break
+    t1 = t0 + t_rollout
+    # 5. the update's groups (all of them without dynamic sampling) and their group-normalised
+    #    advantages (NaN rewards -> advantage 0)
+    rows, taken, informative = _select_groups(rounds, prompts_per_step, G, dynamic=dynamic)
+    if dynamic:
+      prompt_tokens = np.concatenate([rounds[ri].prompt_tokens[gi:gi + 1] for ri, gi in taken])
+      prompt_mask = np.concatenate([rounds[ri].prompt_mask[gi:gi + 1] for ri, gi in taken])
+      rollout = types.SimpleNamespace(**{f: _take_rows(rounds, rows, G, f)
+                                         for f in ("tokens", "mask", "policy_logprobs", "truncated")})
+      rewards = np.concatenate([rounds[ri].rewards[r0:r0 + G] for ri, r0 in rows])
     advantages = grpo.group_advantages(jnp.asarray(rewards), G, scale_rewards=str(config.rl.scale_rewards))
-    t2 = time.perf_counter()
+    t2 = t1 + t_reward
     # 6. reference log-probs (LoRA off) when beta > 0
     update_batch = _update_batch(prompt_tokens, prompt_mask, rollout, advantages)
     update_noise = policy.update_noise(noise)
@@ -340,23 +411,35 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     t3 = time.perf_counter()
     # 8. log, checkpoint, evaluate
     done = step + 1
+    # the step's reward, accuracy and completion metrics cover every completion sampled
+    sampled_rewards = np.concatenate([r.rewards for r in rounds])
+    sampled_correct = np.concatenate([r.correct for r in rounds])
     row = {**_scalar_metrics(update_metrics),
-           **_scalar_metrics(grpo.reward_metrics(jnp.asarray(rewards), G)),
-           **_scalar_metrics(grpo.completion_metrics(rollout.mask, rollout.truncated)),
-           "reward/missing": missing, "accuracy": float(np.mean(np.nan_to_num(correct) > 0)),
+           **_scalar_metrics(grpo.reward_metrics(jnp.asarray(sampled_rewards), G)),
+           **_scalar_metrics(grpo.completion_metrics(
+               jnp.concatenate([jnp.asarray(r.rollout.mask) for r in rounds]),
+               jnp.concatenate([jnp.asarray(r.rollout.truncated) for r in rounds]))),
+           "reward/missing": int(np.isnan(sampled_rewards).sum()),
+           "accuracy": float(np.mean(np.nan_to_num(sampled_correct) > 0)),
            "aqn/sigma": float(policy.sigma(step)), "data/epoch": epoch, "data/position": position,
            "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2,
            "time/step_s": t3 - t0,
-           "perf/tokens_per_s": float(np.asarray(rollout.lengths).sum()) / max(t1 - t0, 1e-9)}
+           "perf/tokens_per_s": sum(float(np.asarray(r.rollout.lengths).sum()) for r in rounds)
+                                / max(t1 - t0, 1e-9)}
+    if dynamic:
+      row.update({"dynamic_sampling/rounds": len(rounds), "dynamic_sampling/informative_groups": informative,
+                  "dynamic_sampling/filled_groups": prompts_per_step - informative})
     mem = metrics_lib.peak_device_memory_bytes()
     if mem is not None:
       row["perf/peak_memory_bytes"] = mem
     logger.write(done, row)
     every = int(config.train.log_samples_every)
     if every and done % every == 0:
-      n = min(int(config.train.num_samples_logged), len(completions))
-      prompts_text = [batch[i // G].text for i in range(n)]
-      logger.write_samples(done, prompts_text, completions[:n], rewards[:n].tolist(), answers[:n])
+      first = rounds[0]  # the step's first rollout
+      n = min(int(config.train.num_samples_logged), len(first.completions))
+      prompts_text = [first.prompts[i // G].text for i in range(n)]
+      logger.write_samples(done, prompts_text, first.completions[:n], first.rewards[:n].tolist(),
+                           first.answers[:n])
     if (int(config.train.eval_every) and done % int(config.train.eval_every) == 0
         or done == total) and eval_set:
       last_acc = run_eval(done)
@@ -393,7 +476,11 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
 
 # Keys added to the config after runs were saved, with the value that reproduces those runs.
 _LEGACY_VALUES = {"model.fuse_projections": False,
-                  "model.code_order": "standard"}
+                  "model.code_order": "standard",
+                  "rl.dynamic_sampling": False,
+                  "rl.max_sampling_rounds": 4,
+                  "rl.overlong_buffer_length": 0,
+                  "rl.overlong_penalty_factor": 1.0}
 
 
 def _config_diff(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:

@@ -576,3 +576,38 @@ def test_update_step_through_nvfp4_model_with_lora():
     state2, met2 = step_fn(state, batch, 0, jax.random.key(1))
     assert float(met2["update_skipped"]) == 0 and np.isfinite(float(met2["loss"]))
     assert float(met2["loss"]) != float(met["loss"])
+
+
+# --------------------------------------------------------------------------- DAPO's filter and overlong term
+
+def test_informative_groups_hand_worked():
+  """Groups of 4: mixed rewards; all equal; equal among the finite ones (a NaN is missing); a spread of 0.1;
+  one finite reward only (no std with ddof 1); two finite unequal rewards."""
+  nan = float("nan")
+  r = np.array([1, 1, 0, 1, 0, 0, 0, 0, 1, nan, 1, 1, 0.5, 0.5, 0.5, 0.6,
+                nan, nan, 1, nan, nan, 0, nan, 1], np.float32)
+  np.testing.assert_array_equal(np.asarray(grpo.informative_groups(r, 4)),
+                                [True, False, False, True, False, True])
+  # exactly the groups whose advantages are not all zero
+  adv = np.asarray(grpo.group_advantages(r, 4)).reshape(-1, 4)
+  np.testing.assert_array_equal((adv != 0).any(axis=1), [True, False, False, True, False, True])
+  with pytest.raises(ValueError, match="not a multiple of group_size"):
+    grpo.informative_groups(r[:5], 4)
+
+
+def test_overlong_penalty_hand_worked():
+  """DAPO eq. 13 with L = 10, C = 4: 0 up to 6 tokens, then -1/4 a token, -1 at and beyond 10."""
+  lengths = np.array([[0, 5, 6, 7], [8, 9, 10, 12]], np.int32)
+  np.testing.assert_allclose(np.asarray(grpo.overlong_penalty(lengths, 10, 4)),
+                             [[0, 0, 0, -0.25], [-0.5, -0.75, -1, -1]])
+  np.testing.assert_allclose(np.asarray(grpo.overlong_penalty(lengths, 10, 4, 0.5)),
+                             [[0, 0, 0, -0.125], [-0.25, -0.375, -0.5, -0.5]])
+  np.testing.assert_array_equal(np.asarray(grpo.overlong_penalty(lengths, 10, 0)), np.zeros((2, 4)))
+  # C = L: the ramp starts at 0 tokens
+  np.testing.assert_allclose(np.asarray(grpo.overlong_penalty(np.array([0, 2, 4]), 4, 4)), [0, -0.5, -1])
+  for args, needle in (((lengths, 10, 11), "buffer_length"), ((lengths, 10, -1), "buffer_length"),
+                       ((lengths, 0, 0), "max_length"), ((lengths, 10, 4, -1.0), "penalty_factor"),
+                       ((lengths, 10, 4, float("inf")), "penalty_factor"),
+                       ((lengths.astype(np.float32), 10, 4), "integers")):
+    with pytest.raises(ValueError, match=needle):
+      grpo.overlong_penalty(*args)

@@ -92,6 +92,9 @@ def test_load_prompts_skips_malformed_and_long_rows(tmp_path, data_dir):
     ("rl.loss_type", "ppo", "rl.loss_type='ppo'"),
     ("sampling.top_p", 0.0, "sampling.top_p=0.0"),
     ("model.quant", "int3", "model.quant='int3'"),
+    ("rl.max_sampling_rounds", 0, "rl.max_sampling_rounds=0 must be >= 1"),
+    ("rl.overlong_buffer_length", 4, "rl.overlong_buffer_length=4 must be in [0, sampling.max_completion_length=3]"),
+    ("rl.overlong_penalty_factor", -0.5, "rl.overlong_penalty_factor=-0.5 must be a finite number >= 0"),
 ])
 def test_validate_names_the_impossible_setting(key, value, needle):
   c = toy.toy_config()
@@ -273,6 +276,86 @@ def test_toy_run_logs_checkpoints_and_resumes_exactly(tmp_path):
                      capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": _pythonpath()})
   assert r.returncode == 2 and "Traceback" not in r.stderr
   assert f"error: no metrics.jsonl in workdir '{tmp_path / 'no-such-run'}'" in r.stderr
+
+
+def _round(rewards, group_size):
+  n = len(rewards) // group_size
+  return trainer._Round(prompts=[trainer.Prompt(text=f"q{i}", answer="1") for i in range(n)], prompt_tokens=None,
+                        prompt_mask=None, rollout=None, completions=[], answers=[], correct=None,
+                        rewards=np.asarray(rewards, np.float32))
+
+
+def test_select_groups_takes_informative_groups_in_order_then_fills():
+  """G = 2. Round 0: groups [1, 1] (no signal), [0, 1], [0, 0]; round 1: [1, 0], [1, 1], [0, 1]."""
+  rounds = [_round([1, 1, 0, 1, 0, 0], 2), _round([1, 0, 1, 1, 0, 1], 2)]
+  rows, taken, informative = trainer._select_groups(rounds, 3, 2, dynamic=True)
+  assert taken == [(0, 1), (1, 0), (1, 2)] and rows == [(0, 2), (1, 0), (1, 4)] and informative == 3
+  # more groups asked than carry signal: the earliest others fill the batch
+  rows, taken, informative = trainer._select_groups(rounds, 5, 2, dynamic=True)
+  assert taken == [(0, 1), (1, 0), (1, 2), (0, 0), (0, 2)] and informative == 3
+  # without dynamic sampling: the one round's groups, all of them
+  rows, taken, _ = trainer._select_groups(rounds[:1], 3, 2, dynamic=False)
+  assert taken == [(0, 0), (0, 1), (0, 2)] and rows == [(0, 0), (0, 2), (0, 4)]
+
+
+def _spy_policy(config, captured):
+  """The toy policy, recording each update's advantages."""
+  import dataclasses
+  policy = toy.toy_policy(config)
+  inner = policy.update
+
+  def update(state, batch, noise, step, key):
+    captured.append(np.asarray(batch["advantages"]))
+    return inner(state, batch, noise, step, key)
+
+  return dataclasses.replace(policy, update=update)
+
+
+def test_dynamic_sampling_updates_on_groups_with_signal_and_resumes(tmp_path):
+  """DAPO's dynamic sampling on the toy policy (G = 4, 2 prompts a step; the toy's groups often score all 0):
+  a step samples further prompts until 2 groups carry signal (or 3 rollouts), each rollout advancing the
+  data position by one batch, and the update's advantages are those of exactly the groups with signal. A run
+  stopped after 3 steps and resumed matches the uninterrupted one."""
+  config = toy.toy_config()
+  config.rl.dynamic_sampling = True
+  config.rl.max_sampling_rounds = 3
+  captured = []
+  kw = dict(datasets=toy.toy_datasets(), reward_fns=(toy.contains_answer, None), progress=False)
+  trainer.train(config, str(tmp_path / "full"), policy=_spy_policy(config, captured), **kw)
+  rows = [r for r in metrics_lib.read_metrics(str(tmp_path / "full")) if "loss" in r]
+  rounds = [r["dynamic_sampling/rounds"] for r in rows]
+  assert len(captured) == len(rows) == 6 and max(rounds) > 1
+  assert [r["data/position"] for r in rows] == np.cumsum(rounds).tolist()
+  for r, adv in zip(rows, captured):
+    with_signal = int((adv.reshape(-1, 4) != 0).any(axis=1).sum())
+    assert adv.shape == (8,) and with_signal == r["dynamic_sampling/informative_groups"]
+    assert r["dynamic_sampling/filled_groups"] == 2 - with_signal
+    # the groups with signal among all sampled (frac_reward_zero_std covers every sampled group): the update
+    # takes them first, so it has two of them whenever two were sampled
+    sampled_with_signal = round((1 - r["frac_reward_zero_std"]) * 2 * r["dynamic_sampling/rounds"])
+    assert with_signal == min(2, sampled_with_signal)
+    if r["dynamic_sampling/rounds"] < 3:
+      assert with_signal == 2
+  trainer.train(config, str(tmp_path / "part"), policy=toy.toy_policy(config), stop_after=3, **kw)
+  trainer.train(config, str(tmp_path / "part"), policy=toy.toy_policy(config), **kw)
+  a, b = (metrics_lib.read_metrics(str(tmp_path / w)) for w in ("full", "part"))
+  assert _deterministic(a) == _deterministic(b)
+
+
+def test_overlong_penalty_joins_the_training_reward(tmp_path):
+  """T = 3 new tokens, buffer 2: a completion of n tokens (end token included) loses 0 / 0.5 / 1 at
+  n = 1 / 2 / 3 (DAPO eq. 13, worked by hand); the logged samples' rewards are the answer check plus that."""
+  config = toy.toy_config()
+  config.rl.overlong_buffer_length = 2
+  config.train.total_steps, config.train.log_samples_every, config.train.num_samples_logged = 2, 1, 8
+  _toy_run(config, str(tmp_path / "run"))
+  samples = [json.loads(l) for l in open(tmp_path / "run" / "samples.jsonl")]
+  assert len(samples) == 16
+  for s in samples:
+    n = min(len(s["completion"]) + 1, 3)  # digits, then the end token unless the row was cut at 3
+    expected = (1.0 if s["answer"] in s["completion"] else 0.0) + {1: 0.0, 2: -0.5, 3: -1.0}[n]
+    assert s["reward"] == pytest.approx(expected), s
+  assert {min(len(s["completion"]) + 1, 3) for s in samples} >= {2, 3}
 
 
 # ------------------------------------------------------------------------------ the CPU default, end to end
