@@ -35,6 +35,23 @@ def test_ablation_config_variants_apply_and_validate():
     ablate.apply_overrides(ab.base, (("model.quantt", "nf4"),))
 
 
+def test_dapo_ablation_adds_one_piece_a_variant_and_validates():
+  from qerl_jax import train_config
+  ablate = _load(ROOT / "experiments" / "ablate.py")
+  ab = _load(ROOT / "configs" / "ablations" / "dapo.py").get_config()
+  seen = {}
+  for name, overrides in ab.variants:
+    cfg = ablate.apply_overrides(ab.base, tuple(overrides))
+    train_config.validate(cfg, check_paths=False)
+    rl = cfg.rl
+    seen[name] = (rl.loss_type, rl.dynamic_sampling, rl.max_sampling_rounds if rl.dynamic_sampling else None,
+                  rl.overlong_buffer_length, cfg.model.quant, cfg.aqn.enabled)
+  assert seen == {"grpo": ("grpo", False, None, 0, "nvfp4", True),
+                  "dapo_token": ("dapo", False, None, 0, "nvfp4", True),
+                  "dapo_dynamic": ("dapo", True, 3, 0, "nvfp4", True),
+                  "dapo_dynamic_overlong": ("dapo", True, 3, 24, "nvfp4", True)}
+
+
 def test_results_table_mean_and_std():
   ablate = _load(ROOT / "experiments" / "ablate.py")
   table = ablate.results_table({
