@@ -381,7 +381,8 @@ def load_peft_adapter(path: str, *, dtype=jnp.float32) -> tuple[dict, LoRAConfig
     FileNotFoundError: missing files.
     ValueError: a feature this library does not model (DoRA, rank/alpha
       patterns, layer subsets, biases, fan_in_fan_out, regex target_modules,
-      other modules_to_save), or unknown / missing keys.
+      other modules_to_save), unknown / missing keys, or a weight whose rank differs from the
+      config's ``r`` or whose shape differs between layers.
   """
   from safetensors.numpy import load_file
   cfg_path = os.path.join(path, "adapter_config.json")
@@ -443,6 +444,17 @@ def load_peft_adapter(path: str, *, dtype=jnp.float32) -> tuple[dict, LoRAConfig
     if d is None or sorted(d) != list(range(num_layers)):
       have = sorted(d) if d else []
       raise ValueError(f"{st_path}: {slot} present for layers {have}; need 0..{num_layers - 1}")
+    # PEFT layout: lora_A [r, K], lora_B [N, r], norms [D]; one shape for all layers, and the
+    # rank must be the config's r (the scale alpha/r or alpha/sqrt(r) is computed from it).
+    r, want_ndim = lora_cfg.r, (1 if slot[0] == "norm" else 2)
+    for i in range(num_layers):
+      shp = tuple(d[i].shape)
+      bad_rank = want_ndim == 2 and len(shp) == 2 and (shp[0] if slot[1] == "A" else shp[1]) != r
+      if len(shp) != want_ndim or shp != tuple(d[0].shape) or bad_rank:
+        what = "a 1-D norm [D]" if want_ndim == 1 else (f"lora_A [r={r}, K]" if slot[1] == "A"
+                                                         else f"lora_B [N, r={r}]")
+        raise ValueError(f"{st_path}: {slot} layer {i} has shape {shp} (layer 0: {tuple(d[0].shape)}); "
+                         f"expected {what} with r from {cfg_path}, the same in every layer")
     return jnp.asarray(np.stack([d[i].T if transpose else d[i] for i in range(num_layers)]), dtype)
 
   for m in lora_cfg.target_modules:
@@ -450,6 +462,9 @@ def load_peft_adapter(path: str, *, dtype=jnp.float32) -> tuple[dict, LoRAConfig
   for name in NORM_NAMES:
     if train_norms:
       layers[name] = stack(("norm", name), False)
+    elif ("norm", name) in per:
+      raise ValueError(f"{st_path}: has {_HF_NORM[name]} weights but {cfg_path} lists no "
+                       "modules_to_save; they would be dropped")
   return {"layers": layers}, lora_cfg
 
 
