@@ -381,7 +381,9 @@ def load_peft_adapter(path: str, *, dtype=jnp.float32) -> tuple[dict, LoRAConfig
     FileNotFoundError: missing files.
     ValueError: a feature this library does not model (DoRA, rank/alpha
       patterns, layer subsets, biases, fan_in_fan_out, regex target_modules,
-      other modules_to_save), unknown / missing keys, or a weight whose rank differs from the
+      other modules_to_save, QA-LoRA, layer_replication, aLoRA, an
+      initialisation that rewrote the base: PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA),
+      unknown / missing keys, or a weight whose rank differs from the
       config's ``r`` or whose shape differs between layers.
   """
   from safetensors.numpy import load_file
@@ -402,6 +404,17 @@ def load_peft_adapter(path: str, *, dtype=jnp.float32) -> tuple[dict, LoRAConfig
       raise ValueError(f"{cfg_path}: {field}={c[field]!r} is not supported (one r/alpha for all modules)")
   if c.get("layers_to_transform") is not None:
     raise ValueError(f"{cfg_path}: layers_to_transform={c['layers_to_transform']!r} is not supported")
+  # Fields that change what the adapter computes (QA-LoRA pools the input, layer_replication
+  # duplicates layers, aLoRA applies the adapter only after invocation tokens).
+  for field in ("use_qalora", "layer_replication", "alora_invocation_tokens"):
+    if c.get(field):
+      raise ValueError(f"{cfg_path}: {field}={c[field]!r} is not supported")
+  # PiSSA / OLoRA / CorDA / LoftQ / LoRA-GA rewrite the base weights at init; such an adapter
+  # only reproduces its model on that residual base, not on the original one loaded here.
+  init = c.get("init_lora_weights", True)
+  if isinstance(init, str) and init.lower().startswith(("pissa", "olora", "corda", "loftq", "lora_ga")):
+    raise ValueError(f"{cfg_path}: init_lora_weights={init!r} modified the base weights; save the adapter "
+                     "converted to plain LoRA (PEFT's path_initial_model_for_weight_conversion) or merged")
   tm = c.get("target_modules")
   if not isinstance(tm, list):
     raise ValueError(f"{cfg_path}: target_modules={tm!r}; need an explicit list of *_proj names")

@@ -240,6 +240,26 @@ def test_load_rejects_unsupported(tmp_path):
     L.save_peft_adapter(str(tmp_path), {"layers": {}}, cfg, c, "x")
 
 
+@pytest.mark.parametrize("field,value", [
+    ("init_lora_weights", "pissa"), ("init_lora_weights", "pissa_niter_4"), ("init_lora_weights", "olora"),
+    ("init_lora_weights", "loftq"), ("init_lora_weights", "corda"), ("use_qalora", True),
+    ("layer_replication", [[0, 2], [1, 2]]), ("alora_invocation_tokens", [5, 6])])
+def test_load_rejects_peft_variants_that_change_the_function(tmp_path, field, value):
+  """PEFT features whose adapter, loaded as plain LoRA on the original base, computes something else."""
+  cfg = TinyCfg()
+  c = L.LoRAConfig(r=2, target_modules=("q",))
+  L.save_peft_adapter(str(tmp_path), L.init_lora(jax.random.key(0), cfg, c), cfg, c, "x")
+  conf = json.loads((tmp_path / "adapter_config.json").read_text())
+  (tmp_path / "adapter_config.json").write_text(json.dumps(dict(conf, **{field: value})))
+  with pytest.raises(ValueError, match=field):
+    L.load_peft_adapter(str(tmp_path))
+  # The plain values PEFT writes for an ordinary adapter still load.
+  plain = dict(conf, init_lora_weights="gaussian", use_qalora=False, layer_replication=None,
+               alora_invocation_tokens=None)
+  (tmp_path / "adapter_config.json").write_text(json.dumps(plain))
+  assert L.load_peft_adapter(str(tmp_path))[1] == c
+
+
 def test_load_rejects_rank_or_shape_mismatch(tmp_path):
   """A file whose lora_A/lora_B rank is not the config's r must not load (the scale would be wrong)."""
   from safetensors.numpy import load_file, save_file
