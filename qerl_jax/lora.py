@@ -328,7 +328,9 @@ def save_peft_adapter(path: str, lora: Mapping, model_cfg, lora_cfg: LoRAConfig,
     base_model_name_or_path: recorded in the config (hub id or local path).
 
   Raises:
-    ValueError: the tree does not match ``lora_cfg`` / ``model_cfg``.
+    ValueError: the tree does not match ``lora_cfg`` / ``model_cfg`` (a targeted
+      module missing or of the wrong shape, or a module / norm in the tree that
+      ``lora_cfg`` does not list).
   """
   from safetensors.numpy import save_file
   _check_tree(lora, model_cfg, lora_cfg)
@@ -355,6 +357,14 @@ def _check_tree(lora, model_cfg, lora_cfg):
                        f"expected {want_a}, {want_b}")
   if lora_cfg.train_norms and not all(n in layers for n in NORM_NAMES):
     raise ValueError(f"train_norms=True but the lora tree lacks {NORM_NAMES}")
+  # The forward and merge() apply every adapter / norm in the tree; an export that follows
+  # lora_cfg would silently drop the ones the config does not list.
+  extra = [f"{g}.{m}" for g in ("attn", "mlp") for m in layers.get(g, {}) if m not in lora_cfg.target_modules]
+  if not lora_cfg.train_norms:
+    extra += [n for n in NORM_NAMES if n in layers]
+  if extra:
+    raise ValueError(f"the lora tree has {extra}, which lora_cfg (target_modules={lora_cfg.target_modules}, "
+                     f"train_norms={lora_cfg.train_norms}) does not list; they would be left out")
 
 
 _KEY_RE = re.compile(

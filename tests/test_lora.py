@@ -298,6 +298,20 @@ def test_load_rejects_rank_or_shape_mismatch(tmp_path):
     L.load_peft_adapter(str(tmp_path))
 
 
+def test_export_rejects_tree_entries_the_config_does_not_list(tmp_path):
+  """The forward applies every adapter in the tree; the PEFT export must not drop some silently."""
+  cfg = TinyCfg()
+  trained = L.LoRAConfig(r=2, target_modules=("q", "v"), train_norms=True)
+  base = {"layers": {n: jnp.ones((2, 32), jnp.float32) for n in L.NORM_NAMES}}
+  t = _random_lora(jax.random.key(0), cfg, trained, base)
+  L.save_peft_adapter(str(tmp_path / "ok"), t, cfg, trained, "x")  # the matching config exports
+  assert len(L.peft_state_dict(t, trained)) == 2 * 2 * 2 + 2 * 2
+  with pytest.raises(ValueError, match=r"attn\.v"):
+    L.save_peft_adapter(str(tmp_path / "a"), t, cfg, dataclasses.replace(trained, target_modules=("q",)), "x")
+  with pytest.raises(ValueError, match="input_norm"):
+    L.save_peft_adapter(str(tmp_path / "b"), t, cfg, dataclasses.replace(trained, train_norms=False), "x")
+
+
 # ------------------------------------------------------ adapters in the model ---
 
 @pytest.fixture(scope="module")
