@@ -301,9 +301,11 @@ def noise(key: jax.Array, step, norm_shapes: Union[Mapping[str, Any], Any],
     if len(shape) != 2:
       raise ValueError(f"norm_shapes[{name!r}]={shape}; expected (num_layers, hidden)")
     shapes[name] = shape
+  # First, so that a non-AQNConfig schedule and a negative Python step raise as documented
+  # (TypeError / ValueError) for every kind, "off" included.
+  s = jnp.asarray(schedule_sigma(schedule, step), jnp.float32)
   if schedule.kind == "off":
     return {name: jnp.zeros(shape, jnp.float32) for name, shape in shapes.items()}
-  s = jnp.asarray(schedule_sigma(schedule, step), jnp.float32)
   step_key = jax.random.fold_in(key, jnp.asarray(step, jnp.uint32))
   out = {}
   for name, (num_layers, hidden) in shapes.items():
