@@ -27,6 +27,11 @@ Differences from the original implementation (deliberate):
   ``AQNConfig.noise_in_update=False`` reproduces the paper's variant (noise in
   the rollout engine only; the update sees the noiseless model). The trainer
   reads that field through :func:`update_noise`.
+* Only the per-layer ``input_norm`` / ``post_attn_norm`` get noise. The released
+  code's loop (``trl_trainer/noise_scheduler.py``) perturbs every module of the
+  model's RMSNorm class it finds, which makes no exception for the final norm.
+* Each ``(step, norm, layer)`` has its own ``fold_in`` key, where the released
+  code draws from torch's global generator (not reproducible on resume).
 """
 
 from __future__ import annotations
