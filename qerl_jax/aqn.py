@@ -27,6 +27,11 @@ Differences from the original implementation (deliberate):
   ``AQNConfig.noise_in_update=False`` reproduces the paper's variant (noise in
   the rollout engine only; the update sees the noiseless model). The trainer
   reads that field through :func:`update_noise`.
+* Only the per-layer ``input_norm`` / ``post_attn_norm`` get noise. The released
+  code's loop (``trl_trainer/noise_scheduler.py``) perturbs every module of the
+  model's RMSNorm class it finds, which makes no exception for the final norm.
+* Each ``(step, norm, layer)`` has its own ``fold_in`` key, where the released
+  code draws from torch's global generator (not reproducible on resume).
 """
 
 from __future__ import annotations
@@ -301,9 +306,11 @@ def noise(key: jax.Array, step, norm_shapes: Union[Mapping[str, Any], Any],
     if len(shape) != 2:
       raise ValueError(f"norm_shapes[{name!r}]={shape}; expected (num_layers, hidden)")
     shapes[name] = shape
+  # First, so that a non-AQNConfig schedule and a negative Python step raise as documented
+  # (TypeError / ValueError) for every kind, "off" included.
+  s = jnp.asarray(schedule_sigma(schedule, step), jnp.float32)
   if schedule.kind == "off":
     return {name: jnp.zeros(shape, jnp.float32) for name, shape in shapes.items()}
-  s = jnp.asarray(schedule_sigma(schedule, step), jnp.float32)
   step_key = jax.random.fold_in(key, jnp.asarray(step, jnp.uint32))
   out = {}
   for name, (num_layers, hidden) in shapes.items():

@@ -328,7 +328,9 @@ def save_peft_adapter(path: str, lora: Mapping, model_cfg, lora_cfg: LoRAConfig,
     base_model_name_or_path: recorded in the config (hub id or local path).
 
   Raises:
-    ValueError: the tree does not match ``lora_cfg`` / ``model_cfg``.
+    ValueError: the tree does not match ``lora_cfg`` / ``model_cfg`` (a targeted
+      module missing or of the wrong shape, or a module / norm in the tree that
+      ``lora_cfg`` does not list).
   """
   from safetensors.numpy import save_file
   _check_tree(lora, model_cfg, lora_cfg)
@@ -355,6 +357,14 @@ def _check_tree(lora, model_cfg, lora_cfg):
                        f"expected {want_a}, {want_b}")
   if lora_cfg.train_norms and not all(n in layers for n in NORM_NAMES):
     raise ValueError(f"train_norms=True but the lora tree lacks {NORM_NAMES}")
+  # The forward and merge() apply every adapter / norm in the tree; an export that follows
+  # lora_cfg would silently drop the ones the config does not list.
+  extra = [f"{g}.{m}" for g in ("attn", "mlp") for m in layers.get(g, {}) if m not in lora_cfg.target_modules]
+  if not lora_cfg.train_norms:
+    extra += [n for n in NORM_NAMES if n in layers]
+  if extra:
+    raise ValueError(f"the lora tree has {extra}, which lora_cfg (target_modules={lora_cfg.target_modules}, "
+                     f"train_norms={lora_cfg.train_norms}) does not list; they would be left out")
 
 
 _KEY_RE = re.compile(
@@ -381,7 +391,10 @@ def load_peft_adapter(path: str, *, dtype=jnp.float32) -> tuple[dict, LoRAConfig
     FileNotFoundError: missing files.
     ValueError: a feature this library does not model (DoRA, rank/alpha
       patterns, layer subsets, biases, fan_in_fan_out, regex target_modules,
-      other modules_to_save), or unknown / missing keys.
+      other modules_to_save, QA-LoRA, layer_replication, aLoRA, an
+      initialisation that rewrote the base: PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA),
+      unknown / missing keys, or a weight whose rank differs from the
+      config's ``r`` or whose shape differs between layers.
   """
   from safetensors.numpy import load_file
   cfg_path = os.path.join(path, "adapter_config.json")
@@ -401,6 +414,17 @@ def load_peft_adapter(path: str, *, dtype=jnp.float32) -> tuple[dict, LoRAConfig
       raise ValueError(f"{cfg_path}: {field}={c[field]!r} is not supported (one r/alpha for all modules)")
   if c.get("layers_to_transform") is not None:
     raise ValueError(f"{cfg_path}: layers_to_transform={c['layers_to_transform']!r} is not supported")
+  # Fields that change what the adapter computes (QA-LoRA pools the input, layer_replication
+  # duplicates layers, aLoRA applies the adapter only after invocation tokens).
+  for field in ("use_qalora", "layer_replication", "alora_invocation_tokens"):
+    if c.get(field):
+      raise ValueError(f"{cfg_path}: {field}={c[field]!r} is not supported")
+  # PiSSA / OLoRA / CorDA / LoftQ / LoRA-GA rewrite the base weights at init; such an adapter
+  # only reproduces its model on that residual base, not on the original one loaded here.
+  init = c.get("init_lora_weights", True)
+  if isinstance(init, str) and init.lower().startswith(("pissa", "olora", "corda", "loftq", "lora_ga")):
+    raise ValueError(f"{cfg_path}: init_lora_weights={init!r} modified the base weights; save the adapter "
+                     "converted to plain LoRA (PEFT's path_initial_model_for_weight_conversion) or merged")
   tm = c.get("target_modules")
   if not isinstance(tm, list):
     raise ValueError(f"{cfg_path}: target_modules={tm!r}; need an explicit list of *_proj names")
@@ -443,6 +467,17 @@ def load_peft_adapter(path: str, *, dtype=jnp.float32) -> tuple[dict, LoRAConfig
     if d is None or sorted(d) != list(range(num_layers)):
       have = sorted(d) if d else []
       raise ValueError(f"{st_path}: {slot} present for layers {have}; need 0..{num_layers - 1}")
+    # PEFT layout: lora_A [r, K], lora_B [N, r], norms [D]; one shape for all layers, and the
+    # rank must be the config's r (the scale alpha/r or alpha/sqrt(r) is computed from it).
+    r, want_ndim = lora_cfg.r, (1 if slot[0] == "norm" else 2)
+    for i in range(num_layers):
+      shp = tuple(d[i].shape)
+      bad_rank = want_ndim == 2 and len(shp) == 2 and (shp[0] if slot[1] == "A" else shp[1]) != r
+      if len(shp) != want_ndim or shp != tuple(d[0].shape) or bad_rank:
+        what = "a 1-D norm [D]" if want_ndim == 1 else (f"lora_A [r={r}, K]" if slot[1] == "A"
+                                                         else f"lora_B [N, r={r}]")
+        raise ValueError(f"{st_path}: {slot} layer {i} has shape {shp} (layer 0: {tuple(d[0].shape)}); "
+                         f"expected {what} with r from {cfg_path}, the same in every layer")
     return jnp.asarray(np.stack([d[i].T if transpose else d[i] for i in range(num_layers)]), dtype)
 
   for m in lora_cfg.target_modules:
@@ -450,6 +485,9 @@ def load_peft_adapter(path: str, *, dtype=jnp.float32) -> tuple[dict, LoRAConfig
   for name in NORM_NAMES:
     if train_norms:
       layers[name] = stack(("norm", name), False)
+    elif ("norm", name) in per:
+      raise ValueError(f"{st_path}: has {_HF_NORM[name]} weights but {cfg_path} lists no "
+                       "modules_to_save; they would be dropped")
   return {"layers": layers}, lora_cfg
 
 

@@ -142,6 +142,16 @@ def test_noise_accepts_a_model_config_and_rejects_bad_shapes():
     aqn.noise(jax.random.key(0), 50, {"input_norm": (8,)}, CFG)
 
 
+def test_noise_rejects_a_non_config_schedule_and_negative_steps_for_every_kind():
+  """As its docstring says: TypeError for a schedule that is not an AQNConfig, ValueError for step < 0."""
+  for bad in ({"kind": "stages", "total_steps": 100}, None):
+    with pytest.raises(TypeError, match="AQNConfig"):
+      aqn.noise(jax.random.key(0), 5, SHAPES, bad)
+  for cfg in (CFG, aqn.AQNConfig(kind="off"), aqn.AQNConfig(kind="exponential", total_steps=100)):
+    with pytest.raises(ValueError, match="step=-1"):
+      aqn.noise(jax.random.key(0), -1, SHAPES, cfg)
+
+
 def test_update_noise_switch():
   z = aqn.noise(jax.random.key(0), 50, SHAPES, CFG)
   assert aqn.update_noise(z, CFG) is z

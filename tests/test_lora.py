@@ -240,6 +240,78 @@ def test_load_rejects_unsupported(tmp_path):
     L.save_peft_adapter(str(tmp_path), {"layers": {}}, cfg, c, "x")
 
 
+@pytest.mark.parametrize("field,value", [
+    ("init_lora_weights", "pissa"), ("init_lora_weights", "pissa_niter_4"), ("init_lora_weights", "olora"),
+    ("init_lora_weights", "loftq"), ("init_lora_weights", "corda"), ("use_qalora", True),
+    ("layer_replication", [[0, 2], [1, 2]]), ("alora_invocation_tokens", [5, 6])])
+def test_load_rejects_peft_variants_that_change_the_function(tmp_path, field, value):
+  """PEFT features whose adapter, loaded as plain LoRA on the original base, computes something else."""
+  cfg = TinyCfg()
+  c = L.LoRAConfig(r=2, target_modules=("q",))
+  L.save_peft_adapter(str(tmp_path), L.init_lora(jax.random.key(0), cfg, c), cfg, c, "x")
+  conf = json.loads((tmp_path / "adapter_config.json").read_text())
+  (tmp_path / "adapter_config.json").write_text(json.dumps(dict(conf, **{field: value})))
+  with pytest.raises(ValueError, match=field):
+    L.load_peft_adapter(str(tmp_path))
+  # The plain values PEFT writes for an ordinary adapter still load.
+  plain = dict(conf, init_lora_weights="gaussian", use_qalora=False, layer_replication=None,
+               alora_invocation_tokens=None)
+  (tmp_path / "adapter_config.json").write_text(json.dumps(plain))
+  assert L.load_peft_adapter(str(tmp_path))[1] == c
+
+
+def test_load_rejects_rank_or_shape_mismatch(tmp_path):
+  """A file whose lora_A/lora_B rank is not the config's r must not load (the scale would be wrong)."""
+  from safetensors.numpy import load_file, save_file
+  cfg = TinyCfg()
+  c = L.LoRAConfig(r=4, lora_alpha=8, target_modules=("q", "v"))
+  L.save_peft_adapter(str(tmp_path), _random_lora(jax.random.key(0), cfg, c), cfg, c, "x")
+  conf_path, st_path = tmp_path / "adapter_config.json", tmp_path / "adapter_model.safetensors"
+  conf, sd = json.loads(conf_path.read_text()), load_file(str(st_path))
+  # Sanity: the untouched files load with r = 4 and scale 8 / 4 = 2 (PEFT's lora_alpha / r).
+  t, c2 = L.load_peft_adapter(str(tmp_path))
+  assert c2.r == 4 and L.scale(c2) == 2.0 and t["layers"]["attn"]["q"]["a"].shape == (2, 32, 4)
+  # The config says r = 8 but the tensors have rank 4: loading it would scale by 8 / 8 = 1, not 2.
+  conf_path.write_text(json.dumps(dict(conf, r=8)))
+  with pytest.raises(ValueError, match=r"r=8"):
+    L.load_peft_adapter(str(tmp_path))
+  conf_path.write_text(json.dumps(conf))
+  # One layer's lora_A has another rank: a clear error naming the module, not numpy's.
+  bad = dict(sd)
+  bad["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"] = np.zeros((3, 32), np.float32)
+  save_file(bad, str(st_path))
+  with pytest.raises(ValueError, match=r"\('q', 'A'\) layer 1 has shape \(3, 32\)"):
+    L.load_peft_adapter(str(tmp_path))
+  # lora_B with the wrong rank.
+  bad = dict(sd)
+  for i in range(2):
+    bad[f"base_model.model.model.layers.{i}.self_attn.v_proj.lora_B.weight"] = np.zeros((16, 5), np.float32)
+  save_file(bad, str(st_path))
+  with pytest.raises(ValueError, match=r"\('v', 'B'\) layer 0 has shape \(16, 5\)"):
+    L.load_peft_adapter(str(tmp_path))
+  # Norm weights without modules_to_save in the config are not silently dropped.
+  bad = dict(sd)
+  for i in range(2):
+    bad[f"base_model.model.model.layers.{i}.input_layernorm.weight"] = np.ones((32,), np.float32)
+  save_file(bad, str(st_path))
+  with pytest.raises(ValueError, match="modules_to_save"):
+    L.load_peft_adapter(str(tmp_path))
+
+
+def test_export_rejects_tree_entries_the_config_does_not_list(tmp_path):
+  """The forward applies every adapter in the tree; the PEFT export must not drop some silently."""
+  cfg = TinyCfg()
+  trained = L.LoRAConfig(r=2, target_modules=("q", "v"), train_norms=True)
+  base = {"layers": {n: jnp.ones((2, 32), jnp.float32) for n in L.NORM_NAMES}}
+  t = _random_lora(jax.random.key(0), cfg, trained, base)
+  L.save_peft_adapter(str(tmp_path / "ok"), t, cfg, trained, "x")  # the matching config exports
+  assert len(L.peft_state_dict(t, trained)) == 2 * 2 * 2 + 2 * 2
+  with pytest.raises(ValueError, match=r"attn\.v"):
+    L.save_peft_adapter(str(tmp_path / "a"), t, cfg, dataclasses.replace(trained, target_modules=("q",)), "x")
+  with pytest.raises(ValueError, match="input_norm"):
+    L.save_peft_adapter(str(tmp_path / "b"), t, cfg, dataclasses.replace(trained, train_norms=False), "x")
+
+
 # ------------------------------------------------------ adapters in the model ---
 
 @pytest.fixture(scope="module")
