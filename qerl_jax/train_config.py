@@ -25,7 +25,7 @@ Layout (units in brackets)::
                           "rollout" gives the sampler a decode-order copy of the codes (half a
                           byte a weight more: 7B 3.3 GB) and keeps the update step on the standard
                           order. Same values either way.
-  lora.rank / alpha / use_rslora / target_modules / train_norms / dropout
+  lora.rank / alpha / use_rslora / target_modules / train_norms (no LoRA dropout: QeRL uses PEFT's 0.0)
   aqn.enabled / schedule ("stages" | "exponential") / sigma_start / sigma_end / num_stages /
      rollout_only (paper variant: noise in the rollout only)
   data.train / data.eval  JSONL path, ``hub:<id>[:<config>]:<split>``, or
