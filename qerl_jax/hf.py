@@ -198,13 +198,21 @@ def _resolve(path_or_hub_id) -> pathlib.Path:
     return p
   if p.exists():
     raise ValueError(f"{p} is a file; pass the checkpoint folder")
+  s = str(path_or_hub_id)
+  # A hub id is "name" or "owner/name"; anything else can only have been meant as a local folder.
+  if (isinstance(path_or_hub_id, os.PathLike) or p.is_absolute() or s.startswith((".", "~"))
+      or s.count("/") > 1):
+    raise FileNotFoundError(f"{p}: no such checkpoint folder")
   try:  # hub id: download safetensors + json + tokenizer files only (untested offline)
     from huggingface_hub import snapshot_download
   except ImportError as e:  # pragma: no cover
     raise FileNotFoundError(f"{path_or_hub_id!r} is not a folder and huggingface_hub is missing") from e
-  return pathlib.Path(snapshot_download(
-      str(path_or_hub_id),
-      allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.tiktoken"]))
+  try:
+    return pathlib.Path(snapshot_download(
+        s, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.tiktoken"]))
+  except Exception as e:  # pragma: no cover (needs the network)
+    raise FileNotFoundError(f"{s!r} is not a local folder, and fetching it as a Hugging Face hub id "
+                            f"failed: {type(e).__name__}: {e}") from e
 
 
 def _check_quantization_config(config: dict, folder: pathlib.Path) -> None:
@@ -352,7 +360,8 @@ def load_pretrained(path_or_hub_id, *, quant: str = "nvfp4", dtype=jnp.bfloat16,
       unsupported quantization scheme, ``tie_word_embeddings`` false with no
       ``lm_head.weight`` (names the key), a tensor whose shape disagrees with the
       config (names the tensor and both shapes), an unknown ``quant``.
-    FileNotFoundError: no config.json / safetensors, or a missing shard file.
+    FileNotFoundError: no such folder (and not a hub id that downloads), no config.json /
+      safetensors, or a missing shard file.
   """
   if quant not in ("nvfp4", "nf4", "none"):
     raise ValueError(f"quant must be 'nvfp4', 'nf4' or 'none', got {quant!r}")

@@ -264,6 +264,15 @@ def test_error_unsupported_architecture(tmp_root, tmp_path):
     hf.load_pretrained(f)
 
 
+def test_error_missing_local_folder(tmp_path):
+  """A local path that does not exist is named as such, not sent to the hub as a repo id
+  (which raised huggingface_hub's 'Repo id must be in the form ...')."""
+  missing = tmp_path / "Qwen2.5-7B-Instruct"
+  for arg in (missing, str(missing), "./no-such-dir/model", "~/no-such-dir-qerl/model"):
+    with pytest.raises(FileNotFoundError, match="no such checkpoint folder"):
+      hf.load_pretrained(arg)
+
+
 def test_error_untied_without_lm_head(tmp_root, tmp_path):
   _, folder = _saved("qwen2", False, tmp_root)
   f = _copy(folder, tmp_path / "c")
