@@ -215,23 +215,33 @@ def _resolve(path_or_hub_id) -> pathlib.Path:
                             f"failed: {type(e).__name__}: {e}") from e
 
 
+_MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4")  # ModelOpt's NVFP4 (W4A4) and NVFP4A16
+
+
 def _check_quantization_config(config: dict, folder: pathlib.Path) -> None:
   qc = config.get("quantization_config")
   if qc is None and "quantization" in config:
     raise ValueError("config.json has a 'quantization' block without a quant_method (an MLX-style "
                      "quantized checkpoint); only bf16/fp16/fp32, compressed-tensors "
                      "nvfp4-pack-quantized and ModelOpt NVFP4 checkpoints are supported")
+  hq = folder / "hf_quant_config.json"
   if qc is None:
-    hq = folder / "hf_quant_config.json"
     if hq.is_file():
       algo = json.loads(hq.read_text()).get("quantization", {}).get("quant_algo")
-      if algo not in ("NVFP4", "W4A16_NVFP4"):
+      if algo not in _MODELOPT_ALGOS:
         raise ValueError(f"hf_quant_config.json quant_algo {algo!r} is not supported (NVFP4 only)")
     return
   method = qc.get("quant_method")
   if method not in ("compressed-tensors", "modelopt"):
     raise ValueError(f"quantization_config.quant_method {method!r} is not supported; supported: "
                      "'compressed-tensors' (nvfp4-pack-quantized) and 'modelopt' (NVFP4)")
+  if method == "modelopt":  # ModelOpt >= 0.37 writes quant_algo into config.json as well
+    algo = qc.get("quant_algo")
+    if algo is None and hq.is_file():
+      algo = json.loads(hq.read_text()).get("quantization", {}).get("quant_algo")
+    if algo is not None and algo not in _MODELOPT_ALGOS:
+      raise ValueError(f"quantization_config.quant_algo {algo!r} (ModelOpt) is not supported; "
+                       f"supported: {', '.join(_MODELOPT_ALGOS)}")
   if method == "compressed-tensors":
     formats = {g.get("format") or qc.get("format") for g in (qc.get("config_groups") or {}).values()}
     formats = formats or {qc.get("format")}

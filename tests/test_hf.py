@@ -330,6 +330,27 @@ def test_error_unsupported_quantization(fixtures_dir, tmp_path):
     hf.load_pretrained(tmp_path)
 
 
+def test_modelopt_quant_algo_in_config_json(fixtures_dir, tmp_root, tmp_path):
+  """ModelOpt 0.37 writes quantization_config (with quant_algo) into config.json, as in the real
+  nvidia/Gemma-4-31B-IT-NVFP4 config: NVFP4 passes the check, another algorithm (here FP8, as
+  ModelOpt's FP8 export names it) is refused by name instead of loading as if unquantized."""
+  real = json.loads((fixtures_dir / "nvfp4" / "modelopt" / "nvidia-Gemma-4-31B-IT-NVFP4" / "config.json")
+                    .read_text())["quantization_config"]
+  assert real["quant_method"] == "modelopt" and real["quant_algo"] == "NVFP4"
+  hf._check_quantization_config({"quantization_config": real}, tmp_path)  # accepted
+  _, folder = _saved("qwen2", False, tmp_root)
+  f = _copy(folder, tmp_path / "c")
+  config = json.loads((f / "config.json").read_text())
+  fp8 = json.loads(json.dumps(real))
+  fp8["quant_algo"] = "FP8"
+  for part in ("weights", "input_activations"):
+    fp8["config_groups"]["group_0"][part] = {"dynamic": False, "num_bits": 8, "type": "float"}
+  config["quantization_config"] = fp8
+  (f / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match="quant_algo 'FP8'"):
+    hf.load_pretrained(f, load_tokenizer=False)
+
+
 def test_real_modelopt_header_layout(fixtures_dir, tmp_path):
   """The header of nvidia/Llama-3.1-8B-Instruct-NVFP4 shard 1, as a sparse file with known bytes
   written into layer 0's q_proj: detected as ModelOpt, shapes checked against the 8B config, row 0
