@@ -279,8 +279,12 @@ def _read_nvfp4(reader: CheckpointReader, src: _LinearSource, k: int, n: int) ->
     gs = np.asarray(reader.read(p + ".weight_global_scale"), np.float32).reshape(())
   else:
     ws2 = np.asarray(reader.read(p + ".weight_scale_2"), np.float32).reshape(())
-    gs = np.float32(1.0) / ws2
-  return nvfp4.from_compressed_tensors(packed, scale, gs)
+    with np.errstate(divide="ignore"):
+      gs = np.float32(1.0) / ws2
+  try:
+    return nvfp4.from_compressed_tensors(packed, scale, gs)
+  except ValueError as e:
+    raise ValueError(f"{p} ({src.kind} NVFP4): {e}") from None
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -433,7 +433,8 @@ def from_compressed_tensors(weight_packed, weight_scale, weight_global_scale) ->
       ``weight_scale_2``, a multiplier, pass ``1 / weight_scale_2``.)
 
   Raises:
-    ValueError: on mismatched shapes or dtypes.
+    ValueError: on mismatched shapes or dtypes, K (twice the packed width) not a multiple
+      of 16, or a global scale that is not one finite value > 0.
   """
   weight_packed = np.asarray(weight_packed)
   weight_scale = np.asarray(weight_scale)
@@ -441,12 +442,18 @@ def from_compressed_tensors(weight_packed, weight_scale, weight_global_scale) ->
     raise ValueError(f"weight_packed must be uint8 [N, K/2], got {weight_packed.dtype}{list(weight_packed.shape)}")
   n, k2 = weight_packed.shape
   k = 2 * k2
+  if k % BLOCK_SIZE:
+    raise ValueError(f"weight_packed {list(weight_packed.shape)} gives K = {k}, not a multiple of the "
+                     f"block size {BLOCK_SIZE}")
   if weight_scale.shape != (n, k // BLOCK_SIZE):
     raise ValueError(f"weight_scale shape {weight_scale.shape} does not match weight_packed "
                      f"{weight_packed.shape}: expected {(n, k // BLOCK_SIZE)}")
   if weight_scale.dtype != jnp.float8_e4m3fn:
     raise ValueError(f"weight_scale must be float8_e4m3fn, got {weight_scale.dtype}")
-  gs = np.asarray(weight_global_scale, np.float32).reshape(())
+  gs = np.asarray(weight_global_scale, np.float32)
+  if gs.size != 1 or not np.isfinite(gs).all() or not (gs > 0).all():
+    raise ValueError(f"weight_global_scale must be one finite value > 0, got {gs.tolist()}")
+  gs = gs.reshape(())
   low = weight_packed & 0xF
   high = weight_packed >> 4
   codes = np.empty((n, k), np.uint8)

@@ -379,6 +379,16 @@ def test_from_compressed_tensors_rejects_bad_layout():
     nvfp4.from_compressed_tensors(packed, good_scale.astype(np.float32), np.ones(1, np.float32))
   with pytest.raises(ValueError, match="uint8"):
     nvfp4.from_compressed_tensors(packed.astype(np.int32), good_scale, np.ones(1, np.float32))
+  # K = 2 * 12 = 24 with one scale column (24 // 16): no 16-block layout fits; it built a
+  # tensor whose dequantize failed to reshape
+  with pytest.raises(ValueError, match="K = 24, not a multiple"):
+    nvfp4.from_compressed_tensors(np.zeros((8, 12), np.uint8), np.zeros((8, 1), ml_dtypes.float8_e4m3fn),
+                                  np.ones(1, np.float32))
+  # a zero / non-finite global scale (e.g. 1 / weight_scale_2 of a ModelOpt scale of 0) dequantized
+  # every code to inf or NaN
+  for bad in ([0.0], [np.inf], [np.nan], [-2.0], [1.0, 2.0]):
+    with pytest.raises(ValueError, match="weight_global_scale"):
+      nvfp4.from_compressed_tensors(packed, good_scale, np.array(bad, np.float32))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
