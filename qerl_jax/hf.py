@@ -198,13 +198,24 @@ def _resolve(path_or_hub_id) -> pathlib.Path:
     return p
   if p.exists():
     raise ValueError(f"{p} is a file; pass the checkpoint folder")
+  s = str(path_or_hub_id)
+  # A hub id is "name" or "owner/name"; anything else can only have been meant as a local folder.
+  if (isinstance(path_or_hub_id, os.PathLike) or p.is_absolute() or s.startswith((".", "~"))
+      or s.count("/") > 1):
+    raise FileNotFoundError(f"{p}: no such checkpoint folder")
   try:  # hub id: download safetensors + json + tokenizer files only (untested offline)
     from huggingface_hub import snapshot_download
   except ImportError as e:  # pragma: no cover
     raise FileNotFoundError(f"{path_or_hub_id!r} is not a folder and huggingface_hub is missing") from e
-  return pathlib.Path(snapshot_download(
-      str(path_or_hub_id),
-      allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.tiktoken"]))
+  try:
+    return pathlib.Path(snapshot_download(
+        s, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.tiktoken"]))
+  except Exception as e:  # pragma: no cover (needs the network)
+    raise FileNotFoundError(f"{s!r} is not a local folder, and fetching it as a Hugging Face hub id "
+                            f"failed: {type(e).__name__}: {e}") from e
+
+
+_MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4")  # ModelOpt's NVFP4 (W4A4) and NVFP4A16
 
 
 def _check_quantization_config(config: dict, folder: pathlib.Path) -> None:
@@ -213,17 +224,24 @@ def _check_quantization_config(config: dict, folder: pathlib.Path) -> None:
     raise ValueError("config.json has a 'quantization' block without a quant_method (an MLX-style "
                      "quantized checkpoint); only bf16/fp16/fp32, compressed-tensors "
                      "nvfp4-pack-quantized and ModelOpt NVFP4 checkpoints are supported")
+  hq = folder / "hf_quant_config.json"
   if qc is None:
-    hq = folder / "hf_quant_config.json"
     if hq.is_file():
       algo = json.loads(hq.read_text()).get("quantization", {}).get("quant_algo")
-      if algo not in ("NVFP4", "W4A16_NVFP4"):
+      if algo not in _MODELOPT_ALGOS:
         raise ValueError(f"hf_quant_config.json quant_algo {algo!r} is not supported (NVFP4 only)")
     return
   method = qc.get("quant_method")
   if method not in ("compressed-tensors", "modelopt"):
     raise ValueError(f"quantization_config.quant_method {method!r} is not supported; supported: "
                      "'compressed-tensors' (nvfp4-pack-quantized) and 'modelopt' (NVFP4)")
+  if method == "modelopt":  # ModelOpt >= 0.37 writes quant_algo into config.json as well
+    algo = qc.get("quant_algo")
+    if algo is None and hq.is_file():
+      algo = json.loads(hq.read_text()).get("quantization", {}).get("quant_algo")
+    if algo is not None and algo not in _MODELOPT_ALGOS:
+      raise ValueError(f"quantization_config.quant_algo {algo!r} (ModelOpt) is not supported; "
+                       f"supported: {', '.join(_MODELOPT_ALGOS)}")
   if method == "compressed-tensors":
     formats = {g.get("format") or qc.get("format") for g in (qc.get("config_groups") or {}).values()}
     formats = formats or {qc.get("format")}
@@ -261,8 +279,12 @@ def _read_nvfp4(reader: CheckpointReader, src: _LinearSource, k: int, n: int) ->
     gs = np.asarray(reader.read(p + ".weight_global_scale"), np.float32).reshape(())
   else:
     ws2 = np.asarray(reader.read(p + ".weight_scale_2"), np.float32).reshape(())
-    gs = np.float32(1.0) / ws2
-  return nvfp4.from_compressed_tensors(packed, scale, gs)
+    with np.errstate(divide="ignore"):
+      gs = np.float32(1.0) / ws2
+  try:
+    return nvfp4.from_compressed_tensors(packed, scale, gs)
+  except ValueError as e:
+    raise ValueError(f"{p} ({src.kind} NVFP4): {e}") from None
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -352,7 +374,8 @@ def load_pretrained(path_or_hub_id, *, quant: str = "nvfp4", dtype=jnp.bfloat16,
       unsupported quantization scheme, ``tie_word_embeddings`` false with no
       ``lm_head.weight`` (names the key), a tensor whose shape disagrees with the
       config (names the tensor and both shapes), an unknown ``quant``.
-    FileNotFoundError: no config.json / safetensors, or a missing shard file.
+    FileNotFoundError: no such folder (and not a hub id that downloads), no config.json /
+      safetensors, or a missing shard file.
   """
   if quant not in ("nvfp4", "nf4", "none"):
     raise ValueError(f"quant must be 'nvfp4', 'nf4' or 'none', got {quant!r}")

@@ -17,8 +17,11 @@ blocks of 16 run along K):
   magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}, bit 3 the sign;
 * dequantized value ``e2m1(q) * (float32(s) / gs)``.
 
-One deliberate difference: an all-zero matrix gets ``gs = 1`` (exact zeros), where
-compressed-tensors would divide by zero.
+An all-zero matrix gets ``gs = 1`` (exact zeros), as compressed-tensors 0.20 does.
+One deliberate difference: where ``2688 * (1 / amax)`` overflows or flushes to zero in
+``w``'s dtype (an f16 weight with ``amax < 2688 / 65504 ~ 0.041``; ``amax > 2^126``),
+``gs = float32(2688 / amax)``; compressed-tensors 0.20 replaces such a scale by 1.0, which
+leaves blocks of small weights with scales near or at E4M3's zero.
 
 References: OCP Microscaling Formats (MX) v1.0 spec (E2M1, E4M3); NVIDIA
 NVFP4 (two-level scaling, 16-element blocks); compressed-tensors
@@ -264,6 +267,12 @@ def _global_scale_from_amax(amax: jax.Array, dtype=None) -> jax.Array:
   one = _packing.materialize(jnp.ones_like(safe))
   recip = _round_to(_packing.exact_divide(one, safe), dtype)
   gs = _round_to(recip * jnp.float32(E4M3_MAX * E2M1_MAX), dtype)
+  # Where those steps overflow (an f16 weight with amax < 2688 / 65504 ~ 0.041: inf) or flush to
+  # zero (amax > 2^126: a subnormal reciprocal, flushed by XLA), the quotient is taken once in
+  # float32 instead. Left as it was, inf saturated to float32 max and 0 divided by zero: every
+  # code then dequantized to ~0 or NaN.
+  direct = _packing.exact_divide(_packing.materialize(jnp.full_like(safe, E4M3_MAX * E2M1_MAX)), safe)
+  gs = jnp.where(jnp.isfinite(gs) & (gs > 0), gs, direct)
   gs = jnp.where(amax > 0, gs, 1.0)
   return jnp.minimum(gs, jnp.finfo(jnp.float32).max).astype(jnp.float32)
 
@@ -285,8 +294,9 @@ def compute_global_scale(w: jax.Array) -> jax.Array:
 
   Returns:
     float32 ``[...]``, a divisor. An all-zero matrix gets 1.0 (any value gives exact
-    zeros; compressed-tensors would produce inf there); a result that overflows float32
-    saturates to float32 max.
+    zeros). Where the steps in ``w``'s dtype overflow or flush to zero (f16 with
+    ``amax < ~0.041``, or ``amax > 2^126``), the result is ``float32(2688 / amax)``
+    instead; a result that overflows float32 saturates to float32 max.
   """
   amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(-2, -1))
   return _global_scale_from_amax(amax, _reduced(w.dtype))
@@ -423,7 +433,8 @@ def from_compressed_tensors(weight_packed, weight_scale, weight_global_scale) ->
       ``weight_scale_2``, a multiplier, pass ``1 / weight_scale_2``.)
 
   Raises:
-    ValueError: on mismatched shapes or dtypes.
+    ValueError: on mismatched shapes or dtypes, K (twice the packed width) not a multiple
+      of 16, or a global scale that is not one finite value > 0.
   """
   weight_packed = np.asarray(weight_packed)
   weight_scale = np.asarray(weight_scale)
@@ -431,12 +442,18 @@ def from_compressed_tensors(weight_packed, weight_scale, weight_global_scale) ->
     raise ValueError(f"weight_packed must be uint8 [N, K/2], got {weight_packed.dtype}{list(weight_packed.shape)}")
   n, k2 = weight_packed.shape
   k = 2 * k2
+  if k % BLOCK_SIZE:
+    raise ValueError(f"weight_packed {list(weight_packed.shape)} gives K = {k}, not a multiple of the "
+                     f"block size {BLOCK_SIZE}")
   if weight_scale.shape != (n, k // BLOCK_SIZE):
     raise ValueError(f"weight_scale shape {weight_scale.shape} does not match weight_packed "
                      f"{weight_packed.shape}: expected {(n, k // BLOCK_SIZE)}")
   if weight_scale.dtype != jnp.float8_e4m3fn:
     raise ValueError(f"weight_scale must be float8_e4m3fn, got {weight_scale.dtype}")
-  gs = np.asarray(weight_global_scale, np.float32).reshape(())
+  gs = np.asarray(weight_global_scale, np.float32)
+  if gs.size != 1 or not np.isfinite(gs).all() or not (gs > 0).all():
+    raise ValueError(f"weight_global_scale must be one finite value > 0, got {gs.tolist()}")
+  gs = gs.reshape(())
   low = weight_packed & 0xF
   high = weight_packed >> 4
   codes = np.empty((n, k), np.uint8)

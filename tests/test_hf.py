@@ -264,6 +264,15 @@ def test_error_unsupported_architecture(tmp_root, tmp_path):
     hf.load_pretrained(f)
 
 
+def test_error_missing_local_folder(tmp_path):
+  """A local path that does not exist is named as such, not sent to the hub as a repo id
+  (which raised huggingface_hub's 'Repo id must be in the form ...')."""
+  missing = tmp_path / "Qwen2.5-7B-Instruct"
+  for arg in (missing, str(missing), "./no-such-dir/model", "~/no-such-dir-qerl/model"):
+    with pytest.raises(FileNotFoundError, match="no such checkpoint folder"):
+      hf.load_pretrained(arg)
+
+
 def test_error_untied_without_lm_head(tmp_root, tmp_path):
   _, folder = _saved("qwen2", False, tmp_root)
   f = _copy(folder, tmp_path / "c")
@@ -319,6 +328,27 @@ def test_error_unsupported_quantization(fixtures_dir, tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(config))
   with pytest.raises(ValueError, match="quant_method"):
     hf.load_pretrained(tmp_path)
+
+
+def test_modelopt_quant_algo_in_config_json(fixtures_dir, tmp_root, tmp_path):
+  """ModelOpt 0.37 writes quantization_config (with quant_algo) into config.json, as in the real
+  nvidia/Gemma-4-31B-IT-NVFP4 config: NVFP4 passes the check, another algorithm (here FP8, as
+  ModelOpt's FP8 export names it) is refused by name instead of loading as if unquantized."""
+  real = json.loads((fixtures_dir / "nvfp4" / "modelopt" / "nvidia-Gemma-4-31B-IT-NVFP4" / "config.json")
+                    .read_text())["quantization_config"]
+  assert real["quant_method"] == "modelopt" and real["quant_algo"] == "NVFP4"
+  hf._check_quantization_config({"quantization_config": real}, tmp_path)  # accepted
+  _, folder = _saved("qwen2", False, tmp_root)
+  f = _copy(folder, tmp_path / "c")
+  config = json.loads((f / "config.json").read_text())
+  fp8 = json.loads(json.dumps(real))
+  fp8["quant_algo"] = "FP8"
+  for part in ("weights", "input_activations"):
+    fp8["config_groups"]["group_0"][part] = {"dynamic": False, "num_bits": 8, "type": "float"}
+  config["quantization_config"] = fp8
+  (f / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match="quant_algo 'FP8'"):
+    hf.load_pretrained(f, load_tokenizer=False)
 
 
 def test_real_modelopt_header_layout(fixtures_dir, tmp_path):

@@ -379,6 +379,16 @@ def test_from_compressed_tensors_rejects_bad_layout():
     nvfp4.from_compressed_tensors(packed, good_scale.astype(np.float32), np.ones(1, np.float32))
   with pytest.raises(ValueError, match="uint8"):
     nvfp4.from_compressed_tensors(packed.astype(np.int32), good_scale, np.ones(1, np.float32))
+  # K = 2 * 12 = 24 with one scale column (24 // 16): no 16-block layout fits; it built a
+  # tensor whose dequantize failed to reshape
+  with pytest.raises(ValueError, match="K = 24, not a multiple"):
+    nvfp4.from_compressed_tensors(np.zeros((8, 12), np.uint8), np.zeros((8, 1), ml_dtypes.float8_e4m3fn),
+                                  np.ones(1, np.float32))
+  # a zero / non-finite global scale (e.g. 1 / weight_scale_2 of a ModelOpt scale of 0) dequantized
+  # every code to inf or NaN
+  for bad in ([0.0], [np.inf], [np.nan], [-2.0], [1.0, 2.0]):
+    with pytest.raises(ValueError, match="weight_global_scale"):
+      nvfp4.from_compressed_tensors(packed, good_scale, np.array(bad, np.float32))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -404,6 +414,48 @@ def test_bit_exact_with_compressed_tensors(dtype):
   np.testing.assert_array_equal(ct["weight_packed"], packed.numpy())
   np.testing.assert_array_equal(ct["weight_scale"].astype(np.float32), scale.float().numpy())
   np.testing.assert_array_equal(ct["weight_global_scale"], gs.float().numpy())
+
+
+def f16(x):
+  """Round-to-nearest-even to float16 (numpy's own conversion; float64 out)."""
+  return np.asarray(x, np.float64).astype(np.float16).astype(np.float64)
+
+
+@pytest.mark.parametrize("amax", [0.02, 1e-3])
+def test_f16_weight_whose_global_scale_overflows_f16(amax):
+  """2688 / amax overflows float16 (max 65504) for amax < 0.041: the global scale is then
+  float32(2688 / amax), the block statistics still in float16. Before the fix the f16 inf
+  saturated to float32 max and every value dequantized to ~0 (relative error 1.0)."""
+  rng = np.random.default_rng(4)
+  w = rng.standard_normal((64, 32))
+  w = (w / np.abs(w).max() * amax).astype(np.float16)
+  t = nvfp4.quantize(jnp.asarray(w))
+  w64 = w.astype(np.float64)
+  gs_ref = f32(2688.0 / np.abs(w64).max())  # float64 quotient rounded once to float32
+  assert float(t.global_scale) == gs_ref
+  assert_matches_reference(w64, t, global_scale=gs_ref, low=f16)
+  deq = np.asarray(nvfp4.dequantize(t), np.float64)
+  assert np.linalg.norm(deq - w64) / np.linalg.norm(w64) < 0.12
+  # in range, a float16 weight still follows the float16 evaluation: 2688 * (1 / amax) in f16
+  w2 = (w64 / np.abs(w64).max()).astype(np.float16)  # amax 1
+  t2 = nvfp4.quantize(jnp.asarray(w2))
+  assert float(t2.global_scale) == 2688.0
+  assert_matches_reference(w2.astype(np.float64), t2, low=f16)
+
+
+def test_huge_float32_weight_has_a_positive_global_scale():
+  """amax = 3e38: 1 / amax is subnormal and XLA flushes it to 0, so 2688 * (1 / amax) gave a global
+  scale of 0 and NaN dequantized values. Now gs = float32(2688 / 3e38), hand-checked in float64."""
+  rng = np.random.default_rng(5)
+  w = rng.standard_normal((32, 8))
+  w = (w / np.abs(w).max() * 3e38).astype(np.float32)
+  t = nvfp4.quantize(w)
+  gs_ref = f32(2688.0 / np.abs(w.astype(np.float64)).max())
+  assert float(t.global_scale) == gs_ref and 8.9e-36 < gs_ref < 9.0e-36
+  assert_matches_reference(w, t, global_scale=gs_ref)
+  deq = np.asarray(nvfp4.dequantize(t), np.float64)
+  assert np.all(np.isfinite(deq))
+  assert np.linalg.norm(deq - w) / np.linalg.norm(w.astype(np.float64)) < 0.12
 
 
 @pytest.mark.parametrize("module", ["nvfp4", "nf4"])
