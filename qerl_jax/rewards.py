@@ -58,7 +58,9 @@ def _canonical_number(s: str) -> Optional[str]:
   if not d.is_finite():
     return None
   if d == d.to_integral_value():
-    return str(int(d))
+    # not str(int(d)): Python refuses int -> str beyond 4300 digits (a degenerate completion's
+    # digit run would raise instead of scoring 0); '-0' is '0'
+    return "0" if d.is_zero() else format(d.to_integral_value(), "f")
   return format(d.normalize(), "f")
 
 

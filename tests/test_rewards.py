@@ -55,6 +55,18 @@ def test_gsm8k_reward_compares_numbers():
     gsm8k_reward(["a", "b"], ["1"])
 
 
+def test_gsm8k_a_digit_run_longer_than_pythons_int_str_limit_scores_not_raises():
+  # a degenerate completion (a run of 5000 digits) is a wrong answer (0.0), not a raise that
+  # safe_reward turns into NaN ("missing"); Python refuses str(int) beyond 4300 digits
+  run = "7" * 5000
+  assert extract_gsm8k_answer("The answer is " + run) == run
+  assert extract_gsm8k_answer(run + ".000") == run
+  assert gsm8k_reward(["The answer is " + run, "#### " + run], ["#### 7", "#### " + run]) == [0.0, 1.0]
+  r, problems = safe_reward(gsm8k_reward, ["The answer is " + run], ["#### 7"])
+  assert r.tolist() == [0.0] and problems == []
+  assert extract_gsm8k_answer("#### -0") == "0" and extract_gsm8k_answer("-0.00") == "0"
+
+
 def test_every_gsm8k_gold_answer_parses_to_its_number(data_dir):
   n = 0
   for split in ("train", "test"):
