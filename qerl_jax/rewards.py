@@ -86,8 +86,8 @@ def extract_boxed(text: str) -> Optional[str]:
     depth, i = 1, m.end()
     while i < len(text) and depth:
       c = text[i]
-      if c == "\\" and i + 1 < len(text) and text[i + 1] in "{}":
-        i += 2  # an escaped brace \{ or \} does not count
+      if c == "\\":
+        i += 2  # a backslash takes the next character: \{ and \} do not count, \\{ (newline, brace) does
         continue
       depth += (c == "{") - (c == "}")
       i += 1

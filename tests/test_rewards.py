@@ -89,6 +89,10 @@ def test_every_gsm8k_gold_answer_parses_to_its_number(data_dir):
     ("\\boxed{", None),
     ("no box", None),
     ("\\boxed {7}", "7"),
+    # a LaTeX line break '\\' before a brace: the brace is a real one
+    (r"\boxed{\begin{pmatrix}1\\{-2}\end{pmatrix}} done", r"\begin{pmatrix}1\\{-2}\end{pmatrix}"),
+    (r"\boxed{a\\} b", "a\\\\"),
+    (r"\boxed{\\\{1\}}", r"\\\{1\}"),  # line break, then an escaped brace
 ])
 def test_extract_boxed(text, expected):
   assert extract_boxed(text) == expected
