@@ -18,6 +18,11 @@ from qerl_jax.rewards import extract_boxed, extract_gsm8k_answer, format_reward,
     # the answer after ####, before anything else
     ("She has 3 apples and 4 pears.\n#### 7", "7"),
     ("#### 5\nbut the last number is 9", "5"),
+    # a markdown heading '#### Step 2: ...' is no '#### <answer>' (Qwen-style step headings)
+    ("#### Step 1: Cost\n2 * 3 = 6\n#### Step 2: Total\n6 + 4 = 10\nThe answer is 10.", "10"),
+    ("#### Step 1\n3 + 4 = 7\n#### 7\n#### Check: 2 ways", "7"),
+    ("#### Final answer\n\\boxed{12} (from 3 * 4)", "12"),
+    ("#### $1,000", "1000"),
     # else the last \boxed{}, else the last number
     ("First 3, then \\boxed{12} and finally 99", "12"),
     ("I think 4 then 5 then 18.", "18"),
