@@ -40,7 +40,7 @@ BENCHMARKS = {"gsm8k": "gsm8k", "math500": "math", "aime24": "math", "amc23": "m
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe config file (configs/<name>.py).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training run folder; its newest checkpoint is evaluated. "
                                "Omit to evaluate the base model (LoRA off).")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the newest).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the newest); needs --workdir.")
 _BENCH = flags.DEFINE_list("benchmarks", list(BENCHMARKS), f"Subset of {list(BENCHMARKS)}.")
 _DATA_DIR = flags.DEFINE_string("data_dir", os.path.join(_ROOT, "..", "shared", "data"),
                                 "Folder with <benchmark>/test.jsonl.")
@@ -85,6 +85,19 @@ def main(argv):
         f"none; GSM8K and MATH-500 are on the Hugging Face hub (openai/gsm8k, "
         f"HuggingFaceH4/MATH-500). Choose a subset with --benchmarks.", file=sys.stderr)
     return 2
+  if _STEP.value is not None and not _WORKDIR.value:
+    raise app.UsageError(f"--step={_STEP.value} needs --workdir (without it the base model is evaluated)")
+  if _LIMIT.value < 0:
+    raise app.UsageError(f"--limit={_LIMIT.value} must be >= 0 (0: all prompts)")
+  if _WORKDIR.value:  # checked before the model loads; opening a missing folder would create it
+    ckpt_dir = os.path.join(_WORKDIR.value, "checkpoints")
+    steps = sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit()) if os.path.isdir(ckpt_dir) else []
+    if not steps or (_STEP.value is not None and _STEP.value not in steps):
+      wanted = "a checkpoint" if _STEP.value is None else f"the checkpoint of step {_STEP.value}"
+      print(f"error: {wanted} not found under {ckpt_dir!r} (complete checkpoints: {steps or 'none'}). "
+            f"--workdir is the folder a training run wrote (it holds checkpoints/<step>); omit it to "
+            f"evaluate the base model.", file=sys.stderr)
+      return 2
   config_task, user_template = str(config.data.task), str(config.data.user_template)
   policy = trainer.load_policy(config)
   params, step = None, "base"

@@ -149,8 +149,9 @@ def load_examples(source: str, *, kind: Optional[str] = None, split: str = "trai
   Args:
     source: a local JSONL path, or a Hugging Face hub id (``"openai/gsm8k"``) that is
       read with ``datasets.load_dataset(source, hub_config, split=split)``. A source that
-      names an existing file is local; one that ends in ``.jsonl``/``.json`` but does not
-      exist (or starts with ``/``, ``./``, ``../``, ``~``) is an error, not a hub id.
+      names an existing file is local (``~`` is expanded); one that ends in
+      ``.jsonl``/``.json`` but does not exist (or starts with ``/``, ``./``, ``../``, ``~``)
+      is an error, not a hub id. A UTF-8 byte-order mark at the start is ignored.
     kind: ``"gsm8k"`` or ``"math"``; inferred from the rows when None.
     split: the hub split (ignored for local files).
     hub_config: the hub configuration name (``"main"`` for openai/gsm8k).
@@ -168,8 +169,10 @@ def load_examples(source: str, *, kind: Optional[str] = None, split: str = "trai
     raise ValueError(f"unknown data kind {kind!r}; expected one of {KINDS}")
   rows: list[Any] = []
   skipped: list[tuple[int, str]] = []
-  if os.path.isfile(source):
-    with open(source, encoding="utf-8") as f:
+  path = os.path.expanduser(source)  # "~/x.jsonl" is local (as train_config.validate reads it)
+  if os.path.isfile(path):
+    # utf-8-sig: a byte-order mark (files saved by some Windows editors) is not part of row 0
+    with open(path, encoding="utf-8-sig") as f:
       for i, line in enumerate(f):
         if not line.strip():
           skipped.append((i, "empty line"))

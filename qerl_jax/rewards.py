@@ -58,18 +58,15 @@ def _canonical_number(s: str) -> Optional[str]:
   if not d.is_finite():
     return None
   if d == d.to_integral_value():
-    return str(int(d))
+    # not str(int(d)): Python refuses int -> str beyond 4300 digits (a degenerate completion's
+    # digit run would raise instead of scoring 0); '-0' is '0'
+    return "0" if d.is_zero() else format(d.to_integral_value(), "f")
   return format(d.normalize(), "f")
 
 
 def _last_number(text: str) -> Optional[str]:
   found = _NUMBER.findall(_clean(text))
   return _canonical_number(found[-1]) if found else None
-
-
-def _first_number(text: str) -> Optional[str]:
-  m = _NUMBER.search(_clean(text))
-  return _canonical_number(m.group(0)) if m else None
 
 
 def extract_boxed(text: str) -> Optional[str]:
@@ -84,8 +81,8 @@ def extract_boxed(text: str) -> Optional[str]:
     depth, i = 1, m.end()
     while i < len(text) and depth:
       c = text[i]
-      if c == "\\" and i + 1 < len(text) and text[i + 1] in "{}":
-        i += 2  # an escaped brace \{ or \} does not count
+      if c == "\\":
+        i += 2  # a backslash takes the next character: \{ and \} do not count, \\{ (newline, brace) does
         continue
       depth += (c == "{") - (c == "}")
       i += 1
@@ -96,8 +93,8 @@ def extract_boxed(text: str) -> Optional[str]:
 def extract_gsm8k_answer(text: str) -> Optional[str]:
   """The numeric answer of a GSM8K-style solution, as a canonical number string.
 
-  Looks, in order, at: the text after the last ``####`` (its first number), the last
-  ``<answer>...</answer>`` tag, the last complete ``\\boxed{}`` (its last number), and
+  Looks, in order, at: the number right after the last ``####`` that has one (so a markdown
+  heading ``#### Step 2: ...`` is no answer), the last ``<answer>...</answer>`` tag, the last complete ``\\boxed{}`` (its last number), and
   finally the last number anywhere. Thousands separators (``1,000``, ``$9{,}500``) read as
   one number; a bare comma is not a number; signs are kept (``-3`` is not ``3``; ``+7`` is
   ``7``); ``-3.0`` is ``-3``; markdown bold and ``$`` are ignored.
@@ -113,10 +110,11 @@ def extract_gsm8k_answer(text: str) -> Optional[str]:
   """
   if not isinstance(text, str):
     raise TypeError(f"extract_gsm8k_answer expects str, got {type(text).__name__}")
-  if "####" in text:
-    ans = _first_number(text[text.rindex("####") + 4:])
-    if ans is not None:
-      return ans
+  # the last '####' with a number right after it; '#### Step 2: ...' is a markdown heading
+  for tail in reversed(text.split("####")[1:]):
+    m = _NUMBER.match(_clean(tail).lstrip())
+    if m:
+      return _canonical_number(m.group(0))
   tags = _ANSWER_TAG.findall(text)
   if tags:
     ans = _last_number(tags[-1])

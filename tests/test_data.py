@@ -66,6 +66,20 @@ def test_malformed_rows_are_skipped_and_counted(data_dir, tmp_path, caplog):
   assert [e.answer for e in ex] == ["2", "2.5"] and rep.num_skipped == 3
 
 
+def test_load_home_relative_path_and_byte_order_mark(data_dir, tmp_path, monkeypatch):
+  raw = (data_dir / "aime24" / "test.jsonl").read_bytes()
+  (tmp_path / "aime.jsonl").write_bytes(b"\xef\xbb\xbf" + raw)  # a UTF-8 BOM, as some editors save
+  first = json.loads(raw.decode().splitlines()[0])
+  ex, rep = data.load_examples(str(tmp_path / "aime.jsonl"))
+  assert (rep.rows, rep.kept, rep.num_skipped) == (30, 30, 0)  # row 0 is not "invalid JSON"
+  assert ex[0].answer == first["answer"] == "204" and ex[0].question == first["problem"].strip()
+  monkeypatch.setenv("HOME", str(tmp_path))
+  ex, rep = data.load_examples("~/aime.jsonl")  # the file exists: local, not FileNotFoundError
+  assert (rep.rows, rep.kept) == (30, 30) and ex[0].answer == "204"
+  with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    data.load_examples("~/nope.jsonl")
+
+
 def test_load_errors(tmp_path):
   with pytest.raises(FileNotFoundError, match="nope.jsonl"):
     data.load_examples(str(tmp_path / "nope.jsonl"))

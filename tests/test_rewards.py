@@ -18,6 +18,11 @@ from qerl_jax.rewards import extract_boxed, extract_gsm8k_answer, format_reward,
     # the answer after ####, before anything else
     ("She has 3 apples and 4 pears.\n#### 7", "7"),
     ("#### 5\nbut the last number is 9", "5"),
+    # a markdown heading '#### Step 2: ...' is no '#### <answer>' (Qwen-style step headings)
+    ("#### Step 1: Cost\n2 * 3 = 6\n#### Step 2: Total\n6 + 4 = 10\nThe answer is 10.", "10"),
+    ("#### Step 1\n3 + 4 = 7\n#### 7\n#### Check: 2 ways", "7"),
+    ("#### Final answer\n\\boxed{12} (from 3 * 4)", "12"),
+    ("#### $1,000", "1000"),
     # else the last \boxed{}, else the last number
     ("First 3, then \\boxed{12} and finally 99", "12"),
     ("I think 4 then 5 then 18.", "18"),
@@ -55,6 +60,18 @@ def test_gsm8k_reward_compares_numbers():
     gsm8k_reward(["a", "b"], ["1"])
 
 
+def test_gsm8k_a_digit_run_longer_than_pythons_int_str_limit_scores_not_raises():
+  # a degenerate completion (a run of 5000 digits) is a wrong answer (0.0), not a raise that
+  # safe_reward turns into NaN ("missing"); Python refuses str(int) beyond 4300 digits
+  run = "7" * 5000
+  assert extract_gsm8k_answer("The answer is " + run) == run
+  assert extract_gsm8k_answer(run + ".000") == run
+  assert gsm8k_reward(["The answer is " + run, "#### " + run], ["#### 7", "#### " + run]) == [0.0, 1.0]
+  r, problems = safe_reward(gsm8k_reward, ["The answer is " + run], ["#### 7"])
+  assert r.tolist() == [0.0] and problems == []
+  assert extract_gsm8k_answer("#### -0") == "0" and extract_gsm8k_answer("-0.00") == "0"
+
+
 def test_every_gsm8k_gold_answer_parses_to_its_number(data_dir):
   n = 0
   for split in ("train", "test"):
@@ -77,6 +94,10 @@ def test_every_gsm8k_gold_answer_parses_to_its_number(data_dir):
     ("\\boxed{", None),
     ("no box", None),
     ("\\boxed {7}", "7"),
+    # a LaTeX line break '\\' before a brace: the brace is a real one
+    (r"\boxed{\begin{pmatrix}1\\{-2}\end{pmatrix}} done", r"\begin{pmatrix}1\\{-2}\end{pmatrix}"),
+    (r"\boxed{a\\} b", "a\\\\"),
+    (r"\boxed{\\\{1\}}", r"\\\{1\}"),  # line break, then an escaped brace
 ])
 def test_extract_boxed(text, expected):
   assert extract_boxed(text) == expected
