@@ -14,7 +14,9 @@ Saves are asynchronous (orbax writes in a background thread while the next step 
 atomic: orbax writes into a temporary folder and renames it when the write is complete, so a
 process killed in the middle of a save leaves either the previous checkpoint set or the new
 complete one; ``latest_step`` ignores unfinished temporary folders and :class:`Checkpointer`
-deletes them when it opens the folder. The last ``keep`` checkpoints are kept.
+deletes them when it opens the folder for training (not when opened ``read_only``, as evaluation
+does, so that evaluating a run while it trains never removes the save in progress). The last
+``keep`` checkpoints are kept.
 """
 
 from __future__ import annotations
@@ -38,20 +40,27 @@ class Checkpointer:
     directory: folder for the numbered checkpoints (created when missing); str or path.
     keep: how many of the most recent checkpoints to keep (>= 1).
     async_save: write in a background thread (default True). ``wait()`` blocks until done.
+    read_only: open for restoring only (evaluation, export): the folder is neither created nor
+      cleaned, so a training process that is saving into it at the same moment keeps its
+      unfinished save; :meth:`save` then raises.
 
   Raises:
     ValueError: ``keep < 1``.
   """
 
-  def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
+  def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True,
+               read_only: bool = False):
     if int(keep) < 1:
       raise ValueError(f"checkpoint keep must be >= 1, got keep={keep}")
     self.directory = os.path.abspath(os.fspath(directory))
-    _remove_unfinished(self.directory)
+    self.read_only = bool(read_only)
+    if not self.read_only:
+      _remove_unfinished(self.directory)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=int(keep),
-        create=True,
-        cleanup_tmp_directories=True,
+        create=not self.read_only,
+        cleanup_tmp_directories=not self.read_only,
+        read_only=self.read_only,
         enable_async_checkpointing=bool(async_save),
     )
     self._manager = ocp.CheckpointManager(
@@ -70,7 +79,12 @@ class Checkpointer:
 
     Returns as soon as the arrays are copied to host memory; the write continues in the
     background. A save at a step that already exists is skipped (orbax refuses it).
+
+    Raises:
+      PermissionError: the checkpointer was opened with ``read_only=True``.
     """
+    if self.read_only:
+      raise PermissionError(f"Checkpointer({self.directory!r}) was opened read-only; it cannot save")
     if step in self._manager.all_steps():
       return
     self._manager.save(

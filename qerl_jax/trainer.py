@@ -552,7 +552,8 @@ def restore_train_state(config, policy: Policy, workdir: str, *, step: int | Non
   Raises:
     FileNotFoundError: the workdir has no complete checkpoint.
   """
-  c = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
+  # read-only: a run that is training (and saving) in this workdir keeps its save in progress
+  c = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
   try:
     fresh = policy.init_state(jax.random.PRNGKey(0))
     saved, meta = c.restore(step, _state_to_save(fresh, 0, int(config.seed)))

@@ -492,6 +492,32 @@ def test_unfinished_save_is_ignored_and_cleaned(tmp_path):
   assert not (d / "3.orbax-checkpoint-tmp").exists()
 
 
+def test_read_only_checkpointer_leaves_a_save_in_progress(tmp_path):
+  """Evaluation opens a run's checkpoints read-only: a '<step>.orbax-checkpoint-tmp' folder (a save the training
+  process is writing at that moment) survives, while the newest complete checkpoint restores; saving raises.
+  Opening for training still cleans it (test above). A missing folder is not created."""
+  import shutil
+  d = tmp_path / "checkpoints"
+  c = ckpt_lib.Checkpointer(d, keep=3)
+  state = {"w": np.arange(4, dtype=np.float32)}
+  c.save(1, state, {"step": 1})
+  c.close()
+  shutil.copytree(d / "1", d / "2.orbax-checkpoint-tmp")
+  r = ckpt_lib.Checkpointer(d, read_only=True)
+  assert r.latest_step() == 1
+  restored, meta = r.restore(None, state)
+  np.testing.assert_array_equal(restored["w"], [0, 1, 2, 3])
+  assert meta == {"step": 1}
+  with pytest.raises(PermissionError, match="read-only"):
+    r.save(3, state, {"step": 3})
+  r.close()
+  assert (d / "2.orbax-checkpoint-tmp").is_dir()
+  config = toy.toy_config()
+  with pytest.raises(FileNotFoundError):
+    trainer.restore_train_state(config, toy.toy_policy(config), str(tmp_path / "no_run"))
+  assert not (tmp_path / "no_run").exists()
+
+
 def test_evaluate_greedy_and_pass_at_k_on_the_toy_policy():
   config = toy.toy_config()
   policy = toy.toy_policy(config)
