@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -64,9 +65,42 @@ def _canonical_number(s: str) -> Optional[str]:
   return format(d.normalize(), "f")
 
 
+# A fraction of plain numbers: [sign] \frac{a}{b} (also \dfrac, \tfrac, and the shorthand \frac12), or a / b.
+_NUM = r"[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"
+_FRACTION = re.compile(rf"([-+]?)\s*\\[dt]?frac\s*(?:\{{\s*({_NUM})\s*\}}\s*\{{\s*({_NUM})\s*\}}|(\d)(\d))"
+                       rf"|({_NUM})\s*/\s*({_NUM})")
+
+
+def _fraction_value(m: re.Match) -> Optional[str]:
+  """A :data:`_FRACTION` match's value as a canonical number string when it is a terminating
+  decimal (``3/4`` -> ``"0.75"``, ``6/3`` -> ``"2"``), else as the reduced ``"p/q"`` (``2/6`` ->
+  ``"1/3"``); None for a zero denominator."""
+  if m.group(6) is not None:
+    sign, num, den = "", m.group(6), m.group(7)
+  else:
+    sign, num, den = m.group(1), m.group(2) or m.group(4), m.group(3) or m.group(5)
+  a, b = _canonical_number(num), _canonical_number(den)
+  if a is None or b is None or Decimal(b) == 0:
+    return None
+  f = Fraction(Decimal(a)) / Fraction(Decimal(b)) * (-1 if sign == "-" else 1)
+  q = f.denominator
+  for p in (2, 5):
+    while q % p == 0:
+      q //= p
+  if q != 1:
+    return f"{f.numerator}/{f.denominator}"
+  return _canonical_number(str(Decimal(f.numerator) / Decimal(f.denominator)))
+
+
 def _last_number(text: str) -> Optional[str]:
-  found = _NUMBER.findall(_clean(text))
-  return _canonical_number(found[-1]) if found else None
+  """The last number of ``text``, canonical; when the text ends its numbers with a fraction
+  (``\\frac{3}{4}``, ``3/4``: the last number is its denominator), the fraction's value
+  instead, so ``\\boxed{\\frac{3}{2}}`` is 1.5, not 2."""
+  text = _clean(text)
+  nums, fracs = list(_NUMBER.finditer(text)), list(_FRACTION.finditer(text))
+  if fracs and (not nums or fracs[-1].end() >= nums[-1].end()):
+    return _fraction_value(fracs[-1])
+  return _canonical_number(nums[-1].group(0)) if nums else None
 
 
 def extract_boxed(text: str) -> Optional[str]:
@@ -95,7 +129,9 @@ def extract_gsm8k_answer(text: str) -> Optional[str]:
 
   Looks, in order, at: the number right after the last ``####`` that has one (so a markdown
   heading ``#### Step 2: ...`` is no answer), the last ``<answer>...</answer>`` tag, the last complete ``\\boxed{}`` (its last number), and
-  finally the last number anywhere. Thousands separators (``1,000``, ``$9{,}500``) read as
+  finally the last number anywhere. A fraction of plain numbers (``\\frac{3}{4}``, ``3/4``) where
+  that number would be read counts as its value (``"0.75"``; ``"1/3"`` when the decimal does
+  not terminate), never as its denominator. Thousands separators (``1,000``, ``$9{,}500``) read as
   one number; a bare comma is not a number; signs are kept (``-3`` is not ``3``; ``+7`` is
   ``7``); ``-3.0`` is ``-3``; markdown bold and ``$`` are ignored.
 
@@ -112,7 +148,11 @@ def extract_gsm8k_answer(text: str) -> Optional[str]:
     raise TypeError(f"extract_gsm8k_answer expects str, got {type(text).__name__}")
   # the last '####' with a number right after it; '#### Step 2: ...' is a markdown heading
   for tail in reversed(text.split("####")[1:]):
-    m = _NUMBER.match(_clean(tail).lstrip())
+    tail = _clean(tail).lstrip()
+    f = _FRACTION.match(tail)
+    if f and f.group(6) is not None:  # '#### 3/4'
+      return _fraction_value(f)
+    m = _NUMBER.match(tail)
     if m:
       return _canonical_number(m.group(0))
   tags = _ANSWER_TAG.findall(text)

@@ -72,6 +72,26 @@ def test_gsm8k_a_digit_run_longer_than_pythons_int_str_limit_scores_not_raises()
   assert extract_gsm8k_answer("#### -0") == "0" and extract_gsm8k_answer("-0.00") == "0"
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("\\boxed{\\frac{3}{2}}", "1.5"),        # was read as its denominator, 2
+    ("\\boxed{\\dfrac{10}{5}}", "2"),
+    ("\\boxed{-\\frac{1}{3}}", "-1/3"),      # a non-terminating decimal stays a reduced fraction
+    ("\\boxed{\\frac{-2}{6}}", "-1/3"),
+    ("\\frac12 of them", "0.5"),             # the shorthand; was no answer
+    ("so 1/2", "0.5"), ("#### 3/4", "0.75"), ("#### 1,000/8", "125"),
+    ("the answer is 12/4 = 3", "3"),           # a number after the fraction is the answer
+    ("5/0", None),                             # a zero denominator is no answer
+])
+def test_gsm8k_fractions_are_read_as_their_value(text, expected):
+  assert extract_gsm8k_answer(text) == expected
+
+
+def test_gsm8k_reward_fraction_against_its_denominator():
+  # hand-worked: 3/2 is not 2 (a false positive before), 4/2 is, 1/2 is 0.5 (a false negative before)
+  assert gsm8k_reward(["\\boxed{\\frac{3}{2}}", "\\boxed{\\frac{4}{2}}", "#### 1/2", "\\boxed{\\frac{1}{2}}"],
+                      ["#### 2", "#### 2", "#### 0.5", "#### 2"]) == [0.0, 1.0, 1.0, 0.0]
+
+
 def test_every_gsm8k_gold_answer_parses_to_its_number(data_dir):
   n = 0
   for split in ("train", "test"):
