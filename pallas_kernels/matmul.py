@@ -188,17 +188,21 @@ def reference_matmul(x: jax.Array, w, *, out_dtype=None) -> jax.Array:
   """Pure-XLA reference: dequantize ``w`` to ``x.dtype`` and ``dot`` with float32 accumulation.
 
   Args:
-    x: ``[..., K]`` activations (bf16 or float32).
-    w: NVFP4Tensor / NF4Tensor of logical shape ``[K, N]``.
+    x: ``[..., K]`` activations (bf16, float16 or float32).
+    w: NVFP4Tensor / NF4Tensor of logical shape ``[K, N]`` (a stack ``[L, K, N]`` gives
+      ``jnp.dot``'s ``[..., L, N]``: ``x`` times every layer).
     out_dtype: output dtype, default ``x.dtype``.
 
   Returns:
     ``[..., N]`` in ``out_dtype``.
 
   Raises:
-    TypeError: unsupported weight type. ValueError: K mismatch.
+    TypeError: unsupported weight type. ValueError: K mismatch, a scalar or non-float ``x``
+      (the weight would be dequantized to an integer dtype: its values truncated).
   """
   k, n = w.shape
+  if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"quantized_matmul: x must be a float array [..., K={k}]; got {x.dtype}{list(x.shape)}")
   if x.shape[-1] != k:
     raise ValueError(f"quantized_matmul: x has K={x.shape[-1]} (shape {x.shape}) but the weight is [{k}, {n}]")
   out_dtype = out_dtype or x.dtype
@@ -331,7 +335,8 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
   Args:
     x: ``[..., K]`` bf16 (or float32) activations.
     w: NVFP4Tensor or NF4Tensor, logical ``[K, N]`` (no leading dims on the
-      kernel path; stacked weights go through the reference), or with
+      kernel path; stacked weights without ``index`` go through the reference,
+      which multiplies ``x`` by every layer: ``[..., L, N]``), or with
       ``index``, a stack of ``L`` such matrices (one leading dim).
     out_dtype: output dtype (default ``x.dtype``); accumulation is float32.
     backend: ``"auto"`` (the kernel path on a GPU for bf16 ``x``, else
@@ -355,10 +360,11 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
       step's layer scan then copies no adapter factor per step).
 
   Returns:
-    ``[..., N]`` in ``out_dtype``.
+    ``[..., N]`` in ``out_dtype`` (zeros when ``x`` has no rows).
 
   Raises:
-    ValueError: unknown backend, K mismatch, ``lora`` shapes that do not match,
+    ValueError: unknown backend, a scalar or non-float ``x``, K mismatch, ``lora``
+      shapes that do not match (or ``lora`` with a stacked ``w`` and no ``index``),
       or a forced kernel backend with an input it does not take (non-bf16
       ``x``, stacked ``w``).
     TypeError: unsupported weight type.
@@ -368,6 +374,8 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
   if not isinstance(w, (nvfp4.NVFP4Tensor, nf4.NF4Tensor)):
     raise TypeError(f"expected an NVFP4Tensor or NF4Tensor, got {type(w).__name__}")
   k, n = w.shape
+  if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"quantized_matmul: x must be a float array [..., K={k}]; got {x.dtype}{list(x.shape)}")
   if x.shape[-1] != k:
     raise ValueError(f"quantized_matmul: x has K={x.shape[-1]} (shape {x.shape}) but the weight is [{k}, {n}]")
   if index is not None and w.packed.ndim != 3:
@@ -379,9 +387,13 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
     if xa.shape[:-1] != x.shape[:-1] or not b_ok:
       raise ValueError(f"quantized_matmul: lora needs xa [..., R] with x's leading dims {x.shape[:-1]} and "
                        f"b [R, {n}] (or a stack [L, R, {n}] with index); got xa {xa.shape}, b {b.shape}")
+    if index is None and w.packed.ndim != 2:  # the product would be [..., L, N]: the delta does not line up
+      raise ValueError(f"quantized_matmul: lora needs a [K, N] weight, or a stack [L, K, N] with index; got "
+                       f"packed shape {w.packed.shape} and no index")
   if backend == "auto":
     backend = "pallas" if (_on_gpu() and _kernel_applies(x, w, index)) else "reference"
   if backend == "reference":
+    w = jax.lax.stop_gradient(w)  # frozen: a zero cotangent, as the kernel path's custom_vjp gives it
     y = reference_matmul(x, w if index is None else layer_of(w, index), out_dtype=jnp.float32)
     if lora is not None:
       y = y + _lora_delta(*lora, index=index)
@@ -391,6 +403,8 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
                      f"(or a stack [L, K, N] with index); got x {x.dtype}{list(x.shape)}, packed {list(w.packed.shape)}")
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   lead = x.shape[:-1]
+  if x.size == 0:  # M = 0: nothing to launch (the kernels' tile choice divides by the row tiles)
+    return jnp.zeros((*lead, n), out_dtype)
   if index is not None:
     index = jnp.asarray(index, jnp.int32)
   interpret = backend == "interpret"

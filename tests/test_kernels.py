@@ -329,6 +329,68 @@ def test_stacked_index_errors():
     w4_triton.forward(_act((2, 32), 0), stack, interpret=True)
 
 
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_no_rows_give_an_empty_product_and_gradient(backend):
+  # M = 0 (x [0, K] or [2, 0, K]): an empty [..., N] result and an empty dx; the kernel path used to
+  # fail choosing its tiles (a ZeroDivisionError in default_config).
+  wq = _weight("nvfp4", 96, 40, 3)
+  for shape in ((0, 96), (2, 0, 96)):
+    x = jnp.zeros(shape, jnp.bfloat16)
+    y = quantized_matmul(x, wq, backend=backend, out_dtype=jnp.float32)
+    assert y.shape == (*shape[:-1], 40) and y.dtype == jnp.float32
+    g = jax.grad(lambda x: jnp.sum(quantized_matmul(x, wq, backend=backend, out_dtype=jnp.float32)))(x)
+    assert g.shape == shape and g.dtype == jnp.bfloat16
+  xa, b = jnp.zeros((0, 16), jnp.bfloat16), jnp.ones((16, 40), jnp.bfloat16)
+  y = quantized_matmul(jnp.zeros((0, 96), jnp.bfloat16), wq, backend=backend, lora=(xa, b, 2.0))
+  assert y.shape == (0, 40) and y.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])
+def test_reference_gives_the_frozen_weight_a_zero_cotangent(fmt):
+  # The docstring: W is frozen and gets a zero cotangent. The kernel path's custom_vjp always did;
+  # the reference path (every CPU call) used to differentiate through the dequantize and gave the
+  # block and global scales nonzero cotangents.
+  k, n = 128, 40
+  wq = _weight(fmt, k, n, 4)
+  x = _act((5, k), 5)
+  dy = np.random.default_rng(6).standard_normal((5, n))
+
+  def loss(x, w):
+    return jnp.sum(quantized_matmul(x, w, backend="reference", out_dtype=jnp.float32) * jnp.asarray(dy, jnp.float32))
+
+  gx, gw = jax.grad(loss, argnums=(0, 1), allow_int=True)(x, wq)
+  assert _rel(gx, dy @ _dense64(wq).T) < 1e-2
+  for leaf in jax.tree.leaves(gw):
+    if leaf.dtype != jax.dtypes.float0:
+      assert not np.asarray(leaf, np.float32).any(), leaf.dtype
+
+
+def test_non_float_or_scalar_x_raises():
+  wq = _weight("nvfp4", 96, 40, 1)
+  # an integer x used to dequantize W to int32 (every |w| < 1 truncated to 0) and return garbage
+  with pytest.raises(ValueError, match=r"float array \[\.\.\., K=96\]; got int32\[2, 96\]"):
+    quantized_matmul(jnp.ones((2, 96), jnp.int32), wq)
+  with pytest.raises(ValueError, match="float array"):
+    reference_matmul(jnp.ones((2, 96), jnp.int32), wq)
+  with pytest.raises(ValueError, match=r"got bfloat16\[\]"):  # used to be an IndexError
+    quantized_matmul(jnp.ones((), jnp.bfloat16), wq)
+
+
+def test_stack_without_index_multiplies_every_layer_and_refuses_lora():
+  # A stack [L, K, N] without index goes through the reference: x times every layer, [..., L, N].
+  rng = np.random.default_rng(9)
+  stack = nvfp4.quantize(rng.standard_normal((3, 64, 32)).astype(np.float32))
+  x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+  y = quantized_matmul(x, stack)
+  want = np.einsum("mk,lkn->mln", np.asarray(x, np.float64), _dense64(stack))
+  assert y.shape == (3, 3, 32) and _rel(y, want) < 1e-5
+  # with an adapter the [M, N] delta does not line up with [M, L, N]: at M == L it was added to the
+  # wrong layers silently, else a broadcasting error
+  xa, b = jnp.ones((3, 4), jnp.float32), jnp.ones((4, 32), jnp.float32)
+  with pytest.raises(ValueError, match=r"lora needs a \[K, N\] weight, or a stack \[L, K, N\] with index"):
+    quantized_matmul(x, stack, lora=(xa, b, 1.0))
+
+
 @pytest.mark.parametrize("unroll,prefetch,splits", [(True, False, 1), (False, True, 1), (True, True, 2),
                                                     (False, True, 3)])
 def test_unrolled_and_prefetching_loops_match_float64(unroll, prefetch, splits):
