@@ -298,6 +298,14 @@ def _check_cache_args(k_LxBxSxKxD, v_LxBxSxKxD, slot_mask_BxS, backend, block_s)
   return k_LxBxSxKxD.shape
 
 
+def _check_scalars(name: str, layer, length) -> None:
+  """``layer`` and ``length`` must each be one value (a scalar, traced or not, or a one-element array):
+  a per-row ``length`` ``[B]`` is not taken (the slot mask marks each row's padding)."""
+  for arg, value in (("layer", layer), ("length", length)):
+    if jnp.size(value) != 1:
+      raise ValueError(f"{name}: {arg} must be an int32 scalar; got shape {jnp.shape(value)}")
+
+
 def _pow2(n: int) -> int:
   """The least power of 2 >= ``n`` (1 for ``n <= 1``)."""
   return 1 << max(n - 1, 0).bit_length()
@@ -359,9 +367,9 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
     from the kernel, where the reference averages all values.
 
   Raises:
-    ValueError: inconsistent shapes, ``H`` not a multiple of ``Hkv``, a bad
-      ``block_s``, an unknown backend, or ``backend="pallas"`` with ``hd < MIN_HEAD_DIM`` (``"auto"``
-      runs the reference there).
+    ValueError: inconsistent shapes, ``H`` not a multiple of ``Hkv``, a ``layer`` or ``length`` that is
+      not one value, a bad ``block_s``, an unknown backend, or ``backend="pallas"`` with
+      ``hd < MIN_HEAD_DIM`` (``"auto"`` runs the reference there).
   """
   num_layers, b, s, kh, d = _check_cache_args(k_LxBxSxKxD, v_LxBxSxKxD, slot_mask_BxS, backend, block_s)
   if q_BxHxD.ndim != 3 or q_BxHxD.shape[0] != b or q_BxHxD.shape[2] != d:
@@ -369,6 +377,7 @@ def decode_attention(q_BxHxD: jax.Array, k_LxBxSxKxD: jax.Array, v_LxBxSxKxD: ja
   h = q_BxHxD.shape[1]
   if h % kh:
     raise ValueError(f"{h} query heads are not a multiple of {kh} KV heads")
+  _check_scalars("decode_attention", layer, length)
   layer = jnp.asarray(layer, jnp.int32).reshape(1)
   length = jnp.asarray(length, jnp.int32).reshape(1)
   backend = _resolve_backend(backend, q_BxHxD.dtype, d, MIN_HEAD_DIM, "decode_attention",
@@ -548,8 +557,8 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
     product and the sum to ``dtype``, as XLA's ``dtype`` arithmetic in :func:`qerl_jax.models.layers.rope`.
 
   Raises:
-    ValueError: inconsistent shapes, an odd ``hd``, ``H`` not a multiple of ``Hkv``, a bad
-      ``block_s``, a ``sync`` that is not int32 ``[B * Hkv]``, an unknown backend, or ``backend="pallas"``
+    ValueError: inconsistent shapes, an odd ``hd``, ``H`` not a multiple of ``Hkv``, a ``layer`` or
+      ``length`` that is not one value, a bad ``block_s``, a ``sync`` that is not int32 ``[B * Hkv]``, an unknown backend, or ``backend="pallas"``
       with ``hd < APPEND_MIN_HEAD_DIM`` (``"auto"`` runs the reference there).
   """
   block_s = APPEND_BLOCK_S if block_s is None else block_s
@@ -562,6 +571,7 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
     raise ValueError(f"sync must be int32 [B * Hkv = {b * kh}] (new_sync); got {sync.dtype}{list(sync.shape)}")
   if num_heads % kh:
     raise ValueError(f"{num_heads} query heads are not a multiple of {kh} KV heads")
+  _check_scalars("decode_attention_append", layer, length)
   if d % 2:
     raise ValueError(f"RoPE needs an even head dim, got {d}")
   n = (num_heads + 2 * kh) * d

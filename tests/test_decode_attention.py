@@ -98,6 +98,15 @@ def test_errors_name_the_problem():
     da.decode_attention(q, k, v, 0, mask, 10, block_s=24)
   with pytest.raises(ValueError, match=r"\[L, B, S, Hkv, hd\]"):
     da.decode_attention(q, k[0], v[0], 0, mask, 10)
+  # a per-row length (or layer) used to fail reshaping it, as a TypeError that named neither
+  for backend in ("reference", "interpret"):
+    with pytest.raises(ValueError, match=r"decode_attention: length must be an int32 scalar; got shape \(3,\)"):
+      da.decode_attention(q, k, v, 0, mask, jnp.array([10, 12, 9]), backend=backend)
+    with pytest.raises(ValueError, match=r"layer must be an int32 scalar; got shape \(2,\)"):
+      da.decode_attention(q, k, v, jnp.array([0, 1]), mask, 10, backend=backend)
+  # one value, as a one-element array, is still taken: the float64 attention at that layer and length
+  out = da.decode_attention(q, k, v, jnp.array([1]), mask, jnp.array([30]), backend="reference")
+  assert _rel(out, _np_attention(q, k, v, 1, np.asarray(mask), 30)) < 1e-5
 
 
 def test_decoder_decode_steps_through_the_kernel(monkeypatch):
@@ -309,6 +318,8 @@ def test_append_errors_name_the_problem():
     call(sin_BxR=c["sin_BxR"][:, :3])
   with pytest.raises(ValueError, match="multiple"):
     da.decode_attention_append(**c, layer=0, length=10, num_heads=13)
+  with pytest.raises(ValueError, match=r"decode_attention_append: length must be an int32 scalar"):
+    da.decode_attention_append(**c, layer=0, length=jnp.array([10, 11, 12]), num_heads=heads, backend="reference")
 
 
 @pytest.mark.parametrize("quant,with_lora,combine", [(None, False, 0), (None, True, 0), ("nvfp4", False, 0),
