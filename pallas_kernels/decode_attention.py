@@ -558,8 +558,9 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
 
   Raises:
     ValueError: inconsistent shapes, an odd ``hd``, ``H`` not a multiple of ``Hkv``, a ``layer`` or
-      ``length`` that is not one value, a bad ``block_s``, a ``sync`` that is not int32 ``[B * Hkv]``, an unknown backend, or ``backend="pallas"``
-      with ``hd < APPEND_MIN_HEAD_DIM`` (``"auto"`` runs the reference there).
+      ``length`` that is not one value, a bad ``block_s``, a ``sync`` that is not int32 ``[B * Hkv]``, an
+      unknown backend, or ``backend="pallas"`` with ``hd < APPEND_MIN_HEAD_DIM`` (``"auto"`` runs the
+      reference there).
   """
   block_s = APPEND_BLOCK_S if block_s is None else block_s
   target_programs = APPEND_TARGET_PROGRAMS if target_programs is None else target_programs
