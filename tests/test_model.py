@@ -131,6 +131,24 @@ def test_prefill_then_decode_equals_full_forward(arch):
   assert not np.asarray(cache["mask"][:, 12:]).any()
 
 
+def test_cache_overrun_raises_outside_jit():
+  """A write past the cache's last slot is refused where the index is concrete: dynamic_update_slice would
+  clamp it, overwriting earlier slots (slot 2's key replaced by token 3's, and token 3 attending to token 4)."""
+  _, cfg, base = _model("qwen2", False)
+  tokens = jnp.asarray(left_padded_batch(cfg.vocab_size, seed=8)[0][:1, :5])
+  pos = jnp.arange(5, dtype=jnp.int32)[None]
+  full, _ = models.forward(cfg, base, tokens, pos)
+  for slots in (4, 5):
+    cache = models.init_cache(cfg, 1, slots, dtype=jnp.float32)
+    _, cache = models.forward(cfg, base, tokens[:, :3], pos[:, :3], cache=cache)
+    if slots == 4:
+      with pytest.raises(ValueError, match="2 new tokens at cache index 3 overrun the KV cache's 4 slots"):
+        models.forward(cfg, base, tokens[:, 3:], pos[:, 3:], cache=cache)
+  last, cache = models.forward(cfg, base, tokens[:, 3:], pos[:, 3:], cache=cache)  # fills the 5 slots exactly
+  assert int(cache["index"]) == 5
+  np.testing.assert_allclose(np.asarray(last), np.asarray(full)[:, 3:], atol=1e-5)
+
+
 def test_decode_with_lora_noise_and_nvfp4_base_bf16_cache():
   _, cfg, base = _model("llama", False)
   qbase = models.quantize_base(base, "nvfp4")
