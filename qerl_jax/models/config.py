@@ -35,8 +35,8 @@ class ModelConfig:
     attention_bias: q/k/v projections carry biases (Qwen2).
     qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3).
     max_position_embeddings: longest context the checkpoint was trained for.
-    dtype: compute dtype name, ``"bfloat16"`` (real runs) or ``"float32"``
-      (parity tests). Weights are cast to it inside each matmul; matmuls
+    dtype: compute dtype name, ``"bfloat16"`` (real runs), ``"float32"``
+      (parity tests) or ``"float16"``. Weights are cast to it inside each matmul; matmuls
       accumulate in float32; softmax, RMSNorm and log-softmax run in float32.
   """
 
