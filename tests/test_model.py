@@ -68,6 +68,56 @@ def test_rope_inv_freq_matches_transformers_llama3():
   assert not np.allclose(ours, plain)  # the scaling really changes low frequencies
 
 
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen3-8b"])
+def test_logits_match_transformers_at_long_context_real_rope(fixtures_dir, name):
+  """The real RoPE settings (Llama 3.2: theta 5e5, head_dim 64, llama3 scaling from 8192; Qwen3: theta 1e6,
+  head_dim 128) at positions up to 120k, on a model shrunk in width and depth only. RoPE angles grow with the
+  position, so inverse frequencies 1-2 float32 ulps off transformers' (numpy's float32 power) gave logits
+  about 1e-3 off at 120k."""
+  torch = pytest.importorskip("torch")
+  import transformers as tf
+  d = _fixture_config(fixtures_dir, name)
+  d.update(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, bos_token_id=None, eos_token_id=None)
+  hf_cfg = tf.AutoConfig.for_model(d["model_type"], **{k: v for k, v in d.items() if k != "model_type"})
+  torch.manual_seed(0)
+  m = getattr(tf, d["architectures"][0])(hf_cfg).float().eval()
+  with torch.no_grad():
+    for p in m.parameters():
+      p.copy_(0.08 * torch.randn_like(p) + (1.0 if p.ndim == 1 else 0.0))  # norms near 1
+  cfg = models.ModelConfig.from_hf(_fixture_config(fixtures_dir, name), dtype="float32").replace(
+      vocab_size=200, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2)
+  assert cfg.head_dim == {"llama-3.2-1b": 64, "qwen3-8b": 128}[name]
+  base = hf.base_from_state_dict(cfg, m.state_dict())
+  tokens = np.random.default_rng(0).integers(0, 200, (3, 6)).astype(np.int32)
+  pos = (np.arange(6)[None] + np.array([[0], [20000], [120000]])).astype(np.int32)
+  with torch.no_grad():
+    ref = m(input_ids=torch.tensor(tokens, dtype=torch.long), position_ids=torch.tensor(pos, dtype=torch.long)).logits
+  logits, _ = fwd(cfg, base, jnp.asarray(tokens), jnp.asarray(pos))
+  assert np.abs(np.asarray(logits) - ref.numpy()).max() < 1e-4
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.2-3b", "qwen2.5-7b-base", "qwen3-8b"])
+def test_rope_inv_freq_of_real_configs_matches_transformers(fixtures_dir, name):
+  """Bit for bit where transformers' float32 pow is correctly rounded (Llama 3.2's 64 and 128 frequencies,
+  llama3 scaling included), else within one ulp (its pow's own error)."""
+  import transformers as tf
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+  from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+  d = _fixture_config(fixtures_dir, name)
+  hf_cfg = tf.AutoConfig.for_model(d["model_type"], **{k: v for k, v in d.items() if k != "model_type"})
+  rope_type = (hf_cfg.rope_parameters or {}).get("rope_type", "default")
+  init = (LlamaRotaryEmbedding.compute_default_rope_parameters if rope_type == "default"
+          else ROPE_INIT_FUNCTIONS[rope_type])
+  ref = init(hf_cfg, "cpu")[0].numpy()
+  ours = models.rope_inv_freq(models.ModelConfig.from_hf(d))
+  assert ours.dtype == np.float32 and ours.shape == ref.shape
+  if name.startswith("llama"):
+    np.testing.assert_array_equal(ours, ref)
+  else:
+    assert (np.abs(ours - ref) <= np.spacing(ref)).all() and (ours != ref).sum() <= 1
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_prefill_then_decode_equals_full_forward(arch):
   _, cfg, base = _model(arch, False)
@@ -79,6 +129,24 @@ def test_prefill_then_decode_equals_full_forward(arch):
   assert np.abs(np.asarray(stepped) - np.asarray(full))[real].max() < 1e-5
   np.testing.assert_array_equal(np.asarray(cache["mask"][:, :12]), real)
   assert not np.asarray(cache["mask"][:, 12:]).any()
+
+
+def test_cache_overrun_raises_outside_jit():
+  """A write past the cache's last slot is refused where the index is concrete: dynamic_update_slice would
+  clamp it, overwriting earlier slots (slot 2's key replaced by token 3's, and token 3 attending to token 4)."""
+  _, cfg, base = _model("qwen2", False)
+  tokens = jnp.asarray(left_padded_batch(cfg.vocab_size, seed=8)[0][:1, :5])
+  pos = jnp.arange(5, dtype=jnp.int32)[None]
+  full, _ = models.forward(cfg, base, tokens, pos)
+  for slots in (4, 5):
+    cache = models.init_cache(cfg, 1, slots, dtype=jnp.float32)
+    _, cache = models.forward(cfg, base, tokens[:, :3], pos[:, :3], cache=cache)
+    if slots == 4:
+      with pytest.raises(ValueError, match="2 new tokens at cache index 3 overrun the KV cache's 4 slots"):
+        models.forward(cfg, base, tokens[:, 3:], pos[:, 3:], cache=cache)
+  last, cache = models.forward(cfg, base, tokens[:, 3:], pos[:, 3:], cache=cache)  # fills the 5 slots exactly
+  assert int(cache["index"]) == 5
+  np.testing.assert_allclose(np.asarray(last), np.asarray(full)[:, 3:], atol=1e-5)
 
 
 def test_decode_with_lora_noise_and_nvfp4_base_bf16_cache():

@@ -35,8 +35,8 @@ class ModelConfig:
     attention_bias: q/k/v projections carry biases (Qwen2).
     qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3).
     max_position_embeddings: longest context the checkpoint was trained for.
-    dtype: compute dtype name, ``"bfloat16"`` (real runs) or ``"float32"``
-      (parity tests). Weights are cast to it inside each matmul; matmuls
+    dtype: compute dtype name, ``"bfloat16"`` (real runs), ``"float32"``
+      (parity tests) or ``"float16"``. Weights are cast to it inside each matmul; matmuls
       accumulate in float32; softmax, RMSNorm and log-softmax run in float32.
   """
 
@@ -224,14 +224,19 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   interpolated between ``inv_freq / factor`` (wavelengths longer than
   ``original_max_position_embeddings / low_freq_factor``) and ``inv_freq``
   (shorter than ``... / high_freq_factor``), as in Meta's Llama 3.1 reference and
-  transformers' ``_compute_llama3_parameters``. Computed in float32 like transformers.
+  transformers' ``_compute_llama3_parameters``. Computed in float32 like transformers, except the power
+  ``theta ** (2i / head_dim)``: in float64, rounded once to float32 (bit for bit transformers' CPU values for
+  Llama 3.2's configs, within one ulp for Qwen's).
 
   Raises:
     ValueError: a ``rope_scaling`` whose type is neither ``linear`` nor ``llama3``.
   """
   dim = cfg.head_dim
   exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-  inv_freq = (np.float32(1.0) / np.power(np.float32(cfg.rope_theta), exponent)).astype(np.float32)
+  # theta ** exponent in float64, rounded once to float32 (transformers' float32 pow is within about an ulp
+  # of that); numpy's float32 power is 1-2 ulps off, which moves RoPE angles by up to ~7e-3 rad at 120k positions.
+  power = np.power(np.float64(cfg.rope_theta), exponent.astype(np.float64)).astype(np.float32)
+  inv_freq = (np.float32(1.0) / power).astype(np.float32)
   sc = cfg.rope_scaling_dict
   if sc is None:
     return inv_freq

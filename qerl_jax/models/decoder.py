@@ -485,7 +485,8 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
       added to the norm weights (QeRL Sec. 3.3).
     cache: optional KV cache from :func:`init_cache`; the new keys/values are
       written at slots ``[index, index + T)`` and ``index`` advances by ``T``.
-      The caller keeps ``index + T <= S``.
+      The caller keeps ``index + T <= S``: checked (ValueError) when the index is concrete, not under
+      ``jit``, where an overrun silently overwrites earlier slots.
     attn_mask: ``[B, T]`` 1/True for real tokens, 0 for padding (default all 1).
       Causal masking is always applied.
     remat: ``jax.checkpoint`` each layer body (training memory; same numbers).
@@ -504,8 +505,8 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     ``(logits_or_hidden, new_cache)`` (``new_cache`` is None without a cache).
 
   Raises:
-    ValueError: tokens/positions/mask shape mismatch, or more new tokens
-      than cache slots.
+    ValueError: tokens/positions/mask shape mismatch, more new tokens
+      than cache slots, or (outside ``jit``) ``index + T`` past the cache's last slot.
   """
   if tokens.ndim != 2 or positions.shape != tokens.shape:
     raise ValueError(f"tokens must be [B, T] with positions of the same shape; got tokens "
@@ -530,6 +531,10 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     if t > s:
       raise ValueError(f"{t} new tokens do not fit a KV cache of {s} slots")
     write_at = cache["index"]
+    if not isinstance(write_at, jax.core.Tracer) and int(write_at) + t > s:
+      # (under jit the index is traced and the caller must keep this; dynamic_update_slice would clamp the
+      # write start, overwriting earlier slots, and later slots' queries would see the overwritten keys)
+      raise ValueError(f"{t} new tokens at cache index {int(write_at)} overrun the KV cache's {s} slots")
     slot_mask = jax.lax.dynamic_update_slice(cache["mask"], attn_mask, (0, write_at))
     q_slot = write_at + jnp.arange(t)
     mask = (jnp.arange(s)[None, :] <= q_slot[:, None])[None] & slot_mask[:, None, :]
