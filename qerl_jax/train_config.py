@@ -43,7 +43,10 @@ Layout (units in brackets)::
                           prompts (up to rl.max_sampling_rounds a step) until the update has
                           batch_size / G groups whose rewards are not all equal; groups that carry no
                           signal fill the batch only when the rounds run out. Off by default.
-  rl.max_sampling_rounds  rollouts a step at most with dynamic sampling (each consumes one batch of prompts)
+  rl.max_sampling_rounds  rollouts a step at most with dynamic sampling
+  rl.oversample_factor    prompts a rollout samples with dynamic sampling, as a multiple of batch_size / G
+                          (DAPO's larger generation batch: one rollout of 2x the rows costs far less on a GPU
+                          than two rollouts; each consumes that many batches of prompts). 1: off
   rl.overlong_buffer_length [tokens], rl.overlong_penalty_factor
                           DAPO's soft overlong punishment (eq. 13): completions longer than
                           max_completion_length - buffer lose up to penalty_factor of reward,
@@ -131,6 +134,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.format_reward_weight = 0.0
   c.rl.dynamic_sampling = False  # DAPO: keep sampling prompts until every group in the update carries signal
   c.rl.max_sampling_rounds = 4  # at most this many rollouts a step with dynamic_sampling
+  c.rl.oversample_factor = 1  # with dynamic_sampling: each rollout samples this many batches of prompts at once
   c.rl.overlong_buffer_length = 0  # DAPO's soft overlong punishment over the last N tokens; 0: off
   c.rl.overlong_penalty_factor = 1.0
 
@@ -259,6 +263,11 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
        f"rl.dynamic_sampling={rl.get('dynamic_sampling')!r} must be True or False")
   need(int(rl.get("max_sampling_rounds", 1)) >= 1,
        f"rl.max_sampling_rounds={rl.get('max_sampling_rounds')} must be >= 1 (rollouts a step)")
+  over = int(rl.get("oversample_factor", 1))
+  need(over >= 1, f"rl.oversample_factor={over} must be >= 1 (1: a rollout samples one step's prompts)")
+  need(over == 1 or rl.get("dynamic_sampling", False),
+       f"rl.oversample_factor={over} needs rl.dynamic_sampling=True (without it a step's update takes every "
+       "group it samples)")
   buf = int(rl.get("overlong_buffer_length", 0))
   need(0 <= buf <= int(s.max_completion_length),
        f"rl.overlong_buffer_length={buf} must be in [0, sampling.max_completion_length="

@@ -10,7 +10,8 @@ One step of :func:`train` (QeRL, arXiv:2510.11696, Alg. 1 with GRPO, Shao et al.
    NaN, and gets advantage 0), plus DAPO's overlong penalty when ``rl.overlong_buffer_length``
    is set; with ``rl.dynamic_sampling`` (DAPO), steps 1, 3 and 4 repeat on the next batches of
    prompts until ``batch_size / G`` groups carry signal (rewards not all equal) or
-   ``rl.max_sampling_rounds`` rollouts were made, and the update takes those groups;
+   ``rl.max_sampling_rounds`` rollouts were made (each of ``rl.oversample_factor`` batches of
+   prompts), and the update takes those groups;
 5. group-normalised advantages (``grpo.group_advantages``);
 6. reference log-probs with LoRA off when ``rl.beta > 0``;
 7. ``num_iterations`` updates over micro-batches (``grpo`` objective, optax AdamW);
@@ -309,6 +310,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   max_new = int(config.sampling.max_completion_length)
   dynamic = bool(config.rl.get("dynamic_sampling", False))
   max_rounds = int(config.rl.get("max_sampling_rounds", 1)) if dynamic else 1
+  oversample = int(config.rl.get("oversample_factor", 1)) if dynamic else 1  # batches of prompts a rollout
   overlong_buffer = int(config.rl.get("overlong_buffer_length", 0))
 
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
@@ -361,8 +363,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     rounds, t_rollout, t_reward = [], time.perf_counter() - t0, 0.0
     for rnd in range(max_rounds):
       tr = time.perf_counter()
-      batch = [train_set[i] for i in order.batch_indices(position)]
-      position += 1
+      batch = [train_set[i] for j in range(oversample) for i in order.batch_indices(position + j)]
+      position += oversample
       prompt_tokens, prompt_mask = _prompt_batch(policy.tokenizer, batch, prompt_length, policy.pad_id)
       rollout = policy.generate(state.params, noise, prompt_tokens, prompt_mask,
                                 keys.sample if rnd == 0 else jax.random.fold_in(keys.sample, rnd),
@@ -479,6 +481,7 @@ _LEGACY_VALUES = {"model.fuse_projections": False,
                   "model.code_order": "standard",
                   "rl.dynamic_sampling": False,
                   "rl.max_sampling_rounds": 4,
+                  "rl.oversample_factor": 1,
                   "rl.overlong_buffer_length": 0,
                   "rl.overlong_penalty_factor": 1.0}
 

@@ -93,6 +93,7 @@ def test_load_prompts_skips_malformed_and_long_rows(tmp_path, data_dir):
     ("sampling.top_p", 0.0, "sampling.top_p=0.0"),
     ("model.quant", "int3", "model.quant='int3'"),
     ("rl.max_sampling_rounds", 0, "rl.max_sampling_rounds=0 must be >= 1"),
+    ("rl.oversample_factor", 2, "rl.oversample_factor=2 needs rl.dynamic_sampling=True"),
     ("rl.overlong_buffer_length", 4, "rl.overlong_buffer_length=4 must be in [0, sampling.max_completion_length=3]"),
     ("rl.overlong_penalty_factor", -0.5, "rl.overlong_penalty_factor=-0.5 must be a finite number >= 0"),
 ])
@@ -311,28 +312,30 @@ def _spy_policy(config, captured):
   return dataclasses.replace(policy, update=update)
 
 
-def test_dynamic_sampling_updates_on_groups_with_signal_and_resumes(tmp_path):
+@pytest.mark.parametrize("oversample", [1, 2])
+def test_dynamic_sampling_updates_on_groups_with_signal_and_resumes(tmp_path, oversample):
   """DAPO's dynamic sampling on the toy policy (G = 4, 2 prompts a step; the toy's groups often score all 0):
   a step samples further prompts until 2 groups carry signal (or 3 rollouts), each rollout advancing the
-  data position by one batch, and the update's advantages are those of exactly the groups with signal. A run
-  stopped after 3 steps and resumed matches the uninterrupted one."""
+  data position by `oversample` batches (2 * oversample prompts), and the update's advantages are those of
+  exactly the groups with signal. A run stopped after 3 steps and resumed matches the uninterrupted one."""
   config = toy.toy_config()
   config.rl.dynamic_sampling = True
   config.rl.max_sampling_rounds = 3
+  config.rl.oversample_factor = oversample
   captured = []
   kw = dict(datasets=toy.toy_datasets(), reward_fns=(toy.contains_answer, None), progress=False)
   trainer.train(config, str(tmp_path / "full"), policy=_spy_policy(config, captured), **kw)
   rows = [r for r in metrics_lib.read_metrics(str(tmp_path / "full")) if "loss" in r]
   rounds = [r["dynamic_sampling/rounds"] for r in rows]
-  assert len(captured) == len(rows) == 6 and max(rounds) > 1
-  assert [r["data/position"] for r in rows] == np.cumsum(rounds).tolist()
+  assert len(captured) == len(rows) == 6 and (max(rounds) > 1 if oversample == 1 else True)
+  assert [r["data/position"] for r in rows] == (oversample * np.cumsum(rounds)).tolist()
   for r, adv in zip(rows, captured):
     with_signal = int((adv.reshape(-1, 4) != 0).any(axis=1).sum())
     assert adv.shape == (8,) and with_signal == r["dynamic_sampling/informative_groups"]
     assert r["dynamic_sampling/filled_groups"] == 2 - with_signal
     # the groups with signal among all sampled (frac_reward_zero_std covers every sampled group): the update
     # takes them first, so it has two of them whenever two were sampled
-    sampled_with_signal = round((1 - r["frac_reward_zero_std"]) * 2 * r["dynamic_sampling/rounds"])
+    sampled_with_signal = round((1 - r["frac_reward_zero_std"]) * 2 * oversample * r["dynamic_sampling/rounds"])
     assert with_signal == min(2, sampled_with_signal)
     if r["dynamic_sampling/rounds"] < 3:
       assert with_signal == 2
