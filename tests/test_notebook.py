@@ -24,3 +24,9 @@ def test_quickstart_runs_top_to_bottom():
   errs = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if "relative Frobenius error" in line]
   assert errs and all(0.01 < e < 0.3 for e in errs), errs
   assert "final_accuracy" in text
+  # the figures (the weight histograms and the reward curve) are saved in the outputs, not only drawn on a
+  # non-interactive backend (a forced "Agg" backend left the run's copy without them)
+  images = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+            for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+  assert len(images) == 2, images
+  assert "plt.plot(steps, reward" in "".join(nb.cells[images[-1]].source)
