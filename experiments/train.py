@@ -70,6 +70,10 @@ def _explain_flag_error(argv):
     print(f"error: unknown config key among {bad}: {msg}\n"
           "  (every key is listed in qerl_jax/train_config.py base_config())", file=sys.stderr)
     sys.exit(2)
+  except OSError as e:  # ml_collections could not load the --config file an override reads
+    detail = " ".join(str(e).split()).split("Attempted", 1)[-1]
+    print(f"error: could not load the config file --config: {detail}", file=sys.stderr)
+    sys.exit(2)
   except flags.Error as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

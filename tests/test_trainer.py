@@ -240,6 +240,17 @@ def test_launcher_rejects_unknown_key_and_impossible_config(tmp_path):
   assert not os.listdir(tmp_path)  # nothing computed, nothing written
 
 
+def test_launcher_missing_config_file_with_an_override_is_one_line(tmp_path):
+  # an override makes ml_collections read the (missing) file during flag parsing, not in main()
+  r = _launch("--config=configs/no_such_recipe.py", f"--workdir={tmp_path / 'run'}",
+              "--config.train.total_steps=2")
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert r.stderr.strip().splitlines() == [
+      "error: could not load the config file --config:  [Relative path]: configs/no_such_recipe.py "
+      "[Errno 2] No such file or directory: 'configs/no_such_recipe.py'"]
+  assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------------------ loop on the toy policy
 
 def test_toy_run_logs_checkpoints_and_resumes_exactly(tmp_path):
