@@ -59,7 +59,8 @@ flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
   xla_flags.apply_recommended(_XLA.value)  # before the first computation: XLA reads XLA_FLAGS once
   import jax
   from absl import logging
@@ -69,7 +70,13 @@ def main(argv):
   from qerl_jax import metrics as metrics_lib
   from qerl_jax import trainer
 
-  config = _CONFIG.value
+  try:
+    config = _CONFIG.value
+    config_task, user_template = str(config.data.task), str(config.data.user_template)  # reads the file
+  except OSError as e:  # ml_collections could not load the config file
+    detail = " ".join(str(e).split()).split("Attempted", 1)[-1]
+    print(f"error: could not load the config file --config: {detail}", file=sys.stderr)
+    return 2
   bad = [b for b in _BENCH.value if b not in BENCHMARKS]
   if bad:
     raise app.UsageError(f"unknown benchmark(s) {bad}; choose from {list(BENCHMARKS)}")
@@ -98,7 +105,6 @@ def main(argv):
             f"--workdir is the folder a training run wrote (it holds checkpoints/<step>); omit it to "
             f"evaluate the base model.", file=sys.stderr)
       return 2
-  config_task, user_template = str(config.data.task), str(config.data.user_template)
   policy = trainer.load_policy(config)
   params, step = None, "base"
   if _WORKDIR.value:
@@ -162,5 +168,24 @@ def main(argv):
   return 0
 
 
+def _explain_flag_error(argv):
+  """Runs flag parsing and turns ml_collections' unknown-key error into one clear line (as train.py)."""
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError) as e:  # ml_collections: a key the config does not have
+    msg = str(e.args[0] if e.args else e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
+    bad = [a for a in argv[1:] if a.startswith("--config.")]
+    print(f"error: unknown config key among {bad}: {msg}\n"
+          "  (every key is listed in qerl_jax/train_config.py base_config())", file=sys.stderr)
+    sys.exit(2)
+  except OSError as e:  # ml_collections could not load the --config file an override reads
+    detail = " ".join(str(e).split()).split("Attempted", 1)[-1]
+    print(f"error: could not load the config file --config: {detail}", file=sys.stderr)
+    sys.exit(2)
+  except flags.Error as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_explain_flag_error)

@@ -31,3 +31,21 @@ def test_step_without_workdir_and_negative_limit_are_usage_errors(data_dir):
   assert r.returncode == 1 and "--step=5 needs --workdir" in r.stderr, r.stderr[-2000:]
   r = _eval("--limit=-2", f"--data_dir={data_dir}")
   assert r.returncode == 1 and "--limit=-2 must be >= 0" in r.stderr, r.stderr[-2000:]
+
+
+def test_config_errors_and_positional_arguments_are_one_line_errors(tmp_path):
+  """As in train.py: a mistyped key or a missing config file is one line (exit 2), not a traceback."""
+  r = _eval("--config.rl.num_generatons=16")
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert r.stderr.startswith("error: unknown config key among ['--config.rl.num_generatons=16']: "
+                             "'num_generatons' Did you mean \"num_generations\"")
+  for args in (["--config=configs/no_such_recipe.py"],  # read in main()
+               ["--config=configs/no_such_recipe.py", "--config.seed=1"]):  # read while parsing the override
+    r = _eval(*args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [
+        "error: could not load the config file --config:  [Relative path]: configs/no_such_recipe.py "
+        "[Errno 2] No such file or directory: 'configs/no_such_recipe.py'"]
+  r = _eval("workdirs/run", f"--out={tmp_path}")  # a path given without --workdir=
+  assert r.returncode == 1 and "unexpected positional arguments: ['workdirs/run']" in r.stderr, r.stderr[-2000:]
+  assert not os.listdir(tmp_path)  # it used to evaluate the base model and write eval_base.json
