@@ -125,17 +125,26 @@ def main(argv):
   from absl import logging
   from qerl_jax import train_config, trainer
   logging.set_verbosity(logging.WARNING)
-  ab = _CONFIG.value
+  try:
+    ab = _CONFIG.value
+    seeds = [int(s) for s in (ab.seeds if isinstance(ab.seeds, (tuple, list)) else [ab.seeds])]  # reads the file
+  except OSError as e:  # ml_collections could not load the config file
+    detail = " ".join(str(e).split()).split("Attempted", 1)[-1]
+    print(f"error: could not load the config file --config: {detail}", file=sys.stderr)
+    return 2
   out = _WORKDIR.value
-  os.makedirs(out, exist_ok=True)
-  seeds = [int(s) for s in (ab.seeds if isinstance(ab.seeds, (tuple, list)) else [ab.seeds])]
-  # Build and validate every variant before any compute.
+  # Build and validate every variant before any compute (and before the workdir is created).
   plan = []
   for name, overrides in ab.variants:
     for seed in seeds:
-      cfg = apply_overrides(ab.base, tuple(overrides) + (("seed", seed),))
-      train_config.validate(cfg)
+      try:
+        cfg = apply_overrides(ab.base, tuple(overrides) + (("seed", seed),))
+        train_config.validate(cfg)
+      except (KeyError, ValueError) as e:
+        print(f"error: variant {name!r} (seed {seed}): {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
       plan.append((name, seed, cfg))
+  os.makedirs(out, exist_ok=True)
   results, workdirs = {}, {}
   for k, (name, seed, cfg) in enumerate(plan):
     wd = os.path.join(out, name, f"seed{seed}")
@@ -154,5 +163,25 @@ def main(argv):
   return 0
 
 
+def _explain_flag_error(argv):
+  """Runs flag parsing and turns ml_collections' unknown-key error into one clear line (as train.py)."""
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError) as e:  # ml_collections: a key the config does not have
+    msg = str(e.args[0] if e.args else e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
+    bad = [a for a in argv[1:] if a.startswith("--config.")]
+    print(f"error: unknown config key among {bad}: {msg}\n"
+          "  (an ablation config has base, variants and seeds; base's keys are listed in "
+          "qerl_jax/train_config.py base_config())", file=sys.stderr)
+    sys.exit(2)
+  except OSError as e:  # ml_collections could not load the --config file an override reads
+    detail = " ".join(str(e).split()).split("Attempted", 1)[-1]
+    print(f"error: could not load the config file --config: {detail}", file=sys.stderr)
+    sys.exit(2)
+  except flags.Error as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_explain_flag_error)

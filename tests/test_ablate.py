@@ -1,7 +1,10 @@
 """experiments/ablate.py helpers: overrides on a trainer config and the comparison table."""
 
 import importlib.util
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -60,3 +63,34 @@ def test_results_table_mean_and_std():
   row = table.splitlines()[2]
   # mean 0.5, population std 0.1 of (0.4, 0.6); a missing entropy is skipped
   assert row == "| a | 2 | 0.200 ± 0.000 | 0.500 ± 0.100 | 0.100 | 20.000 ± 10.000 |"
+
+
+def _ablate(*args):
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+         "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, str(ROOT / "experiments" / "ablate.py"), *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_launcher_config_errors_are_one_line_and_create_nothing(tmp_path):
+  """A mistyped key, an impossible variant or a missing file stops ablate.py before any compute with one
+  clear error (exit 2), as train.py does, and leaves no workdir behind."""
+  wd = tmp_path / "ablate"
+  r = _ablate("--config=configs/ablations/qerl.py", f"--workdir={wd}", "--config.base.rl.num_generatons=4")
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert r.stderr.startswith("error: unknown config key among ['--config.base.rl.num_generatons=4']: "
+                             "'num_generatons' Did you mean \"num_generations\"")
+  # qerl.py's base has 32 completions a step: 30 is not a multiple of G = 8, nor does 32 divide it
+  r = _ablate("--config=configs/ablations/qerl.py", f"--workdir={wd}", "--config.base.rl.batch_size=30")
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert r.stderr.strip().splitlines() == [
+      "error: variant 'bf16_lora' (seed 0): impossible config:",
+      "  - rl.batch_size=30 is not a multiple of rl.num_generations=8 (batch_size counts completions; "
+      "prompts per step = batch_size / num_generations)",
+      "  - rl.micro_batch_size=32 must be >= 1 and divide rl.batch_size=30"]
+  r = _ablate("--config=configs/ablations/no_such.py", f"--workdir={wd}", "--config.seeds=0")
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert r.stderr.strip().splitlines() == [
+      "error: could not load the config file --config:  [Relative path]: configs/ablations/no_such.py "
+      "[Errno 2] No such file or directory: 'configs/ablations/no_such.py'"]
+  assert not wd.exists()
