@@ -27,13 +27,20 @@ flags.mark_flags_as_required(["workdirs"])
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected positional arguments: {argv[1:]} (several runs: --workdirs=a,b)")
+  if not _WORKDIRS.value:
+    raise app.UsageError("--workdirs is empty: give one or more run folders, comma-separated")
   out = _OUT.value or os.path.join(_WORKDIRS.value[0], "plots")
   try:
     paths = plotting.plot_runs(_WORKDIRS.value, out, labels=_LABELS.value)
   except (FileNotFoundError, ValueError) as e:  # a workdir without metrics, mismatched --labels
     print(f"error: {e}", file=sys.stderr)
     return 2
+  if not paths:
+    print(f"error: nothing to plot: no metrics.jsonl in {_WORKDIRS.value} has a value of "
+          f"{[k for _, _, keys in plotting.PANELS for k in keys]}", file=sys.stderr)
+    return 1
   for p in paths:
     print(p)
   return 0

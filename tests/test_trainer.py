@@ -290,6 +290,32 @@ def test_toy_run_logs_checkpoints_and_resumes_exactly(tmp_path):
   assert f"error: no metrics.jsonl in workdir '{tmp_path / 'no-such-run'}'" in r.stderr
 
 
+def _plot(*args):
+  return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "plot.py"), *args], capture_output=True,
+                        text=True, timeout=120, env={**os.environ, "PYTHONPATH": _pythonpath()})
+
+
+def test_plot_launcher_one_step_run_and_nothing_to_plot(tmp_path):
+  one = tmp_path / "one"  # one training step, no evaluation, a null entropy and a line torn by a kill
+  one.mkdir()
+  (one / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5, "entropy": null, "aqn/sigma": 0.01}\n'
+                                     '{"step": 2, "rew')
+  r = _plot(f"--workdirs={one}")
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.split() == [str(one / "plots" / "reward.png"), str(one / "plots" / "sigma.png")]
+  empty = tmp_path / "empty"  # killed before its first line
+  empty.mkdir()
+  (empty / "metrics.jsonl").write_text('{"step": 0, "eval/acc')
+  r = _plot(f"--workdirs={empty}")
+  assert r.returncode == 1 and r.stdout == "", r.stderr[-2000:]
+  assert r.stderr.startswith(f"error: nothing to plot: no metrics.jsonl in ['{empty}'] has a value of ['reward', ")
+  r = _plot("--workdirs=")
+  assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert "--workdirs is empty" in r.stderr
+  r = _plot(f"--workdirs={one}", str(empty))  # a second run given without the comma
+  assert r.returncode == 1 and f"unexpected positional arguments: ['{empty}']" in r.stderr, r.stderr[-2000:]
+
+
 def _round(rewards, group_size):
   n = len(rewards) // group_size
   return trainer._Round(prompts=[trainer.Prompt(text=f"q{i}", answer="1") for i in range(n)], prompt_tokens=None,
