@@ -388,6 +388,11 @@ def main(argv):
   del argv
   xla_flags.apply_recommended(_XLA.value)  # before the first computation: XLA reads XLA_FLAGS once
   print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
+  if not FLAGS.smoke and jax.default_backend() not in ("gpu", "cuda"):  # the kernels run only on a GPU
+    print(f"error: bench_kernels.py times the 4-bit GPU kernels and needs an NVIDIA GPU (JAX's backend here is "
+          f"{jax.default_backend()}); --smoke checks this script on a CPU (tiny shapes, kernels interpreted)",
+          file=sys.stderr)
+    sys.exit(2)
   global _BACKEND
   if FLAGS.smoke:
     _BACKEND = "interpret"

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 
 from absl import app, flags
@@ -301,6 +302,11 @@ def main(argv):
   del argv
   xla_flags.apply_recommended(_XLA.value)  # before the first computation: XLA reads XLA_FLAGS once
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; 4-bit matmul: {kernel_backend()}", flush=True)
+  if not FLAGS.smoke and FLAGS.shape == "qwen2.5-7b" and jax.default_backend() not in ("gpu", "cuda"):
+    # 7B-shape weights (15 GB in bf16) and a 4 GiB copy: hours on a CPU, or out of memory
+    print(f"error: the qwen2.5-7b shape needs a GPU (JAX's backend here is {jax.default_backend()}); on a CPU use "
+          "--shape=tiny (e.g. --shape=tiny --batches=2 --new_tokens=8 --prompt_len=8) or --smoke", file=sys.stderr)
+    sys.exit(2)
   if FLAGS.smoke or FLAGS.smoke_first:
     smoke()
     if FLAGS.smoke:

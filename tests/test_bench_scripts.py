@@ -1,0 +1,35 @@
+"""The GPU benchmark scripts on a machine without a GPU: one clear error at once, not a crash deep in a
+kernel or hours of a 7B-shape job; their documented CPU modes still run."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench(script, *args):
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+         "JAX_PLATFORMS": "cpu"}  # the CPU backend even where a GPU is present
+  return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_bench_kernels_without_a_gpu_fails_fast_and_names_smoke():
+  r = _bench("bench_kernels.py", "--models=7b", "--ms=1", "--kinds=fwd", "--layers=o")
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert r.stderr.strip().splitlines()[-1] == (
+      "error: bench_kernels.py times the 4-bit GPU kernels and needs an NVIDIA GPU (JAX's backend here is cpu); "
+      "--smoke checks this script on a CPU (tiny shapes, kernels interpreted)")
+
+
+def test_bench_rollout_7b_shape_without_a_gpu_fails_fast_and_tiny_runs(tmp_path):
+  r = _bench("bench_rollout.py", "--batches=1", "--new_tokens=2")
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert r.stderr.strip().splitlines()[-1] == (
+      "error: the qwen2.5-7b shape needs a GPU (JAX's backend here is cpu); on a CPU use --shape=tiny "
+      "(e.g. --shape=tiny --batches=2 --new_tokens=8 --prompt_len=8) or --smoke")
+  r = _bench("bench_rollout.py", "--shape=tiny", "--batches=2", "--new_tokens=8", "--prompt_len=8",
+             "--formats=nvfp4_fused", f"--out={tmp_path}")
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "| nvfp4_fused | 2 | 8 | 1 |" in (tmp_path / "rollout.md").read_text()
