@@ -54,7 +54,8 @@ def main(argv):
     return 2
   summary = trainer.run(config, _WORKDIR.value)
   workdir = os.path.abspath(_WORKDIR.value)
-  print(f"\nOutputs in {workdir}: config.json, metrics.jsonl, summary.json, samples.jsonl, plots/, "
+  plots = "plots/, " if bool(config.train.plot) else ""  # train.plot=False draws none
+  print(f"\nOutputs in {workdir}: config.json, metrics.jsonl, summary.json, samples.jsonl, {plots}"
         f"checkpoints; TensorBoard events (tensorboard --logdir {workdir}; tensorboard is not "
         f"installed by this project).")
   return 0 if summary.get("status") == "ok" else 1

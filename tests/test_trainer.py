@@ -469,6 +469,10 @@ def test_default_config_runs_end_to_end(default_runs):
   if "tiny-gsm" in json.load(open(os.path.join(full, "config.json")))["model"]["path"]:
     assert any(r["grad_norm"] > 0 for r in train_rows)  # the embedded model learns: LoRA moves
   assert "final_accuracy" in default_runs["stdout"]  # the summary table
+  # the outputs line lists what is there: --config.train.plot=False draws no plots/
+  assert (f"Outputs in {full}: config.json, metrics.jsonl, summary.json, samples.jsonl, checkpoints; "
+          f"TensorBoard events (tensorboard --logdir {full};") in default_runs["stdout"]
+  assert not os.path.exists(os.path.join(full, "plots"))
   assert os.listdir(os.path.join(full, "tensorboard"))
   samples = [json.loads(l) for l in open(os.path.join(full, "samples.jsonl"))]
   assert {s["step"] for s in samples} == {1, 2, 3, 4} and all("completion" in s for s in samples)
