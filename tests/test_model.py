@@ -398,6 +398,10 @@ def test_config_defaults_and_errors():
     models.ModelConfig.from_hf({**base, "rope_scaling": {"type": "yarn", "factor": 4.0}})
   with pytest.raises(ValueError, match="use_sliding_window"):
     models.ModelConfig.from_hf({**base, "use_sliding_window": True})
+  # a llama3 scaling without its frequency factors is refused when read (it was a KeyError at the first forward)
+  with pytest.raises(ValueError, match=r"lacks \['low_freq_factor', 'original_max_position_embeddings'\]"):
+    models.ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                         "high_freq_factor": 4.0}})
   with pytest.raises(ValueError, match="num_kv_heads"):
     models.ModelConfig.from_hf({**base, "num_key_value_heads": 3})
 

@@ -77,6 +77,11 @@ class ModelConfig:
       rt = dict(self.rope_scaling).get("rope_type", "default")
       if rt not in _SUPPORTED_ROPE:
         raise ValueError(f"unsupported rope_scaling type {rt!r}; supported: {_SUPPORTED_ROPE}")
+      need = {"linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+      missing = [k for k in need.get(rt, ()) if dict(self.rope_scaling).get(k) is None]
+      if missing:  # (found here, not as a KeyError at the first forward)
+        raise ValueError(f"rope_scaling of type {rt!r} lacks {missing}; got {dict(self.rope_scaling)}")
 
   @property
   def rope_scaling_dict(self) -> Optional[dict]:
@@ -229,7 +234,8 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   Llama 3.2's configs, within one ulp for Qwen's).
 
   Raises:
-    ValueError: a ``rope_scaling`` whose type is neither ``linear`` nor ``llama3``.
+    ValueError: a ``rope_scaling`` whose type is neither ``linear`` nor ``llama3`` (checked when the
+      :class:`ModelConfig` is made, as are the scaling's required keys).
   """
   dim = cfg.head_dim
   exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
