@@ -33,7 +33,7 @@ if _ROOT not in sys.path:
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from qerl_jax import xla_flags  # noqa: E402
+from qerl_jax import train_config, xla_flags  # noqa: E402
 
 BENCHMARKS = {"gsm8k": "gsm8k", "math500": "math", "aime24": "math", "amc23": "math"}
 
@@ -168,24 +168,5 @@ def main(argv):
   return 0
 
 
-def _explain_flag_error(argv):
-  """Runs flag parsing and turns ml_collections' unknown-key error into one clear line (as train.py)."""
-  try:
-    return flags.FLAGS(argv)
-  except (AttributeError, KeyError) as e:  # ml_collections: a key the config does not have
-    msg = str(e.args[0] if e.args else e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
-    bad = [a for a in argv[1:] if a.startswith("--config.")]
-    print(f"error: unknown config key among {bad}: {msg}\n"
-          "  (every key is listed in qerl_jax/train_config.py base_config())", file=sys.stderr)
-    sys.exit(2)
-  except OSError as e:  # ml_collections could not load the --config file an override reads
-    detail = " ".join(str(e).split()).split("Attempted", 1)[-1]
-    print(f"error: could not load the config file --config: {detail}", file=sys.stderr)
-    sys.exit(2)
-  except flags.Error as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-
-
 if __name__ == "__main__":
-  app.run(main, flags_parser=_explain_flag_error)
+  app.run(main, flags_parser=train_config.config_flags_parser())

@@ -62,10 +62,11 @@ Layout (units in brackets)::
 from __future__ import annotations
 
 import os
+import sys
 
 import ml_collections
 
-__all__ = ["base_config", "validate", "LORA_MODULES", "LOSS_TYPES"]
+__all__ = ["base_config", "validate", "config_flags_parser", "LORA_MODULES", "LOSS_TYPES"]
 
 LORA_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
@@ -310,3 +311,35 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
 
   if errors:
     raise ValueError("impossible config:\n  - " + "\n  - ".join(errors))
+
+
+def config_flags_parser(keys_hint: str = "every key is listed in qerl_jax/train_config.py base_config()"):
+  """An absl ``flags_parser`` for the launchers that take ``--config`` (``ml_collections.config_flags``).
+
+  ``app.run(main, flags_parser=config_flags_parser())`` parses the flags and turns what a user gets wrong
+  into one line on stderr and exit status 2, where absl would print a traceback: a ``--config.<key>``
+  the config does not have (``keys_hint`` says where the keys are listed), a ``--config`` file that
+  cannot be loaded (ml_collections reads it while parsing an override), and any other flag error.
+
+  Returns:
+    ``parse(argv) -> remaining argv`` for ``absl.app.run``.
+  """
+  from absl import flags  # the launchers' dependency, not the library's
+
+  def parse(argv):
+    try:
+      return flags.FLAGS(argv)
+    except (AttributeError, KeyError) as e:  # ml_collections: a key the config does not have
+      msg = str(e.args[0] if e.args else e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
+      bad = [a for a in argv[1:] if a.startswith("--config.")]
+      print(f"error: unknown config key among {bad}: {msg}\n  ({keys_hint})", file=sys.stderr)
+      sys.exit(2)
+    except OSError as e:  # ml_collections could not load the --config file an override reads
+      detail = " ".join(str(e).split()).split("Attempted", 1)[-1]
+      print(f"error: could not load the config file --config: {detail}", file=sys.stderr)
+      sys.exit(2)
+    except flags.Error as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(2)
+
+  return parse
