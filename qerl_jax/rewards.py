@@ -190,7 +190,17 @@ def gsm8k_reward(completions: Sequence[str], answers: Sequence[str]) -> list[flo
 
 
 def _normalize_latex(s: str) -> str:
-  return re.sub(r"\s+", "", s).replace("\\left", "").replace("\\right", "").replace("\\!", "")
+  """For the identical-answer shortcut: whitespace dropped except between two letters or digits (``1 2``
+  is not ``12``), ``\\left``, ``\\right`` and ``\\!`` dropped."""
+  s = re.sub(r"(?<=[A-Za-z0-9])\s+(?=[A-Za-z0-9])", " ", s.strip())
+  s = re.sub(r"(?<![A-Za-z0-9])\s+|\s+(?![A-Za-z0-9])", "", s)
+  return s.replace("\\left", "").replace("\\right", "").replace("\\!", "")
+
+
+def _drop_final_period(s: str) -> str:
+  """``104.`` -> ``104``: a sentence's period inside the box, which math-verify cannot parse."""
+  s = s.strip()
+  return s[:-1].rstrip() if len(s) > 1 and s.endswith(".") else s
 
 
 def _verify_one(gold: str, pred: str, timeout_s: int, exact_shortcut: bool = True) -> bool:
@@ -198,6 +208,7 @@ def _verify_one(gold: str, pred: str, timeout_s: int, exact_shortcut: bool = Tru
   (math-verify's signal-based timeouts; main thread only)."""
   from math_verify import parse, verify  # pylint: disable=g-import-not-at-top
 
+  gold, pred = _drop_final_period(gold), _drop_final_period(pred)
   if exact_shortcut and _normalize_latex(gold) == _normalize_latex(pred):
     return True
   g = parse("\\boxed{" + gold + "}", parsing_timeout=timeout_s)

@@ -92,6 +92,15 @@ def test_gsm8k_reward_fraction_against_its_denominator():
                       ["#### 2", "#### 2", "#### 0.5", "#### 2"]) == [0.0, 1.0, 1.0, 0.0]
 
 
+def test_math_reward_shortcut_keeps_spaces_between_digits_and_drops_a_final_period():
+  pytest.importorskip("math_verify")
+  # hand-worked: '1 2' is not 12 (the identical-answer shortcut dropped every space and scored it 1); a
+  # sentence's period inside the box ('104.', which math-verify cannot parse) is no reason to score 0;
+  # spaces around operators and braces still do not matter
+  assert math_reward(["\\boxed{1 2}", "\\boxed{104.}", "\\boxed{x = 5}", "\\boxed{\\frac {1} {2}}"],
+                     ["12", "104", "x=5", "\\frac{1}{2}"], timeout_s=5) == [0.0, 1.0, 1.0, 1.0]
+
+
 def test_every_gsm8k_gold_answer_parses_to_its_number(data_dir):
   n = 0
   for split in ("train", "test"):
