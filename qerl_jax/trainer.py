@@ -28,6 +28,7 @@ Public: :func:`run` (config, workdir) -> summary dict, :func:`train`, :func:`eva
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -156,6 +157,13 @@ class _Round:
   correct: np.ndarray      # float32 [N], the answer check (NaN: missing)
   rewards: np.ndarray      # float32 [N], the training reward (+ bonus, + overlong penalty)
 
+  @functools.cached_property
+  def informative(self) -> np.ndarray:
+    """bool ``[len(prompts)]``: the groups whose rewards carry signal (``grpo.informative_groups``),
+    computed once a round for the stopping test and the group selection."""
+    group_size = len(self.rewards) // len(self.prompts)
+    return np.asarray(grpo.informative_groups(jnp.asarray(self.rewards), group_size))
+
 
 def _select_groups(rounds: Sequence[_Round], num_groups: int, group_size: int, *, dynamic: bool):
   """The groups one update takes from a step's rollouts: ``(rows, prompts, informative)``.
@@ -172,7 +180,7 @@ def _select_groups(rounds: Sequence[_Round], num_groups: int, group_size: int, *
     return [(0, i * group_size) for i in range(n)], [(0, i) for i in range(n)], None
   good, rest = [], []
   for ri, r in enumerate(rounds):
-    for gi, ok in enumerate(np.asarray(grpo.informative_groups(jnp.asarray(r.rewards), group_size))):
+    for gi, ok in enumerate(r.informative):
       (good if ok else rest).append((ri, gi))
   taken = (good + rest)[:num_groups]
   good_set = set(good)
@@ -368,8 +376,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
       prompt_tokens, prompt_mask = _prompt_batch(policy.tokenizer, batch, prompt_length, policy.pad_id)
       rollout = policy.generate(state.params, noise, prompt_tokens, prompt_mask,
                                 keys.sample if rnd == 0 else jax.random.fold_in(keys.sample, rnd),
-                                num_generations=G, greedy=False,
-                                max_new_tokens=int(config.sampling.max_completion_length))
+                                num_generations=G, greedy=False, max_new_tokens=max_new)
       completions = _decode(policy.tokenizer, rollout)
       t_rollout += time.perf_counter() - tr
       tr = time.perf_counter()
@@ -384,8 +391,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
       rounds.append(_Round(batch, prompt_tokens, prompt_mask, rollout, completions, answers, correct,
                            np.asarray(rewards, np.float32)))
       t_reward += time.perf_counter() - tr
-      if not dynamic or sum(int(np.asarray(grpo.informative_groups(jnp.asarray(r.rewards), G)).sum())
-                            for r in rounds) >= prompts_per_step:
+      if not dynamic or sum(int(r.informative.sum()) for r in rounds) >= prompts_per_step:
         break
     t1 = t0 + t_rollout
     # 5. the update's groups (all of them without dynamic sampling) and their group-normalised
