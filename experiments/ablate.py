@@ -129,8 +129,7 @@ def main(argv):
     ab = _CONFIG.value
     seeds = [int(s) for s in (ab.seeds if isinstance(ab.seeds, (tuple, list)) else [ab.seeds])]  # reads the file
   except OSError as e:  # ml_collections could not load the config file
-    detail = " ".join(str(e).split()).split("Attempted", 1)[-1]
-    print(f"error: could not load the config file --config: {detail}", file=sys.stderr)
+    print(train_config.config_load_error(e), file=sys.stderr)
     return 2
   out = _WORKDIR.value
   # Build and validate every variant before any compute (and before the workdir is created).

@@ -74,8 +74,7 @@ def main(argv):
     config = _CONFIG.value
     config_task, user_template = str(config.data.task), str(config.data.user_template)  # reads the file
   except OSError as e:  # ml_collections could not load the config file
-    detail = " ".join(str(e).split()).split("Attempted", 1)[-1]
-    print(f"error: could not load the config file --config: {detail}", file=sys.stderr)
+    print(train_config.config_load_error(e), file=sys.stderr)
     return 2
   bad = [b for b in _BENCH.value if b not in BENCHMARKS]
   if bad:

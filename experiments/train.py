@@ -46,8 +46,7 @@ def main(argv):
     config = _CONFIG.value
     train_config.validate(config)
   except OSError as e:  # ml_collections could not load the config file
-    detail = " ".join(str(e).split()).split("Attempted", 1)[-1]
-    print(f"error: could not load the config file --config: {detail}", file=sys.stderr)
+    print(train_config.config_load_error(e), file=sys.stderr)
     return 2
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)

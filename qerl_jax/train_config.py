@@ -66,7 +66,7 @@ import sys
 
 import ml_collections
 
-__all__ = ["base_config", "validate", "config_flags_parser", "LORA_MODULES", "LOSS_TYPES"]
+__all__ = ["base_config", "validate", "config_flags_parser", "config_load_error", "LORA_MODULES", "LOSS_TYPES"]
 
 LORA_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
@@ -313,6 +313,13 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
     raise ValueError("impossible config:\n  - " + "\n  - ".join(errors))
 
 
+def config_load_error(e: OSError) -> str:
+  """The one-line message for a ``--config`` file that ml_collections could not load (``e``: the
+  OSError it raised, while parsing an override or at the config's first read)."""
+  detail = " ".join(str(e).split()).split("Attempted", 1)[-1]
+  return f"error: could not load the config file --config: {detail}"
+
+
 def config_flags_parser(keys_hint: str = "every key is listed in qerl_jax/train_config.py base_config()"):
   """An absl ``flags_parser`` for the launchers that take ``--config`` (``ml_collections.config_flags``).
 
@@ -335,8 +342,7 @@ def config_flags_parser(keys_hint: str = "every key is listed in qerl_jax/train_
       print(f"error: unknown config key among {bad}: {msg}\n  ({keys_hint})", file=sys.stderr)
       sys.exit(2)
     except OSError as e:  # ml_collections could not load the --config file an override reads
-      detail = " ".join(str(e).split()).split("Attempted", 1)[-1]
-      print(f"error: could not load the config file --config: {detail}", file=sys.stderr)
+      print(config_load_error(e), file=sys.stderr)
       sys.exit(2)
     except flags.Error as e:
       print(f"error: {e}", file=sys.stderr)
