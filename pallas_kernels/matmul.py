@@ -184,6 +184,15 @@ def _dequantize(w, dtype):
   raise TypeError(f"expected an NVFP4Tensor or NF4Tensor, got {type(w).__name__}")
 
 
+def _check_x(x: jax.Array, k: int, n: int) -> None:
+  """ValueError unless ``x`` is a float array ``[..., K]`` for a ``[K, N]`` weight (an integer ``x`` would
+  dequantize the weight to integers, truncating its values)."""
+  if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"quantized_matmul: x must be a float array [..., K={k}]; got {x.dtype}{list(x.shape)}")
+  if x.shape[-1] != k:
+    raise ValueError(f"quantized_matmul: x has K={x.shape[-1]} (shape {x.shape}) but the weight is [{k}, {n}]")
+
+
 def reference_matmul(x: jax.Array, w, *, out_dtype=None) -> jax.Array:
   """Pure-XLA reference: dequantize ``w`` to ``x.dtype`` and ``dot`` with float32 accumulation.
 
@@ -201,10 +210,7 @@ def reference_matmul(x: jax.Array, w, *, out_dtype=None) -> jax.Array:
       (the weight would be dequantized to an integer dtype: its values truncated).
   """
   k, n = w.shape
-  if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"quantized_matmul: x must be a float array [..., K={k}]; got {x.dtype}{list(x.shape)}")
-  if x.shape[-1] != k:
-    raise ValueError(f"quantized_matmul: x has K={x.shape[-1]} (shape {x.shape}) but the weight is [{k}, {n}]")
+  _check_x(x, k, n)
   out_dtype = out_dtype or x.dtype
   w_deq = _dequantize(w, x.dtype)
   return jnp.dot(x, w_deq, preferred_element_type=jnp.float32).astype(out_dtype)
@@ -374,10 +380,7 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
   if not isinstance(w, (nvfp4.NVFP4Tensor, nf4.NF4Tensor)):
     raise TypeError(f"expected an NVFP4Tensor or NF4Tensor, got {type(w).__name__}")
   k, n = w.shape
-  if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"quantized_matmul: x must be a float array [..., K={k}]; got {x.dtype}{list(x.shape)}")
-  if x.shape[-1] != k:
-    raise ValueError(f"quantized_matmul: x has K={x.shape[-1]} (shape {x.shape}) but the weight is [{k}, {n}]")
+  _check_x(x, k, n)
   if index is not None and w.packed.ndim != 3:
     raise ValueError(f"quantized_matmul: index given but the weight is not a stack [L, K, N] "
                      f"(packed shape {w.packed.shape})")
