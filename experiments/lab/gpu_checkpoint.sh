@@ -27,7 +27,8 @@
 #   STEPS=27 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=28 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=30 bash experiments/lab/gpu_checkpoint.sh
-# 1. every GPU test (`-m gpu`): kernels, the Gluon decode kernel, decode attention, model;
+# 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
+#    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
 #    M = 1-128), then M = 32 and 64 with QERL_GLUON_DETERMINISTIC=1 (partials instead of atomics), then
 #    M = 1-16 with float32 partials in the mma.sync builds (GL_MMA_ATOMIC=0; atomics are the default);
@@ -199,6 +200,8 @@
 #     profile) (about 7 minutes).
 # 49. (session 37, prepared) step 48's settings in batch-8 base rollouts at 1024 new tokens, alternating off / merge /
 #     merge in chunks of 4 / merge + run-time chunks / those with 1056 programs (about 8 minutes; a call of its own).
+#     Session 39 ran the suite, the kernel alone at 1300 slots and the rollouts (each about 20 s, not 75): the merge
+#     faster in every pair, now the default; run-time chunks no faster (docs/benchmarks.md "Session 39").
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -214,7 +217,8 @@ STEPS=",${STEPS:-1,2,3,4,5,6,7,8,9,10,11},"
 step() { [[ "$STEPS" == *",$1,"* ]]; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
-step 1 && timeout 420 python3 -m pytest -q -m gpu tests 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
+step 1 && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 420 python3 -m pytest -q -n 10 -m gpu tests -p no:cacheprovider 2>&1 \
+  | grep -v "Benchmark\|warner(" | tail -5 | tee "$OUT/gpu_tests.txt"
 step 2 && { GL_MS=1,8,16,32,64,128 timeout 240 python3 experiments/lab/gluon/time_jax.py 2>&1
   QERL_GLUON_DETERMINISTIC=1 GL_MS=32,64 timeout 120 python3 experiments/lab/gluon/time_jax.py 2>&1
   GL_MMA_ATOMIC=0 GL_MS=1,8,16 timeout 120 python3 experiments/lab/gluon/time_jax.py 2>&1

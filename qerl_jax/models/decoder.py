@@ -52,11 +52,10 @@ FUSED_LAYER_END = 1
 FUSED_POST_ATTENTION = 1
 # 1 lets decode_attention_append merge its splits' partials itself (its `sync` counters, carried from layer to
 # layer with the cache), where XLA runs a combine kernel after it (2.4 µs of a batch-8 layer's 72, 7B shape, on an
-# H200; session 37's profile). Session 23's first in-kernel merge was slower (2.37 against 2.28 ms a step); this one
-# loads less and vectorized (docs/kernels.md). Off until measured on a GPU: session 37 tested it in interpret mode and
-# compiled it for sm_90 offline only (experiments/lab/gpu_checkpoint.sh steps 48-49 check and time it). Read at trace
-# time.
-FUSED_ATTENTION_COMBINE = 0
+# H200; session 37's profile). Session 39 measured it on an H200: the kernel alone 1.8 µs a layer faster, batch-8
+# rollouts 0.2-1.2% faster (NVFP4 and bf16; docs/benchmarks.md "Session 39"). 0 restores XLA's combine (for A/B
+# measurements). Read at trace time.
+FUSED_ATTENTION_COMBINE = 1
 
 
 def _dtype(cfg: ModelConfig):
