@@ -27,6 +27,7 @@
 #   STEPS=27 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=28 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=30 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=50 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -202,6 +203,9 @@
 #     merge in chunks of 4 / merge + run-time chunks / those with 1056 programs (about 8 minutes; a call of its own).
 #     Session 39 ran the suite, the kernel alone at 1300 slots and the rollouts (each about 20 s, not 75): the merge
 #     faster in every pair, now the default; run-time chunks no faster (docs/benchmarks.md "Session 39").
+# 50. (session 39, prepared) with the split merge on by default: (a) the decode step's kernel sequence at a 1304-slot
+#     cache (batch 8, each kernel's HLO origin; the layer table of docs/benchmarks.md "Session 37" again, whole in
+#     $OUT/profile_b8_merge.txt); (b) issue 6's table at batch 64 and 256 (session 39 re-ran batch 8 only) (about 8 minutes).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -396,3 +400,9 @@ step 49 && { for s in "FUSED_ATTENTION_COMBINE=0|" "FUSED_ATTENTION_COMBINE=1|" 
     MODEL_SET="${s%%|*}" DA_SET="${s#*|}" timeout 75 python3 experiments/lab/gluon/ab_rollout.py --batches=8 \
       --new_tokens=1024 --formats=nvfp4_fused --time_budget_s=60 2>&1 | grep "nvfp4_fused |"; done; } \
   | tee "$OUT/attention_merge_rollouts.txt"
+step 50 && { PROFILE_PROMPT=1280 PROFILE_POSITIONS=1 PROFILE_TOP=40 PROFILE_SEQ=300 PROFILE_HLO=1 timeout 150 \
+    python3 experiments/lab/profile_rollout.py nvfp4_fused:8:48 2>&1 | grep -v "Warn\|profiler.py" > "$OUT/profile_b8_merge.txt"
+  grep -A12 -m1 "one decode step" "$OUT/profile_b8_merge.txt"
+  timeout 330 python3 experiments/bench_rollout.py --batches=64,256 --new_tokens=2048 --new_tokens_by_batch=256:1024 \
+    --formats=nvfp4_fused,bf16_fused --time_budget_s=300 --out="$OUT/issue6_b64_b256" 2>&1 | grep "|\|x$"; } \
+  | tee "$OUT/merge_profile_issue6.txt"
