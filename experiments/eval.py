@@ -1,10 +1,18 @@
-r"""Evaluate a base model or a trained checkpoint on GSM8K test, MATH-500, AIME24 and AMC23.
+r"""Evaluate a base model or a trained checkpoint on GSM8K test, MATH-500, AIME24 and AMC23, or on the
+recipe's own held-out set.
 
   # the base model of a recipe (no LoRA), greedy pass@1 on every benchmark
   python experiments/eval.py --config=configs/gsm8k_qwen2_5_7b.py
   # a training run's newest checkpoint, plus pass@8 with sampling at temperature 0.6
-  python experiments/eval.py --config=configs/default.py --workdir=workdirs/default \
+  python experiments/eval.py --config=configs/gsm8k_qwen2_5_7b.py --workdir=workdirs/gsm8k_7b \
       --num_samples=8 --temperature=0.6 --benchmarks=gsm8k
+  # the main job's run (embedded tiny model, CPU, no download): its held-out synthetic set
+  python experiments/eval.py --config=configs/default.py --workdir=workdirs/default --num_samples=8
+
+``--benchmarks=heldout`` is the recipe's own held-out set (``data.eval``, the first ``data.eval_size``
+prompts, scored with ``data.task``'s check): what the trainer's held-out accuracy measures. It is the
+default for a recipe whose ``data.eval`` is the embedded model's synthetic task (``configs/default.py``);
+otherwise the default is the four benchmarks.
 
 The model, quantization, LoRA shape and system prompt come from the config
 (``--config.<key>=value`` overrides work as in train.py); a checkpoint whose saved config built
@@ -15,7 +23,7 @@ GSM8K answer check, the others with math-verify. Prints a table and writes
 ``<workdir or --out>/eval_<step>.json``.
 
 On a GPU running the Gluon decode kernel the default ``model.code_order="auto"`` stores the NVFP4 codes
-in that kernel's order, which makes the decode steps faster (7B: 4.6% at batch 8) at no cost to the result.
+in that kernel's order, which makes the decode steps faster (7B: by 4.6 percent at batch 8) at no cost to the result.
 """
 
 from __future__ import annotations
@@ -36,12 +44,15 @@ from ml_collections import config_flags  # noqa: E402
 from qerl_jax import train_config, xla_flags  # noqa: E402
 
 BENCHMARKS = {"gsm8k": "gsm8k", "math500": "math", "aime24": "math", "amc23": "math"}
+HELDOUT = "heldout"  # the config's data.eval set, scored with its data.task
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe config file (configs/<name>.py).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training run folder; its newest checkpoint is evaluated. "
                                "Omit to evaluate the base model (LoRA off).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the newest); needs --workdir.")
-_BENCH = flags.DEFINE_list("benchmarks", list(BENCHMARKS), f"Subset of {list(BENCHMARKS)}.")
+_BENCH = flags.DEFINE_list("benchmarks", None, f"Subset of {[*BENCHMARKS, HELDOUT]} ({HELDOUT}: the config's "
+                           "data.eval set). Default: heldout for a config whose data.eval is a synthetic: set "
+                           "(configs/default.py), else the four benchmarks.")
 _DATA_DIR = flags.DEFINE_string("data_dir", os.path.join(_ROOT, "..", "shared", "data"),
                                 "Folder with <benchmark>/test.jsonl.")
 _LIMIT = flags.DEFINE_integer("limit", 0, "Evaluate only the first N prompts of each benchmark (0: all).")
@@ -76,20 +87,25 @@ def main(argv):
   except OSError as e:  # ml_collections could not load the config file
     print(train_config.config_load_error(e), file=sys.stderr)
     return 2
-  bad = [b for b in _BENCH.value if b not in BENCHMARKS]
+  heldout_spec = str(config.data.eval or "")
+  benchmarks = _BENCH.value or ([HELDOUT] if heldout_spec.startswith("synthetic:") else list(BENCHMARKS))
+  bad = [b for b in benchmarks if b not in BENCHMARKS and b != HELDOUT]
   if bad:
-    raise app.UsageError(f"unknown benchmark(s) {bad}; choose from {list(BENCHMARKS)}")
+    raise app.UsageError(f"unknown benchmark(s) {bad}; choose from {[*BENCHMARKS, HELDOUT]}")
+  if HELDOUT in benchmarks and not heldout_spec:
+    raise app.UsageError(f"--benchmarks={HELDOUT} needs the config's data.eval (it is empty)")
   if _NUM_SAMPLES.value < 1:
     raise app.UsageError(f"--num_samples={_NUM_SAMPLES.value} must be >= 1")
-  missing = [os.path.join(_DATA_DIR.value, b, "test.jsonl") for b in _BENCH.value
-             if not os.path.isfile(os.path.join(_DATA_DIR.value, b, "test.jsonl"))]
+  paths = {b: heldout_spec if b == HELDOUT else os.path.join(_DATA_DIR.value, b, "test.jsonl") for b in benchmarks}
+  missing = [p for p in paths.values() if not p.startswith(("synthetic:", "hub:")) and not os.path.isfile(p)]
   if missing:  # checked before the model loads
     print(
         f"error: benchmark data not found: {missing}. --data_dir (now {_DATA_DIR.value!r}) must hold "
         f"<benchmark>/test.jsonl files: JSON lines with 'question' and 'answer' ('#### <number>') "
         f"for gsm8k, 'problem' and 'answer' for math500, aime24 and amc23. The repository ships "
         f"none; GSM8K and MATH-500 are on the Hugging Face hub (openai/gsm8k, "
-        f"HuggingFaceH4/MATH-500). Choose a subset with --benchmarks.", file=sys.stderr)
+        f"HuggingFaceH4/MATH-500). Choose a subset with --benchmarks ({HELDOUT}: the config's own "
+        f"held-out set, data.eval).", file=sys.stderr)
     return 2
   if _STEP.value is not None and not _WORKDIR.value:
     raise app.UsageError(f"--step={_STEP.value} needs --workdir (without it the base model is evaluated)")
@@ -120,26 +136,37 @@ def main(argv):
   if (not flags.FLAGS["max_prompt_length"].present and 0 < context < 10 ** 7
       and context - max_new >= 16 and context - max_new < max_prompt):
     max_prompt = context - max_new  # prompt + completion fit the model's context
-    print(f"eval: prompts longer than {max_prompt} tokens are skipped (the tokenizer's context of "
-          f"{context} minus {max_new} new tokens; --max_prompt_length overrides)", file=sys.stderr)
-  with config.unlocked():
-    config.data.max_prompt_length = max_prompt
+    if any(b != HELDOUT for b in benchmarks):  # the held-out set keeps the recipe's limit
+      print(f"eval: prompts longer than {max_prompt} tokens are skipped (the tokenizer's context of "
+            f"{context} minus {max_new} new tokens; --max_prompt_length overrides)", file=sys.stderr)
+  recipe_max_prompt = int(config.data.max_prompt_length)
   batch = _BATCH.value or int(config.train.eval_batch_size)
   results, rows = {}, []
-  for name in _BENCH.value:
-    task = BENCHMARKS[name]
-    path = os.path.join(_DATA_DIR.value, name, "test.jsonl")
+  for name in benchmarks:
+    task = config_task if name == HELDOUT else BENCHMARKS[name]
+    path = paths[name]
+    # The held-out set keeps the recipe's prompt limit and padded length unless --max_prompt_length is given,
+    # so that its greedy completions are the trainer's (a different padded length can flip a near-tie in bf16).
+    as_trainer = name == HELDOUT and not flags.FLAGS["max_prompt_length"].present
     with config.unlocked():  # the recipe's instruction for its own task, the standard one otherwise
       config.data.user_template = (user_template if task == config_task else
                                    {"gsm8k": data_lib.GSM8K_USER_TEMPLATE,
                                     "math": data_lib.MATH_USER_TEMPLATE}[task])
-    examples = trainer.load_prompts(path, task, policy.tokenizer, config)
+      config.data.max_prompt_length = recipe_max_prompt if as_trainer else max_prompt
+    try:
+      examples = trainer.load_prompts(path, task, policy.tokenizer, config)
+    except (OSError, ValueError) as e:  # e.g. a data.eval file that is not there
+      print(f"error: {name}: {e}", file=sys.stderr)
+      return 2
+    if name == HELDOUT and int(config.data.eval_size):
+      examples = examples[:int(config.data.eval_size)]  # as the trainer's held-out evaluation
     if _LIMIT.value:
       examples = examples[:_LIMIT.value]
     correctness = trainer.make_reward_fns(config, task=task)[0]
     res = {"num_prompts": len(examples)}
-    plen = max(len(policy.tokenizer(e.text, add_special_tokens=False)["input_ids"])
-               for e in examples)  # one compiled shape per benchmark
+    plen = recipe_max_prompt if as_trainer else max(
+        len(policy.tokenizer(e.text, add_special_tokens=False)["input_ids"])
+        for e in examples)  # one compiled shape per benchmark
     greedy = trainer.evaluate(policy, params, examples, correctness, batch_size=batch,
                               max_new_tokens=max_new, prompt_length=plen, progress=f"{name} greedy")
     res["pass@1_greedy"] = greedy["accuracy"]
