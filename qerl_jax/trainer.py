@@ -611,12 +611,16 @@ def update_config(config: ml_collections.ConfigDict) -> dict:
 
 # ---------------------------------------------------------------------------------- building the job
 
-def load_policy(config: ml_collections.ConfigDict) -> Policy:
+def load_policy(config: ml_collections.ConfigDict, *, pretrained=None) -> Policy:
   """Loads the frozen base (quantized as ``config.model.quant``) and builds the jitted functions.
 
   The base is read once from ``config.model.path`` (a Hugging Face folder, or ``random:tiny``
-  for a random tiny model: a stand-in until the embedded model exists) and passed to every
-  jitted function as an argument, never baked in as a constant. LoRA (``config.lora``) is
+  for a random tiny model: a stand-in until the embedded model exists), or taken from
+  ``pretrained`` (an :class:`qerl_jax.hf.Pretrained` already in memory, its base already in
+  ``config.model.quant``: ``experiments/bench_train_step.py`` passes random weights at a full model's
+  shape; ``model.path`` is then only a label). Either way ``model.fuse_projections`` and
+  ``model.code_order`` apply, and the base is passed to every jitted function as an argument,
+  never baked in as a constant. LoRA (``config.lora``) is
   initialised as PEFT does (B = 0, so step 0 is the base model), AQN noise
   (``config.aqn``) is drawn per step from ``fold_in(PRNGKey(seed), 0xA0)`` and the step.
 
@@ -626,7 +630,7 @@ def load_policy(config: ml_collections.ConfigDict) -> Policy:
   """
   from qerl_jax import aqn, lora, models as model, update
 
-  model_cfg, base, tokenizer, eos_ids = _load_base(config)
+  model_cfg, base, tokenizer, eos_ids = _load_base(config, pretrained)
   pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
   lora_cfg = lora.LoRAConfig(r=int(config.lora.rank), lora_alpha=float(config.lora.alpha),
                              use_rslora=bool(config.lora.use_rslora),
@@ -694,7 +698,7 @@ def load_policy(config: ml_collections.ConfigDict) -> Policy:
                 description=f"{config.model.path} ({config.model.quant})")
 
 
-def _load_base(config):
+def _load_base(config, pre=None):
   """``(model_cfg, base, tokenizer, eos_ids)`` from ``config.model`` (quantized as configured).
 
   With ``model.fuse_projections`` (the default) q/k/v and gate/up are concatenated into one
@@ -708,7 +712,9 @@ def _load_base(config):
   path = str(config.model.path)
   fuse = bool(config.model.get("fuse_projections", True))
   kwargs = dict(quant=str(config.model.quant), share_fused_global_scale=fuse)
-  if path.startswith("random:"):
+  if pre is not None:
+    pass  # in memory already (load_policy's ``pretrained``)
+  elif path.startswith("random:"):
     import shutil
     path = _random_tiny_checkpoint(path.split(":", 1)[1], int(config.seed))
     try:  # everything is in memory once loaded; leave no temp folder behind
@@ -717,7 +723,8 @@ def _load_base(config):
       shutil.rmtree(path, ignore_errors=True)
   else:
     pre = hf.load_pretrained(path, **kwargs)
-  if fuse:
+  from qerl_jax import models
+  if fuse and not models.is_fused(pre.base):  # a ``pretrained`` base may come fused
     pre = pre._replace(base=_fuse_or_keep(pre.base))
   pre = pre._replace(base=_in_code_order(pre.base, str(config.model.get("code_order", "auto"))))
   if pre.tokenizer is None:

@@ -33,3 +33,28 @@ def test_bench_rollout_7b_shape_without_a_gpu_fails_fast_and_tiny_runs(tmp_path)
              "--formats=nvfp4_fused", f"--out={tmp_path}")
   assert r.returncode == 0, r.stderr[-2000:]
   assert "| nvfp4_fused | 2 | 8 | 1 |" in (tmp_path / "rollout.md").read_text()
+
+
+def test_bench_train_step_7b_shape_without_a_gpu_fails_fast_and_tiny_runs_the_trainer(tmp_path):
+  """The whole-step benchmark runs the trainer's loop on each format in its own process. Its end id lies
+  outside the vocabulary, so every completion runs to the limit: 8 tokens a completion, 4 completions a
+  step, 2 steps each, logged by the trainer itself."""
+  import json
+  r = _bench("bench_train_step.py", "--steps=1")
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert r.stderr.strip().splitlines()[-1].startswith(
+      "error: the qwen2.5-7b shape needs a GPU (JAX's backend here is cpu); on a CPU use --shape=tiny")
+  r = _bench("bench_train_step.py", "--shape=tiny", "--steps=2", "--quants=nvfp4,none", "--config.rl.batch_size=4",
+             "--config.rl.num_generations=2", "--config.rl.micro_batch_size=2",
+             "--config.sampling.max_completion_length=8", f"--out={tmp_path}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "keeping q/k/v" not in r.stderr  # the random base comes fused; the trainer keeps it so
+  res = json.loads((tmp_path / "train_step.json").read_text())["results"]
+  assert [x["quant"] for x in res] == ["nvfp4", "none"]
+  for x in res:
+    assert [row["step"] for row in x["rows"]] == [1, 2]
+    assert all(row["completions/mean_length"] == 8 for row in x["rows"])
+    assert all(row["time/step_s"] >= row["time/rollout_s"] > 0 for row in x["rows"])
+  md = (tmp_path / "train_step.md").read_text()
+  assert "tiny, 4 completions a step (G = 2, micro-batches of 2), up to 8 new tokens" in md
+  assert md.count("| 8 | n/a |") == 2  # the mean completion length; no device memory statistics on a CPU

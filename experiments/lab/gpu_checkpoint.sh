@@ -28,6 +28,7 @@
 #   STEPS=28 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=30 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=50 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=51 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -206,6 +207,10 @@
 # 50. (session 39, prepared) with the split merge on by default: (a) the decode step's kernel sequence at a 1304-slot
 #     cache (batch 8, each kernel's HLO origin; the layer table of docs/benchmarks.md "Session 37" again, whole in
 #     $OUT/profile_b8_merge.txt); (b) issue 6's table at batch 64 and 256 (session 39 re-ran batch 8 only) (about 8 minutes).
+# 51. (session 39, prepared) whole training steps on random weights (experiments/bench_train_step.py, the trainer's own
+#     loop): the 7B GSM8K recipe (64 completions of 2048 tokens a step), NVFP4 against bf16, 3 steps each; then the
+#     32B single-GPU recipe on NVFP4, 2 steps: seconds a step by phase and peak device memory (about 9 minutes;
+#     the 32B part may need a call of its own).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -406,3 +411,7 @@ step 50 && { PROFILE_PROMPT=1280 PROFILE_POSITIONS=1 PROFILE_TOP=40 PROFILE_SEQ=
   timeout 330 python3 experiments/bench_rollout.py --batches=64,256 --new_tokens=2048 --new_tokens_by_batch=256:1024 \
     --formats=nvfp4_fused,bf16_fused --time_budget_s=300 --out="$OUT/issue6_b64_b256" 2>&1 | grep "|\|x$"; } \
   | tee "$OUT/merge_profile_issue6.txt"
+step 51 && { timeout 420 python3 experiments/bench_train_step.py --config=configs/gsm8k_qwen2_5_7b.py --steps=3 \
+    --out="$OUT/train_step_7b" 2>&1 | grep -v "^[IW][0-9]" | tail -8
+  timeout 170 python3 experiments/bench_train_step.py --config=configs/gsm8k_qwen2_5_32b_single_gpu.py --shape=qwen2.5-32b \
+    --quants=nvfp4 --steps=2 --out="$OUT/train_step_32b" 2>&1 | grep -v "^[IW][0-9]" | tail -6; } | tee "$OUT/train_step.txt"
