@@ -7,7 +7,7 @@ the reference log-probs when ``rl.beta > 0``, and the optimizer update in micro-
 configured. Only the inputs are stand-ins, so that nothing is downloaded:
 
 * the base: random weights at the Qwen2.5-7B or -32B shape (``--shape``), built, fused and quantized on
-  the device in one jit (``model.fuse_projections`` and ``model.code_order`` apply as in training);
+  the device a layer at a time (``model.fuse_projections`` and ``model.code_order`` apply as in training);
 * the prompts: the embedded synthetic task's (``qerl_jax.synthetic``), tokenized by its small tokenizer and
   padded to ``data.max_prompt_length`` as the trainer pads every prompt batch;
 * the end of a completion: an id outside the vocabulary, so every completion runs to
@@ -71,23 +71,39 @@ _XLA = xla_flags.define_launcher_flag()
 
 
 def random_pretrained(shape: str, quant: str, *, fuse: bool, seed: int = 0):
-  """An :class:`qerl_jax.hf.Pretrained` of random weights at ``shape`` (bf16 init, fused when ``fuse``,
-  quantized to ``quant`` in the same jit, so the bf16 copy never outlives the build), the synthetic task's
-  tokenizer, and an end id outside the vocabulary (no completion ever ends early)."""
+  """An :class:`qerl_jax.hf.Pretrained` of random weights at ``shape`` (bf16, fused when ``fuse``, in
+  ``quant``), the synthetic task's tokenizer, and an end id outside the vocabulary (no completion ever ends
+  early).
+
+  Built a layer at a time (each layer initialized, fused and quantized in one jit, then written in place into
+  the stacked layers), so that the build's own peak stays near the finished base: the whole bf16 model (65 GB
+  at 32B) never exists, and the peak device memory the trainer reports is the training step's."""
+  import dataclasses
+
   import jax
   import jax.numpy as jnp
   from qerl_jax import hf, models, synthetic
   cfg = models.ModelConfig.from_hf(dict(SHAPES[shape], architectures=["Qwen2ForCausalLM"], rms_norm_eps=1e-6,
                                         rope_theta=1e6, max_position_embeddings=32768,
                                         tie_word_embeddings=False), dtype="bfloat16")
+  one = dataclasses.replace(cfg, num_layers=1)
 
-  def build(key):
-    base = models.init_params(cfg, key, dtype=jnp.bfloat16)
+  def build(key):  # a one-layer model: its layer (and, for the first call, the embeddings and head)
+    base = models.init_params(one, key, dtype=jnp.bfloat16)
     if fuse:
       base = models.fuse_projections(base)
     return base if quant == "none" else models.quantize_base(base, quant)
 
-  base = jax.block_until_ready(jax.jit(build)(jax.random.key(seed)))
+  key = jax.random.key(seed)
+  first = jax.jit(build)(key)
+  layer = jax.jit(lambda k: build(k)["layers"])  # XLA drops the unused embeddings
+  put = jax.jit(lambda full, part, i: jax.tree.map(
+      lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, i, 0), full, part), donate_argnums=0)
+  layers = put(jax.tree.map(lambda x: jnp.zeros((cfg.num_layers, *x.shape[1:]), x.dtype), first["layers"]),
+               first["layers"], 0)
+  for i in range(1, cfg.num_layers):
+    layers = put(layers, layer(jax.random.fold_in(key, i)), i)
+  base = jax.block_until_ready({**first, "layers": layers})
   tok = synthetic.build_tokenizer(synthetic.training_texts(synthetic.make_split("train", 500)))
   if len(tok) > cfg.vocab_size:
     raise ValueError(f"shape {shape!r}: vocabulary {cfg.vocab_size} is smaller than the prompts' tokenizer's {len(tok)}")

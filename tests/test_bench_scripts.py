@@ -58,3 +58,27 @@ def test_bench_train_step_7b_shape_without_a_gpu_fails_fast_and_tiny_runs_the_tr
   md = (tmp_path / "train_step.md").read_text()
   assert "tiny, 4 completions a step (G = 2, micro-batches of 2), up to 8 new tokens" in md
   assert md.count("| 8 | n/a |") == 2  # the mean completion length; no device memory statistics on a CPU
+
+
+def test_bench_train_step_builds_the_base_a_layer_at_a_time_as_the_whole_model_would_be():
+  """The layer-at-a-time random base has the tree, shapes and dtypes of models.init_params + fuse + quantize
+  of the whole model, for each format; the last layer holds its own (nonzero) weights."""
+  code = """
+import sys; sys.argv = ['x']; sys.path.insert(0, 'experiments')
+import jax, jax.numpy as jnp, numpy as np
+import bench_train_step as b
+from qerl_jax import models
+for q in ('nvfp4', 'nf4', 'none'):
+  pre = b.random_pretrained('tiny', q, fuse=True)
+  ref = models.quantize_base(models.fuse_projections(models.init_params(pre.cfg, jax.random.key(0),
+                                                                          dtype=jnp.bfloat16)), q)
+  assert jax.tree.structure(pre.base) == jax.tree.structure(ref), q
+  assert [(a.shape, a.dtype) for a in jax.tree.leaves(pre.base)] == [(a.shape, a.dtype) for a in jax.tree.leaves(ref)]
+  last = [np.asarray(a[-1]) for a in jax.tree.leaves(pre.base['layers'])]
+  assert all(np.any(x != 0) for x in last if x.size > 1), q
+print('ok')
+"""
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+         "JAX_PLATFORMS": "cpu"}
+  r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+  assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
