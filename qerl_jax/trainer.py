@@ -712,19 +712,16 @@ def _load_base(config, pre=None):
   path = str(config.model.path)
   fuse = bool(config.model.get("fuse_projections", True))
   kwargs = dict(quant=str(config.model.quant), share_fused_global_scale=fuse)
-  if pre is not None:
-    pass  # in memory already (load_policy's ``pretrained``)
-  elif path.startswith("random:"):
+  if pre is None and path.startswith("random:"):
     import shutil
     path = _random_tiny_checkpoint(path.split(":", 1)[1], int(config.seed))
     try:  # everything is in memory once loaded; leave no temp folder behind
       pre = hf.load_pretrained(path, **kwargs)
     finally:
       shutil.rmtree(path, ignore_errors=True)
-  else:
+  elif pre is None:  # else in memory already (load_policy's ``pretrained``)
     pre = hf.load_pretrained(path, **kwargs)
-  from qerl_jax import models
-  if fuse and not models.is_fused(pre.base):  # a ``pretrained`` base may come fused
+  if fuse:
     pre = pre._replace(base=_fuse_or_keep(pre.base))
   pre = pre._replace(base=_in_code_order(pre.base, str(config.model.get("code_order", "auto"))))
   if pre.tokenizer is None:
@@ -764,10 +761,13 @@ def _rollout_base(base: dict, order: str) -> dict:
 
 
 def _fuse_or_keep(base: dict) -> dict:
-  """``models.fuse_projections(base)``, or ``base`` unchanged with a warning on stderr when its
-  parts cannot be fused (a pre-quantized NVFP4 checkpoint whose q/k/v or gate/up global scales
-  differ, mixed formats, biases on only some of q/k/v): the model then runs unfused, as before."""
+  """``models.fuse_projections(base)``; ``base`` itself when it is fused already (a ``pretrained``
+  base may come so); or ``base`` unchanged with a warning on stderr when its parts cannot be fused
+  (a pre-quantized NVFP4 checkpoint whose q/k/v or gate/up global scales differ, mixed formats,
+  biases on only some of q/k/v): the model then runs unfused, as before."""
   from qerl_jax import models
+  if models.is_fused(base):
+    return base
   try:
     return models.fuse_projections(base)
   except ValueError as e:
