@@ -111,9 +111,10 @@ def main(argv):
     raise app.UsageError(f"--step={_STEP.value} needs --workdir (without it the base model is evaluated)")
   if _LIMIT.value < 0:
     raise app.UsageError(f"--limit={_LIMIT.value} must be >= 0 (0: all prompts)")
-  if _WORKDIR.value:  # checked before the model loads; opening a missing folder would create it
+  if _WORKDIR.value:  # checked before the model loads; read-only, so a missing folder is not created
+    from qerl_jax import checkpoint as ckpt_lib
     ckpt_dir = os.path.join(_WORKDIR.value, "checkpoints")
-    steps = sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit()) if os.path.isdir(ckpt_dir) else []
+    steps = ckpt_lib.Checkpointer(ckpt_dir, read_only=True).all_steps()
     if not steps or (_STEP.value is not None and _STEP.value not in steps):
       wanted = "a checkpoint" if _STEP.value is None else f"the checkpoint of step {_STEP.value}"
       print(f"error: {wanted} not found under {ckpt_dir!r} (complete checkpoints: {steps or 'none'}). "
@@ -131,9 +132,9 @@ def main(argv):
             file=sys.stderr)
   max_new = _MAX_NEW.value or int(config.train.eval_max_completion_length
                                   or config.sampling.max_completion_length)
-  max_prompt = _MAX_PROMPT.value
+  max_prompt, max_prompt_given = _MAX_PROMPT.value, flags.FLAGS["max_prompt_length"].present
   context = int(getattr(policy.tokenizer, "model_max_length", 0) or 0)
-  if (not flags.FLAGS["max_prompt_length"].present and 0 < context < 10 ** 7
+  if (not max_prompt_given and 0 < context < 10 ** 7
       and context - max_new >= 16 and context - max_new < max_prompt):
     max_prompt = context - max_new  # prompt + completion fit the model's context
     if any(b != HELDOUT for b in benchmarks):  # the held-out set keeps the recipe's limit
@@ -147,7 +148,7 @@ def main(argv):
     path = paths[name]
     # The held-out set keeps the recipe's prompt limit and padded length unless --max_prompt_length is given,
     # so that its greedy completions are the trainer's (a different padded length can flip a near-tie in bf16).
-    as_trainer = name == HELDOUT and not flags.FLAGS["max_prompt_length"].present
+    as_trainer = name == HELDOUT and not max_prompt_given
     with config.unlocked():  # the recipe's instruction for its own task, the standard one otherwise
       config.data.user_template = (user_template if task == config_task else
                                    {"gsm8k": data_lib.GSM8K_USER_TEMPLATE,

@@ -57,7 +57,9 @@ class Checkpointer:
     if not self.read_only:
       _remove_unfinished(self.directory)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=int(keep),
+        # read-only: the values orbax would force (and warn about), given here
+        max_to_keep=None if self.read_only else int(keep),
+        save_interval_steps=0 if self.read_only else 1,
         create=not self.read_only,
         cleanup_tmp_directories=not self.read_only,
         read_only=self.read_only,
