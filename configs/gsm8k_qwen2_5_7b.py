@@ -28,6 +28,7 @@ def get_config():
   c.model.path = "Qwen/Qwen2.5-7B-Instruct"
   c.model.quant = "nvfp4"
   c.model.remat = True
+  c.model.attn_chunk = 512  # attention in 512-query chunks in the update (2304-token sequences)
 
   c.lora.rank = 32
   c.lora.alpha = 32.0

@@ -10,6 +10,10 @@ Layout (units in brackets)::
   model.path              HF folder or hub id of the base model
   model.quant             "nvfp4" | "nf4" | "none" (bf16 base)
   model.remat             rematerialise each layer in the update step
+  model.attn_chunk        [tokens] the training forward (update and reference log-probs) runs attention in
+                          query chunks of this many tokens, so its float32 scores are [rows, heads, chunk,
+                          prompt + completion] at a time, not [rows, heads, T, T] (7B, 8 rows of 2304
+                          tokens: 1.1 GB against 4.8 GB a layer). 0: one piece. Same numbers either way.
   model.fuse_projections  one matrix for q/k/v and one for gate/up (fewer, larger matmuls: about
                           9% more rollout tokens/s on the H200). The model function is the same;
                           NVFP4 parts of a group share one global scale (vLLM's convention), so
@@ -90,6 +94,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.path = ""
   c.model.quant = "nvfp4"
   c.model.remat = True
+  c.model.attn_chunk = 512  # query chunk of the training forward's attention (0: one piece); see the layout
   c.model.fuse_projections = True  # models.fuse_projections after loading (LoRA tree unchanged);
   # runs saved before this key existed were unfused: pass False to reproduce them
   c.model.code_order = "auto"  # NVFP4 code order: "auto" (decode where pallas_kernels.decode_order_applies(),
@@ -209,6 +214,8 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
 
   need(bool(m.path), "model.path is empty: give a Hugging Face folder or hub id")
   need(m.quant in QUANTS, f"model.quant={m.quant!r} is not one of {QUANTS}")
+  need(int(m.get("attn_chunk", 0)) >= 0,
+       f"model.attn_chunk={m.get('attn_chunk')} must be >= 0 (0: attention in one piece)")
   need(m.get("code_order", "auto") in CODE_ORDERS,
        f"model.code_order={m.get('code_order')!r} is not one of {CODE_ORDERS}")
 

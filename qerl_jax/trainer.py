@@ -129,7 +129,9 @@ class Policy:
     generate: ``(params, noise, prompt_tokens [B, P], prompt_mask [B, P], key, *,
       num_generations, greedy, max_new_tokens, temperature=None) -> sampling.Rollout`` with
       ``B * G`` rows (``params=None``: LoRA off; ``temperature=None``: the config's).
-    ref_logprobs: ``(batch, noise) -> float32 [N, T]`` with LoRA off (for the KL term).
+    ref_logprobs: ``(batch, noise) -> float32 [N, T]`` with LoRA off (for the KL term), computed
+      ``rl.micro_batch_size`` rows at a time (one jitted ``lax.map``), so that its activations are a
+      micro-batch's, as in the update.
     update: ``(state, batch, noise, step, key) -> (state, metrics)``: one optimizer step over the
       whole batch (micro-batched inside), ``batch`` as built by :func:`_update_batch`.
   """
@@ -208,6 +210,39 @@ def _update_batch(prompt_tokens, prompt_mask, rollout, advantages) -> dict:
 
 
 # ---------------------------------------------------------------------------------- evaluation
+
+def _in_row_chunks(fn: Callable[..., jax.Array], rows: int, *arrays: jax.Array) -> jax.Array:
+  """``fn(*arrays)`` computed ``rows`` rows at a time under ``jax.lax.map`` (inside a jit: one loop),
+  so that what ``fn`` holds at once is a chunk's, e.g. the float32 attention scores of ``rows``
+  sequences rather than of the whole batch.
+
+  Args:
+    fn: ``(*arrays) -> [n, ...]``, row ``i`` of its output a function of row ``i`` of each input only.
+    rows: rows a chunk (clipped to ``N``); ``N`` not a multiple of it gets zero rows appended
+      (all-masked sequences), whose outputs are dropped.
+    arrays: each ``[N, ...]``, the same ``N``.
+
+  Returns:
+    ``fn(*arrays)``'s ``[N, ...]``, the same numbers as one call.
+
+  Raises:
+    ValueError: ``rows < 1``, no arrays, or arrays whose leading dimensions differ.
+  """
+  if rows < 1:
+    raise ValueError(f"rows={rows} must be >= 1")
+  if not arrays or len({a.shape[0] for a in arrays}) != 1:
+    raise ValueError(f"arrays must share their leading (row) dimension; got shapes {[a.shape for a in arrays]}")
+  n = arrays[0].shape[0]
+  per = min(rows, n)
+  chunks = -(-n // per)
+  if chunks == 1:
+    return fn(*arrays)
+  pad = chunks * per - n
+  split = [jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)).reshape(chunks, per, *a.shape[1:])
+           for a in arrays]
+  out = jax.lax.map(lambda xs: fn(*xs), tuple(split))
+  return out.reshape(chunks * per, *out.shape[2:])[:n]
+
 
 def evaluate(policy: Policy, params: Any, examples: Sequence[Prompt], reward_fn, *,
              batch_size: int, max_new_tokens: int, key: jax.Array | None = None,
@@ -507,7 +542,7 @@ def _config_diff(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any,
 
 def checkpoint_config_mismatch(meta: dict, config) -> list[tuple[str, Any, Any]]:
   """``(key, saved value, current value)`` for each config key that builds the frozen base
-  (``model.*`` but ``model.remat`` and ``model.code_order``, which change no value) and differs
+  (``model.*`` but ``model.remat``, ``model.code_order`` and ``model.attn_chunk``, which change no value) and differs
   between a checkpoint's saved config
   (``meta["config"]``) and ``config``. An adapter restored onto a different base does not
   reproduce its run, e.g. a run saved before ``model.fuse_projections`` existed (unfused)
@@ -517,7 +552,7 @@ def checkpoint_config_mismatch(meta: dict, config) -> list[tuple[str, Any, Any]]
   if not saved:
     return []
   return [d for d in _config_diff(saved, json.loads(config.to_json_best_effort()))
-          if d[0].startswith("model.") and d[0] not in ("model.remat", "model.code_order")]
+          if d[0].startswith("model.") and d[0] not in ("model.remat", "model.code_order", "model.attn_chunk")]
 
 
 def _finite(x) -> bool:
@@ -640,6 +675,8 @@ def load_policy(config: ml_collections.ConfigDict, *, pretrained=None) -> Policy
   upd_cfg = update_config(config)
   optimizer = update.make_optimizer(upd_cfg)
   remat = bool(config.model.remat)
+  attn_chunk = int(config.model.get("attn_chunk", 0)) or None
+  ref_rows = int(config.rl.micro_batch_size)
 
   aqn_on = bool(config.aqn.enabled)
   aqn_cfg = aqn.AQNConfig(kind=str(config.aqn.schedule) if aqn_on else "off",
@@ -668,7 +705,8 @@ def load_policy(config: ml_collections.ConfigDict, *, pretrained=None) -> Policy
     full_mask = jnp.concatenate([prompt_mask, mask], axis=1)
     positions = model.positions_from_mask(full_mask)
     lp, ent = model.token_logprobs(model_cfg, base_, full, positions, lora=params, lora_cfg=scale,
-                                   norm_noise=noise_, attn_mask=full_mask, remat=remat)
+                                   norm_noise=noise_, attn_mask=full_mask, remat=remat,
+                                   attn_chunk=attn_chunk)
     p = prompt_tokens.shape[1]
     return lp[:, p:], ent[:, p:]
 
@@ -683,7 +721,8 @@ def load_policy(config: ml_collections.ConfigDict, *, pretrained=None) -> Policy
     shared = {"base": base} if noise_ is None else {"base": base, "noise": noise_}
     return update_step(state, {**batch, "shared": shared}, step, key)
 
-  ref_jit = jax.jit(lambda base_, pt, pm, t, m: completion_logprobs(None, base_, None, pt, pm, t, m)[0])
+  ref_jit = jax.jit(lambda base_, pt, pm, t, m: _in_row_chunks(
+      lambda *rows: completion_logprobs(None, base_, None, *rows)[0], ref_rows, pt, pm, t, m))
 
   def ref_logprobs(batch, noise_):
     del noise_  # the reference is the base policy: LoRA off, no AQN noise

@@ -89,6 +89,7 @@ def test_load_prompts_skips_malformed_and_long_rows(tmp_path, data_dir):
     ("aqn.sigma_end", 0.1, "aqn.sigma_end=0.1 > aqn.sigma_start=0.01"),
     ("rl.num_generations", 1, "rl.num_generations=1 must be >= 2"),
     ("rl.micro_batch_size", 5, "rl.micro_batch_size=5"),
+    ("model.attn_chunk", -1, "model.attn_chunk=-1 must be >= 0"),
     ("rl.loss_type", "ppo", "rl.loss_type='ppo'"),
     ("sampling.top_p", 0.0, "sampling.top_p=0.0"),
     ("model.quant", "int3", "model.quant='int3'"),
@@ -152,14 +153,78 @@ def test_checkpoint_config_mismatch_reads_keys_older_runs_lack_as_their_legacy_v
   del saved["model"]["fuse_projections"]  # a run saved before the key existed (unfused)
   saved["model"]["remat"] = not c.model.remat  # remat does not change the base: not reported
   saved["model"]["code_order"] = "decode"  # nor does the code order (same values)
+  saved["model"]["attn_chunk"] = 0  # nor the attention's query chunk (same numbers)
   assert trainer.checkpoint_config_mismatch({"config": saved}, c) == [("model.fuse_projections", False, True)]
   c.model.fuse_projections = False
   assert trainer.checkpoint_config_mismatch({"config": saved}, c) == []
   assert trainer._config_diff(saved, json.loads(c.to_json_best_effort())) == [
-      ("model.code_order", "decode", c.model.code_order), ("model.remat", not c.model.remat, c.model.remat)]
+      ("model.attn_chunk", 0, c.model.attn_chunk), ("model.code_order", "decode", c.model.code_order),
+      ("model.remat", not c.model.remat, c.model.remat)]
   saved["model"]["quant"] = "nf4"
   assert trainer.checkpoint_config_mismatch({"config": saved}, c) == [("model.quant", "nf4", "nvfp4")]
   assert trainer.checkpoint_config_mismatch({}, c) == []
+
+
+def test_in_row_chunks_equals_one_call_and_pads_a_ragged_last_chunk():
+  """5 rows in chunks of 2 (the last one padded with a zero row) give the hand-computed rows; the
+  function sees chunks of 2 rows, never the whole batch."""
+  a = np.arange(15, dtype=np.float32).reshape(5, 3)
+  b = np.asarray([1, 2, 3, 4, 5], np.int32)
+  seen = []
+
+  def fn(x, y):
+    seen.append(x.shape)
+    return x.sum(axis=1) * y  # row i: sum(a[i]) * b[i]
+
+  out = jax.jit(lambda x, y: trainer._in_row_chunks(fn, 2, x, y))(a, b)
+  np.testing.assert_array_equal(np.asarray(out), [3 * 1, 12 * 2, 21 * 3, 30 * 4, 39 * 5])
+  assert seen == [(2, 3)]
+  np.testing.assert_array_equal(np.asarray(trainer._in_row_chunks(fn, 8, a, b)), np.asarray(out))  # one piece
+  with pytest.raises(ValueError, match="rows=0 must be >= 1"):
+    trainer._in_row_chunks(fn, 0, a, b)
+  with pytest.raises(ValueError, match="leading"):
+    trainer._in_row_chunks(fn, 2, a, b[:4])
+
+
+def test_reference_logprobs_by_micro_batch_equal_one_whole_batch_forward(monkeypatch):
+  """policy.ref_logprobs runs rl.micro_batch_size rows at a time with model.attn_chunk query chunks; its
+  numbers equal one unchunked float32 forward of the whole batch with LoRA and AQN off (random:tiny,
+  NVFP4 base, left-padded prompts, a completion ended early)."""
+  from qerl_jax import models
+  from qerl_jax.trainer import _load_base
+  c = toy.toy_config()
+  c.model.path = "random:tiny"
+  c.model.quant = "nvfp4"
+  c.rl.micro_batch_size = 2
+  c.model.attn_chunk = 3
+  policy = trainer.load_policy(c)
+  cfg, base, _, _ = _load_base(c)
+  calls, inner = [], models.token_logprobs
+
+  def spy(*args, **kw):
+    calls.append((args[2].shape, kw.get("attn_chunk")))
+    return inner(*args, **kw)
+
+  monkeypatch.setattr(models, "token_logprobs", spy)
+  rng = np.random.default_rng(0)
+  n, p, t = 5, 4, 6
+  prompt = rng.integers(3, cfg.vocab_size, (n, p)).astype(np.int32)
+  pmask = np.ones((n, p), np.int32)
+  pmask[1, :2] = 0
+  pmask[3, :1] = 0
+  comp = rng.integers(3, cfg.vocab_size, (n, t)).astype(np.int32)
+  cmask = np.ones((n, t), np.int32)
+  cmask[2, 3:] = 0
+  batch = {"prompt_tokens": prompt, "prompt_mask": pmask, "completion_tokens": comp, "completion_mask": cmask}
+  got = np.asarray(policy.ref_logprobs(batch, None))
+  assert calls == [((2, p + t), 3)]  # traced once, for a micro-batch of rows, with the query chunk
+  monkeypatch.undo()
+  full, fmask = np.concatenate([prompt, comp], 1), np.concatenate([pmask, cmask], 1)
+  lp, _ = models.token_logprobs(cfg, base, jax.numpy.asarray(full), models.positions_from_mask(fmask),
+                                attn_mask=jax.numpy.asarray(fmask), remat=False)
+  want = np.asarray(lp)[:, p:]
+  assert got.shape == (n, t) and np.isfinite(got).all() and np.abs(want).max() > 1.0
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_unfusable_base_stays_unfused_with_a_warning(capsys):
