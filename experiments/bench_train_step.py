@@ -125,8 +125,10 @@ def run_one(config, quant: str, steps: int) -> dict:
     config.data.eval = ""
     config.data.train = f"synthetic:train:{max(512, int(config.rl.batch_size) * steps)}:1"
   train_config.validate(config, check_paths=False)
-  pre = random_pretrained(_SHAPE.value, quant, fuse=bool(config.model.fuse_projections), seed=int(config.seed))
-  policy = trainer.load_policy(config, pretrained=pre)
+  # Passed on, not kept: load_policy may rearrange the codes (model.code_order), and a reference held here
+  # would keep the loaded order alive beside them for the whole run (32B: 18 GB).
+  policy = trainer.load_policy(config, pretrained=random_pretrained(
+      _SHAPE.value, quant, fuse=bool(config.model.fuse_projections), seed=int(config.seed)))
   rng = np.random.default_rng(0)
 
   def random_rewards(completions, answers):
