@@ -31,6 +31,7 @@ NVFP4 (two-level scaling, 16-element blocks); compressed-tensors
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -186,6 +187,17 @@ def _permute_block_bits(packed: jax.Array, new_of_old: np.ndarray) -> jax.Array:
   return jax.lax.bitcast_convert_type(out, jnp.uint8).reshape(packed.shape)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _permute_block_bits_fused(packed: jax.Array, new_of_old: tuple) -> jax.Array:
+  """:func:`_permute_block_bits` as one jitted, elementwise pass: XLA fuses it into a loop from the codes
+  to the new codes, so converting a tensor holds only the input and its copy. Run op by op (eagerly) its
+  uint32 intermediates took several times the codes' bytes: loading the 32B base peaked at 84 GiB. A stack
+  of layers ``[L, K/2, N]`` goes a layer at a time (``lax.map``), so the pass's own scratch is a layer's."""
+  if packed.ndim > 2:
+    return jax.lax.map(lambda p: _permute_block_bits(p, np.asarray(new_of_old)), packed)
+  return _permute_block_bits(packed, np.asarray(new_of_old))
+
+
 def to_decode_order(t: NVFP4Tensor) -> NVFP4Tensor:
   """``t`` with its codes in the GPU decode kernel's order (``code_order="decode"``).
 
@@ -206,7 +218,8 @@ def to_decode_order(t: NVFP4Tensor) -> NVFP4Tensor:
     return t
   if t.shape[1] % 2:
     raise ValueError(f"nvfp4.to_decode_order: N must be even (blocks pair columns), got shape {t.shape}")
-  return dataclasses.replace(t, packed=_permute_block_bits(t.packed, DECODE_ORDER_BITS), code_order="decode")
+  return dataclasses.replace(t, packed=_permute_block_bits_fused(t.packed, tuple(int(b) for b in DECODE_ORDER_BITS)),
+                             code_order="decode")
 
 
 def to_standard_order(t: NVFP4Tensor) -> NVFP4Tensor:
@@ -219,7 +232,7 @@ def to_standard_order(t: NVFP4Tensor) -> NVFP4Tensor:
     raise TypeError(f"nvfp4.to_standard_order expects an NVFP4Tensor, got {type(t).__name__}")
   if t.code_order == "standard":
     return t
-  return dataclasses.replace(t, packed=_permute_block_bits(t.packed, np.argsort(DECODE_ORDER_BITS)),
+  return dataclasses.replace(t, packed=_permute_block_bits_fused(t.packed, tuple(int(b) for b in np.argsort(DECODE_ORDER_BITS))),
                              code_order="standard")
 
 
