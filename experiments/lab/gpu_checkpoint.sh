@@ -211,6 +211,10 @@
 #     loop): the 7B GSM8K recipe (64 completions of 2048 tokens a step), NVFP4 against bf16, 3 steps each; then the
 #     32B single-GPU recipe on NVFP4, 2 steps: seconds a step by phase and peak device memory (about 9 minutes;
 #     the 32B part may need a call of its own).
+#     Session 40 ran 50 and 51 (the 7B part alone takes about 360 s, the 32B part about 140 s: separate calls) and
+#     found two memory fixes with them (docs/benchmarks.md "Session 40"). The trainer on the GPU image needs the
+#     tensorboardX and protobuf wheels in .whl besides ../shared/tools/gpu-wheels' set. Not re-run since: the 7B
+#     step after the code-order fix (its peak, 19.1 GiB, predates it).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
