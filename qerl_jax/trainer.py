@@ -542,7 +542,8 @@ def _config_diff(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any,
 
 def checkpoint_config_mismatch(meta: dict, config) -> list[tuple[str, Any, Any]]:
   """``(key, saved value, current value)`` for each config key that builds the frozen base
-  (``model.*`` but ``model.remat``, ``model.code_order`` and ``model.attn_chunk``, which change no value) and differs
+  (``model.*`` but ``model.remat``, ``model.code_order``, ``model.attn_chunk`` and ``model.attn_impl``, which change
+  no value) and differs
   between a checkpoint's saved config
   (``meta["config"]``) and ``config``. An adapter restored onto a different base does not
   reproduce its run, e.g. a run saved before ``model.fuse_projections`` existed (unfused)
@@ -552,7 +553,8 @@ def checkpoint_config_mismatch(meta: dict, config) -> list[tuple[str, Any, Any]]
   if not saved:
     return []
   return [d for d in _config_diff(saved, json.loads(config.to_json_best_effort()))
-          if d[0].startswith("model.") and d[0] not in ("model.remat", "model.code_order", "model.attn_chunk")]
+          if d[0].startswith("model.") and d[0] not in ("model.remat", "model.code_order", "model.attn_chunk",
+                                                        "model.attn_impl")]
 
 
 def _finite(x) -> bool:
@@ -676,6 +678,7 @@ def load_policy(config: ml_collections.ConfigDict, *, pretrained=None) -> Policy
   optimizer = update.make_optimizer(upd_cfg)
   remat = bool(config.model.remat)
   attn_chunk = int(config.model.get("attn_chunk", 0)) or None
+  attn_impl = str(config.model.get("attn_impl", "xla"))
   ref_rows = int(config.rl.micro_batch_size)
 
   aqn_on = bool(config.aqn.enabled)
@@ -706,7 +709,7 @@ def load_policy(config: ml_collections.ConfigDict, *, pretrained=None) -> Policy
     positions = model.positions_from_mask(full_mask)
     lp, ent = model.token_logprobs(model_cfg, base_, full, positions, lora=params, lora_cfg=scale,
                                    norm_noise=noise_, attn_mask=full_mask, remat=remat,
-                                   attn_chunk=attn_chunk)
+                                   attn_chunk=attn_chunk, attn_impl=attn_impl)
     p = prompt_tokens.shape[1]
     return lp[:, p:], ent[:, p:]
 

@@ -764,3 +764,106 @@ def test_bf16_route_prefill_with_cache(dense_route, monkeypatch, fuse_adapter):
     errs[route] = _rel(f(run_adapter), ref)
     assert (_bf16_dots(f, run_adapter) > 0) == route
   assert errs[True] < 2e-2 and errs[True] < 1.5 * errs[False] + 1e-3, errs
+
+
+def _attention_reference_f64(q, k, v, mask):
+  """Grouped-query softmax attention in float64 numpy: [B, T, H, hd] from q [B, T, H, hd], k / v [B, S, K, hd] and a
+  bool mask [B, T, S]; rows with no allowed slot are left at 0 (their values are unused)."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  b, t, h, hd = q.shape
+  g = h // k.shape[2]
+  k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+  s = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(hd)
+  m = np.asarray(mask)[:, None]
+  s = np.where(m, s, -np.inf)
+  p = np.exp(s - np.max(np.where(m, s, -1e300), axis=-1, keepdims=True))
+  p = np.where(m, p, 0.0)
+  p = p / np.maximum(p.sum(-1, keepdims=True), 1e-300)
+  return np.einsum("bhts,bshd->bthd", p, v)
+
+
+def _left_padded_causal(b, t, pads):
+  valid = np.ones((b, t), bool)
+  for row, n in enumerate(pads):
+    valid[row, :n] = False
+  causal = np.tril(np.ones((t, t), bool))
+  return valid, causal[None] & valid[:, None, :]
+
+
+def test_fused_attention_route_equals_float64_on_real_rows_and_is_refused_off_a_gpu():
+  """The route model.attn_impl="cudnn" takes (jax.nn.dot_product_attention with the mask plus each query's own
+  slot), run here by its XLA implementation: real query rows equal a float64 reference, and so do the
+  gradients of a loss over them; padding rows stay finite. On a CPU the cuDNN implementation is refused."""
+  from qerl_jax.models import layers
+  rng = np.random.default_rng(3)
+  b, t, h, kh, hd = 3, 9, 4, 2, 16
+  q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((b, t, h, hd), (b, t, kh, hd), (b, t, kh, hd)))
+  valid, mask = _left_padded_causal(b, t, (0, 3, 8))
+  out = layers.self_attention_jax_nn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), "xla")
+  out = np.asarray(out)
+  ref = _attention_reference_f64(q, k, v, mask)
+  assert np.isfinite(out).all()
+  np.testing.assert_allclose(out[valid], ref[valid], atol=2e-5, rtol=1e-5)
+  np.testing.assert_allclose(out[valid], np.asarray(layers.attention(q, k, v, jnp.asarray(mask)))[valid], atol=2e-5)
+
+  w = rng.standard_normal((b, t, h, hd)) * valid[:, :, None, None]
+  loss = lambda fn: jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=(0, 1, 2))(q, k, v)  # noqa: E731
+  g_fused = loss(lambda *a: layers.self_attention_jax_nn(*a, jnp.asarray(mask), "xla"))
+  g_plain = loss(lambda *a: layers.attention(*a, jnp.asarray(mask)))
+  eps = 1e-6  # float64 central differences of the reference for one element of each input
+  for i, (gf, gp) in enumerate(zip(g_fused, g_plain)):
+    np.testing.assert_allclose(np.asarray(gf), np.asarray(gp), atol=2e-5, rtol=1e-4)
+    args = [np.asarray(a, np.float64) for a in (q, k, v)]
+    idx = (1, 5, 1, 3)
+    up, dn = [a.copy() for a in args], [a.copy() for a in args]
+    up[i][idx] += eps
+    dn[i][idx] -= eps
+    fd = (np.sum(_attention_reference_f64(*up, mask) * w) - np.sum(_attention_reference_f64(*dn, mask) * w)) / (2 * eps)
+    assert abs(float(np.asarray(gf)[idx]) - fd) < 1e-4 * max(1.0, abs(fd)), (i, float(np.asarray(gf)[idx]), fd)
+
+  with pytest.raises(ValueError, match="T == S"):
+    layers.self_attention_jax_nn(q, k[:, :5], v[:, :5], jnp.asarray(mask[:, :, :5]), "xla")
+  with pytest.raises(ValueError, match="not one of"):
+    layers.attention(q, k, v, jnp.asarray(mask), implementation="flash")
+  if jax.default_backend() != "gpu":
+    with pytest.raises(ValueError, match="needs a GPU backend"):
+      layers.attention(q, k, v, jnp.asarray(mask), implementation="cudnn")
+  _, cfg, base = _model("qwen2", True)
+  tokens = jnp.zeros((1, 4), jnp.int32)
+  with pytest.raises(ValueError, match="attn_impl='flash'"):
+    models.forward(cfg, base, tokens, jnp.zeros((1, 4), jnp.int32), attn_impl="flash")
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_equals_float64_and_xla_gradients_on_the_gpu():
+  """cuDNN's fused attention (model.attn_impl="cudnn") on bf16 inputs of a training forward's shape (GQA, left
+  padding, head_dim 128): real rows equal a float64 reference to bf16 rounding, padding rows are finite, and the
+  gradients of a loss over real rows equal the XLA route's."""
+  from qerl_jax.models import layers
+  rng = np.random.default_rng(4)
+  b, t, h, kh, hd = 2, 256, 8, 2, 128
+  q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+             for s in ((b, t, h, hd), (b, t, kh, hd), (b, t, kh, hd)))
+  valid, mask = _left_padded_causal(b, t, (0, 77))
+  out = np.asarray(jax.jit(lambda *a: layers.attention(*a, jnp.asarray(mask), implementation="cudnn"))(q, k, v),
+                   np.float64)
+  ref = _attention_reference_f64(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask)
+  assert np.isfinite(out).all()
+  err = np.linalg.norm(out[valid] - ref[valid]) / np.linalg.norm(ref[valid])
+  assert err < 1e-2, err
+  w = jnp.asarray(rng.standard_normal((b, t, h, hd)) * valid[:, :, None, None], jnp.float32)
+
+  def grads(impl):
+    f = lambda *a: jnp.sum(layers.attention(*a, jnp.asarray(mask), implementation=impl).astype(jnp.float32) * w)  # noqa: E731
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)
+
+  for gc, gx in zip(grads("cudnn"), grads("xla")):
+    gc, gx = np.asarray(gc, np.float64), np.asarray(gx, np.float64)
+    assert np.isfinite(gc).all()
+    assert np.linalg.norm(gc - gx) / np.linalg.norm(gx) < 2e-2
+
+
+def test_attention_implementations_named_alike_in_the_config_and_the_model():
+  from qerl_jax import train_config
+  from qerl_jax.models import layers
+  assert train_config.ATTENTION_IMPLEMENTATIONS == layers.ATTENTION_IMPLEMENTATIONS == ("xla", "cudnn")

@@ -29,6 +29,7 @@
 #   STEPS=30 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=50 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=51 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=52 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -215,6 +216,10 @@
 #     found two memory fixes with them (docs/benchmarks.md "Session 40"). The trainer on the GPU image needs the
 #     tensorboardX and protobuf wheels in .whl besides ../shared/tools/gpu-wheels' set. Not re-run since: the 7B
 #     step after the code-order fix (its peak, 19.1 GiB, predates it).
+# 52. (session 40, prepared) the training forward's attention through cuDNN (model.attn_impl="cudnn", off): its GPU
+#     test against float64 and the XLA route's gradients, then the 7B GSM8K step with NVFP4 under "xla" (the default,
+#     also the 7B peak after the code-order fix) and "cudnn", 2 steps each (about 7 minutes; the update took 28.4 s
+#     of a 44.4 s step in session 40, its attention materializing float32 scores a 512-query chunk at a time).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -415,6 +420,12 @@ step 50 && { PROFILE_PROMPT=1280 PROFILE_POSITIONS=1 PROFILE_TOP=40 PROFILE_SEQ=
   timeout 330 python3 experiments/bench_rollout.py --batches=64,256 --new_tokens=2048 --new_tokens_by_batch=256:1024 \
     --formats=nvfp4_fused,bf16_fused --time_budget_s=300 --out="$OUT/issue6_b64_b256" 2>&1 | grep "|\|x$"; } \
   | tee "$OUT/merge_profile_issue6.txt"
+step 52 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -q -m gpu tests/test_model.py -k "cudnn" \
+    -p no:cacheprovider 2>&1 | tail -3
+  for impl in xla cudnn; do echo "== model.attn_impl=$impl"
+    timeout 220 python3 experiments/bench_train_step.py --config=configs/gsm8k_qwen2_5_7b.py --quants=nvfp4 --steps=2 \
+      --config.model.attn_impl=$impl --out="$OUT/train_step_7b_$impl" 2>&1 | grep -v "^[IW][0-9]" | grep "|" | tail -1; done; } \
+  | tee "$OUT/attn_impl.txt"
 step 51 && { timeout 420 python3 experiments/bench_train_step.py --config=configs/gsm8k_qwen2_5_7b.py --steps=3 \
     --out="$OUT/train_step_7b" 2>&1 | grep -v "^[IW][0-9]" | tail -8
   timeout 170 python3 experiments/bench_train_step.py --config=configs/gsm8k_qwen2_5_32b_single_gpu.py --shape=qwen2.5-32b \

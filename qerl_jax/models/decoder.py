@@ -256,7 +256,7 @@ def _region_finished(x, w, lora, lora_scale, bias, before, after) -> bool:
 
 
 def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, write_at, q_chunk,
-           decode=None, layer_end=None):
+           decode=None, layer_end=None, attn_impl="xla"):
   """One decoder layer.
 
   ``kv`` is None or ``(k_LxBxSxHxD, v_LxBxSxHxD, layer, sync)``: the whole stacked
@@ -329,7 +329,7 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   k = layers.rope(k, positions, inv_freq)
   if kv is None:
     new_kv = None
-    o = layers.attention(q, k, v, mask_BxTxS, q_chunk=q_chunk)
+    o = layers.attention(q, k, v, mask_BxTxS, q_chunk=q_chunk, implementation=attn_impl)
   else:
     kc, vc, li, sync = kv
     at = (li, 0, write_at, 0, 0)
@@ -466,7 +466,7 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
             norm_noise: Optional[dict] = None, cache: Optional[dict] = None,
             attn_mask: Optional[jax.Array] = None, remat: bool = False,
             return_hidden: bool = False, attn_chunk: Optional[int] = None,
-            unroll_layers: bool = False):
+            unroll_layers: bool = False, attn_impl: str = "xla"):
   """Runs the decoder (optionally against a KV cache: prefill or decode).
 
   Args:
@@ -494,6 +494,9 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     attn_chunk: run attention in query chunks of this many tokens so float32
       scores are ``[B, H, attn_chunk, S]`` at a time, not ``[B, H, T, S]``
       (long training sequences); None = one piece. Same numbers.
+    attn_impl: attention without a cache (the training forward): ``"xla"`` (default) or ``"cudnn"``
+      (a GPU's fused attention, :func:`layers.attention`; ``attn_chunk`` then does not apply). A
+      forward with a cache (prefill, decode) always runs ``"xla"`` or the decode kernels.
     unroll_layers: unroll the layer loop (``jax.lax.scan(unroll=True)``): every layer's weights
       become static slices and its index a constant, so a decode step runs without the loop's
       per-layer dynamic-slice copies and counter updates (a few microseconds per layer on a GPU,
@@ -505,8 +508,11 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
 
   Raises:
     ValueError: tokens/positions/mask shape mismatch, more new tokens
-      than cache slots, or (outside ``jit``) ``index + T`` past the cache's last slot.
+      than cache slots, (outside ``jit``) ``index + T`` past the cache's last slot, an unknown
+      ``attn_impl``, or ``"cudnn"`` off a GPU backend.
   """
+  if attn_impl not in layers.ATTENTION_IMPLEMENTATIONS:
+    raise ValueError(f"attn_impl={attn_impl!r} is not one of {layers.ATTENTION_IMPLEMENTATIONS}")
   if tokens.ndim != 2 or positions.shape != tokens.shape:
     raise ValueError(f"tokens must be [B, T] with positions of the same shape; got tokens "
                      f"{tokens.shape}, positions {positions.shape}")
@@ -572,7 +578,7 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     ll = _bind_stacked(ll, lora_b, li)
     if kc is None:
       h, _ = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, None, mask, positions, None,
-                    attn_chunk)
+                    attn_chunk, attn_impl=attn_impl)
     else:
       # The stacked cache rides in the carry so XLA updates it in place.
       h, (kc, vc, sync) = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, (kc, vc, li, sync), mask,
@@ -691,7 +697,7 @@ def token_logprobs(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: j
                    lora: Optional[dict] = None, lora_cfg: Any = None,
                    norm_noise: Optional[dict] = None, attn_mask: Optional[jax.Array] = None,
                    remat: bool = True, chunk_size: int = 256, temperature: float = 1.0,
-                   attn_chunk: Optional[int] = None):
+                   attn_chunk: Optional[int] = None, attn_impl: str = "xla"):
   """Log-probability of each token given its prefix, and the entropy of that prediction.
 
   ``logprobs[b, t] = log p(tokens[b, t] | tokens[b, :t])`` for ``t >= 1``
@@ -700,7 +706,7 @@ def token_logprobs(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: j
   ``entropy[b, t]`` is the entropy (nats) of the distribution that predicted
   ``tokens[b, t]``. Differentiable w.r.t. ``lora`` (and ``norm_noise``).
 
-  Args: as :func:`forward` (including ``attn_chunk``), plus ``chunk_size`` and
+  Args: as :func:`forward` (including ``attn_chunk`` and ``attn_impl``), plus ``chunk_size`` and
     ``temperature`` (see :func:`logprobs_from_hidden`). ``remat`` defaults to True (training).
 
   Returns:
@@ -712,7 +718,7 @@ def token_logprobs(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: j
   """
   hidden, _ = forward(cfg, base, tokens, positions, lora=lora, lora_cfg=lora_cfg,
                       norm_noise=norm_noise, attn_mask=attn_mask, remat=remat, return_hidden=True,
-                      attn_chunk=attn_chunk)
+                      attn_chunk=attn_chunk, attn_impl=attn_impl)
   lp, ent = logprobs_from_hidden(cfg, base, hidden[:, :-1], tokens[:, 1:],
                                  chunk_size=chunk_size, temperature=temperature)
   zeros = jnp.zeros((tokens.shape[0], 1), jnp.float32)

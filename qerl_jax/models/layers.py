@@ -506,12 +506,22 @@ def apply_rope(x_BxTxNxhd: jax.Array, cos_BxTxR: jax.Array, sin_BxTxR: jax.Array
   return x_BxTxNxhd * cos + rotated * sin
 
 
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+
+
 def attention(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS, *,
-              q_chunk: Optional[int] = None) -> jax.Array:
+              q_chunk: Optional[int] = None, implementation: str = "xla") -> jax.Array:
   """Grouped-query softmax attention (Ainslie et al. 2023), scale ``1/sqrt(hd)``.
 
   Scores and softmax in float32; masked slots get :data:`MASKED_SCORE` (a row
   with every slot masked, a left-padding query, gives a finite average).
+
+  ``implementation="cudnn"`` runs cuDNN's fused (flash) attention through
+  ``jax.nn.dot_product_attention`` on a GPU instead: the scores never reach memory, the mask becomes
+  an additive bias, and each query may also attend its own slot (``T == S`` only, the training
+  forward), so that a padding query row, which attends nothing otherwise, stays finite. Rows of real
+  queries get the same numbers as ``"xla"`` to rounding (softmax in float32, probabilities in the
+  compute dtype either way). ``q_chunk`` does not apply to it.
 
   Args:
     q_BxTxHxhd: queries (H = Hkv * G).
@@ -521,10 +531,22 @@ def attention(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS, *,
       tokens under ``lax.map`` with each chunk rematerialised in the backward
       pass, so the float32 scores ``[B, H, T, S]`` never exist at once (only
       ``[B, H, q_chunk, S]``). Same numbers.
+    implementation: ``"xla"`` (the einsums above; any backend) or ``"cudnn"`` (a GPU's fused
+      attention, for the training forward's ``T == S``).
 
   Returns:
     ``[B, T, H, hd]`` in q's dtype.
+
+  Raises:
+    ValueError: an unknown ``implementation``, or ``"cudnn"`` with ``T != S`` or off a GPU backend.
   """
+  if implementation not in ATTENTION_IMPLEMENTATIONS:
+    raise ValueError(f"attention implementation {implementation!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
+  if implementation == "cudnn":
+    if jax.default_backend() != "gpu":
+      raise ValueError(f"attention implementation 'cudnn' needs a GPU backend (JAX's is {jax.default_backend()!r}); "
+                       "use 'xla'")
+    return self_attention_jax_nn(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS, "cudnn")
   t = q_BxTxHxhd.shape[1]
   if q_chunk is not None and q_chunk < t:
     n = -(-t // q_chunk)
@@ -540,6 +562,24 @@ def attention(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS, *,
     out = jax.lax.map(one, (qc, mc)).swapaxes(0, 1).reshape(b, n * q_chunk, h, hd)
     return out[:, :t]
   return _attention(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS)
+
+
+def self_attention_jax_nn(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS, implementation: str) -> jax.Array:
+  """:func:`attention` through ``jax.nn.dot_product_attention(implementation=...)`` (``"cudnn"`` on a GPU;
+  ``"xla"`` anywhere, which is how the CPU tests check the mask's handling), for ``T == S``: the mask as
+  given, plus each query's own slot, so that no row is fully masked (cuDNN's additive mask would
+  average a fully masked row over every slot, or give NaN). ``[B, T, H, hd]`` in q's dtype.
+
+  Raises:
+    ValueError: ``T != S``.
+  """
+  t, s = q_BxTxHxhd.shape[1], k_BxSxKxhd.shape[1]
+  if t != s:
+    raise ValueError(f"fused attention takes the training forward's T == S; got T={t}, S={s}")
+  dt = q_BxTxHxhd.dtype
+  mask = mask_BxTxS | jnp.eye(t, dtype=bool)[None]
+  return jax.nn.dot_product_attention(q_BxTxHxhd, k_BxSxKxhd.astype(dt), v_BxSxKxhd.astype(dt),
+                                      mask=mask[:, None], implementation=implementation).astype(dt)
 
 
 def _attention(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS) -> jax.Array:
