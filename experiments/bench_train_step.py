@@ -139,15 +139,15 @@ def run_one(config, quant: str, steps: int) -> dict:
     trainer.train(config, workdir, policy=policy, reward_fns=(random_rewards, None))
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
       rows = [json.loads(line) for line in f]
-  keep = ("step", "time/step_s", "time/rollout_s", "time/update_s", "perf/tokens_per_s",
+  keep = ("step", "time/step_s", "time/rollout_s", "time/update_s", "time/reference_s", "perf/tokens_per_s",
           "perf/peak_memory_bytes", "completions/mean_length")
   return {"quant": quant, "rows": [{k: r[k] for k in keep if k in r} for r in rows if "time/step_s" in r]}
 
 
 def table(results: list[dict], config) -> str:
   import numpy as np
-  head = ("| base | step 1 s (compiles) | step s (median of later) | rollout s | update s | rollout tokens/s "
-          "| mean completion tokens | peak device memory GiB |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+  head = ("| base | step 1 s (compiles) | step s (median of later) | rollout s | update s | of which reference s "
+          "| rollout tokens/s | mean completion tokens | peak device memory GiB |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
   lines = [head]
   for res in results:
     rows = res["rows"]
@@ -155,7 +155,9 @@ def table(results: list[dict], config) -> str:
     med = lambda k: float(np.median([r[k] for r in later]))  # noqa: E731
     peak = max((r.get("perf/peak_memory_bytes", 0) for r in rows), default=0)
     lines.append(f"| {res['quant']} | {rows[0]['time/step_s']:.2f} | {med('time/step_s'):.2f} | "
-                 f"{med('time/rollout_s'):.2f} | {med('time/update_s'):.2f} | {med('perf/tokens_per_s'):.0f} | "
+                 f"{med('time/rollout_s'):.2f} | {med('time/update_s'):.2f} | "
+                 + (f"{med('time/reference_s'):.2f}" if all("time/reference_s" in r for r in later) else "-")
+                 + f" | {med('perf/tokens_per_s'):.0f} | "
                  f"{med('completions/mean_length'):.0f} | " + (f"{peak / 2 ** 30:.1f} |" if peak else "n/a |"))
   r = config.rl
   return (f"{_SHAPE.value}, {r.batch_size} completions a step (G = {r.num_generations}, micro-batches of "

@@ -443,8 +443,11 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     # 6. reference log-probs (LoRA off) when beta > 0
     update_batch = _update_batch(prompt_tokens, prompt_mask, rollout, advantages)
     update_noise = policy.update_noise(noise)
+    t_ref = None
     if float(config.rl.beta) > 0:
-      update_batch["ref_logprobs"] = policy.ref_logprobs(update_batch, update_noise)
+      tf = time.perf_counter()
+      update_batch["ref_logprobs"] = jax.block_until_ready(policy.ref_logprobs(update_batch, update_noise))
+      t_ref = time.perf_counter() - tf
     # 7. num_iterations optimizer updates over micro-batches
     for it in range(int(config.rl.num_iterations)):
       state, update_metrics = policy.update(state, update_batch, update_noise, step,
@@ -469,6 +472,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
            "time/step_s": t3 - t0,
            "perf/tokens_per_s": sum(float(np.asarray(r.rollout.lengths).sum()) for r in rounds)
                                 / max(t1 - t0, 1e-9)}
+    if t_ref is not None:
+      row["time/reference_s"] = t_ref  # the part of time/update_s that the KL's reference pass took
     if dynamic:
       row.update({"dynamic_sampling/rounds": len(rounds), "dynamic_sampling/informative_groups": informative,
                   "dynamic_sampling/filled_groups": prompts_per_step - informative})

@@ -55,9 +55,11 @@ def test_bench_train_step_7b_shape_without_a_gpu_fails_fast_and_tiny_runs_the_tr
     assert [row["step"] for row in x["rows"]] == [1, 2]
     assert all(row["completions/mean_length"] == 8 for row in x["rows"])
     assert all(row["time/step_s"] >= row["time/rollout_s"] > 0 for row in x["rows"])
+    assert all(row["time/update_s"] >= row["time/reference_s"] > 0 for row in x["rows"])  # the recipe's beta 0.04
   md = (tmp_path / "train_step.md").read_text()
   assert "tiny, 4 completions a step (G = 2, micro-batches of 2), up to 8 new tokens" in md
   assert md.count("| 8 | n/a |") == 2  # the mean completion length; no device memory statistics on a CPU
+  assert "| update s | of which reference s |" in md
 
 
 def test_bench_train_step_builds_the_base_a_layer_at_a_time_as_the_whole_model_would_be():

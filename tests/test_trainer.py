@@ -464,6 +464,32 @@ def test_overlong_penalty_joins_the_training_reward(tmp_path):
   assert {min(len(s["completion"]) + 1, 3) for s in samples} >= {2, 3}
 
 
+def test_reference_pass_time_is_logged_apart_when_beta_is_on(tmp_path):
+  """With rl.beta > 0 each step logs time/reference_s, the reference pass alone (here one that takes at least
+  50 ms), within time/update_s; with beta = 0 there is no such pass and no such key."""
+  import dataclasses
+  import time
+
+  config = toy.toy_config()
+  config.train.total_steps, config.train.eval_every = 2, 0
+  config.rl.beta = 0.04
+  policy = toy.toy_policy(config)
+
+  def slow_reference(batch, noise):
+    time.sleep(0.05)
+    return policy.ref_logprobs(batch, noise)
+
+  trainer.train(config, str(tmp_path / "kl"), policy=dataclasses.replace(policy, ref_logprobs=slow_reference),
+                datasets=toy.toy_datasets(), reward_fns=(toy.contains_answer, None), progress=False)
+  rows = [r for r in metrics_lib.read_metrics(str(tmp_path / "kl")) if "time/step_s" in r]
+  assert len(rows) == 2
+  for r in rows:
+    assert 0.05 <= r["time/reference_s"] <= r["time/update_s"]
+  config.rl.beta = 0.0
+  _toy_run(config, str(tmp_path / "no_kl"))
+  assert not any("time/reference_s" in r for r in metrics_lib.read_metrics(str(tmp_path / "no_kl")))
+
+
 # ------------------------------------------------------------------------------ the CPU default, end to end
 
 # The CPU default shrunk to about a second a step: 2 prompts x 4 completions, 24 new tokens.
