@@ -4,8 +4,8 @@ r"""Train a policy with QeRL (NVFP4 base + LoRA + AQN + GRPO/DAPO) from a config
   python experiments/train.py --config=configs/gsm8k_qwen2_5_7b.py --workdir=workdirs/7b \
       --config.model.path=/models/Qwen2.5-7B-Instruct --config.rl.num_generations=16
 
-Every setting lives in the config (``--config.<dotted.key>=value`` overrides one); nothing is
-read from environment variables. Re-running with the ``--workdir`` of an interrupted run
+Every setting lives in the config (``--config.<dotted.key>=value`` overrides one); none is read
+from environment variables (the kernels' own switches, docs/kernels.md, pick kernels, not values). Re-running with the ``--workdir`` of an interrupted run
 resumes from its last complete checkpoint. The config is validated before any compute: an
 unknown key or an impossible setting stops the program with a message naming it.
 """

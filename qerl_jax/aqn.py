@@ -26,7 +26,8 @@ Differences from the original implementation (deliberate):
   compares the policy that actually generated the samples.
   ``AQNConfig.noise_in_update=False`` reproduces the paper's variant (noise in
   the rollout engine only; the update sees the noiseless model). The trainer
-  reads that field through :func:`update_noise`.
+  reads that field itself (``trainer.load_policy``'s ``Policy.update_noise``), as
+  :func:`update_noise` does.
 * Only the per-layer ``input_norm`` / ``post_attn_norm`` get noise. The released
   code's loop (``trl_trainer/noise_scheduler.py``) perturbs every module of the
   model's RMSNorm class it finds, which makes no exception for the final norm.

@@ -5,8 +5,9 @@ One checkpoint (a numbered folder under ``<workdir>/checkpoints``) holds
 * ``state``: a pytree with the LoRA tree (plus trainable RMSNorm scales when they are trained),
   the optax optimizer state, the step counter (int32 scalar) and the run's PRNG key
   (``uint32 [2]`` raw key data);
-* ``meta``: JSON with the step, the data position (index of the next prompt in the seeded
-  order), the epoch, and the full config as JSON, so a checkpoint says how it was made.
+* ``meta``: JSON with the step, the data position (how many batches of prompts the seeded order
+  has served: ``data.DataOrder.batch_indices`` takes it as the next batch's number), the epoch, and
+  the full config as JSON, so a checkpoint says how it was made.
 
 The frozen base weights are reloaded from their source (``config.model.path``) on resume.
 

@@ -257,7 +257,8 @@ def _copy_dicts(tree):
 # ------------------------------------------------------------------ PEFT ---
 
 def peft_state_dict(lora: Mapping, lora_cfg: LoRAConfig) -> dict[str, np.ndarray]:
-  """The adapter as PEFT's flat state dict (numpy, the tree's dtype, PEFT layout).
+  """The adapter as PEFT's flat state dict (numpy, PEFT layout; bf16 leaves widened to float32, float32
+  ones as they are).
 
   Keys: ``base_model.model.model.layers.{i}.{self_attn|mlp}.{m}_proj.lora_A.weight``
   ``[r, K]`` and ``...lora_B.weight`` ``[N, r]``; trainable norms as

@@ -63,7 +63,8 @@ Layout (units in brackets)::
                           the base made once a rollout (faster above 128 rows; qerl_jax.sampling.SamplingConfig)
   optim.learning_rate / b1 / b2 / weight_decay / warmup_ratio / lr_schedule / max_grad_norm
   train.total_steps, save_every, keep_checkpoints, eval_every, eval_batch_size,
-     eval_max_completion_length, log_samples_every, num_samples_logged, async_checkpointing
+     eval_max_completion_length, log_samples_every, num_samples_logged, async_checkpointing,
+     plot (write plots/ at the end of a run)
 """
 
 from __future__ import annotations
@@ -203,6 +204,14 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
   Raises:
     ValueError: one or more impossible settings, or a missing section/key.
   """
+  try:
+    _validate(config, check_paths)
+  except (AttributeError, KeyError) as e:
+    raise ValueError(f"config is missing a key the trainer reads ({e}); start recipes from "
+                     "qerl_jax.train_config.base_config()") from None
+
+
+def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
   errors: list[str] = []
 
   def need(cond: bool, msg: str) -> None:
@@ -237,12 +246,11 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
     need(aqn.schedule in AQN_SCHEDULES, f"aqn.schedule={aqn.schedule!r} is not one of {AQN_SCHEDULES}")
     need(float(aqn.sigma_start) > 0, f"aqn.sigma_start={aqn.sigma_start} must be > 0 when "
          "aqn.enabled (set aqn.enabled=False to turn AQN off)")
-    need(float(aqn.sigma_end) >= 0, f"aqn.sigma_end={aqn.sigma_end} must be >= 0")
+    need(float(aqn.sigma_end) > 0, f"aqn.sigma_end={aqn.sigma_end} must be > 0 (both schedules decay "
+         "geometrically from sigma_start to sigma_end)")
     need(float(aqn.sigma_end) <= float(aqn.sigma_start),
          f"aqn.sigma_end={aqn.sigma_end} > aqn.sigma_start={aqn.sigma_start}: AQN noise must decay")
     if aqn.schedule == "stages":
-      need(float(aqn.sigma_end) > 0, f"aqn.sigma_end={aqn.sigma_end} must be > 0 for the "
-           "geometric 'stages' schedule")
       need(int(aqn.num_stages) >= 3, f"aqn.num_stages={aqn.num_stages} must be >= 3 (stage 0 is "
            "noise-free; stages 1..K-1 decay from sigma_start to sigma_end)")
 
@@ -263,7 +271,8 @@ def validate(config: ml_collections.ConfigDict, *, check_paths: bool = True) -> 
   need(mb >= 1 and B % mb == 0,
        f"rl.micro_batch_size={mb} must be >= 1 and divide rl.batch_size={B}")
   need(int(rl.num_iterations) >= 1, f"rl.num_iterations={rl.num_iterations} must be >= 1")
-  need(float(rl.epsilon) > 0, f"rl.epsilon={rl.epsilon} must be > 0")
+  need(0 < float(rl.epsilon) < 1, f"rl.epsilon={rl.epsilon} must be in (0, 1) (the importance ratio's clip "
+       "range starts at 1 - epsilon)")
   if rl.epsilon_high is not None:
     need(float(rl.epsilon_high) >= float(rl.epsilon),
          f"rl.epsilon_high={rl.epsilon_high} must be >= rl.epsilon={rl.epsilon}")

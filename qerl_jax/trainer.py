@@ -332,8 +332,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
 
   Returns:
     A summary dict: ``status``, ``steps``, ``final_accuracy``, ``initial_accuracy``,
-    ``best_accuracy``, ``final_reward``, ``mean_entropy_first_quarter``, ``wall_time_s``,
-    ``workdir``.
+    ``best_accuracy``, ``final_reward``, ``mean_entropy_first_quarter``, ``mean_step_time_s``,
+    ``wall_time_s``, ``workdir``.
 
   Raises:
     ValueError / FileNotFoundError: from loading the model (:func:`load_policy`) or the data
@@ -525,6 +525,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
 # Keys added to the config after runs were saved, with the value that reproduces those runs.
 _LEGACY_VALUES = {"model.fuse_projections": False,
                   "model.code_order": "standard",
+                  "model.attn_chunk": 0,
+                  "model.attn_impl": "xla",
                   "rl.dynamic_sampling": False,
                   "rl.max_sampling_rounds": 4,
                   "rl.oversample_factor": 1,
@@ -784,7 +786,8 @@ def _in_code_order(base: dict, order: str) -> dict:
   (:func:`qerl_jax.models.to_decode_order`), ``"standard"`` or ``"rollout"`` (as loaded; for
   ``"rollout"`` the sampler gets a decode-order copy, :func:`_rollout_base`), or ``"auto"``: decode
   order where :func:`pallas_kernels.decode_order_applies` (a GPU running the Gluon decode kernel);
-  there a matrix the decode order cannot hold (an odd N) keeps the loaded order, with a warning."""
+  there a base with any matrix the decode order cannot hold (an odd N) keeps the loaded order throughout,
+  with a warning (``"decode"`` raises instead)."""
   import pallas_kernels
   from qerl_jax import models
   if order == "rollout" or pallas_kernels.resolve_code_order(order) == "standard":

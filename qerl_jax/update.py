@@ -235,7 +235,9 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
     ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``entropy``, and ``kl`` when the batch
     has ``ref_logprobs``.
 
-    Raises (at trace time): ValueError for bad config values or a malformed batch.
+    Raises:
+      ValueError: here, for bad config values (loss type, clip range, KL estimator, accumulation
+        steps); at trace time (the first call), for a malformed batch.
     """
     loss_type = _opt(config, "loss_type", "grpo")
     epsilon = float(_opt(config, "epsilon", 0.2))

@@ -91,6 +91,8 @@ def test_load_prompts_skips_malformed_and_long_rows(tmp_path, data_dir):
     ("rl.micro_batch_size", 5, "rl.micro_batch_size=5"),
     ("model.attn_chunk", -1, "model.attn_chunk=-1 must be >= 0"),
     ("model.attn_impl", "flash", "model.attn_impl='flash' is not one of ('xla', 'cudnn')"),
+    ("rl.epsilon", 1.0, "rl.epsilon=1.0 must be in (0, 1)"),
+    ("aqn.schedule", "exponential", "aqn.sigma_end=0.0 must be > 0"),
     ("rl.loss_type", "ppo", "rl.loss_type='ppo'"),
     ("sampling.top_p", 0.0, "sampling.top_p=0.0"),
     ("model.quant", "int3", "model.quant='int3'"),
@@ -103,9 +105,18 @@ def test_validate_names_the_impossible_setting(key, value, needle):
   c = toy.toy_config()
   section, name = key.split(".")
   c[section][name] = value
+  if key == "aqn.schedule":  # the exponential schedule is geometric too: a zero sigma_end is impossible
+    c.aqn.enabled, c.aqn.sigma_end = True, 0.0
   with pytest.raises(ValueError, match="impossible config") as e:
     train_config.validate(c, check_paths=False)
   assert needle in str(e.value)
+
+
+def test_validate_names_a_missing_key_as_a_config_error():
+  c = toy.toy_config()
+  del c.rl["batch_size"]
+  with pytest.raises(ValueError, match="config is missing a key the trainer reads .*batch_size"):
+    train_config.validate(c, check_paths=False)
 
 
 def test_validate_missing_local_path():
