@@ -6,7 +6,11 @@ Source (QeRL, arXiv:2510.11696; github.com/NVlabs/QeRL at e8c6e79,
 G = 8, lr 1e-5, AdamW 0.9/0.99, weight decay 0.1, warm-up 0.1 + cosine, clip 0.2, prompt 256 /
 completion 2048) with the 32B model and the script's per-device batch of 8 completions
 (one prompt x G = 8 a step). Memory: the NVFP4 32B base is about 18 GB; activations are
-rematerialised per layer and the update runs in micro-batches of 2.
+rematerialised per layer and the update runs in micro-batches of 2. A training step peaked at
+34.0 GiB on an H200 (experiments/bench_train_step.py, docs/trainer.md). The greedy evaluation
+(every eval_every steps) samples eval_batch_size = 64 rows at once, whose bf16 KV cache is
+64 x (256 + 2048) slots x 64 layers x 2 x 8 heads x 128 x 2 bytes = 36 GiB on top of the base
+(computed, not measured): lower train.eval_batch_size on a card with less room.
 """
 
 import os
