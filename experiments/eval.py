@@ -17,7 +17,8 @@ otherwise the default is the four benchmarks.
 The model, quantization, LoRA shape and system prompt come from the config
 (``--config.<key>=value`` overrides work as in train.py); a checkpoint whose saved config built
 a different base (``model.*``) gets a warning naming the flag that matches it. Prompts longer
-than ``--max_prompt_length`` are skipped. Benchmarks are read from
+than ``--max_prompt_length`` are skipped (for ``heldout``, unless the flag is given, the recipe's
+``data.max_prompt_length``, as in training). Benchmarks are read from
 ``--data_dir`` (default ``../shared/data``): ``<name>/test.jsonl``. GSM8K is scored with the
 GSM8K answer check, the others with math-verify. Prints a table and writes
 ``<workdir or --out>/eval_<step>.json``.
@@ -64,7 +65,8 @@ _OUT = flags.DEFINE_string("out", None, "Folder for eval_<step>.json (default: -
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the pass@k sampling.")
 _MAX_PROMPT = flags.DEFINE_integer("max_prompt_length", 1024, "Prompts longer than this (tokens) are skipped and "
                                    "counted (default: 1024, or less when the tokenizer's model_max_length "
-                                   "minus the completion budget is smaller).")
+                                   "minus the completion budget is smaller; for heldout, the config's "
+                                   "data.max_prompt_length unless this flag is given).")
 _XLA = xla_flags.define_launcher_flag()
 flags.mark_flags_as_required(["config"])
 

@@ -359,8 +359,10 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
     lora: optional ``(xa, b, scale)``: a LoRA delta ``scale * xa @ b`` (Hu et
       al. 2021) added to the product, with ``xa = x @ A`` ``[..., R]`` (x's
       leading dims), ``b`` ``[R, N]`` and a static float ``scale``; both
-      factors are multiplied in bf16 with float32 accumulation. The fused
-      kernel adds it in its epilogue (no separate GEMM); differentiable in
+      factors are multiplied in bf16 with float32 accumulation. The Pallas Triton fused
+      kernel adds it in its epilogue; on the Gluon and dequantize + cuBLAS paths XLA adds it with
+      a separate GEMM here (the decoder's own 4-bit linears reach the Gluon kernel's epilogue
+      through ``forward_into`` instead, :data:`w4_gluon.LORA_IN_KERNEL`); differentiable in
       ``xa`` and ``b``. With ``index``, ``b`` may also be a stack
       ``[L, R, N]``: the kernel reads layer ``index`` of it in place (a decode
       step's layer scan then copies no adapter factor per step).

@@ -52,7 +52,8 @@ class Example:
 
   Attributes:
     question: the problem text.
-    answer: the gold final answer: a canonical number string for GSM8K (``"1000"``), the
+    answer: the gold final answer: a canonical number string for GSM8K (``"1000"``; a fraction
+      whose decimal does not terminate stays ``"p/q"``, as :func:`qerl_jax.rewards.extract_gsm8k_answer` gives it), the
       LaTeX answer for MATH-style sets (``"\\frac{14}{3}"``; a float such as 27.0 becomes
       ``"27"``).
     kind: ``"gsm8k"`` or ``"math"`` (which reward applies).

@@ -373,9 +373,11 @@ def load_pretrained(path_or_hub_id, *, quant: str = "nvfp4", dtype=jnp.bfloat16,
     ValueError: unsupported architecture (lists the supported ones), an
       unsupported quantization scheme, ``tie_word_embeddings`` false with no
       ``lm_head.weight`` (names the key), a tensor whose shape disagrees with the
-      config (names the tensor and both shapes), an unknown ``quant``.
+      config (names the tensor and both shapes), an unknown ``quant``, a file path given for the folder.
     FileNotFoundError: no such folder (and not a hub id that downloads), no config.json /
       safetensors, or a missing shard file.
+    KeyError: a tensor the config needs (an embedding, a norm, a bias) missing from the checkpoint
+      (names it).
   """
   if quant not in ("nvfp4", "nf4", "none"):
     raise ValueError(f"quant must be 'nvfp4', 'nf4' or 'none', got {quant!r}")

@@ -4,8 +4,8 @@ Every reward function has the signature ``fn(completions, answers) -> list[float
 ``completions`` and ``answers`` are equal-length sequences of ``str`` (the model's
 decoded completion text and the gold answer text), and the result holds exactly one
 float per completion, in order. :func:`safe_reward` runs any such function so that one
-that raises or returns the wrong count costs only the affected completions (NaN,
-which the advantage computation treats as missing), never the run.
+that raises costs only the completions it raises on, and one that returns the wrong count
+costs that batch's rewards (NaN, which the advantage computation treats as missing), never the run.
 
 Host-side, pure Python (no JAX), so it can run while the device works.
 
@@ -175,7 +175,8 @@ def _check_lengths(name: str, completions, answers) -> None:
 
 def gsm8k_reward(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
   """1.0 where the completion's number (:func:`extract_gsm8k_answer`) equals the gold
-  answer's number, else 0.0. Gold answers are parsed by the same function.
+  answer's number exactly (``"1/3"`` equals ``2/6``; ``0.75`` equals ``3/4``), else 0.0. Gold answers
+  are parsed by the same function.
 
   Raises:
     ValueError: if the two sequences differ in length.
@@ -185,8 +186,14 @@ def gsm8k_reward(completions: Sequence[str], answers: Sequence[str]) -> list[flo
   for c, a in zip(completions, answers):
     gold = extract_gsm8k_answer(str(a))
     pred = extract_gsm8k_answer(c)
-    out.append(1.0 if gold is not None and pred is not None and Decimal(gold) == Decimal(pred) else 0.0)
+    out.append(1.0 if gold is not None and pred is not None and _exact_value(gold) == _exact_value(pred) else 0.0)
   return out
+
+
+def _exact_value(number: str) -> Fraction:
+  """The exact value of a canonical number string of :func:`extract_gsm8k_answer`: a decimal (``"0.75"``)
+  or, for a non-terminating one, a reduced fraction (``"1/3"``), which ``Decimal`` cannot read."""
+  return Fraction(number) if "/" in number else Fraction(Decimal(number))
 
 
 def _normalize_latex(s: str) -> str:

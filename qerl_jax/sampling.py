@@ -428,7 +428,8 @@ def sample_tokens(key: jax.Array, logits: jax.Array, *, temperature: float, top_
     under ``log_softmax(logits)`` (raw, temperature 1).
 
   Raises:
-    ValueError: ``temperature`` < 0, ``top_p`` outside (0, 1] or ``top_k`` < 0
+    ValueError: ``temperature`` < 0 or above 0 but below float32's smallest normal number (1.18e-38; 0 is
+      greedy), ``top_p`` outside (0, 1] or ``top_k`` < 0
       (:func:`sampling_logprobs`).
   """
   unfiltered = temperature == 1.0 and (top_k == 0 or top_k >= logits.shape[-1]) and top_p == 1.0

@@ -867,3 +867,13 @@ def test_attention_implementations_named_alike_in_the_config_and_the_model():
   from qerl_jax import train_config
   from qerl_jax.models import layers
   assert train_config.ATTENTION_IMPLEMENTATIONS == layers.ATTENTION_IMPLEMENTATIONS == ("xla", "cudnn")
+
+
+def test_lora_scale_of_each_accepted_form_and_a_clear_error_otherwise():
+  import types
+  assert models.lora_scale_of(None) == 1.0 and models.lora_scale_of(0.5) == 0.5
+  assert models.lora_scale_of({"scale": 2.0}) == 2.0 and models.lora_scale_of(types.SimpleNamespace(scale=4.0)) == 4.0
+  with pytest.raises(TypeError, match="must have a 'scale' key; got keys \\['alpha', 'r'\\]"):
+    models.lora_scale_of({"alpha": 32, "r": 16})
+  with pytest.raises(TypeError, match="must be None, a float, or have a 'scale'"):
+    models.lora_scale_of("0.5")

@@ -92,6 +92,13 @@ def test_gsm8k_reward_fraction_against_its_denominator():
                       ["#### 2", "#### 2", "#### 0.5", "#### 2"]) == [0.0, 1.0, 1.0, 0.0]
 
 
+def test_gsm8k_reward_scores_non_terminating_fractions_instead_of_raising():
+  # hand-worked: the answer "1/3" (kept as a fraction: its decimal does not terminate) equals 2/6, not 5 and
+  # not 0.333; before, Decimal("1/3") raised and safe_reward turned each of these rewards into NaN (missing)
+  assert gsm8k_reward(["#### 1/3", "so \\frac{2}{6}", "#### 5", "#### 0.333", "#### 1/3"],
+                      ["#### 1/3", "#### 1/3", "#### 1/3", "#### 1/3", "#### 5"]) == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
 def test_math_reward_shortcut_keeps_spaces_between_digits_and_drops_a_final_period():
   pytest.importorskip("math_verify")
   # hand-worked: '1 2' is not 12 (the identical-answer shortcut dropped every space and scored it 1); a

@@ -63,8 +63,8 @@ def _dtype(cfg: ModelConfig):
 
 
 def lora_scale_of(lora_cfg: Any) -> float:
-  """The LoRA scale from ``lora_cfg``: None -> 1.0, a number, or an object /
-  mapping with ``scale`` (e.g. ``alpha / r``).
+  """The LoRA scale from ``lora_cfg``: None -> 1.0, a number, an object with a ``scale`` attribute or a
+  dict with a ``"scale"`` key (e.g. ``alpha / r``).
 
   Raises:
     TypeError: ``lora_cfg`` is none of these.
@@ -74,6 +74,8 @@ def lora_scale_of(lora_cfg: Any) -> float:
   if isinstance(lora_cfg, (int, float)):
     return float(lora_cfg)
   if isinstance(lora_cfg, dict):
+    if "scale" not in lora_cfg:
+      raise TypeError(f"lora_cfg as a dict must have a 'scale' key; got keys {sorted(lora_cfg)}")
     return float(lora_cfg["scale"])
   if hasattr(lora_cfg, "scale"):
     return float(lora_cfg.scale)
@@ -83,7 +85,7 @@ def lora_scale_of(lora_cfg: Any) -> float:
 # ----------------------------------------------------------------------------- params
 
 def init_params(cfg: ModelConfig, key: jax.Array, *, dtype=jnp.bfloat16, std: float = 0.02) -> dict:
-  """Random base parameters (normal(0, std) weights, ones for norms, zero biases).
+  """Random base parameters (normal(0, std) weights and q/k/v biases, ones for norms).
 
   For tests and for pretraining a tiny model; real weights come from
   :func:`qerl_jax.hf.load_pretrained`.

@@ -4,9 +4,9 @@ A decode step multiplies a handful of rows by every weight, so each linear is on
 small, launch- and latency-bound kernel. Storing ``[W_q | W_k | W_v]`` and
 ``[W_gate | W_up]`` as single matrices (as vLLM's ``qkv_proj`` / ``gate_up_proj``
 do) turns five kernels a layer into two; the decoder splits the product back into
-its parts and adds each part's LoRA delta separately
-(:func:`qerl_jax.models.layers.fused_linear`), so the LoRA tree, AQN and every
-result are unchanged.
+its parts and adds each part's LoRA delta (:func:`qerl_jax.models.layers.fused_linear`: per part, or
+on the large-M bf16 route as one block-diagonal adapter of the parts), so the LoRA tree, AQN and
+every result are unchanged.
 
 NVFP4 keeps one global scale per matrix, so the parts must share it: quantize the
 fused float matrices (``quantize_base(fuse_projections(float_base))``), or load a

@@ -53,8 +53,9 @@ def is_quantized(w) -> bool:
   return isinstance(w, (nvfp4.NVFP4Tensor, nf4.NF4Tensor))
 
 
-# For a few bf16 rows on a 4-bit weight, add the LoRA up-projection ``(x @ A) @ B`` in the fused
-# W4A16 kernel's epilogue instead of a separate GEMM (pallas_kernels.quantized_matmul(lora=...)).
+# For a few bf16 rows on a 4-bit weight, pass the LoRA factors to the 4-bit matmul with the weight
+# (pallas_kernels.quantized_matmul(lora=...)) rather than adding the delta here; which kernel then adds
+# it in its epilogue and where XLA adds it is pallas_kernels.quantized_matmul's docstring.
 # Results are the same (bf16 factors, float32 accumulation). On an H200 (7B shape, rank 32 + AQN,
 # experiments/lab/lora_variants.py): 6985 -> 7408 tokens/s at batch 64, 1580 -> 1582 at batch 8
 # (docs/benchmarks_rollout.md, session 6). Set False to add it with a separate GEMM.
