@@ -209,8 +209,6 @@ def _update_batch(prompt_tokens, prompt_mask, rollout, advantages) -> dict:
   }
 
 
-# ---------------------------------------------------------------------------------- evaluation
-
 def _in_row_chunks(fn: Callable[..., jax.Array], rows: int, *arrays: jax.Array) -> jax.Array:
   """``fn(*arrays)`` computed ``rows`` rows at a time under ``jax.lax.map`` (inside a jit: one loop),
   so that what ``fn`` holds at once is a chunk's, e.g. the float32 attention scores of ``rows``
@@ -243,6 +241,8 @@ def _in_row_chunks(fn: Callable[..., jax.Array], rows: int, *arrays: jax.Array) 
   out = jax.lax.map(lambda xs: fn(*xs), tuple(split))
   return out.reshape(chunks * per, *out.shape[2:])[:n]
 
+
+# ---------------------------------------------------------------------------------- evaluation
 
 def evaluate(policy: Policy, params: Any, examples: Sequence[Prompt], reward_fn, *,
              batch_size: int, max_new_tokens: int, key: jax.Array | None = None,
