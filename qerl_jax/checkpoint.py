@@ -23,6 +23,7 @@ does, so that evaluating a run while it trains never removes the save in progres
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from typing import Any, Mapping
@@ -57,6 +58,8 @@ class Checkpointer:
     self.read_only = bool(read_only)
     if not self.read_only:
       _remove_unfinished(self.directory)
+    else:
+      _quiet_read_only_notice()
     options = ocp.CheckpointManagerOptions(
         # read-only: the values orbax would force (and warn about), given here
         max_to_keep=None if self.read_only else int(keep),
@@ -160,3 +163,18 @@ def _jsonable(x: Any) -> Any:
   if isinstance(x, (str, int, float, bool)) or x is None:
     return x
   return json.loads(json.dumps(x, default=str))
+
+
+class _DropReadOnlyNotice(logging.Filter):
+  """Drops orbax's ``Given directory is read only=<dir>`` warning: orbax logs it whenever a manager is opened
+  read-only, which is what ``Checkpointer(read_only=True)`` asks for, so it only alarms (eval printed it twice)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Given directory is read only")
+
+
+def _quiet_read_only_notice() -> None:
+  """Installs :class:`_DropReadOnlyNotice` on absl's logger (orbax logs through absl), once."""
+  log = logging.getLogger("absl")
+  if not any(isinstance(f, _DropReadOnlyNotice) for f in log.filters):
+    log.addFilter(_DropReadOnlyNotice())
