@@ -136,6 +136,9 @@ def _decode_order_bits() -> np.ndarray:
 
 
 DECODE_ORDER_BITS = _decode_order_bits()
+# The two permutations as hashable tuples (the static argument of _permute_block_bits_fused).
+_TO_DECODE = tuple(int(b) for b in DECODE_ORDER_BITS)
+_TO_STANDARD = tuple(int(b) for b in np.argsort(DECODE_ORDER_BITS))
 
 
 def permute_word_bits(word: jax.Array, new_of_old: np.ndarray) -> jax.Array:
@@ -218,8 +221,7 @@ def to_decode_order(t: NVFP4Tensor) -> NVFP4Tensor:
     return t
   if t.shape[1] % 2:
     raise ValueError(f"nvfp4.to_decode_order: N must be even (blocks pair columns), got shape {t.shape}")
-  return dataclasses.replace(t, packed=_permute_block_bits_fused(t.packed, tuple(int(b) for b in DECODE_ORDER_BITS)),
-                             code_order="decode")
+  return dataclasses.replace(t, packed=_permute_block_bits_fused(t.packed, _TO_DECODE), code_order="decode")
 
 
 def to_standard_order(t: NVFP4Tensor) -> NVFP4Tensor:
@@ -232,8 +234,7 @@ def to_standard_order(t: NVFP4Tensor) -> NVFP4Tensor:
     raise TypeError(f"nvfp4.to_standard_order expects an NVFP4Tensor, got {type(t).__name__}")
   if t.code_order == "standard":
     return t
-  return dataclasses.replace(t, packed=_permute_block_bits_fused(t.packed, tuple(int(b) for b in np.argsort(DECODE_ORDER_BITS))),
-                             code_order="standard")
+  return dataclasses.replace(t, packed=_permute_block_bits_fused(t.packed, _TO_STANDARD), code_order="standard")
 
 
 def round_to_e2m1(x: jax.Array) -> jax.Array:

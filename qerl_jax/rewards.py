@@ -192,7 +192,8 @@ def gsm8k_reward(completions: Sequence[str], answers: Sequence[str]) -> list[flo
 
 def _exact_value(number: str) -> Fraction:
   """The exact value of a canonical number string of :func:`extract_gsm8k_answer`: a decimal (``"0.75"``)
-  or, for a non-terminating one, a reduced fraction (``"1/3"``), which ``Decimal`` cannot read."""
+  or, for a non-terminating one, a reduced fraction (``"1/3"``), which ``Decimal`` cannot read. Decimals go
+  through ``Decimal``: ``Fraction("777...")`` refuses more than 4300 digits, as ``int`` does."""
   return Fraction(number) if "/" in number else Fraction(Decimal(number))
 
 
