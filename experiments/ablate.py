@@ -14,6 +14,10 @@ end the program prints a table (mean +- std over seeds of the initial and final 
 held-out accuracy, the mean policy entropy over the first quarter of training, and the wall
 time), writes it to ``<workdir>/results.md`` and ``results.json``, and draws one figure with
 every run (``<workdir>/ablation.png``: greedy accuracy, reward and entropy against step).
+
+Variant names and seeds must be unique (each run has its own folder). A run that raises does not end the
+sweep: the others go on, the failure is listed under the table, and the program exits with status 1;
+re-running the same command resumes it (finished runs are skipped).
 """
 
 from __future__ import annotations
@@ -63,6 +67,28 @@ def apply_overrides(base, overrides):
       raise KeyError(f"override {key!r}: the base config has no {leaf!r}")
     node[leaf] = value
   return cfg
+
+
+def sweep_problem(names, seeds) -> str | None:
+  """What makes a sweep's variant names or seeds unusable, or None.
+
+  Every (variant, seed) trains in its own ``<workdir>/<name>/seed<k>``: a name given twice, a seed given
+  twice, or a name that is not one plain folder name would make two runs share a folder (the second
+  resumes, i.e. silently reuses, the first's checkpoint) or write outside the sweep's workdir.
+  """
+  names, seeds = list(names), list(seeds)
+  dup = sorted({n for n in names if names.count(n) > 1})
+  if dup:
+    return f"variant name(s) {dup} given more than once (each variant trains in <workdir>/<name>/)"
+  dup = sorted({k for k in seeds if seeds.count(k) > 1})
+  if dup:
+    return f"seed(s) {dup} given more than once (each seed trains in <workdir>/<name>/seed<k>)"
+  bad = [n for n in names if not isinstance(n, str) or n in ("", ".", "..") or "/" in n or os.sep in n]
+  if bad:
+    return f"variant name(s) {bad} are not plain folder names"
+  if not seeds:
+    return "seeds is empty"
+  return None
 
 
 def _fmt(values) -> str:
@@ -118,6 +144,36 @@ def plot_all(workdirs: dict, path: str, *, smooth: int = 10) -> None:
   plt.close(fig)
 
 
+def run_sweep(plan, out: str, run):
+  """Runs each ``(name, seed, config)`` of ``plan`` with ``run(config, workdir)`` (the trainer's ``run``) in
+  ``<out>/<name>/seed<k>``, one after another.
+
+  A run that raises is reported (traceback on stderr) and skipped; the others go on.
+
+  Returns:
+    ``(results, workdirs, failed)``: per variant name, the finished runs' :data:`COLUMNS` values with
+    their ``seed`` and ``status`` (a list of dicts), and their workdirs; ``failed`` lists one line per
+    run that raised (``"<name> seed <k>: <error>"``).
+  """
+  import traceback
+  results, workdirs, failed = {}, {}, []
+  for k, (name, seed, cfg) in enumerate(plan):
+    wd = os.path.join(out, name, f"seed{seed}")
+    print(f"=== [{k + 1}/{len(plan)}] {name} seed {seed} -> {wd}", flush=True)
+    try:
+      summary = run(cfg, wd)
+    except Exception as e:  # pylint: disable=broad-except  # one failed run must not end the sweep
+      traceback.print_exc()
+      failed.append(f"{name} seed {seed}: {type(e).__name__}: {e}")
+      print(f"=== {name} seed {seed} failed; its workdir {wd} keeps what it wrote; the sweep goes on",
+            file=sys.stderr, flush=True)
+      continue
+    results.setdefault(name, []).append({key: summary.get(key) for key, _ in COLUMNS}
+                                        | {"seed": seed, "status": summary.get("status")})
+    workdirs.setdefault(name, []).append(wd)
+  return results, workdirs, failed
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
@@ -133,6 +189,10 @@ def main(argv):
     return 2
   out = _WORKDIR.value
   # Build and validate every variant before any compute (and before the workdir is created).
+  problem = sweep_problem([name for name, _ in ab.variants], seeds)
+  if problem:
+    print(f"error: {problem}", file=sys.stderr)
+    return 2
   plan = []
   for name, overrides in ab.variants:
     for seed in seeds:
@@ -144,22 +204,20 @@ def main(argv):
         return 2
       plan.append((name, seed, cfg))
   os.makedirs(out, exist_ok=True)
-  results, workdirs = {}, {}
-  for k, (name, seed, cfg) in enumerate(plan):
-    wd = os.path.join(out, name, f"seed{seed}")
-    print(f"=== [{k + 1}/{len(plan)}] {name} seed {seed} -> {wd}", flush=True)
-    summary = trainer.run(cfg, wd)
-    results.setdefault(name, []).append({key: summary.get(key) for key, _ in COLUMNS} | {"seed": seed})
-    workdirs.setdefault(name, []).append(wd)
+  results, workdirs, failed = run_sweep(plan, out, trainer.run)
   table = results_table(results)
+  if failed:
+    table += "\n\nFailed runs (not in the table; re-run the same command to retry them):\n" + "\n".join(
+        f"- {line}" for line in failed)
   print(table)
   with open(os.path.join(out, "results.md"), "w") as f:
     f.write(table + "\n")
   with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
-  plot_all(workdirs, os.path.join(out, "ablation.png"))
-  print(f"wrote {os.path.join(out, 'results.md')} and {os.path.join(out, 'ablation.png')}")
-  return 0
+  if workdirs:
+    plot_all(workdirs, os.path.join(out, "ablation.png"))
+  print(f"wrote {os.path.join(out, 'results.md')}" + (f" and {os.path.join(out, 'ablation.png')}" if workdirs else ""))
+  return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -2,11 +2,12 @@
 
 ``base_config()`` returns every key the trainer reads, with neutral defaults; each recipe in
 ``configs/*.py`` starts from it and writes out the values it uses. ``validate(config)`` checks
-a config before any compute and raises ``ValueError`` naming every impossible setting at once.
+a config before any compute and raises ``ValueError`` naming every impossible setting at once
+(among them any float that is NaN or infinite, wherever it is).
 
 Layout (units in brackets)::
 
-  seed                    int, the one seed every random draw derives from (with the step)
+  seed                    int in [0, 2**32), the one seed every random draw derives from (with the step)
   model.path              HF folder or hub id of the base model
   model.quant             "nvfp4" | "nf4" | "none" (bf16 base)
   model.remat             rematerialise each layer in the update step
@@ -58,7 +59,8 @@ Layout (units in brackets)::
                           DAPO's soft overlong punishment (eq. 13): completions longer than
                           max_completion_length - buffer lose up to penalty_factor of reward,
                           linearly; 0 (the default) turns it off
-  sampling.temperature / top_p / top_k / max_completion_length [tokens]
+  sampling.temperature / top_p / top_k / max_completion_length [tokens]; temperature > 0 and top_k != 1 (greedy
+                          sampling makes a group's G completions the same: advantage 0, nothing learned)
   sampling.dequantize_min_rows  0: rollouts stay 4-bit; N: rollouts of >= N rows run on a dense copy (compute dtype) of
                           the base made once a rollout (faster above 128 rows; qerl_jax.sampling.SamplingConfig)
   optim.learning_rate / b1 / b2 / weight_decay / warmup_ratio / lr_schedule / max_grad_norm
@@ -69,12 +71,14 @@ Layout (units in brackets)::
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import sys
 
 import ml_collections
 
-__all__ = ["base_config", "validate", "config_flags_parser", "config_load_error", "LORA_MODULES", "LOSS_TYPES"]
+__all__ = ["base_config", "validate", "data_spec_error", "config_flags_parser", "config_load_error", "LORA_MODULES", "LOSS_TYPES"]
 
 LORA_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
@@ -226,6 +230,11 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
   m, lo, aqn, d, rl, s, o, t = (config.model, config.lora, config.aqn, config.data, config.rl,
                                 config.sampling, config.optim, config.train)
 
+  errors.extend(f"{key}={value} must be a finite number" for key, value in _non_finite(config.to_dict()))
+  seed = config.seed
+  need(isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32,
+       f"seed={seed!r} must be an integer in [0, 2**32)")
+
   need(bool(m.path), "model.path is empty: give a Hugging Face folder or hub id")
   need(m.quant in QUANTS, f"model.quant={m.quant!r} is not one of {QUANTS}")
   need(int(m.get("attn_chunk", 0)) >= 0,
@@ -256,6 +265,9 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
 
   need(d.task in TASKS, f"data.task={d.task!r} is not one of {TASKS}")
   need(bool(d.train), "data.train is empty: give a JSONL path or hub:<id>:<split>")
+  for key, spec in (("data.train", d.train), ("data.eval", d.eval)):
+    problem = data_spec_error(str(spec)) if spec else None
+    need(problem is None, f"{key}={spec!r}: {problem}")
   need("{question}" in str(d.user_template),
        f"data.user_template={d.user_template!r} must contain '{{question}}'")
   need(int(d.max_prompt_length) >= 1, f"data.max_prompt_length={d.max_prompt_length} must be >= 1")
@@ -299,8 +311,10 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
   factor = float(rl.get("overlong_penalty_factor", 1.0))
   need(0 <= factor < float("inf"), f"rl.overlong_penalty_factor={factor} must be a finite number >= 0")
 
-  need(float(s.temperature) >= 0, f"sampling.temperature={s.temperature} must be >= 0 "
-       "(0 is greedy)")
+  need(float(s.temperature) > 0, f"sampling.temperature={s.temperature} must be > 0: at 0 (greedy) the "
+       "G completions of a group are the same, every advantage is 0 and nothing is learned")
+  need(int(s.top_k) != 1, "sampling.top_k=1 is greedy sampling: the G completions of a group are the same, "
+       "every advantage is 0 and nothing is learned (0 turns top-k off)")
   need(0 < float(s.top_p) <= 1, f"sampling.top_p={s.top_p} must be in (0, 1]")
   need(int(s.top_k) >= 0, f"sampling.top_k={s.top_k} must be >= 0 (0 turns it off)")
   need(int(s.get("dequantize_min_rows", 0)) >= 0,
@@ -334,6 +348,39 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
 
   if errors:
     raise ValueError("impossible config:\n  - " + "\n  - ".join(errors))
+
+
+def _non_finite(tree: dict, prefix: str = "") -> list[tuple[str, float]]:
+  """``(dotted key, value)`` of every float in the nested dict ``tree`` that is NaN or infinite."""
+  out = []
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out += _non_finite(value, f"{prefix}{key}.")
+    elif isinstance(value, float) and not math.isfinite(value):
+      out.append((f"{prefix}{key}", value))
+  return out
+
+
+def data_spec_error(spec: str) -> str | None:
+  """What is wrong with the form of a data spec (``data.train`` / ``data.eval``), or None.
+
+  Checks only what needs no file or download: ``synthetic:<split>:<num>[:<seed>]`` (split ``train`` or
+  ``test``, num an integer >= 1, seed an integer) and ``hub:<id>[:<config>]:<split>``. A path is
+  checked for existence by :func:`validate` (``check_paths``).
+  """
+  parts = spec.split(":")
+  if parts[0] == "synthetic":
+    if len(parts) not in (3, 4):
+      return "expected synthetic:<split>:<num>[:<seed>]"
+    if parts[1] not in ("train", "test"):
+      return f"the synthetic split {parts[1]!r} is not 'train' or 'test'"
+    if not re.fullmatch(r"[0-9]+", parts[2]) or int(parts[2]) < 1:
+      return f"the number of problems {parts[2]!r} must be an integer >= 1"
+    if len(parts) == 4 and not re.fullmatch(r"-?[0-9]+", parts[3]):
+      return f"the seed {parts[3]!r} must be an integer"
+  elif parts[0] == "hub" and (len(parts) not in (3, 4) or not all(parts[1:])):
+    return "expected hub:<id>[:<config>]:<split>"
+  return None
 
 
 def config_load_error(e: OSError) -> str:

@@ -893,12 +893,13 @@ def load_prompts(spec: str, task: str, tokenizer, config) -> list[Prompt]:
   Raises:
     FileNotFoundError: a missing local file. ValueError: a bad spec, or no usable row.
   """
+  problem = train_config.data_spec_error(spec)
+  if problem:
+    raise ValueError(f"data spec {spec!r}: {problem}")
   if spec.startswith("synthetic:"):
     rows, skipped = _synthetic_rows(spec), 0
   elif spec.startswith("hub:"):
     parts = spec[4:].split(":")
-    if len(parts) not in (2, 3):
-      raise ValueError(f"data spec {spec!r}: expected hub:<id>[:<config>]:<split>")
     rows, report = data_lib.load_examples(parts[0], kind=task, split=parts[-1],
                                           hub_config=parts[1] if len(parts) == 3 else None)
     skipped = report.num_skipped
@@ -923,11 +924,10 @@ def load_prompts(spec: str, task: str, tokenizer, config) -> list[Prompt]:
 
 
 def _synthetic_rows(spec: str) -> list:
-  """``data.Example`` rows of ``synthetic:<split>:<num>[:<seed>]``."""
+  """``data.Example`` rows of ``synthetic:<split>:<num>[:<seed>]`` (a spec :func:`train_config.data_spec_error`
+  passes)."""
   from qerl_jax import synthetic
   parts = spec.split(":")
-  if len(parts) not in (3, 4):
-    raise ValueError(f"data spec {spec!r}: expected synthetic:<split>:<num>[:<seed>]")
   seed = int(parts[3]) if len(parts) == 4 else 0
   return [data_lib.Example(question=r["question"], answer=r["gold"], kind="gsm8k", row=i)
           for i, r in enumerate(synthetic.make_split(parts[1], int(parts[2]), seed=seed))]

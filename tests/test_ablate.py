@@ -72,6 +72,40 @@ def _ablate(*args):
                         capture_output=True, text=True, timeout=300, env=env)
 
 
+def test_sweep_problem_refuses_runs_that_would_share_a_folder():
+  """A name or seed given twice made two runs share <workdir>/<name>/seed<k>: the second resumed (reused) the
+  first's checkpoint, whatever its config said."""
+  ablate = _load(ROOT / "experiments" / "ablate.py")
+  assert ablate.sweep_problem(["a", "b"], [0, 1]) is None
+  assert ablate.sweep_problem(["a", "b", "a"], [0]) == (
+      "variant name(s) ['a'] given more than once (each variant trains in <workdir>/<name>/)")
+  assert ablate.sweep_problem(["a"], [3, 1, 3]) == (
+      "seed(s) [3] given more than once (each seed trains in <workdir>/<name>/seed<k>)")
+  assert ablate.sweep_problem(["ok", "../up", ""], [0]) == "variant name(s) ['../up', ''] are not plain folder names"
+  assert ablate.sweep_problem(["a"], []) == "seeds is empty"
+
+
+def test_run_sweep_goes_on_after_a_run_that_raises(tmp_path, capsys):
+  ablate = _load(ROOT / "experiments" / "ablate.py")
+  calls = []
+
+  def run(cfg, wd):
+    calls.append((cfg, wd))
+    if cfg == "bad":
+      raise RuntimeError("out of memory")
+    return {"final_accuracy": 0.5, "initial_accuracy": 0.25, "status": "ok", "wall_time_s": 2.0}
+
+  plan = [("a", 0, "good"), ("a", 1, "bad"), ("b", 0, "good")]
+  results, workdirs, failed = ablate.run_sweep(plan, str(tmp_path), run)
+  assert [wd for _, wd in calls] == [str(tmp_path / "a" / "seed0"), str(tmp_path / "a" / "seed1"),
+                                     str(tmp_path / "b" / "seed0")]
+  assert failed == ["a seed 1: RuntimeError: out of memory"]
+  assert workdirs == {"a": [str(tmp_path / "a" / "seed0")], "b": [str(tmp_path / "b" / "seed0")]}
+  assert results["a"] == [{"initial_accuracy": 0.25, "final_accuracy": 0.5, "mean_entropy_first_quarter": None,
+                           "wall_time_s": 2.0, "seed": 0, "status": "ok"}]
+  assert "RuntimeError: out of memory" in capsys.readouterr().err  # the traceback is shown
+
+
 def test_launcher_config_errors_are_one_line_and_create_nothing(tmp_path):
   """A mistyped key, an impossible variant or a missing file stops ablate.py before any compute with one
   clear error (exit 2), as train.py does, and leaves no workdir behind."""

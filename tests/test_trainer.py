@@ -100,11 +100,29 @@ def test_load_prompts_skips_malformed_and_long_rows(tmp_path, data_dir):
     ("rl.oversample_factor", 2, "rl.oversample_factor=2 needs rl.dynamic_sampling=True"),
     ("rl.overlong_buffer_length", 4, "rl.overlong_buffer_length=4 must be in [0, sampling.max_completion_length=3]"),
     ("rl.overlong_penalty_factor", -0.5, "rl.overlong_penalty_factor=-0.5 must be a finite number >= 0"),
+    # inf passed every ``> 0`` check: learning_rate=inf made the warm-up's first rate 0 * inf = NaN, and
+    # the run finished "ok" with NaN in its saved LoRA weights
+    ("optim.learning_rate", float("inf"), "optim.learning_rate=inf must be a finite number"),
+    ("optim.weight_decay", float("inf"), "optim.weight_decay=inf must be a finite number"),
+    ("lora.alpha", float("inf"), "lora.alpha=inf must be a finite number"),
+    ("rl.beta", float("nan"), "rl.beta=nan must be a finite number"),
+    ("sampling.temperature", float("inf"), "sampling.temperature=inf must be a finite number"),
+    ("sampling.temperature", 0.0, "sampling.temperature=0.0 must be > 0"),
+    ("sampling.top_k", 1, "sampling.top_k=1 is greedy sampling"),
+    ("seed", -1, "seed=-1 must be an integer in [0, 2**32)"),
+    ("seed", 2**64, "seed=18446744073709551616 must be an integer in [0, 2**32)"),
+    ("data.train", "synthetic:bogus:10", "data.train='synthetic:bogus:10': the synthetic split 'bogus'"),
+    ("data.train", "synthetic:train:abc", "the number of problems 'abc' must be an integer >= 1"),
+    ("data.eval", "synthetic:test:0", "data.eval='synthetic:test:0': the number of problems '0'"),
+    ("data.eval", "hub:gsm8k", "data.eval='hub:gsm8k': expected hub:<id>[:<config>]:<split>"),
 ])
 def test_validate_names_the_impossible_setting(key, value, needle):
   c = toy.toy_config()
-  section, name = key.split(".")
-  c[section][name] = value
+  if key == "seed":
+    c.seed = value
+  else:
+    section, name = key.split(".")
+    c[section][name] = value
   if key == "aqn.schedule":  # the exponential schedule is geometric too: a zero sigma_end is impossible
     c.aqn.enabled, c.aqn.sigma_end = True, 0.0
   with pytest.raises(ValueError, match="impossible config") as e:
