@@ -329,24 +329,61 @@ def _fn_name(fn) -> str:
   return getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", None) or repr(fn)
 
 
+class RewardTimeout(Exception):
+  """A reward function did not return within :func:`safe_reward`'s ``timeout_s``."""
+
+
+def _call(fn: RewardFn, completions, answers, timeout_s: Optional[float]) -> list:
+  """``list(fn(completions, answers))``, in a daemon thread bounded by ``timeout_s`` seconds when given.
+
+  Raises:
+    RewardTimeout: ``fn`` ran longer (the thread is left to finish on its own: Python cannot stop it).
+    Whatever ``fn`` raises.
+  """
+  if timeout_s is None:
+    return list(fn(completions, answers))
+  out: dict = {}
+
+  def target():
+    try:
+      out["values"] = list(fn(completions, answers))
+    except BaseException as e:  # pylint: disable=broad-except  # re-raised in the caller's thread
+      out["error"] = e
+
+  worker = threading.Thread(target=target, daemon=True, name=f"reward:{_fn_name(fn)}")
+  worker.start()
+  worker.join(timeout_s)
+  if worker.is_alive():
+    raise RewardTimeout(f"no result within {timeout_s:g} s")
+  if "error" in out:
+    raise out["error"]
+  return out["values"]
+
+
 def safe_reward(fn: RewardFn, completions: Sequence[str], answers: Sequence[str], *,
-                name: Optional[str] = None) -> tuple[np.ndarray, list[str]]:
+                name: Optional[str] = None, timeout_s: Optional[float] = None) -> tuple[np.ndarray, list[str]]:
   """Runs a reward function so that its failures cost only the affected completions.
 
   * ``fn`` returns exactly one finite float per completion: that is the result.
   * ``fn`` raises: it is run again on each completion alone; the ones that still raise get
     NaN, each reported with its index.
+  * ``fn`` runs longer than ``timeout_s``: every reward of the batch is NaN, reported (it is not
+    retried; the call is left running in a daemon thread, which Python cannot stop).
   * ``fn`` returns the wrong number of values: every reward is NaN (no order can be
     trusted), reported with both counts.
   * a value that is not a number, or NaN/Inf: NaN at that index, reported.
 
   NaN means "missing": the advantage computation excludes it and gives that completion
-  advantage 0. Each problem is also logged (``logging.warning``) with the function's name.
+  advantage 0. A call with problems logs one warning (``logging.warning``) with the function's name,
+  how many rewards are missing, and the first few problems.
 
   Args:
     fn: ``fn(completions, answers) -> Sequence[float]``.
     completions, answers: equal-length sequences ``[n]``.
     name: how to name ``fn`` in reports (default: its ``__name__``).
+    timeout_s: seconds the batch's call may take (None: unbounded; then ``fn`` runs in the caller's
+      thread). :func:`math_reward` bounds its own time; the trainer gives this bound to reward functions
+      passed to it.
 
   Returns:
     ``(rewards, problems)``: float32 ``[n]`` and a list of messages (empty when all went well).
@@ -360,17 +397,27 @@ def safe_reward(fn: RewardFn, completions: Sequence[str], answers: Sequence[str]
   problems: list[str] = []
   rewards = np.full((n,), np.nan, np.float32)
   try:
-    values = list(fn(completions, answers))
+    values = _call(fn, completions, answers, timeout_s)
+  except RewardTimeout as e:
+    problems.append(f"reward fn {name!r} returned {e} on the batch of {n}; all its rewards for this batch are "
+                    "missing")
+    values = [None] * n
   except Exception as e:  # find the completions that make it fail
     problems.append(f"reward fn {name!r} raised {type(e).__name__}: {e} on the batch of {n}; "
                     "retrying each completion alone")
     values = []
     for i in range(n):
+      if problems[-1].endswith("the rest are missing"):  # a retry timed out: no n timeouts in a row
+        values.append(None)
+        continue
       try:
-        one = list(fn(completions[i:i + 1], answers[i:i + 1]))
+        one = _call(fn, completions[i:i + 1], answers[i:i + 1], timeout_s)
         values.append(one[0] if len(one) == 1 else None)
         if len(one) != 1:
           problems.append(f"reward fn {name!r} returned {len(one)} values for the single completion {i}")
+      except RewardTimeout as e_i:
+        problems.append(f"reward fn {name!r} returned {e_i} at completion index {i}; the rest are missing")
+        values.append(None)
       except Exception as e_i:
         problems.append(f"reward fn {name!r} raised {type(e_i).__name__}: {e_i} at completion index {i}")
         values.append(None)
@@ -390,8 +437,9 @@ def safe_reward(fn: RewardFn, completions: Sequence[str], answers: Sequence[str]
       problems.append(f"reward fn {name!r} returned {f} at completion index {i}")
       continue
     rewards[i] = f
-  for p in problems:
-    logger.warning("%s", p)
+  if problems:
+    shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+    logger.warning("reward fn %r: %d of %d rewards missing: %s", name, int(np.isnan(rewards).sum()), n, shown)
   return rewards, problems
 
 

@@ -230,6 +230,55 @@ def test_safe_reward_reports_wrong_count_and_bad_values():
     safe_reward(gsm8k_reward, ["a", "b"], ["1"])
 
 
+def test_safe_reward_bounds_a_hanging_fn_and_logs_one_warning_a_call(caplog):
+  """A reward that hangs hung the whole run (no time bound outside math_reward); one that failed on every
+  completion logged a warning line per completion (144 lines for two steps of the main job)."""
+  import threading
+  release = threading.Event()
+
+  def hangs(completions, answers):
+    release.wait(30)
+    return [1.0] * len(completions)
+
+  try:
+    r, problems = safe_reward(hangs, ["a", "b", "c"], ["1", "2", "3"], timeout_s=0.2)
+  finally:
+    release.set()
+  assert np.isnan(r).all() and len(problems) == 1
+  assert problems[0] == ("reward fn 'hangs' returned no result within 0.2 s on the batch of 3; all its rewards "
+                         "for this batch are missing")
+
+  def fails(completions, answers):
+    raise ValueError("bad parse")
+
+  caplog.clear()
+  with caplog.at_level("WARNING", logger="qerl_jax.rewards"):
+    r, problems = safe_reward(fails, list("abcde"), list("12345"), timeout_s=5)
+  assert np.isnan(r).all() and len(problems) == 6  # the batch, then each of the 5 alone
+  assert len(caplog.records) == 1
+  assert caplog.messages[0].startswith("reward fn 'fails': 5 of 5 rewards missing: reward fn 'fails' raised "
+                                       "ValueError: bad parse on the batch of 5")
+  assert caplog.messages[0].endswith("; and 3 more")
+
+  calls = []
+
+  def slow_alone(completions, answers):  # raises on the batch, hangs on a completion alone
+    calls.append(len(completions))
+    if len(completions) > 1:
+      raise RuntimeError("batch failed")
+    release.wait(30) if completions[0] == "b" else None
+    return [0.5]
+
+  release.clear()
+  try:
+    r, problems = safe_reward(slow_alone, ["a", "b", "c", "d"], ["1", "2", "3", "4"], timeout_s=0.2)
+  finally:
+    release.set()
+  assert r[0] == 0.5 and np.isnan(r[1:]).all()
+  assert calls == [4, 1, 1]  # after the retry that timed out, no more retries
+  assert problems[-1] == "reward fn 'slow_alone' returned no result within 0.2 s at completion index 1; the rest are missing"
+
+
 def test_accuracy_reward_fn():
   assert rewards.accuracy_reward_fn("gsm8k") is gsm8k_reward
   assert rewards.accuracy_reward_fn("math") is math_reward
