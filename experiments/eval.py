@@ -89,6 +89,23 @@ def main(argv):
   except OSError as e:  # ml_collections could not load the config file
     print(train_config.config_load_error(e), file=sys.stderr)
     return 2
+  try:  # the recipe's own checks (lora.rank=0 failed only after the model loaded); its data paths may be absent
+    train_config.validate(config, check_paths=False)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  import math
+  for name, value, ok, why in (
+      ("batch_size", _BATCH.value, _BATCH.value >= 0, ">= 0 (0: config.train.eval_batch_size)"),
+      ("max_new_tokens", _MAX_NEW.value, _MAX_NEW.value >= 0, ">= 0 (0: the config's)"),
+      ("temperature", _TEMPERATURE.value, math.isfinite(_TEMPERATURE.value) and _TEMPERATURE.value >= 0,
+       "a finite number >= 0"),
+      ("max_prompt_length", _MAX_PROMPT.value, _MAX_PROMPT.value >= 1, ">= 1")):
+    if not ok:
+      raise app.UsageError(f"--{name}={value} must be {why}")
+  out_dir = _OUT.value or _WORKDIR.value or os.getcwd()
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):  # found after the whole evaluation before
+    raise app.UsageError(f"--out={out_dir} is a file; eval_<step>.json goes into a folder")
   heldout_spec = str(config.data.eval or "")
   benchmarks = _BENCH.value or ([HELDOUT] if heldout_spec.startswith("synthetic:") else list(BENCHMARKS))
   bad = [b for b in benchmarks if b not in BENCHMARKS and b != HELDOUT]
@@ -188,7 +205,6 @@ def main(argv):
       rows.append((f"{name} mean@{k}", sampled["sample_accuracy"]))
     results[name] = res
   print(metrics_lib.format_summary_table(rows))
-  out_dir = _OUT.value or _WORKDIR.value or os.getcwd()
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, f"eval_{step}.json")
   with open(path, "w") as f:

@@ -51,7 +51,11 @@ def main(argv):
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  summary = trainer.run(config, _WORKDIR.value)
+  try:
+    summary = trainer.run(config, _WORKDIR.value)
+  except trainer.RunSetupError as e:  # the workdir, model, data or checkpoint refused the run before step 1
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   workdir = os.path.abspath(_WORKDIR.value)
   plots = "plots/, " if bool(config.train.plot) else ""  # train.plot=False draws none
   print(f"\nOutputs in {workdir}: config.json, metrics.jsonl, summary.json, samples.jsonl, {plots}"

@@ -74,11 +74,28 @@ class Checkpointer:
 
   def latest_step(self) -> int | None:
     """The step of the newest complete checkpoint, or None when there is none."""
-    return self._manager.latest_step()
+    steps = self.all_steps()
+    return steps[-1] if steps else None
 
   def all_steps(self) -> list[int]:
-    """Steps of all complete checkpoints, ascending."""
-    return sorted(self._manager.all_steps())
+    """Steps of all complete checkpoints, ascending: numbered folders that hold both items (``state`` and
+    ``meta``). Orbax counts any numbered folder as a step; one without the items (made by hand, or copied in
+    part) is not a checkpoint and would stop a resume, so it is left out."""
+    return sorted(s for s in self._manager.all_steps()
+                  if all(os.path.isdir(os.path.join(self.directory, str(s), item)) for item in ("state", "meta")))
+
+  def restore_meta(self, step: int | None = None) -> dict:
+    """The ``meta`` JSON of ``step`` (None: the latest) alone, without reading the state's arrays.
+
+    Raises:
+      FileNotFoundError: no complete checkpoint in the directory.
+    """
+    if step is None:
+      step = self.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"no complete checkpoint under {self.directory}")
+    restored = self._manager.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    return dict(restored["meta"])
 
   def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> None:
     """Starts saving ``state`` (a pytree of arrays) and ``meta`` (JSON-serialisable) at ``step``.

@@ -9,7 +9,8 @@ Files written into a run's workdir:
 
 Resuming: ``MetricsLogger(workdir, resume_step=s)`` drops every line with ``step > s`` from the
 JSONL files first, so the lines written after the last checkpoint by a killed run are replaced
-by the resumed run's lines and the files match an uninterrupted run's.
+by the resumed run's lines and the files match an uninterrupted run's. Its TensorBoard writer starts with
+``purge_step = s + 1``, which tells TensorBoard to drop the earlier events of those steps the same way.
 """
 
 from __future__ import annotations
@@ -38,19 +39,24 @@ def _to_float(v: Any) -> float | None:
   return f if math.isfinite(f) else None
 
 
-def _truncate_jsonl(path: str, max_step: int) -> None:
-  """Keeps only the lines of ``path`` whose ``step`` is <= ``max_step`` (and drops a torn last line)."""
-  if not os.path.exists(path):
-    return
-  kept = []
+def _rows(path: str) -> Iterable[dict]:
+  """The rows of a JSONL log: the lines that are JSON objects with an integer ``step``. Other lines (one torn
+  by a kill mid-write, or anything else written into the file) are passed over."""
   with open(path) as f:
     for line in f:
       try:
         row = json.loads(line)
       except json.JSONDecodeError:
-        continue  # a line torn by a kill mid-write
-      if int(row.get("step", -1)) <= max_step:
-        kept.append(json.dumps(row, sort_keys=True))
+        continue
+      if isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool):
+        yield row
+
+
+def _truncate_jsonl(path: str, max_step: int) -> None:
+  """Keeps only the rows of ``path`` (:func:`_rows`) whose ``step`` is <= ``max_step``."""
+  if not os.path.exists(path):
+    return
+  kept = [json.dumps(row, sort_keys=True) for row in _rows(path) if row["step"] <= max_step]
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
     f.writelines(line + "\n" for line in kept)
@@ -79,7 +85,10 @@ class MetricsLogger:
     self._tb = None
     if tensorboard:
       from tensorboardX import SummaryWriter  # imported lazily: heavy
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      # resuming: TensorBoard drops the events a killed run wrote after the checkpoint (steps > resume_step),
+      # which the resumed run writes again (as the JSONL files above)
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                               purge_step=None if resume_step is None else int(resume_step) + 1)
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
     """Logs scalar ``metrics`` at ``step``; returns the row written (floats or None)."""
@@ -107,6 +116,15 @@ class MetricsLogger:
       self._tb.add_text("samples", f"**prompt**: {prompts[0]}\n\n**completion**: {completions[0]}"
                         f"\n\n**reward**: {rewards[0]}", int(step))
 
+  def flush(self) -> None:
+    """Writes what is buffered to disk: the JSONL files (flushed at every write already) and the TensorBoard
+    events, which tensorboardX otherwise holds for up to two minutes (the trainer calls this at every
+    checkpoint, so that a killed run's events reach at least its last checkpoint)."""
+    self._metrics_file.flush()
+    self._samples_file.flush()
+    if self._tb is not None:
+      self._tb.flush()
+
   def close(self) -> None:
     """Flushes and closes every file."""
     self._metrics_file.close()
@@ -116,22 +134,16 @@ class MetricsLogger:
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  """Reads ``<workdir>/metrics.jsonl`` into a list of dicts (torn lines skipped).
+  """Reads ``<workdir>/metrics.jsonl`` into a list of dicts, each with an integer ``step`` (torn lines, and
+  lines that are not such objects, skipped).
 
   Raises:
-    FileNotFoundError: the workdir has no metrics.jsonl.
+    FileNotFoundError: the workdir has no metrics.jsonl file.
   """
   path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
+  if not os.path.isfile(path):
     raise FileNotFoundError(f"no metrics.jsonl in workdir {workdir!r}")
-  rows = []
-  with open(path) as f:
-    for line in f:
-      try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
-  return rows
+  return list(_rows(path))
 
 
 def peak_device_memory_bytes() -> int | None:

@@ -408,7 +408,9 @@ def config_flags_parser(keys_hint: str = "every key is listed in qerl_jax/train_
       return flags.FLAGS(argv)
     except (AttributeError, KeyError) as e:  # ml_collections: a key the config does not have
       msg = str(e.args[0] if e.args else e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
-      bad = [a for a in argv[1:] if a.startswith("--config.")]
+      overrides = [a for a in argv[1:] if a.startswith("--config.")]
+      leaf = msg.split()[0].strip("'\"") if msg.split() else ""  # ml_collections names the key it lacks first
+      bad = [a for a in overrides if a.split("=", 1)[0].rsplit(".", 1)[-1] == leaf] or overrides
       print(f"error: unknown config key among {bad}: {msg}\n  ({keys_hint})", file=sys.stderr)
       sys.exit(2)
     except OSError as e:  # ml_collections could not load the --config file an override reads

@@ -49,7 +49,7 @@ from qerl_jax import metrics as metrics_lib
 from qerl_jax import train_config
 
 __all__ = ["run", "train", "evaluate", "load_policy", "load_prompts", "restore_train_state",
-           "step_keys", "Policy", "Prompt"]
+           "step_keys", "Policy", "Prompt", "RunSetupError", "REWARD_TIMEOUT_S"]
 
 
 # ---------------------------------------------------------------------------------- randomness
@@ -99,17 +99,24 @@ def _prompt_batch(tokenizer, prompts: Sequence[Prompt], length: int, pad_id: int
 
 # ---------------------------------------------------------------------------------- rewards
 
-def score(reward_fn: Callable, completions: Sequence[str], answers: Sequence[str]) -> tuple[np.ndarray, int]:
+# Seconds a reward function passed to :func:`train` (``reward_fns``) may take on one batch; the library's own
+# (make_reward_fns: the GSM8K check, math-verify, the format bonus) bound their time themselves.
+REWARD_TIMEOUT_S = 600.0
+
+
+def score(reward_fn: Callable, completions: Sequence[str], answers: Sequence[str], *,
+          timeout_s: float | None = None) -> tuple[np.ndarray, int]:
   """Host-side rewards via ``rewards.safe_reward``: ``(float32 [N] with NaN = missing, #missing)``.
 
-  A reward function that raises or returns a bad value costs only the affected completions:
-  their reward is missing (NaN), which ``grpo.group_advantages`` turns into advantage 0.
+  A reward function that raises, returns a bad value or (with ``timeout_s``, seconds) runs too long costs
+  only the affected completions: their reward is missing (NaN), which ``grpo.group_advantages`` turns
+  into advantage 0.
 
   Raises:
     ValueError: ``completions`` and ``answers`` differ in length (a caller bug).
   """
   from qerl_jax import rewards as rewards_lib
-  r, _ = rewards_lib.safe_reward(reward_fn, list(completions), list(answers))
+  r, _ = rewards_lib.safe_reward(reward_fn, list(completions), list(answers), timeout_s=timeout_s)
   return r, int(np.isnan(r).sum())
 
 
@@ -247,7 +254,8 @@ def _in_row_chunks(fn: Callable[..., jax.Array], rows: int, *arrays: jax.Array) 
 def evaluate(policy: Policy, params: Any, examples: Sequence[Prompt], reward_fn, *,
              batch_size: int, max_new_tokens: int, key: jax.Array | None = None,
              num_samples: int = 1, temperature: float | None = None, noise: Any = None,
-             prompt_length: int | None = None, progress: str | None = None) -> dict:
+             prompt_length: int | None = None, progress: str | None = None,
+             reward_timeout_s: float | None = None) -> dict:
   """Accuracy on ``examples``: pass@1 greedy (``num_samples=1``) or pass@k sampled.
 
   Greedy decoding (temperature 0) is used when ``num_samples == 1``; otherwise
@@ -256,18 +264,25 @@ def evaluate(policy: Policy, params: Any, examples: Sequence[Prompt], reward_fn,
   samples, Chen et al. 2021). Correct means reward > 0 under ``reward_fn`` (the task's answer
   check). ``params=None`` evaluates the base model (LoRA off). The last batch is padded by
   repeating its last prompt, so every call compiles one shape. ``progress``: a label for a tqdm
-  bar over the batches (on stderr); None shows none.
+  bar over the batches (on stderr); None shows none. ``reward_timeout_s``: as :func:`score`'s ``timeout_s``.
+  A sample whose reward is missing (the reward function failed on it) counts as not correct, and is
+  counted in ``missing_rewards``.
 
   Returns:
     ``{"accuracy": pass@k in [0, 1], "sample_accuracy": mean correctness over all samples,
-    "mean_length": tokens, "num_prompts": int, "completions": [str] (the first sample of each
-    prompt), "correct": [bool] per prompt}``.
+    "mean_length": tokens, "num_prompts": int, "missing_rewards": int (samples), "completions": [str]
+    (the first sample of each prompt), "correct": [bool] per prompt}``.
 
   Raises:
-    ValueError: no examples.
+    ValueError: no examples, or ``batch_size``, ``num_samples`` or ``max_new_tokens`` below 1.
   """
   if not examples:
     raise ValueError("evaluate: no examples")
+  bad = [f"{k}={v}" for k, v in (("batch_size", batch_size), ("num_samples", num_samples),
+                                 ("max_new_tokens", max_new_tokens)) if int(v) < 1]
+  if bad:
+    raise ValueError(f"evaluate: {', '.join(bad)} must be >= 1")
+  missing = 0
   greedy = num_samples == 1
   correct, sample_ok, lengths, texts = [], [], [], []
   starts = range(0, len(examples), batch_size)
@@ -285,7 +300,8 @@ def evaluate(policy: Policy, params: Any, examples: Sequence[Prompt], reward_fn,
     lens = np.asarray(ro.lengths)
     comps = _decode(policy.tokenizer, ro)[:n_real * num_samples]
     answers = [e.answer for e in chunk[:n_real] for _ in range(num_samples)]
-    rewards, _ = score(reward_fn, comps, answers)
+    rewards, n_missing = score(reward_fn, comps, answers, timeout_s=reward_timeout_s)
+    missing += n_missing
     ok = np.nan_to_num(rewards, nan=0.0).reshape(n_real, num_samples) > 0
     correct.extend(ok.any(axis=1).tolist())
     sample_ok.extend(ok.reshape(-1).tolist())
@@ -293,7 +309,7 @@ def evaluate(policy: Policy, params: Any, examples: Sequence[Prompt], reward_fn,
     texts.extend(comps[::num_samples])
   return {"accuracy": float(np.mean(correct)), "sample_accuracy": float(np.mean(sample_ok)),
           "mean_length": float(np.mean(lengths)),
-          "num_prompts": len(examples), "completions": texts, "correct": correct}
+          "num_prompts": len(examples), "missing_rewards": missing, "completions": texts, "correct": correct}
 
 
 # ---------------------------------------------------------------------------------- the loop
@@ -326,29 +342,38 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
       ``tensorboard/``, ``config.json``, ``summary.json``, ``plots/``. When it holds a
       checkpoint, training resumes from the newest complete one.
     policy, datasets, reward_fns: injected components (tests); default: built from ``config``
-      by :func:`load_policy`, :func:`load_datasets`, :func:`make_reward_fns`.
+      by :func:`load_policy`, :func:`load_datasets`, :func:`make_reward_fns`. Injected reward
+      functions run under :data:`REWARD_TIMEOUT_S` a batch.
     stop_after: stop after this many steps of this call (the run stays resumable).
     progress: show a tqdm bar.
 
   Returns:
-    A summary dict: ``status``, ``steps``, ``final_accuracy``, ``initial_accuracy``,
-    ``best_accuracy``, ``final_reward``, ``mean_entropy_first_quarter``, ``mean_step_time_s``,
-    ``wall_time_s``, ``workdir``.
+    A summary dict: ``status`` (``"ok"``, ``"non-finite"`` or ``"rewards-missing"``, from the last
+    step: :func:`summarize`), ``steps``, ``skipped_updates``, ``missing_rewards``, ``final_accuracy``,
+    ``initial_accuracy``, ``best_accuracy``, ``final_reward``, ``mean_entropy_first_quarter``,
+    ``mean_step_time_s``, ``wall_time_s``, ``workdir``.
 
   Raises:
-    ValueError / FileNotFoundError: from loading the model (:func:`load_policy`) or the data
-      (:func:`load_prompts`: a missing file, a bad spec, no usable row), or fewer training prompts
-      than one step's batch (``data.DataOrder``). A reward function that fails does not raise: its
-      completions count as missing rewards (:func:`score`).
+    RunSetupError (a ValueError) before the first step, naming the problem: a workdir that is a file,
+      is not writable, or holds a ``config.json`` that no training run wrote (a model folder); a
+      checkpoint this config cannot resume (other LoRA shapes); the model or the data failing to load
+      (:func:`load_policy`, :func:`load_prompts`: a missing file, a bad spec, no usable row); fewer
+      training prompts than one step's batch (``data.DataOrder``). A reward function that fails or
+      hangs does not raise: its completions count as missing rewards (:func:`score`).
   """
   t_start = time.perf_counter()
   seed, total = int(config.seed), int(config.train.total_steps)
   G = int(config.rl.num_generations)
   prompts_per_step = int(config.rl.batch_size) // G
-  os.makedirs(workdir, exist_ok=True)
-  policy = policy or load_policy(config)
-  train_set, eval_set = datasets or load_datasets(config, policy.tokenizer)
+  try:  # everything that can refuse the run, before its first step: one clear RunSetupError
+    _check_workdir(workdir, config)  # before the model loads (minutes at 7B)
+    policy = policy or load_policy(config)
+    train_set, eval_set = datasets or load_datasets(config, policy.tokenizer)
+    order = data_lib.DataOrder(num_examples=len(train_set), batch_size=prompts_per_step, seed=seed)
+  except (ValueError, OSError) as e:
+    raise RunSetupError(str(e)) from e
   correctness_fn, bonus_fn = reward_fns or make_reward_fns(config)
+  reward_timeout = None if reward_fns is None else REWARD_TIMEOUT_S  # the library's rewards bound their own time
   eval_max_new = int(config.train.eval_max_completion_length or config.sampling.max_completion_length)
   max_new = int(config.sampling.max_completion_length)
   dynamic = bool(config.rl.get("dynamic_sampling", False))
@@ -359,12 +384,19 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=int(config.train.keep_checkpoints),
                                        async_save=bool(config.train.async_checkpointing))
-  order = data_lib.DataOrder(num_examples=len(train_set), batch_size=prompts_per_step, seed=seed)
   prompt_length = int(config.data.max_prompt_length)
   state = policy.init_state(jax.random.fold_in(jax.random.PRNGKey(seed), _LORA_STREAM))
   start, position = 0, 0  # steps done; batches of prompts served (the data position)
   if checkpointer.latest_step() is not None:
-    saved, meta = checkpointer.restore(None, _state_to_save(state, 0, seed))
+    try:
+      saved, meta = checkpointer.restore(None, _state_to_save(state, 0, seed))
+    except Exception as e:  # orbax: shapes or structure that differ from this config's state
+      checkpointer.close()
+      detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      raise RunSetupError(
+          f"cannot resume from the checkpoint at step {checkpointer.latest_step()} in {checkpointer.directory}: "
+          f"its saved state does not fit this config's ({detail}). Resume with the config of the run that "
+          "wrote it (its config.json), or give a new --workdir.") from e
     state = saved["train_state"]
     start, position = int(meta["step"]), int(meta["data_position"])
     diff = _config_diff(meta.get("config", {}), json.loads(config.to_json_best_effort()))
@@ -381,8 +413,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   def run_eval(step: int) -> float:
     ev = evaluate(policy, state.params, eval_set, correctness_fn,
                   batch_size=int(config.train.eval_batch_size), max_new_tokens=eval_max_new,
-                  prompt_length=prompt_length)
-    logger.write(step, {"eval/accuracy": ev["accuracy"], "eval/mean_length": ev["mean_length"]})
+                  prompt_length=prompt_length, reward_timeout_s=reward_timeout)
+    logger.write(step, {"eval/accuracy": ev["accuracy"], "eval/mean_length": ev["mean_length"],
+                        "eval/missing_rewards": ev["missing_rewards"]})
     return ev["accuracy"]
 
   if start == 0 and eval_set:
@@ -418,8 +451,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
       # rewards on the host: one float each, failures missing (NaN); the answer check runs once and
       # the training reward adds the optional bonus (format) and DAPO's overlong penalty to it
       answers = [p.answer for p in batch for _ in range(G)]
-      correct, _ = score(correctness_fn, completions, answers)
-      rewards = correct if bonus_fn is None else correct + score(bonus_fn, completions, answers)[0]
+      correct, _ = score(correctness_fn, completions, answers, timeout_s=reward_timeout)
+      rewards = (correct if bonus_fn is None
+                 else correct + score(bonus_fn, completions, answers, timeout_s=reward_timeout)[0])
       if overlong_buffer:
         rewards = rewards + np.asarray(grpo.overlong_penalty(
             np.asarray(rollout.lengths), max_new, overlong_buffer, float(config.rl.overlong_penalty_factor)))
@@ -495,11 +529,15 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
       checkpointer.save(done, _state_to_save(state, done, seed),
                         {"step": done, "epoch": epoch, "data_position": position, "seed": seed,
                          "config": json.loads(config.to_json_best_effort())})
+      logger.flush()
     if bar is not None:
       bar.update(1)
       post = {"reward": f"{row['reward']:.3f}", "tok/s": f"{row['perf/tokens_per_s']:.0f}"}
       if last_acc is not None:
         post["acc"] = f"{last_acc:.3f}"
+      for key, label in (("skipped_updates", "skipped"), ("reward/missing", "no reward")):
+        if row.get(key):  # only when something went wrong: updates skipped so far, rewards missing this step
+          post[label] = f"{row[key]:.0f}"
       bar.set_postfix(post)
   if bar is not None:
     bar.close()
@@ -516,10 +554,68 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
         summary["wall_time_s"] += float(json.load(f).get("wall_time_s", 0.0))
     except (OSError, ValueError, TypeError):
       pass
-  summary["status"] = "ok" if _finite(summary.get("final_reward")) or end < total else "non-finite"
+  problems = [f"{summary[k]} {what}" for k, what in (
+      ("skipped_updates", "updates were skipped for a NaN or infinite loss, gradient or update"),
+      ("missing_rewards", "completions got no reward (the reward function failed on them; see the warnings)"))
+      if summary[k]]
+  if problems:
+    print(f"warning: {'; '.join(problems)}; status {summary['status']!r}", file=sys.stderr)
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2, sort_keys=True)
   return summary
+
+
+class RunSetupError(ValueError):
+  """The run cannot start: a workdir that cannot hold it, a model or data that cannot load, too few prompts
+  for one step, or a checkpoint that this config cannot resume. Raised by :func:`train` before its first
+  step (the message says what and where; the cause is chained); ``experiments/train.py`` prints it as one
+  line."""
+
+
+# Config keys that decide the trained state's shapes: a checkpoint saved with other values cannot resume.
+_STATE_SHAPE_KEYS = ("lora.rank", "lora.target_modules", "lora.train_norms")
+
+
+def _check_workdir(workdir: str, config) -> None:
+  """Refuses a ``workdir`` the run cannot use, before anything loads.
+
+  Raises:
+    ValueError: ``workdir`` is a file; it holds a ``config.json`` that is not a trainer config (a Hugging Face
+      model folder, say: the run would overwrite it); or its newest checkpoint was saved with other
+      :data:`_STATE_SHAPE_KEYS` values than ``config``'s (named).
+    PermissionError: ``workdir`` cannot be created or written.
+  """
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ValueError(f"workdir {workdir!r} is a file, not a folder")
+  os.makedirs(workdir, exist_ok=True)
+  if not os.access(workdir, os.W_OK | os.X_OK):
+    raise PermissionError(f"workdir {workdir!r} is not writable (the run writes its checkpoints, metrics and "
+                          "config there)")
+  cfg_path = os.path.join(workdir, "config.json")
+  if os.path.exists(cfg_path):
+    try:
+      with open(cfg_path) as f:
+        saved = json.load(f)
+    except (OSError, ValueError):
+      saved = None
+    if not (isinstance(saved, dict) and {"model", "rl", "train"} <= set(saved)):
+      raise ValueError(f"workdir {workdir!r} holds a config.json that is not a training run's (a Hugging Face "
+                       "model folder?); the run would overwrite it. Give another --workdir.")
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(ckpt_dir):
+    return
+  c = ckpt_lib.Checkpointer(ckpt_dir, read_only=True)
+  try:
+    step = c.latest_step()
+    meta = c.restore_meta(step) if step is not None else {}
+  finally:
+    c.close()
+  diff = [d for d in _config_diff(meta.get("config", {}), json.loads(config.to_json_best_effort()))
+          if d[0] in _STATE_SHAPE_KEYS]
+  if diff:
+    shown = ", ".join(f"{key}={b!r} (the checkpoint has {a!r})" for key, a, b in diff)
+    raise ValueError(f"cannot resume from the checkpoint at step {step} in {ckpt_dir}: {shown}; the trained "
+                     "state's shapes differ. Pass the checkpoint's values, or give a new --workdir.")
 
 
 # Keys added to the config after runs were saved, with the value that reproduces those runs.
@@ -575,8 +671,23 @@ def _decode(tokenizer, rollout) -> list[str]:
           for i in range(tokens.shape[0])]
 
 
+def _run_status(last: dict) -> str:
+  """``"ok"``, or what went wrong at a run's last step (``last``: its metrics row): ``"non-finite"`` (its
+  update was skipped for a NaN or infinite loss, gradient or update, or its reward was not finite) or
+  ``"rewards-missing"`` (the reward function gave none of its completions a reward)."""
+  if last.get("update_skipped") == 1.0 or ("reward" in last and not _finite(last["reward"])):
+    return "non-finite"
+  if last.get("frac_reward_nonfinite") == 1.0:
+    return "rewards-missing"
+  return "ok"
+
+
 def summarize(workdir: str, total_steps: int) -> dict:
   """Summary of a run from its metrics.jsonl (used at the end of :func:`train`).
+
+  ``status`` is :func:`_run_status` of the last step; ``skipped_updates`` counts the updates the update step
+  skipped for non-finite values (``update.make_update_step``), ``missing_rewards`` the completions without
+  a reward, over the whole run.
 
   Raises:
     FileNotFoundError: ``workdir`` has no metrics.jsonl.
@@ -589,7 +700,10 @@ def summarize(workdir: str, total_steps: int) -> dict:
   last = train_rows[-1] if train_rows else {}
   return {
       "workdir": workdir,
+      "status": _run_status(last),
       "steps": int(last.get("step", 0)),
+      "skipped_updates": int(last.get("skipped_updates") or 0),
+      "missing_rewards": int(sum(r.get("reward/missing") or 0 for r in train_rows)),
       "initial_accuracy": evals[0][1] if evals and evals[0][0] == 0 else None,
       "final_accuracy": evals[-1][1] if evals else None,
       "best_accuracy": max(a for _, a in evals) if evals else None,

@@ -225,8 +225,8 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
     scanned with ``lax.scan``; each micro-batch's numerator is divided by the normaliser of the
     whole batch (``grpo.loss_normalizer``), so the summed gradient equals the single-batch one.
 
-    A non-finite loss or gradient leaves params and optimizer state bit-identical and
-    increments ``skipped_updates``.
+    A non-finite loss, gradient or parameter update leaves params and optimizer state bit-identical
+    and increments ``skipped_updates``.
 
     Returns: the jitted function. Its metrics (float32 scalars): ``loss``, ``grad_norm`` (before
     clipping), ``learning_rate`` (of this update, from ``config``'s schedule fields; only when
@@ -292,8 +292,10 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
         loss, loss_metrics = grpo.finalize_policy_loss(terms, normalizer)
 
         grad_norm = _global_norm(grads)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = optimizer.update(grads, train_state.opt_state, params)
+        # the update too: finite gradients can still give a non-finite step (an infinite learning rate or
+        # weight decay, an optimizer state gone bad), which would write NaN into the adapter
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(_global_norm(updates))
         new_params = optax.apply_updates(params, updates)
         keep = lambda new, old: jnp.where(ok, new, old)
         new_state = TrainState(

@@ -21,7 +21,8 @@ def test_missing_checkpoint_is_a_clear_error_and_creates_nothing(tmp_path, data_
   assert r.returncode == 2, r.stderr[-2000:]
   assert "a checkpoint not found" in r.stderr and "Traceback" not in r.stderr
   assert not typo.exists()  # opening the checkpoint folder would have created <typo>/checkpoints
-  (tmp_path / "run" / "checkpoints" / "3").mkdir(parents=True)  # a run with step 3 only
+  for item in ("state", "meta"):  # a run with step 3 only (a numbered folder without them is no checkpoint)
+    (tmp_path / "run" / "checkpoints" / "3" / item).mkdir(parents=True)
   r = _eval(f"--workdir={tmp_path / 'run'}", "--step=5", f"--data_dir={data_dir}")
   assert r.returncode == 2 and "step 5 not found" in r.stderr and "[3]" in r.stderr, r.stderr[-2000:]
 
@@ -31,6 +32,20 @@ def test_step_without_workdir_and_negative_limit_are_usage_errors(data_dir):
   assert r.returncode == 1 and "--step=5 needs --workdir" in r.stderr, r.stderr[-2000:]
   r = _eval("--limit=-2", f"--data_dir={data_dir}")
   assert r.returncode == 1 and "--limit=-2 must be >= 0" in r.stderr, r.stderr[-2000:]
+
+
+def test_impossible_flags_and_recipe_values_stop_before_the_model_loads(tmp_path):
+  """--batch_size=-1 wrote pass@1 NaN and exited 0; --out naming a file lost the results after the whole
+  evaluation; --config.lora.rank=0 and --temperature=nan failed after the model loaded."""
+  out = tmp_path / "file"
+  out.write_text("x")
+  for args, code, needle in ((["--batch_size=-1"], 1, "--batch_size=-1 must be >= 0"),
+                             (["--temperature=nan", "--num_samples=4"], 1, "--temperature=nan must be a finite number"),
+                             ([f"--out={out}"], 1, f"--out={out} is a file"),
+                             (["--config.lora.rank=0"], 2, "error: impossible config:\n  - lora.rank=0 must be >= 1")):
+    r = _eval(*args, f"--data_dir={tmp_path / 'no_data'}")  # checked before the data too
+    assert r.returncode == code and needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
+  assert out.read_text() == "x"
 
 
 def test_config_errors_and_positional_arguments_are_one_line_errors(tmp_path):

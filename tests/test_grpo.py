@@ -431,18 +431,23 @@ def test_update_step_skips_nonfinite_and_keeps_state_bit_identical():
         lp, ent = toy_logprob_fn(p, b)
         return lp + 0.0 * jnp.sqrt(p["w"][0, 0] - p["w"][0, 0]), ent
 
+    # finite loss and gradient, non-finite update: an infinite rate makes warm-up's rate 0 * inf = NaN at
+    # count 0 and inf after; before, that update was applied and wrote NaN into the adapter
+    inf_step = update.make_update_step(toy_logprob_fn, {**cfg, "learning_rate": float("inf")})
     bad_batches = [(step_fn, {**batch, "advantages": batch["advantages"].at[1].set(jnp.nan)}),
-                   (update.make_update_step(sqrt_fn, cfg), batch)]
+                   (update.make_update_step(sqrt_fn, cfg), batch), (inf_step, batch)]
     for i, (fn, bad) in enumerate(bad_batches):
         state, met = fn(state, bad, 1, jax.random.key(1))
         assert float(met["update_skipped"]) == 1.0
         assert int(state.skipped_updates) == i + 1 and int(state.num_updates) == 1
+        assert jax.tree.structure(state) == jax.tree.structure(before)
         for a, b in zip(jax.tree.leaves(before.params) + jax.tree.leaves(before.opt_state),
                         jax.tree.leaves(state.params) + jax.tree.leaves(state.opt_state)):
             assert np.array_equal(a, np.asarray(b)) and a.dtype == np.asarray(b).dtype
+        assert np.isfinite(float(met["grad_norm"])) or i < 2
     state, met = step_fn(state, batch, 2, jax.random.key(2))
     assert float(met["update_skipped"]) == 0 and int(state.num_updates) == 2
-    assert float(met["skipped_updates"]) == 2
+    assert float(met["skipped_updates"]) == 3
     assert not np.array_equal(before.params["w"], np.asarray(state.params["w"]))
     np.testing.assert_allclose(float(met["learning_rate"]), 1e-2 * 1 / 2,  # warmup, count 1
                                rtol=1e-5)

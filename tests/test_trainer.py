@@ -35,6 +35,23 @@ def _final_params(workdir, config, policy):
   return trainer.restore_train_state(config, policy, workdir)
 
 
+def _tensorboard_events(workdir):
+  """Every event of a run's TensorBoard files, oldest file first (TFRecord framing: u64 length, u32 crc, the
+  serialized Event, u32 crc)."""
+  import struct
+  from tensorboardX.proto import event_pb2
+  tb = os.path.join(workdir, "tensorboard")
+  out = []
+  for name in sorted(os.listdir(tb), key=lambda n: os.path.getmtime(os.path.join(tb, n))):
+    data = open(os.path.join(tb, name), "rb").read()
+    i = 0
+    while i + 12 <= len(data):
+      (n,) = struct.unpack("<Q", data[i:i + 8])
+      out.append(event_pb2.Event.FromString(data[i + 12:i + 12 + n]))
+      i += 12 + n + 4
+  return out
+
+
 def _toy_run(config, workdir, **kw):
   return trainer.train(config, workdir, policy=toy.toy_policy(config), datasets=toy.toy_datasets(),
                        reward_fns=(toy.contains_answer, None), progress=False, **kw)
@@ -323,10 +340,12 @@ def _launch(*args, timeout=120):
 
 
 def test_launcher_rejects_unknown_key_and_impossible_config(tmp_path):
-  r = _launch("--config=configs/gsm8k_qwen2_5_7b.py", f"--workdir={tmp_path}",
-              "--config.rl.num_generatons=16")
+  r = _launch("--config=configs/gsm8k_qwen2_5_7b.py", f"--workdir={tmp_path}", "--config.seed=3",
+              "--config.rl.num_generatons=16", "--config.lora.rank=8")
   assert r.returncode == 2
-  assert "unknown config key" in r.stderr and "num_generations" in r.stderr  # did-you-mean
+  # only the bad override is named (all three were), with ml_collections' did-you-mean
+  assert r.stderr.startswith("error: unknown config key among ['--config.rl.num_generatons=16']: 'num_generatons' "
+                             "Did you mean \"num_generations\""), r.stderr[-2000:]
   r = _launch("--config=configs/gsm8k_qwen2_5_7b.py", f"--workdir={tmp_path}",
               "--config.rl.num_generations=6", "--config.lora.rank=0")
   assert r.returncode == 2
@@ -370,6 +389,9 @@ def test_toy_run_logs_checkpoints_and_resumes_exactly(tmp_path):
   samples = [json.loads(l) for l in open(os.path.join(part, "samples.jsonl"))]
   assert sorted({s["step"] for s in samples}) == [2, 4, 6]
   assert os.listdir(os.path.join(full, "tensorboard"))
+  # the resumed writer's first event tells TensorBoard to drop the killed run's events of steps >= 3
+  starts = [(e.step, e.session_log.status) for e in _tensorboard_events(part) if e.HasField("session_log")]
+  assert starts == [(3, 1)]  # SessionLog.START at the purge step; none in the first, unresumed file
   # plot.py: both runs on one figure per quantity
   r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "plot.py"),
                       f"--workdirs={full},{part}", f"--out={tmp_path / 'plots'}"],
@@ -393,7 +415,9 @@ def _plot(*args):
 def test_plot_launcher_one_step_run_and_nothing_to_plot(tmp_path):
   one = tmp_path / "one"  # one training step, no evaluation, a null entropy and a line torn by a kill
   one.mkdir()
-  (one / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5, "entropy": null, "aqn/sigma": 0.01}\n'
+  # and lines that are JSON but no metrics row (an AttributeError or KeyError in plot.py before)
+  (one / "metrics.jsonl").write_text('[1, 2]\n{"reward": 0.9}\n{"step": "3", "reward": 0.1}\n'
+                                     '{"step": 1, "reward": 0.5, "entropy": null, "aqn/sigma": 0.01}\n'
                                      '{"step": 2, "rew')
   r = _plot(f"--workdirs={one}")
   assert r.returncode == 0, r.stderr[-2000:]
@@ -404,6 +428,11 @@ def test_plot_launcher_one_step_run_and_nothing_to_plot(tmp_path):
   r = _plot(f"--workdirs={empty}")
   assert r.returncode == 1 and r.stdout == "", r.stderr[-2000:]
   assert r.stderr.startswith(f"error: nothing to plot: no metrics.jsonl in ['{empty}'] has a value of ['reward', ")
+  (tmp_path / "dir").mkdir()
+  (tmp_path / "dir" / "metrics.jsonl").mkdir()  # an IsADirectoryError before
+  r = _plot(f"--workdirs={tmp_path / 'dir'}")
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert f"error: no metrics.jsonl in workdir '{tmp_path / 'dir'}'" in r.stderr
   r = _plot("--workdirs=")
   assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
   assert "--workdirs is empty" in r.stderr
@@ -655,6 +684,117 @@ def test_unfinished_save_is_ignored_and_cleaned(tmp_path):
   assert meta == {"step": 2}
   c.close()
   assert not (d / "3.orbax-checkpoint-tmp").exists()
+
+
+def test_a_numbered_folder_without_the_items_is_not_a_checkpoint(tmp_path):
+  """orbax counts any numbered folder as a step: a '99/' made by hand stopped every resume with
+  KeyError: 'Item "meta" was not found'."""
+  d = tmp_path / "checkpoints"
+  c = ckpt_lib.Checkpointer(d, keep=3, async_save=False)
+  c.save(2, {"w": np.arange(3, dtype=np.float32)}, {"step": 2})
+  c.close()
+  (d / "99").mkdir()
+  (d / "7" / "state").mkdir(parents=True)  # one item of two, as a partial copy leaves it
+  c = ckpt_lib.Checkpointer(d, read_only=True)
+  assert c.all_steps() == [2] and c.latest_step() == 2 and c.restore_meta() == {"step": 2}
+  restored, meta = c.restore(None, {"w": np.zeros(3, np.float32)})
+  np.testing.assert_array_equal(restored["w"], [0, 1, 2])
+  c.close()
+
+
+def test_metrics_logger_resume_drops_lines_that_are_not_rows(tmp_path):
+  """A JSON line that is not an object (or has no integer step) raised AttributeError on resume."""
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1, "a": 1}\n[1, 2]\n{"step": 3, "a": 3}\n{"a": 9}\n{"step": "2"}\n'
+                  '{"step": 2, "a": 2}\n{"step": 4, "a')
+  metrics_lib.MetricsLogger(str(tmp_path), resume_step=2, tensorboard=False).close()
+  assert [json.loads(line) for line in path.read_text().splitlines()] == [{"a": 1, "step": 1}, {"a": 2, "step": 2}]
+
+
+def test_train_refuses_a_workdir_it_cannot_use_before_the_model_loads(tmp_path):
+  """Each refusal is a RunSetupError naming the problem, raised before load_policy (the policy here is None:
+  loading 'toy' would fail with another error), and leaves what was in the workdir as it was."""
+  config = toy.toy_config()
+  f = tmp_path / "a_file"
+  f.write_text("x")
+  with pytest.raises(trainer.RunSetupError, match=f"workdir '{f}' is a file, not a folder"):
+    trainer.train(config, str(f), progress=False)
+  model = tmp_path / "model"  # a Hugging Face folder given as the workdir: its config.json was overwritten
+  model.mkdir()
+  (model / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 64}')
+  with pytest.raises(trainer.RunSetupError, match="holds a config.json that is not a training run's"):
+    trainer.train(config, str(model), progress=False)
+  assert json.loads((model / "config.json").read_text()) == {"model_type": "qwen2", "hidden_size": 64}
+  assert sorted(os.listdir(model)) == ["config.json"]
+  if os.geteuid() != 0:  # root may write anywhere
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    with pytest.raises(trainer.RunSetupError, match="is not writable"):
+      trainer.train(config, str(ro), progress=False)
+
+
+def test_resume_with_other_lora_shapes_or_too_few_prompts_is_one_clear_error(tmp_path):
+  config = toy.toy_config()
+  wd = str(tmp_path / "run")
+  _toy_run(config, wd, stop_after=2)
+  other = toy.toy_config()
+  other.lora.rank = 16  # the checkpoint's is 32: 83 lines of orbax shape errors before, never naming the key
+  with pytest.raises(trainer.RunSetupError, match=r"lora.rank=16 \(the checkpoint has 32\); the trained state's "
+                     "shapes differ"):
+    _toy_run(other, wd)
+  policy = toy.toy_policy(config)  # a state of another shape than the saved one, with the same config
+
+  def init_state(key):
+    return policy.init_state(key)._replace(params={"logits": np.zeros(toy.V + 1, np.float32)})
+
+  import dataclasses
+  with pytest.raises(trainer.RunSetupError, match="cannot resume from the checkpoint at step 2 .*its saved state "
+                     "does not fit this config's"):
+    trainer.train(config, wd, policy=dataclasses.replace(policy, init_state=init_state),
+                  datasets=toy.toy_datasets(), reward_fns=(toy.contains_answer, None), progress=False)
+  train, evals = toy.toy_datasets()
+  with pytest.raises(trainer.RunSetupError, match="DataOrder"):  # 2 prompts a step, 1 in the set
+    trainer.train(config, str(tmp_path / "few"), policy=policy, datasets=(train[:1], evals),
+                  reward_fns=(toy.contains_answer, None), progress=False)
+  assert not os.path.exists(tmp_path / "few" / "checkpoints")  # no checkpointer was opened
+  _toy_run(config, wd)  # the same config still resumes
+  assert ckpt_lib.Checkpointer(os.path.join(wd, "checkpoints"), read_only=True).latest_step() == 6
+
+
+def test_a_run_whose_updates_all_go_non_finite_says_so_and_saves_no_nan(tmp_path, capsys):
+  """optim.learning_rate=inf (which validate now refuses) gave NaN updates: they were applied, the saved adapter
+  held NaN and the run ended with status 'ok'."""
+  config = toy.toy_config()
+  config.optim.learning_rate = float("inf")
+  wd = str(tmp_path / "inf")
+  summary = _toy_run(config, wd)
+  assert summary["status"] == "non-finite" and summary["skipped_updates"] == 6
+  assert json.load(open(os.path.join(wd, "summary.json")))["status"] == "non-finite"
+  state, _ = _final_params(wd, config, toy.toy_policy(config))
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(state.params))
+  assert "warning: 6 updates were skipped for a NaN or infinite loss, gradient or update" in capsys.readouterr().err
+
+
+def test_rewards_that_fail_or_hang_leave_the_run_going_and_say_so(tmp_path, monkeypatch, capsys):
+  import threading
+  release = threading.Event()
+
+  def hangs(completions, answers):
+    release.wait(30)
+    return [1.0] * len(completions)
+
+  monkeypatch.setattr(trainer, "REWARD_TIMEOUT_S", 0.05)
+  config = toy.toy_config()
+  try:
+    summary = trainer.train(config, str(tmp_path / "hang"), policy=toy.toy_policy(config),
+                            datasets=toy.toy_datasets(), reward_fns=(hangs, None), progress=False)
+  finally:
+    release.set()
+  assert summary["status"] == "rewards-missing" and summary["steps"] == 6
+  assert summary["missing_rewards"] == 6 * config.rl.batch_size
+  rows = metrics_lib.read_metrics(str(tmp_path / "hang"))
+  assert [r["eval/missing_rewards"] for r in rows if "eval/missing_rewards" in r] == [8, 8, 8]  # 8 prompts, 3 evals
+  assert "warning: 48 completions got no reward" in capsys.readouterr().err
 
 
 def test_read_only_checkpointer_leaves_a_save_in_progress(tmp_path, caplog):
