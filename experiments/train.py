@@ -56,6 +56,10 @@ def main(argv):
   except trainer.RunSetupError as e:  # the workdir, model, data or checkpoint refused the run before step 1
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:
+    print(f"\ninterrupted; the same command resumes from the newest complete checkpoint in "
+          f"{os.path.join(os.path.abspath(_WORKDIR.value), 'checkpoints')}", file=sys.stderr)
+    return 130
   workdir = os.path.abspath(_WORKDIR.value)
   plots = "plots/, " if bool(config.train.plot) else ""  # train.plot=False draws none
   print(f"\nOutputs in {workdir}: config.json, metrics.jsonl, summary.json, samples.jsonl, {plots}"
