@@ -84,16 +84,21 @@ class Checkpointer:
     return sorted(s for s in self._manager.all_steps()
                   if all(os.path.isdir(os.path.join(self.directory, str(s), item)) for item in ("state", "meta")))
 
+  def _step_or_latest(self, step: int | None) -> int:
+    """``step``, or the newest complete checkpoint's when None; FileNotFoundError when there is none."""
+    if step is None:
+      step = self.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"no complete checkpoint under {self.directory}")
+    return int(step)
+
   def restore_meta(self, step: int | None = None) -> dict:
     """The ``meta`` JSON of ``step`` (None: the latest) alone, without reading the state's arrays.
 
     Raises:
       FileNotFoundError: no complete checkpoint in the directory.
     """
-    if step is None:
-      step = self.latest_step()
-    if step is None:
-      raise FileNotFoundError(f"no complete checkpoint under {self.directory}")
+    step = self._step_or_latest(step)
     restored = self._manager.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     return dict(restored["meta"])
 
@@ -129,10 +134,7 @@ class Checkpointer:
     Raises:
       FileNotFoundError: no complete checkpoint in the directory.
     """
-    if step is None:
-      step = self.latest_step()
-    if step is None:
-      raise FileNotFoundError(f"no complete checkpoint under {self.directory}")
+    step = self._step_or_latest(step)
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
     restored = self._manager.restore(
         int(step),
