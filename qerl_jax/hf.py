@@ -425,6 +425,23 @@ def load_pretrained(path_or_hub_id, *, quant: str = "nvfp4", dtype=jnp.bfloat16,
   return Pretrained(cfg, base, tokenizer, load_generation_config(folder, config))
 
 
+def load_tokenizer(path_or_hub_id):
+  """The tokenizer of a checkpoint (``transformers.AutoTokenizer``), without reading its weights: the same one
+  :func:`load_pretrained` returns. The trainer reads its data with it before the model loads.
+
+  Args:
+    path_or_hub_id: as :func:`load_pretrained`'s (a hub id downloads the checkpoint, as there).
+
+  Returns:
+    The tokenizer, or None when the folder has no tokenizer files.
+
+  Raises:
+    FileNotFoundError: no such folder (and not a hub id that downloads). ValueError: a file path given for the
+    folder.
+  """
+  return _load_tokenizer(_resolve(path_or_hub_id))
+
+
 def _load_tokenizer(folder: pathlib.Path):
   names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
   if not any((folder / n).is_file() for n in names):

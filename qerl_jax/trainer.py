@@ -366,10 +366,14 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   G = int(config.rl.num_generations)
   prompts_per_step = int(config.rl.batch_size) // G
   try:  # everything that can refuse the run, before its first step: one clear RunSetupError
-    _check_workdir(workdir, config)  # before the model loads (minutes at 7B)
+    _check_workdir(workdir, config)  # this, and the data where the tokenizer loads alone, before the model
+    if datasets is None and policy is None:  # loads (minutes at 7B)
+      datasets = _datasets_before_the_model(config)
+    train_set = None if datasets is None else datasets[0]
+    order = None if datasets is None else _data_order(config, len(train_set))
     policy = policy or load_policy(config)
     train_set, eval_set = datasets or load_datasets(config, policy.tokenizer)
-    order = data_lib.DataOrder(num_examples=len(train_set), batch_size=prompts_per_step, seed=seed)
+    order = order or _data_order(config, len(train_set))
   except (ValueError, OSError) as e:
     raise RunSetupError(str(e)) from e
   correctness_fn, bonus_fn = reward_fns or make_reward_fns(config)
@@ -570,6 +574,28 @@ class RunSetupError(ValueError):
   for one step, or a checkpoint that this config cannot resume. Raised by :func:`train` before its first
   step (the message says what and where; the cause is chained); ``experiments/train.py`` prints it as one
   line."""
+
+
+def _data_order(config, num_prompts: int) -> data_lib.DataOrder:
+  """The seeded order of the training set's ``num_prompts`` prompts, ``rl.batch_size / rl.num_generations`` a
+  step. Raises ValueError (naming the keys) when the set holds fewer prompts than one step takes."""
+  per_step = int(config.rl.batch_size) // int(config.rl.num_generations)
+  if num_prompts < per_step:
+    raise ValueError(f"data.train={config.data.train!r} has {num_prompts} usable prompt(s), fewer than one step "
+                     f"takes (rl.batch_size / rl.num_generations = {per_step}); prompts longer than "
+                     f"data.max_prompt_length={config.data.max_prompt_length} tokens are dropped")
+  return data_lib.DataOrder(num_examples=num_prompts, batch_size=per_step, seed=int(config.seed))
+
+
+def _datasets_before_the_model(config) -> tuple[list[Prompt], list[Prompt]] | None:
+  """:func:`load_datasets` with the tokenizer of ``model.path`` loaded alone (``hf.load_tokenizer``), so that a
+  data set that cannot serve (no usable row, fewer prompts than a step takes) stops the run before the model
+  loads; None for a ``random:`` model or a folder without tokenizer files (the model's loading says so)."""
+  from qerl_jax import hf
+  if str(config.model.path).startswith("random:"):
+    return None
+  tokenizer = hf.load_tokenizer(str(config.model.path))
+  return None if tokenizer is None else load_datasets(config, tokenizer)
 
 
 # Config keys that decide the trained state's shapes: a checkpoint saved with other values cannot resume.

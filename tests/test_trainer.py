@@ -753,12 +753,39 @@ def test_resume_with_other_lora_shapes_or_too_few_prompts_is_one_clear_error(tmp
     trainer.train(config, wd, policy=dataclasses.replace(policy, init_state=init_state),
                   datasets=toy.toy_datasets(), reward_fns=(toy.contains_answer, None), progress=False)
   train, evals = toy.toy_datasets()
-  with pytest.raises(trainer.RunSetupError, match="DataOrder"):  # 2 prompts a step, 1 in the set
+  with pytest.raises(trainer.RunSetupError, match=r"data.train='toy' has 1 usable prompt\(s\), fewer than one step "
+                     r"takes \(rl.batch_size / rl.num_generations = 2\)"):
     trainer.train(config, str(tmp_path / "few"), policy=policy, datasets=(train[:1], evals),
                   reward_fns=(toy.contains_answer, None), progress=False)
   assert not os.path.exists(tmp_path / "few" / "checkpoints")  # no checkpointer was opened
   _toy_run(config, wd)  # the same config still resumes
   assert ckpt_lib.Checkpointer(os.path.join(wd, "checkpoints"), read_only=True).latest_step() == 6
+
+
+def _default_config():
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("default_recipe", os.path.join(ROOT, "configs", "default.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config()
+
+
+def test_data_that_cannot_serve_stops_the_run_before_the_model_loads(tmp_path, monkeypatch):
+  """With the tokenizer loaded alone (hf.load_tokenizer), a data set with no usable row or too few prompts is
+  refused in a second, where it took the model's loading first (minutes at 7B)."""
+  def no_model(config, **kw):
+    raise AssertionError("the model was loaded before the data were checked")
+
+  monkeypatch.setattr(trainer, "load_policy", no_model)
+  config = _default_config()
+  config.data.max_prompt_length = 8  # every synthetic prompt has more tokens with the chat template
+  with pytest.raises(trainer.RunSetupError, match=r"data 'synthetic:train:4000:1': no usable rows \(0 malformed, "
+                     r"4000 too long\)"):
+    trainer.train(config, str(tmp_path / "long"), progress=False)
+  config = _default_config()
+  config.data.train = "synthetic:train:3"  # 4 prompts a step
+  with pytest.raises(trainer.RunSetupError, match="has 3 usable prompt"):
+    trainer.train(config, str(tmp_path / "few"), progress=False)
 
 
 def test_a_run_whose_updates_all_go_non_finite_says_so_and_saves_no_nan(tmp_path, capsys):
