@@ -432,121 +432,125 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
                file=sys.stderr)
   last_acc = None
   end = total if stop_after is None else min(total, start + int(stop_after))
-  for step in range(start, end):
-    t0 = time.perf_counter()
-    keys = step_keys(seed, step)
-    # 1-4. the step's prompts (from the seeded order of the training set), its AQN noise, G
-    #      completions per prompt, their rewards; with dynamic sampling (DAPO) again on the next
-    #      prompts until enough groups carry signal
-    epoch = position // order.batches_per_epoch
-    noise = policy.noise(step)
-    rounds, t_rollout, t_reward = [], time.perf_counter() - t0, 0.0
-    for rnd in range(max_rounds):
-      tr = time.perf_counter()
-      batch = [train_set[i] for j in range(oversample) for i in order.batch_indices(position + j)]
-      position += oversample
-      prompt_tokens, prompt_mask = _prompt_batch(policy.tokenizer, batch, prompt_length, policy.pad_id)
-      rollout = policy.generate(state.params, noise, prompt_tokens, prompt_mask,
-                                keys.sample if rnd == 0 else jax.random.fold_in(keys.sample, rnd),
-                                num_generations=G, greedy=False, max_new_tokens=max_new)
-      completions = _decode(policy.tokenizer, rollout)
-      t_rollout += time.perf_counter() - tr
-      tr = time.perf_counter()
-      # rewards on the host: one float each, failures missing (NaN); the answer check runs once and
-      # the training reward adds the optional bonus (format) and DAPO's overlong penalty to it
-      answers = [p.answer for p in batch for _ in range(G)]
-      correct, _ = score(correctness_fn, completions, answers, timeout_s=reward_timeout)
-      rewards = (correct if bonus_fn is None
-                 else correct + score(bonus_fn, completions, answers, timeout_s=reward_timeout)[0])
-      if overlong_buffer:
-        rewards = rewards + np.asarray(grpo.overlong_penalty(
-            np.asarray(rollout.lengths), max_new, overlong_buffer, float(config.rl.overlong_penalty_factor)))
-      rounds.append(_Round(batch, prompt_tokens, prompt_mask, rollout, completions, answers, correct,
-                           np.asarray(rewards, np.float32)))
-      t_reward += time.perf_counter() - tr
-      if not dynamic or sum(int(r.informative.sum()) for r in rounds) >= prompts_per_step:
-        break
-    t1 = t0 + t_rollout
-    # 5. the update's groups (all of them without dynamic sampling) and their group-normalised
-    #    advantages (NaN rewards -> advantage 0)
-    rows, taken, informative = _select_groups(rounds, prompts_per_step, G, dynamic=dynamic)
-    if dynamic:
-      prompt_tokens = np.concatenate([rounds[ri].prompt_tokens[gi:gi + 1] for ri, gi in taken])
-      prompt_mask = np.concatenate([rounds[ri].prompt_mask[gi:gi + 1] for ri, gi in taken])
-      rollout = types.SimpleNamespace(**{f: _take_rows(rounds, rows, G, f)
-                                         for f in ("tokens", "mask", "policy_logprobs", "truncated")})
-      rewards = np.concatenate([rounds[ri].rewards[r0:r0 + G] for ri, r0 in rows])
-    advantages = grpo.group_advantages(jnp.asarray(rewards), G, scale_rewards=str(config.rl.scale_rewards))
-    t2 = t1 + t_reward
-    # 6. reference log-probs (LoRA off) when beta > 0
-    update_batch = _update_batch(prompt_tokens, prompt_mask, rollout, advantages)
-    update_noise = policy.update_noise(noise)
-    t_ref = None
-    if float(config.rl.beta) > 0:
-      tf = time.perf_counter()
-      update_batch["ref_logprobs"] = jax.block_until_ready(policy.ref_logprobs(update_batch, update_noise))
-      t_ref = time.perf_counter() - tf
-    # 7. num_iterations optimizer updates over micro-batches
-    for it in range(int(config.rl.num_iterations)):
-      state, update_metrics = policy.update(state, update_batch, update_noise, step,
-                                            jax.random.fold_in(keys.update, it))
-    # the update is dispatched asynchronously: wait for it, or its time lands in the next step's rollout
-    jax.block_until_ready((state, update_metrics))
-    t3 = time.perf_counter()
-    # 8. log, checkpoint, evaluate
-    done = step + 1
-    # the step's reward, accuracy and completion metrics cover every completion sampled
-    sampled_rewards = np.concatenate([r.rewards for r in rounds])
-    sampled_correct = np.concatenate([r.correct for r in rounds])
-    row = {**_scalar_metrics(update_metrics),
-           **_scalar_metrics(grpo.reward_metrics(jnp.asarray(sampled_rewards), G)),
-           **_scalar_metrics(grpo.completion_metrics(
-               jnp.concatenate([jnp.asarray(r.rollout.mask) for r in rounds]),
-               jnp.concatenate([jnp.asarray(r.rollout.truncated) for r in rounds]))),
-           "reward/missing": int(np.isnan(sampled_rewards).sum()),
-           "accuracy": float(np.mean(np.nan_to_num(sampled_correct) > 0)),
-           "aqn/sigma": float(policy.sigma(step)), "data/epoch": epoch, "data/position": position,
-           "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2,
-           "time/step_s": t3 - t0,
-           "perf/tokens_per_s": sum(float(np.asarray(r.rollout.lengths).sum()) for r in rounds)
-                                / max(t1 - t0, 1e-9)}
-    if t_ref is not None:
-      row["time/reference_s"] = t_ref  # the part of time/update_s that the KL's reference pass took
-    if dynamic:
-      row.update({"dynamic_sampling/rounds": len(rounds), "dynamic_sampling/informative_groups": informative,
-                  "dynamic_sampling/filled_groups": prompts_per_step - informative})
-    mem = metrics_lib.peak_device_memory_bytes()
-    if mem is not None:
-      row["perf/peak_memory_bytes"] = mem
-    logger.write(done, row)
-    every = int(config.train.log_samples_every)
-    if every and done % every == 0:
-      first = rounds[0]  # the step's first rollout
-      n = min(int(config.train.num_samples_logged), len(first.completions))
-      prompts_text = [first.prompts[i // G].text for i in range(n)]
-      logger.write_samples(done, prompts_text, first.completions[:n], first.rewards[:n].tolist(),
-                           first.answers[:n])
-    if (int(config.train.eval_every) and done % int(config.train.eval_every) == 0
-        or done == total) and eval_set:
-      last_acc = run_eval(done)
-    if done % int(config.train.save_every) == 0 or done == total:
-      checkpointer.save(done, _state_to_save(state, done, seed),
-                        {"step": done, "epoch": epoch, "data_position": position, "seed": seed,
-                         "config": json.loads(config.to_json_best_effort())})
-      logger.flush()
+  # finally: a run that raises (out of memory, say) still waits for its checkpoint save in flight and
+  # closes its files; the exception then goes on
+  try:
+    for step in range(start, end):
+      t0 = time.perf_counter()
+      keys = step_keys(seed, step)
+      # 1-4. the step's prompts (from the seeded order of the training set), its AQN noise, G
+      #      completions per prompt, their rewards; with dynamic sampling (DAPO) again on the next
+      #      prompts until enough groups carry signal
+      epoch = position // order.batches_per_epoch
+      noise = policy.noise(step)
+      rounds, t_rollout, t_reward = [], time.perf_counter() - t0, 0.0
+      for rnd in range(max_rounds):
+        tr = time.perf_counter()
+        batch = [train_set[i] for j in range(oversample) for i in order.batch_indices(position + j)]
+        position += oversample
+        prompt_tokens, prompt_mask = _prompt_batch(policy.tokenizer, batch, prompt_length, policy.pad_id)
+        rollout = policy.generate(state.params, noise, prompt_tokens, prompt_mask,
+                                  keys.sample if rnd == 0 else jax.random.fold_in(keys.sample, rnd),
+                                  num_generations=G, greedy=False, max_new_tokens=max_new)
+        completions = _decode(policy.tokenizer, rollout)
+        t_rollout += time.perf_counter() - tr
+        tr = time.perf_counter()
+        # rewards on the host: one float each, failures missing (NaN); the answer check runs once and
+        # the training reward adds the optional bonus (format) and DAPO's overlong penalty to it
+        answers = [p.answer for p in batch for _ in range(G)]
+        correct, _ = score(correctness_fn, completions, answers, timeout_s=reward_timeout)
+        rewards = (correct if bonus_fn is None
+                   else correct + score(bonus_fn, completions, answers, timeout_s=reward_timeout)[0])
+        if overlong_buffer:
+          rewards = rewards + np.asarray(grpo.overlong_penalty(
+              np.asarray(rollout.lengths), max_new, overlong_buffer, float(config.rl.overlong_penalty_factor)))
+        rounds.append(_Round(batch, prompt_tokens, prompt_mask, rollout, completions, answers, correct,
+                             np.asarray(rewards, np.float32)))
+        t_reward += time.perf_counter() - tr
+        if not dynamic or sum(int(r.informative.sum()) for r in rounds) >= prompts_per_step:
+          break
+      t1 = t0 + t_rollout
+      # 5. the update's groups (all of them without dynamic sampling) and their group-normalised
+      #    advantages (NaN rewards -> advantage 0)
+      rows, taken, informative = _select_groups(rounds, prompts_per_step, G, dynamic=dynamic)
+      if dynamic:
+        prompt_tokens = np.concatenate([rounds[ri].prompt_tokens[gi:gi + 1] for ri, gi in taken])
+        prompt_mask = np.concatenate([rounds[ri].prompt_mask[gi:gi + 1] for ri, gi in taken])
+        rollout = types.SimpleNamespace(**{f: _take_rows(rounds, rows, G, f)
+                                           for f in ("tokens", "mask", "policy_logprobs", "truncated")})
+        rewards = np.concatenate([rounds[ri].rewards[r0:r0 + G] for ri, r0 in rows])
+      advantages = grpo.group_advantages(jnp.asarray(rewards), G, scale_rewards=str(config.rl.scale_rewards))
+      t2 = t1 + t_reward
+      # 6. reference log-probs (LoRA off) when beta > 0
+      update_batch = _update_batch(prompt_tokens, prompt_mask, rollout, advantages)
+      update_noise = policy.update_noise(noise)
+      t_ref = None
+      if float(config.rl.beta) > 0:
+        tf = time.perf_counter()
+        update_batch["ref_logprobs"] = jax.block_until_ready(policy.ref_logprobs(update_batch, update_noise))
+        t_ref = time.perf_counter() - tf
+      # 7. num_iterations optimizer updates over micro-batches
+      for it in range(int(config.rl.num_iterations)):
+        state, update_metrics = policy.update(state, update_batch, update_noise, step,
+                                              jax.random.fold_in(keys.update, it))
+      # the update is dispatched asynchronously: wait for it, or its time lands in the next step's rollout
+      jax.block_until_ready((state, update_metrics))
+      t3 = time.perf_counter()
+      # 8. log, checkpoint, evaluate
+      done = step + 1
+      # the step's reward, accuracy and completion metrics cover every completion sampled
+      sampled_rewards = np.concatenate([r.rewards for r in rounds])
+      sampled_correct = np.concatenate([r.correct for r in rounds])
+      row = {**_scalar_metrics(update_metrics),
+             **_scalar_metrics(grpo.reward_metrics(jnp.asarray(sampled_rewards), G)),
+             **_scalar_metrics(grpo.completion_metrics(
+                 jnp.concatenate([jnp.asarray(r.rollout.mask) for r in rounds]),
+                 jnp.concatenate([jnp.asarray(r.rollout.truncated) for r in rounds]))),
+             "reward/missing": int(np.isnan(sampled_rewards).sum()),
+             "accuracy": float(np.mean(np.nan_to_num(sampled_correct) > 0)),
+             "aqn/sigma": float(policy.sigma(step)), "data/epoch": epoch, "data/position": position,
+             "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2,
+             "time/step_s": t3 - t0,
+             "perf/tokens_per_s": sum(float(np.asarray(r.rollout.lengths).sum()) for r in rounds)
+                                  / max(t1 - t0, 1e-9)}
+      if t_ref is not None:
+        row["time/reference_s"] = t_ref  # the part of time/update_s that the KL's reference pass took
+      if dynamic:
+        row.update({"dynamic_sampling/rounds": len(rounds), "dynamic_sampling/informative_groups": informative,
+                    "dynamic_sampling/filled_groups": prompts_per_step - informative})
+      mem = metrics_lib.peak_device_memory_bytes()
+      if mem is not None:
+        row["perf/peak_memory_bytes"] = mem
+      logger.write(done, row)
+      every = int(config.train.log_samples_every)
+      if every and done % every == 0:
+        first = rounds[0]  # the step's first rollout
+        n = min(int(config.train.num_samples_logged), len(first.completions))
+        prompts_text = [first.prompts[i // G].text for i in range(n)]
+        logger.write_samples(done, prompts_text, first.completions[:n], first.rewards[:n].tolist(),
+                             first.answers[:n])
+      if (int(config.train.eval_every) and done % int(config.train.eval_every) == 0
+          or done == total) and eval_set:
+        last_acc = run_eval(done)
+      if done % int(config.train.save_every) == 0 or done == total:
+        checkpointer.save(done, _state_to_save(state, done, seed),
+                          {"step": done, "epoch": epoch, "data_position": position, "seed": seed,
+                           "config": json.loads(config.to_json_best_effort())})
+        logger.flush()
+      if bar is not None:
+        bar.update(1)
+        post = {"reward": f"{row['reward']:.3f}", "tok/s": f"{row['perf/tokens_per_s']:.0f}"}
+        if last_acc is not None:
+          post["acc"] = f"{last_acc:.3f}"
+        for key, label in (("skipped_updates", "skipped"), ("reward/missing", "no reward")):
+          if row.get(key):  # only when something went wrong: updates skipped so far, rewards missing this step
+            post[label] = f"{row[key]:.0f}"
+        bar.set_postfix(post)
+  finally:
     if bar is not None:
-      bar.update(1)
-      post = {"reward": f"{row['reward']:.3f}", "tok/s": f"{row['perf/tokens_per_s']:.0f}"}
-      if last_acc is not None:
-        post["acc"] = f"{last_acc:.3f}"
-      for key, label in (("skipped_updates", "skipped"), ("reward/missing", "no reward")):
-        if row.get(key):  # only when something went wrong: updates skipped so far, rewards missing this step
-          post[label] = f"{row[key]:.0f}"
-      bar.set_postfix(post)
-  if bar is not None:
-    bar.close()
-  checkpointer.close()
-  logger.close()
+      bar.close()
+    checkpointer.close()
+    logger.close()
   summary = summarize(workdir, total)
   summary["wall_time_s"] = time.perf_counter() - t_start
   prev_path = os.path.join(workdir, "summary.json")

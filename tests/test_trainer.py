@@ -762,6 +762,29 @@ def test_resume_with_other_lora_shapes_or_too_few_prompts_is_one_clear_error(tmp
   assert ckpt_lib.Checkpointer(os.path.join(wd, "checkpoints"), read_only=True).latest_step() == 6
 
 
+def test_a_run_that_raises_mid_way_keeps_its_last_checkpoint_and_resumes(tmp_path):
+  """An exception in step 4 (out of memory, say) leaves the step-2 checkpoint complete when train() returns
+  (the save was in flight: train waits for it before the exception goes on), and the same call resumes."""
+  import dataclasses
+  config = toy.toy_config()
+  policy = toy.toy_policy(config)
+
+  def update(state, batch, noise, step, key):
+    if step == 3:
+      raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+    return policy.update(state, batch, noise, step, key)
+
+  wd = str(tmp_path / "run")
+  with pytest.raises(RuntimeError, match="out of memory"):
+    trainer.train(config, wd, policy=dataclasses.replace(policy, update=update), datasets=toy.toy_datasets(),
+                  reward_fns=(toy.contains_answer, None), progress=False)
+  assert ckpt_lib.Checkpointer(os.path.join(wd, "checkpoints"), read_only=True).all_steps() == [2]
+  assert _toy_run(config, wd)["steps"] == 6
+  full = str(tmp_path / "full")
+  _toy_run(config, full)
+  assert _deterministic(metrics_lib.read_metrics(wd)) == _deterministic(metrics_lib.read_metrics(full))
+
+
 def _default_config():
   import importlib.util
   spec = importlib.util.spec_from_file_location("default_recipe", os.path.join(ROOT, "configs", "default.py"))
