@@ -548,19 +548,28 @@ def pad_prompts(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, batch: int, 
   return tokens, mask
 
 
-def validate_prompts(prompt_tokens, prompt_mask) -> None:
+def validate_prompts(prompt_tokens, prompt_mask, vocab_size: Optional[int] = None) -> None:
   """Check shapes and left padding of concrete prompt arrays.
 
   Args:
-    prompt_tokens: int ``[B, P]`` (only its shape is read).
+    prompt_tokens: int ``[B, P]``; with ``vocab_size``, its values are checked unless it is traced.
     prompt_mask: int or bool ``[B, P]``, 1 on real tokens; its values are checked
       unless it is traced.
+    vocab_size: the model's vocabulary size ``V``: every id, padding included, must be in ``[0, V)`` (an id
+      beyond the embedding table reads NaN, which reaches every row of the batch through masked attention;
+      a negative id would wrap around to another token).
 
   Raises:
+    TypeError: ``prompt_tokens`` is not an integer array.
     ValueError: rank or shape mismatch, no rows (``B = 0``), a row with no prompt
-      token, a mask that is not 0/1, or a row that is not left-padded (a 1
-      followed by a 0).
+      token, a mask that is not 0/1, a row that is not left-padded (a 1
+      followed by a 0), or (with ``vocab_size``) an id outside ``[0, V)``.
   """
+  if not hasattr(prompt_tokens, "ndim") or not hasattr(prompt_mask, "shape"):
+    raise TypeError(f"generate: prompt_tokens and prompt_mask must be arrays, got {type(prompt_tokens).__name__} "
+                    f"and {type(prompt_mask).__name__}")
+  if not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
+    raise TypeError(f"generate: prompt_tokens must hold integer token ids, got dtype {prompt_tokens.dtype}")
   if prompt_tokens.ndim != 2:
     raise ValueError(f"generate: prompt_tokens must be [B, P], got shape {prompt_tokens.shape}")
   if prompt_mask.shape != prompt_tokens.shape:
@@ -581,6 +590,17 @@ def validate_prompts(prompt_tokens, prompt_mask) -> None:
   if not_left.size:
     raise ValueError(f"generate: prompt rows {not_left.tolist()} are not left-padded (mask goes 1 -> 0); "
                      "pad on the left, e.g. tokenizer.padding_side = 'left'")
+  if vocab_size is None:
+    return
+  try:
+    t = np.asarray(prompt_tokens)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return
+  bad = np.argwhere((t < 0) | (t >= vocab_size))
+  if bad.size:
+    (r, c), v = bad[0], t[tuple(bad[0])]
+    raise ValueError(f"generate: prompt_tokens hold {len(bad)} id(s) outside [0, {vocab_size}) (the vocabulary), "
+                     f"e.g. {v} at row {r}, column {c} (padding included)")
 
 
 # ----------------------------------------------------------------------------
@@ -755,11 +775,18 @@ def generate(cfg_model, base: dict, prompt_tokens, prompt_mask, key: jax.Array, 
     TypeError: ``config`` is not a :class:`SamplingConfig`, or ``lora_cfg`` has no LoRA scale
       (:func:`qerl_jax.models.lora_scale_of`).
     ValueError: bad prompt shapes, no rows, a row without tokens, a mask that is not 0/1,
-      right padding (:func:`validate_prompts`).
+      right padding, a token id outside the vocabulary (:func:`validate_prompts`); a ``config.pad_id``,
+      end or stop id outside the vocabulary.
   """
   if not isinstance(config, SamplingConfig):
     raise TypeError(f"generate: config must be a SamplingConfig, got {type(config).__name__}")
-  validate_prompts(prompt_tokens, prompt_mask)
+  validate_prompts(prompt_tokens, prompt_mask, vocab_size=cfg_model.vocab_size)
+  ids = {"pad_id": [config.pad_id], "eos_token_ids": list(config.eos_token_ids),
+         "stop_token_ids": list(config.stop_token_ids)}
+  bad = {k: [i for i in v if not 0 <= i < cfg_model.vocab_size] for k, v in ids.items()}
+  bad = {k: v for k, v in bad.items() if v}
+  if bad:  # a pad id beyond the embedding table turned the whole batch to NaN (the bucket's padding reads it)
+    raise ValueError(f"generate: SamplingConfig ids outside [0, {cfg_model.vocab_size}) (the vocabulary): {bad}")
   b, p = prompt_tokens.shape
   bb, pb = bucket(b), bucket(p, min_prompt_bucket)
   tokens_np, mask_np = pad_prompts(np.asarray(prompt_tokens), np.asarray(prompt_mask), bb, pb, config.pad_id)

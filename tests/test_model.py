@@ -335,6 +335,20 @@ def test_remat_and_init_params_shapes():
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
   with pytest.raises(ValueError, match="positions"):
     fwd(cfg, base, tokens, pos[:, :3])
+  # an id beyond the table read NaN (JAX's gather fills out of bounds), a negative one another token, a float
+  # id was truncated: each is refused where the ids are concrete
+  with pytest.raises(ValueError, match=r"tokens hold 1 id\(s\) outside \[0, 64\) \(the vocabulary\), e.g. 64"):
+    models.forward(cfg, base, tokens.at[1, 2].set(64), pos)
+  with pytest.raises(ValueError, match="e.g. -3"):
+    models.token_logprobs(cfg, base, tokens.at[0, 0].set(-3), pos)
+  with pytest.raises(TypeError, match="tokens must hold integer ids, got dtype float32"):
+    fwd(cfg, base, tokens.astype(jnp.float32), pos)  # the dtype is known under jit too
+  for tau in (0.0, -1.0, float("nan")):  # 0 gave NaN log-probs, -1 wrong ones
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+      models.token_logprobs(cfg, base, tokens, pos, temperature=tau)
+  lp, _ = jax.jit(lambda t: models.token_logprobs(cfg, base, t, pos, temperature=0.5))(tokens)  # traced: unchecked
+  ref, _ = models.token_logprobs(cfg, base, tokens, pos, temperature=0.5)
+  np.testing.assert_allclose(np.asarray(lp), np.asarray(ref), rtol=1e-5, atol=1e-6)
 
 
 def test_summarize_lists_formats_and_bytes():

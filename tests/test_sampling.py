@@ -1,5 +1,7 @@
 """Tests for qerl_jax.sampling: filters on hand-made distributions, end-of-sequence masks, buckets."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -209,6 +211,17 @@ def test_validation_errors():
     sampling.validate_prompts(ok, np.ones((2, 4)))
   with pytest.raises(ValueError, match="no prompts"):  # used to surface as "bucket: size must be >= 1"
     sampling.validate_prompts(np.ones((0, 3), np.int32), np.ones((0, 3), np.int32))
+  # ids beyond the embedding table read NaN (600 of 512: NaN log-probs), negative ones wrap around; padding too
+  bad = np.array([[3, 4, 5], [7, 600, 2]], np.int32)
+  with pytest.raises(ValueError, match=r"1 id\(s\) outside \[0, 512\) \(the vocabulary\), e.g. 600 at row 1, column 1"):
+    sampling.validate_prompts(bad, np.ones((2, 3)), vocab_size=512)
+  with pytest.raises(ValueError, match=r"e.g. -1 at row 0, column 0 \(padding included\)"):
+    sampling.validate_prompts(np.array([[-1, 4, 5]]), np.array([[0, 1, 1]]), vocab_size=512)
+  sampling.validate_prompts(bad, np.ones((2, 3)))  # without vocab_size only shapes and the mask are checked
+  with pytest.raises(TypeError, match="must hold integer token ids, got dtype float32"):  # 5.7 became 5
+    sampling.validate_prompts(np.full((1, 3), 5.7, np.float32), np.ones((1, 3)))
+  with pytest.raises(TypeError, match="must be arrays, got list"):
+    sampling.validate_prompts([[1, 2]], np.ones((1, 2)))
   with pytest.raises(ValueError, match="eos_token_ids"):
     SamplingConfig(max_new_tokens=4, eos_token_ids=(), pad_id=0)
   with pytest.raises(ValueError, match="top_p"):
@@ -264,6 +277,23 @@ def tiny():
   model = make_hf_model("qwen2")
   cfg = models.ModelConfig.from_hf(model.config.to_dict(), dtype="float32")
   return model, cfg, hf.base_from_state_dict(cfg, model.state_dict())
+
+
+def test_generate_refuses_ids_outside_the_vocabulary(tiny):
+  """pad_id = V was accepted and turned every row of the batch to NaN log-probs (the bucket's padding reads the
+  pad id's embedding, out of the table)."""
+  _, cfg, base = tiny
+  tokens, mask = np.array([[0, 5, 6], [4, 5, 6]], np.int32), np.array([[0, 1, 1], [1, 1, 1]], np.int32)
+  key = jax.random.PRNGKey(0)
+  for kw, needle in ((dict(pad_id=cfg.vocab_size), f"'pad_id': [{cfg.vocab_size}]"),
+                     (dict(eos_token_ids=(2, cfg.vocab_size + 3)), f"'eos_token_ids': [{cfg.vocab_size + 3}]"),
+                     (dict(stop_token_ids=(cfg.vocab_size,)), f"'stop_token_ids': [{cfg.vocab_size}]")):
+    sc = SamplingConfig(**{**dict(max_new_tokens=2, eos_token_ids=(2,), pad_id=0), **kw})
+    with pytest.raises(ValueError, match=re.escape(needle)):
+      sampling.generate(cfg, base, tokens, mask, key, sc)
+  with pytest.raises(ValueError, match=f"outside \\[0, {cfg.vocab_size}\\)"):
+    sampling.generate(cfg, base, tokens + cfg.vocab_size, mask, key,
+                      SamplingConfig(max_new_tokens=2, eos_token_ids=(2,), pad_id=0))
 
 
 def _prompts():

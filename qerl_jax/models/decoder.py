@@ -7,6 +7,7 @@ Parameter trees are plain nested dicts (see the package docstring). The
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -509,8 +510,10 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     ``(logits_or_hidden, new_cache)`` (``new_cache`` is None without a cache).
 
   Raises:
+    TypeError: ``tokens`` not integer.
     ValueError: tokens/positions/mask shape mismatch, more new tokens
-      than cache slots, (outside ``jit``) ``index + T`` past the cache's last slot, an unknown
+      than cache slots, (outside ``jit``) ``index + T`` past the cache's last slot or a token id outside
+      ``[0, vocab_size)`` (inside ``jit`` such an id reads NaN: JAX's out-of-bounds gather fills), an unknown
       ``attn_impl``, or ``"cudnn"`` off a GPU backend.
   """
   if attn_impl not in layers.ATTENTION_IMPLEMENTATIONS:
@@ -524,6 +527,7 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
   elif attn_mask.shape != tokens.shape:
     raise ValueError(f"attn_mask shape {attn_mask.shape} != tokens shape {tokens.shape}")
   attn_mask = attn_mask.astype(bool)
+  _check_token_ids(tokens, cfg.vocab_size)
   dt = _dtype(cfg)
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
   lora_scale = lora_scale_of(lora_cfg)
@@ -652,6 +656,21 @@ def lm_head_logits(cfg: ModelConfig, base: dict, hidden: jax.Array) -> jax.Array
 
 # ----------------------------------------------------------------------------- log-probs
 
+def _check_token_ids(tokens, vocab_size: int) -> None:
+  """TypeError for non-integer ``tokens``; ValueError for an id outside ``[0, vocab_size)`` when ``tokens`` is
+  concrete (a traced array is not read)."""
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise TypeError(f"tokens must hold integer ids, got dtype {tokens.dtype}")
+  try:
+    t = np.asarray(tokens)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return  # traced: values unknown here
+  bad = (t < 0) | (t >= vocab_size)
+  if bad.any():
+    raise ValueError(f"tokens hold {int(bad.sum())} id(s) outside [0, {vocab_size}) (the vocabulary), e.g. "
+                     f"{t[bad][0]}")
+
+
 def logprobs_from_hidden(cfg: ModelConfig, base: dict, hidden: jax.Array, targets: jax.Array, *,
                          chunk_size: int = 256, temperature: float = 1.0):
   """Log-probabilities and entropies from hidden states, chunked over the sequence.
@@ -669,7 +688,16 @@ def logprobs_from_hidden(cfg: ModelConfig, base: dict, hidden: jax.Array, target
 
   Returns:
     ``(logprobs [B, T] f32, entropy [B, T] f32)``.
+
+  Raises:
+    ValueError: ``temperature`` not a finite number > 0 (0 gave NaN, a negative one wrong values).
   """
+  try:
+    tau = float(temperature)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    tau = 1.0  # traced: not checked
+  if not (math.isfinite(tau) and tau > 0):
+    raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
   b, t, d = hidden.shape
   c = max(1, min(chunk_size, t))
   n = -(-t // c)
