@@ -190,6 +190,29 @@ def test_format_reward_with_weight():
     format_reward(comps, kind="xml")
 
 
+def test_degenerate_completions_score_without_raising_or_quadratic_scans():
+  """From an adversarial probe: '1,' * 100000 took 282 s (the fraction pattern rescanned the digit run from each
+  of its digits), '\\boxed{' * 4000 3.5 s (every unclosed box scanned to the end), and a fraction beyond
+  Python's 4300-digit int -> str limit raised out of gsm8k_reward. Each input here took minutes or raised."""
+  assert rewards.extract_gsm8k_answer("1," * 50000 + "x") == "1"
+  assert rewards.extract_gsm8k_answer("12, 3/4 " + "7," * 30000) == "7"
+  assert extract_boxed("\\boxed{" * 20000) is None
+  assert extract_boxed("\\boxed{1} and \\boxed{2}") == "2"
+  assert extract_boxed("\\boxed{1} and \\boxed{2") is None  # the last box decides, as before
+  huge = "1" * 4400 + "/3"
+  assert gsm8k_reward(["#### " + huge, "#### 7"], ["7", "#### " + huge]) == [0.0, 0.0]
+  assert gsm8k_reward(["#### 2/6"], ["1/3"]) == [1.0]  # fractions still compare exactly
+  for bad in (("42", ["42"]), (["42"], "42")):  # a str where a list goes: scored character by character before
+    with pytest.raises(TypeError, match="must be a sequence of strings, got one str"):
+      gsm8k_reward(*bad)
+  with pytest.raises(TypeError, match="math_reward: completions must be a sequence of strings"):
+    math_reward("42", ["42"])
+  with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds >= 1, got nan"):
+    math_reward(["1"], ["1"], timeout_s=float("nan"))
+  with pytest.raises(ValueError, match="weight must be a finite number, got nan"):
+    format_reward(["#### 1"], weight=float("nan"))
+
+
 def test_safe_reward_passes_good_values_through():
   r, problems = safe_reward(gsm8k_reward, ["#### 1", "#### 2"], ["1", "3"])
   assert r.dtype == np.float32 and r.tolist() == [1.0, 0.0] and problems == []
