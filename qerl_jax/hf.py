@@ -76,10 +76,26 @@ class SafetensorsFile:
   whole-file read), so resident memory is only the tensors asked for."""
 
   def __init__(self, path):
+    """Reads the header of ``path``.
+
+    Raises:
+      ValueError: the file is not a readable safetensors file (too short, a header length beyond the file, a
+        header that is not a JSON object), naming the file. OSError: it cannot be opened.
+    """
     self.path = str(path)
+    size = os.path.getsize(self.path)
     with open(self.path, "rb") as f:
-      (n,) = struct.unpack("<Q", f.read(8))
-      header = json.loads(f.read(n))
+      head = f.read(8)
+      n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+      if n is None or n > size - 8:
+        raise ValueError(f"{self.path}: not a safetensors file (truncated or corrupt: {size} bytes, header length "
+                         f"{n})")
+      try:
+        header = json.loads(f.read(n))
+      except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{self.path}: not a safetensors file (its header is not JSON: {e})") from None
+    if not isinstance(header, dict):
+      raise ValueError(f"{self.path}: not a safetensors file (its header is not a JSON object)")
     self._offset = 8 + n
     header.pop("__metadata__", None)
     self.header = header
@@ -371,7 +387,8 @@ def load_pretrained(path_or_hub_id, *, quant: str = "nvfp4", dtype=jnp.bfloat16,
 
   Raises:
     ValueError: unsupported architecture (lists the supported ones), an
-      unsupported quantization scheme, ``tie_word_embeddings`` false with no
+      unsupported quantization scheme, a non-floating ``dtype``, more layers in the checkpoint than
+      ``num_hidden_layers``, a weights file that is not safetensors (named), ``tie_word_embeddings`` false with no
       ``lm_head.weight`` (names the key), a tensor whose shape disagrees with the
       config (names the tensor and both shapes), an unknown ``quant``, a file path given for the folder.
     FileNotFoundError: no such folder (and not a hub id that downloads), no config.json /
@@ -381,6 +398,8 @@ def load_pretrained(path_or_hub_id, *, quant: str = "nvfp4", dtype=jnp.bfloat16,
   """
   if quant not in ("nvfp4", "nf4", "none"):
     raise ValueError(f"quant must be 'nvfp4', 'nf4' or 'none', got {quant!r}")
+  if not jnp.issubdtype(dtype, jnp.floating):  # an integer dtype cast every weight to 0
+    raise ValueError(f"dtype must be a floating dtype (bfloat16, float16, float32), got {np.dtype(dtype)}")
   folder = _resolve(path_or_hub_id)
   cfg_path = folder / "config.json"
   if not cfg_path.is_file():
@@ -400,6 +419,10 @@ def load_pretrained(path_or_hub_id, *, quant: str = "nvfp4", dtype=jnp.bfloat16,
                        "refusing to initialise the output projection randomly")
     base["lm_head"] = jax.device_put(np.ascontiguousarray(reader.read(LM_HEAD_KEY, (V, D)).T.astype(dtype)))
 
+  extra = sorted({int(k.split(".")[2]) for k in reader.keys() if k.startswith("model.layers.")
+                  and k.split(".")[2].isdigit() and int(k.split(".")[2]) >= L})
+  if extra:  # they were dropped without a word
+    raise ValueError(f"the checkpoint has layers up to {extra[-1]} but config.json's num_hidden_layers is {L}")
   lay = {"attn": {}, "mlp": {}}
   for ours, hf_name in HF_NORMS.items():
     lay[ours] = jax.device_put(np.stack([reader.read(f"model.layers.{i}.{hf_name}", (D,)).astype(dtype)

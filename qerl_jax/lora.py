@@ -61,7 +61,7 @@ class LoRAConfig:
 
   Attributes:
     r: rank (> 0).
-    lora_alpha: the alpha of ``scale = alpha / r`` (> 0).
+    lora_alpha: the alpha of ``scale = alpha / r`` (finite, > 0).
     use_rslora: use ``scale = alpha / sqrt(r)`` (rsLoRA) instead.
     target_modules: subset of ``("q", "k", "v", "o", "gate", "up", "down")``;
       a list is accepted and stored as a tuple in canonical order.
@@ -88,8 +88,8 @@ class LoRAConfig:
     object.__setattr__(self, "target_modules", tuple(m for m in ALL_MODULES if m in mods))
     if int(self.r) != self.r or self.r <= 0:
       raise ValueError(f"LoRAConfig.r={self.r}; must be a positive integer")
-    if not self.lora_alpha > 0:
-      raise ValueError(f"LoRAConfig.lora_alpha={self.lora_alpha}; must be > 0")
+    if not (self.lora_alpha > 0 and math.isfinite(self.lora_alpha)):  # inf * (B = 0) made the first forward NaN
+      raise ValueError(f"LoRAConfig.lora_alpha={self.lora_alpha}; must be a finite number > 0")
 
   @property
   def scale(self) -> float:

@@ -264,6 +264,30 @@ def test_error_unsupported_architecture(tmp_root, tmp_path):
     hf.load_pretrained(f)
 
 
+ASSET = pathlib.Path(__file__).resolve().parents[1] / "assets" / "tiny-gsm"
+
+
+def test_error_integer_dtype_extra_layers_and_a_corrupt_weights_file(tmp_path):
+  """From an adversarial probe: dtype=int32 cast every weight to 0; a config with fewer layers than the checkpoint
+  dropped the rest; a truncated or garbage safetensors file raised a bare JSONDecodeError or OverflowError."""
+  with pytest.raises(ValueError, match="dtype must be a floating dtype .*, got int32"):
+    hf.load_pretrained(ASSET, dtype=np.int32)
+  f = _copy(ASSET, tmp_path / "fewer")
+  config = json.loads((f / "config.json").read_text())
+  layers = config["num_hidden_layers"]
+  config["num_hidden_layers"] = layers - 1
+  (f / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match=f"the checkpoint has layers up to {layers - 1} but config.json's "
+                                       f"num_hidden_layers is {layers - 1}"):
+    hf.load_pretrained(f)
+  g = _copy(ASSET, tmp_path / "corrupt")
+  blob = (g / "model.safetensors").read_bytes()
+  for name, data in (("truncated", blob[:100]), ("garbage", bytes(range(256)) * 4), ("short", b"abc")):
+    (g / "model.safetensors").write_bytes(data)
+    with pytest.raises(ValueError, match=f"{g / 'model.safetensors'}: not a safetensors file"):
+      hf.load_pretrained(g)
+
+
 def test_error_missing_local_folder(tmp_path):
   """A local path that does not exist is named as such, not sent to the hub as a repo id
   (which raised huggingface_hub's 'Repo id must be in the form ...')."""

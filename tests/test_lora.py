@@ -52,6 +52,9 @@ def test_config_validation_and_canonical_order():
     L.LoRAConfig(target_modules="q")
   with pytest.raises(ValueError, match="r=0"):
     L.LoRAConfig(r=0)
+  for alpha in (0.0, float("nan"), float("inf")):  # inf was accepted: inf * (B = 0) made the first forward NaN
+    with pytest.raises(ValueError, match=f"lora_alpha={alpha}; must be a finite number > 0"):
+      L.LoRAConfig(lora_alpha=alpha)
 
 
 # -------------------------------------------------------------------- init ---
