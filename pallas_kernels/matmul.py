@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import jax
@@ -372,10 +373,10 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
 
   Raises:
     ValueError: unknown backend, a scalar or non-float ``x``, K mismatch, ``lora``
-      shapes that do not match (or ``lora`` with a stacked ``w`` and no ``index``),
-      or a forced kernel backend with an input it does not take (non-bf16
-      ``x``, stacked ``w``).
-    TypeError: unsupported weight type.
+      shapes that do not match (or ``lora`` with a stacked ``w`` and no ``index``), a non-finite Python
+      ``lora`` scale, a non-floating ``out_dtype``, or a forced kernel backend with an input it does not
+      take (non-bf16 ``x``, stacked ``w``).
+    TypeError: unsupported weight type; an ``index`` that is not an integer scalar.
   """
   if backend not in BACKENDS:
     raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
@@ -386,8 +387,15 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
   if index is not None and w.packed.ndim != 3:
     raise ValueError(f"quantized_matmul: index given but the weight is not a stack [L, K, N] "
                      f"(packed shape {w.packed.shape})")
+  if index is not None and (jnp.ndim(index) != 0 or not jnp.issubdtype(jnp.result_type(index), jnp.integer)):
+    raise TypeError(f"quantized_matmul: index must be an integer scalar, got {jnp.result_type(index)} of shape "
+                    f"{jnp.shape(index)}")  # 1.7 read layer 1; a [2] array failed in a reshape
+  if out_dtype is not None and not jnp.issubdtype(out_dtype, jnp.floating):
+    raise ValueError(f"quantized_matmul: out_dtype must be a floating dtype, got {jnp.dtype(out_dtype)}")
   if lora is not None:
     xa, b, scale = lora
+    if isinstance(scale, (int, float)) and not math.isfinite(scale):  # a NaN scale made every output NaN
+      raise ValueError(f"quantized_matmul: the lora scale must be finite, got {scale}")
     b_ok = b.shape[-2:] == (xa.shape[-1], n) and (b.ndim == 2 or (b.ndim == 3 and index is not None))
     if xa.shape[:-1] != x.shape[:-1] or not b_ok:
       raise ValueError(f"quantized_matmul: lora needs xa [..., R] with x's leading dims {x.shape[:-1]} and "

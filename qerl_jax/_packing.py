@@ -118,10 +118,20 @@ def check_finite(w, name: str) -> None:
         f"({n_nan} NaN, {n_bad - n_nan} Inf) at indices {where}{more}")
 
 
-def check_block_multiple(shape, block: int, name: str, pad: bool):
-  """Returns how many rows of K padding are needed, or raises if K % block != 0 and not pad."""
+def check_block_multiple(shape, block: int, name: str, pad: bool, dtype=None):
+  """Returns how many rows of K padding are needed, or raises if K % block != 0 and not pad.
+
+  Raises:
+    ValueError: a rank below 2, an empty K or N, or K % block != 0 without ``pad``.
+    TypeError: ``dtype`` (when given) not a real floating dtype (an int or bool weight has no scale to keep;
+      a complex one lost its imaginary part).
+  """
   if len(shape) < 2:
     raise ValueError(f"{name}: expected a weight of shape [..., K, N], got shape {tuple(shape)}")
+  if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{name}: expected a floating-point weight, got dtype {jnp.dtype(dtype)}")
+  if shape[-2] == 0 or shape[-1] == 0:
+    raise ValueError(f"{name}: the weight of shape {tuple(shape)} is empty (K or N is 0)")
   k = shape[-2]
   rem = k % block
   if rem and not pad:

@@ -93,11 +93,13 @@ def quantize(w, *, pad: bool = False) -> NF4Tensor:
     :class:`NF4Tensor` of logical shape ``(K, N)``.
 
   Raises:
-    ValueError: K not a multiple of 64 (unless ``pad``), a rank below 2, or
-      NaN/Inf in a concrete ``w`` (how many and where). Works under ``jax.jit``
+    ValueError: K not a multiple of 64 (unless ``pad``), a rank below 2, an empty K or N, or
+      NaN/Inf in a concrete ``w`` (how many and where).
+    TypeError: a weight that is not floating point (int, bool, complex). Works under ``jax.jit``
       (the value check is then skipped).
   """
-  n_pad = _packing.check_block_multiple(tuple(w.shape), BLOCK_SIZE, "nf4.quantize", pad)
+  n_pad = _packing.check_block_multiple(tuple(w.shape), BLOCK_SIZE, "nf4.quantize", pad,
+                                        getattr(w, "dtype", None))
   w = jnp.asarray(w)
   if n_pad:
     w = jnp.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, n_pad), (0, 0)])

@@ -360,7 +360,8 @@ def quantize(w, *, global_scale=None, pad: bool = False) -> NVFP4Tensor:
     :class:`NVFP4Tensor` of logical shape ``(K, N)``.
 
   Raises:
-    ValueError: K not a multiple of 16 (and ``pad`` is False), a rank below 2,
+    TypeError: a weight that is not floating point (int, bool, complex).
+    ValueError: K not a multiple of 16 (and ``pad`` is False), a rank below 2, an empty K or N,
       a global scale that is not finite and > 0, or NaN/Inf in a concrete ``w``
       (the message says how many and where). Traced inputs (inside ``jit``) are
       not checked for NaN/Inf.
@@ -368,7 +369,7 @@ def quantize(w, *, global_scale=None, pad: bool = False) -> NVFP4Tensor:
   Works under ``jax.jit`` (the checks on values are then skipped).
   """
   shape = tuple(w.shape)
-  n_pad = _packing.check_block_multiple(shape, BLOCK_SIZE, "nvfp4.quantize", pad)
+  n_pad = _packing.check_block_multiple(shape, BLOCK_SIZE, "nvfp4.quantize", pad, getattr(w, "dtype", None))
   w = jnp.asarray(w)
   if n_pad:
     w = jnp.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, n_pad), (0, 0)])
@@ -448,7 +449,7 @@ def from_compressed_tensors(weight_packed, weight_scale, weight_global_scale) ->
 
   Raises:
     ValueError: on mismatched shapes or dtypes, K (twice the packed width) not a multiple
-      of 16, or a global scale that is not one finite value > 0.
+      of 16, a NaN block scale, or a global scale that is not one finite value > 0.
   """
   weight_packed = np.asarray(weight_packed)
   weight_scale = np.asarray(weight_scale)
@@ -464,6 +465,9 @@ def from_compressed_tensors(weight_packed, weight_scale, weight_global_scale) ->
                      f"{weight_packed.shape}: expected {(n, k // BLOCK_SIZE)}")
   if weight_scale.dtype != jnp.float8_e4m3fn:
     raise ValueError(f"weight_scale must be float8_e4m3fn, got {weight_scale.dtype}")
+  nan = np.argwhere((weight_scale.view(np.uint8) & 0x7F) == 0x7F)  # E4M3's only NaN codes: every weight of
+  if nan.size:  # such a block dequantized to NaN
+    raise ValueError(f"weight_scale holds {len(nan)} NaN block scale(s), e.g. at row {nan[0][0]}, block {nan[0][1]}")
   gs = np.asarray(weight_global_scale, np.float32)
   if gs.size != 1 or not np.isfinite(gs).all() or not (gs > 0).all():
     raise ValueError(f"weight_global_scale must be one finite value > 0, got {gs.tolist()}")

@@ -327,6 +327,19 @@ def test_stacked_index_errors():
   stack = nvfp4.quantize(np.ones((2, 32, 16), np.float32))
   with pytest.raises(ValueError, match=r"one \[K, N\] matrix, got packed shape \(2, 16, 16\)"):
     w4_triton.forward(_act((2, 32), 0), stack, interpret=True)
+  # an adversarial probe: index 1.7 read layer 1, an index of shape [2] failed in a reshape, an int8 out_dtype
+  # truncated, a NaN LoRA scale gave NaN outputs without a word
+  with pytest.raises(TypeError, match="index must be an integer scalar, got float32 of shape"):
+    quantized_matmul(_act((2, 32), 0), stack, index=jnp.float32(1.7))
+  with pytest.raises(TypeError, match=r"index must be an integer scalar, got int32 of shape \(2,\)"):
+    quantized_matmul(_act((2, 32), 0), stack, index=jnp.array([0, 1], jnp.int32))
+  with pytest.raises(ValueError, match="out_dtype must be a floating dtype, got int8"):
+    quantized_matmul(_act((2, 32), 0), wq, out_dtype=jnp.int8)
+  xa, b = jnp.ones((2, 4), jnp.bfloat16), jnp.ones((4, 16), jnp.bfloat16)
+  with pytest.raises(ValueError, match="the lora scale must be finite, got nan"):
+    quantized_matmul(_act((2, 32), 0), wq, lora=(xa, b, float("nan")))
+  y = quantized_matmul(_act((2, 32), 0), stack, index=1, out_dtype=jnp.float32)  # a Python int is fine
+  np.testing.assert_allclose(np.asarray(y), np.asarray(quantized_matmul(_act((2, 32), 0), wq, out_dtype=jnp.float32)))
 
 
 @pytest.mark.parametrize("backend", ["reference", "interpret"])

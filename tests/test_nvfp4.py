@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qerl_jax import nvfp4
+from qerl_jax import nf4, nvfp4
 
 E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -295,6 +295,15 @@ def test_bad_global_scale_and_rank_raise():
     nvfp4.quantize(np.ones((16,), np.float32))
   with pytest.raises(TypeError):
     nvfp4.dequantize(w)
+  # int and bool weights were accepted, a complex one lost its imaginary part, an empty one hit numpy's
+  # "zero-size array to reduction operation"
+  for dtype in (np.int32, np.bool_, np.complex64):
+    for quantize in (nvfp4.quantize, nf4.quantize):
+      with pytest.raises(TypeError, match=f"expected a floating-point weight, got dtype {np.dtype(dtype)}"):
+        quantize(np.ones((64, 4), dtype))
+  for shape in ((0, 4), (16, 0)):
+    with pytest.raises(ValueError, match=re.escape(f"the weight of shape {shape} is empty")):
+      nvfp4.quantize(np.ones(shape, np.float32))
 
 
 # Measured on this recipe: 0.09501 (seed 0, 1024 x 1024 standard normal); seeds 0-3 at
@@ -408,6 +417,12 @@ def test_from_compressed_tensors_rejects_bad_layout():
   for bad in ([0.0], [np.inf], [np.nan], [-2.0], [1.0, 2.0]):
     with pytest.raises(ValueError, match="weight_global_scale"):
       nvfp4.from_compressed_tensors(packed, good_scale, np.array(bad, np.float32))
+  nan_scale = good_scale.copy()
+  nan_scale.view(np.uint8)[5, 1] = 0xFF  # -NaN (0x7F is +NaN): every weight of that block dequantized to NaN
+  with pytest.raises(ValueError, match="weight_scale holds 1 NaN block scale\\(s\\), e.g. at row 5, block 1"):
+    nvfp4.from_compressed_tensors(packed, nan_scale, np.ones(1, np.float32))
+  assert np.isfinite(np.asarray(nvfp4.dequantize(
+      nvfp4.from_compressed_tensors(packed, np.full((8, 2), 448, ml_dtypes.float8_e4m3fn), np.ones(1, np.float32))))).all()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
