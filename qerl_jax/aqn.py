@@ -294,18 +294,22 @@ def noise(key: jax.Array, step, norm_shapes: Union[Mapping[str, Any], Any],
     ``schedule.kind == "off"`` (or sigma is 0) the arrays are exact zeros.
 
   Raises:
-    ValueError: a shape that is not 2-D, a negative Python step, or schedule
-      problems (see :func:`schedule_sigma`).
-    TypeError: ``schedule`` is not an :class:`AQNConfig`, or a model config without
-      ``num_layers`` / ``hidden_size`` (:func:`norm_shapes_of`).
+    ValueError: a shape that is not 2-D or has a negative dim, a negative or >= 2**32 Python step, or
+      schedule problems (see :func:`schedule_sigma`).
+    TypeError: a step that is not an integer, ``schedule`` not an :class:`AQNConfig`, or a model config
+      without ``num_layers`` / ``hidden_size`` (:func:`norm_shapes_of`).
   """
   if not isinstance(norm_shapes, Mapping):
     norm_shapes = norm_shapes_of(norm_shapes)
+  if isinstance(step, bool) or not jnp.issubdtype(jnp.result_type(step), jnp.integer):
+    raise TypeError(f"step must be an integer, got {step!r}")  # 55.7 drew step 55's noise
+  if isinstance(step, (int, np.integer)) and step >= 2**32:
+    raise ValueError(f"step={step} must be < 2**32 (it is folded into the key as a uint32)")
   shapes = {}
   for name, shape in norm_shapes.items():
     shape = tuple(int(s) for s in shape)
-    if len(shape) != 2:
-      raise ValueError(f"norm_shapes[{name!r}]={shape}; expected (num_layers, hidden)")
+    if len(shape) != 2 or min(shape) < 0:
+      raise ValueError(f"norm_shapes[{name!r}]={shape}; expected (num_layers, hidden), both >= 0")
     shapes[name] = shape
   # First, so that a non-AQNConfig schedule and a negative Python step raise as documented
   # (TypeError / ValueError) for every kind, "off" included.

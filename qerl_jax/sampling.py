@@ -548,6 +548,22 @@ def pad_prompts(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, batch: int, 
   return tokens, mask
 
 
+def _check_norm_noise(norm_noise, shape: tuple) -> None:
+  """ValueError for AQN noise that is not ``{name: [L, D]}`` of ``shape``, or (when concrete) not finite: a NaN
+  in it made every sampled log-prob NaN, a wrong shape failed deep in the layer scan."""
+  if norm_noise is None:
+    return
+  for name, z in norm_noise.items():
+    if tuple(jnp.shape(z)) != tuple(shape):
+      raise ValueError(f"generate: norm_noise[{name!r}] has shape {tuple(jnp.shape(z))}; expected [L, D] = {shape}")
+    try:
+      finite = bool(np.isfinite(np.asarray(z)).all())
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+      continue
+    if not finite:
+      raise ValueError(f"generate: norm_noise[{name!r}] holds NaN or infinite values")
+
+
 def validate_prompts(prompt_tokens, prompt_mask, vocab_size: Optional[int] = None) -> None:
   """Check shapes and left padding of concrete prompt arrays.
 
@@ -776,7 +792,7 @@ def generate(cfg_model, base: dict, prompt_tokens, prompt_mask, key: jax.Array, 
       (:func:`qerl_jax.models.lora_scale_of`).
     ValueError: bad prompt shapes, no rows, a row without tokens, a mask that is not 0/1,
       right padding, a token id outside the vocabulary (:func:`validate_prompts`); a ``config.pad_id``,
-      end or stop id outside the vocabulary.
+      end or stop id outside the vocabulary; ``norm_noise`` not ``[L, D]`` or (concrete) not finite.
   """
   if not isinstance(config, SamplingConfig):
     raise TypeError(f"generate: config must be a SamplingConfig, got {type(config).__name__}")
@@ -787,6 +803,7 @@ def generate(cfg_model, base: dict, prompt_tokens, prompt_mask, key: jax.Array, 
   bad = {k: v for k, v in bad.items() if v}
   if bad:  # a pad id beyond the embedding table turned the whole batch to NaN (the bucket's padding reads it)
     raise ValueError(f"generate: SamplingConfig ids outside [0, {cfg_model.vocab_size}) (the vocabulary): {bad}")
+  _check_norm_noise(norm_noise, (cfg_model.num_layers, cfg_model.hidden_size))
   b, p = prompt_tokens.shape
   bb, pb = bucket(b), bucket(p, min_prompt_bucket)
   tokens_np, mask_np = pad_prompts(np.asarray(prompt_tokens), np.asarray(prompt_mask), bb, pb, config.pad_id)

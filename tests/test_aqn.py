@@ -150,6 +150,17 @@ def test_noise_rejects_a_non_config_schedule_and_negative_steps_for_every_kind()
   for cfg in (CFG, aqn.AQNConfig(kind="off"), aqn.AQNConfig(kind="exponential", total_steps=100)):
     with pytest.raises(ValueError, match="step=-1"):
       aqn.noise(jax.random.key(0), -1, SHAPES, cfg)
+  # 55.7 drew step 55's noise (while sigma refused it), 2**32 overflowed uint32 in the key, (-1, 4) gave (0, 4)
+  for step in (55.7, jnp.float32(3.0), True):
+    with pytest.raises(TypeError, match="step must be an integer"):
+      aqn.noise(jax.random.key(0), step, SHAPES, CFG)
+  with pytest.raises(ValueError, match="step=4294967296 must be < 2\\*\\*32"):
+    aqn.noise(jax.random.key(0), 2**32, SHAPES, CFG)
+  with pytest.raises(ValueError, match="expected \\(num_layers, hidden\\), both >= 0"):
+    aqn.noise(jax.random.key(0), 5, {"input_norm": (-1, 4)}, CFG)
+  z = aqn.noise(jax.random.key(0), np.int64(50), SHAPES, CFG)  # NumPy and JAX integers are steps
+  np.testing.assert_array_equal(np.asarray(z["input_norm"]),
+                                np.asarray(aqn.noise(jax.random.key(0), jnp.int32(50), SHAPES, CFG)["input_norm"]))
 
 
 def test_update_noise_switch():

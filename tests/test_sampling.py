@@ -294,6 +294,23 @@ def test_generate_refuses_ids_outside_the_vocabulary(tiny):
   with pytest.raises(ValueError, match=f"outside \\[0, {cfg.vocab_size}\\)"):
     sampling.generate(cfg, base, tokens + cfg.vocab_size, mask, key,
                       SamplingConfig(max_new_tokens=2, eos_token_ids=(2,), pad_id=0))
+  # AQN noise: NaN made every log-prob NaN, a wrong shape failed deep in the layer scan
+  sc = SamplingConfig(max_new_tokens=2, eos_token_ids=(2,), pad_id=0)
+  shape = (cfg.num_layers, cfg.hidden_size)
+  noise = {"input_norm": np.zeros(shape, np.float32), "post_attn_norm": np.zeros(shape, np.float32)}
+  with pytest.raises(ValueError, match=re.escape(f"norm_noise['post_attn_norm'] has shape (2, 3); expected [L, D] = "
+                                                 f"{shape}")):
+    sampling.generate(cfg, base, tokens, mask, key, sc, norm_noise={**noise, "post_attn_norm": np.zeros((2, 3))})
+  nan = noise["input_norm"].copy()
+  nan[0, 1] = np.nan
+  with pytest.raises(ValueError, match=re.escape("norm_noise['input_norm'] holds NaN or infinite values")):
+    sampling.generate(cfg, base, tokens, mask, key, sc, norm_noise={**noise, "input_norm": nan})
+  from qerl_jax import models
+  with pytest.raises(ValueError, match="init_cache: batch must be an integer >= 1, got -1"):
+    models.init_cache(cfg, -1, 8)
+  cache = models.init_cache(cfg, 3, 8, dtype=jnp.float32)
+  with pytest.raises(ValueError, match="tokens have 2 rows but the KV cache holds 3"):
+    models.forward(cfg, base, jnp.asarray(tokens), jnp.zeros((2, 3), jnp.int32), cache=cache)
 
 
 def _prompts():

@@ -208,7 +208,13 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -
     ``"mask": bool [B, S]`` (True at written, non-padding slots),
     ``"index": int32 []`` (next slot to write, shared by all rows)}. ``S = max_len``.
     Prompts are left-padded so one shared write index serves the batch.
+
+  Raises:
+    ValueError: ``batch`` or ``max_len`` not an integer >= 1.
   """
+  for name, v in (("batch", batch), ("max_len", max_len)):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+      raise ValueError(f"init_cache: {name} must be an integer >= 1, got {v!r}")
   shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
   return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
           "mask": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((), jnp.int32)}
@@ -511,7 +517,7 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
 
   Raises:
     TypeError: ``tokens`` not integer.
-    ValueError: tokens/positions/mask shape mismatch, more new tokens
+    ValueError: tokens/positions/mask shape mismatch, a cache of another batch size, more new tokens
       than cache slots, (outside ``jit``) ``index + T`` past the cache's last slot or a token id outside
       ``[0, vocab_size)`` (inside ``jit`` such an id reads NaN: JAX's out-of-bounds gather fills), an unknown
       ``attn_impl``, or ``"cudnn"`` off a GPU backend.
@@ -522,6 +528,8 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     raise ValueError(f"tokens must be [B, T] with positions of the same shape; got tokens "
                      f"{tokens.shape}, positions {positions.shape}")
   b, t = tokens.shape
+  if cache is not None and cache["mask"].shape[0] != b:
+    raise ValueError(f"tokens have {b} rows but the KV cache holds {cache['mask'].shape[0]}")
   if attn_mask is None:
     attn_mask = jnp.ones((b, t), bool)
   elif attn_mask.shape != tokens.shape:
