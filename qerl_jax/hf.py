@@ -381,7 +381,8 @@ def load_pretrained(path_or_hub_id, *, quant: str = "nvfp4", dtype=jnp.bfloat16,
     load_tokenizer: load the tokenizer with ``transformers.AutoTokenizer``.
 
   Returns:
-    :class:`Pretrained` ``(cfg, base, tokenizer, generation_config)``;
+    :class:`Pretrained` ``(cfg, base, tokenizer, generation_config)`` (``tokenizer`` None when the folder has no
+    tokenizer files, or ``load_tokenizer`` is False);
     ``generation_config["eos_token_ids"]`` lists every EOS id of
     generation_config.json and config.json (Qwen2.5-Instruct has two).
 
