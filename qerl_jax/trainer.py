@@ -357,7 +357,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     RunSetupError (a ValueError) before the first step, naming the problem: a workdir that is a file,
       is not writable, or holds a ``config.json`` that no training run wrote (a model folder); a
       checkpoint this config cannot resume (other LoRA shapes); the model or the data failing to load
-      (:func:`load_policy`, :func:`load_prompts`: a missing file, a bad spec, no usable row); fewer
+      (:func:`load_policy`, :func:`load_prompts`: a missing file or tensor, a bad spec, no usable row); fewer
       training prompts than one step's batch (``data.DataOrder``). A reward function that fails or
       hangs does not raise: its completions count as missing rewards (:func:`score`).
   """
@@ -374,8 +374,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     policy = policy or load_policy(config)
     train_set, eval_set = datasets or load_datasets(config, policy.tokenizer)
     order = order or _data_order(config, len(train_set))
-  except (ValueError, OSError) as e:
-    raise RunSetupError(str(e)) from e
+  except (ValueError, OSError, KeyError) as e:  # KeyError: a tensor the checkpoint lacks (hf.load_pretrained)
+    raise RunSetupError(str(e).strip("'\"")) from e
   correctness_fn, bonus_fn = reward_fns or make_reward_fns(config)
   reward_timeout = None if reward_fns is None else REWARD_TIMEOUT_S  # the library's rewards bound their own time
   eval_max_new = int(config.train.eval_max_completion_length or config.sampling.max_completion_length)
@@ -391,14 +391,15 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   prompt_length = int(config.data.max_prompt_length)
   state = policy.init_state(jax.random.fold_in(jax.random.PRNGKey(seed), _LORA_STREAM))
   start, position = 0, 0  # steps done; batches of prompts served (the data position)
-  if checkpointer.latest_step() is not None:
+  latest = checkpointer.latest_step()
+  if latest is not None:
     try:
-      saved, meta = checkpointer.restore(None, _state_to_save(state, 0, seed))
+      saved, meta = checkpointer.restore(latest, _state_to_save(state, 0, seed))
     except Exception as e:  # orbax: shapes or structure that differ from this config's state
       checkpointer.close()
       detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
       raise RunSetupError(
-          f"cannot resume from the checkpoint at step {checkpointer.latest_step()} in {checkpointer.directory}: "
+          f"cannot resume from the checkpoint at step {latest} in {checkpointer.directory}: "
           f"its saved state does not fit this config's ({detail}). Resume with the config of the run that "
           "wrote it (its config.json), or give a new --workdir.") from e
     state = saved["train_state"]
