@@ -77,6 +77,8 @@ def sweep_problem(names, seeds) -> str | None:
   resumes, i.e. silently reuses, the first's checkpoint) or write outside the sweep's workdir.
   """
   names, seeds = list(names), list(seeds)
+  if not names:
+    return "variants is empty"
   dup = sorted({n for n in names if names.count(n) > 1})
   if dup:
     return f"variant name(s) {dup} given more than once (each variant trains in <workdir>/<name>/)"

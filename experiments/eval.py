@@ -145,6 +145,10 @@ def main(argv):
   if _WORKDIR.value:
     state, meta = trainer.restore_train_state(config, policy, _WORKDIR.value, step=_STEP.value)
     params, step = state.params, int(meta["step"])
+    skipped = sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit() and int(n) > step)
+    if _STEP.value is None and skipped:  # the newest folder(s) lack state/ or meta/: say which step is scored
+      print(f"warning: checkpoints/{skipped} are incomplete (no state/ or meta/); evaluating step {step}, the newest "
+            "complete one", file=sys.stderr)
     for key, saved, now in trainer.checkpoint_config_mismatch(meta, config):
       print(f"warning: the checkpoint was trained with {key}={saved!r} but --config gives {now!r}: the "
             f"adapter sits on a different base; pass --config.{key}={saved} to evaluate the run as trained",

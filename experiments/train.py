@@ -51,6 +51,9 @@ def main(argv):
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  if not _WORKDIR.value.strip():
+    print("error: --workdir is empty: give the folder for the run's checkpoints, metrics and config", file=sys.stderr)
+    return 2
   try:
     summary = trainer.run(config, _WORKDIR.value)
   except trainer.RunSetupError as e:  # the workdir, model, data or checkpoint refused the run before step 1

@@ -230,7 +230,8 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
   m, lo, aqn, d, rl, s, o, t = (config.model, config.lora, config.aqn, config.data, config.rl,
                                 config.sampling, config.optim, config.train)
 
-  errors.extend(f"{key}={value} must be a finite number" for key, value in _non_finite(config.to_dict()))
+  errors.extend(f"{key}={value} must be a finite number (within float32's range)"
+                for key, value in _non_finite(config.to_dict()))
   seed = config.seed
   need(isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32,
        f"seed={seed!r} must be an integer in [0, 2**32)")
@@ -351,14 +352,18 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
 
 
 def _non_finite(tree: dict, prefix: str = "") -> list[tuple[str, float]]:
-  """``(dotted key, value)`` of every float in the nested dict ``tree`` that is NaN or infinite."""
+  """``(dotted key, value)`` of every float in the nested dict ``tree`` that is NaN, infinite, or beyond float32's
+  range (3.4e38: 1e39 became inf in the float32 optimizer)."""
   out = []
   for key, value in tree.items():
     if isinstance(value, dict):
       out += _non_finite(value, f"{prefix}{key}.")
-    elif isinstance(value, float) and not math.isfinite(value):
+    elif isinstance(value, float) and not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
       out.append((f"{prefix}{key}", value))
   return out
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def data_spec_error(spec: str) -> str | None:

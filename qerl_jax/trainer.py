@@ -32,6 +32,7 @@ import functools
 import json
 import math
 import os
+import socket
 import sys
 import time
 import types
@@ -365,9 +366,11 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   seed, total = int(config.seed), int(config.train.total_steps)
   G = int(config.rl.num_generations)
   prompts_per_step = int(config.rl.batch_size) // G
+  lock = None
   try:  # everything that can refuse the run, before its first step: one clear RunSetupError
     _check_workdir(workdir, config)  # this, and the data where the tokenizer loads alone, before the model
-    if datasets is None and policy is None:  # loads (minutes at 7B)
+    lock = _lock_workdir(workdir)  # loads (minutes at 7B)
+    if datasets is None and policy is None:
       datasets = _datasets_before_the_model(config)
     train_set = None if datasets is None else datasets[0]
     order = None if datasets is None else _data_order(config, len(train_set))
@@ -375,7 +378,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     train_set, eval_set = datasets or load_datasets(config, policy.tokenizer)
     order = order or _data_order(config, len(train_set))
   except (ValueError, OSError, KeyError) as e:  # KeyError: a tensor the checkpoint lacks (hf.load_pretrained)
-    raise RunSetupError(str(e).strip("'\"")) from e
+    if lock is not None:
+      lock.close()
+    raise RunSetupError(e.args[0] if isinstance(e, KeyError) and e.args else str(e)) from e
   correctness_fn, bonus_fn = reward_fns or make_reward_fns(config)
   reward_timeout = None if reward_fns is None else REWARD_TIMEOUT_S  # the library's rewards bound their own time
   eval_max_new = int(config.train.eval_max_completion_length or config.sampling.max_completion_length)
@@ -395,13 +400,16 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   if latest is not None:
     try:
       saved, meta = checkpointer.restore(latest, _state_to_save(state, 0, seed))
-    except Exception as e:  # orbax: shapes or structure that differ from this config's state
+    except Exception as e:  # orbax: shapes or structure that differ from this config's state, or damaged files
       checkpointer.close()
-      detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      if lock is not None:
+        lock.close()
+      detail = " ".join(str(e).split())[:160]
       raise RunSetupError(
-          f"cannot resume from the checkpoint at step {latest} in {checkpointer.directory}: "
-          f"its saved state does not fit this config's ({detail}). Resume with the config of the run that "
-          "wrote it (its config.json), or give a new --workdir.") from e
+          f"cannot resume from the checkpoint at step {latest} in {checkpointer.directory}: its saved state does "
+          f"not fit this config's, or its files are damaged ({type(e).__name__}: {detail}). Resume with the config "
+          "of the run that wrote it (its config.json), delete that step's folder to resume from the one before, "
+          "or give a new --workdir.") from e
     state = saved["train_state"]
     start, position = int(meta["step"]), int(meta["data_position"])
     diff = _config_diff(meta.get("config", {}), json.loads(config.to_json_best_effort()))
@@ -412,8 +420,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
             "again.", file=sys.stderr)
     print(f"resuming from the checkpoint at step {start} in {checkpointer.directory}", file=sys.stderr)
   logger = metrics_lib.MetricsLogger(workdir, resume_step=start if start > 0 else None)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+  if start > total:  # config.json keeps the config that trained those steps
+    print(f"warning: the checkpoint is at step {start}, past train.total_steps={total}: nothing to train",
+          file=sys.stderr)
+  else:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
 
   def run_eval(step: int) -> float:
     ev = evaluate(policy, state.params, eval_set, correctness_fn,
@@ -552,6 +564,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
       bar.close()
     checkpointer.close()
     logger.close()
+    if lock is not None:
+      lock.close()
   summary = summarize(workdir, total)
   summary["wall_time_s"] = time.perf_counter() - t_start
   prev_path = os.path.join(workdir, "summary.json")
@@ -590,6 +604,34 @@ def _data_order(config, num_prompts: int) -> data_lib.DataOrder:
                      f"takes (rl.batch_size / rl.num_generations = {per_step}); prompts longer than "
                      f"data.max_prompt_length={config.data.max_prompt_length} tokens are dropped")
   return data_lib.DataOrder(num_examples=num_prompts, batch_size=per_step, seed=int(config.seed))
+
+
+def _lock_workdir(workdir: str):
+  """An exclusive lock on ``<workdir>/.lock`` for this run (``fcntl.flock``: the OS drops it when the process
+  ends, so a killed run leaves none behind). Two runs in one workdir cut each other's metrics and wrote the
+  same checkpoints. Returns the open lock file (closing it releases the lock); None where ``fcntl`` is
+  missing (not POSIX).
+
+  Raises:
+    ValueError: another process holds the lock (it wrote its pid and host into the file).
+  """
+  try:
+    import fcntl
+  except ImportError:  # pragma: no cover (not POSIX)
+    return None
+  f = open(os.path.join(workdir, ".lock"), "a+")
+  try:
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    f.seek(0)
+    holder = f.read().strip()
+    f.close()
+    raise ValueError(f"workdir {workdir!r} is in use by another training run ({holder or 'process unknown'}); "
+                     "wait for it to end, or give another --workdir") from None
+  f.truncate(0)
+  f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+  f.flush()
+  return f
 
 
 def _datasets_before_the_model(config) -> tuple[list[Prompt], list[Prompt]] | None:

@@ -83,6 +83,7 @@ def test_sweep_problem_refuses_runs_that_would_share_a_folder():
       "seed(s) [3] given more than once (each seed trains in <workdir>/<name>/seed<k>)")
   assert ablate.sweep_problem(["ok", "../up", ""], [0]) == "variant name(s) ['../up', ''] are not plain folder names"
   assert ablate.sweep_problem(["a"], []) == "seeds is empty"
+  assert ablate.sweep_problem([], [0]) == "variants is empty"  # wrote an empty results.md and exited 0
 
 
 def test_run_sweep_goes_on_after_a_run_that_raises(tmp_path, capsys):

@@ -120,6 +120,7 @@ def test_load_prompts_skips_malformed_and_long_rows(tmp_path, data_dir):
     # inf passed every ``> 0`` check: learning_rate=inf made the warm-up's first rate 0 * inf = NaN, and
     # the run finished "ok" with NaN in its saved LoRA weights
     ("optim.learning_rate", float("inf"), "optim.learning_rate=inf must be a finite number"),
+    ("optim.learning_rate", 1e39, "optim.learning_rate=1e+39 must be a finite number (within float32's range)"),
     ("optim.weight_decay", float("inf"), "optim.weight_decay=inf must be a finite number"),
     ("lora.alpha", float("inf"), "lora.alpha=inf must be a finite number"),
     ("rl.beta", float("nan"), "rl.beta=nan must be a finite number"),
@@ -645,6 +646,21 @@ def _restore_on_cpu(path):
   return ck.restore(path, target)
 
 
+def test_eval_says_which_step_it_scores_when_the_newest_checkpoint_folder_is_incomplete(default_runs, tmp_path):
+  """It quietly scored an older step when the newest checkpoint had lost its state/ folder."""
+  import shutil
+  run = tmp_path / "run"
+  shutil.copytree(default_runs["full"], run)
+  shutil.rmtree(run / "checkpoints" / "4" / "state")
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "eval.py"), "--config=configs/default.py",
+                      f"--workdir={run}", "--limit=4", "--max_new_tokens=24"],
+                     cwd=ROOT, env=_env(tmp_path / "cache"), capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert ("warning: checkpoints/[4] are incomplete (no state/ or meta/); evaluating step 3, the newest complete one"
+          in r.stderr), r.stderr[-3000:]
+  assert (run / "eval_3.json").exists()
+
+
 def test_sigkill_after_second_checkpoint_resumes_bit_for_bit(default_runs):
   full, killed = default_runs["full"], default_runs["killed"]
   at_kill = default_runs["steps_at_kill"]
@@ -760,6 +776,46 @@ def test_resume_with_other_lora_shapes_or_too_few_prompts_is_one_clear_error(tmp
   assert not os.path.exists(tmp_path / "few" / "checkpoints")  # no checkpointer was opened
   _toy_run(config, wd)  # the same config still resumes
   assert ckpt_lib.Checkpointer(os.path.join(wd, "checkpoints"), read_only=True).latest_step() == 6
+
+
+def test_a_second_run_in_a_workdir_in_use_is_refused_and_a_finished_one_is_not_rewritten(tmp_path, capsys):
+  """Two runs started in one workdir cut each other's metrics back and wrote the same checkpoints; resuming with
+  total_steps below the steps done rewrote config.json with it."""
+  config = toy.toy_config()
+  wd = str(tmp_path / "run")
+  os.makedirs(wd)
+  held = trainer._lock_workdir(wd)  # what a training process holds for its whole run
+  try:
+    with pytest.raises(trainer.RunSetupError, match=f"workdir '{wd}' is in use by another training run \\(pid "
+                       f"{os.getpid()} on "):
+      _toy_run(config, wd)
+  finally:
+    held.close()
+  assert _toy_run(config, wd)["steps"] == 6  # free again; and the run released its own lock at the end
+  trainer._lock_workdir(wd).close()
+  saved = json.load(open(os.path.join(wd, "config.json")))
+  shorter = toy.toy_config()
+  shorter.train.total_steps = 3
+  capsys.readouterr()
+  _toy_run(shorter, wd)
+  assert "the checkpoint is at step 6, past train.total_steps=3: nothing to train" in capsys.readouterr().err
+  assert json.load(open(os.path.join(wd, "config.json"))) == saved
+
+
+def test_a_damaged_checkpoint_is_named_as_possibly_damaged(tmp_path):
+  config = toy.toy_config()
+  wd = str(tmp_path / "run")
+  _toy_run(config, wd, stop_after=2)
+  state = os.path.join(wd, "checkpoints", "2", "state")
+  for root, _, files in os.walk(state):  # every data file of the state's array store truncated
+    for name in files:
+      if name not in ("_METADATA", "_sharding", "commit_success.txt"):
+        open(os.path.join(root, name), "wb").close()
+  with pytest.raises(trainer.RunSetupError, match="cannot resume from the checkpoint at step 2 .*or its files are "
+                     "damaged .*delete that step's folder to resume from the one before"):
+    _toy_run(config, wd)
+  _lock = trainer._lock_workdir(wd)  # the failed start released its lock
+  _lock.close()
 
 
 def test_a_run_that_raises_mid_way_keeps_its_last_checkpoint_and_resumes(tmp_path):
