@@ -26,14 +26,32 @@ _OUT = flags.DEFINE_string("out", None, "Output folder for the PNGs (default: th
 flags.mark_flags_as_required(["workdirs"])
 
 
+def rejoin_commas(parts: list[str]) -> list[str]:
+  """``--workdirs`` split on commas, with the pieces of a folder whose own name holds a comma joined again: a
+  piece that is not a folder is joined with the next ones while that makes an existing folder (train.py
+  accepts such a --workdir)."""
+  out, i = [], 0
+  while i < len(parts):
+    j = i + 1
+    if not os.path.isdir(parts[i]):
+      for k in range(i + 2, len(parts) + 1):
+        if os.path.isdir(",".join(parts[i:k])):
+          j = k
+          break
+    out.append(",".join(parts[i:j]))
+    i = j
+  return out
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected positional arguments: {argv[1:]} (several runs: --workdirs=a,b)")
   if not _WORKDIRS.value:
     raise app.UsageError("--workdirs is empty: give one or more run folders, comma-separated")
-  out = _OUT.value or os.path.join(_WORKDIRS.value[0], "plots")
+  workdirs = rejoin_commas(_WORKDIRS.value)
+  out = _OUT.value or os.path.join(workdirs[0], "plots")
   try:
-    paths = plotting.plot_runs(_WORKDIRS.value, out, labels=_LABELS.value)
+    paths = plotting.plot_runs(workdirs, out, labels=_LABELS.value)
   except (FileNotFoundError, ValueError) as e:  # a workdir without metrics, mismatched --labels
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -258,7 +258,7 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
          "aqn.enabled (set aqn.enabled=False to turn AQN off)")
     need(float(aqn.sigma_end) > 0, f"aqn.sigma_end={aqn.sigma_end} must be > 0 (both schedules decay "
          "geometrically from sigma_start to sigma_end)")
-    need(float(aqn.sigma_end) <= float(aqn.sigma_start),
+    need(not _all_finite(aqn.sigma_end, aqn.sigma_start) or float(aqn.sigma_end) <= float(aqn.sigma_start),
          f"aqn.sigma_end={aqn.sigma_end} > aqn.sigma_start={aqn.sigma_start}: AQN noise must decay")
     if aqn.schedule == "stages":
       need(int(aqn.num_stages) >= 3, f"aqn.num_stages={aqn.num_stages} must be >= 3 (stage 0 is "
@@ -287,7 +287,7 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
   need(0 < float(rl.epsilon) < 1, f"rl.epsilon={rl.epsilon} must be in (0, 1) (the importance ratio's clip "
        "range starts at 1 - epsilon)")
   if rl.epsilon_high is not None:
-    need(float(rl.epsilon_high) >= float(rl.epsilon),
+    need(not _all_finite(rl.epsilon_high, rl.epsilon) or float(rl.epsilon_high) >= float(rl.epsilon),
          f"rl.epsilon_high={rl.epsilon_high} must be >= rl.epsilon={rl.epsilon}")
   need(float(rl.beta) >= 0, f"rl.beta={rl.beta} must be >= 0")
   need(rl.kl_estimator in KL_ESTIMATORS, f"rl.kl_estimator={rl.kl_estimator!r} is not one of "
@@ -364,6 +364,12 @@ def _non_finite(tree: dict, prefix: str = "") -> list[tuple[str, float]]:
 
 
 _FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _all_finite(*values) -> bool:
+  """Whether every value is a finite number: an ordering check between two keys is left to the finiteness check
+  when one is NaN (``sigma_end=0.0005 > sigma_start=nan`` was reported as well, which is false)."""
+  return all(math.isfinite(float(v)) for v in values)
 
 
 def data_spec_error(spec: str) -> str | None:

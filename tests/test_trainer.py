@@ -148,6 +148,16 @@ def test_validate_names_the_impossible_setting(key, value, needle):
   assert needle in str(e.value)
 
 
+def test_validate_reports_a_nan_once_not_also_as_a_broken_order():
+  c = toy.toy_config()
+  c.aqn.enabled, c.aqn.sigma_start = True, float("nan")
+  with pytest.raises(ValueError) as e:
+    train_config.validate(c, check_paths=False)
+  assert str(e.value).splitlines()[1:] == ["  - aqn.sigma_start=nan must be a finite number (within float32's range)",
+                                           "  - aqn.sigma_start=nan must be > 0 when aqn.enabled (set aqn.enabled=False "
+                                           "to turn AQN off)"]
+
+
 def test_validate_names_a_missing_key_as_a_config_error():
   c = toy.toy_config()
   del c.rl["batch_size"]
@@ -434,6 +444,12 @@ def test_plot_launcher_one_step_run_and_nothing_to_plot(tmp_path):
   r = _plot(f"--workdirs={tmp_path / 'dir'}")
   assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
   assert f"error: no metrics.jsonl in workdir '{tmp_path / 'dir'}'" in r.stderr
+  comma = tmp_path / "run,x"  # train.py takes such a --workdir; plot.py split it on the comma
+  comma.mkdir()
+  (comma / "metrics.jsonl").write_text((one / "metrics.jsonl").read_text())
+  r = _plot(f"--workdirs={comma},{one}", f"--out={tmp_path / 'both'}")
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.split() == [str(tmp_path / "both" / "reward.png"), str(tmp_path / "both" / "sigma.png")]
   r = _plot("--workdirs=")
   assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
   assert "--workdirs is empty" in r.stderr
