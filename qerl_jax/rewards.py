@@ -422,9 +422,9 @@ def safe_reward(fn: RewardFn, completions: Sequence[str], answers: Sequence[str]
   except Exception as e:  # find the completions that make it fail
     problems.append(f"reward fn {name!r} raised {type(e).__name__}: {e} on the batch of {n}; "
                     "retrying each completion alone")
-    values = []
+    values, timed_out = [], False
     for i in range(n):
-      if problems[-1].endswith("the rest are missing"):  # a retry timed out: no n timeouts in a row
+      if timed_out:  # a retry timed out: no n timeouts in a row
         values.append(None)
         continue
       try:
@@ -435,6 +435,7 @@ def safe_reward(fn: RewardFn, completions: Sequence[str], answers: Sequence[str]
       except RewardTimeout as e_i:
         problems.append(f"reward fn {name!r} returned {e_i} at completion index {i}; the rest are missing")
         values.append(None)
+        timed_out = True
       except Exception as e_i:
         problems.append(f"reward fn {name!r} raised {type(e_i).__name__}: {e_i} at completion index {i}")
         values.append(None)

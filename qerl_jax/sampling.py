@@ -606,17 +606,9 @@ def validate_prompts(prompt_tokens, prompt_mask, vocab_size: Optional[int] = Non
   if not_left.size:
     raise ValueError(f"generate: prompt rows {not_left.tolist()} are not left-padded (mask goes 1 -> 0); "
                      "pad on the left, e.g. tokenizer.padding_side = 'left'")
-  if vocab_size is None:
-    return
-  try:
-    t = np.asarray(prompt_tokens)
-  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-    return
-  bad = np.argwhere((t < 0) | (t >= vocab_size))
-  if bad.size:
-    (r, c), v = bad[0], t[tuple(bad[0])]
-    raise ValueError(f"generate: prompt_tokens hold {len(bad)} id(s) outside [0, {vocab_size}) (the vocabulary), "
-                     f"e.g. {v} at row {r}, column {c} (padding included)")
+  problem = None if vocab_size is None else models.token_ids_outside(prompt_tokens, vocab_size)
+  if problem:
+    raise ValueError(f"generate: prompt_tokens {problem} (padding included)")
 
 
 # ----------------------------------------------------------------------------

@@ -375,16 +375,17 @@ def _all_finite(*values) -> bool:
 def data_spec_error(spec: str) -> str | None:
   """What is wrong with the form of a data spec (``data.train`` / ``data.eval``), or None.
 
-  Checks only what needs no file or download: ``synthetic:<split>:<num>[:<seed>]`` (split ``train`` or
-  ``test``, num an integer >= 1, seed an integer) and ``hub:<id>[:<config>]:<split>``. A path is
+  Checks only what needs no file or download: ``synthetic:<split>:<num>[:<seed>]`` (split one of
+  ``synthetic.SPLITS``, num an integer >= 1, seed an integer) and ``hub:<id>[:<config>]:<split>``. A path is
   checked for existence by :func:`validate` (``check_paths``).
   """
   parts = spec.split(":")
   if parts[0] == "synthetic":
     if len(parts) not in (3, 4):
       return "expected synthetic:<split>:<num>[:<seed>]"
-    if parts[1] not in ("train", "test"):
-      return f"the synthetic split {parts[1]!r} is not 'train' or 'test'"
+    from qerl_jax import synthetic  # standard library only
+    if parts[1] not in synthetic.SPLITS:
+      return f"the synthetic split {parts[1]!r} is not one of {synthetic.SPLITS}"
     if not re.fullmatch(r"[0-9]+", parts[2]) or int(parts[2]) < 1:
       return f"the number of problems {parts[2]!r} must be an integer >= 1"
     if len(parts) == 4 and not re.fullmatch(r"-?[0-9]+", parts[3]):

@@ -372,8 +372,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     lock = _lock_workdir(workdir)  # loads (minutes at 7B)
     if datasets is None and policy is None:
       datasets = _datasets_before_the_model(config)
-    train_set = None if datasets is None else datasets[0]
-    order = None if datasets is None else _data_order(config, len(train_set))
+    order = None if datasets is None else _data_order(config, len(datasets[0]))
     policy = policy or load_policy(config)
     train_set, eval_set = datasets or load_datasets(config, policy.tokenizer)
     order = order or _data_order(config, len(train_set))

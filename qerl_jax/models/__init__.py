@@ -56,7 +56,8 @@ from qerl_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, rope_in
 from qerl_jax.models.decoder import (LINEARS, dequantize_base, forward, init_cache, init_params,
                                      lm_head_logits, logprobs_from_hidden, lora_scale_of,
                                      map_linears, positions_from_mask, quantize_base,
-                                     summarize, to_decode_order, token_logprobs)
+                                     summarize, to_decode_order, token_ids_outside,
+                                     token_logprobs)
 from qerl_jax.models.fuse import cast_adapter, fuse_adapter, fuse_projections, is_fused, unfuse_projections
 from qerl_jax.models.layers import linear, is_quantized
 
@@ -64,6 +65,6 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES", "ModelConfig", "rope_inv_freq", "LINEARS", "dequantize_base",
     "forward", "init_cache", "init_params", "lm_head_logits", "logprobs_from_hidden",
     "lora_scale_of", "map_linears", "positions_from_mask", "quantize_base", "summarize", "to_decode_order",
-    "token_logprobs",
+    "token_ids_outside", "token_logprobs",
     "linear", "is_quantized", "cast_adapter", "fuse_adapter", "fuse_projections", "is_fused", "unfuse_projections",
 ]

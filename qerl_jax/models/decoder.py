@@ -664,19 +664,29 @@ def lm_head_logits(cfg: ModelConfig, base: dict, hidden: jax.Array) -> jax.Array
 
 # ----------------------------------------------------------------------------- log-probs
 
-def _check_token_ids(tokens, vocab_size: int) -> None:
-  """TypeError for non-integer ``tokens``; ValueError for an id outside ``[0, vocab_size)`` when ``tokens`` is
-  concrete (a traced array is not read)."""
-  if not jnp.issubdtype(tokens.dtype, jnp.integer):
-    raise TypeError(f"tokens must hold integer ids, got dtype {tokens.dtype}")
+def token_ids_outside(tokens, vocab_size: int) -> Optional[str]:
+  """What is out of range in concrete ``[B, T]`` token ids: ``"hold N id(s) outside [0, V) (the vocabulary), e.g.
+  v at row r, column c"``, or None when every id is in range or ``tokens`` is traced (its values are unknown).
+  An id beyond the embedding table reads NaN (JAX's out-of-bounds gather fills), a negative one another token."""
   try:
     t = np.asarray(tokens)
   except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-    return  # traced: values unknown here
-  bad = (t < 0) | (t >= vocab_size)
-  if bad.any():
-    raise ValueError(f"tokens hold {int(bad.sum())} id(s) outside [0, {vocab_size}) (the vocabulary), e.g. "
-                     f"{t[bad][0]}")
+    return None
+  bad = np.argwhere((t < 0) | (t >= vocab_size))
+  if not bad.size:
+    return None
+  (r, c), v = bad[0], t[tuple(bad[0])]
+  return f"hold {len(bad)} id(s) outside [0, {vocab_size}) (the vocabulary), e.g. {v} at row {r}, column {c}"
+
+
+def _check_token_ids(tokens, vocab_size: int) -> None:
+  """TypeError for non-integer ``tokens``; ValueError for an id outside ``[0, vocab_size)`` when ``tokens`` is
+  concrete (:func:`token_ids_outside`)."""
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise TypeError(f"tokens must hold integer ids, got dtype {tokens.dtype}")
+  problem = token_ids_outside(tokens, vocab_size)
+  if problem:
+    raise ValueError(f"tokens {problem}")
 
 
 def logprobs_from_hidden(cfg: ModelConfig, base: dict, hidden: jax.Array, targets: jax.Array, *,
