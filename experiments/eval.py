@@ -133,7 +133,9 @@ def main(argv):
   if _WORKDIR.value:  # checked before the model loads; read-only, so a missing folder is not created
     from qerl_jax import checkpoint as ckpt_lib
     ckpt_dir = os.path.join(_WORKDIR.value, "checkpoints")
-    steps = ckpt_lib.Checkpointer(ckpt_dir, read_only=True).all_steps()
+    ckpt = ckpt_lib.Checkpointer(ckpt_dir, read_only=True)
+    steps, incomplete = ckpt.all_steps(), ckpt.incomplete_steps()
+    ckpt.close()
     if not steps or (_STEP.value is not None and _STEP.value not in steps):
       wanted = "a checkpoint" if _STEP.value is None else f"the checkpoint of step {_STEP.value}"
       print(f"error: {wanted} not found under {ckpt_dir!r} (complete checkpoints: {steps or 'none'}). "
@@ -145,7 +147,7 @@ def main(argv):
   if _WORKDIR.value:
     state, meta = trainer.restore_train_state(config, policy, _WORKDIR.value, step=_STEP.value)
     params, step = state.params, int(meta["step"])
-    skipped = sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit() and int(n) > step)
+    skipped = [s for s in incomplete if s > step]
     if _STEP.value is None and skipped:  # the newest folder(s) lack state/ or meta/: say which step is scored
       print(f"warning: checkpoints/{skipped} are incomplete (no state/ or meta/); evaluating step {step}, the newest "
             "complete one", file=sys.stderr)

@@ -118,8 +118,9 @@ def check_finite(w, name: str) -> None:
         f"({n_nan} NaN, {n_bad - n_nan} Inf) at indices {where}{more}")
 
 
-def check_block_multiple(shape, block: int, name: str, pad: bool, dtype=None):
-  """Returns how many rows of K padding are needed, or raises if K % block != 0 and not pad.
+def checked_k_padding(shape, block: int, name: str, pad: bool, dtype=None):
+  """Checks a weight's shape and dtype for quantization and returns how many rows of K padding it needs
+  (``K`` rounded up to a multiple of ``block``; nonzero only with ``pad``).
 
   Raises:
     ValueError: a rank below 2, an empty K or N, or K % block != 0 without ``pad``.

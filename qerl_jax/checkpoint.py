@@ -84,6 +84,15 @@ class Checkpointer:
     return sorted(s for s in self._manager.all_steps()
                   if all(os.path.isdir(os.path.join(self.directory, str(s), item)) for item in ("state", "meta")))
 
+  def incomplete_steps(self) -> list[int]:
+    """Numbered folders under the directory that are not complete checkpoints (no ``state`` or ``meta``
+    inside: a save cut short, or a folder made by hand), ascending; :meth:`all_steps` leaves them out."""
+    if not os.path.isdir(self.directory):
+      return []
+    complete = set(self.all_steps())
+    return sorted(int(n) for n in os.listdir(self.directory)
+                  if n.isdigit() and os.path.isdir(os.path.join(self.directory, n)) and int(n) not in complete)
+
   def _step_or_latest(self, step: int | None) -> int:
     """``step``, or the newest complete checkpoint's when None; FileNotFoundError when there is none."""
     if step is None:

@@ -98,7 +98,7 @@ def quantize(w, *, pad: bool = False) -> NF4Tensor:
     TypeError: a weight that is not floating point (int, bool, complex). Works under ``jax.jit``
       (the value check is then skipped).
   """
-  n_pad = _packing.check_block_multiple(tuple(w.shape), BLOCK_SIZE, "nf4.quantize", pad,
+  n_pad = _packing.checked_k_padding(tuple(w.shape), BLOCK_SIZE, "nf4.quantize", pad,
                                         getattr(w, "dtype", None))
   w = jnp.asarray(w)
   if n_pad:

@@ -369,7 +369,7 @@ def quantize(w, *, global_scale=None, pad: bool = False) -> NVFP4Tensor:
   Works under ``jax.jit`` (the checks on values are then skipped).
   """
   shape = tuple(w.shape)
-  n_pad = _packing.check_block_multiple(shape, BLOCK_SIZE, "nvfp4.quantize", pad, getattr(w, "dtype", None))
+  n_pad = _packing.checked_k_padding(shape, BLOCK_SIZE, "nvfp4.quantize", pad, getattr(w, "dtype", None))
   w = jnp.asarray(w)
   if n_pad:
     w = jnp.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, n_pad), (0, 0)])

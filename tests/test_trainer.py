@@ -729,6 +729,7 @@ def test_a_numbered_folder_without_the_items_is_not_a_checkpoint(tmp_path):
   (d / "7" / "state").mkdir(parents=True)  # one item of two, as a partial copy leaves it
   c = ckpt_lib.Checkpointer(d, read_only=True)
   assert c.all_steps() == [2] and c.latest_step() == 2 and c.restore_meta() == {"step": 2}
+  assert c.incomplete_steps() == [7, 99]
   restored, meta = c.restore(None, {"w": np.zeros(3, np.float32)})
   np.testing.assert_array_equal(restored["w"], [0, 1, 2])
   c.close()
