@@ -1159,6 +1159,7 @@ class Build(NamedTuple):
 
   @property
   def grid(self) -> tuple[int, int, int]:
+    """The launch grid ``(N / block_n, splits, 1)``: column tiles by split-K parts."""
     return self.meta["N"] // self.block_n, self.splits, 1
 
   @property
@@ -1168,6 +1169,7 @@ class Build(NamedTuple):
 
   @property
   def warps(self) -> int:
+    """Warps a program runs (4 or 8; see ``_warps``)."""
     return _warps(self.wg, self.narrow_n, self.w8)
 
   @property

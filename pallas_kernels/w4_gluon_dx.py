@@ -445,6 +445,7 @@ class Build(NamedTuple):
 
   @property
   def grid(self) -> tuple[int, int, int]:
+    """The launch grid ``(K / BLOCK_K, ceil(M / BM), 1)``: output column tiles of ``dx`` by row tiles."""
     return self.meta["K"] // BLOCK_K, -(-self.meta["M"] // self.meta["BM"]), 1
 
 

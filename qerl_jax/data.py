@@ -80,6 +80,7 @@ class LoadReport:
 
   @property
   def num_skipped(self) -> int:
+    """How many records were left out (``len(skipped)``)."""
     return len(self.skipped)
 
 
@@ -364,6 +365,7 @@ class DataOrder:
 
   @property
   def batches_per_epoch(self) -> int:
+    """Whole batches an epoch (``num_examples // batch_size``; the remainder waits for a later epoch's order)."""
     return self.num_examples // self.batch_size
 
   def epoch_permutation(self, epoch: int) -> np.ndarray:
@@ -371,7 +373,11 @@ class DataOrder:
     return np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
 
   def batch_indices(self, position: int) -> np.ndarray:
-    """int64 ``[batch_size]``: example indices of batch number ``position`` (>= 0)."""
+    """int64 ``[batch_size]``: example indices of batch number ``position`` (>= 0).
+
+    Raises:
+      ValueError: a negative ``position``.
+    """
     if position < 0:
       raise ValueError(f"DataOrder: position must be >= 0, got {position}")
     epoch, i = divmod(int(position), self.batches_per_epoch)

@@ -101,15 +101,24 @@ class SafetensorsFile:
     self.header = header
 
   def keys(self):
+    """The tensor names in the file's header."""
     return self.header.keys()
 
   def shape(self, key) -> tuple:
+    """Tensor ``key``'s shape from the header (nothing is read)."""
     return tuple(self.header[key]["shape"])
 
   def dtype(self, key) -> str:
+    """Tensor ``key``'s safetensors dtype name (``"BF16"``, ``"F32"``, ``"U8"``, ...) from the header."""
     return self.header[key]["dtype"]
 
   def read(self, key) -> np.ndarray:
+    """Tensor ``key`` as a numpy array of its stored shape and dtype (bf16 as ``ml_dtypes.bfloat16``).
+
+    Raises:
+      KeyError: no tensor ``key``.
+      ValueError: a dtype this reader does not know, or fewer bytes in the file than the header promises (truncated).
+    """
     info = self.header[key]
     if info["dtype"] not in _ST_DTYPES:
       raise ValueError(f"{self.path}: tensor {key!r} has unsupported dtype {info['dtype']}")
@@ -188,12 +197,15 @@ class CheckpointReader:
     return key in self._where
 
   def keys(self):
+    """The tensor names of every shard."""
     return self._where.keys()
 
   def shape(self, key) -> tuple:
+    """Tensor ``key``'s shape from its shard's header (nothing is read)."""
     return self._files[self._where[key]].shape(key)
 
   def dtype(self, key) -> str:
+    """Tensor ``key``'s safetensors dtype name, from its shard's header."""
     return self._files[self._where[key]].dtype(key)
 
   def read(self, key, expected_shape: Optional[tuple] = None) -> np.ndarray:

@@ -54,6 +54,7 @@ class NF4Tensor:
 
   @property
   def nbytes(self) -> int:
+    """Bytes held by the packed codes and the block scales."""
     return int(sum(np.prod(a.shape) * jnp.dtype(a.dtype).itemsize
                    for a in (self.packed, self.block_scale)))
 

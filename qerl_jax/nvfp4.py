@@ -93,6 +93,7 @@ class NVFP4Tensor:
 
   @property
   def dtype(self):
+    """``uint8``, the storage dtype of the packed E2M1 codes (two a byte); not the dequantized dtype."""
     return jnp.dtype("uint8")
 
   @property

@@ -165,6 +165,7 @@ class SamplingConfig:
 
   @property
   def greedy(self) -> bool:
+    """True when ``temperature == 0``: every token is the argmax (top-p and top-k do not apply)."""
     return self.temperature == 0
 
   def phase_ends(self) -> tuple[int, ...]:

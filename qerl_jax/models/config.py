@@ -85,14 +85,17 @@ class ModelConfig:
 
   @property
   def rope_scaling_dict(self) -> Optional[dict]:
+    """``rope_scaling`` as a plain dict (None when unset)."""
     return None if self.rope_scaling is None else dict(self.rope_scaling)
 
   @property
   def q_dim(self) -> int:
+    """Width of the query projection's output: ``num_heads * head_dim``."""
     return self.num_heads * self.head_dim
 
   @property
   def kv_dim(self) -> int:
+    """Width of the key (and of the value) projection's output: ``num_kv_heads * head_dim``."""
     return self.num_kv_heads * self.head_dim
 
   def replace(self, **kw) -> "ModelConfig":
