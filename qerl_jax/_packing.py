@@ -99,6 +99,12 @@ def decode(codes: jax.Array, codebook: np.ndarray, dtype=jnp.float32) -> jax.Arr
   return jnp.take(table, codes.astype(jnp.int32), axis=0).astype(dtype)
 
 
+def is_array_like(x) -> bool:
+  """True for an array or a tracer (something with a tuple ``shape`` and a ``dtype``); False for what a
+  ``tree_map`` over a 4-bit tensor may leave in its place (a shape tuple, a string, None)."""
+  return isinstance(getattr(x, "shape", None), tuple) and hasattr(x, "dtype")
+
+
 def check_finite(w, name: str) -> None:
   """Raises ValueError naming how many entries of a concrete array are NaN/Inf and where.
 

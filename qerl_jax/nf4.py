@@ -59,6 +59,8 @@ class NF4Tensor:
                    for a in (self.packed, self.block_scale)))
 
   def __repr__(self):
+    if not _packing.is_array_like(self.packed):  # a tree_map's result (shapes, names, ...): show the leaves
+      return f"NF4Tensor(packed={self.packed!r}, block_scale={self.block_scale!r}, shape={tuple(self.shape)})"
     lead = tuple(self.packed.shape[:-2])
     return f"NF4Tensor(shape={lead + tuple(self.shape)}, block=64)"
 

@@ -103,6 +103,9 @@ class NVFP4Tensor:
                    for a in (self.packed, self.block_scale, self.global_scale)))
 
   def __repr__(self):
+    if not _packing.is_array_like(self.packed):  # a tree_map's result (shapes, names, ...): show the leaves
+      return (f"NVFP4Tensor(packed={self.packed!r}, block_scale={self.block_scale!r}, "
+              f"global_scale={self.global_scale!r}, shape={tuple(self.shape)}, code_order={self.code_order!r})")
     lead = tuple(self.packed.shape[:-2])
     order = "" if self.code_order == "standard" else f", code_order={self.code_order!r}"
     return (f"NVFP4Tensor(shape={lead + tuple(self.shape)}, block=16, packed={self.packed.dtype}"

@@ -106,3 +106,10 @@ def test_jit_matches_eager():
   tj = jax.jit(nf4.quantize)(w)
   np.testing.assert_array_equal(np.asarray(t.packed), np.asarray(tj.packed))
   np.testing.assert_array_equal(np.asarray(t.block_scale), np.asarray(tj.block_scale))
+
+
+def test_repr_of_a_tree_map_result_shows_the_leaves():
+  """As for NVFP4Tensor: __repr__ read ``packed.shape`` of whatever a tree_map left there."""
+  t = nf4.quantize(jax.random.normal(jax.random.PRNGKey(0), (128, 48)))
+  assert repr(jax.tree.map(lambda a: a.shape, t)) == "NF4Tensor(packed=(64, 48), block_scale=(2, 48), shape=(128, 48))"
+  assert repr(t) == "NF4Tensor(shape=(128, 48), block=64)"

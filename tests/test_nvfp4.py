@@ -522,3 +522,13 @@ def test_gpu_quantize_is_bit_exact_on_the_gpu():
   w[40, 5] = 10000.0
   gs = float(nvfp4.quantize(jax.device_put(w, gpu)).global_scale)
   assert gs == np.float32(np.float32(1 / 10000.0) * np.float32(2688.0))
+
+
+def test_repr_of_a_tree_map_result_shows_the_leaves():
+  """Printing ``tree_map(lambda a: a.shape, t)`` (the notebook's idiom on an NVFP4 base) raised
+  AttributeError: 'tuple' object has no attribute 'shape' from __repr__."""
+  t = nvfp4.quantize(jax.random.normal(jax.random.PRNGKey(0), (64, 48)))
+  shapes = jax.tree.map(lambda a: a.shape, t)
+  assert repr(shapes) == ("NVFP4Tensor(packed=(32, 48), block_scale=(4, 48), global_scale=(), shape=(64, 48), "
+                          "code_order='standard')")
+  assert repr(t) == "NVFP4Tensor(shape=(64, 48), block=16, packed=uint8[32, 48])"
