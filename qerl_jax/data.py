@@ -327,15 +327,24 @@ def prompt_batch(tokenizer, examples: Sequence[Example], indices: Sequence[int],
   return tokenize_prompts(tokenizer, prompts, pad_to=pad_to), [e.answer for e in chosen]
 
 
-def filter_by_length(tokenizer, examples: Sequence[Example], max_prompt_len: int, **prompt_kwargs
+def filter_by_length(tokenizer, examples: Sequence[Example], max_prompt_len: int, *,
+                     system_prompt: Optional[str] = None, user_template: Optional[str] = None
                      ) -> tuple[list[Example], int]:
   """Drops the examples whose rendered prompt is longer than ``max_prompt_len`` tokens.
 
+  The prompt is rendered as :func:`prompt_batch` renders it with the same ``system_prompt`` and
+  ``user_template`` (None: :func:`default_user_template` of each example's kind), so what this keeps
+  fits ``prompt_batch(..., pad_to=max_prompt_len)``.
+
   Returns:
-    ``(kept, num_dropped)``; ``prompt_kwargs`` go to :func:`build_prompt`.
+    ``(kept, num_dropped)``.
+
+  Raises:
+    ValueError: an example of unknown kind when ``user_template`` is None.
   """
   kept = [e for e in examples
-          if len(tokenizer(build_prompt(tokenizer, e.question, **prompt_kwargs),
+          if len(tokenizer(build_prompt(tokenizer, e.question, system_prompt=system_prompt,
+                                        user_template=user_template or default_user_template(e.kind)),
                            add_special_tokens=False)["input_ids"]) <= max_prompt_len]
   return kept, len(examples) - len(kept)
 

@@ -187,3 +187,17 @@ def test_prompt_batch_from_order(tokenizer, data_dir):
   assert data.default_user_template("math") == data.MATH_USER_TEMPLATE
   with pytest.raises(ValueError):
     data.default_user_template("mmlu")
+
+
+def test_filter_by_length_renders_as_prompt_batch_does(tokenizer):
+  """Its default rendered the bare question while prompt_batch's adds the kind's instruction, so a
+  kept prompt could overflow prompt_batch(pad_to=the same length)."""
+  ex = [data.Example("What is 2 + 3?", "5", "gsm8k", 0), data.Example("x " * 40, "1", "math", 1)]
+  lengths = [len(tokenizer(data.build_prompt(tokenizer, e.question, user_template=data.default_user_template(e.kind)),
+                           add_special_tokens=False)["input_ids"]) for e in ex]
+  for limit in (min(lengths) - 1, min(lengths), max(lengths)):
+    kept, dropped = data.filter_by_length(tokenizer, ex, limit)
+    assert [e.row for e in kept] == [i for i, n in enumerate(lengths) if n <= limit] and dropped == 2 - len(kept)
+    if kept:
+      batch, _ = data.prompt_batch(tokenizer, kept, range(len(kept)), pad_to=limit)
+      assert batch.tokens.shape == (len(kept), limit)
