@@ -262,7 +262,7 @@ def overlong_penalty(lengths, max_length: int, buffer_length: int, penalty_facto
     if buffer_length == 0:
         return jnp.zeros(lengths.shape, jnp.float32)
     exceed = jnp.clip(lengths - (max_length - buffer_length), 0, buffer_length).astype(jnp.float32)
-    return -exceed / jnp.float32(buffer_length) * jnp.float32(factor)
+    return jnp.where(exceed > 0, -exceed / jnp.float32(buffer_length) * jnp.float32(factor), 0.0)  # 0, not -0.
 
 
 @functools.partial(jax.jit, static_argnames=("estimator",))

@@ -605,6 +605,7 @@ def test_overlong_penalty_hand_worked():
   lengths = np.array([[0, 5, 6, 7], [8, 9, 10, 12]], np.int32)
   np.testing.assert_allclose(np.asarray(grpo.overlong_penalty(lengths, 10, 4)),
                              [[0, 0, 0, -0.25], [-0.5, -0.75, -1, -1]])
+  assert not np.signbit(np.asarray(grpo.overlong_penalty(lengths, 10, 4))[0, :3]).any()  # 0, not -0.
   np.testing.assert_allclose(np.asarray(grpo.overlong_penalty(lengths, 10, 4, 0.5)),
                              [[0, 0, 0, -0.125], [-0.25, -0.375, -0.5, -0.5]])
   np.testing.assert_array_equal(np.asarray(grpo.overlong_penalty(lengths, 10, 0)), np.zeros((2, 4)))
