@@ -412,19 +412,25 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     state = saved["train_state"]
     start, position = int(meta["step"]), int(meta["data_position"])
     diff = _config_diff(meta.get("config", {}), json.loads(config.to_json_best_effort()))
-    if diff:
+    if diff and start < total:  # (with nothing to train, a changed config changes nothing)
       shown = ", ".join(f"{key}: {a!r} -> {b!r}" for key, a, b in diff)
       print(f"warning: resuming with a config that differs from the checkpoint's ({shown}); the run will not "
             "match an uninterrupted one. To continue it unchanged, pass the first run's --config overrides "
-            "again.", file=sys.stderr)
+            f"again.{_schedule_change_note(diff, config, int(state.num_updates), start)}", file=sys.stderr)
     print(f"resuming from the checkpoint at step {start} in {checkpointer.directory}", file=sys.stderr)
+  if start >= total and latest is not None:  # config.json and summary.json keep the run that trained those steps
+    print(f"warning: the checkpoint is at step {start}, past train.total_steps={total}: nothing to train"
+          if start > total else f"the run is complete (step {start} of train.total_steps={total}): nothing to "
+          "train; raise --config.train.total_steps to continue it", file=sys.stderr)
+    try:
+      return _finished_summary(workdir, start, t_start)
+    finally:
+      checkpointer.close()
+      if lock is not None:
+        lock.close()
   logger = metrics_lib.MetricsLogger(workdir, resume_step=start if start > 0 else None)
-  if start > total:  # config.json keeps the config that trained those steps
-    print(f"warning: the checkpoint is at step {start}, past train.total_steps={total}: nothing to train",
-          file=sys.stderr)
-  else:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2, sort_keys=True))
 
   def run_eval(step: int) -> float:
     ev = evaluate(policy, state.params, eval_set, correctness_fn,
@@ -565,16 +571,21 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     logger.close()
     if lock is not None:
       lock.close()
+  return _write_summary(workdir, total, t_start, resumed=start > 0)
+
+
+def _write_summary(workdir: str, total: int, t_start: float, *, resumed: bool) -> dict:
+  """Summarizes the run's ``total`` steps (:func:`summarize`) into ``<workdir>/summary.json``, with the wall time
+  since ``t_start`` (``time.perf_counter``) added to the earlier invocations' when ``resumed``; warns when updates
+  were skipped or rewards are missing. Returns the summary."""
   summary = summarize(workdir, total)
   summary["wall_time_s"] = time.perf_counter() - t_start
   prev_path = os.path.join(workdir, "summary.json")
-  if start > 0 and os.path.exists(prev_path):
-    # A resumed run adds its time to the earlier invocations' (a no-op re-run of a
-    # finished run must not replace the run's wall time with a few seconds).
+  if resumed and os.path.exists(prev_path):  # a resumed run adds its time to the earlier invocations'
     try:
       with open(prev_path) as f:
         summary["wall_time_s"] += float(json.load(f).get("wall_time_s", 0.0))
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, AttributeError):
       pass
   problems = [f"{summary[k]} {what}" for k, what in (
       ("skipped_updates", "updates were skipped for a NaN or infinite loss, gradient or update"),
@@ -585,6 +596,51 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2, sort_keys=True)
   return summary
+
+
+def _finished_summary(workdir: str, steps: int, t_start: float) -> dict:
+  """The summary of a run with nothing left to train: its ``summary.json`` as it is (a re-run must not change
+  the wall time, or recompute the metrics over another ``total_steps``), or, when the run stopped between its
+  last checkpoint and that file, one made now over the checkpoint's ``steps``."""
+  try:
+    with open(os.path.join(workdir, "summary.json")) as f:
+      summary = json.load(f)
+    if isinstance(summary, dict) and summary.get("steps") == steps:
+      return summary
+  except (OSError, ValueError):
+    pass
+  return _write_summary(workdir, steps, t_start, resumed=True)
+
+
+def _schedule_change_note(diff, config, num_updates: int, step: int) -> str:
+  """For a resume whose ``train.total_steps`` differs from the checkpoint's (``diff``: :func:`_config_diff`'s
+  triples): the learning rate and AQN sigma of the next step under the checkpoint's schedules and under this
+  config's, since both schedules are stretched to the new length ("" when ``train.total_steps`` is unchanged)."""
+  from qerl_jax import aqn, update
+  old_total = next((a for key, a, _ in diff if key == "train.total_steps"), None)
+  if not isinstance(old_total, int) or old_total < 1:
+    return ""
+  old = config.copy_and_resolve_references()
+  with old.unlocked():
+    old.train.total_steps = old_total
+  lr_old, lr_new = (float(update.make_lr_schedule(update_config(c))(jnp.asarray(num_updates, jnp.int32)))
+                    for c in (old, config))
+  note = (f" train.total_steps sets the learning-rate and AQN schedules, which now stretch to "
+          f"{int(config.train.total_steps)} steps: from step {step + 1} the learning rate is {lr_new:.3g} "
+          f"(was {lr_old:.3g})")
+  if bool(config.aqn.enabled):
+    s_old, s_new = (aqn.schedule_sigma(_aqn_config(c), step) for c in (old, config))
+    note += f" and the AQN sigma {s_new:.3g} (was {s_old:.3g})"
+  return note + "."
+
+
+def _aqn_config(config: ml_collections.ConfigDict):
+  """The :class:`qerl_jax.aqn.AQNConfig` of a trainer config (``kind="off"`` when ``aqn.enabled`` is False)."""
+  from qerl_jax import aqn
+  return aqn.AQNConfig(kind=str(config.aqn.schedule) if bool(config.aqn.enabled) else "off",
+                       sigma_start=float(config.aqn.sigma_start), sigma_end=float(config.aqn.sigma_end),
+                       num_stages=int(config.aqn.num_stages), total_steps=int(config.train.total_steps),
+                       noise_in_update=not bool(config.aqn.rollout_only))
 
 
 class RunSetupError(ValueError):
@@ -875,12 +931,7 @@ def load_policy(config: ml_collections.ConfigDict, *, pretrained=None) -> Policy
   ref_rows = int(config.rl.micro_batch_size)
 
   aqn_on = bool(config.aqn.enabled)
-  aqn_cfg = aqn.AQNConfig(kind=str(config.aqn.schedule) if aqn_on else "off",
-                          sigma_start=float(config.aqn.sigma_start),
-                          sigma_end=float(config.aqn.sigma_end),
-                          num_stages=int(config.aqn.num_stages),
-                          total_steps=int(config.train.total_steps),
-                          noise_in_update=not bool(config.aqn.rollout_only))
+  aqn_cfg = _aqn_config(config)
   aqn_key = jax.random.fold_in(jax.random.PRNGKey(int(config.seed)), _AQN_STREAM)
   norm_shapes = aqn.norm_shapes_of(model_cfg)
   noise_fn = jax.jit(lambda step: aqn.noise(aqn_key, step, norm_shapes, aqn_cfg))

@@ -970,3 +970,46 @@ def test_evaluate_greedy_and_pass_at_k_on_the_toy_policy():
                         max_new_tokens=toy.T, prompt_length=3, num_samples=4,
                         key=jax.random.PRNGKey(1))
   assert ev["sample_accuracy"] <= ev["accuracy"] <= 1.0 and ev["accuracy"] > 0
+
+
+def test_a_rerun_with_nothing_to_train_keeps_the_summary(tmp_path, capsys):
+  """A re-run of a finished run rewrote summary.json: its wall time grew by the re-run's seconds, and with a
+  smaller total_steps its metrics were recomputed over that many steps; it also warned that the config differs."""
+  config = toy.toy_config()
+  wd = str(tmp_path / "run")
+  first = _toy_run(config, wd)
+  path = os.path.join(wd, "summary.json")
+  before = open(path).read()
+  assert json.loads(before) == first
+  for total, said in ((6, "the run is complete (step 6 of train.total_steps=6): nothing to train"),
+                      (3, "the checkpoint is at step 6, past train.total_steps=3: nothing to train")):
+    again = toy.toy_config()
+    again.train.total_steps = total
+    capsys.readouterr()
+    assert _toy_run(again, wd) == first
+    err = capsys.readouterr().err
+    assert said in err and "differs" not in err, err
+    assert open(path).read() == before
+  os.remove(path)  # a run stopped between its last checkpoint and summary.json: made from the metrics now
+  remade = _toy_run(config, wd)
+  assert {k: v for k, v in remade.items() if k != "wall_time_s"} == {k: v for k, v in first.items()
+                                                                      if k != "wall_time_s"}
+
+
+def test_a_resume_with_more_total_steps_names_the_schedule_jump(tmp_path, capsys):
+  """Raising total_steps on resume restretches the cosine learning rate and the AQN stages; the warning only
+  said the run would not match an uninterrupted one, while the rate jumped from 0 to most of its peak."""
+  config = toy.toy_config()
+  wd = str(tmp_path / "run")
+  _toy_run(config, wd)
+  longer = toy.toy_config()
+  longer.train.total_steps = 10
+  capsys.readouterr()
+  _toy_run(longer, wd, stop_after=1)
+  err = capsys.readouterr().err
+  # by hand: 6 updates done; warmup ceil(0.1 * steps) = 1 update; cosine to 0 at the total
+  lr_new = 0.1 * 0.5 * (1 + np.cos(np.pi * (6 - 1) / (10 - 1)))
+  # the paper's stages (K = 10): stage floor(6 * 10 / total); stage k >= 1 is 1e-2 * (5e-4 / 1e-2) ** ((k - 1) / 8)
+  sigma_new = 1e-2 * (5e-4 / 1e-2) ** ((6 - 1) / 8)  # stage 6 of 10 steps; the old schedule is at stage 9: 5e-4
+  assert (f"from step 7 the learning rate is {lr_new:.3g} (was 0) and the AQN sigma {sigma_new:.3g} (was 0.0005)."
+          in " ".join(err.split())), err
