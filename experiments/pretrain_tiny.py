@@ -18,18 +18,21 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import pathlib
 import sys
 import time
 
-from absl import app, flags
-import jax
-import jax.numpy as jnp
-import ml_dtypes
-import numpy as np
-import optax
+# transformers warns at import that PyTorch is absent; the project never needs PyTorch.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+from absl import app, flags  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
-from qerl_jax import hf, models, synthetic
+from qerl_jax import hf, models, synthetic  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "assets/tiny-gsm", "output folder (Hugging Face layout)")
