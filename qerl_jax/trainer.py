@@ -601,12 +601,12 @@ def _write_summary(workdir: str, total: int, t_start: float, *, resumed: bool) -
 def _finished_summary(workdir: str, steps: int, t_start: float) -> dict:
   """The summary of a run with nothing left to train: its ``summary.json`` as it is (a re-run must not change
   the wall time, or recompute the metrics over another ``total_steps``), or, when the run stopped between its
-  last checkpoint and that file, one made now over the checkpoint's ``steps``."""
+  last checkpoint and that file (or the file predates ``status``), one made now over the checkpoint's ``steps``."""
   try:
     with open(os.path.join(workdir, "summary.json")) as f:
       summary = json.load(f)
-    if isinstance(summary, dict) and summary.get("steps") == steps:
-      return summary
+    if isinstance(summary, dict) and summary.get("steps") == steps and "status" in summary:
+      return summary  # (one written before summaries had a status is made again)
   except (OSError, ValueError):
     pass
   return _write_summary(workdir, steps, t_start, resumed=True)
