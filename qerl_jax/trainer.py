@@ -169,17 +169,20 @@ class _Round:
 
   @functools.cached_property
   def informative(self) -> np.ndarray:
-    """bool ``[len(prompts)]``: the groups whose rewards carry signal (``grpo.informative_groups``),
-    computed once a round for the stopping test and the group selection."""
-    group_size = len(self.rewards) // len(self.prompts)
-    return np.asarray(grpo.informative_groups(jnp.asarray(self.rewards), group_size))
+    """bool ``[len(prompts)]``: the groups whose answer checks are not all equal, some right and some
+    wrong (DAPO eq. 11, ``0 < #correct < G``; verl's ``filter_groups.metric="acc"``), by
+    ``grpo.informative_groups`` on ``correct``, not on the shaped reward: a format bonus or an overlong
+    penalty alone must not make an all-wrong group count. Computed once a round for the stopping test and
+    the group selection."""
+    group_size = len(self.correct) // len(self.prompts)
+    return np.asarray(grpo.informative_groups(jnp.asarray(self.correct), group_size))
 
 
 def _select_groups(rounds: Sequence[_Round], num_groups: int, group_size: int, *, dynamic: bool):
   """The groups one update takes from a step's rollouts: ``(rows, prompts, informative)``.
 
   Without dynamic sampling (one round): every group of it. With it: the first ``num_groups`` groups
-  whose rewards are not all equal (``grpo.informative_groups``), in sampling order; when the rounds
+  with some right and some wrong answers (:attr:`_Round.informative`), in sampling order; when the rounds
   hold fewer, the earliest other groups fill the batch (they get advantage 0), so its shape stays
   fixed. ``rows``: ``(round, first row)`` of each taken group; ``prompts``: their ``(round, prompt)``;
   ``informative``: how many taken groups carry signal.

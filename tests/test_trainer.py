@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -460,8 +461,8 @@ def test_plot_launcher_one_step_run_and_nothing_to_plot(tmp_path):
 def _round(rewards, group_size):
   n = len(rewards) // group_size
   return trainer._Round(prompts=[trainer.Prompt(text=f"q{i}", answer="1") for i in range(n)], prompt_tokens=None,
-                        prompt_mask=None, rollout=None, completions=[], answers=[], correct=None,
-                        rewards=np.asarray(rewards, np.float32))
+                        prompt_mask=None, rollout=None, completions=[], answers=[],
+                        correct=np.asarray(rewards, np.float32), rewards=np.asarray(rewards, np.float32))
 
 
 def test_select_groups_takes_informative_groups_in_order_then_fills():
@@ -472,6 +473,11 @@ def test_select_groups_takes_informative_groups_in_order_then_fills():
   # more groups asked than carry signal: the earliest others fill the batch
   rows, taken, informative = trainer._select_groups(rounds, 5, 2, dynamic=True)
   assert taken == [(0, 1), (1, 0), (1, 2), (0, 0), (0, 2)] and informative == 3
+  # DAPO eq. 11 filters on the answer check: a group all wrong (or all right) whose shaped rewards differ (an
+  # overlong penalty, a format bonus) carries no signal; one with a right and a wrong answer does
+  shaped = _round([0, 0, 1, 1, 1, 0], 2)
+  shaped = dataclasses.replace(shaped, rewards=np.asarray([0, -0.25, 1.1, 1, 1, -0.5], np.float32))
+  np.testing.assert_array_equal(shaped.informative, [False, False, True])
   # without dynamic sampling: the one round's groups, all of them
   rows, taken, _ = trainer._select_groups(rounds[:1], 3, 2, dynamic=False)
   assert taken == [(0, 0), (0, 1), (0, 2)] and rows == [(0, 0), (0, 2), (0, 4)]
