@@ -24,6 +24,7 @@ References
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from typing import Any, Mapping
 
@@ -54,6 +55,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 # float32 and bfloat16, so no value or gradient can overflow however far the policies drift.
 LOG_RATIO_CLAMP = 20.0
 _ZERO_STD_RTOL = 1e-6
+STD_EPS = 1e-4  # added to the std of group_advantages' division, as TRL does (advantages / (std + 1e-4))
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,9 +123,9 @@ def _group_stats(rewards, group_size, std_ddof, zero_std_rtol):
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "scale_rewards", "std_ddof",
-                                             "zero_std_rtol"))
+                                             "zero_std_rtol", "std_eps"))
 def group_advantages(rewards, group_size: int, *, scale_rewards: str = "group", std_ddof: int = 1,
-                     zero_std_rtol: float = _ZERO_STD_RTOL) -> jax.Array:
+                     zero_std_rtol: float = _ZERO_STD_RTOL, std_eps: float = STD_EPS) -> jax.Array:
     """Group-relative advantages of GRPO (DeepSeekMath eq. 3; TRL ``scale_rewards``).
 
     Args:
@@ -135,14 +137,16 @@ def group_advantages(rewards, group_size: int, *, scale_rewards: str = "group", 
         TRL default); ``"batch"`` divides by the std of all valid rewards of the batch (TRL
         ``"batch"``); ``"none"`` does not divide (Dr. GRPO).
       std_ddof: delta degrees of freedom of the std; 1 (unbiased) is what TRL and QeRL use.
+      std_eps: added to the std before the division, ``(r - mean) / (std + std_eps)``; TRL's 1e-4
+        (:data:`STD_EPS`), which bounds the advantage of a group whose rewards differ only slightly.
       zero_std_rtol: a group whose valid rewards span ``max - min <= zero_std_rtol * max|r|`` counts
         as zero-std (all equal, also when the value is not exactly representable and the
         float32 mean has rounding noise) and gets advantage 0 for every member; nothing is
         ever divided by rounding noise.
 
     Returns:
-      advantages ``[num_prompts * group_size]`` float32, always finite: ``(r - group_mean) / std``
-      (or without the division). Zero for missing rewards, zero-std groups, and groups with
+      advantages ``[num_prompts * group_size]`` float32, always finite: ``(r - group_mean) /
+      (std + std_eps)`` (or without the division). Zero for missing rewards, zero-std groups, and groups with
       fewer than ``std_ddof + 1`` valid rewards (a group of one with the default ddof).
 
     Raises:
@@ -155,15 +159,17 @@ def group_advantages(rewards, group_size: int, *, scale_rewards: str = "group", 
     s = _group_stats(rewards, group_size, std_ddof, zero_std_rtol)
     keep = s["valid"] & ~s["zero_std"][:, None]
     if scale_rewards == "group":
-        denom = s["std"][:, None]
+        denom = s["std"][:, None] + jnp.float32(std_eps)
     elif scale_rewards == "batch":
         flat_valid = s["valid"].reshape(-1)
         _, _, bstd, bhas = _masked_std(rewards, flat_valid, 0, std_ddof)
         bzero = (~bhas[0]) | _spread_is_zero(rewards, flat_valid, 0, zero_std_rtol)
         keep = keep & ~bzero
-        denom = bstd
+        denom = bstd + jnp.float32(std_eps)
     else:
         denom = jnp.ones((1, 1), jnp.float32)
+    if not (math.isfinite(std_eps) and std_eps >= 0):
+        raise ValueError(f"std_eps must be a finite float >= 0, got {std_eps!r}")
     safe = jnp.where(keep, denom, 1.0)
     adv = jnp.where(keep, s["centered"] / jnp.where(safe > 0, safe, 1.0), 0.0)
     return adv.reshape(-1)

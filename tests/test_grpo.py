@@ -215,9 +215,10 @@ def test_entropy_metric():
 # ---------------------------------------------------------------------------------------------
 # Advantages
 # ---------------------------------------------------------------------------------------------
-def _np_group_adv(r, g, ddof=1):
+def _np_group_adv(r, g, ddof=1, eps=1e-4):
+    """TRL's (r - mean) / (std + 1e-4) per group of g, in float64."""
     r = np.asarray(r, np.float64).reshape(-1, g)
-    return ((r - r.mean(1, keepdims=True)) / r.std(1, ddof=ddof, keepdims=True)).reshape(-1)
+    return ((r - r.mean(1, keepdims=True)) / (r.std(1, ddof=ddof, keepdims=True) + eps)).reshape(-1)
 
 
 def test_group_advantages_basic_and_scalings():
@@ -232,11 +233,15 @@ def test_group_advantages_basic_and_scalings():
     np.testing.assert_allclose(np.asarray(grpo.group_advantages(r, 4, scale_rewards="none")),
                                centered, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(np.asarray(grpo.group_advantages(r, 4, scale_rewards="batch")),
-                               centered / r64.std(ddof=1), rtol=1e-5, atol=1e-7)
-    # binary rewards in a group of 4: [1, 0, 0, 1] -> mean .5, std sqrt(1/3) -> +-0.866
-    np.testing.assert_allclose(np.asarray(grpo.group_advantages([1.0, 0, 0, 1], 4)),
-                               [math.sqrt(3) / 2, -math.sqrt(3) / 2, -math.sqrt(3) / 2,
-                                math.sqrt(3) / 2], rtol=1e-6)
+                               centered / (r64.std(ddof=1) + 1e-4), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(grpo.group_advantages(r, 4, std_eps=0.0)), _np_group_adv(r, 4, eps=0),
+                               rtol=1e-5)
+    # binary rewards in a group of 4: [1, 0, 0, 1] -> mean .5, std sqrt(1/3) -> +-0.5 / (0.57735 + 1e-4) = +-0.86588
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    np.testing.assert_allclose(np.asarray(grpo.group_advantages([1.0, 0, 0, 1], 4)), [a, -a, -a, a], rtol=1e-6)
+    # a group whose rewards differ slightly: TRL's epsilon bounds the advantage (std 5e-4 -> 0.5e-4 / 6e-4)
+    np.testing.assert_allclose(np.asarray(grpo.group_advantages([1.0, 1.0, 1.001, 1.001], 4))[:2],
+                               -0.0005 / (np.std([1, 1, 1.001, 1.001], ddof=1) + 1e-4), rtol=2e-3)
 
 
 def test_group_advantages_equal_rewards_not_representable():
@@ -274,7 +279,7 @@ def test_group_advantages_nonfinite_and_degenerate_groups():
     adv_b = np.asarray(grpo.group_advantages(np.array([1, 0, nan, 2, 2, 2], np.float32), 3,
                                              scale_rewards="batch"))
     bstd = np.std([1.0, 0, 2, 2, 2], ddof=1)
-    np.testing.assert_allclose(adv_b, [0.5 / bstd, -0.5 / bstd, 0, 0, 0, 0], rtol=1e-5)
+    np.testing.assert_allclose(adv_b, [0.5 / (bstd + 1e-4), -0.5 / (bstd + 1e-4), 0, 0, 0, 0], rtol=1e-5)
 
 
 def test_group_advantages_errors_and_jit():
