@@ -5,8 +5,11 @@ Source (QeRL, arXiv:2510.11696; github.com/NVlabs/QeRL at e8c6e79,
 ``loss_type=bnpo``), on top of the 7B GSM8K recipe (``configs/gsm8k_qwen2_5_7b.py``: NVFP4,
 LoRA r32 + norms, AQN 1e-2 -> 5e-4 over 10 stages, lr 1e-5, AdamW 0.9/0.99, wd 0.1, clip 0.2):
 
-* DAPO = the ``bnpo`` token-level loss, clip-higher epsilon_high 0.28, no KL (beta 0), one
-  iteration per rollout, truncated completions masked (script's ``bnpo`` branch);
+* DAPO's token-level loss, clip-higher epsilon_high 0.28, no KL (beta 0), one iteration per rollout,
+  truncated completions masked (script's ``bnpo`` branch). The script's TRL ``bnpo`` takes each
+  micro-batch's token mean, so its loss depends on the micro-batch size; ``dapo`` here is DAPO's mean over
+  all the step's tokens, which ``bnpo`` approximates and which does not change with ``rl.micro_batch_size``
+  (``--config.rl.loss_type=bnpo`` gives TRL's);
 * max prompt 1024 and max completion 4096 tokens (script's bigmath branch);
 * the training set is open-r1/Big-Math-RL-Verified-Processed, level 3-5, from the hub
   (``utils/data.py``); LaTeX answers are scored with math-verify; evaluation on MATH-500.

@@ -344,15 +344,21 @@ def _effective_mask(mask, truncated, mask_truncated_completions):
 
 def loss_normalizer(mask, *, loss_type: str, max_completion_length: int | None = None,
                     truncated=None, mask_truncated_completions: bool = False) -> jax.Array:
-    """The denominator of ``loss_type`` for a batch (or a whole gradient-accumulation window).
+    """The denominator of ``loss_type`` for a batch (or a whole gradient-accumulation window), as TRL's
+    ``GRPOTrainer._compute_loss``.
 
-    * ``grpo``: number of sequences with at least one unmasked token (each sequence is first
-      averaged over its own tokens, see :func:`policy_loss_terms`; DeepSeekMath eq. 3);
+    * ``grpo``: number of sequences ``B`` (each sequence is first averaged over its own tokens, see
+      :func:`policy_loss_terms`; DeepSeekMath eq. 3). A sequence with no unmasked token (a truncated one
+      dropped by ``mask_truncated_completions``) adds 0 to the numerator and still counts here, as in
+      TRL's ``.mean()`` over the batch;
     * ``bnpo`` / ``dapo``: number of unmasked tokens (DAPO's token-level loss, BNPO);
-    * ``dr_grpo`` (Dr. GRPO): number of sequences (minus the dropped truncated ones when
-      ``mask_truncated_completions``) times ``max_completion_length`` (default ``T``).
-    Summing the numerators of several micro-batches and dividing once by the normaliser of their
-    concatenation gives exactly the loss of the concatenated batch.
+    * ``dr_grpo`` (Dr. GRPO, Liu et al. 2025): ``B * max_completion_length`` (default ``T``), a constant:
+      dropped truncated sequences still count.
+    For ``grpo``, ``dapo`` and ``dr_grpo``, summing the numerators of several micro-batches and dividing
+    once by the normaliser of their concatenation gives exactly the loss of the concatenated batch.
+    ``bnpo`` is TRL's per-micro-batch token mean averaged over the micro-batches
+    (:func:`qerl_jax.update.make_update_step` divides each micro-batch by its own token count); on one
+    batch it equals ``dapo``.
 
     Args:
       mask: ``[B, T]`` completion mask (nonzero = completion token that counts).
@@ -370,17 +376,13 @@ def loss_normalizer(mask, *, loss_type: str, max_completion_length: int | None =
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     m = _effective_mask(mask, truncated, mask_truncated_completions)
     if loss_type == "grpo":
-        return m.any(axis=1).sum().astype(jnp.float32)
+        return jnp.float32(m.shape[0])
     if loss_type in ("bnpo", "dapo"):
         return m.sum().astype(jnp.float32)
     length = m.shape[1] if max_completion_length is None else max_completion_length
     if not _is_int(length) or length < 1:
         raise ValueError(f"max_completion_length must be a positive int, got {length!r}")
-    if mask_truncated_completions:
-        kept = (~jnp.asarray(truncated).astype(bool)).sum().astype(jnp.float32)
-    else:
-        kept = jnp.float32(m.shape[0])
-    return kept * float(operator.index(length))
+    return jnp.float32(m.shape[0] * operator.index(length))
 
 
 def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "grpo",
@@ -526,11 +528,11 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "g
       advantages: ``[B]`` (one per sequence, from :func:`group_advantages`) or ``[B, T]``.
       mask: ``[B, T]`` completion mask, nonzero for tokens that count (completion tokens up to and
         including the end token).
-      loss_type: ``"grpo"``: mean over each sequence's tokens, then mean over the sequences that
-        have at least one token (DeepSeekMath); ``"bnpo"`` / ``"dapo"``: sum over all tokens / number
-        of tokens (DAPO token-level mean; in a gradient-accumulation window both use the window's
-        token count); ``"dr_grpo"``: sum over all tokens / (num sequences x
-        ``max_completion_length``) (Dr. GRPO).
+      loss_type: ``"grpo"``: mean over each sequence's tokens, then mean over all ``B`` sequences
+        (DeepSeekMath; TRL); ``"bnpo"`` / ``"dapo"``: sum over all tokens / number of tokens (DAPO
+        token-level mean; in a gradient-accumulation window ``dapo`` uses the window's token count and
+        ``bnpo`` each micro-batch's, as TRL: :func:`loss_normalizer`); ``"dr_grpo"``: sum over all
+        tokens / (``B`` x ``max_completion_length``) (Dr. GRPO).
       epsilon: lower clip range (ratio clipped below at ``1 - epsilon``).
       epsilon_high: upper clip range (DAPO clip-higher, e.g. 0.28); default ``epsilon``.
       beta: KL coefficient; > 0 needs ``ref_logprobs``.

@@ -193,8 +193,8 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
                      donate: bool = False):
     """Build the jit-compiled ``update_step(train_state, batch, step, key) -> (train_state, metrics)``.
 
-    One call is one optimizer update. For ``num_iterations > 1`` (several updates per rollout,
-    QeRL uses 4 on GSM8K) call it that many times on the same batch, whose ``old_logprobs`` stay
+    One call is one optimizer update. For ``num_iterations > 1`` (several updates per rollout; TRL's
+    ``num_iterations``, GRPO's mu) call it that many times on the same batch, whose ``old_logprobs`` stay
     the rollout's.
 
     Args:
@@ -223,7 +223,9 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
 
     Gradient accumulation: the batch is split into ``gradient_accumulation_steps`` micro-batches
     scanned with ``lax.scan``; each micro-batch's numerator is divided by the normaliser of the
-    whole batch (``grpo.loss_normalizer``), so the summed gradient equals the single-batch one.
+    whole batch (``grpo.loss_normalizer``), so the summed gradient equals the single-batch one; for
+    ``bnpo``, as in TRL, by its own token count times the number of micro-batches instead (the mean of
+    the micro-batches' token means).
 
     A non-finite loss, gradient or parameter update leaves params and optimizer state bit-identical
     and increments ``skipped_updates``.
@@ -273,7 +275,11 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
                 ref_logprobs=mb.get("ref_logprobs"), kl_estimator=kl_estimator,
                 entropy=entropy, truncated=mb.get("truncated"),
                 mask_truncated_completions=mask_trunc)
-            return terms["loss_sum"] / jnp.maximum(normalizer, 1.0), terms
+            # bnpo (TRL): each micro-batch's token mean, averaged over the micro-batches; the others: one
+            # normaliser for the whole batch
+            denom = terms["tokens"] * num_micro if loss_type == "bnpo" else normalizer
+            loss = terms["loss_sum"] / jnp.maximum(denom, 1.0)
+            return loss, {**terms, "loss": loss}
 
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -286,10 +292,11 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
 
         g0 = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), params)
         t0 = {k: jnp.zeros((), jnp.float32) for k in
-              ("loss_sum", "tokens", "clip_low", "clip_high", "clip_region", "kl", "entropy")}
+              ("loss", "loss_sum", "tokens", "clip_low", "clip_high", "clip_region", "kl", "entropy")}
         (grads, terms), _ = jax.lax.scan(body, (g0, t0), micro)
         grads = jax.tree.map(lambda g, p: g.astype(jnp.asarray(p).dtype), grads, params)
-        loss, loss_metrics = grpo.finalize_policy_loss(terms, normalizer)
+        _, loss_metrics = grpo.finalize_policy_loss(terms, normalizer)
+        loss = terms["loss"]  # the sum of the micro-batches' losses: the loss the gradient is of
 
         grad_norm = _global_norm(grads)
         updates, new_opt_state = optimizer.update(grads, train_state.opt_state, params)

@@ -161,17 +161,19 @@ def test_zero_mask_gives_zero_loss_and_gradient(loss_type):
     assert np.all(np.asarray(g) == 0.0)
 
 
-def test_grpo_ignores_empty_sequences_and_truncated():
+def test_empty_and_truncated_sequences_count_as_in_trl():
+    """TRL: grpo is the .mean() over all B sequences of each one's token mean (an empty one adds 0 and
+    counts); dr_grpo divides by B * max_completion_length whatever is masked; dapo by the unmasked tokens."""
     lp, old = _hand_inputs()
     lp3 = np.concatenate([np.nan_to_num(lp), np.zeros((1, 4), np.float32)])
     old3 = np.concatenate([np.nan_to_num(old), np.zeros((1, 4), np.float32)])
     mask3 = np.concatenate([MASK, np.zeros((1, 4), np.int32)])
     adv3 = np.append(ADV, 3.0)
     loss, _ = grpo.policy_loss(lp3, old3, adv3, mask3, epsilon=EPS, epsilon_high=EPS_HIGH)
-    np.testing.assert_allclose(float(loss), HAND["grpo"], rtol=1e-6)  # still / 2, not / 3
-    # mask_truncated_completions drops sequence 1: only sequence 0's mean remains
+    np.testing.assert_allclose(float(loss), HAND["grpo"] * 2 / 3, rtol=1e-6)  # the two sequences' sum / 3
+    # mask_truncated_completions drops sequence 1: sequence 0's mean (-2.78 / 3 over its 3 tokens) remains
     trunc = np.array([False, True])
-    for lt, expect in [("grpo", -2.78 / 3), ("dapo", -2.78 / 3), ("dr_grpo", -2.78 / 4)]:
+    for lt, expect in [("grpo", -2.78 / 3 / 2), ("dapo", -2.78 / 3), ("dr_grpo", -2.78 / (2 * 4))]:
         loss, met = grpo.policy_loss(np.nan_to_num(lp), np.nan_to_num(old), ADV, MASK,
                                      loss_type=lt, epsilon=EPS, epsilon_high=EPS_HIGH,
                                      truncated=trunc, mask_truncated_completions=True,
@@ -396,9 +398,9 @@ def _reference_grad(params, batch, cfg):
 
 @pytest.mark.parametrize("cfg", [
     {"loss_type": "grpo"},
+    {"loss_type": "grpo", "mask_truncated_completions": True},
     {"loss_type": "dapo", "epsilon_high": 0.28, "mask_truncated_completions": True},
-    {"loss_type": "bnpo", "beta": 0.04},
-    {"loss_type": "dr_grpo", "beta": 0.04},
+    {"loss_type": "dr_grpo", "beta": 0.04, "mask_truncated_completions": True},
 ])
 def test_gradient_accumulation_equals_single_batch(cfg):
     params, batch = _toy(1, beta="beta" in cfg)
@@ -421,6 +423,36 @@ def test_gradient_accumulation_equals_single_batch(cfg):
         np.testing.assert_allclose(float(out[4][1][name]), float(out[1][1][name]), rtol=1e-5)
     assert ("kl" in out[1][1]) == ("beta" in cfg)
     assert np.abs(out[1][0]["w"]).max() > 0
+
+
+def test_bnpo_averages_the_micro_batches_token_means():
+    """TRL's bnpo: each micro-batch's loss is its own token mean, divided by the accumulation steps; so with
+    micro-batches of unequal token counts (here 9, 5, 7, 6) it is not dapo's one token mean over the batch."""
+    params, batch = _toy(1, beta=True)
+    sgd = optax.sgd(1.0)
+    cfg = {"loss_type": "bnpo", "beta": 0.04}
+
+    def reference(p, m):  # the mean over m contiguous micro-batches of the one-batch bnpo loss
+        lp, _ = toy_logprob_fn(p, batch)
+        rows = B // m
+        return sum(grpo.policy_loss(lp[i * rows:(i + 1) * rows], batch["old_logprobs"][i * rows:(i + 1) * rows],
+                                    batch["advantages"][i * rows:(i + 1) * rows],
+                                    batch["completion_mask"][i * rows:(i + 1) * rows], loss_type="bnpo", beta=0.04,
+                                    ref_logprobs=batch["ref_logprobs"][i * rows:(i + 1) * rows])[0]
+                   for i in range(m)) / m
+
+    for m in (1, 4):
+        step_fn = update.make_update_step(toy_logprob_fn, {**cfg, "gradient_accumulation_steps": m}, optimizer=sgd)
+        state, met = step_fn(update.make_train_state(params, sgd), batch, 3, jax.random.key(0))
+        ref_loss, ref_grad = jax.value_and_grad(reference)(params, m)
+        np.testing.assert_allclose(float(met["loss"]), float(ref_loss), rtol=1e-5)
+        for k in params:
+            np.testing.assert_allclose(np.asarray(params[k]) - np.asarray(state.params[k]), np.asarray(ref_grad[k]),
+                                       rtol=1e-5, atol=1e-7)
+    dapo_loss, _ = jax.value_and_grad(lambda p: grpo.policy_loss(
+        toy_logprob_fn(p, batch)[0], batch["old_logprobs"], batch["advantages"], batch["completion_mask"],
+        loss_type="dapo", beta=0.04, ref_logprobs=batch["ref_logprobs"])[0])(params)
+    assert abs(float(met["loss"]) - float(dapo_loss)) > 1e-3 * abs(float(dapo_loss))  # m = 4 differs from dapo
 
 
 def test_update_step_skips_nonfinite_and_keeps_state_bit_identical():
