@@ -215,12 +215,14 @@ class Rollout:
       min-new-tokens masking, division by the temperature, top-k and top-p
       (renormalised over the kept tokens). Greedy (temperature 0) samples from
       a point mass, so its ``logprobs`` are 0. 0 where ``mask`` is 0.
-    policy_logprobs: float32 ``[B*G, T]``, the raw policy's log-probability,
-      ``log_softmax(logits)`` at temperature 1 with no filtering and no
-      min-new-tokens mask: what a full forward over prompt + completion gives
-      (``models.token_logprobs``), whatever the sampling settings.
-      At temperature 1 with top_k 0, top_p 1 and past ``min_new_tokens`` it
-      equals ``logprobs``. 0 where ``mask`` is 0.
+    policy_logprobs: float32 ``[B*G, T]``, the policy's log-probability at the
+      sampling temperature, ``log_softmax(logits / temperature)`` (temperature 1
+      for greedy) with no top-k / top-p filtering and no min-new-tokens mask:
+      what a full forward over prompt + completion gives
+      (``models.token_logprobs(..., temperature=temperature)``), and the old
+      log-probs of the trainer's importance ratio (TRL divides the logits by the
+      temperature in the same way). With top_k 0, top_p 1 and past
+      ``min_new_tokens`` it equals ``logprobs``. 0 where ``mask`` is 0.
     mask: int32 ``[B*G, T]``, 1 up to and including each row's first end token,
       0 after it.
     lengths: int32 ``[B*G]``, tokens with mask 1 (end token included).
@@ -426,7 +428,9 @@ def sample_tokens(key: jax.Array, logits: jax.Array, *, temperature: float, top_
   Returns:
     ``(tokens int32 [...], sample_logprob f32 [...], policy_logprob f32 [...])``:
     the log-probability under the sampling distribution (0 for greedy) and
-    under ``log_softmax(logits)`` (raw, temperature 1).
+    under the policy at the sampling temperature, ``log_softmax(logits / temperature)`` with no top-k /
+    top-p (``log_softmax(logits)`` for greedy): what the trainer's forward gives at that temperature, as
+    TRL computes the policy's log-probs (logits divided by the temperature).
 
   Raises:
     ValueError: ``temperature`` < 0 or above 0 but below float32's smallest normal number (1.18e-38; 0 is
@@ -441,7 +445,8 @@ def sample_tokens(key: jax.Array, logits: jax.Array, *, temperature: float, top_
     tokens, lse = draw_by_inverse_cdf(key, x)
     policy_lp = jnp.take_along_axis(x, tokens[..., None], axis=-1)[..., 0] - lse
     return tokens, policy_lp, policy_lp
-  raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  scaled = logits.astype(jnp.float32) if temperature in (0, 1) else logits.astype(jnp.float32) / temperature
+  raw = jax.nn.log_softmax(scaled, axis=-1)
   if temperature == 0:
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sample_lp = jnp.zeros(tokens.shape, jnp.float32)
@@ -695,8 +700,10 @@ def _generate_impl(cfg_model, config: SamplingConfig, lora_scale: float, base, l
     keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(row_keys)
     tok, lp, plp = sample_tokens(keys, logits, temperature=config.temperature, top_k=config.top_k,
                                  top_p=config.top_p)
-    if config.min_new_tokens > 0:  # policy_logprobs: the raw policy's, not renormalised over the non-end ids
-      x = raw_logits.astype(jnp.float32)
+    if config.min_new_tokens > 0:  # policy_logprobs: the policy's at the temperature, not renormalised over the
+      x = raw_logits.astype(jnp.float32)  # non-end ids
+      if config.temperature not in (0, 1):
+        x = x / config.temperature
       plp = jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(x, axis=-1)
     live = ~done
     tok = jnp.where(live, tok, jnp.int32(config.pad_id))

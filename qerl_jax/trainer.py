@@ -949,14 +949,17 @@ def load_policy(config: ml_collections.ConfigDict, *, pretrained=None) -> Policy
     params = lora.init_lora(key, model_cfg, lora_cfg, base)
     return update.make_train_state(params, optimizer)
 
+  temperature = float(config.sampling.temperature)  # > 0 (validate): the policy trained is the one sampled
+
   def completion_logprobs(params, base_, noise_, prompt_tokens, prompt_mask, tokens, mask):
-    """log p and entropy [N, T] of the completion tokens (float32), prompt + completion forward."""
+    """log p and entropy [N, T] of the completion tokens (float32), prompt + completion forward, with the
+    logits divided by the sampling temperature (as TRL; the rollout's policy_logprobs are at it too)."""
     full = jnp.concatenate([prompt_tokens, tokens], axis=1)
     full_mask = jnp.concatenate([prompt_mask, mask], axis=1)
     positions = model.positions_from_mask(full_mask)
     lp, ent = model.token_logprobs(model_cfg, base_, full, positions, lora=params, lora_cfg=scale,
                                    norm_noise=noise_, attn_mask=full_mask, remat=remat,
-                                   attn_chunk=attn_chunk, attn_impl=attn_impl)
+                                   attn_chunk=attn_chunk, attn_impl=attn_impl, temperature=temperature)
     p = prompt_tokens.shape[1]
     return lp[:, p:], ent[:, p:]
 

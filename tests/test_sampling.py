@@ -414,23 +414,24 @@ def _small_model():
   return cfg, models.init_params(cfg, jax.random.key(0), dtype=jnp.float32, std=0.2)
 
 
-def _full_forward_logprobs64(cfg, base, ro, prompt_len):
-  """float64 ``[N, T]``: log_softmax (numpy, float64) of one full forward over prompt + completion, at each
-  completion token, 0 where the completion mask is 0."""
+def _full_forward_logprobs64(cfg, base, ro, prompt_len, temperature=1.0):
+  """float64 ``[N, T]``: log_softmax (numpy, float64) of one full forward's logits over prompt + completion,
+  divided by ``temperature``, at each completion token, 0 where the completion mask is 0."""
   from qerl_jax import models
   seq = jnp.concatenate([ro.prompt_tokens, ro.tokens], axis=1)
   seq_mask = jnp.concatenate([ro.prompt_mask, ro.mask], axis=1)
   logits, _ = models.forward(cfg, base, seq, models.positions_from_mask(seq_mask), attn_mask=seq_mask)
-  logp = _log_softmax64(np.asarray(logits[:, :-1]))  # predicts seq[:, 1:]
+  logp = _log_softmax64(np.asarray(logits[:, :-1], np.float64) / temperature)  # predicts seq[:, 1:]
   full = np.take_along_axis(logp, np.asarray(seq)[:, 1:, None], axis=-1)[..., 0]
   return full[:, prompt_len - 1:] * np.asarray(ro.mask)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0, 0.7])
 def test_policy_logprobs_are_the_raw_policy_before_min_new_tokens(temperature):
-  """policy_logprobs (the trainer's old log-probs) equal one full forward's log_softmax at temperature 1 also
-  while min_new_tokens forbids the end ids: they are the raw policy's, not renormalised over the allowed
-  tokens. A third of the vocabulary are end ids, so the renormalisation would be visible (about 0.5 nats)."""
+  """policy_logprobs (the trainer's old log-probs) equal one full forward's log_softmax at the sampling
+  temperature (1 for greedy) also while min_new_tokens forbids the end ids: they are the policy's, not
+  renormalised over the allowed tokens. A third of the vocabulary are end ids, so the renormalisation would
+  be visible (about 0.5 nats)."""
   cfg, base = _small_model()
   tokens = np.array([[0, 5, 7, 9], [3, 4, 8, 2], [0, 0, 0, 11]], np.int32)
   mask = np.array([[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]], np.int32)
@@ -438,8 +439,10 @@ def test_policy_logprobs_are_the_raw_policy_before_min_new_tokens(temperature):
                           temperature=temperature, num_generations=2, cache_dtype=jnp.float32)
   ro = sampling.generate(cfg, base, tokens, mask, jax.random.key(1), config)
   assert (np.asarray(ro.lengths) >= 4).all()
-  want = _full_forward_logprobs64(cfg, base, ro, tokens.shape[1])
+  want = _full_forward_logprobs64(cfg, base, ro, tokens.shape[1], temperature or 1.0)
   np.testing.assert_allclose(np.asarray(ro.policy_logprobs), want, atol=1e-4)
+  if temperature == 0.7:  # (and not the temperature-1 values: the test can tell them apart)
+    assert np.abs(want - _full_forward_logprobs64(cfg, base, ro, tokens.shape[1])).max() > 0.05
 
 
 def _lora_and_noise(cfg, key):

@@ -245,10 +245,12 @@ def test_in_row_chunks_equals_one_call_and_pads_a_ragged_last_chunk():
     trainer._in_row_chunks(fn, 2, a, b[:4])
 
 
-def test_reference_logprobs_by_micro_batch_equal_one_whole_batch_forward(monkeypatch):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_reference_logprobs_by_micro_batch_equal_one_whole_batch_forward(monkeypatch, temperature):
   """policy.ref_logprobs runs rl.micro_batch_size rows at a time with model.attn_chunk query chunks; its
   numbers equal one unchunked float32 forward of the whole batch with LoRA and AQN off (random:tiny,
-  NVFP4 base, left-padded prompts, a completion ended early)."""
+  NVFP4 base, left-padded prompts, a completion ended early), its logits divided by the sampling temperature
+  (as the sampler's policy_logprobs and TRL's training forward)."""
   from qerl_jax import models
   from qerl_jax.trainer import _load_base
   c = toy.toy_config()
@@ -256,6 +258,7 @@ def test_reference_logprobs_by_micro_batch_equal_one_whole_batch_forward(monkeyp
   c.model.quant = "nvfp4"
   c.rl.micro_batch_size = 2
   c.model.attn_chunk = 3
+  c.sampling.temperature = temperature
   policy = trainer.load_policy(c)
   cfg, base, _, _ = _load_base(c)
   calls, inner = [], models.token_logprobs
@@ -279,11 +282,14 @@ def test_reference_logprobs_by_micro_batch_equal_one_whole_batch_forward(monkeyp
   assert calls == [((2, p + t), 3)]  # traced once, for a micro-batch of rows, with the query chunk
   monkeypatch.undo()
   full, fmask = np.concatenate([prompt, comp], 1), np.concatenate([pmask, cmask], 1)
-  lp, _ = models.token_logprobs(cfg, base, jax.numpy.asarray(full), models.positions_from_mask(fmask),
-                                attn_mask=jax.numpy.asarray(fmask), remat=False)
-  want = np.asarray(lp)[:, p:]
+  forward = lambda temp: np.asarray(models.token_logprobs(
+      cfg, base, jax.numpy.asarray(full), models.positions_from_mask(fmask), attn_mask=jax.numpy.asarray(fmask),
+      remat=False, temperature=temp)[0])[:, p:]
+  want = forward(temperature)
   assert got.shape == (n, t) and np.isfinite(got).all() and np.abs(want).max() > 1.0
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  if temperature != 1.0:
+    assert np.abs(got - forward(1.0)).max() > 0.1
 
 
 def test_unfusable_base_stays_unfused_with_a_warning(capsys):
