@@ -47,6 +47,25 @@ def _opt(config: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
+# TRL GRPOConfig fields that change the loss and that this update step does not implement, with the value at
+# which they change nothing; a config that sets one otherwise is refused rather than silently run as plain GRPO.
+_UNSUPPORTED_TRL_FIELDS = {
+    "delta": None,                         # two-sided clipping of the ratio (INTELLECT-2)
+    "importance_sampling_level": "token",  # "sequence": GSPO's sequence-level ratio
+    "top_entropy_quantile": 1.0,           # loss on the highest-entropy tokens only
+}
+
+
+def _check_supported(config: Any) -> None:
+    """Raises ValueError naming each :data:`_UNSUPPORTED_TRL_FIELDS` entry ``config`` sets to another value."""
+    bad = {name: _opt(config, name, neutral) for name, neutral in _UNSUPPORTED_TRL_FIELDS.items()}
+    bad = {name: v for name, v in bad.items() if v != _UNSUPPORTED_TRL_FIELDS[name]}
+    if bad:
+        shown = ", ".join(f"{k}={v!r}" for k, v in bad.items())
+        raise ValueError(f"make_update_step: {shown} not supported (TRL GRPOConfig fields this update step does not "
+                         f"implement; leave them at {', '.join(f'{k}={_UNSUPPORTED_TRL_FIELDS[k]!r}' for k in bad)})")
+
+
 class TrainState(NamedTuple):
     """What changes during RL training (a pytree; checkpoint it whole).
 
@@ -239,7 +258,9 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
 
     Raises:
       ValueError: here, for bad config values (loss type, clip range, KL estimator, accumulation
-        steps); at trace time (the first call), for a malformed batch.
+        steps) or a TRL field that changes the loss and is not implemented (``delta``,
+        ``importance_sampling_level="sequence"``, ``top_entropy_quantile < 1``); at trace time (the first
+        call), for a malformed batch.
     """
     loss_type = _opt(config, "loss_type", "grpo")
     epsilon = float(_opt(config, "epsilon", 0.2))
@@ -251,6 +272,7 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
     num_micro = int(_opt(config, "gradient_accumulation_steps", 1))
     if num_micro < 1:
         raise ValueError(f"gradient_accumulation_steps must be >= 1, got {num_micro}")
+    _check_supported(config)
     grpo._check_loss_options(loss_type, epsilon, epsilon_high, beta, kl_estimator)
     if optimizer is None:
         optimizer = make_optimizer(config)

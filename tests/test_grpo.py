@@ -654,3 +654,14 @@ def test_overlong_penalty_hand_worked():
                        ((lengths.astype(np.float32), 10, 4), "integers")):
     with pytest.raises(ValueError, match=needle):
       grpo.overlong_penalty(*args)
+
+
+def test_update_step_refuses_trl_fields_it_does_not_implement():
+    """A TRL GRPOConfig with GSPO's sequence-level ratio, two-sided clipping or entropy masking ran as plain
+    token-level GRPO without a word."""
+    for field, value in (("importance_sampling_level", "sequence"), ("delta", 2.0), ("top_entropy_quantile", 0.2)):
+        with pytest.raises(ValueError, match=f"make_update_step: {field}={value!r} not supported"):
+            update.make_update_step(toy_logprob_fn, {"loss_type": "dapo", field: value})
+    # at their neutral values they are accepted
+    update.make_update_step(toy_logprob_fn, {"loss_type": "dapo", "max_steps": 10, "importance_sampling_level": "token",
+                                             "delta": None, "top_entropy_quantile": 1.0})
