@@ -49,8 +49,12 @@ Layout (units in brackets)::
   rl.mask_truncated_completions, format_reward_weight
   rl.dynamic_sampling     DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): sample further batches of
                           prompts (up to rl.max_sampling_rounds a step) until the update has
-                          batch_size / G groups whose rewards are not all equal; groups that carry no
+                          batch_size / G groups with some right and some wrong answers; groups that carry no
                           signal fill the batch only when the rounds run out. Off by default.
+  rl.recompute_old_logprobs  the importance ratio's old log-probs from a forward of the training model
+                          (current adapter, the update's AQN noise) before the updates, instead of the
+                          sampler's; one more forward a step. Logs the difference
+                          (sampling/sampling_logp_difference/mean, /max). Off by default.
   rl.max_sampling_rounds  rollouts a step at most with dynamic sampling
   rl.oversample_factor    prompts a rollout samples with dynamic sampling, as a multiple of batch_size / G
                           (DAPO's larger generation batch: one rollout of 2x the rows costs far less on a GPU
@@ -148,6 +152,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.scale_rewards = "group"
   c.rl.mask_truncated_completions = True
   c.rl.format_reward_weight = 0.0
+  c.rl.recompute_old_logprobs = False  # True: old log-probs from the training forward, not the sampler's
   c.rl.dynamic_sampling = False  # DAPO: keep sampling prompts until every group in the update carries signal
   c.rl.max_sampling_rounds = 4  # at most this many rollouts a step with dynamic_sampling
   c.rl.oversample_factor = 1  # with dynamic_sampling: each rollout samples this many batches of prompts at once
@@ -296,6 +301,8 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
        f"{SCALE_REWARDS}")
   need(float(rl.format_reward_weight) >= 0, f"rl.format_reward_weight={rl.format_reward_weight} "
        "must be >= 0")
+  need(isinstance(rl.get("recompute_old_logprobs", False), bool),
+       f"rl.recompute_old_logprobs={rl.get('recompute_old_logprobs')!r} must be True or False")
   need(isinstance(rl.get("dynamic_sampling", False), bool),
        f"rl.dynamic_sampling={rl.get('dynamic_sampling')!r} must be True or False")
   need(int(rl.get("max_sampling_rounds", 1)) >= 1,

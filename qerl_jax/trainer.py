@@ -9,11 +9,12 @@ One step of :func:`train` (QeRL, arXiv:2510.11696, Alg. 1 with GRPO, Shao et al.
 4. score each completion on the host (bounded time, one float each; a failed score is missing,
    NaN, and gets advantage 0), plus DAPO's overlong penalty when ``rl.overlong_buffer_length``
    is set; with ``rl.dynamic_sampling`` (DAPO), steps 1, 3 and 4 repeat on the next batches of
-   prompts until ``batch_size / G`` groups carry signal (rewards not all equal) or
+   prompts until ``batch_size / G`` groups carry signal (some answers right, some wrong) or
    ``rl.max_sampling_rounds`` rollouts were made (each of ``rl.oversample_factor`` batches of
    prompts), and the update takes those groups;
 5. group-normalised advantages (``grpo.group_advantages``);
-6. reference log-probs with LoRA off when ``rl.beta > 0``;
+6. the old log-probs of the importance ratio recomputed by the training forward when
+   ``rl.recompute_old_logprobs`` (else the sampler's); reference log-probs with LoRA off when ``rl.beta > 0``;
 7. ``num_iterations`` updates over micro-batches (``grpo`` objective, optax AdamW);
 8. log; checkpoint every ``train.save_every`` steps; greedy evaluation every ``train.eval_every``.
 
@@ -36,7 +37,7 @@ import socket
 import sys
 import time
 import types
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -142,6 +143,9 @@ class Policy:
       micro-batch's, as in the update.
     update: ``(state, batch, noise, step, key) -> (state, metrics)``: one optimizer step over the
       whole batch (micro-batched inside), ``batch`` as built by :func:`_update_batch`.
+    old_logprobs: ``(params, batch, noise) -> float32 [N, T]``, the completions' log-probs under the
+      training forward with adapter ``params`` and ``noise`` (``rl.recompute_old_logprobs``), computed as
+      ``ref_logprobs`` is; None when the policy cannot (then that option is refused).
   """
   tokenizer: Any
   pad_id: int
@@ -153,6 +157,7 @@ class Policy:
   ref_logprobs: Callable[[dict, Any], jax.Array]
   update: Callable[..., tuple[Any, dict]]
   description: str = ""
+  old_logprobs: Optional[Callable[[Any, dict, Any], jax.Array]] = None
 
 
 @dataclasses.dataclass
@@ -176,6 +181,17 @@ class _Round:
     the group selection."""
     group_size = len(self.correct) // len(self.prompts)
     return np.asarray(grpo.informative_groups(jnp.asarray(self.correct), group_size))
+
+
+def _recomputed_old_logprobs(policy: Policy, params, batch: dict, noise) -> tuple[jax.Array, dict]:
+  """``(old_logprobs [N, T] float32, metrics)``: the completions' log-probs under the training forward
+  (:attr:`Policy.old_logprobs`), and how far the sampler's (``batch["old_logprobs"]``) were from them over
+  the completion tokens, in TRL's names: ``sampling/sampling_logp_difference/mean`` and ``/max`` (nats)."""
+  old = jax.block_until_ready(policy.old_logprobs(params, batch, noise))
+  mask = np.asarray(batch["completion_mask"]) > 0
+  diff = np.abs(np.asarray(old, np.float64) - np.asarray(batch["old_logprobs"], np.float64))[mask]
+  return old, {"sampling/sampling_logp_difference/mean": float(diff.mean()) if diff.size else 0.0,
+               "sampling/sampling_logp_difference/max": float(diff.max()) if diff.size else 0.0}
 
 
 def _select_groups(rounds: Sequence[_Round], num_groups: int, group_size: int, *, dynamic: bool):
@@ -391,6 +407,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   max_rounds = int(config.rl.get("max_sampling_rounds", 1)) if dynamic else 1
   oversample = int(config.rl.get("oversample_factor", 1)) if dynamic else 1  # batches of prompts a rollout
   overlong_buffer = int(config.rl.get("overlong_buffer_length", 0))
+  recompute_old = bool(config.rl.get("recompute_old_logprobs", False))
+  if recompute_old and policy.old_logprobs is None:
+    if lock is not None:
+      lock.close()
+    raise RunSetupError("rl.recompute_old_logprobs=True needs a policy with old_logprobs (load_policy's has it; "
+                        "the given policy has none)")
 
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=int(config.train.keep_checkpoints),
@@ -505,7 +527,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
       # 6. reference log-probs (LoRA off) when beta > 0
       update_batch = _update_batch(prompt_tokens, prompt_mask, rollout, advantages)
       update_noise = policy.update_noise(noise)
-      t_ref = None
+      t_ref, old_metrics = None, {}
+      if recompute_old:  # the ratio's old log-probs from the training forward instead of the sampler's
+        update_batch["old_logprobs"], old_metrics = _recomputed_old_logprobs(policy, state.params, update_batch,
+                                                                            update_noise)
       if float(config.rl.beta) > 0:
         tf = time.perf_counter()
         update_batch["ref_logprobs"] = jax.block_until_ready(policy.ref_logprobs(update_batch, update_noise))
@@ -522,7 +547,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
       # the step's reward, accuracy and completion metrics cover every completion sampled
       sampled_rewards = np.concatenate([r.rewards for r in rounds])
       sampled_correct = np.concatenate([r.correct for r in rounds])
-      row = {**_scalar_metrics(update_metrics),
+      row = {**_scalar_metrics(update_metrics), **old_metrics,
              **_scalar_metrics(grpo.reward_metrics(jnp.asarray(sampled_rewards), G)),
              **_scalar_metrics(grpo.completion_metrics(
                  jnp.concatenate([jnp.asarray(r.rollout.mask) for r in rounds]),
@@ -755,6 +780,7 @@ _LEGACY_VALUES = {"model.fuse_projections": False,
                   "model.attn_chunk": 0,
                   "model.attn_impl": "xla",
                   "rl.dynamic_sampling": False,
+                  "rl.recompute_old_logprobs": False,
                   "rl.max_sampling_rounds": 4,
                   "rl.oversample_factor": 1,
                   "rl.overlong_buffer_length": 0,
@@ -977,6 +1003,13 @@ def load_policy(config: ml_collections.ConfigDict, *, pretrained=None) -> Policy
   ref_jit = jax.jit(lambda base_, pt, pm, t, m: _in_row_chunks(
       lambda *rows: completion_logprobs(None, base_, None, *rows)[0], ref_rows, pt, pm, t, m))
 
+  old_jit = jax.jit(lambda params, base_, noise_, pt, pm, t, m: _in_row_chunks(
+      lambda *rows: completion_logprobs(params, base_, noise_, *rows)[0], ref_rows, pt, pm, t, m))
+
+  def old_logprobs(params, batch, noise_):
+    return old_jit(params, base, noise_, batch["prompt_tokens"], batch["prompt_mask"], batch["completion_tokens"],
+                   batch["completion_mask"])
+
   def ref_logprobs(batch, noise_):
     del noise_  # the reference is the base policy: LoRA off, no AQN noise
     return ref_jit(base, batch["prompt_tokens"], batch["prompt_mask"], batch["completion_tokens"],
@@ -987,7 +1020,7 @@ def load_policy(config: ml_collections.ConfigDict, *, pretrained=None) -> Policy
   return Policy(tokenizer=tokenizer, pad_id=int(pad_id), init_state=init_state, noise=noise,
                 update_noise=lambda z: None if aqn_cfg.noise_in_update is False else z,
                 sigma=sigma, generate=generate, ref_logprobs=ref_logprobs, update=do_update,
-                description=f"{config.model.path} ({config.model.quant})")
+                description=f"{config.model.path} ({config.model.quant})", old_logprobs=old_logprobs)
 
 
 def _load_base(config, pre=None):

@@ -1025,3 +1025,70 @@ def test_a_resume_with_more_total_steps_names_the_schedule_jump(tmp_path, capsys
   sigma_new = 1e-2 * (5e-4 / 1e-2) ** ((6 - 1) / 8)  # stage 6 of 10 steps; the old schedule is at stage 9: 5e-4
   assert (f"from step 7 the learning rate is {lr_new:.3g} (was 0) and the AQN sigma {sigma_new:.3g} (was 0.0005)."
           in " ".join(err.split())), err
+
+
+def test_recompute_old_logprobs_feeds_the_update_and_logs_the_sampler_difference(tmp_path):
+  """rl.recompute_old_logprobs: the update's old log-probs come from policy.old_logprobs (here the sampler's
+  plus 0.25 nats on every completion token), and the step logs how far the sampler's were from them."""
+  config = toy.toy_config()
+  config.rl.recompute_old_logprobs = True
+  seen = []
+  policy = toy.toy_policy(config)
+  inner = policy.update
+
+  def update(state, batch, noise, step, key):
+    seen.append((np.asarray(batch["old_logprobs"]), np.asarray(batch["completion_mask"])))
+    return inner(state, batch, noise, step, key)
+
+  shifted = lambda params, batch, noise: batch["old_logprobs"] + 0.25 * batch["completion_mask"]
+  run = dataclasses.replace(policy, update=update, old_logprobs=shifted)
+  kw = dict(datasets=toy.toy_datasets(), reward_fns=(toy.contains_answer, None), progress=False)
+  trainer.train(config, str(tmp_path / "on"), policy=run, stop_after=2, **kw)
+  rows = [r for r in metrics_lib.read_metrics(str(tmp_path / "on")) if "loss" in r]
+  assert [r["sampling/sampling_logp_difference/mean"] for r in rows] == pytest.approx([0.25, 0.25], abs=1e-6)
+  assert [r["sampling/sampling_logp_difference/max"] for r in rows] == pytest.approx([0.25, 0.25], abs=1e-6)
+  plain = []
+  policy_off = dataclasses.replace(policy, update=lambda s, b, *a: (plain.append(np.asarray(b["old_logprobs"])),
+                                                                    inner(s, b, *a))[1])
+  config_off = toy.toy_config()
+  trainer.train(config_off, str(tmp_path / "off"), policy=policy_off, stop_after=2, **kw)
+  for (old, mask), sampler in zip(seen, plain):  # same seed, same rollouts: exactly 0.25 more where it counts
+    np.testing.assert_allclose(old, sampler + 0.25 * mask, atol=1e-6)
+  with pytest.raises(trainer.RunSetupError, match="rl.recompute_old_logprobs=True needs a policy with old_logprobs"):
+    trainer.train(config, str(tmp_path / "none"), policy=policy, **kw)
+
+
+def test_policy_old_logprobs_are_the_training_forward_with_the_adapter():
+  """load_policy's old_logprobs: a micro-batched forward with the adapter and the noise, at the sampling
+  temperature, equal to one whole-batch token_logprobs call (random:tiny, NVFP4)."""
+  from qerl_jax import lora, models
+  from qerl_jax.trainer import _load_base
+  c = toy.toy_config()
+  c.model.path = "random:tiny"
+  c.model.quant = "nvfp4"
+  c.rl.micro_batch_size = 2
+  c.sampling.temperature = 0.8
+  policy = trainer.load_policy(c)
+  cfg, base, _, _ = _load_base(c)
+  params = policy.init_state(jax.random.key(0)).params
+  params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), params)
+  noise = policy.noise(40)
+  rng = np.random.default_rng(0)
+  n, p, t = 4, 3, 5
+  prompt = rng.integers(3, cfg.vocab_size, (n, p)).astype(np.int32)
+  pmask = np.ones((n, p), np.int32)
+  pmask[1, :1] = 0
+  comp = rng.integers(3, cfg.vocab_size, (n, t)).astype(np.int32)
+  cmask = np.ones((n, t), np.int32)
+  cmask[3, 2:] = 0
+  batch = {"prompt_tokens": prompt, "prompt_mask": pmask, "completion_tokens": comp, "completion_mask": cmask}
+  got = np.asarray(policy.old_logprobs(params, batch, noise))
+  full, fmask = np.concatenate([prompt, comp], 1), np.concatenate([pmask, cmask], 1)
+  scale = lora.scale(lora.LoRAConfig(r=int(c.lora.rank), lora_alpha=float(c.lora.alpha)))
+  lp, _ = models.token_logprobs(cfg, base, jax.numpy.asarray(full), models.positions_from_mask(fmask),
+                                attn_mask=jax.numpy.asarray(fmask), remat=False, lora=params, lora_cfg=scale,
+                                norm_noise=noise, temperature=0.8)
+  want = np.asarray(lp)[:, p:]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  without = np.asarray(policy.ref_logprobs(batch, None))
+  assert np.abs(got - without).max() > 1e-3  # the adapter and the noise are in it
