@@ -24,13 +24,16 @@ Differences from the original implementation (deliberate):
 * Default: the **same** noise is used for the rollout (sampling) and for the
   update's log-probabilities, so the importance ratio ``pi_theta / pi_old``
   compares the policy that actually generated the samples.
-  ``AQNConfig.noise_in_update=False`` reproduces the paper's variant (noise in
-  the rollout engine only; the update sees the noiseless model). The trainer
+  ``AQNConfig.noise_in_update=False`` is the paper's variant (noise in the
+  rollout engine only; the update sees the noiseless model). The trainer
   reads that field itself (``trainer.load_policy``'s ``Policy.update_noise``), as
-  :func:`update_noise` does.
+  :func:`update_noise` does, and then takes the update's own (noiseless) policy as
+  the ratio's old one, not the sampler's noisy log-probs, as QeRL's TRL loop does.
 * Only the per-layer ``input_norm`` / ``post_attn_norm`` get noise. The released
-  code's loop (``trl_trainer/noise_scheduler.py``) perturbs every module of the
-  model's RMSNorm class it finds, which makes no exception for the final norm.
+  code's loop (``trl_trainer/noise_scheduler.py``) adds noise in place to the rollout
+  engine's modules of Hugging Face's Qwen2 / Llama RMSNorm classes, which makes no
+  exception for the final norm (and there, as it is not reloaded from the trainer
+  each step, the noise accumulates).
 * Each ``(step, norm, layer)`` has its own ``fold_in`` key, where the released
   code draws from torch's global generator (not reproducible on resume).
 """
@@ -70,7 +73,8 @@ class AQNConfig:
       both in the rollout and in the update's log-probabilities, so the
       importance ratio is computed against the sampling policy. ``False``: the
       paper's variant -- noise in the rollout only, the update runs the
-      noiseless model (the ratio then also absorbs the noise's effect).
+      noiseless model (the trainer then takes the update's own policy as the
+      ratio's old one: the noise acts only through the sampled tokens).
   """
 
   kind: str = "stages"

@@ -407,12 +407,19 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   max_rounds = int(config.rl.get("max_sampling_rounds", 1)) if dynamic else 1
   oversample = int(config.rl.get("oversample_factor", 1)) if dynamic else 1  # batches of prompts a rollout
   overlong_buffer = int(config.rl.get("overlong_buffer_length", 0))
-  recompute_old = bool(config.rl.get("recompute_old_logprobs", False))
+  # The ratio's old log-probs. The sampler's by default. With AQN in the rollout only (QeRL's variant), the
+  # sampler's are a noisy policy's and the update's policy is noiseless, so, as QeRL's TRL loop does, the old
+  # policy is the update's own: its detached log-probs (ratio exactly 1) with one update a rollout, a
+  # recomputing forward with several.
+  rollout_only_aqn = bool(config.aqn.enabled) and bool(config.aqn.get("rollout_only", False))
+  recompute_old = (bool(config.rl.get("recompute_old_logprobs", False))
+                   or (rollout_only_aqn and int(config.rl.num_iterations) > 1))
+  detach_old = rollout_only_aqn and not recompute_old
   if recompute_old and policy.old_logprobs is None:
     if lock is not None:
       lock.close()
-    raise RunSetupError("rl.recompute_old_logprobs=True needs a policy with old_logprobs (load_policy's has it; "
-                        "the given policy has none)")
+    raise RunSetupError("rl.recompute_old_logprobs=True (or aqn.rollout_only with rl.num_iterations > 1) needs a "
+                        "policy with old_logprobs (load_policy's has it; the given policy has none)")
 
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=int(config.train.keep_checkpoints),
@@ -531,6 +538,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
       if recompute_old:  # the ratio's old log-probs from the training forward instead of the sampler's
         update_batch["old_logprobs"], old_metrics = _recomputed_old_logprobs(policy, state.params, update_batch,
                                                                             update_noise)
+      elif detach_old:  # the update then takes stop_gradient of its own log-probs: the ratio is exactly 1
+        del update_batch["old_logprobs"]
       if float(config.rl.beta) > 0:
         tf = time.perf_counter()
         update_batch["ref_logprobs"] = jax.block_until_ready(policy.ref_logprobs(update_batch, update_noise))

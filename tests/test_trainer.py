@@ -1054,7 +1054,7 @@ def test_recompute_old_logprobs_feeds_the_update_and_logs_the_sampler_difference
   trainer.train(config_off, str(tmp_path / "off"), policy=policy_off, stop_after=2, **kw)
   for (old, mask), sampler in zip(seen, plain):  # same seed, same rollouts: exactly 0.25 more where it counts
     np.testing.assert_allclose(old, sampler + 0.25 * mask, atol=1e-6)
-  with pytest.raises(trainer.RunSetupError, match="rl.recompute_old_logprobs=True needs a policy with old_logprobs"):
+  with pytest.raises(trainer.RunSetupError, match=r"rl.recompute_old_logprobs=True \(or .*\) needs a policy with "):
     trainer.train(config, str(tmp_path / "none"), policy=policy, **kw)
 
 
@@ -1092,3 +1092,30 @@ def test_policy_old_logprobs_are_the_training_forward_with_the_adapter():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   without = np.asarray(policy.ref_logprobs(batch, None))
   assert np.abs(got - without).max() > 1e-3  # the adapter and the noise are in it
+
+
+def test_rollout_only_aqn_takes_the_update_policy_as_the_old_one(tmp_path):
+  """With AQN in the rollout only, the sampler's log-probs are a noisy policy's: as QeRL's TRL loop, the update
+  gets no old log-probs with one iteration (its own detached ones: ratio 1), and recomputed ones with two."""
+  kw = dict(datasets=toy.toy_datasets(), reward_fns=(toy.contains_answer, None), progress=False)
+  for iterations in (1, 2):
+    config = toy.toy_config()
+    config.aqn.enabled, config.aqn.rollout_only, config.rl.num_iterations = True, True, iterations
+    seen = []
+    policy = toy.toy_policy(config)
+    inner = policy.update
+
+    def update(state, batch, noise, step, key, seen=seen, inner=inner):
+      seen.append(None if "old_logprobs" not in batch else np.asarray(batch["old_logprobs"]))
+      return inner(state, batch, noise, step, key)
+
+    recomputed = lambda params, batch, noise: jax.numpy.full_like(batch["old_logprobs"], -0.5)
+    if iterations == 2:
+      with pytest.raises(trainer.RunSetupError, match=r"aqn.rollout_only with rl.num_iterations > 1\) needs"):
+        trainer.train(config, str(tmp_path / "none"), policy=dataclasses.replace(policy, update=update), **kw)
+    run = dataclasses.replace(policy, update=update, old_logprobs=recomputed)
+    trainer.train(config, str(tmp_path / f"it{iterations}"), policy=run, stop_after=1, **kw)
+    if iterations == 1:
+      assert seen == [None]
+    else:
+      assert len(seen) == 2 and all((s == -0.5).all() for s in seen)
