@@ -140,14 +140,18 @@ def run_one(config, quant: str, steps: int) -> dict:
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
       rows = [json.loads(line) for line in f]
   keep = ("step", "time/step_s", "time/rollout_s", "time/update_s", "time/reference_s", "perf/tokens_per_s",
-          "perf/peak_memory_bytes", "completions/mean_length")
+          "perf/peak_memory_bytes", "completions/mean_length", "sampling/sampling_logp_difference/mean",
+          "sampling/sampling_logp_difference/max")
   return {"quant": quant, "rows": [{k: r[k] for k in keep if k in r} for r in rows if "time/step_s" in r]}
 
 
 def table(results: list[dict], config) -> str:
   import numpy as np
+  mismatch = any("sampling/sampling_logp_difference/mean" in r for res in results for r in res["rows"])
   head = ("| base | step 1 s (compiles) | step s (median of later) | rollout s | update s | of which reference s "
-          "| rollout tokens/s | mean completion tokens | peak device memory GiB |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| rollout tokens/s | mean completion tokens | peak device memory GiB |"
+          + (" sampler vs trainer log p, mean / max abs nats |" if mismatch else "")
+          + "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if mismatch else ""))
   lines = [head]
   for res in results:
     rows = res["rows"]
@@ -158,7 +162,9 @@ def table(results: list[dict], config) -> str:
                  f"{med('time/rollout_s'):.2f} | {med('time/update_s'):.2f} | "
                  + (f"{med('time/reference_s'):.2f}" if all("time/reference_s" in r for r in later) else "-")
                  + f" | {med('perf/tokens_per_s'):.0f} | "
-                 f"{med('completions/mean_length'):.0f} | " + (f"{peak / 2 ** 30:.1f} |" if peak else "n/a |"))
+                 f"{med('completions/mean_length'):.0f} | " + (f"{peak / 2 ** 30:.1f} |" if peak else "n/a |")
+                 + (f" {med('sampling/sampling_logp_difference/mean'):.2e} / "
+                    f"{max(r['sampling/sampling_logp_difference/max'] for r in rows):.2e} |" if mismatch else ""))
   r = config.rl
   return (f"{_SHAPE.value}, {r.batch_size} completions a step (G = {r.num_generations}, micro-batches of "
           f"{r.micro_batch_size}), up to {config.sampling.max_completion_length} new tokens, LoRA rank "

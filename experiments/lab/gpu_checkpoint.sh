@@ -30,6 +30,7 @@
 #   STEPS=50 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=51 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=52 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=53 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -220,6 +221,10 @@
 #     test against float64 and the XLA route's gradients, then the 7B GSM8K step with NVFP4 under "xla" (the default,
 #     also the 7B peak after the code-order fix) and "cudnn", 2 steps each (about 7 minutes; the update took 28.4 s
 #     of a 44.4 s step in session 40, its attention materializing float32 scores a 512-query chunk at a time).
+# 53. (session 42, prepared) the training-inference mismatch: the 7B GSM8K step with rl.recompute_old_logprobs=True
+#     (the ratio's old log-probs from a training forward; the step logs the sampler's distance from them), NVFP4
+#     (the Gluon decode kernels and the bf16 KV cache against the training path) and bf16, 2 steps each (about
+#     6 minutes): the mean and max |log p| difference per token, and the extra forward's cost in the update time.
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -426,6 +431,9 @@ step 52 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -
     timeout 220 python3 experiments/bench_train_step.py --config=configs/gsm8k_qwen2_5_7b.py --quants=nvfp4 --steps=2 \
       --config.model.attn_impl=$impl --out="$OUT/train_step_7b_$impl" 2>&1 | grep -v "^[IW][0-9]" | grep "|" | tail -1; done; } \
   | tee "$OUT/attn_impl.txt"
+step 53 && { timeout 560 python3 experiments/bench_train_step.py --config=configs/gsm8k_qwen2_5_7b.py --steps=2 \
+    --config.rl.recompute_old_logprobs=True --out="$OUT/train_step_7b_recompute" 2>&1 | grep -v "^[IW][0-9]" | tail -6; } \
+  | tee "$OUT/recompute_old.txt"
 step 51 && { timeout 420 python3 experiments/bench_train_step.py --config=configs/gsm8k_qwen2_5_7b.py --steps=3 \
     --out="$OUT/train_step_7b" 2>&1 | grep -v "^[IW][0-9]" | tail -8
   timeout 170 python3 experiments/bench_train_step.py --config=configs/gsm8k_qwen2_5_32b_single_gpu.py --shape=qwen2.5-32b \
