@@ -71,7 +71,7 @@ class LoRAConfig:
   """
 
   r: int = 32
-  lora_alpha: float = 64.0
+  lora_alpha: float = 32.0  # scale 1 at r = 32, as QeRL (and the trainer's config)
   use_rslora: bool = False
   target_modules: tuple[str, ...] = ALL_MODULES
   train_norms: bool = False
