@@ -102,8 +102,11 @@ def parse_row(row: Any, kind: str, index: int) -> Example:
 
   Args:
     row: a dict from the JSONL file or the hub data set.
-    kind: ``"gsm8k"`` (``question`` + ``answer`` with ``#### n``) or ``"math"``
-      (``problem`` -- or ``question`` -- + ``answer``).
+    kind: ``"gsm8k"`` (``question`` + ``answer`` with ``#### n``) or ``"math"``: the problem from
+      ``problem``, ``question`` or ``prompt`` (the first that is a non-empty string), the gold answer from
+      ``answer``, or else from ``solution``: the last ``\boxed{}`` of a worked solution (Hendrycks MATH), or
+      the whole field when it has no box (open-r1/Big-Math-RL-Verified-Processed renames ``problem`` to
+      ``prompt`` and ``answer`` to ``solution``).
     index: the row number, kept in the example.
 
   Raises:
@@ -124,20 +127,25 @@ def parse_row(row: Any, kind: str, index: int) -> Example:
     if answer is None:
       raise ValueError(f"no number after '####' in {raw[raw.rindex('####'):][:40]!r}")
     return Example(question.strip(), answer, kind, index, raw)
-  question = row.get("problem", row.get("question"))
-  if not isinstance(question, str) or not question.strip():
-    raise ValueError("missing or empty 'problem'")
-  answer = _answer_text(row.get("answer"))
-  if answer is None:
-    raise ValueError(f"missing or unusable 'answer' {row.get('answer')!r}")
+  question = next((row[k] for k in ("problem", "question", "prompt") if isinstance(row.get(k), str)
+                   and row[k].strip()), None)
+  if question is None:
+    raise ValueError("missing or empty 'problem' (or 'question', 'prompt')")
   solution = row.get("solution") if isinstance(row.get("solution"), str) else ""
+  answer = _answer_text(row.get("answer"))
+  if answer is None and "answer" not in row and solution.strip():
+    answer = rewards.extract_boxed(solution) if "\\boxed" in solution or "\\fbox" in solution else solution.strip()
+    answer = _answer_text(answer)
+  if answer is None:
+    raise ValueError(f"missing or unusable 'answer' {row.get('answer')!r}" + ("" if "answer" in row else
+                     " (and no 'solution' to take it from)"))
   return Example(question.strip(), answer, kind, index, solution)
 
 
 def _infer_kind(rows: Sequence[Any]) -> str:
   for row in rows:
     if isinstance(row, dict):
-      if "problem" in row:
+      if "problem" in row or ("prompt" in row and "solution" in row):
         return "math"
       if isinstance(row.get("answer"), str) and "####" in row["answer"]:
         return "gsm8k"

@@ -201,3 +201,23 @@ def test_filter_by_length_renders_as_prompt_batch_does(tokenizer):
     if kept:
       batch, _ = data.prompt_batch(tokenizer, kept, range(len(kept)), pad_to=limit)
       assert batch.tokens.shape == (len(kept), limit)
+
+
+def test_big_math_and_hendrycks_math_rows(tmp_path):
+  """open-r1/Big-Math-RL-Verified-Processed (the BigMath recipe's training set) names its columns prompt and
+  solution (its create_dataset.py renames problem and answer): every row was skipped as having no 'problem'.
+  A Hendrycks MATH row without 'answer' takes the last box of its worked solution."""
+  path = tmp_path / "bigmath.jsonl"
+  path.write_text("\n".join(json.dumps(r) for r in [
+      {"prompt": "Find x if 2x = 10.", "solution": "5", "source": "aops", "llama8b_solve_rate": 0.4},
+      {"prompt": "Simplify 6/8.", "solution": "\\frac{3}{4}"},
+      {"problem": "What is 1+2?", "solution": "We add: $1 + 2 = \\boxed{3}$, not \\boxed{4} first... so \\boxed{3}."},
+      {"problem": "What is 2+2?", "answer": "4", "solution": "So \\boxed{5}."},  # an answer field wins
+      {"prompt": "No answer here."},
+      {"prompt": ["not", "text"], "solution": "1"},
+  ]))
+  ex, rep = data.load_examples(str(path))  # kind inferred from prompt + solution
+  assert [(e.question, e.answer) for e in ex] == [("Find x if 2x = 10.", "5"), ("Simplify 6/8.", "\\frac{3}{4}"),
+                                                  ("What is 1+2?", "3"), ("What is 2+2?", "4")]
+  assert rep.num_skipped == 2 and "no 'solution'" in dict(rep.skipped)[4]
+  assert "missing or empty 'problem' (or 'question', 'prompt')" in dict(rep.skipped)[5]
