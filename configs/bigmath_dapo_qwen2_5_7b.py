@@ -12,7 +12,14 @@ LoRA r32 + norms, AQN 1e-2 -> 5e-4 over 10 stages, lr 1e-5, AdamW 0.9/0.99, wd 0
   (``--config.rl.loss_type=bnpo`` gives TRL's);
 * max prompt 1024 and max completion 4096 tokens (script's bigmath branch);
 * the training set is open-r1/Big-Math-RL-Verified-Processed, level 3-5, from the hub
-  (``utils/data.py``); LaTeX answers are scored with math-verify; evaluation on MATH-500.
+  (``utils/data.py``; its ``prompt`` and ``solution`` columns are the problem and the answer); LaTeX answers
+  are scored with math-verify; evaluation on MATH-500.
+
+Not QeRL's: the prompt and the reward's form. The released code asks, in a system prompt, for ``<think>`` and
+``<answer>`` tags, adds 0.2 for them, and has math-verify read the whole completion; this recipe asks for
+``\\boxed{}`` and verifies the last box (``rewards.math_reward``), with no format term. Closer to the released
+run: a system prompt asking for the tags plus ``--config.rl.format_reward_kind=think_answer
+--config.rl.format_reward_weight=0.2`` (its accuracy reward is 1.0).
 """
 
 import os

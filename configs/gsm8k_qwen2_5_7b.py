@@ -15,6 +15,15 @@ github.com/NVlabs/QeRL at e8c6e79: ``training/dapo_qwen2.5-7b_nvfp4_single_gpu.s
 * beta = 0.04 KL for the GRPO variant (script's `rl_mode=grpo` branch), num_iterations 1,
   mask_truncated_completions True, seed 2025 (script's --random-state).
 
+Not QeRL's: the prompt and the reward. The released code's GSM8K prompt is the bare question (its system prompt
+is commented out) and its reward is 2.0 when the ``<answer>`` text (or the whole completion) equals the gold
+string exactly, plus 0.2 for ``<think>...</think><answer>...</answer>``; with that prompt the model rarely
+writes those tags. This recipe asks for the answer after "####" (verl's GSM8K instruction) and scores the
+number with ``rewards.gsm8k_reward`` (the last "####", ``<answer>`` or box, else the last number; 1.0 or 0), with
+no format term. For the released reward's shape, ask for the tags in ``data.system_prompt`` and add
+``--config.rl.format_reward_kind=think_answer --config.rl.format_reward_weight=0.1``: group-normalised
+advantages do not change when every reward is scaled by the same factor, so 1.0 + 0.1 is 2.0 + 0.2.
+
 Run: ``python experiments/train.py --config=configs/gsm8k_qwen2_5_7b.py --workdir=workdirs/gsm8k_7b
 --config.model.path=/path/to/Qwen2.5-7B-Instruct``.
 """

@@ -298,6 +298,22 @@ def math_reward(completions: Sequence[str], answers: Sequence[str], *, timeout_s
   return [float(r) for r in out]
 
 
+FORMAT_KINDS = ("any", "hash", "answer_tags", "boxed", "think_answer")
+_THINK_END_ANSWER = re.compile(r"</think>\s*<answer>")
+
+
+def _think_then_answer(text: str) -> bool:
+  """Whether ``<think>.*?</think>\\s*<answer>.*?</answer>`` (DOTALL) matches somewhere in ``text``: some
+  ``</think>``, followed by only whitespace and ``<answer>``, has a ``<think>`` before it and an ``</answer>``
+  after it. One pass over the ``</think>`` occurrences (the lazy regex backtracks over every ``<think>``)."""
+  first = text.find("<think>")
+  if first < 0:
+    return False
+  last_close = text.rfind("</answer>")
+  return any(m.start() >= first + len("<think>") and last_close >= m.end()
+             for m in _THINK_END_ANSWER.finditer(text, first + len("<think>")))
+
+
 def format_reward(completions: Sequence[str], answers: Optional[Sequence[str]] = None, *,
                   weight: float = 1.0, kind: str = "any") -> list[float]:
   """``weight`` for each completion that states its answer in the expected form, else 0.
@@ -309,7 +325,10 @@ def format_reward(completions: Sequence[str], answers: Optional[Sequence[str]] =
       format term to the accuracy reward).
     kind: ``"hash"`` (a ``#### <number>`` line), ``"answer_tags"``
       (``<answer>...</answer>`` with something inside), ``"boxed"`` (a complete
-      ``\\boxed{}``), or ``"any"`` of these.
+      ``\\boxed{}``), ``"think_answer"`` (``<think>...</think>`` then, after only
+      whitespace, ``<answer>...</answer>``: the format term of QeRL's released GSM8K and
+      Big-Math rewards, its regex ``<think>.*?</think>\s*<answer>.*?</answer>`` with
+      DOTALL, checked in linear time), or ``"any"`` of the first three.
 
   Raises:
     ValueError: unknown ``kind``, a ``weight`` that is not a finite number, or ``answers`` of another length.
@@ -320,12 +339,13 @@ def format_reward(completions: Sequence[str], answers: Optional[Sequence[str]] =
       "hash": lambda c: re.search(r"####\s*[-+$]?\s*\d", c) is not None,
       "answer_tags": lambda c: any(t.strip() for t in _ANSWER_TAG.findall(c)),
       "boxed": lambda c: bool(extract_boxed(c)),
+      "think_answer": _think_then_answer,
   }
-  if kind != "any" and kind not in checks:
-    raise ValueError(f"format_reward: unknown kind {kind!r}; expected one of {sorted(checks) + ['any']}")
+  if kind not in FORMAT_KINDS:
+    raise ValueError(f"format_reward: unknown kind {kind!r}; expected one of {FORMAT_KINDS}")
   if answers is not None:
     _check_lengths("format_reward", completions, answers)
-  use = list(checks.values()) if kind == "any" else [checks[kind]]
+  use = [checks[k] for k in ("hash", "answer_tags", "boxed")] if kind == "any" else [checks[kind]]
   return [float(weight) if any(f(c) for f in use) else 0.0 for c in completions]
 
 

@@ -47,6 +47,9 @@ Layout (units in brackets)::
   rl.micro_batch_size     completions per gradient-accumulation micro-batch
   rl.num_iterations, epsilon, epsilon_high, beta, kl_estimator, scale_rewards,
   rl.mask_truncated_completions, format_reward_weight
+  rl.format_reward_kind   the form the format bonus checks (rewards.format_reward): "any" (default: '####',
+                          <answer> or \\boxed), "hash", "answer_tags", "boxed", or "think_answer" (QeRL's
+                          released <think>...</think><answer>...</answer> term)
   rl.dynamic_sampling     DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): sample further batches of
                           prompts (up to rl.max_sampling_rounds a step) until the update has
                           batch_size / G groups with some right and some wrong answers; groups that carry no
@@ -96,6 +99,7 @@ LR_SCHEDULES = ("cosine", "constant", "linear")
 
 CODE_ORDERS = ("auto", "decode", "rollout", "standard")
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")  # model.attn_impl: qerl_jax.models.layers.ATTENTION_IMPLEMENTATIONS
+FORMAT_KINDS = ("any", "hash", "answer_tags", "boxed", "think_answer")  # rl.format_reward_kind: qerl_jax.rewards.FORMAT_KINDS
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -152,6 +156,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.scale_rewards = "group"
   c.rl.mask_truncated_completions = True
   c.rl.format_reward_weight = 0.0
+  c.rl.format_reward_kind = "any"  # rewards.FORMAT_KINDS
   c.rl.recompute_old_logprobs = False  # True: old log-probs from the training forward, not the sampler's
   c.rl.dynamic_sampling = False  # DAPO: keep sampling prompts until every group in the update carries signal
   c.rl.max_sampling_rounds = 4  # at most this many rollouts a step with dynamic_sampling
@@ -299,6 +304,8 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
        f"{KL_ESTIMATORS}")
   need(rl.scale_rewards in SCALE_REWARDS, f"rl.scale_rewards={rl.scale_rewards!r} is not one of "
        f"{SCALE_REWARDS}")
+  need(rl.get("format_reward_kind", "any") in FORMAT_KINDS,
+       f"rl.format_reward_kind={rl.get('format_reward_kind')!r} is not one of {FORMAT_KINDS}")
   need(float(rl.format_reward_weight) >= 0, f"rl.format_reward_weight={rl.format_reward_weight} "
        "must be >= 0")
   need(isinstance(rl.get("recompute_old_logprobs", False), bool),

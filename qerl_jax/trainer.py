@@ -790,6 +790,7 @@ _LEGACY_VALUES = {"model.fuse_projections": False,
                   "model.attn_impl": "xla",
                   "rl.dynamic_sampling": False,
                   "rl.recompute_old_logprobs": False,
+                  "rl.format_reward_kind": "any",
                   "rl.max_sampling_rounds": 4,
                   "rl.oversample_factor": 1,
                   "rl.overlong_buffer_length": 0,
@@ -1238,7 +1239,8 @@ def make_reward_fns(config, *, task: str | None = None) -> tuple[Callable, Calla
 
   Correctness is the task's answer check (``rewards.gsm8k_reward`` / ``rewards.math_reward``,
   1.0 or 0.0). The training reward is ``correctness + bonus``; the bonus is
-  ``rl.format_reward_weight * rewards.format_reward`` (None when the weight is 0), so the
+  ``rl.format_reward_weight * rewards.format_reward(kind=rl.format_reward_kind)`` (None when the weight is 0),
+  so the
   answer check, math-verify's included, runs once per completion.
   """
   from qerl_jax import rewards
@@ -1248,9 +1250,11 @@ def make_reward_fns(config, *, task: str | None = None) -> tuple[Callable, Calla
   if w == 0:
     return correctness, None
 
+  kind = str(config.rl.get("format_reward_kind", "any"))
+
   def format_bonus(completions, answers):
     del answers
-    # 1.0 for a '####', <answer> or \boxed answer
-    return [w * f for f in rewards.format_reward(completions)]
+    # 1.0 for an answer in rl.format_reward_kind's form (any: a '####', <answer> or \boxed answer)
+    return [w * f for f in rewards.format_reward(completions, kind=kind)]
 
   return correctness, format_bonus

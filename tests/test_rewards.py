@@ -307,3 +307,24 @@ def test_accuracy_reward_fn():
   assert rewards.accuracy_reward_fn("math") is math_reward
   with pytest.raises(ValueError, match="unknown kind"):
     rewards.accuracy_reward_fn("code")
+
+
+def test_format_reward_think_answer_is_qerls_regex():
+  """kind="think_answer" agrees with QeRL's released soft-format check, re.search(r"<think>.*?</think>\\s*
+  <answer>.*?</answer>", text, re.DOTALL), on hand-made cases and on random strings of its pieces."""
+  import re
+  qerl = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
+  hand = {"<think>a</think><answer>1</answer>": 1.0, "<think>a</think>\n  <answer>1</answer>": 1.0,
+          "<think>a</think> x <answer>1</answer>": 0.0, "<answer>1</answer>": 0.0,
+          "</think><answer>1</answer><think>": 0.0, "<think>a</think><answer>1": 0.0,
+          "<think>a</think>x<think>b</think>\n<answer>2</answer>": 1.0}
+  assert format_reward(list(hand), kind="think_answer", weight=0.2) == [0.2 * v for v in hand.values()]
+  rng = np.random.default_rng(0)
+  pieces = ["<think>", "</think>", "<answer>", "</answer>", " ", "\n", "x", "7"]
+  weights = [0.2, 0.2, 0.2, 0.2, 0.05, 0.05, 0.05, 0.05]
+  texts = ["".join(rng.choice(pieces, size=rng.integers(0, 16), p=weights)) for _ in range(3000)]
+  got = format_reward(texts, kind="think_answer")
+  want = [1.0 if qerl.search(t) else 0.0 for t in texts]
+  assert got == want and 50 < sum(want) < 2950  # both outcomes well represented
+  with pytest.raises(ValueError, match="unknown kind 'think'"):
+    format_reward(["x"], kind="think")

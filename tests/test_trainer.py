@@ -1119,3 +1119,20 @@ def test_rollout_only_aqn_takes_the_update_policy_as_the_old_one(tmp_path):
       assert seen == [None]
     else:
       assert len(seen) == 2 and all((s == -0.5).all() for s in seen)
+
+
+def test_format_reward_kind_chooses_the_bonus():
+  """rl.format_reward_kind picks the form the format bonus checks; think_answer is QeRL's released term."""
+  c = toy.toy_config()
+  c.data.task = "gsm8k"
+  c.rl.format_reward_weight = 0.1
+  c.rl.format_reward_kind = "think_answer"
+  _, bonus = trainer.make_reward_fns(c)
+  assert bonus(["<think>6 * 3</think>\n<answer>18</answer>", "#### 18", "<answer>18</answer>"],
+               ["18"] * 3) == [0.1, 0.0, 0.0]
+  c.rl.format_reward_kind = "any"
+  _, bonus = trainer.make_reward_fns(c)
+  assert bonus(["<think>6 * 3</think>\n<answer>18</answer>", "#### 18", "18"], ["18"] * 3) == [0.1, 0.1, 0.0]
+  c.rl.format_reward_kind = "thinking"
+  with pytest.raises(ValueError, match="rl.format_reward_kind='thinking' is not one of"):
+    train_config.validate(c)
