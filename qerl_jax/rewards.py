@@ -336,7 +336,7 @@ def format_reward(completions: Sequence[str], answers: Optional[Sequence[str]] =
   if not (isinstance(weight, numbers.Real) and math.isfinite(weight)):
     raise ValueError(f"format_reward: weight must be a finite number, got {weight!r}")
   checks = {
-      "hash": lambda c: re.search(r"####\s*[-+$]?\s*\d", c) is not None,
+      "hash": lambda c: re.search(r"####\s*[-+\u2212$]?\s*\d", c) is not None,  # (U+2212: the answer check's minus)
       "answer_tags": lambda c: any(t.strip() for t in _ANSWER_TAG.findall(c)),
       "boxed": lambda c: bool(extract_boxed(c)),
       "think_answer": _think_then_answer,

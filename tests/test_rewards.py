@@ -328,3 +328,9 @@ def test_format_reward_think_answer_is_qerls_regex():
   assert got == want and 50 < sum(want) < 2950  # both outcomes well represented
   with pytest.raises(ValueError, match="unknown kind 'think'"):
     format_reward(["x"], kind="think")
+
+
+def test_format_reward_hash_takes_the_unicode_minus_the_answer_check_takes():
+  """'#### −5' (U+2212) scored 1 in gsm8k_reward but 0 as a '####' format."""
+  assert gsm8k_reward(["#### \u22125"], ["-5"]) == [1.0]
+  assert format_reward(["#### \u22125", "#### -5", "#### five"], kind="hash") == [1.0, 1.0, 0.0]
