@@ -36,6 +36,9 @@ Differences from the original implementation (deliberate):
   each step, the noise accumulates).
 * Each ``(step, norm, layer)`` has its own ``fold_in`` key, where the released
   code draws from torch's global generator (not reproducible on resume).
+* Steps count from 0 here; the released loop's step counter is already 1 at the
+  first rollout, so its stage boundaries come one step earlier (a step in 100 at
+  K = 10 and T = 100; the stage values are the same).
 """
 
 from __future__ import annotations
