@@ -61,11 +61,12 @@ def test_bench_train_step_7b_shape_without_a_gpu_fails_fast_and_tiny_runs_the_tr
   assert "tiny, 4 completions a step (G = 2, micro-batches of 2), up to 8 new tokens" in md
   assert md.count("| 8 | n/a |") == 2  # the mean completion length; no device memory statistics on a CPU
   assert "| update s | of which reference s |" in md
-  # rl.recompute_old_logprobs: the sampler's distance from the training forward (on the CPU the same XLA code)
+  # rl.recompute_old_logprobs: the sampler's distance from the training forward, bf16 rounding apart (0 with jax
+  # 0.10.2 on this CPU, up to 2.7e-3 nats with 0.11.2); a misaligned token or another temperature gives nats
   assert "| sampler vs trainer log p, mean / max abs nats |" in md
   for x in res:
     assert all(0 <= row["sampling/sampling_logp_difference/mean"] <= row["sampling/sampling_logp_difference/max"]
-               < 1e-3 for row in x["rows"])
+               < 0.05 for row in x["rows"])
 
 
 def test_bench_train_step_builds_the_base_a_layer_at_a_time_as_the_whole_model_would_be():
