@@ -319,7 +319,11 @@ def sampling_logprobs(logits: jax.Array, *, temperature: float, top_k: int = 0, 
   elif top_p < 1.0:
     sorted_desc = -jnp.sort(-x, axis=-1)
   if top_p < 1.0:
-    probs = jax.nn.softmax(sorted_desc, axis=-1)  # over the top-k set when top_k is on
+    if threshold is None:
+      probs = jax.nn.softmax(sorted_desc, axis=-1)
+    else:  # over the whole top-k set, logits tied with the k-th included (as HF's and vLLM's top-k keep them)
+      lse = jax.nn.logsumexp(jnp.where(x >= threshold, x, NEG_INF), axis=-1, keepdims=True)
+      probs = jnp.exp(sorted_desc - lse)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep = mass_before < jnp.float32(top_p)  # always true at index 0
     n_keep = jnp.sum(keep, axis=-1, keepdims=True)

@@ -403,6 +403,9 @@ def test_config_defaults_and_errors():
               intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
   cfg = models.ModelConfig.from_hf(base)
   assert cfg.rope_theta == 10000.0 and cfg.num_kv_heads == 4 and cfg.head_dim == 8
+  # without head_dim, transformers' defaults: Qwen3Config's 128, hidden / heads for Qwen2 and Llama
+  assert models.ModelConfig.from_hf({**base, "architectures": ["Qwen3ForCausalLM"]}).head_dim == 128
+  assert models.ModelConfig.from_hf({**base, "architectures": ["Qwen2ForCausalLM"]}).head_dim == 8
   # transformers>=5 layout
   cfg5 = models.ModelConfig.from_hf({**base, "rope_parameters": {"rope_theta": 123.0, "rope_type": "default"}})
   assert cfg5.rope_theta == 123.0 and cfg5.rope_scaling is None

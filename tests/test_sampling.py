@@ -55,6 +55,21 @@ def test_top_k_then_top_p_and_temperature():
   np.testing.assert_array_equal(np.isfinite(lp2), [False, False, True, False, True])
 
 
+def test_top_p_after_top_k_measures_the_mass_over_the_tied_top_k_set():
+  """HF's and vLLM's top-k keep every logit tied with the k-th, and top-p then takes its softmax over that set.
+  Logits [2, 1, 1, 1, 0], k = 2: the top-k set is {0, 1, 2, 3} (probabilities .475, .175 x 3); token 0 alone
+  holds .475 < .6, so top-p 0.6 needs a second token (and keeps its ties). The mass was taken over the k values
+  lax.top_k returns, .731 for token 0, and top-p kept token 0 alone."""
+  x = np.array([2.0, 1, 1, 1, 0])
+  lp = np.asarray(sampling.sampling_logprobs(jnp.asarray(x, jnp.float32), temperature=1.0, top_k=2, top_p=0.6))
+  keep = np.array([True, True, True, True, False])
+  np.testing.assert_array_equal(np.isfinite(lp), keep)
+  np.testing.assert_allclose(lp[keep], x[keep] - np.log(np.exp(x[keep]).sum()), atol=1e-6)
+  # p = 0.45: token 0's .475 reaches it alone
+  lp = np.asarray(sampling.sampling_logprobs(jnp.asarray(x, jnp.float32), temperature=1.0, top_k=2, top_p=0.45))
+  np.testing.assert_array_equal(np.isfinite(lp), [True, False, False, False, False])
+
+
 def test_temperature_matches_float64():
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(3, 11)).astype(np.float32) * 3

@@ -176,7 +176,8 @@ class ModelConfig:
 
     hidden = int(req("hidden_size"))
     heads = int(req("num_attention_heads"))
-    head_dim = config.get("head_dim") or hidden // heads
+    # transformers' default when config.json has none: Qwen3Config's is 128, the others' hidden / heads
+    head_dim = config.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // heads)
     kv_heads = config.get("num_key_value_heads") or heads
     return cls(
         vocab_size=int(req("vocab_size")),
