@@ -199,7 +199,8 @@ def _select_groups(rounds: Sequence[_Round], num_groups: int, group_size: int, *
 
   Without dynamic sampling (one round): every group of it. With it: the first ``num_groups`` groups
   with some right and some wrong answers (:attr:`_Round.informative`), in sampling order; when the rounds
-  hold fewer, the earliest other groups fill the batch (they get advantage 0), so its shape stays
+  hold fewer, the earliest other groups fill the batch, last (advantage 0; the loop masks them out of the
+  loss), so its shape stays
   fixed. ``rows``: ``(round, first row)`` of each taken group; ``prompts``: their ``(round, prompt)``;
   ``informative``: how many taken groups carry signal.
   """
@@ -533,6 +534,13 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
       t2 = t1 + t_reward
       # 6. reference log-probs (LoRA off) when beta > 0
       update_batch = _update_batch(prompt_tokens, prompt_mask, rollout, advantages)
+      if dynamic and informative < prompts_per_step:
+        # the groups that only fill the batch's shape (advantage 0, taken last) leave the loss: masked out, they
+        # no longer add their tokens to the token-level normaliser, so the update is that of the groups with
+        # signal alone, as DAPO's batch of filtered groups
+        kept_rows = np.repeat(np.arange(prompts_per_step) < informative, G)[:, None]
+        update_batch["completion_mask"] = update_batch["completion_mask"] * jnp.asarray(
+            kept_rows, update_batch["completion_mask"].dtype)
       update_noise = policy.update_noise(noise)
       t_ref, old_metrics = None, {}
       if recompute_old:  # the ratio's old log-probs from the training forward instead of the sampler's

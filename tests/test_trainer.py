@@ -489,14 +489,16 @@ def test_select_groups_takes_informative_groups_in_order_then_fills():
   assert taken == [(0, 0), (0, 1), (0, 2)] and rows == [(0, 0), (0, 2), (0, 4)]
 
 
-def _spy_policy(config, captured):
-  """The toy policy, recording each update's advantages."""
+def _spy_policy(config, captured, masks=None):
+  """The toy policy, recording each update's advantages (and completion masks in ``masks``)."""
   import dataclasses
+  masks = [] if masks is None else masks
   policy = toy.toy_policy(config)
   inner = policy.update
 
   def update(state, batch, noise, step, key):
     captured.append(np.asarray(batch["advantages"]))
+    masks.append(np.asarray(batch["completion_mask"]))
     return inner(state, batch, noise, step, key)
 
   return dataclasses.replace(policy, update=update)
@@ -512,17 +514,22 @@ def test_dynamic_sampling_updates_on_groups_with_signal_and_resumes(tmp_path, ov
   config.rl.dynamic_sampling = True
   config.rl.max_sampling_rounds = 3
   config.rl.oversample_factor = oversample
-  captured = []
+  captured, masks = [], []
   kw = dict(datasets=toy.toy_datasets(), reward_fns=(toy.contains_answer, None), progress=False)
-  trainer.train(config, str(tmp_path / "full"), policy=_spy_policy(config, captured), **kw)
+  trainer.train(config, str(tmp_path / "full"), policy=_spy_policy(config, captured, masks), **kw)
   rows = [r for r in metrics_lib.read_metrics(str(tmp_path / "full")) if "loss" in r]
   rounds = [r["dynamic_sampling/rounds"] for r in rows]
   assert len(captured) == len(rows) == 6 and (max(rounds) > 1 if oversample == 1 else True)
   assert [r["data/position"] for r in rows] == (oversample * np.cumsum(rounds)).tolist()
-  for r, adv in zip(rows, captured):
+  if oversample == 1:
+    assert any(r["dynamic_sampling/filled_groups"] for r in rows)  # some step ran out of rounds
+  for r, adv, mask in zip(rows, captured, masks):
     with_signal = int((adv.reshape(-1, 4) != 0).any(axis=1).sum())
     assert adv.shape == (8,) and with_signal == r["dynamic_sampling/informative_groups"]
     assert r["dynamic_sampling/filled_groups"] == 2 - with_signal
+    # the groups with signal come first; the fillers are masked out of the loss (no tokens in the normaliser)
+    assert mask.reshape(2, 4, -1)[:with_signal].sum(axis=(1, 2)).min(initial=1) > 0
+    assert mask.reshape(2, 4, -1)[with_signal:].sum() == 0
     # the groups with signal among all sampled (frac_reward_zero_std covers every sampled group): the update
     # takes them first, so it has two of them whenever two were sampled
     sampled_with_signal = round((1 - r["frac_reward_zero_std"]) * 2 * oversample * r["dynamic_sampling/rounds"])
