@@ -327,7 +327,7 @@ def format_reward(completions: Sequence[str], answers: Optional[Sequence[str]] =
       (``<answer>...</answer>`` with something inside), ``"boxed"`` (a complete
       ``\\boxed{}``), ``"think_answer"`` (``<think>...</think>`` then, after only
       whitespace, ``<answer>...</answer>``: the format term of QeRL's released GSM8K and
-      Big-Math rewards, its regex ``<think>.*?</think>\s*<answer>.*?</answer>`` with
+      Big-Math rewards, its regex ``<think>.*?</think>\\s*<answer>.*?</answer>`` with
       DOTALL, checked in linear time), or ``"any"`` of the first three.
 
   Raises:
