@@ -19,7 +19,9 @@ Not QeRL's: the prompt and the reward's form. The released code asks, in a syste
 ``<answer>`` tags, adds 0.2 for them, and has math-verify read the whole completion; this recipe asks for
 ``\\boxed{}`` and verifies the last box (``rewards.math_reward``), with no format term. Closer to the released
 run: a system prompt asking for the tags plus ``--config.rl.format_reward_kind=think_answer
---config.rl.format_reward_weight=0.2`` (its accuracy reward is 1.0).
+--config.rl.format_reward_weight=0.2`` (its accuracy reward is 1.0); the answer must still be in a
+``\\boxed{}`` (keep the MATH user template): one only inside ``<answer>`` tags scores 0 here, unlike the
+released reward, which lets math-verify read the whole completion.
 """
 
 import os

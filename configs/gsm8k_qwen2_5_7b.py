@@ -22,7 +22,8 @@ writes those tags. This recipe asks for the answer after "####" (verl's GSM8K in
 number with ``rewards.gsm8k_reward`` (the last "####", ``<answer>`` or box, else the last number; 1.0 or 0), with
 no format term. For the released reward's shape, ask for the tags in ``data.system_prompt`` and add
 ``--config.rl.format_reward_kind=think_answer --config.rl.format_reward_weight=0.1``: group-normalised
-advantages do not change when every reward is scaled by the same factor, so 1.0 + 0.1 is 2.0 + 0.2.
+advantages do not change when every reward is scaled by the same factor (up to their 1e-4 epsilon), so
+1.0 + 0.1 is 2.0 + 0.2.
 
 Run: ``python experiments/train.py --config=configs/gsm8k_qwen2_5_7b.py --workdir=workdirs/gsm8k_7b
 --config.model.path=/path/to/Qwen2.5-7B-Instruct``.

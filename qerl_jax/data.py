@@ -382,7 +382,8 @@ class DataOrder:
 
   @property
   def batches_per_epoch(self) -> int:
-    """Whole batches an epoch (``num_examples // batch_size``; the remainder waits for a later epoch's order)."""
+    """Whole batches an epoch (``num_examples // batch_size``); the last ``num_examples % batch_size`` of each
+    epoch's permutation are not served that epoch (the next epoch is a fresh permutation)."""
     return self.num_examples // self.batch_size
 
   def epoch_permutation(self, epoch: int) -> np.ndarray:

@@ -199,8 +199,8 @@ def _select_groups(rounds: Sequence[_Round], num_groups: int, group_size: int, *
 
   Without dynamic sampling (one round): every group of it. With it: the first ``num_groups`` groups
   with some right and some wrong answers (:attr:`_Round.informative`), in sampling order; when the rounds
-  hold fewer, the earliest other groups fill the batch, last (advantage 0; the loop masks them out of the
-  loss), so its shape stays
+  hold fewer, the earliest other groups fill the batch, last (the loop masks them out of the loss), so its
+  shape stays
   fixed. ``rows``: ``(round, first row)`` of each taken group; ``prompts``: their ``(round, prompt)``;
   ``informative``: how many taken groups carry signal.
   """
@@ -535,9 +535,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
       # 6. reference log-probs (LoRA off) when beta > 0
       update_batch = _update_batch(prompt_tokens, prompt_mask, rollout, advantages)
       if dynamic and informative < prompts_per_step:
-        # the groups that only fill the batch's shape (advantage 0, taken last) leave the loss: masked out, they
-        # no longer add their tokens to the token-level normaliser, so the update is that of the groups with
-        # signal alone, as DAPO's batch of filtered groups
+        # the groups that only fill the batch's shape (taken last) leave the loss: masked out, they no longer add
+        # their tokens to dapo's (and a micro-batch's bnpo) normaliser, so that update is the one of the groups
+        # with signal alone, as DAPO's batch of filtered groups (grpo and dr_grpo still divide by all B rows)
         kept_rows = np.repeat(np.arange(prompts_per_step) < informative, G)[:, None]
         update_batch["completion_mask"] = update_batch["completion_mask"] * jnp.asarray(
             kept_rows, update_batch["completion_mask"].dtype)
