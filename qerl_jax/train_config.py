@@ -262,6 +262,9 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
   need(not bad and len(lo.target_modules) > 0,
        f"lora.target_modules={tuple(lo.target_modules)} must be a non-empty subset of {LORA_MODULES}")
 
+  need(not aqn.get("rollout_only", False) or aqn.enabled,
+       "aqn.rollout_only=True has no effect with aqn.enabled=False (there is no noise); turn AQN on or leave it "
+       "False")
   if aqn.enabled:
     need(aqn.schedule in AQN_SCHEDULES, f"aqn.schedule={aqn.schedule!r} is not one of {AQN_SCHEDULES}")
     need(float(aqn.sigma_start) > 0, f"aqn.sigma_start={aqn.sigma_start} must be > 0 when "
@@ -308,6 +311,9 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
        f"rl.format_reward_kind={rl.get('format_reward_kind')!r} is not one of {FORMAT_KINDS}")
   need(float(rl.format_reward_weight) >= 0, f"rl.format_reward_weight={rl.format_reward_weight} "
        "must be >= 0")
+  need(rl.get("format_reward_kind", "any") == "any" or not float(rl.format_reward_weight) == 0,
+       f"rl.format_reward_kind={rl.get('format_reward_kind')!r} has no effect with rl.format_reward_weight=0 "
+       "(the format bonus is off); give the weight too")
   need(isinstance(rl.get("recompute_old_logprobs", False), bool),
        f"rl.recompute_old_logprobs={rl.get('recompute_old_logprobs')!r} must be True or False")
   need(isinstance(rl.get("dynamic_sampling", False), bool),
@@ -316,7 +322,7 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
        f"rl.max_sampling_rounds={rl.get('max_sampling_rounds')} must be >= 1 (rollouts a step)")
   over = int(rl.get("oversample_factor", 1))
   need(over >= 1, f"rl.oversample_factor={over} must be >= 1 (1: a rollout samples one step's prompts)")
-  need(over == 1 or rl.get("dynamic_sampling", False),
+  need(over <= 1 or rl.get("dynamic_sampling", False),
        f"rl.oversample_factor={over} needs rl.dynamic_sampling=True (without it a step's update takes every "
        "group it samples)")
   buf = int(rl.get("overlong_buffer_length", 0))

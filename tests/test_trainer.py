@@ -116,6 +116,9 @@ def test_load_prompts_skips_malformed_and_long_rows(tmp_path, data_dir):
     ("model.quant", "int3", "model.quant='int3'"),
     ("rl.max_sampling_rounds", 0, "rl.max_sampling_rounds=0 must be >= 1"),
     ("rl.oversample_factor", 2, "rl.oversample_factor=2 needs rl.dynamic_sampling=True"),
+    ("rl.format_reward_kind", "think_answer", "rl.format_reward_kind='think_answer' has no effect with "
+     "rl.format_reward_weight=0"),
+    ("aqn.rollout_only", True, "aqn.rollout_only=True has no effect with aqn.enabled=False"),
     ("rl.overlong_buffer_length", 4, "rl.overlong_buffer_length=4 must be in [0, sampling.max_completion_length=3]"),
     ("rl.overlong_penalty_factor", -0.5, "rl.overlong_penalty_factor=-0.5 must be a finite number >= 0"),
     # inf passed every ``> 0`` check: learning_rate=inf made the warm-up's first rate 0 * inf = NaN, and
@@ -144,9 +147,20 @@ def test_validate_names_the_impossible_setting(key, value, needle):
     c[section][name] = value
   if key == "aqn.schedule":  # the exponential schedule is geometric too: a zero sigma_end is impossible
     c.aqn.enabled, c.aqn.sigma_end = True, 0.0
+  if key == "aqn.rollout_only":
+    c.aqn.enabled = False
   with pytest.raises(ValueError, match="impossible config") as e:
     train_config.validate(c, check_paths=False)
   assert needle in str(e.value)
+
+
+def test_validate_reports_an_oversample_factor_below_1_once():
+  """oversample_factor=0 was also reported as needing dynamic sampling, which is not its problem."""
+  c = toy.toy_config()
+  c.rl.oversample_factor = 0
+  with pytest.raises(ValueError, match="impossible config") as e:
+    train_config.validate(c, check_paths=False)
+  assert "rl.oversample_factor=0 must be >= 1" in str(e.value) and "needs rl.dynamic_sampling" not in str(e.value)
 
 
 def test_validate_reports_a_nan_once_not_also_as_a_broken_order():
