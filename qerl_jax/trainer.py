@@ -394,6 +394,17 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
       datasets = _datasets_before_the_model(config)
     order = None if datasets is None else _data_order(config, len(datasets[0]))
     policy = policy or load_policy(config)
+    # The ratio's old log-probs. The sampler's by default. With AQN in the rollout only (QeRL's variant), the
+    # sampler's are a noisy policy's and the update's policy is noiseless, so, as QeRL's TRL loop does, the old
+    # policy is the update's own: its detached log-probs (ratio exactly 1) with one update a rollout, a
+    # recomputing forward with several.
+    rollout_only_aqn = bool(config.aqn.enabled) and bool(config.aqn.get("rollout_only", False))
+    recompute_old = (bool(config.rl.get("recompute_old_logprobs", False))
+                     or (rollout_only_aqn and int(config.rl.num_iterations) > 1))
+    detach_old = rollout_only_aqn and not recompute_old
+    if recompute_old and policy.old_logprobs is None:
+      raise ValueError("rl.recompute_old_logprobs=True (or aqn.rollout_only with rl.num_iterations > 1) needs a "
+                       "policy with old_logprobs (load_policy's has it; the given policy has none)")
     train_set, eval_set = datasets or load_datasets(config, policy.tokenizer)
     order = order or _data_order(config, len(train_set))
   except (ValueError, OSError, KeyError) as e:  # KeyError: a tensor the checkpoint lacks (hf.load_pretrained)
@@ -408,19 +419,6 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   max_rounds = int(config.rl.get("max_sampling_rounds", 1)) if dynamic else 1
   oversample = int(config.rl.get("oversample_factor", 1)) if dynamic else 1  # batches of prompts a rollout
   overlong_buffer = int(config.rl.get("overlong_buffer_length", 0))
-  # The ratio's old log-probs. The sampler's by default. With AQN in the rollout only (QeRL's variant), the
-  # sampler's are a noisy policy's and the update's policy is noiseless, so, as QeRL's TRL loop does, the old
-  # policy is the update's own: its detached log-probs (ratio exactly 1) with one update a rollout, a
-  # recomputing forward with several.
-  rollout_only_aqn = bool(config.aqn.enabled) and bool(config.aqn.get("rollout_only", False))
-  recompute_old = (bool(config.rl.get("recompute_old_logprobs", False))
-                   or (rollout_only_aqn and int(config.rl.num_iterations) > 1))
-  detach_old = rollout_only_aqn and not recompute_old
-  if recompute_old and policy.old_logprobs is None:
-    if lock is not None:
-      lock.close()
-    raise RunSetupError("rl.recompute_old_logprobs=True (or aqn.rollout_only with rl.num_iterations > 1) needs a "
-                        "policy with old_logprobs (load_policy's has it; the given policy has none)")
 
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=int(config.train.keep_checkpoints),
@@ -1018,20 +1016,17 @@ def load_policy(config: ml_collections.ConfigDict, *, pretrained=None) -> Policy
     shared = {"base": base} if noise_ is None else {"base": base, "noise": noise_}
     return update_step(state, {**batch, "shared": shared}, step, key)
 
-  ref_jit = jax.jit(lambda base_, pt, pm, t, m: _in_row_chunks(
-      lambda *rows: completion_logprobs(None, base_, None, *rows)[0], ref_rows, pt, pm, t, m))
-
-  old_jit = jax.jit(lambda params, base_, noise_, pt, pm, t, m: _in_row_chunks(
+  # the completions' log-probs, rl.micro_batch_size rows at a time (params / noise None: LoRA / AQN off)
+  rows_jit = jax.jit(lambda params, base_, noise_, pt, pm, t, m: _in_row_chunks(
       lambda *rows: completion_logprobs(params, base_, noise_, *rows)[0], ref_rows, pt, pm, t, m))
 
   def old_logprobs(params, batch, noise_):
-    return old_jit(params, base, noise_, batch["prompt_tokens"], batch["prompt_mask"], batch["completion_tokens"],
-                   batch["completion_mask"])
+    return rows_jit(params, base, noise_, batch["prompt_tokens"], batch["prompt_mask"], batch["completion_tokens"],
+                    batch["completion_mask"])
 
   def ref_logprobs(batch, noise_):
     del noise_  # the reference is the base policy: LoRA off, no AQN noise
-    return ref_jit(base, batch["prompt_tokens"], batch["prompt_mask"], batch["completion_tokens"],
-                   batch["completion_mask"])
+    return old_logprobs(None, batch, None)
 
   generate = _make_generate(config, model_cfg, _rollout_base(base, str(config.model.get("code_order", "auto"))),
                             scale, eos_ids, pad_id)
