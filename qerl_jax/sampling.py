@@ -449,8 +449,6 @@ def sample_tokens(key: jax.Array, logits: jax.Array, *, temperature: float, top_
     tokens, lse = draw_by_inverse_cdf(key, x)
     policy_lp = jnp.take_along_axis(x, tokens[..., None], axis=-1)[..., 0] - lse
     return tokens, policy_lp, policy_lp
-  scaled = logits.astype(jnp.float32) if temperature in (0, 1) else logits.astype(jnp.float32) / temperature
-  raw = jax.nn.log_softmax(scaled, axis=-1)
   if temperature == 0:
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sample_lp = jnp.zeros(tokens.shape, jnp.float32)
@@ -465,8 +463,18 @@ def sample_tokens(key: jax.Array, logits: jax.Array, *, temperature: float, top_
     else:
       tokens = jax.random.categorical(key, lp, axis=-1).astype(jnp.int32)
     sample_lp = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
-  policy_lp = jnp.take_along_axis(raw, tokens[..., None], axis=-1)[..., 0]
-  return tokens, sample_lp, policy_lp
+  return tokens, sample_lp, policy_logprob(logits, tokens, temperature)
+
+
+def policy_logprob(logits: jax.Array, tokens: jax.Array, temperature: float) -> jax.Array:
+  """float32 ``[...]``: ``log_softmax(logits / temperature)[tokens]``, the policy's log-probability of each
+  token at the sampling temperature, before any top-k / top-p or min-new-tokens masking (``logits`` as they are
+  for temperature 0, greedy). ``logits`` float ``[..., V]``, ``tokens`` int ``[...]``. What the trainer's forward
+  gives at that temperature (TRL divides the logits by it for the policy's log-probs)."""
+  x = logits.astype(jnp.float32)
+  if temperature not in (0, 1):
+    x = x / temperature
+  return jnp.take_along_axis(x, tokens[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(x, axis=-1)
 
 
 def _is_batched_key(key: jax.Array, batch_ndim: int) -> bool:
@@ -704,11 +712,8 @@ def _generate_impl(cfg_model, config: SamplingConfig, lora_scale: float, base, l
     keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(row_keys)
     tok, lp, plp = sample_tokens(keys, logits, temperature=config.temperature, top_k=config.top_k,
                                  top_p=config.top_p)
-    if config.min_new_tokens > 0:  # policy_logprobs: the policy's at the temperature, not renormalised over the
-      x = raw_logits.astype(jnp.float32)  # non-end ids
-      if config.temperature not in (0, 1):
-        x = x / config.temperature
-      plp = jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(x, axis=-1)
+    if config.min_new_tokens > 0:  # policy_logprobs: the policy's, not renormalised over the non-end ids
+      plp = policy_logprob(raw_logits, tok, config.temperature)
     live = ~done
     tok = jnp.where(live, tok, jnp.int32(config.pad_id))
     col = lambda buf, v: jax.lax.dynamic_update_slice_in_dim(buf, v[:, None].astype(buf.dtype), t, axis=1)
