@@ -85,6 +85,8 @@ import sys
 
 import ml_collections
 
+from qerl_jax.rewards import FORMAT_KINDS  # rl.format_reward_kind (rewards needs no jax: numpy and the standard library)
+
 __all__ = ["base_config", "validate", "data_spec_error", "config_flags_parser", "config_load_error", "LORA_MODULES", "LOSS_TYPES"]
 
 LORA_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
@@ -99,7 +101,6 @@ LR_SCHEDULES = ("cosine", "constant", "linear")
 
 CODE_ORDERS = ("auto", "decode", "rollout", "standard")
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")  # model.attn_impl: qerl_jax.models.layers.ATTENTION_IMPLEMENTATIONS
-FORMAT_KINDS = ("any", "hash", "answer_tags", "boxed", "think_answer")  # rl.format_reward_kind: qerl_jax.rewards.FORMAT_KINDS
 
 
 def base_config() -> ml_collections.ConfigDict:
