@@ -28,6 +28,7 @@ Public: :func:`run` (config, workdir) -> summary dict, :func:`train`, :func:`eva
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -382,14 +383,26 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
       training prompts than one step's batch (``data.DataOrder``). A reward function that fails or
       hangs does not raise: its completions count as missing rewards (:func:`score`).
   """
+  # Whatever raises (a setup error, an out-of-memory in the step-0 evaluation or in a step) still releases the
+  # workdir's lock, waits for a checkpoint save in flight and closes the metrics files; the exception then goes
+  # on. (A lock kept open by a failed call refused the retry in the same process, a notebook's, as another run.)
+  with contextlib.ExitStack() as closing:
+    return _train(config, workdir, closing, policy=policy, datasets=datasets, reward_fns=reward_fns,
+                  stop_after=stop_after, progress=progress)
+
+
+def _train(config, workdir, closing: contextlib.ExitStack, *, policy, datasets, reward_fns, stop_after,
+           progress) -> dict:
+  """:func:`train`'s body; what it opens is closed through ``closing``."""
   t_start = time.perf_counter()
   seed, total = int(config.seed), int(config.train.total_steps)
   G = int(config.rl.num_generations)
   prompts_per_step = int(config.rl.batch_size) // G
-  lock = None
   try:  # everything that can refuse the run, before its first step: one clear RunSetupError
     _check_workdir(workdir, config)  # this, and the data where the tokenizer loads alone, before the model
     lock = _lock_workdir(workdir)  # loads (minutes at 7B)
+    if lock is not None:
+      closing.callback(lock.close)
     if datasets is None and policy is None:
       datasets = _datasets_before_the_model(config)
     order = None if datasets is None else _data_order(config, len(datasets[0]))
@@ -408,8 +421,6 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     train_set, eval_set = datasets or load_datasets(config, policy.tokenizer)
     order = order or _data_order(config, len(train_set))
   except (ValueError, OSError, KeyError) as e:  # KeyError: a tensor the checkpoint lacks (hf.load_pretrained)
-    if lock is not None:
-      lock.close()
     raise RunSetupError(e.args[0] if isinstance(e, KeyError) and e.args else str(e)) from e
   correctness_fn, bonus_fn = reward_fns or make_reward_fns(config)
   reward_timeout = None if reward_fns is None else REWARD_TIMEOUT_S  # the library's rewards bound their own time
@@ -423,6 +434,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=int(config.train.keep_checkpoints),
                                        async_save=bool(config.train.async_checkpointing))
+  closing.callback(checkpointer.close)
   prompt_length = int(config.data.max_prompt_length)
   state = policy.init_state(jax.random.fold_in(jax.random.PRNGKey(seed), _LORA_STREAM))
   start, position = 0, 0  # steps done; batches of prompts served (the data position)
@@ -431,9 +443,6 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     try:
       saved, meta = checkpointer.restore(latest, _state_to_save(state, 0, seed))
     except Exception as e:  # orbax: shapes or structure that differ from this config's state, or damaged files
-      checkpointer.close()
-      if lock is not None:
-        lock.close()
       detail = " ".join(str(e).split())[:160]
       raise RunSetupError(
           f"cannot resume from the checkpoint at step {latest} in {checkpointer.directory}: its saved state does "
@@ -453,13 +462,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     print(f"warning: the checkpoint is at step {start}, past train.total_steps={total}: nothing to train"
           if start > total else f"the run is complete (step {start} of train.total_steps={total}): nothing to "
           "train; raise --config.train.total_steps to continue it", file=sys.stderr)
-    try:
-      return _finished_summary(workdir, start, t_start)
-    finally:
-      checkpointer.close()
-      if lock is not None:
-        lock.close()
+    return _finished_summary(workdir, start, t_start)
   logger = metrics_lib.MetricsLogger(workdir, resume_step=start if start > 0 else None)
+  closing.callback(logger.close)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2, sort_keys=True))
 
@@ -479,141 +484,133 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, policy: Policy | N
     from tqdm import tqdm
     bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True,
                file=sys.stderr)
+    closing.callback(bar.close)
   last_acc = None
   end = total if stop_after is None else min(total, start + int(stop_after))
-  # finally: a run that raises (out of memory, say) still waits for its checkpoint save in flight and
-  # closes its files; the exception then goes on
-  try:
-    for step in range(start, end):
-      t0 = time.perf_counter()
-      keys = step_keys(seed, step)
-      # 1-4. the step's prompts (from the seeded order of the training set), its AQN noise, G
-      #      completions per prompt, their rewards; with dynamic sampling (DAPO) again on the next
-      #      prompts until enough groups carry signal
-      epoch = position // order.batches_per_epoch
-      noise = policy.noise(step)
-      rounds, t_rollout, t_reward = [], time.perf_counter() - t0, 0.0
-      for rnd in range(max_rounds):
-        tr = time.perf_counter()
-        batch = [train_set[i] for j in range(oversample) for i in order.batch_indices(position + j)]
-        position += oversample
-        prompt_tokens, prompt_mask = _prompt_batch(policy.tokenizer, batch, prompt_length, policy.pad_id)
-        rollout = policy.generate(state.params, noise, prompt_tokens, prompt_mask,
-                                  keys.sample if rnd == 0 else jax.random.fold_in(keys.sample, rnd),
-                                  num_generations=G, greedy=False, max_new_tokens=max_new)
-        completions = _decode(policy.tokenizer, rollout)
-        t_rollout += time.perf_counter() - tr
-        tr = time.perf_counter()
-        # rewards on the host: one float each, failures missing (NaN); the answer check runs once and
-        # the training reward adds the optional bonus (format) and DAPO's overlong penalty to it
-        answers = [p.answer for p in batch for _ in range(G)]
-        correct, _ = score(correctness_fn, completions, answers, timeout_s=reward_timeout)
-        rewards = (correct if bonus_fn is None
-                   else correct + score(bonus_fn, completions, answers, timeout_s=reward_timeout)[0])
-        if overlong_buffer:
-          rewards = rewards + np.asarray(grpo.overlong_penalty(
-              np.asarray(rollout.lengths), max_new, overlong_buffer, float(config.rl.overlong_penalty_factor)))
-        rounds.append(_Round(batch, prompt_tokens, prompt_mask, rollout, completions, answers, correct,
-                             np.asarray(rewards, np.float32)))
-        t_reward += time.perf_counter() - tr
-        if not dynamic or sum(int(r.informative.sum()) for r in rounds) >= prompts_per_step:
-          break
-      t1 = t0 + t_rollout
-      # 5. the update's groups (all of them without dynamic sampling) and their group-normalised
-      #    advantages (NaN rewards -> advantage 0)
-      rows, taken, informative = _select_groups(rounds, prompts_per_step, G, dynamic=dynamic)
-      if dynamic:
-        prompt_tokens = np.concatenate([rounds[ri].prompt_tokens[gi:gi + 1] for ri, gi in taken])
-        prompt_mask = np.concatenate([rounds[ri].prompt_mask[gi:gi + 1] for ri, gi in taken])
-        rollout = types.SimpleNamespace(**{f: _take_rows(rounds, rows, G, f)
-                                           for f in ("tokens", "mask", "policy_logprobs", "truncated")})
-        rewards = np.concatenate([rounds[ri].rewards[r0:r0 + G] for ri, r0 in rows])
-      advantages = grpo.group_advantages(jnp.asarray(rewards), G, scale_rewards=str(config.rl.scale_rewards))
-      t2 = t1 + t_reward
-      # 6. reference log-probs (LoRA off) when beta > 0
-      update_batch = _update_batch(prompt_tokens, prompt_mask, rollout, advantages)
-      if dynamic and informative < prompts_per_step:
-        # the groups that only fill the batch's shape (taken last) leave the loss: masked out, they no longer add
-        # their tokens to dapo's (and a micro-batch's bnpo) normaliser, so that update is the one of the groups
-        # with signal alone, as DAPO's batch of filtered groups (grpo and dr_grpo still divide by all B rows)
-        kept_rows = np.repeat(np.arange(prompts_per_step) < informative, G)[:, None]
-        update_batch["completion_mask"] = update_batch["completion_mask"] * jnp.asarray(
-            kept_rows, update_batch["completion_mask"].dtype)
-      update_noise = policy.update_noise(noise)
-      t_ref, old_metrics = None, {}
-      if recompute_old:  # the ratio's old log-probs from the training forward instead of the sampler's
-        update_batch["old_logprobs"], old_metrics = _recomputed_old_logprobs(policy, state.params, update_batch,
-                                                                            update_noise)
-      elif detach_old:  # the update then takes stop_gradient of its own log-probs: the ratio is exactly 1
-        del update_batch["old_logprobs"]
-      if float(config.rl.beta) > 0:
-        tf = time.perf_counter()
-        update_batch["ref_logprobs"] = jax.block_until_ready(policy.ref_logprobs(update_batch, update_noise))
-        t_ref = time.perf_counter() - tf
-      # 7. num_iterations optimizer updates over micro-batches
-      for it in range(int(config.rl.num_iterations)):
-        state, update_metrics = policy.update(state, update_batch, update_noise, step,
-                                              jax.random.fold_in(keys.update, it))
-      # the update is dispatched asynchronously: wait for it, or its time lands in the next step's rollout
-      jax.block_until_ready((state, update_metrics))
-      t3 = time.perf_counter()
-      # 8. log, checkpoint, evaluate
-      done = step + 1
-      # the step's reward, accuracy and completion metrics cover every completion sampled
-      sampled_rewards = np.concatenate([r.rewards for r in rounds])
-      sampled_correct = np.concatenate([r.correct for r in rounds])
-      row = {**_scalar_metrics(update_metrics), **old_metrics,
-             **_scalar_metrics(grpo.reward_metrics(jnp.asarray(sampled_rewards), G)),
-             **_scalar_metrics(grpo.completion_metrics(
-                 jnp.concatenate([jnp.asarray(r.rollout.mask) for r in rounds]),
-                 jnp.concatenate([jnp.asarray(r.rollout.truncated) for r in rounds]))),
-             "reward/missing": int(np.isnan(sampled_rewards).sum()),
-             "accuracy": float(np.mean(np.nan_to_num(sampled_correct) > 0)),
-             "aqn/sigma": float(policy.sigma(step)), "data/epoch": epoch, "data/position": position,
-             "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2,
-             "time/step_s": t3 - t0,
-             "perf/tokens_per_s": sum(float(np.asarray(r.rollout.lengths).sum()) for r in rounds)
-                                  / max(t1 - t0, 1e-9)}
-      if t_ref is not None:
-        row["time/reference_s"] = t_ref  # the part of time/update_s that the KL's reference pass took
-      if dynamic:
-        row.update({"dynamic_sampling/rounds": len(rounds), "dynamic_sampling/informative_groups": informative,
-                    "dynamic_sampling/filled_groups": prompts_per_step - informative})
-      mem = metrics_lib.peak_device_memory_bytes()
-      if mem is not None:
-        row["perf/peak_memory_bytes"] = mem
-      logger.write(done, row)
-      every = int(config.train.log_samples_every)
-      if every and done % every == 0:
-        first = rounds[0]  # the step's first rollout
-        n = min(int(config.train.num_samples_logged), len(first.completions))
-        prompts_text = [first.prompts[i // G].text for i in range(n)]
-        logger.write_samples(done, prompts_text, first.completions[:n], first.rewards[:n].tolist(),
-                             first.answers[:n])
-      if (int(config.train.eval_every) and done % int(config.train.eval_every) == 0
-          or done == total) and eval_set:
-        last_acc = run_eval(done)
-      if done % int(config.train.save_every) == 0 or done == total:
-        checkpointer.save(done, _state_to_save(state, done, seed),
-                          {"step": done, "epoch": epoch, "data_position": position, "seed": seed,
-                           "config": json.loads(config.to_json_best_effort())})
-        logger.flush()
-      if bar is not None:
-        bar.update(1)
-        post = {"reward": f"{row['reward']:.3f}", "tok/s": f"{row['perf/tokens_per_s']:.0f}"}
-        if last_acc is not None:
-          post["acc"] = f"{last_acc:.3f}"
-        for key, label in (("skipped_updates", "skipped"), ("reward/missing", "no reward")):
-          if row.get(key):  # only when something went wrong: updates skipped so far, rewards missing this step
-            post[label] = f"{row[key]:.0f}"
-        bar.set_postfix(post)
-  finally:
+  for step in range(start, end):
+    t0 = time.perf_counter()
+    keys = step_keys(seed, step)
+    # 1-4. the step's prompts (from the seeded order of the training set), its AQN noise, G
+    #      completions per prompt, their rewards; with dynamic sampling (DAPO) again on the next
+    #      prompts until enough groups carry signal
+    epoch = position // order.batches_per_epoch
+    noise = policy.noise(step)
+    rounds, t_rollout, t_reward = [], time.perf_counter() - t0, 0.0
+    for rnd in range(max_rounds):
+      tr = time.perf_counter()
+      batch = [train_set[i] for j in range(oversample) for i in order.batch_indices(position + j)]
+      position += oversample
+      prompt_tokens, prompt_mask = _prompt_batch(policy.tokenizer, batch, prompt_length, policy.pad_id)
+      rollout = policy.generate(state.params, noise, prompt_tokens, prompt_mask,
+                                keys.sample if rnd == 0 else jax.random.fold_in(keys.sample, rnd),
+                                num_generations=G, greedy=False, max_new_tokens=max_new)
+      completions = _decode(policy.tokenizer, rollout)
+      t_rollout += time.perf_counter() - tr
+      tr = time.perf_counter()
+      # rewards on the host: one float each, failures missing (NaN); the answer check runs once and
+      # the training reward adds the optional bonus (format) and DAPO's overlong penalty to it
+      answers = [p.answer for p in batch for _ in range(G)]
+      correct, _ = score(correctness_fn, completions, answers, timeout_s=reward_timeout)
+      rewards = (correct if bonus_fn is None
+                 else correct + score(bonus_fn, completions, answers, timeout_s=reward_timeout)[0])
+      if overlong_buffer:
+        rewards = rewards + np.asarray(grpo.overlong_penalty(
+            np.asarray(rollout.lengths), max_new, overlong_buffer, float(config.rl.overlong_penalty_factor)))
+      rounds.append(_Round(batch, prompt_tokens, prompt_mask, rollout, completions, answers, correct,
+                           np.asarray(rewards, np.float32)))
+      t_reward += time.perf_counter() - tr
+      if not dynamic or sum(int(r.informative.sum()) for r in rounds) >= prompts_per_step:
+        break
+    t1 = t0 + t_rollout
+    # 5. the update's groups (all of them without dynamic sampling) and their group-normalised
+    #    advantages (NaN rewards -> advantage 0)
+    rows, taken, informative = _select_groups(rounds, prompts_per_step, G, dynamic=dynamic)
+    if dynamic:
+      prompt_tokens = np.concatenate([rounds[ri].prompt_tokens[gi:gi + 1] for ri, gi in taken])
+      prompt_mask = np.concatenate([rounds[ri].prompt_mask[gi:gi + 1] for ri, gi in taken])
+      rollout = types.SimpleNamespace(**{f: _take_rows(rounds, rows, G, f)
+                                         for f in ("tokens", "mask", "policy_logprobs", "truncated")})
+      rewards = np.concatenate([rounds[ri].rewards[r0:r0 + G] for ri, r0 in rows])
+    advantages = grpo.group_advantages(jnp.asarray(rewards), G, scale_rewards=str(config.rl.scale_rewards))
+    t2 = t1 + t_reward
+    # 6. reference log-probs (LoRA off) when beta > 0
+    update_batch = _update_batch(prompt_tokens, prompt_mask, rollout, advantages)
+    if dynamic and informative < prompts_per_step:
+      # the groups that only fill the batch's shape (taken last) leave the loss: masked out, they no longer add
+      # their tokens to dapo's (and a micro-batch's bnpo) normaliser, so that update is the one of the groups
+      # with signal alone, as DAPO's batch of filtered groups (grpo and dr_grpo still divide by all B rows)
+      kept_rows = np.repeat(np.arange(prompts_per_step) < informative, G)[:, None]
+      update_batch["completion_mask"] = update_batch["completion_mask"] * jnp.asarray(
+          kept_rows, update_batch["completion_mask"].dtype)
+    update_noise = policy.update_noise(noise)
+    t_ref, old_metrics = None, {}
+    if recompute_old:  # the ratio's old log-probs from the training forward instead of the sampler's
+      update_batch["old_logprobs"], old_metrics = _recomputed_old_logprobs(policy, state.params, update_batch,
+                                                                          update_noise)
+    elif detach_old:  # the update then takes stop_gradient of its own log-probs: the ratio is exactly 1
+      del update_batch["old_logprobs"]
+    if float(config.rl.beta) > 0:
+      tf = time.perf_counter()
+      update_batch["ref_logprobs"] = jax.block_until_ready(policy.ref_logprobs(update_batch, update_noise))
+      t_ref = time.perf_counter() - tf
+    # 7. num_iterations optimizer updates over micro-batches
+    for it in range(int(config.rl.num_iterations)):
+      state, update_metrics = policy.update(state, update_batch, update_noise, step,
+                                            jax.random.fold_in(keys.update, it))
+    # the update is dispatched asynchronously: wait for it, or its time lands in the next step's rollout
+    jax.block_until_ready((state, update_metrics))
+    t3 = time.perf_counter()
+    # 8. log, checkpoint, evaluate
+    done = step + 1
+    # the step's reward, accuracy and completion metrics cover every completion sampled
+    sampled_rewards = np.concatenate([r.rewards for r in rounds])
+    sampled_correct = np.concatenate([r.correct for r in rounds])
+    row = {**_scalar_metrics(update_metrics), **old_metrics,
+           **_scalar_metrics(grpo.reward_metrics(jnp.asarray(sampled_rewards), G)),
+           **_scalar_metrics(grpo.completion_metrics(
+               jnp.concatenate([jnp.asarray(r.rollout.mask) for r in rounds]),
+               jnp.concatenate([jnp.asarray(r.rollout.truncated) for r in rounds]))),
+           "reward/missing": int(np.isnan(sampled_rewards).sum()),
+           "accuracy": float(np.mean(np.nan_to_num(sampled_correct) > 0)),
+           "aqn/sigma": float(policy.sigma(step)), "data/epoch": epoch, "data/position": position,
+           "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2,
+           "time/step_s": t3 - t0,
+           "perf/tokens_per_s": sum(float(np.asarray(r.rollout.lengths).sum()) for r in rounds)
+                                / max(t1 - t0, 1e-9)}
+    if t_ref is not None:
+      row["time/reference_s"] = t_ref  # the part of time/update_s that the KL's reference pass took
+    if dynamic:
+      row.update({"dynamic_sampling/rounds": len(rounds), "dynamic_sampling/informative_groups": informative,
+                  "dynamic_sampling/filled_groups": prompts_per_step - informative})
+    mem = metrics_lib.peak_device_memory_bytes()
+    if mem is not None:
+      row["perf/peak_memory_bytes"] = mem
+    logger.write(done, row)
+    every = int(config.train.log_samples_every)
+    if every and done % every == 0:
+      first = rounds[0]  # the step's first rollout
+      n = min(int(config.train.num_samples_logged), len(first.completions))
+      prompts_text = [first.prompts[i // G].text for i in range(n)]
+      logger.write_samples(done, prompts_text, first.completions[:n], first.rewards[:n].tolist(),
+                           first.answers[:n])
+    if (int(config.train.eval_every) and done % int(config.train.eval_every) == 0
+        or done == total) and eval_set:
+      last_acc = run_eval(done)
+    if done % int(config.train.save_every) == 0 or done == total:
+      checkpointer.save(done, _state_to_save(state, done, seed),
+                        {"step": done, "epoch": epoch, "data_position": position, "seed": seed,
+                         "config": json.loads(config.to_json_best_effort())})
+      logger.flush()
     if bar is not None:
-      bar.close()
-    checkpointer.close()
-    logger.close()
-    if lock is not None:
-      lock.close()
+      bar.update(1)
+      post = {"reward": f"{row['reward']:.3f}", "tok/s": f"{row['perf/tokens_per_s']:.0f}"}
+      if last_acc is not None:
+        post["acc"] = f"{last_acc:.3f}"
+      for key, label in (("skipped_updates", "skipped"), ("reward/missing", "no reward")):
+        if row.get(key):  # only when something went wrong: updates skipped so far, rewards missing this step
+          post[label] = f"{row[key]:.0f}"
+      bar.set_postfix(post)
+  closing.close()  # the save in flight, the metrics files and the lock, before the summary reads the metrics
   return _write_summary(workdir, total, t_start, resumed=start > 0)
 
 

@@ -891,6 +891,26 @@ def test_a_run_that_raises_mid_way_keeps_its_last_checkpoint_and_resumes(tmp_pat
   assert _deterministic(metrics_lib.read_metrics(wd)) == _deterministic(metrics_lib.read_metrics(full))
 
 
+def test_a_run_that_raises_before_its_first_step_releases_the_workdir(tmp_path, monkeypatch):
+  """An exception between the setup and the loop (the step-0 evaluation out of memory, say) kept the workdir's
+  lock and the checkpointer open: a retry in the same process (a notebook) was refused as "in use by another
+  training run" naming its own pid."""
+  config = toy.toy_config()
+  wd = str(tmp_path / "run")
+  real = trainer.evaluate
+
+  def oom(*args, **kw):
+    raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+  monkeypatch.setattr(trainer, "evaluate", oom)
+  with pytest.raises(RuntimeError, match="out of memory") as raised:
+    _toy_run(config, wd)
+  last_traceback = raised.value.__traceback__  # kept alive, as a notebook's last traceback is (its frames too)
+  monkeypatch.setattr(trainer, "evaluate", real)
+  assert _toy_run(config, wd)["steps"] == 6
+  assert last_traceback is not None
+
+
 def _default_config():
   import importlib.util
   spec = importlib.util.spec_from_file_location("default_recipe", os.path.join(ROOT, "configs", "default.py"))
