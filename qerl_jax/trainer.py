@@ -969,7 +969,7 @@ def load_policy(config: ml_collections.ConfigDict, *, pretrained=None) -> Policy
   optimizer = update.make_optimizer(upd_cfg)
   remat = bool(config.model.remat)
   attn_chunk = int(config.model.get("attn_chunk", 0)) or None
-  attn_impl = str(config.model.get("attn_impl", "xla"))
+  attn_impl = str(config.model.get("attn_impl", "auto"))
   ref_rows = int(config.rl.micro_batch_size)
 
   aqn_on = bool(config.aqn.enabled)

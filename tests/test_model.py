@@ -845,6 +845,12 @@ def test_fused_attention_route_equals_float64_on_real_rows_and_is_refused_off_a_
   if jax.default_backend() != "gpu":
     with pytest.raises(ValueError, match="needs a GPU backend"):
       layers.attention(q, k, v, jnp.asarray(mask), implementation="cudnn")
+    # the config's default "auto" runs the einsums off a GPU: the same numbers as "xla"
+    assert layers.resolve_attention_implementation("auto", jnp.bfloat16, 128, 9, 9) == "xla"
+    np.testing.assert_array_equal(np.asarray(layers.attention(q, k, v, jnp.asarray(mask), implementation="auto")),
+                                  np.asarray(layers.attention(q, k, v, jnp.asarray(mask))))
+  with pytest.raises(ValueError, match="'flash' is not one of"):
+    layers.resolve_attention_implementation("flash", jnp.bfloat16, 128, 9, 9)
   _, cfg, base = _model("qwen2", True)
   tokens = jnp.zeros((1, 4), jnp.int32)
   with pytest.raises(ValueError, match="attn_impl='flash'"):
@@ -878,6 +884,15 @@ def test_cudnn_attention_equals_float64_and_xla_gradients_on_the_gpu():
     gc, gx = np.asarray(gc, np.float64), np.asarray(gx, np.float64)
     assert np.isfinite(gc).all()
     assert np.linalg.norm(gc - gx) / np.linalg.norm(gx) < 2e-2
+  # the config's default "auto": cuDNN for this bf16 training forward; the einsums for float32, a decode step
+  # (T != S) or a head size cuDNN is not handed
+  resolve = layers.resolve_attention_implementation
+  assert resolve("auto", jnp.bfloat16, 128, t, t) == "cudnn"
+  assert resolve("auto", jnp.float32, 128, t, t) == resolve("auto", jnp.bfloat16, 128, 1, t) == "xla"
+  assert resolve("auto", jnp.bfloat16, 80, t, t) == "xla"
+  np.testing.assert_array_equal(
+      np.asarray(jax.jit(lambda *a: layers.attention(*a, jnp.asarray(mask), implementation="auto"))(q, k, v)),
+      np.asarray(jax.jit(lambda *a: layers.attention(*a, jnp.asarray(mask), implementation="cudnn"))(q, k, v)))
 
 
 def test_attention_implementations_named_alike_in_the_config_and_the_model():

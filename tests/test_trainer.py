@@ -108,7 +108,7 @@ def test_load_prompts_skips_malformed_and_long_rows(tmp_path, data_dir):
     ("rl.num_generations", 1, "rl.num_generations=1 must be >= 2"),
     ("rl.micro_batch_size", 5, "rl.micro_batch_size=5"),
     ("model.attn_chunk", -1, "model.attn_chunk=-1 must be >= 0"),
-    ("model.attn_impl", "flash", "model.attn_impl='flash' is not one of ('xla', 'cudnn')"),
+    ("model.attn_impl", "flash", "model.attn_impl='flash' is not one of ('xla', 'cudnn', 'auto')"),
     ("rl.epsilon", 1.0, "rl.epsilon=1.0 must be in (0, 1)"),
     ("aqn.schedule", "exponential", "aqn.sigma_end=0.0 must be > 0"),
     ("rl.loss_type", "ppo", "rl.loss_type='ppo'"),

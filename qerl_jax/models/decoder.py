@@ -503,8 +503,9 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     attn_chunk: run attention in query chunks of this many tokens so float32
       scores are ``[B, H, attn_chunk, S]`` at a time, not ``[B, H, T, S]``
       (long training sequences); None = one piece. Same numbers.
-    attn_impl: attention without a cache (the training forward): ``"xla"`` (default) or ``"cudnn"``
-      (a GPU's fused attention, :func:`layers.attention`; ``attn_chunk`` then does not apply). A
+    attn_impl: attention without a cache (the training forward): ``"xla"`` (default), ``"cudnn"``
+      (a GPU's fused attention, :func:`layers.attention`; ``attn_chunk`` then does not apply) or
+      ``"auto"`` (``"cudnn"`` where it applies: :func:`layers.resolve_attention_implementation`). A
       forward with a cache (prefill, decode) always runs ``"xla"`` or the decode kernels.
     unroll_layers: unroll the layer loop (``jax.lax.scan(unroll=True)``): every layer's weights
       become static slices and its index a constant, so a decode step runs without the loop's
