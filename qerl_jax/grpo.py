@@ -19,6 +19,10 @@ References
   (constant normaliser ``num_sequences * max_completion_length``, no std scaling).
 * BNPO: Xiao et al. 2025, arXiv:2506.02864 (normalise by the tokens of the batch).
 * QeRL: Huang et al. 2025, arXiv:2510.11696 (uses GRPO/DAPO with these settings on 4-bit weights).
+* Truncated importance sampling against the training-inference mismatch: Yao et al. 2025, "Your Efficient RL
+  Framework Secretly Brings You Off-Policy RL Training" (blog post, Aug. 2025); TRL's
+  ``vllm_importance_sampling_correction`` / ``_mode`` / ``_clip_min`` / ``_clip_max``
+  (:func:`rollout_importance_weights`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ __all__ = [
     "informative_groups",
     "overlong_penalty",
     "kl_divergence",
+    "ROLLOUT_CORRECTION_MODES",
+    "rollout_importance_weights",
+    "rollout_importance_metrics",
     "loss_normalizer",
     "policy_loss_terms",
     "finalize_policy_loss",
@@ -51,6 +58,8 @@ __all__ = [
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
+# TRL's vllm_importance_sampling_mode values (rollout_importance_weights)
+ROLLOUT_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # Log-ratios are clamped at +-LOG_RATIO_CLAMP before any exp: exp(20) ~ 4.9e8 is finite in
 # float32 and bfloat16, so no value or gradient can overflow however far the policies drift.
 LOG_RATIO_CLAMP = 20.0
@@ -310,6 +319,130 @@ def kl_divergence(logprobs, ref_logprobs, *, estimator: str = "k3") -> jax.Array
 
 
 # --------------------------------------------------------------------------------------------
+# Training-inference mismatch (the sampler's log-probs against the trainer's)
+# --------------------------------------------------------------------------------------------
+def _check_rollout_correction(mode, clip_min, clip_max) -> tuple[float | None, float]:
+    """``(clip_min, clip_max)`` as floats (``clip_min`` None when unbounded); ValueError for a bad mode or bounds."""
+    if mode not in ROLLOUT_CORRECTION_MODES:
+        raise ValueError(f"rollout correction mode must be one of {ROLLOUT_CORRECTION_MODES}, got {mode!r}")
+    try:
+        hi = float(clip_max)
+        lo = None if clip_min is None else float(clip_min)
+    except (TypeError, ValueError):
+        raise ValueError(f"clip_min must be None or a float and clip_max a float, got clip_min={clip_min!r}, "
+                         f"clip_max={clip_max!r}") from None
+    if not (math.isfinite(hi) and hi > 0.0):
+        raise ValueError(f"clip_max must be a finite float > 0, got {clip_max!r}")
+    if lo is not None and not (math.isfinite(lo) and 0.0 <= lo < hi):
+        raise ValueError(f"clip_min must be None or a float in [0, clip_max={hi}), got {clip_min!r}")
+    return lo, hi
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "clip_min", "clip_max"))
+def rollout_importance_weights(trainer_logprobs, sampler_logprobs, mask, *, mode: str,
+                               clip_min: float | None = None, clip_max: float = 3.0) -> jax.Array:
+    """Importance weights that correct the loss for the sampler's numeric mismatch with the trainer.
+
+    The rollout samples with another program than the training forward (here the jitted decode with 4-bit
+    kernels and a bf16 KV cache; vLLM in TRL), so the completions come from ``pi_sampler``, not from the
+    ``pi_old`` the importance ratio assumes. Truncated importance sampling (Yao et al. 2025, "Your Efficient
+    RL Framework Secretly Brings You Off-Policy RL Training") weights each token's loss by
+    ``rho = pi_old / pi_sampler``, bounded; TRL's ``vllm_importance_sampling_correction``, whose four modes
+    these are (``vllm_importance_sampling_mode``, ``_clip_min``, ``_clip_max``). With
+    ``d_t = trainer_logprobs_t - sampler_logprobs_t`` on the completion tokens (0 elsewhere):
+
+    * ``token_truncate``: ``rho_t = clip(exp(d_t), clip_min, clip_max)``;
+    * ``token_mask``: ``rho_t = exp(d_t)``, set to 0 where it is outside ``[clip_min, clip_max]``;
+    * ``sequence_truncate`` / ``sequence_mask``: the same on one ratio a sequence, ``exp(sum_t d_t)``
+      (the sum over the sequence's completion tokens), given to each of its tokens.
+
+    The bounds are inclusive (a ratio equal to ``clip_max`` is kept by the mask modes), as in TRL. An
+    ``exp`` that overflows float32 gives ``inf``, which truncates to ``clip_max`` and is masked to 0: no
+    NaN comes from large differences. The weights are data, not differentiated (the update step takes
+    their ``stop_gradient``).
+
+    Args:
+      trainer_logprobs: ``[B, T]`` log-probs (nats) of the sampled tokens under the training forward with
+        the rollout's parameters (the recomputed old log-probs); any float dtype, computed in float32.
+      sampler_logprobs: ``[B, T]`` log-probs (nats) the sampler recorded for the same tokens
+        (``sampling.Rollout.policy_logprobs``), at the same temperature.
+      mask: ``[B, T]`` completion mask, nonzero on the tokens that count; entries outside it (padding,
+        possibly non-finite) are never read.
+      mode: one of :data:`ROLLOUT_CORRECTION_MODES`.
+      clip_min: lower bound ``C_min``, a float in ``[0, clip_max)``, or None for none (TRL's default; 0 acts
+        as none too, a ratio being >= 0).
+      clip_max: upper bound ``C_max``, a finite float > 0 (TRL's default 3.0; TRL's ``None`` is not
+        offered).
+
+    Returns:
+      rho ``[B, T]`` float32, >= 0 and finite: the weight of each completion token (in the sequence modes
+      one value repeated over a row's completion tokens), 0 outside ``mask``.
+
+    Raises:
+      ValueError: an unknown ``mode``, ``clip_max`` not a finite float > 0, ``clip_min`` outside
+        ``[0, clip_max)``, ``mask`` not 2-D, or inputs whose shapes differ from ``mask``'s.
+    """
+    lo, hi = _check_rollout_correction(mode, clip_min, clip_max)
+    m = _effective_mask(mask, None, False)
+    shape = m.shape
+    trainer_logprobs, sampler_logprobs = jnp.asarray(trainer_logprobs), jnp.asarray(sampler_logprobs)
+    for name, x in (("trainer_logprobs", trainer_logprobs), ("sampler_logprobs", sampler_logprobs)):
+        if x.shape != shape:
+            raise ValueError(f"{name} shape {x.shape} != mask shape {shape}")
+    d = (jnp.where(m, trainer_logprobs.astype(jnp.float32), 0.0)
+         - jnp.where(m, sampler_logprobs.astype(jnp.float32), 0.0))
+    if mode.startswith("sequence"):
+        d = d.sum(axis=1, keepdims=True)
+    ratio = jnp.exp(d)
+    if mode.endswith("truncate"):
+        rho = jnp.minimum(ratio, jnp.float32(hi))
+        if lo is not None:
+            rho = jnp.maximum(rho, jnp.float32(lo))
+    else:
+        keep = ratio <= jnp.float32(hi)
+        if lo is not None:
+            keep = keep & (ratio >= jnp.float32(lo))
+        rho = jnp.where(keep, ratio, 0.0)
+    return jnp.where(m, jnp.broadcast_to(rho, shape), 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("mode",))
+def rollout_importance_metrics(rho, mask, *, mode: str) -> dict[str, jax.Array]:
+    """TRL's ``sampling/importance_sampling_ratio/min``, ``/mean``, ``/max`` of :func:`rollout_importance_weights`.
+
+    Over the completion tokens in the token modes, over the sequences (those with at least one completion
+    token: a row masked whole does not count as a ratio of 1) in the sequence modes, as TRL logs them.
+
+    Args:
+      rho: ``[B, T]`` float, the weights :func:`rollout_importance_weights` returned for ``mask`` and ``mode``.
+      mask: ``[B, T]`` the completion mask they were computed with.
+      mode: one of :data:`ROLLOUT_CORRECTION_MODES`.
+
+    Returns: a dict of float32 scalars (all 0 when there is no completion token, as TRL's).
+
+    Raises: ValueError for an unknown ``mode`` or shapes that differ.
+    """
+    if mode not in ROLLOUT_CORRECTION_MODES:
+        raise ValueError(f"rollout correction mode must be one of {ROLLOUT_CORRECTION_MODES}, got {mode!r}")
+    m = _effective_mask(mask, None, False)
+    rho = jnp.asarray(rho, jnp.float32)
+    if rho.shape != m.shape:
+        raise ValueError(f"rho shape {rho.shape} != mask shape {m.shape}")
+    if mode.startswith("sequence"):  # one value a row: its completion tokens all hold it
+        valid = m.any(axis=1)
+        values = jnp.where(m, rho, -jnp.inf).max(axis=1)
+    else:
+        valid, values = m, rho
+    n = valid.sum()
+    prefix = "sampling/importance_sampling_ratio/"
+    return {
+        prefix + "min": jnp.where(n > 0, jnp.where(valid, values, jnp.inf).min(), 0.0),
+        prefix + "mean": jnp.where(valid, values, 0.0).sum() / jnp.maximum(n, 1),
+        prefix + "max": jnp.where(n > 0, jnp.where(valid, values, -jnp.inf).max(), 0.0),
+    }
+
+
+# --------------------------------------------------------------------------------------------
 # Policy loss
 # --------------------------------------------------------------------------------------------
 def _check_loss_options(loss_type, epsilon, epsilon_high, beta, kl_estimator):
@@ -388,14 +521,19 @@ def loss_normalizer(mask, *, loss_type: str, max_completion_length: int | None =
 def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "grpo",
                       epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
                       ref_logprobs=None, kl_estimator: str = "k3", entropy=None, truncated=None,
-                      mask_truncated_completions: bool = False) -> dict[str, jax.Array]:
+                      mask_truncated_completions: bool = False,
+                      rollout_is_weights=None) -> dict[str, jax.Array]:
     """Un-normalised sums of the clipped surrogate loss and its metrics over one (micro-)batch.
 
     Per token ``t`` of sequence ``i`` (DeepSeekMath eq. 3, DAPO clip-higher)::
 
         ratio = exp(clip(logprobs - old_logprobs, -20, 20))           # importance ratio
-        l     = -min(ratio * A_i, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A_i)
+        l     = -min(ratio * A_i, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A_i) * rho_t
               + beta * KL_t                                             # if beta > 0
+
+    ``rho_t`` is ``rollout_is_weights`` (1 when None), the sampler-mismatch correction of
+    :func:`rollout_importance_weights`; as in TRL it weights the clipped policy term only, not the KL term,
+    and it is not differentiated.
 
     The clamp of the log-ratio at +-``LOG_RATIO_CLAMP`` (as verl does) only acts when the
     policies are e^20 apart; it keeps value and gradient finite.
@@ -438,6 +576,12 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
     ratio = jnp.exp(jnp.clip(lp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
     per_token = -jnp.minimum(ratio * adv, clipped * adv)
+    if rollout_is_weights is not None:
+        rollout_is_weights = jnp.asarray(rollout_is_weights)
+        if rollout_is_weights.shape != shape:
+            raise ValueError(f"rollout_is_weights shape {rollout_is_weights.shape} != mask shape {shape}")
+        rho = jnp.where(m, rollout_is_weights.astype(jnp.float32), 0.0)
+        per_token = per_token * jax.lax.stop_gradient(rho)
 
     mf = m.astype(jnp.float32)
     kl_sum = jnp.float32(0.0)
@@ -515,7 +659,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "g
                 epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
                 ref_logprobs=None, max_completion_length: int | None = None,
                 kl_estimator: str = "k3", entropy=None, truncated=None,
-                mask_truncated_completions: bool = False, normalizer=None
+                mask_truncated_completions: bool = False, normalizer=None, rollout_is_weights=None
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped GRPO / DAPO / Dr. GRPO / BNPO policy loss with optional KL penalty (TRL semantics).
 
@@ -544,6 +688,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "g
       truncated: ``[B]`` bool, completions that hit the length limit without an end token.
       mask_truncated_completions: drop truncated completions from numerator and denominator.
       normalizer: optional precomputed :func:`loss_normalizer` (of a whole accumulation window).
+      rollout_is_weights: optional ``[B, T]`` float, each token's weight on the clipped policy term (the
+        sampler-mismatch correction, :func:`rollout_importance_weights`; TRL multiplies ``per_token_loss``
+        by it before adding the KL term); not differentiated. None: 1.
 
     Returns:
       ``(loss, metrics)``: float32 scalar loss and a dict of float32 scalars (see
@@ -557,7 +704,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "g
         logprobs, old_logprobs, advantages, mask, loss_type=loss_type, epsilon=epsilon,
         epsilon_high=epsilon_high, beta=beta, ref_logprobs=ref_logprobs,
         kl_estimator=kl_estimator, entropy=entropy, truncated=truncated,
-        mask_truncated_completions=mask_truncated_completions)
+        mask_truncated_completions=mask_truncated_completions, rollout_is_weights=rollout_is_weights)
     if normalizer is None:
         normalizer = loss_normalizer(
             mask, loss_type=loss_type, max_completion_length=max_completion_length,

@@ -31,7 +31,8 @@ __all__ = [
 ]
 
 # Batch entries the loss reads (``logprob_fn`` sees them too, sliced like every other entry).
-BATCH_LOSS_KEYS = ("advantages", "completion_mask", "old_logprobs", "ref_logprobs", "truncated")
+BATCH_LOSS_KEYS = ("advantages", "completion_mask", "old_logprobs", "ref_logprobs", "truncated",
+                   "rollout_is_weights")
 _INJECTED_KEYS = ("step", "key")
 _SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup")
 
@@ -237,7 +238,10 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
       ``old_logprobs`` [B, T] f32 (rollout log-probs; if absent the ratio is exactly 1 via
       ``stop_gradient`` of the current log-probs, as TRL does for ``num_iterations == 1``),
       ``ref_logprobs`` [B, T] f32 (precomputed by the caller with LoRA switched off; required when
-      ``beta > 0``), ``truncated`` [B] bool (required with ``mask_truncated_completions``), plus
+      ``beta > 0``), ``truncated`` [B] bool (required with ``mask_truncated_completions``),
+      ``rollout_is_weights`` [B, T] f32 (optional: each token's weight on the clipped policy term, the
+      sampler-mismatch correction of ``grpo.rollout_importance_weights``, TRL's
+      ``importance_sampling_ratio``; taken as data, never differentiated; absent: 1), plus
       whatever ``logprob_fn`` reads (tokens, positions, ...).
 
     Gradient accumulation: the batch is split into ``gradient_accumulation_steps`` micro-batches
@@ -296,7 +300,7 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
                 loss_type=loss_type, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
                 ref_logprobs=mb.get("ref_logprobs"), kl_estimator=kl_estimator,
                 entropy=entropy, truncated=mb.get("truncated"),
-                mask_truncated_completions=mask_trunc)
+                mask_truncated_completions=mask_trunc, rollout_is_weights=mb.get("rollout_is_weights"))
             # bnpo (TRL): each micro-batch's token mean, averaged over the micro-batches; the others: one
             # normaliser for the whole batch
             denom = terms["tokens"] * num_micro if loss_type == "bnpo" else normalizer

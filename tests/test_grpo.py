@@ -215,6 +215,147 @@ def test_entropy_metric():
 
 
 # ---------------------------------------------------------------------------------------------
+# Training-inference mismatch correction (TRL's vllm_importance_sampling_correction)
+# ---------------------------------------------------------------------------------------------
+# d = trainer - sampler log-probs per completion token, chosen to straddle the bounds:
+#   row 0: ratio 3 * e^0.01 (just above C_max = 3), 1 (d = 0 exactly), 0.5; one padding slot
+#   row 1: 0.2 * e^-0.01 and 0.2 * e^0.01 (either side of C_min = 0.2), e^5, e^-60
+#   row 2: e^100 (inf in float32), then padding
+#   row 3: e^0.5, e^-0.5: a sequence ratio of exactly 1
+#   row 4: no completion token at all
+IS_D = np.array([[math.log(3.0) + 0.01, 0.0, math.log(0.5), 0.0],
+                 [math.log(0.2) - 0.01, math.log(0.2) + 0.01, 5.0, -60.0],
+                 [100.0, 0.0, 0.0, 0.0],
+                 [0.5, -0.5, 0.0, 0.0],
+                 [0.0, 0.0, 0.0, 0.0]])
+IS_MASK = np.array([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]], np.int32)
+
+
+def _is_inputs():
+    """(trainer, sampler) float32 log-probs whose difference on the mask is IS_D (padding: inf / NaN)."""
+    sampler = np.array([[-1.0, -2.0, -0.5, 0.0], [-0.25, -3.0, -7.5, -0.5], [-120.0, 0, 0, 0],
+                        [-1.5, -1.5, 0, 0], [0, 0, 0, 0]])
+    trainer = sampler + IS_D
+    trainer = np.where(IS_MASK == 1, trainer, np.inf).astype(np.float32)
+    sampler = np.where(IS_MASK == 1, sampler, np.nan).astype(np.float32)
+    return trainer, sampler
+
+
+def _np_is_weights(trainer, sampler, mask, mode, lo, hi):
+    """float64 reference of TRL's ratio (the float32 inputs' difference, exp, then truncate or mask)."""
+    m = np.asarray(mask, bool)
+    d = np.where(m, np.asarray(trainer, np.float64) - np.where(m, np.asarray(sampler, np.float64), 0.0), 0.0)
+    if mode.startswith("sequence"):
+        d = np.broadcast_to(d.sum(1, keepdims=True), d.shape)
+    with np.errstate(over="ignore"):
+        r = np.exp(d)
+    if mode.endswith("truncate"):
+        r = np.clip(r, 0.0 if lo is None else lo, hi)
+    else:
+        r = np.where((r <= hi) & (r >= (0.0 if lo is None else lo)), r, 0.0)
+    return np.where(m, r, 0.0)
+
+
+# expected by hand, row by row (where the value is not the plain ratio), for (clip_min, clip_max):
+IS_HAND = {
+    ("token_truncate", None, 3.0): {(0, 0): 3.0, (0, 1): 1.0, (2, 0): 3.0},
+    ("token_mask", 0.2, 3.0): {(0, 0): 0.0, (1, 0): 0.0, (1, 2): 0.0, (1, 3): 0.0, (2, 0): 0.0},
+    ("token_truncate", 0.2, 3.0): {(1, 0): 0.2, (1, 2): 3.0, (1, 3): 0.2},
+    ("token_mask", 1.0, 2.0): {(0, 1): 1.0, (3, 0): math.exp(0.5), (3, 1): 0.0},  # d = 0: C_min kept
+    ("sequence_truncate", 0.2, 3.0): {(0, 0): 1.5 * math.exp(0.01), (1, 1): 0.2, (2, 0): 3.0, (3, 1): 1.0},
+    ("sequence_mask", None, 3.0): {(0, 2): 1.5 * math.exp(0.01), (1, 0): 0.04 * math.exp(-55.0), (2, 0): 0.0,
+                                   (3, 0): 1.0},
+    ("sequence_mask", 1.0, 2.0): {(0, 0): 1.5 * math.exp(0.01), (1, 3): 0.0, (2, 0): 0.0, (3, 0): 1.0},
+}
+
+
+@pytest.mark.parametrize("mode,lo,hi", list(IS_HAND))
+def test_rollout_importance_weights_match_numpy_at_the_bounds(mode, lo, hi):
+    trainer, sampler = _is_inputs()
+    rho = np.asarray(grpo.rollout_importance_weights(trainer, sampler, IS_MASK, mode=mode, clip_min=lo, clip_max=hi))
+    assert rho.dtype == np.float32 and rho.shape == IS_D.shape and np.all(np.isfinite(rho))
+    np.testing.assert_allclose(rho, _np_is_weights(trainer, sampler, IS_MASK, mode, lo, hi), rtol=1e-5, atol=0)
+    for (i, j), want in IS_HAND[(mode, lo, hi)].items():
+        np.testing.assert_allclose(rho[i, j], want, rtol=1e-5, atol=0)
+    assert np.all(rho[IS_MASK == 0] == 0.0)
+    if mode.startswith("sequence"):  # one value a row on its completion tokens
+        for i in range(4):
+            assert len(set(rho[i][IS_MASK[i] == 1].tolist())) == 1
+    # clip_min 0 is no lower bound, as None
+    if lo is None:
+        again = grpo.rollout_importance_weights(trainer, sampler, IS_MASK, mode=mode, clip_min=0.0, clip_max=hi)
+        np.testing.assert_array_equal(np.asarray(again), rho)
+
+
+def test_rollout_importance_weights_refuse_bad_modes_bounds_and_shapes():
+    trainer, sampler = _is_inputs()
+    for kw, needle in ((dict(mode="none"), "mode must be one of"), (dict(mode="token"), "mode must be one of"),
+                       (dict(mode="token_mask", clip_max=0.0), "clip_max must be a finite float > 0"),
+                       (dict(mode="token_mask", clip_max=float("inf")), "clip_max must be a finite float > 0"),
+                       (dict(mode="token_mask", clip_max=None), "clip_max"),
+                       (dict(mode="token_mask", clip_min=-0.1), r"clip_min must be None or a float in \[0, "),
+                       (dict(mode="sequence_truncate", clip_min=3.0, clip_max=3.0), r"\[0, clip_max=3.0\)"),
+                       (dict(mode="sequence_truncate", clip_min=float("nan")), "clip_min")):
+        with pytest.raises(ValueError, match=needle):
+            grpo.rollout_importance_weights(trainer, sampler, IS_MASK, **kw)
+    with pytest.raises(ValueError, match="sampler_logprobs shape"):
+        grpo.rollout_importance_weights(trainer, sampler[:, :3], IS_MASK, mode="token_mask")
+    with pytest.raises(ValueError, match="mask must be"):
+        grpo.rollout_importance_weights(trainer[0], sampler[0], IS_MASK[0], mode="token_mask")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        grpo.rollout_importance_metrics(trainer, IS_MASK, mode="none")
+
+
+def test_rollout_importance_metrics_over_tokens_or_sequences():
+    trainer, sampler = _is_inputs()
+    rho = grpo.rollout_importance_weights(trainer, sampler, IS_MASK, mode="token_truncate", clip_min=0.2)
+    met = grpo.rollout_importance_metrics(rho, IS_MASK, mode="token_truncate")
+    tokens = _np_is_weights(trainer, sampler, IS_MASK, "token_truncate", 0.2, 3.0)[IS_MASK == 1]  # 10 tokens
+    p = "sampling/importance_sampling_ratio/"
+    np.testing.assert_allclose([float(met[p + k]) for k in ("min", "mean", "max")],
+                               [0.2, tokens.mean(), 3.0], rtol=1e-5)
+    rho = grpo.rollout_importance_weights(trainer, sampler, IS_MASK, mode="sequence_mask", clip_max=2.0)
+    met = grpo.rollout_importance_metrics(rho, IS_MASK, mode="sequence_mask")
+    seqs = [1.5 * math.exp(0.01), 0.04 * math.exp(-55.0), 0.0, 1.0]  # row 4 (no token) is not a sequence
+    np.testing.assert_allclose([float(met[p + k]) for k in ("min", "mean", "max")],
+                               [0.0, np.mean(seqs), max(seqs)], rtol=1e-5)
+    empty = grpo.rollout_importance_metrics(rho, np.zeros_like(IS_MASK), mode="sequence_mask")
+    assert all(float(v) == 0.0 for v in empty.values())
+
+
+def test_policy_loss_with_rollout_weights_matches_numpy_and_weights_no_kl():
+    """TRL multiplies the clipped per-token loss by the ratio and then adds beta * KL (not weighted)."""
+    lp, old = _hand_inputs()
+    rho = np.where(MASK == 1, [[0.5, 2.0, 1.0, 9.0], [3.0, 0.0, 9.0, 9.0]], np.nan).astype(np.float32)
+    ref = np.log(np.array([[0.3, 0.35, 0.1, 0.5], [0.45, 0.5, 0.2, 0.2]])).astype(np.float32)
+    lp0, old0, rho0 = np.nan_to_num(lp), np.nan_to_num(old), np.nan_to_num(rho)
+    for loss_type in grpo.LOSS_TYPES:
+        for beta in (0.0, 0.04):
+            kw = dict(loss_type=loss_type, epsilon=EPS, epsilon_high=EPS_HIGH, max_completion_length=4, beta=beta,
+                      ref_logprobs=ref)
+            loss, met = grpo.policy_loss(lp, old, ADV, MASK, rollout_is_weights=rho, **kw)
+            pg = _np_per_token(lp0, old0, ADV, EPS, EPS_HIGH)
+            kl = _np_per_token(lp0, old0, ADV, EPS, EPS_HIGH, beta=beta, ref=ref) - pg
+            want = _np_reduce(pg * rho0 + kl, MASK, loss_type, 4)
+            np.testing.assert_allclose(float(loss), want, rtol=1e-6)
+            np.testing.assert_allclose(float(met["clip_ratio/region_mean"]), 0.4, rtol=1e-6)  # the ratio's, as before
+            plain, _ = grpo.policy_loss(lp, old, ADV, MASK, **kw)
+            ones, _ = grpo.policy_loss(lp, old, ADV, MASK, rollout_is_weights=np.ones_like(rho), **kw)
+            assert float(ones) == float(plain) and abs(float(loss) - float(plain)) > 1e-3
+    # the gradient (grpo): the hand example's, each token's times its weight; none flows into the weights
+    g, g_rho = jax.grad(lambda x, w: grpo.policy_loss(x, old, ADV, MASK, loss_type="grpo", epsilon=EPS,
+                                                       epsilon_high=EPS_HIGH, rollout_is_weights=w)[0],
+                        argnums=(0, 1))(jnp.asarray(lp), jnp.asarray(rho))
+    r, a = RATIOS, ADV[:, None]
+    active = (r * a <= np.clip(r, 1 - EPS, 1 + EPS_HIGH) * a) & (MASK == 1)
+    expected = np.where(active, -r * a * rho0, 0.0) / MASK.sum(1, keepdims=True) / 2
+    np.testing.assert_allclose(np.asarray(g), expected, rtol=1e-6, atol=1e-8)
+    assert np.all(np.asarray(g_rho) == 0.0)
+    with pytest.raises(ValueError, match="rollout_is_weights shape"):
+        grpo.policy_loss(lp, old, ADV, MASK, rollout_is_weights=rho[:, :3])
+
+
+# ---------------------------------------------------------------------------------------------
 # Advantages
 # ---------------------------------------------------------------------------------------------
 def _np_group_adv(r, g, ddof=1, eps=1e-4):
@@ -392,7 +533,8 @@ def _reference_grad(params, batch, cfg):
             loss_type=cfg["loss_type"], beta=cfg.get("beta", 0.0),
             ref_logprobs=batch.get("ref_logprobs"), epsilon_high=cfg.get("epsilon_high"),
             truncated=batch["truncated"],
-            mask_truncated_completions=cfg.get("mask_truncated_completions", False))[0]
+            mask_truncated_completions=cfg.get("mask_truncated_completions", False),
+            rollout_is_weights=batch.get("rollout_is_weights"))[0]
     return jax.value_and_grad(f)(params)
 
 
@@ -423,6 +565,39 @@ def test_gradient_accumulation_equals_single_batch(cfg):
         np.testing.assert_allclose(float(out[4][1][name]), float(out[1][1][name]), rtol=1e-5)
     assert ("kl" in out[1][1]) == ("beta" in cfg)
     assert np.abs(out[1][0]["w"]).max() > 0
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_update_step_weights_the_loss_by_rollout_is_weights_through_accumulation(loss_type):
+    """batch["rollout_is_weights"] [B, T] is sliced into the micro-batches like the other [B, T] entries: the loss
+    and the gradient are those of grpo.policy_loss with the weights (checked against numpy below), and without
+    the key those of the plain loss."""
+    params, batch = _toy(3, beta=True)
+    rng = np.random.default_rng(7)
+    rho = np.where(rng.uniform(size=(B, T)) < 0.2, 0.0, rng.uniform(0.2, 3.0, size=(B, T))).astype(np.float32)
+    weighted = {**batch, "rollout_is_weights": jnp.asarray(rho)}
+    sgd = optax.sgd(1.0)
+    cfg = {"loss_type": loss_type, "beta": 0.04, "epsilon_high": 0.28}
+    for b, other in ((weighted, batch), (batch, weighted)):
+        ref_loss, ref_grad = _reference_grad(params, b, cfg)
+        other_loss, _ = _reference_grad(params, other, cfg)
+        assert abs(float(ref_loss) - float(other_loss)) > 1e-4
+        for m in (1, 4):
+            step_fn = update.make_update_step(toy_logprob_fn, {**cfg, "gradient_accumulation_steps": m}, optimizer=sgd)
+            state, met = step_fn(update.make_train_state(params, sgd), b, 3, jax.random.key(0))
+            np.testing.assert_allclose(float(met["loss"]), float(ref_loss), rtol=1e-5)
+            for k in params:
+                np.testing.assert_allclose(np.asarray(params[k]) - np.asarray(state.params[k]),
+                                           np.asarray(ref_grad[k]), rtol=1e-5, atol=1e-7)
+    # the weighted loss by hand in float64: each token's clipped term times its weight, plus beta * k3
+    lp = np.asarray(toy_logprob_fn(params, batch)[0], np.float64)
+    pg = _np_per_token(lp, batch["old_logprobs"], batch["advantages"], 0.2, 0.28)
+    d = np.asarray(batch["ref_logprobs"], np.float64) - lp
+    per = np.where(np.asarray(batch["completion_mask"]) == 1, pg * rho + 0.04 * (np.exp(d) - d - 1), 0.0)
+    n = np.asarray(batch["completion_mask"]).sum(1)
+    want = ((per.sum(1) / np.maximum(n, 1)).sum() / B if loss_type == "grpo"  # the empty row counts in B
+            else per.sum() / n.sum())
+    np.testing.assert_allclose(float(_reference_grad(params, weighted, cfg)[0]), want, rtol=1e-5)
 
 
 def test_bnpo_averages_the_micro_batches_token_means():
