@@ -61,6 +61,16 @@ Layout (units in brackets)::
                           (current adapter, the update's AQN noise) before the updates, instead of the
                           sampler's; one more forward a step. Logs the difference
                           (sampling/sampling_logp_difference/mean, /max). Off by default.
+  rl.rollout_correction   the training-inference mismatch correction (TRL's vllm_importance_sampling_correction;
+                          Yao et al. 2025, truncated importance sampling): "none" (default, as QeRL's recipes),
+                          "token_truncate", "token_mask", "sequence_truncate" or "sequence_mask". Any other than
+                          "none" recomputes the old log-probs (as rl.recompute_old_logprobs=True) and weights
+                          each token's clipped loss by rho = exp(old - sampler log-probs), per token or summed
+                          over the sequence, truncated to or masked outside [clip_min, clip_max]
+                          (grpo.rollout_importance_weights); logs sampling/importance_sampling_ratio/min, /mean,
+                          /max. Refused with aqn.rollout_only (the sampler's log-probs are a noisier policy's)
+  rl.rollout_correction_clip_max  C_max of rho, > 0 (TRL's default 3.0)
+  rl.rollout_correction_clip_min  C_min of rho, in [0, clip_max); 0 or None: no lower bound (TRL's default)
   rl.max_sampling_rounds  rollouts a step at most with dynamic sampling
   rl.oversample_factor    prompts a rollout samples with dynamic sampling, as a multiple of batch_size / G
                           (DAPO's larger generation batch: one rollout of 2x the rows costs far less on a GPU
@@ -90,7 +100,8 @@ import ml_collections
 
 from qerl_jax.rewards import FORMAT_KINDS  # rl.format_reward_kind (rewards needs no jax: numpy and the standard library)
 
-__all__ = ["base_config", "validate", "data_spec_error", "config_flags_parser", "config_load_error", "LORA_MODULES", "LOSS_TYPES"]
+__all__ = ["base_config", "validate", "data_spec_error", "config_flags_parser", "config_load_error", "LORA_MODULES",
+           "LOSS_TYPES", "ROLLOUT_CORRECTIONS"]
 
 LORA_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
@@ -99,6 +110,9 @@ TASKS = ("gsm8k", "math")
 SCALE_REWARDS = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AQN_SCHEDULES = ("stages", "exponential")
+# rl.rollout_correction: "none" and qerl_jax.grpo.ROLLOUT_CORRECTION_MODES (TRL's vllm_importance_sampling_mode
+# values; written out here, as grpo needs jax)
+ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 LR_SCHEDULES = ("cosine", "constant", "linear")
 
 
@@ -162,6 +176,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.format_reward_weight = 0.0
   c.rl.format_reward_kind = "any"  # rewards.FORMAT_KINDS
   c.rl.recompute_old_logprobs = False  # True: old log-probs from the training forward, not the sampler's
+  c.rl.rollout_correction = "none"  # TRL's importance-sampling correction of the sampler's mismatch; see the layout
+  c.rl.rollout_correction_clip_max = 3.0  # C_max of its ratio (TRL's default)
+  c.rl.rollout_correction_clip_min = 0.0  # C_min of its ratio; 0 (or None): no lower bound (TRL's default None)
   c.rl.dynamic_sampling = False  # DAPO: keep sampling prompts until every group in the update carries signal
   c.rl.max_sampling_rounds = 4  # at most this many rollouts a step with dynamic_sampling
   c.rl.oversample_factor = 1  # with dynamic_sampling: each rollout samples this many batches of prompts at once
@@ -320,6 +337,31 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
        "(the format bonus is off); give the weight too")
   need(isinstance(rl.get("recompute_old_logprobs", False), bool),
        f"rl.recompute_old_logprobs={rl.get('recompute_old_logprobs')!r} must be True or False")
+  correction = rl.get("rollout_correction", "none")
+  need(correction in ROLLOUT_CORRECTIONS, f"rl.rollout_correction={correction!r} is not one of {ROLLOUT_CORRECTIONS}")
+  clip_max = rl.get("rollout_correction_clip_max", 3.0)
+  clip_min = rl.get("rollout_correction_clip_min", 0.0)
+  # (a NaN or an infinity is reported once, by the finiteness check above)
+  max_ok = _is_number(clip_max) and (not _all_finite(clip_max) or float(clip_max) > 0)
+  need(max_ok, f"rl.rollout_correction_clip_max={clip_max!r} must be a number > 0 (the upper bound of the "
+       "importance ratio rho)")
+  need(clip_min is None or (_is_number(clip_min) and (not _all_finite(clip_min) or float(clip_min) >= 0)),
+       f"rl.rollout_correction_clip_min={clip_min!r} must be a number >= 0, or None (0 and None: no lower bound)")
+  if max_ok and _is_number(clip_min) and _all_finite(clip_min, clip_max):
+    need(float(clip_min) < float(clip_max),
+         f"rl.rollout_correction_clip_min={clip_min} must be < rl.rollout_correction_clip_max={clip_max}")
+  if correction == "none":
+    changed = [f"rl.rollout_correction_{k}={v!r}" for k, v, default in (("clip_min", clip_min, 0.0),
+                                                                        ("clip_max", clip_max, 3.0))
+               if _is_number(v) and _all_finite(v) and float(v) != default]
+    need(not changed, f"{' and '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect with "
+         "rl.rollout_correction='none'; choose a mode too")
+  else:
+    need(not (aqn.enabled and aqn.get("rollout_only", False)),
+         f"rl.rollout_correction={correction!r} cannot be used with aqn.rollout_only=True: the sampler's log-probs "
+         "are then the noisy rollout policy's and the update's are noiseless, so rho would weight the loss by the "
+         "AQN noise's effect (undoing the exploration it adds), not by the kernels' mismatch it corrects; put the "
+         "noise in the update too (aqn.rollout_only=False) or leave rl.rollout_correction='none'")
   need(isinstance(rl.get("dynamic_sampling", False), bool),
        f"rl.dynamic_sampling={rl.get('dynamic_sampling')!r} must be True or False")
   need(int(rl.get("max_sampling_rounds", 1)) >= 1,
@@ -388,6 +430,11 @@ def _non_finite(tree: dict, prefix: str = "") -> list[tuple[str, float]]:
 
 
 _FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _is_number(x) -> bool:
+  """An int or float (not a bool, not None, not a string)."""
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _all_finite(*values) -> bool:

@@ -14,7 +14,9 @@ One step of :func:`train` (QeRL, arXiv:2510.11696, Alg. 1 with GRPO, Shao et al.
    prompts), and the update takes those groups;
 5. group-normalised advantages (``grpo.group_advantages``);
 6. the old log-probs of the importance ratio recomputed by the training forward when
-   ``rl.recompute_old_logprobs`` (else the sampler's); reference log-probs with LoRA off when ``rl.beta > 0``;
+   ``rl.recompute_old_logprobs`` or ``rl.rollout_correction`` (else the sampler's), and with the latter TRL's
+   importance weights of the sampler's mismatch (``grpo.rollout_importance_weights``); reference log-probs with
+   LoRA off when ``rl.beta > 0``;
 7. ``num_iterations`` updates over micro-batches (``grpo`` objective, optax AdamW);
 8. log; checkpoint every ``train.save_every`` steps; greedy evaluation every ``train.eval_every``.
 
@@ -193,6 +195,32 @@ def _recomputed_old_logprobs(policy: Policy, params, batch: dict, noise) -> tupl
   diff = np.abs(np.asarray(old, np.float64) - np.asarray(batch["old_logprobs"], np.float64))[mask]
   return old, {"sampling/sampling_logp_difference/mean": float(diff.mean()) if diff.size else 0.0,
                "sampling/sampling_logp_difference/max": float(diff.max()) if diff.size else 0.0}
+
+
+def _rollout_correction(config, batch: dict, sampler_logprobs) -> tuple[jax.Array, dict]:
+  """``(rho [N, T] float32, metrics)``: TRL's correction of the sampler's training-inference mismatch
+  (``vllm_importance_sampling_correction``; Yao et al. 2025, truncated importance sampling), the update's weight
+  of each completion token's clipped loss, and its ``sampling/importance_sampling_ratio/min``, ``/mean``,
+  ``/max`` (over the tokens, or the sequences in the sequence modes, that count in the loss).
+
+  Args:
+    config: the run's config; ``rl.rollout_correction`` (a mode, not "none"), ``rl.rollout_correction_clip_min``
+      (0 or None: no bound), ``rl.rollout_correction_clip_max``, ``rl.mask_truncated_completions``.
+    batch: the update batch, whose ``old_logprobs`` [N, T] are already the training forward's (recomputed).
+    sampler_logprobs: float32 [N, T], the rollout's (``Rollout.policy_logprobs``) for the same tokens.
+
+  Returns: rho from ``grpo.rollout_importance_weights`` (0 on tokens outside the loss) and a dict of floats.
+  """
+  rl = config.rl
+  mode = str(rl.rollout_correction)
+  mask = jnp.asarray(batch["completion_mask"]) > 0
+  if bool(rl.mask_truncated_completions):  # the tokens the loss counts (TRL's completion_mask then drops them too)
+    mask = mask & ~jnp.asarray(batch["truncated"], bool)[:, None]
+  clip_min = rl.get("rollout_correction_clip_min", None)
+  rho = grpo.rollout_importance_weights(batch["old_logprobs"], sampler_logprobs, mask, mode=mode,
+                                        clip_min=float(clip_min) if clip_min else None,
+                                        clip_max=float(rl.rollout_correction_clip_max))
+  return rho, _scalar_metrics(grpo.rollout_importance_metrics(rho, mask, mode=mode))
 
 
 def _select_groups(rounds: Sequence[_Round], num_groups: int, group_size: int, *, dynamic: bool):
@@ -410,14 +438,20 @@ def _train(config, workdir, closing: contextlib.ExitStack, *, policy, datasets, 
     # The ratio's old log-probs. The sampler's by default. With AQN in the rollout only (QeRL's variant), the
     # sampler's are a noisy policy's and the update's policy is noiseless, so, as QeRL's TRL loop does, the old
     # policy is the update's own: its detached log-probs (ratio exactly 1) with one update a rollout, a
-    # recomputing forward with several.
+    # recomputing forward with several. TRL's correction of the sampler's mismatch (rl.rollout_correction) needs
+    # the training forward's log-probs too, so it implies the recompute (validate refuses it with rollout-only AQN).
     rollout_only_aqn = bool(config.aqn.enabled) and bool(config.aqn.get("rollout_only", False))
-    recompute_old = (bool(config.rl.get("recompute_old_logprobs", False))
+    correction = str(config.rl.get("rollout_correction", "none"))
+    if correction != "none" and rollout_only_aqn:
+      raise ValueError(f"rl.rollout_correction={correction!r} cannot be used with aqn.rollout_only=True "
+                       "(train_config.validate says why)")
+    recompute_old = (bool(config.rl.get("recompute_old_logprobs", False)) or correction != "none"
                      or (rollout_only_aqn and int(config.rl.num_iterations) > 1))
     detach_old = rollout_only_aqn and not recompute_old
     if recompute_old and policy.old_logprobs is None:
-      raise ValueError("rl.recompute_old_logprobs=True (or aqn.rollout_only with rl.num_iterations > 1) needs a "
-                       "policy with old_logprobs (load_policy's has it; the given policy has none)")
+      raise ValueError("rl.recompute_old_logprobs=True (or rl.rollout_correction other than 'none', or "
+                       "aqn.rollout_only with rl.num_iterations > 1) needs a policy with old_logprobs (load_policy's "
+                       "has it; the given policy has none)")
     train_set, eval_set = datasets or load_datasets(config, policy.tokenizer)
     order = order or _data_order(config, len(train_set))
   except (ValueError, OSError, KeyError) as e:  # KeyError: a tensor the checkpoint lacks (hf.load_pretrained)
@@ -545,8 +579,12 @@ def _train(config, workdir, closing: contextlib.ExitStack, *, policy, datasets, 
     update_noise = policy.update_noise(noise)
     t_ref, old_metrics = None, {}
     if recompute_old:  # the ratio's old log-probs from the training forward instead of the sampler's
+      sampler_logprobs = update_batch["old_logprobs"]
       update_batch["old_logprobs"], old_metrics = _recomputed_old_logprobs(policy, state.params, update_batch,
                                                                           update_noise)
+      if correction != "none":  # each token's loss weighted by the trainer's over the sampler's probability
+        update_batch["rollout_is_weights"], is_metrics = _rollout_correction(config, update_batch, sampler_logprobs)
+        old_metrics.update(is_metrics)
     elif detach_old:  # the update then takes stop_gradient of its own log-probs: the ratio is exactly 1
       del update_batch["old_logprobs"]
     if float(config.rl.beta) > 0:
@@ -793,6 +831,9 @@ _LEGACY_VALUES = {"model.fuse_projections": False,
                   "model.attn_impl": "xla",
                   "rl.dynamic_sampling": False,
                   "rl.recompute_old_logprobs": False,
+                  "rl.rollout_correction": "none",
+                  "rl.rollout_correction_clip_max": 3.0,
+                  "rl.rollout_correction_clip_min": 0.0,
                   "rl.format_reward_kind": "any",
                   "rl.max_sampling_rounds": 4,
                   "rl.oversample_factor": 1,

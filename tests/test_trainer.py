@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -1160,6 +1161,139 @@ def test_rollout_only_aqn_takes_the_update_policy_as_the_old_one(tmp_path):
       assert seen == [None]
     else:
       assert len(seen) == 2 and all((s == -0.5).all() for s in seen)
+
+
+def test_validate_rollout_correction_keys():
+  """rl.rollout_correction: TRL's four modes (grpo's), bounds 0 <= clip_min < clip_max, no effect with "none", and
+  refused with rollout-only AQN; it needs no rl.recompute_old_logprobs=True (it implies the recompute)."""
+  from qerl_jax import grpo
+  assert train_config.ROLLOUT_CORRECTIONS == ("none",) + grpo.ROLLOUT_CORRECTION_MODES
+
+  def problems(**kw):
+    c = toy.toy_config()
+    for key, value in kw.items():
+      section, name = key.split("__")
+      c[section][name] = value
+    try:
+      train_config.validate(c, check_paths=False)
+    except ValueError as e:
+      return str(e).splitlines()[1:]
+    return []
+
+  for mode in grpo.ROLLOUT_CORRECTION_MODES:
+    for clip_min in (0.0, None, 0.5):
+      assert problems(rl__rollout_correction=mode, rl__rollout_correction_clip_min=clip_min) == []
+  assert problems(rl__rollout_correction="token_mask", rl__rollout_correction_clip_max=10) == []
+  assert problems(rl__rollout_correction="tis") == [
+      "  - rl.rollout_correction='tis' is not one of ('none', 'token_truncate', 'token_mask', 'sequence_truncate', "
+      "'sequence_mask')"]
+  assert problems(rl__rollout_correction="token_mask", rl__rollout_correction_clip_max=0.0) == [
+      "  - rl.rollout_correction_clip_max=0.0 must be a number > 0 (the upper bound of the importance ratio rho)"]
+  assert problems(rl__rollout_correction="token_mask", rl__rollout_correction_clip_max=None) == [
+      "  - rl.rollout_correction_clip_max=None must be a number > 0 (the upper bound of the importance ratio rho)"]
+  assert problems(rl__rollout_correction="token_mask", rl__rollout_correction_clip_min=-0.5) == [
+      "  - rl.rollout_correction_clip_min=-0.5 must be a number >= 0, or None (0 and None: no lower bound)"]
+  assert problems(rl__rollout_correction="sequence_mask", rl__rollout_correction_clip_min=3.0) == [
+      "  - rl.rollout_correction_clip_min=3.0 must be < rl.rollout_correction_clip_max=3.0"]
+  assert problems(rl__rollout_correction="token_mask", rl__rollout_correction_clip_max=float("nan")) == [
+      "  - rl.rollout_correction_clip_max=nan must be a finite number (within float32's range)"]  # once
+  assert problems(rl__rollout_correction_clip_max=2.0, rl__rollout_correction_clip_min=0.5) == [
+      "  - rl.rollout_correction_clip_min=0.5 and rl.rollout_correction_clip_max=2.0 have no effect with "
+      "rl.rollout_correction='none'; choose a mode too"]
+  (msg,) = problems(rl__rollout_correction="token_truncate", aqn__enabled=True, aqn__rollout_only=True)
+  assert msg.startswith("  - rl.rollout_correction='token_truncate' cannot be used with aqn.rollout_only=True: the "
+                        "sampler's log-probs are then the noisy rollout policy's")
+  # a config saved before the keys existed reads them as their legacy values: no config-diff warning on resume
+  c = toy.toy_config()
+  saved = json.loads(c.to_json_best_effort())
+  for key in ("rollout_correction", "rollout_correction_clip_max", "rollout_correction_clip_min"):
+    del saved["rl"][key]
+  assert trainer._config_diff(saved, json.loads(c.to_json_best_effort())) == []
+
+
+def _offset_old_logprobs(offsets):
+  """A Policy.old_logprobs that returns the sampler's log-probs plus ``offsets[t]`` on completion token ``t`` (the
+  toy's sampler and training forward agree bitwise on the CPU: rho would be exactly 1)."""
+  return lambda params, batch, noise: (batch["old_logprobs"]
+                                       + jax.numpy.asarray(offsets, np.float32)[None] * batch["completion_mask"])
+
+
+@pytest.mark.parametrize("mode,clip_min,clip_max", [("token_truncate", 0.5, 3.0), ("sequence_mask", None, 2.0)])
+def test_rollout_correction_weights_the_update_and_logs_trl_ratio_metrics(tmp_path, mode, clip_min, clip_max):
+  """rl.rollout_correction recomputes the old log-probs (without rl.recompute_old_logprobs) and hands the update
+  rho = the trainer's over the sampler's probability, truncated or masked, with TRL's ratio metrics; the loss
+  then differs from the uncorrected run's on the same rollout, and with no mismatch (rho = 1) the run is the
+  uncorrected one exactly."""
+  offsets = [1.5, -1.0, 0.3]  # ratios e^1.5 = 4.5 (above clip_max), e^-1 = 0.37 (below 0.5), e^0.3 = 1.35
+  kw = dict(datasets=toy.toy_datasets(), reward_fns=(toy.contains_answer, None), progress=False, stop_after=2)
+
+  def run(name, correction, old_logprobs):
+    config = toy.toy_config()
+    config.rl.recompute_old_logprobs = correction == "none"
+    config.rl.rollout_correction = correction
+    if correction != "none":
+      config.rl.rollout_correction_clip_min, config.rl.rollout_correction_clip_max = clip_min, clip_max
+    train_config.validate(config, check_paths=False)
+    policy = toy.toy_policy(config)
+    seen, inner = [], policy.update
+
+    def update(state, batch, noise, step, key):
+      seen.append({k: np.asarray(v) for k, v in batch.items()})
+      return inner(state, batch, noise, step, key)
+
+    trainer.train(config, str(tmp_path / name), policy=dataclasses.replace(policy, update=update,
+                                                                           old_logprobs=old_logprobs), **kw)
+    return [r for r in metrics_lib.read_metrics(str(tmp_path / name)) if "loss" in r], seen
+
+  rows, seen = run("on", mode, _offset_old_logprobs(offsets))
+  plain_rows, plain_seen = run("off", "none", _offset_old_logprobs(offsets))
+  p = "sampling/importance_sampling_ratio/"
+  assert len(rows) == len(seen) == len(plain_rows) == 2
+  for row, batch in zip(rows, seen):
+    counted = (batch["completion_mask"] > 0) & ~batch["truncated"][:, None]  # mask_truncated_completions=True
+    d = np.where(counted, np.asarray(offsets)[None], 0.0)
+    if mode == "token_truncate":
+      want = np.where(counted, np.clip(np.exp(d), clip_min, clip_max), 0.0)
+      values = want[counted]
+    else:
+      seq = np.exp(d.sum(1))
+      seq = np.where(seq <= clip_max, seq, 0.0)
+      want = np.where(counted, seq[:, None], 0.0)
+      values = seq[counted.any(1)]
+    np.testing.assert_allclose(batch["rollout_is_weights"], want, rtol=1e-6)
+    assert values.size and all(math.isfinite(row[p + k]) for k in ("min", "mean", "max"))
+    np.testing.assert_allclose([row[p + k] for k in ("min", "mean", "max")],
+                               [values.min(), values.mean(), values.max()], rtol=1e-6)
+    assert (clip_min or 0.0) <= row[p + "min"] <= row[p + "max"] <= clip_max
+    assert row["sampling/sampling_logp_difference/max"] == pytest.approx(1.5, abs=1e-6)
+  assert all("rollout_is_weights" not in b for b in plain_seen)
+  assert not any(k.startswith(p) for r in plain_rows for k in r)
+  # the first step samples the same rollout with the same old log-probs: only the weights differ
+  np.testing.assert_array_equal(seen[0]["old_logprobs"], plain_seen[0]["old_logprobs"])
+  assert rows[0]["loss"] != plain_rows[0]["loss"]
+  # no mismatch (the recompute gives the sampler's values): rho is exactly 1 and the run is the uncorrected one
+  same = lambda params, batch, noise: batch["old_logprobs"]
+  ones, ones_seen = run("ones", mode, same)
+  plain, _ = run("plain", "none", same)
+  assert all(r[p + k] == 1.0 for r in ones for k in ("min", "mean", "max"))
+  assert all(np.all(b["rollout_is_weights"][(b["completion_mask"] > 0) & ~b["truncated"][:, None]] == 1.0)
+             for b in ones_seen)
+  strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(p)} for r in _deterministic(rs)]
+  assert strip(ones) == strip(plain)
+
+
+def test_rollout_correction_with_rollout_only_aqn_is_refused_by_the_trainer_too(tmp_path):
+  config = toy.toy_config()
+  config.aqn.enabled, config.aqn.rollout_only, config.rl.rollout_correction = True, True, "token_mask"
+  policy = dataclasses.replace(toy.toy_policy(config), old_logprobs=_offset_old_logprobs([0.0, 0.0, 0.0]))
+  with pytest.raises(trainer.RunSetupError, match=r"rl.rollout_correction='token_mask' cannot be used with "
+                                                  r"aqn.rollout_only=True"):
+    trainer.train(config, str(tmp_path / "wd"), policy=policy, datasets=toy.toy_datasets(),
+                  reward_fns=(toy.contains_answer, None), progress=False)
+  config.aqn.rollout_only = False  # and a policy that cannot recompute is named
+  with pytest.raises(trainer.RunSetupError, match=r"rl.rollout_correction other than 'none'.* needs a policy with "):
+    trainer.train(config, str(tmp_path / "wd2"), policy=toy.toy_policy(config), datasets=toy.toy_datasets(),
+                  reward_fns=(toy.contains_answer, None), progress=False)
 
 
 def test_format_reward_kind_chooses_the_bonus():
