@@ -898,7 +898,7 @@ def test_cudnn_attention_equals_float64_and_xla_gradients_on_the_gpu():
 def test_attention_implementations_named_alike_in_the_config_and_the_model():
   from qerl_jax import train_config
   from qerl_jax.models import layers
-  assert train_config.ATTENTION_IMPLEMENTATIONS == layers.ATTENTION_IMPLEMENTATIONS == ("xla", "cudnn")
+  assert train_config.ATTENTION_IMPLEMENTATIONS == layers.ATTENTION_IMPLEMENTATIONS == ("xla", "cudnn", "auto")
 
 
 def test_lora_scale_of_each_accepted_form_and_a_clear_error_otherwise():
