@@ -32,6 +32,7 @@
 #   STEPS=52 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=53 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=54 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=55 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -230,6 +231,10 @@
 #     default became model.attn_impl="auto".
 # 54. (session 43, prepared) whole steps under the new default (cuDNN attention): the 7B recipe, NVFP4 and bf16, then
 #     the 32B single-GPU recipe (about 6 minutes; session 43 measured only the 7B NVFP4 row with cuDNN).
+# 55. (session 43, prepared) two 7B NVFP4 steps each with sampling.dequantize_min_rows=64 (the 64-row rollout on a
+#     dense bf16 copy of the base: issue 6's batch-64 row reads 0.98x, so this may be the faster rollout, at about
+#     13 GB more), then with rl.rollout_correction=sequence_mask (the recompute's cost and the logged
+#     sampling/importance_sampling_ratio/*) (about 5 minutes).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -444,6 +449,12 @@ step 54 && { timeout 300 python3 experiments/bench_train_step.py --config=config
   timeout 200 python3 experiments/bench_train_step.py --config=configs/gsm8k_qwen2_5_32b_single_gpu.py --shape=qwen2.5-32b \
     --quants=nvfp4 --steps=2 --out="$OUT/train_step_32b_auto" 2>&1 | grep -v "^[IW][0-9]" | tail -4; } \
   | tee "$OUT/train_step_auto.txt"
+step 55 && { timeout 200 python3 experiments/bench_train_step.py --config=configs/gsm8k_qwen2_5_7b.py --quants=nvfp4 \
+    --steps=2 --config.sampling.dequantize_min_rows=64 --out="$OUT/train_step_7b_dense_rollout" 2>&1 \
+    | grep -v "^[IW][0-9]" | grep "|" | tail -1
+  timeout 200 python3 experiments/bench_train_step.py --config=configs/gsm8k_qwen2_5_7b.py --quants=nvfp4 --steps=2 \
+    --config.rl.rollout_correction=sequence_mask --out="$OUT/train_step_7b_correction" 2>&1 | grep -v "^[IW][0-9]" \
+    | grep "|" | tail -1; } | tee "$OUT/train_step_dense_correction.txt"
 step 51 && { timeout 420 python3 experiments/bench_train_step.py --config=configs/gsm8k_qwen2_5_7b.py --steps=3 \
     --out="$OUT/train_step_7b" 2>&1 | grep -v "^[IW][0-9]" | tail -8
   timeout 170 python3 experiments/bench_train_step.py --config=configs/gsm8k_qwen2_5_32b_single_gpu.py --shape=qwen2.5-32b \
