@@ -141,17 +141,21 @@ def run_one(config, quant: str, steps: int) -> dict:
       rows = [json.loads(line) for line in f]
   keep = ("step", "time/step_s", "time/rollout_s", "time/update_s", "time/reference_s", "perf/tokens_per_s",
           "perf/peak_memory_bytes", "completions/mean_length", "sampling/sampling_logp_difference/mean",
-          "sampling/sampling_logp_difference/max")
+          "sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/min",
+          "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max")
   return {"quant": quant, "rows": [{k: r[k] for k in keep if k in r} for r in rows if "time/step_s" in r]}
 
 
 def table(results: list[dict], config) -> str:
   import numpy as np
   mismatch = any("sampling/sampling_logp_difference/mean" in r for res in results for r in res["rows"])
+  corrected = any("sampling/importance_sampling_ratio/mean" in r for res in results for r in res["rows"])
   head = ("| base | step 1 s (compiles) | step s (median of later) | rollout s | update s | of which reference s "
           "| rollout tokens/s | mean completion tokens | peak device memory GiB |"
           + (" sampler vs trainer log p, mean / max abs nats |" if mismatch else "")
-          + "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if mismatch else ""))
+          + (" importance ratio (rl.rollout_correction) min / mean / max |" if corrected else "")
+          + "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if mismatch else "")
+          + ("---:|" if corrected else ""))
   lines = [head]
   for res in results:
     rows = res["rows"]
@@ -164,7 +168,10 @@ def table(results: list[dict], config) -> str:
                  + f" | {med('perf/tokens_per_s'):.0f} | "
                  f"{med('completions/mean_length'):.0f} | " + (f"{peak / 2 ** 30:.1f} |" if peak else "n/a |")
                  + (f" {med('sampling/sampling_logp_difference/mean'):.2e} / "
-                    f"{max(r['sampling/sampling_logp_difference/max'] for r in rows):.2e} |" if mismatch else ""))
+                    f"{max(r['sampling/sampling_logp_difference/max'] for r in rows):.2e} |" if mismatch else "")
+                 + (f" {min(r['sampling/importance_sampling_ratio/min'] for r in rows):.3f} / "
+                    f"{med('sampling/importance_sampling_ratio/mean'):.3f} / "
+                    f"{max(r['sampling/importance_sampling_ratio/max'] for r in rows):.3f} |" if corrected else ""))
   r = config.rl
   return (f"{_SHAPE.value}, {r.batch_size} completions a step (G = {r.num_generations}, micro-batches of "
           f"{r.micro_batch_size}), up to {config.sampling.max_completion_length} new tokens, LoRA rank "

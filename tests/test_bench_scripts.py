@@ -46,8 +46,8 @@ def test_bench_train_step_7b_shape_without_a_gpu_fails_fast_and_tiny_runs_the_tr
       "error: the qwen2.5-7b shape needs a GPU (JAX's backend here is cpu); on a CPU use --shape=tiny")
   r = _bench("bench_train_step.py", "--shape=tiny", "--steps=2", "--quants=nvfp4,none", "--config.rl.batch_size=4",
              "--config.rl.num_generations=2", "--config.rl.micro_batch_size=2",
-             "--config.sampling.max_completion_length=8", "--config.rl.recompute_old_logprobs=True",
-             f"--out={tmp_path}")
+             "--config.sampling.max_completion_length=8", "--config.rl.rollout_correction=token_truncate",
+             "--config.rl.mask_truncated_completions=False", f"--out={tmp_path}")  # (every completion is truncated)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "keeping q/k/v" not in r.stderr  # the random base comes fused; the trainer keeps it so
   res = json.loads((tmp_path / "train_step.json").read_text())["results"]
@@ -61,12 +61,18 @@ def test_bench_train_step_7b_shape_without_a_gpu_fails_fast_and_tiny_runs_the_tr
   assert "tiny, 4 completions a step (G = 2, micro-batches of 2), up to 8 new tokens" in md
   assert md.count("| 8 | n/a |") == 2  # the mean completion length; no device memory statistics on a CPU
   assert "| update s | of which reference s |" in md
-  # rl.recompute_old_logprobs: the sampler's distance from the training forward, bf16 rounding apart (0 with jax
+  # rl.rollout_correction recomputes the old log-probs as rl.recompute_old_logprobs does: the sampler's distance from the training forward, bf16 rounding apart (0 with jax
   # 0.10.2 on this CPU, up to 2.7e-3 nats with 0.11.2); a misaligned token or another temperature gives nats
   assert "| sampler vs trainer log p, mean / max abs nats |" in md
   for x in res:
     assert all(0 <= row["sampling/sampling_logp_difference/mean"] <= row["sampling/sampling_logp_difference/max"]
                < 0.05 for row in x["rows"])
+  # and its per-token ratio exp(trainer - sampler log p) is within exp(+-0.05) of 1, as those distances say
+  assert "| importance ratio (rl.rollout_correction) min / mean / max |" in md
+  for x in res:
+    for row in x["rows"]:
+      lo, mean, hi = (row[f"sampling/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max"))
+      assert 0.951 < lo <= mean <= hi < 1.052, (lo, mean, hi)
 
 
 def test_bench_train_step_builds_the_base_a_layer_at_a_time_as_the_whole_model_would_be():

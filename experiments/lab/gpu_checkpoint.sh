@@ -234,7 +234,8 @@
 # 55. (session 43, prepared) two 7B NVFP4 steps each with sampling.dequantize_min_rows=64 (the 64-row rollout on a
 #     dense bf16 copy of the base: issue 6's batch-64 row reads 0.98x, so this may be the faster rollout, at about
 #     13 GB more), then with rl.rollout_correction=sequence_mask (the recompute's cost and the logged
-#     sampling/importance_sampling_ratio/*) (about 5 minutes).
+#     sampling/importance_sampling_ratio/*; mask_truncated_completions off, since every benchmark completion is
+#     truncated and the ratio counts only the tokens the loss does) (about 5 minutes).
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
@@ -453,7 +454,7 @@ step 55 && { timeout 200 python3 experiments/bench_train_step.py --config=config
     --steps=2 --config.sampling.dequantize_min_rows=64 --out="$OUT/train_step_7b_dense_rollout" 2>&1 \
     | grep -v "^[IW][0-9]" | grep "|" | tail -1
   timeout 200 python3 experiments/bench_train_step.py --config=configs/gsm8k_qwen2_5_7b.py --quants=nvfp4 --steps=2 \
-    --config.rl.rollout_correction=sequence_mask --out="$OUT/train_step_7b_correction" 2>&1 | grep -v "^[IW][0-9]" \
+    --config.rl.rollout_correction=sequence_mask --config.rl.mask_truncated_completions=False --out="$OUT/train_step_7b_correction" 2>&1 | grep -v "^[IW][0-9]" \
     | grep "|" | tail -1; } | tee "$OUT/train_step_dense_correction.txt"
 step 51 && { timeout 420 python3 experiments/bench_train_step.py --config=configs/gsm8k_qwen2_5_7b.py --steps=3 \
     --out="$OUT/train_step_7b" 2>&1 | grep -v "^[IW][0-9]" | tail -8
