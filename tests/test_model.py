@@ -895,6 +895,35 @@ def test_cudnn_attention_equals_float64_and_xla_gradients_on_the_gpu():
       np.asarray(jax.jit(lambda *a: layers.attention(*a, jnp.asarray(mask), implementation="cudnn"))(q, k, v)))
 
 
+def test_auto_attention_leaves_to_xla_the_lengths_cudnn_cannot_differentiate(monkeypatch):
+  """jax.nn.dot_product_attention's cuDNN route refuses the gradient of a masked (biased) attention over an odd
+  sequence length (NotImplementedError "Unsupported sequence length"): "auto" handed it a training forward of
+  prompt + completion = 257 tokens on a GPU, and the first update raised. JAX's own check, traced here on the CPU
+  (cuDNN's version lookup patched: nothing runs), is the reference for which lengths "auto" may give cuDNN."""
+  import types
+  fa = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+  from qerl_jax.models import layers
+  monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+  b, h, kh, hd = 2, 4, 2, 128
+  cudnn_differentiates = {}
+  for t in (130, 131, 256, 257):
+    q, k = jnp.zeros((b, t, h, hd), jnp.bfloat16), jnp.zeros((b, t, kh, hd), jnp.bfloat16)
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    loss = lambda q: layers.self_attention_jax_nn(q, k, k, mask, "cudnn").astype(jnp.float32).sum()  # noqa: E731
+    try:
+      jax.make_jaxpr(jax.grad(loss))(q)
+      cudnn_differentiates[t] = True
+    except NotImplementedError as e:
+      assert "sequence length" in str(e)
+      cudnn_differentiates[t] = False
+  assert cudnn_differentiates == {130: True, 131: False, 256: True, 257: False}
+  # a GPU of compute capability 9.0, as resolve_attention_implementation sees it
+  monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(layers.jax, "devices", lambda *a: [types.SimpleNamespace(compute_capability="9.0")])
+  for t, ok in cudnn_differentiates.items():
+    assert layers.resolve_attention_implementation("auto", jnp.bfloat16, hd, t, t) == ("cudnn" if ok else "xla"), t
+
+
 def test_attention_implementations_named_alike_in_the_config_and_the_model():
   from qerl_jax import train_config
   from qerl_jax.models import layers

@@ -514,8 +514,10 @@ CUDNN_HEAD_DIMS = (64, 128)  # head sizes "auto" hands to cuDNN's fused attentio
 def resolve_attention_implementation(implementation: str, dtype, head_dim: int, t: int, s: int) -> str:
   """The implementation :func:`attention` runs for ``implementation``: ``"auto"`` becomes ``"cudnn"`` where cuDNN's
   fused attention applies (a GPU backend whose first device has compute capability >= 8.0, bf16 or fp16
-  inputs, a head size in :data:`CUDNN_HEAD_DIMS`, the training forward's ``T == S``) and ``"xla"`` elsewhere
-  (a CPU, float32 inputs, a decode step); ``"xla"`` and ``"cudnn"`` come back as given.
+  inputs, a head size in :data:`CUDNN_HEAD_DIMS`, the training forward's ``T == S``, and ``T`` even: JAX's cuDNN
+  route refuses the gradient of a masked attention over an odd length, ``NotImplementedError: Unsupported
+  sequence length``) and ``"xla"`` elsewhere (a CPU, float32 inputs, a decode step, prompt + completion of an odd
+  number of tokens); ``"xla"`` and ``"cudnn"`` come back as given.
 
   Measured (docs/benchmarks.md, session 43, H100): the 7B GSM8K update step, 64 completions of 2048 tokens,
   33.2 s with "xla" against 16.2 s with "cudnn", peak memory 18.8 against 16.5 GiB.
@@ -527,7 +529,7 @@ def resolve_attention_implementation(implementation: str, dtype, head_dim: int, 
     raise ValueError(f"attention implementation {implementation!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
   if implementation != "auto":
     return implementation
-  if (t != s or head_dim not in CUDNN_HEAD_DIMS or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)
+  if (t != s or t % 2 or head_dim not in CUDNN_HEAD_DIMS or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)
       or jax.default_backend() != "gpu"):
     return "xla"
   try:
@@ -568,6 +570,7 @@ def attention(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS, *,
 
   Raises:
     ValueError: an unknown ``implementation``, or ``"cudnn"`` with ``T != S`` or off a GPU backend.
+    NotImplementedError: (JAX's, when differentiated) ``"cudnn"`` with an odd ``T``; ``"auto"`` takes ``"xla"`` there.
   """
   implementation = resolve_attention_implementation(implementation, q_BxTxHxhd.dtype, q_BxTxHxhd.shape[-1],
                                                     q_BxTxHxhd.shape[1], k_BxSxKxhd.shape[1])
