@@ -410,8 +410,10 @@ def rollout_importance_weights(trainer_logprobs, sampler_logprobs, mask, *, mode
 def rollout_importance_metrics(rho, mask, *, mode: str) -> dict[str, jax.Array]:
     """TRL's ``sampling/importance_sampling_ratio/min``, ``/mean``, ``/max`` of :func:`rollout_importance_weights`.
 
-    Over the completion tokens in the token modes, over the sequences (those with at least one completion
-    token: a row masked whole does not count as a ratio of 1) in the sequence modes, as TRL logs them.
+    Over the completion tokens in the token modes, as TRL logs them; over the sequences with at least one
+    completion token in the sequence modes. There TRL takes every row (``ratio.flatten()``), so a row its
+    ``mask_truncated_completions`` masked whole counts as its ratio ``exp(0) = 1`` (bounded); here such a row,
+    and a dynamic-sampling filler row, is left out.
 
     Args:
       rho: ``[B, T]`` float, the weights :func:`rollout_importance_weights` returned for ``mask`` and ``mode``.
