@@ -16,13 +16,12 @@ Layout (units in brackets)::
                           prompt + completion] at a time, not [rows, heads, T, T] (7B, 8 rows of 2304
                           tokens: 1.1 GB against 4.8 GB a layer). 0: one piece. Same numbers either way.
   model.attn_impl         the training forward's attention: "auto" (default: "cudnn" on a GPU of compute
-                          capability >= 8.0 with a bf16 model and an even max_prompt_length +
-                          max_completion_length, "xla" elsewhere), "xla" (any backend) or "cudnn" (a GPU's
-                          fused flash attention through jax.nn.dot_product_attention: the scores never reach
-                          memory; attn_chunk then does not apply; JAX's cuDNN route cannot differentiate an
-                          odd length, so "cudnn" with one fails at the first update). Same numbers to
-                          rounding; the 7B update step takes half the time with "cudnn" (H100: 16.2 against
-                          33.2 s).
+                          capability >= 8.0 with a bf16 model, "xla" elsewhere), "xla" (any backend) or
+                          "cudnn" (a GPU's fused flash attention through jax.nn.dot_product_attention: the
+                          scores never reach memory; attn_chunk then does not apply; an odd prompt +
+                          completion length runs padded by one slot, as JAX's cuDNN route cannot
+                          differentiate an odd length). Same numbers to rounding; the 7B update step takes
+                          half the time with "cudnn" (H100: 16.2 against 33.2 s).
   model.fuse_projections  one matrix for q/k/v and one for gate/up (fewer, larger matmuls: about
                           9% more rollout tokens/s on the H200). The model function is the same;
                           NVFP4 parts of a group share one global scale (vLLM's convention), so

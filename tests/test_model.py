@@ -895,33 +895,55 @@ def test_cudnn_attention_equals_float64_and_xla_gradients_on_the_gpu():
       np.asarray(jax.jit(lambda *a: layers.attention(*a, jnp.asarray(mask), implementation="cudnn"))(q, k, v)))
 
 
-def test_auto_attention_leaves_to_xla_the_lengths_cudnn_cannot_differentiate(monkeypatch):
+def test_cudnn_attention_pads_an_odd_length_that_its_gradient_refuses(monkeypatch):
   """jax.nn.dot_product_attention's cuDNN route refuses the gradient of a masked (biased) attention over an odd
-  sequence length (NotImplementedError "Unsupported sequence length"): "auto" handed it a training forward of
-  prompt + completion = 257 tokens on a GPU, and the first update raised. JAX's own check, traced here on the CPU
-  (cuDNN's version lookup patched: nothing runs), is the reference for which lengths "auto" may give cuDNN."""
+  sequence length (NotImplementedError "Unsupported sequence length"): with "auto" (cuDNN on a GPU) a training
+  forward of prompt + completion = 257 tokens raised at the first update. The cuDNN route now pads an odd length
+  by one slot that no real query attends. JAX's own check, traced here on the CPU (cuDNN's version lookup
+  patched: nothing runs), refuses the unpadded odd lengths and takes the padded ones; the padding's numbers are
+  checked against the unpadded attention through the XLA implementation, value and gradient."""
   import types
   fa = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
   from qerl_jax.models import layers
   monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
   b, h, kh, hd = 2, 4, 2, 128
-  cudnn_differentiates = {}
+  traced = {}
   for t in (130, 131, 256, 257):
     q, k = jnp.zeros((b, t, h, hd), jnp.bfloat16), jnp.zeros((b, t, kh, hd), jnp.bfloat16)
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    loss = lambda q: layers.self_attention_jax_nn(q, k, k, mask, "cudnn").astype(jnp.float32).sum()  # noqa: E731
-    try:
-      jax.make_jaxpr(jax.grad(loss))(q)
-      cudnn_differentiates[t] = True
-    except NotImplementedError as e:
-      assert "sequence length" in str(e)
-      cudnn_differentiates[t] = False
-  assert cudnn_differentiates == {130: True, 131: False, 256: True, 257: False}
-  # a GPU of compute capability 9.0, as resolve_attention_implementation sees it
-  monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(layers.jax, "devices", lambda *a: [types.SimpleNamespace(compute_capability="9.0")])
-  for t, ok in cudnn_differentiates.items():
-    assert layers.resolve_attention_implementation("auto", jnp.bfloat16, hd, t, t) == ("cudnn" if ok else "xla"), t
+    for pad in (False, True):
+      loss = lambda q: layers.self_attention_jax_nn(  # noqa: E731
+          q, k, k, mask, "cudnn", pad_to_even=pad).astype(jnp.float32).sum()
+      try:
+        jax.make_jaxpr(jax.grad(loss))(q)
+        traced[t, pad] = True
+      except NotImplementedError as e:
+        assert "sequence length" in str(e)
+        traced[t, pad] = False
+  assert traced == {(130, False): True, (131, False): False, (256, False): True, (257, False): False,
+                    (130, True): True, (131, True): True, (256, True): True, (257, True): True}
+  # a GPU of compute capability 9.0, as resolve_attention_implementation sees it: "auto" gives every length to cuDNN
+  with monkeypatch.context() as mp:
+    mp.setattr(layers.jax, "default_backend", lambda: "gpu")
+    mp.setattr(layers.jax, "devices", lambda *a: [types.SimpleNamespace(compute_capability="9.0")])
+    assert all(layers.resolve_attention_implementation("auto", jnp.bfloat16, hd, t, t) == "cudnn"
+               for t in (130, 131, 256, 257))
+
+  # the padding changes no number on the real rows (float32, the XLA implementation of the same call)
+  rng = np.random.default_rng(5)
+  t = 7
+  q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((b, t, h, 16), (b, t, kh, 16), (b, t, kh, 16)))
+  valid, mask = _left_padded_causal(b, t, (0, 2))
+  mask = jnp.asarray(mask)
+  w = jnp.asarray(rng.standard_normal((b, t, h, 16)) * valid[:, :, None, None], jnp.float32)
+  run = lambda pad: jax.value_and_grad(  # noqa: E731
+      lambda *a: jnp.sum(layers.self_attention_jax_nn(*a, mask, "xla", pad_to_even=pad) * w), argnums=(0, 1, 2))(q, k, v)
+  (v0, g0), (v1, g1) = run(False), run(True)
+  np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
+  np.testing.assert_allclose(float(v0), float(np.sum(_attention_reference_f64(q, k, v, np.asarray(mask))[valid]
+                                                     * np.asarray(w)[valid])), rtol=1e-5)
+  for a, c in zip(g0, g1):
+    np.testing.assert_allclose(np.asarray(c), np.asarray(a), atol=1e-6)
 
 
 def test_attention_implementations_named_alike_in_the_config_and_the_model():

@@ -514,10 +514,8 @@ CUDNN_HEAD_DIMS = (64, 128)  # head sizes "auto" hands to cuDNN's fused attentio
 def resolve_attention_implementation(implementation: str, dtype, head_dim: int, t: int, s: int) -> str:
   """The implementation :func:`attention` runs for ``implementation``: ``"auto"`` becomes ``"cudnn"`` where cuDNN's
   fused attention applies (a GPU backend whose first device has compute capability >= 8.0, bf16 or fp16
-  inputs, a head size in :data:`CUDNN_HEAD_DIMS`, the training forward's ``T == S``, and ``T`` even: JAX's cuDNN
-  route refuses the gradient of a masked attention over an odd length, ``NotImplementedError: Unsupported
-  sequence length``) and ``"xla"`` elsewhere (a CPU, float32 inputs, a decode step, prompt + completion of an odd
-  number of tokens); ``"xla"`` and ``"cudnn"`` come back as given.
+  inputs, a head size in :data:`CUDNN_HEAD_DIMS`, the training forward's ``T == S``) and ``"xla"`` elsewhere
+  (a CPU, float32 inputs, a decode step); ``"xla"`` and ``"cudnn"`` come back as given.
 
   Measured (docs/benchmarks.md, session 43, H100): the 7B GSM8K update step, 64 completions of 2048 tokens,
   33.2 s with "xla" against 16.2 s with "cudnn", peak memory 18.8 against 16.5 GiB.
@@ -529,7 +527,7 @@ def resolve_attention_implementation(implementation: str, dtype, head_dim: int, 
     raise ValueError(f"attention implementation {implementation!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
   if implementation != "auto":
     return implementation
-  if (t != s or t % 2 or head_dim not in CUDNN_HEAD_DIMS or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)
+  if (t != s or head_dim not in CUDNN_HEAD_DIMS or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)
       or jax.default_backend() != "gpu"):
     return "xla"
   try:
@@ -570,7 +568,6 @@ def attention(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS, *,
 
   Raises:
     ValueError: an unknown ``implementation``, or ``"cudnn"`` with ``T != S`` or off a GPU backend.
-    NotImplementedError: (JAX's, when differentiated) ``"cudnn"`` with an odd ``T``; ``"auto"`` takes ``"xla"`` there.
   """
   implementation = resolve_attention_implementation(implementation, q_BxTxHxhd.dtype, q_BxTxHxhd.shape[-1],
                                                     q_BxTxHxhd.shape[1], k_BxSxKxhd.shape[1])
@@ -596,11 +593,17 @@ def attention(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS, *,
   return _attention(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS)
 
 
-def self_attention_jax_nn(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS, implementation: str) -> jax.Array:
+def self_attention_jax_nn(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS, implementation: str, *,
+                          pad_to_even: Optional[bool] = None) -> jax.Array:
   """:func:`attention` through ``jax.nn.dot_product_attention(implementation=...)`` (``"cudnn"`` on a GPU;
   ``"xla"`` anywhere, which is how the CPU tests check the mask's handling), for ``T == S``: the mask as
   given, plus each query's own slot, so that no row is fully masked (cuDNN's additive mask would
   average a fully masked row over every slot, or give NaN). ``[B, T, H, hd]`` in q's dtype.
+
+  ``pad_to_even`` (default: for ``"cudnn"``) runs an odd ``T`` as ``T + 1`` with one padding slot that no real
+  query attends, and drops its row: JAX's cuDNN route refuses the gradient of a masked attention over an odd
+  length (``NotImplementedError: Unsupported sequence length``), which a prompt + completion of, say, 255 + 2048
+  tokens is. Same numbers on the real rows.
 
   Raises:
     ValueError: ``T != S``.
@@ -609,9 +612,13 @@ def self_attention_jax_nn(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS, implem
   if t != s:
     raise ValueError(f"fused attention takes the training forward's T == S; got T={t}, S={s}")
   dt = q_BxTxHxhd.dtype
-  mask = mask_BxTxS | jnp.eye(t, dtype=bool)[None]
-  return jax.nn.dot_product_attention(q_BxTxHxhd, k_BxSxKxhd.astype(dt), v_BxSxKxhd.astype(dt),
-                                      mask=mask[:, None], implementation=implementation).astype(dt)
+  q, k, v, m = q_BxTxHxhd, k_BxSxKxhd.astype(dt), v_BxSxKxhd.astype(dt), mask_BxTxS
+  if (implementation == "cudnn" if pad_to_even is None else pad_to_even) and t % 2:
+    q, k, v = (jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0))) for x in (q, k, v))
+    m = jnp.pad(m, ((0, 0), (0, 1), (0, 1)))  # the padding slot: attended by no real query
+  mask = m | jnp.eye(m.shape[1], dtype=bool)[None]
+  out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=implementation)
+  return out[:, :t].astype(dt)
 
 
 def _attention(q_BxTxHxhd, k_BxSxKxhd, v_BxSxKxhd, mask_BxTxS) -> jax.Array:
