@@ -858,13 +858,14 @@ def test_fused_attention_route_equals_float64_on_real_rows_and_is_refused_off_a_
 
 
 @pytest.mark.gpu
-def test_cudnn_attention_equals_float64_and_xla_gradients_on_the_gpu():
+@pytest.mark.parametrize("t", [256, 257])
+def test_cudnn_attention_equals_float64_and_xla_gradients_on_the_gpu(t):
   """cuDNN's fused attention (model.attn_impl="cudnn") on bf16 inputs of a training forward's shape (GQA, left
-  padding, head_dim 128): real rows equal a float64 reference to bf16 rounding, padding rows are finite, and the
-  gradients of a loss over real rows equal the XLA route's."""
+  padding, head_dim 128; an odd length runs padded by one slot): real rows equal a float64 reference to bf16
+  rounding, padding rows are finite, and the gradients of a loss over real rows equal the XLA route's."""
   from qerl_jax.models import layers
   rng = np.random.default_rng(4)
-  b, t, h, kh, hd = 2, 256, 8, 2, 128
+  b, h, kh, hd = 2, 8, 2, 128
   q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
              for s in ((b, t, h, hd), (b, t, kh, hd), (b, t, kh, hd)))
   valid, mask = _left_padded_causal(b, t, (0, 77))
