@@ -36,6 +36,7 @@ import functools
 import json
 import math
 import os
+import shlex
 import socket
 import sys
 import time
@@ -489,8 +490,9 @@ def _train(config, workdir, closing: contextlib.ExitStack, *, policy, datasets, 
     if diff and start < total:  # (with nothing to train, a changed config changes nothing)
       shown = ", ".join(f"{key}: {a!r} -> {b!r}" for key, a, b in diff)
       print(f"warning: resuming with a config that differs from the checkpoint's ({shown}); the run will not "
-            "match an uninterrupted one. To continue it unchanged, pass the first run's --config overrides "
-            f"again.{_schedule_change_note(diff, config, int(state.num_updates), start)}", file=sys.stderr)
+            f"match an uninterrupted one. To continue it unchanged, pass the checkpoint's values: "
+            f"{_override_flags(diff)}.{_schedule_change_note(diff, config, int(state.num_updates), start)}",
+            file=sys.stderr)
     print(f"resuming from the checkpoint at step {start} in {checkpointer.directory}", file=sys.stderr)
   if start >= total and latest is not None:  # config.json and summary.json keep the run that trained those steps
     print(f"warning: the checkpoint is at step {start}, past train.total_steps={total}: nothing to train"
@@ -852,6 +854,19 @@ def _config_diff(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any,
     elif a != b:
       out.append((f"{prefix}{k}", a, b))
   return out
+
+
+def _override_flags(diff: Sequence[tuple[str, Any, Any]]) -> str:
+  """The ``--config.<key>=<value>`` flags that restore each differing key's saved (first) value, for a warning:
+  a default changed since the checkpoint was written (a key it predates reads as its :data:`_LEGACY_VALUES`
+  entry) needs one as much as an override the first run passed."""
+  def flag(key, value):
+    if isinstance(value, (list, tuple)):
+      value = repr(tuple(value))
+    elif not isinstance(value, str):
+      value = repr(value)
+    return shlex.quote(f"--config.{key}={value}")
+  return " ".join(flag(key, a) for key, a, _ in diff)
 
 
 def checkpoint_config_mismatch(meta: dict, config) -> list[tuple[str, Any, Any]]:

@@ -1069,6 +1069,30 @@ def test_a_resume_with_more_total_steps_names_the_schedule_jump(tmp_path, capsys
           in " ".join(err.split())), err
 
 
+def test_a_resume_with_another_config_names_the_flags_that_restore_the_checkpoints(tmp_path, capsys):
+  """The config-diff warning told the user to "pass the first run's --config overrides again", which is wrong
+  where a default changed since the checkpoint (model.attn_impl "xla" -> "auto" in session 43): it now gives the
+  flags with the checkpoint's values, and resuming with them warns no more."""
+  config = toy.toy_config()
+  wd = str(tmp_path / "run")
+  _toy_run(config, wd, stop_after=2)
+  changed = toy.toy_config()
+  changed.rl.epsilon = 0.3
+  changed.rl.loss_type = "dapo"
+  capsys.readouterr()
+  _toy_run(changed, wd, stop_after=1)
+  err = " ".join(capsys.readouterr().err.split())
+  assert ("To continue it unchanged, pass the checkpoint's values: --config.rl.epsilon=0.2 "
+          "--config.rl.loss_type=grpo.") in err, err
+  assert trainer._override_flags([("lora.target_modules", ["q", "k"], ["q"]), ("model.path", "a b", "c"),
+                                  ("rl.mask_truncated_completions", True, False)]) == (
+      "'--config.lora.target_modules=('\"'\"'q'\"'\"', '\"'\"'k'\"'\"')' '--config.model.path=a b' "
+      "--config.rl.mask_truncated_completions=True")
+  changed.rl.epsilon, changed.rl.loss_type = 0.2, "grpo"  # what those flags set
+  _toy_run(changed, wd, stop_after=1)
+  assert "differs from the checkpoint" not in capsys.readouterr().err
+
+
 def test_recompute_old_logprobs_feeds_the_update_and_logs_the_sampler_difference(tmp_path):
   """rl.recompute_old_logprobs: the update's old log-probs come from policy.old_logprobs (here the sampler's
   plus 0.25 nats on every completion token), and the step logs how far the sampler's were from them."""
