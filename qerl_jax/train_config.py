@@ -71,7 +71,7 @@ Layout (units in brackets)::
                           (grpo.rollout_importance_weights); logs sampling/importance_sampling_ratio/min, /mean,
                           /max. Refused with aqn.rollout_only (the sampler's log-probs are a noisier policy's)
   rl.rollout_correction_clip_max  C_max of rho, > 0 (TRL's default 3.0)
-  rl.rollout_correction_clip_min  C_min of rho, in [0, clip_max); 0 or None: no lower bound (TRL's default)
+  rl.rollout_correction_clip_min  C_min of rho, in [0, clip_max); 0 (or None in a config file): no lower bound (TRL's default)
   rl.max_sampling_rounds  rollouts a step at most with dynamic sampling
   rl.oversample_factor    prompts a rollout samples with dynamic sampling, as a multiple of batch_size / G
                           (DAPO's larger generation batch: one rollout of 2x the rows costs far less on a GPU
