@@ -840,7 +840,9 @@ _LEGACY_VALUES = {"model.fuse_projections": False,
                   "rl.max_sampling_rounds": 4,
                   "rl.oversample_factor": 1,
                   "rl.overlong_buffer_length": 0,
-                  "rl.overlong_penalty_factor": 1.0}
+                  "rl.overlong_penalty_factor": 1.0,
+                  "data.user_template": "{question}",
+                  "sampling.dequantize_min_rows": 0}
 
 
 def _config_diff(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:

@@ -239,6 +239,37 @@ def test_checkpoint_config_mismatch_reads_keys_older_runs_lack_as_their_legacy_v
   assert trainer.checkpoint_config_mismatch({}, c) == []
 
 
+# The keys of the first trainer config (commit 98bb2ad's base_config), which every checkpoint's saved config holds.
+_FIRST_CONFIG_KEYS = frozenset("""
+    aqn.enabled aqn.num_stages aqn.rollout_only aqn.schedule aqn.sigma_end aqn.sigma_start data.eval data.eval_size
+    data.max_prompt_length data.system_prompt data.task data.train lora.alpha lora.rank lora.target_modules
+    lora.train_norms lora.use_rslora model.path model.quant model.remat optim.b1 optim.b2 optim.learning_rate
+    optim.lr_schedule optim.max_grad_norm optim.warmup_ratio optim.weight_decay rl.batch_size rl.beta rl.epsilon
+    rl.epsilon_high rl.format_reward_weight rl.kl_estimator rl.loss_type rl.mask_truncated_completions
+    rl.micro_batch_size rl.num_generations rl.num_iterations rl.scale_rewards sampling.max_completion_length
+    sampling.temperature sampling.top_k sampling.top_p seed train.async_checkpointing train.eval_batch_size
+    train.eval_every train.eval_max_completion_length train.keep_checkpoints train.log_samples_every
+    train.num_samples_logged train.plot train.save_every train.total_steps""".split())
+
+
+def test_every_key_added_since_the_first_config_has_a_legacy_value():
+  """A checkpoint saved before a key existed compared that key as None: the resume warning said the run differs
+  (sampling.dequantize_min_rows: None -> 0, though 0 is what those runs did) and told the user to pass
+  --config.sampling.dequantize_min_rows=None, which the command line refuses (an int key)."""
+  current = json.loads(train_config.base_config().to_json_best_effort())
+  keys = {f"{s}.{k}" for s, sv in current.items() if isinstance(sv, dict) for k in sv}
+  keys |= {s for s, sv in current.items() if not isinstance(sv, dict)}
+  assert _FIRST_CONFIG_KEYS <= keys
+  assert sorted(keys - _FIRST_CONFIG_KEYS - set(trainer._LEGACY_VALUES)) == []
+  # a config saved before data.user_template (the question was the whole user message) and before
+  # sampling.dequantize_min_rows (never a dense copy) matches today's defaults
+  saved = json.loads(train_config.base_config().to_json_best_effort())
+  del saved["data"]["user_template"], saved["sampling"]["dequantize_min_rows"]
+  assert trainer._config_diff(saved, current) == []
+  saved["train"]["total_steps"] = 7
+  assert trainer._override_flags(trainer._config_diff(saved, current)) == "--config.train.total_steps=7"
+
+
 def test_in_row_chunks_equals_one_call_and_pads_a_ragged_last_chunk():
   """5 rows in chunks of 2 (the last one padded with a zero row) give the hand-computed rows; the
   function sees chunks of 2 rows, never the whole batch."""
