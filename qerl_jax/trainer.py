@@ -486,13 +486,14 @@ def _train(config, workdir, closing: contextlib.ExitStack, *, policy, datasets, 
           "or give a new --workdir.") from e
     state = saved["train_state"]
     start, position = int(meta["step"]), int(meta["data_position"])
-    diff = _config_diff(meta.get("config", {}), json.loads(config.to_json_best_effort()))
+    saved_config = meta.get("config", {})
+    diff = _config_diff(saved_config, json.loads(config.to_json_best_effort()))
     if diff and start < total:  # (with nothing to train, a changed config changes nothing)
       shown = ", ".join(f"{key}: {a!r} -> {b!r}" for key, a, b in diff)
       print(f"warning: resuming with a config that differs from the checkpoint's ({shown}); the run will not "
             f"match an uninterrupted one. To continue it unchanged, pass the checkpoint's values: "
-            f"{_override_flags(diff)}.{_schedule_change_note(diff, config, int(state.num_updates), start)}",
-            file=sys.stderr)
+            f"{_override_flags(diff, saved_config)}."
+            f"{_schedule_change_note(diff, config, int(state.num_updates), start)}", file=sys.stderr)
     print(f"resuming from the checkpoint at step {start} in {checkpointer.directory}", file=sys.stderr)
   if start >= total and latest is not None:  # config.json and summary.json keep the run that trained those steps
     print(f"warning: the checkpoint is at step {start}, past train.total_steps={total}: nothing to train"
@@ -845,9 +846,27 @@ _LEGACY_VALUES = {"model.fuse_projections": False,
                   "sampling.dequantize_min_rows": 0}
 
 
+# Keys a config file may set to None (the command line cannot), with the value None means there, from the config
+# dict (JSON form) that holds it: a config with None and one with that value train alike.
+_NONE_MEANS = {"rl.epsilon_high": lambda c: c["rl"]["epsilon"],  # grpo: no clip-higher, epsilon on both sides
+               "rl.rollout_correction_clip_min": lambda c: 0.0,  # no lower bound, as 0
+               "data.eval": lambda c: ""}  # no evaluation set, as ""
+
+
+def _none_means(key: str, config: dict):
+  """The value ``key``'s None stands for in ``config`` (a config dict, JSON form; :data:`_NONE_MEANS`), or None
+  when it has none."""
+  try:
+    return _NONE_MEANS[key](config) if key in _NONE_MEANS else None
+  except (KeyError, TypeError):
+    return None
+
+
 def _config_diff(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
   """``(dotted key, old value, new value)`` for each key whose value differs between two config
-  dicts (JSON form); a key the old config predates counts as its :data:`_LEGACY_VALUES` entry."""
+  dicts (JSON form); a key the old config predates counts as its :data:`_LEGACY_VALUES` entry, and a None
+  counts as the value it means in its own config (:data:`_NONE_MEANS`: ``rl.rollout_correction_clip_min`` None
+  and 0.0 do not differ)."""
   out = []
   for k in sorted(set(old) | set(new)):
     a, b = old.get(k, _LEGACY_VALUES.get(f"{prefix}{k}")), new.get(k)
@@ -855,20 +874,40 @@ def _config_diff(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any,
       out += _config_diff(a, b, f"{prefix}{k}.")
     elif a != b:
       out.append((f"{prefix}{k}", a, b))
+  if not prefix:  # the whole configs: a None against the value it means is no difference
+    out = [(key, a, b) for key, a, b in out
+           if not (a is None and b is not None and _none_means(key, old) == b
+                   or b is None and a is not None and _none_means(key, new) == a)]
   return out
 
 
-def _override_flags(diff: Sequence[tuple[str, Any, Any]]) -> str:
+def _override_flags(diff: Sequence[tuple[str, Any, Any]], saved: dict | None = None) -> str:
   """The ``--config.<key>=<value>`` flags that restore each differing key's saved (first) value, for a warning:
   a default changed since the checkpoint was written (a key it predates reads as its :data:`_LEGACY_VALUES`
-  entry) needs one as much as an override the first run passed."""
+  entry) needs one as much as an override the first run passed.
+
+  The command line cannot set a None (a float key refuses "None", a string key takes it as the text "None") nor
+  override a key that is None in the config file (ml_collections refuses a None-typed field). So a saved None
+  becomes the value it means (:data:`_NONE_MEANS`, from ``saved``, the checkpoint's config dict), and a key with
+  no such value, or None in this run's config (the diff's new value), is named as an edit of the config file."""
   def flag(key, value):
     if isinstance(value, (list, tuple)):
       value = repr(tuple(value))
     elif not isinstance(value, str):
       value = repr(value)
     return shlex.quote(f"--config.{key}={value}")
-  return " ".join(flag(key, a) for key, a, _ in diff)
+  flags, in_file = [], []
+  for key, a, b in diff:
+    value = _none_means(key, saved or {}) if a is None else a
+    if value is None or b is None:
+      in_file.append(f"{key} = {a!r}")
+    else:
+      flags.append(flag(key, value))
+  out = " ".join(flags)
+  if in_file:
+    out += (" and, " if out else "") + ("in the config file (the command line cannot set None, nor override a key "
+                                        "that is None there): " + ", ".join(in_file))
+  return out
 
 
 def checkpoint_config_mismatch(meta: dict, config) -> list[tuple[str, Any, Any]]:

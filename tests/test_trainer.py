@@ -1124,6 +1124,64 @@ def test_a_resume_with_another_config_names_the_flags_that_restore_the_checkpoin
   assert "differs from the checkpoint" not in capsys.readouterr().err
 
 
+def _parse_config_flags(argv):
+  """The config experiments/train.py's command line parser (absl + ml_collections' DEFINE_config_file on
+  configs/default.py) builds from ``argv`` (``--config.<key>=<value>`` flags), as a JSON dict; or the parser's
+  error (a string)."""
+  code = ("import json, sys\n"
+          "from absl import flags\n"
+          "from ml_collections import config_flags\n"
+          "c = config_flags.DEFINE_config_file('config', None, '', lock_config=True)\n"
+          "try:\n"
+          "  flags.FLAGS(sys.argv)\n"
+          "except Exception as e:\n"
+          "  print(json.dumps(f'{type(e).__name__}: {e}')); sys.exit()\n"
+          "print(c.value.to_json_best_effort())\n")
+  r = subprocess.run([sys.executable, "-c", code, f"--config={os.path.join(ROOT, 'configs', 'default.py')}", *argv],
+                     capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": _pythonpath()})
+  assert r.returncode == 0, r.stderr[-2000:]
+  return json.loads(r.stdout)
+
+
+def test_the_resume_warning_restores_a_saved_none_with_a_flag_the_command_line_takes(tmp_path, capsys):
+  """A config file may set rl.epsilon_high or rl.rollout_correction_clip_min to None; the command line cannot (a
+  float key: "could not convert string to float: 'None'"), yet the warning told the user to pass
+  --config.rl.epsilon_high=None. It now passes the value None means (epsilon; 0), and a None against that value
+  is no difference: clip_min None and 0.0 train alike, so they no longer warn that the run will not match."""
+  import shlex
+  config = toy.toy_config()
+  config.rl.epsilon, config.rl.epsilon_high = 0.2, None
+  config.rl.rollout_correction, config.rl.rollout_correction_clip_min = "token_truncate", None
+  train_config.validate(config, check_paths=False)
+  policy = dataclasses.replace(toy.toy_policy(config), old_logprobs=_offset_old_logprobs([0.1, -0.2, 0.3]))
+  kw = dict(policy=policy, datasets=toy.toy_datasets(), reward_fns=(toy.contains_answer, None), progress=False)
+  wd = str(tmp_path / "run")
+  trainer.train(config, wd, stop_after=2, **kw)
+  resumed = toy.toy_config()  # the command line's defaults: epsilon_high 0.28, clip_min 0.0
+  resumed.rl.rollout_correction = "token_truncate"
+  capsys.readouterr()
+  trainer.train(resumed, wd, stop_after=1, **kw)
+  err = " ".join(capsys.readouterr().err.split())
+  assert "(rl.epsilon_high: None -> 0.28); the run will not match" in err, err
+  assert "pass the checkpoint's values: --config.rl.epsilon_high=0.2." in err, err
+  parsed = _parse_config_flags(shlex.split("--config.rl.epsilon_high=0.2"))
+  assert parsed["rl"]["epsilon_high"] == 0.2
+  resumed.rl.epsilon_high = parsed["rl"]["epsilon_high"]
+  trainer.train(resumed, wd, stop_after=1, **kw)
+  assert "differs from the checkpoint" not in capsys.readouterr().err
+  # the other way, a None in this run's config file: ml_collections cannot override it, so the file must change
+  assert trainer._override_flags([("rl.epsilon_high", 0.28, None), ("rl.epsilon", 0.2, 0.3)]) == (
+      "--config.rl.epsilon=0.2 and, in the config file (the command line cannot set None, nor override a key that "
+      "is None there): rl.epsilon_high = 0.28")
+  # a saved None with no command-line equivalent is named for the file too, never passed as the text "None"
+  saved = json.loads(toy.toy_config().to_json_best_effort())
+  assert trainer._override_flags([("data.eval", None, "x.jsonl"), ("data.system_prompt", None, "")], saved) == (
+      "--config.data.eval= and, in the config file (the command line cannot set None, nor override a key that is "
+      "None there): data.system_prompt = None")
+  assert _parse_config_flags(["--config.data.eval="])["data"]["eval"] == ""
+  assert "could not convert string to float: 'None'" in _parse_config_flags(["--config.rl.epsilon_high=None"])
+
+
 def test_recompute_old_logprobs_feeds_the_update_and_logs_the_sampler_difference(tmp_path):
   """rl.recompute_old_logprobs: the update's old log-probs come from policy.old_logprobs (here the sampler's
   plus 0.25 nats on every completion token), and the step logs how far the sampler's were from them."""
