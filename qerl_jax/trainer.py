@@ -864,9 +864,10 @@ def _none_means(key: str, config: dict):
 
 def _config_diff(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
   """``(dotted key, old value, new value)`` for each key whose value differs between two config
-  dicts (JSON form); a key the old config predates counts as its :data:`_LEGACY_VALUES` entry, and a None
+  dicts (JSON form); a key the old config predates counts as its :data:`_LEGACY_VALUES` entry, a None
   counts as the value it means in its own config (:data:`_NONE_MEANS`: ``rl.rollout_correction_clip_min`` None
-  and 0.0 do not differ)."""
+  and 0.0 do not differ), and ``lora.target_modules`` as a set (the same modules in another order build the same
+  adapter)."""
   out = []
   for k in sorted(set(old) | set(new)):
     a, b = old.get(k, _LEGACY_VALUES.get(f"{prefix}{k}")), new.get(k)
@@ -874,11 +875,18 @@ def _config_diff(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any,
       out += _config_diff(a, b, f"{prefix}{k}.")
     elif a != b:
       out.append((f"{prefix}{k}", a, b))
-  if not prefix:  # the whole configs: a None against the value it means is no difference
+  if not prefix:  # the whole configs: a None against the value it means, or the same modules reordered, is none
     out = [(key, a, b) for key, a, b in out
            if not (a is None and b is not None and _none_means(key, old) == b
-                   or b is None and a is not None and _none_means(key, new) == a)]
+                   or b is None and a is not None and _none_means(key, new) == a
+                   or key == "lora.target_modules" and _same_modules(a, b))]
   return out
+
+
+def _same_modules(a, b) -> bool:
+  """Whether two ``lora.target_modules`` values name the same modules: ``lora.LoRAConfig`` keeps them in its own
+  order, once each, so their order and repeats build no other adapter."""
+  return isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and set(a) == set(b)
 
 
 def _override_flags(diff: Sequence[tuple[str, Any, Any]], saved: dict | None = None) -> str:

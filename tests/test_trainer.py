@@ -1182,6 +1182,28 @@ def test_the_resume_warning_restores_a_saved_none_with_a_flag_the_command_line_t
   assert "could not convert string to float: 'None'" in _parse_config_flags(["--config.rl.epsilon_high=None"])
 
 
+def test_a_resume_with_the_lora_modules_reordered_is_the_same_run(tmp_path, capsys):
+  """lora.LoRAConfig keeps target_modules in its own order, once each, so ('v', 'q', ...) builds the adapter of
+  ('q', 'v', ...); the resume refused it as "the trained state's shapes differ" (a tuple is compared as a list)."""
+  from qerl_jax import lora
+  modules = ("q", "k", "v", "o", "gate", "up", "down")
+  reordered = ("down", "v", "q", "q", "up", "gate", "o", "k")
+  assert lora.LoRAConfig(target_modules=reordered) == lora.LoRAConfig(target_modules=modules)
+  config = toy.toy_config()
+  config.lora.target_modules = modules
+  wd = str(tmp_path / "run")
+  _toy_run(config, wd, stop_after=2)
+  again = toy.toy_config()
+  again.lora.target_modules = reordered
+  capsys.readouterr()
+  _toy_run(again, wd, stop_after=1)
+  err = capsys.readouterr().err
+  assert "differs from the checkpoint" not in err and "resuming from the checkpoint at step 2" in err, err
+  again.lora.target_modules = ("q", "k", "v")  # other modules: other shapes, still refused
+  with pytest.raises(trainer.RunSetupError, match=r"lora.target_modules=\['q', 'k', 'v'\] \(the checkpoint has "):
+    _toy_run(again, wd, stop_after=1)
+
+
 def test_recompute_old_logprobs_feeds_the_update_and_logs_the_sampler_difference(tmp_path):
   """rl.recompute_old_logprobs: the update's old log-probs come from policy.old_logprobs (here the sampler's
   plus 0.25 nats on every completion token), and the step logs how far the sampler's were from them."""
