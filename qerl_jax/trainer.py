@@ -850,7 +850,8 @@ _LEGACY_VALUES = {"model.fuse_projections": False,
 # dict (JSON form) that holds it: a config with None and one with that value train alike.
 _NONE_MEANS = {"rl.epsilon_high": lambda c: c["rl"]["epsilon"],  # grpo: no clip-higher, epsilon on both sides
                "rl.rollout_correction_clip_min": lambda c: 0.0,  # no lower bound, as 0
-               "data.eval": lambda c: ""}  # no evaluation set, as ""
+               "data.eval": lambda c: "",  # no evaluation set, as ""
+               "data.system_prompt": lambda c: ""}  # no system message, as ""
 
 
 def _none_means(key: str, config: dict):
@@ -1275,7 +1276,7 @@ def load_prompts(spec: str, task: str, tokenizer, config) -> list[Prompt]:
       ``qerl_jax.synthetic.make_split``).
     task: ``"gsm8k"`` or ``"math"`` (row fields and gold answers, see ``qerl_jax.data``).
     tokenizer: a transformers tokenizer with a chat template.
-    config: the trainer config: ``data.system_prompt`` ("" = none), ``data.user_template``,
+    config: the trainer config: ``data.system_prompt`` ("" or None = none), ``data.user_template``,
       ``data.max_prompt_length`` (tokens).
 
   Malformed rows are skipped and counted by ``data.load_examples``; prompts longer than
@@ -1297,7 +1298,7 @@ def load_prompts(spec: str, task: str, tokenizer, config) -> list[Prompt]:
   else:
     rows, report = data_lib.load_examples(spec, kind=task)
     skipped = report.num_skipped
-  system = str(config.data.system_prompt) or None
+  system = str(config.data.system_prompt or "") or None  # a config file's None: none either (not the text "None")
   out, too_long = [], 0
   for r in rows:
     text = data_lib.build_prompt(tokenizer, r.question, system_prompt=system,

@@ -100,6 +100,24 @@ def test_load_prompts_skips_malformed_and_long_rows(tmp_path, data_dir):
   assert prompts[0].text.endswith("<|im_start|>assistant\n")
 
 
+def test_load_prompts_takes_a_none_system_prompt_as_none():
+  """A config file's data.system_prompt = None (validate accepts it) put a system message reading "None" before
+  every prompt: str(None) is not empty."""
+  from qerl_jax import synthetic
+  tok = synthetic.build_tokenizer(synthetic.training_texts(synthetic.make_split("train", 50)))
+  c = toy.toy_config()
+  c.data.max_prompt_length = 512
+  c.data.system_prompt = None
+  train_config.validate(c, check_paths=False)
+  (p,) = trainer.load_prompts("synthetic:train:1", "gsm8k", tok, c)
+  question = synthetic.make_split("train", 1)[0]["question"]
+  assert p.text == f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+  # and a checkpoint saved with None resumes under "" without a config-diff warning
+  saved = json.loads(c.to_json_best_effort())
+  c.data.system_prompt = ""
+  assert trainer._config_diff(saved, json.loads(c.to_json_best_effort())) == []
+
+
 # ------------------------------------------------------------------------------ config validation
 
 @pytest.mark.parametrize("key,value,needle", [
@@ -1175,9 +1193,9 @@ def test_the_resume_warning_restores_a_saved_none_with_a_flag_the_command_line_t
       "is None there): rl.epsilon_high = 0.28")
   # a saved None with no command-line equivalent is named for the file too, never passed as the text "None"
   saved = json.loads(toy.toy_config().to_json_best_effort())
-  assert trainer._override_flags([("data.eval", None, "x.jsonl"), ("data.system_prompt", None, "")], saved) == (
+  assert trainer._override_flags([("data.eval", None, "x.jsonl"), ("model.remat", None, True)], saved) == (
       "--config.data.eval= and, in the config file (the command line cannot set None, nor override a key that is "
-      "None there): data.system_prompt = None")
+      "None there): model.remat = None")
   assert _parse_config_flags(["--config.data.eval="])["data"]["eval"] == ""
   assert "could not convert string to float: 'None'" in _parse_config_flags(["--config.rl.epsilon_high=None"])
 
