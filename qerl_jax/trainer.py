@@ -490,10 +490,12 @@ def _train(config, workdir, closing: contextlib.ExitStack, *, policy, datasets, 
     diff = _config_diff(saved_config, json.loads(config.to_json_best_effort()))
     if diff and start < total:  # (with nothing to train, a changed config changes nothing)
       shown = ", ".join(f"{key}: {a!r} -> {b!r}" for key, a, b in diff)
+      # the flags on a line of their own: a sentence's full stop after the last one went with it when copied
+      # (--config.train.total_steps=6. is refused; a string key's value silently gained the ".")
       print(f"warning: resuming with a config that differs from the checkpoint's ({shown}); the run will not "
-            f"match an uninterrupted one. To continue it unchanged, pass the checkpoint's values: "
-            f"{_override_flags(diff, saved_config)}."
-            f"{_schedule_change_note(diff, config, int(state.num_updates), start)}", file=sys.stderr)
+            f"match an uninterrupted one.{_schedule_change_note(diff, config, int(state.num_updates), start)} "
+            f"To continue it unchanged, pass the checkpoint's values:\n  {_override_flags(diff, saved_config)}",
+            file=sys.stderr)
     print(f"resuming from the checkpoint at step {start} in {checkpointer.directory}", file=sys.stderr)
   if start >= total and latest is not None:  # config.json and summary.json keep the run that trained those steps
     print(f"warning: the checkpoint is at step {start}, past train.total_steps={total}: nothing to train"
