@@ -965,7 +965,8 @@ def summarize(workdir: str, total_steps: int) -> dict:
 
   ``status`` is :func:`_run_status` of the last step; ``skipped_updates`` counts the updates the update step
   skipped for non-finite values (``update.make_update_step``), ``missing_rewards`` the completions without
-  a reward, over the whole run.
+  a reward, over the whole run; ``mean_entropy_first_quarter`` averages the entropy of the first quarter's steps
+  whose loss counted a token (``num_tokens`` > 0; None when none did).
 
   Raises:
     FileNotFoundError: ``workdir`` has no metrics.jsonl.
@@ -974,7 +975,10 @@ def summarize(workdir: str, total_steps: int) -> dict:
   train_rows = [r for r in rows if "reward" in r]
   evals = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
   quarter = max(1, total_steps // 4)
-  ent = [r["entropy"] for r in train_rows if r["step"] <= quarter and r.get("entropy") is not None]
+  # a step whose loss counted no token (every completion truncated and masked, or only filler groups) logs entropy 0
+  # as a placeholder, not a measurement: averaged in, it read as a policy collapsing to certainty
+  ent = [r["entropy"] for r in train_rows
+         if r["step"] <= quarter and r.get("entropy") is not None and r.get("num_tokens") != 0]
   last = train_rows[-1] if train_rows else {}
   return {
       "workdir": workdir,

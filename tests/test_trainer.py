@@ -1099,6 +1099,36 @@ def test_a_rerun_with_nothing_to_train_keeps_the_summary(tmp_path, capsys):
                                                                       if k != "wall_time_s"}
 
 
+def test_summary_entropy_leaves_out_a_step_whose_loss_counted_no_token(tmp_path):
+  """With rl.mask_truncated_completions (the default), a step whose completions are all truncated counts no token:
+  its entropy is logged as 0, a placeholder, and the summary's mean_entropy_first_quarter averaged it in."""
+  config = toy.toy_config()
+  config.train.total_steps = 8  # first quarter: steps 1 and 2
+  policy = toy.toy_policy(config)
+  calls = []
+
+  def generate(params, noise, pt, pm, key, *, greedy, **kw):
+    ro = toy._generate(params, noise, pt, pm, key, greedy=greedy, **kw)
+    if not greedy:
+      calls.append(1)
+    if not greedy and len(calls) == 1:  # step 1: no completion ends within T tokens
+      tokens = jax.numpy.where(ro.tokens == 0, 1, ro.tokens)
+      n = tokens.shape[0]
+      ro = dataclasses.replace(ro, tokens=tokens, mask=jax.numpy.ones_like(ro.mask),
+                               lengths=jax.numpy.full((n,), toy.T), truncated=jax.numpy.ones((n,), bool),
+                               finished=jax.numpy.zeros((n,), bool))
+    return ro
+
+  wd = str(tmp_path / "run")
+  trainer.train(config, wd, policy=dataclasses.replace(policy, generate=generate), datasets=toy.toy_datasets(),
+                reward_fns=(toy.contains_answer, None), progress=False, stop_after=2)
+  rows = {r["step"]: r for r in metrics_lib.read_metrics(wd) if "loss" in r}
+  assert rows[1]["num_tokens"] == 0 and rows[1]["entropy"] == 0.0 and rows[1]["completions/clipped_ratio"] == 1.0
+  assert rows[2]["num_tokens"] > 0 and rows[2]["entropy"] > 0.1  # ten digits near uniform: about ln(11)
+  assert trainer.summarize(wd, 8)["mean_entropy_first_quarter"] == pytest.approx(rows[2]["entropy"])
+  assert trainer.summarize(wd, 4)["mean_entropy_first_quarter"] is None  # the first quarter is step 1 alone
+
+
 def test_a_resume_with_more_total_steps_names_the_schedule_jump(tmp_path, capsys):
   """Raising total_steps on resume restretches the cosine learning rate and the AQN stages; the warning only
   said the run would not match an uninterrupted one, while the rate jumped from 0 to most of its peak."""
