@@ -7,9 +7,9 @@ task's tokenizer in a temporary folder (it runs end to end but learns nothing us
 
 Sizes are chosen for 2 CPU cores: 8 prompts x G = 8 completions per step, at most 72 new tokens
 (about 5% of the task's worked solutions are longer and get truncated), 120 steps. Measured on
-a shared 2-core machine (seed 0, fused projections): held-out greedy accuracy 0.38 -> 0.51
-(best 0.53; 100 problems; 0.38 -> 0.52 before the advantages' TRL epsilon, and 0.39 -> 0.54, best 0.55, on
-another CPU) in about 140-370 s wall depending on
+a shared 2-core machine (seed 0, fused projections): held-out greedy accuracy 0.38 -> 0.52
+(best 0.55; 100 problems; session 43; 0.39 -> 0.54, best 0.55, on another CPU) in about 95-370 s wall
+depending on
 the load, 1.0-2.0 s a step (half rollout, half update). docs/trainer.md has the curve.
 """
 
