@@ -375,8 +375,9 @@ def rollout_importance_weights(trainer_logprobs, sampler_logprobs, mask, *, mode
         offered).
 
     Returns:
-      rho ``[B, T]`` float32, >= 0 and finite: the weight of each completion token (in the sequence modes
-      one value repeated over a row's completion tokens), 0 outside ``mask``.
+      rho ``[B, T]`` float32, >= 0 and finite where the log-probs on ``mask`` are (a NaN there, or ``-inf`` in
+      both, gives NaN in the truncate modes): the weight of each completion token (in the sequence modes one
+      value repeated over a row's completion tokens), 0 outside ``mask``.
 
     Raises:
       ValueError: an unknown ``mode``, ``clip_max`` not a finite float > 0, ``clip_min`` outside
