@@ -220,7 +220,7 @@
 #     tensorboardX and protobuf wheels in .whl besides ../shared/tools/gpu-wheels' set. Not re-run since: the 7B
 #     step after the code-order fix (its peak, 19.1 GiB, predates it).
 # 52. (session 40, prepared) the training forward's attention through cuDNN (model.attn_impl="cudnn", off): its GPU
-#     test against float64 and the XLA route's gradients, then the 7B GSM8K step with NVFP4 under "xla" (the default,
+#     test against float64 and the XLA route's gradients, then the 7B GSM8K step with NVFP4 under "xla" (the default then,
 #     also the 7B peak after the code-order fix) and "cudnn", 2 steps each (about 7 minutes; the update took 28.4 s
 #     of a 44.4 s step in session 40, its attention materializing float32 scores a 512-query chunk at a time).
 # 53. (session 42, prepared) the training-inference mismatch: the 7B GSM8K step with rl.recompute_old_logprobs=True
