@@ -16,7 +16,8 @@ Layout (units in brackets)::
                           prompt + completion] at a time, not [rows, heads, T, T] (7B, 8 rows of 2304
                           tokens: 1.1 GB against 4.8 GB a layer). 0: one piece. Same numbers either way.
   model.attn_impl         the training forward's attention: "auto" (default: "cudnn" on a GPU of compute
-                          capability >= 8.0 with a bf16 model, "xla" elsewhere), "xla" (any backend) or
+                          capability >= 8.0 with a bf16 model of head size 64 or 128, "xla" elsewhere),
+                          "xla" (any backend) or
                           "cudnn" (a GPU's fused flash attention through jax.nn.dot_product_attention: the
                           scores never reach memory; attn_chunk then does not apply; an odd prompt +
                           completion length runs padded by one slot, as JAX's cuDNN route cannot
