@@ -10,7 +10,7 @@ Sizes are chosen for 2 CPU cores: 8 prompts x G = 8 completions per step, at mos
 a shared 2-core machine (seed 0, fused projections): held-out greedy accuracy 0.38 -> 0.52
 (best 0.55; 100 problems; session 43; 0.39 -> 0.54, best 0.55, on another CPU) in about 95-370 s wall
 depending on
-the load, 1.0-2.0 s a step (half rollout, half update). docs/trainer.md has the curve.
+the load, 0.7-2.0 s a step (half rollout, half update). docs/trainer.md has the curve.
 """
 
 import os
