@@ -321,10 +321,14 @@ def kl_divergence(logprobs, ref_logprobs, *, estimator: str = "k3") -> jax.Array
 # --------------------------------------------------------------------------------------------
 # Training-inference mismatch (the sampler's log-probs against the trainer's)
 # --------------------------------------------------------------------------------------------
-def _check_rollout_correction(mode, clip_min, clip_max) -> tuple[float | None, float]:
-    """``(clip_min, clip_max)`` as floats (``clip_min`` None when unbounded); ValueError for a bad mode or bounds."""
+def _check_rollout_correction_mode(mode) -> None:
     if mode not in ROLLOUT_CORRECTION_MODES:
         raise ValueError(f"rollout correction mode must be one of {ROLLOUT_CORRECTION_MODES}, got {mode!r}")
+
+
+def _check_rollout_correction(mode, clip_min, clip_max) -> tuple[float | None, float]:
+    """``(clip_min, clip_max)`` as floats (``clip_min`` None when unbounded); ValueError for a bad mode or bounds."""
+    _check_rollout_correction_mode(mode)
     try:
         hi = float(clip_max)
         lo = None if clip_min is None else float(clip_min)
@@ -338,9 +342,10 @@ def _check_rollout_correction(mode, clip_min, clip_max) -> tuple[float | None, f
     return lo, hi
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "clip_min", "clip_max"))
+@functools.partial(jax.jit, static_argnames=("mode", "clip_min", "clip_max", "mask_truncated_completions"))
 def rollout_importance_weights(trainer_logprobs, sampler_logprobs, mask, *, mode: str,
-                               clip_min: float | None = None, clip_max: float = 3.0) -> jax.Array:
+                               clip_min: float | None = None, clip_max: float = 3.0, truncated=None,
+                               mask_truncated_completions: bool = False) -> jax.Array:
     """Importance weights that correct the loss for the sampler's numeric mismatch with the trainer.
 
     The rollout samples with another program than the training forward (here the jitted decode with 4-bit
@@ -373,6 +378,8 @@ def rollout_importance_weights(trainer_logprobs, sampler_logprobs, mask, *, mode
         as none too, a ratio being >= 0).
       clip_max: upper bound ``C_max``, a finite float > 0 (TRL's default 3.0; TRL's ``None`` is not
         offered).
+      truncated, mask_truncated_completions: as in :func:`policy_loss_terms`: with the flag, the truncated
+        completions (``truncated`` ``[B]`` bool) leave ``mask``, as the loss leaves them (TRL's completion mask).
 
     Returns:
       rho ``[B, T]`` float32, >= 0 and finite where the log-probs on ``mask`` are (a NaN there, or ``-inf`` in
@@ -381,10 +388,11 @@ def rollout_importance_weights(trainer_logprobs, sampler_logprobs, mask, *, mode
 
     Raises:
       ValueError: an unknown ``mode``, ``clip_max`` not a finite float > 0, ``clip_min`` outside
-        ``[0, clip_max)``, ``mask`` not 2-D, or inputs whose shapes differ from ``mask``'s.
+        ``[0, clip_max)``, ``mask`` not 2-D, or inputs whose shapes differ from ``mask``'s, or
+        ``mask_truncated_completions`` without a ``[B]`` ``truncated``.
     """
     lo, hi = _check_rollout_correction(mode, clip_min, clip_max)
-    m = _effective_mask(mask, None, False)
+    m = _effective_mask(mask, truncated, mask_truncated_completions)
     shape = m.shape
     trainer_logprobs, sampler_logprobs = jnp.asarray(trainer_logprobs), jnp.asarray(sampler_logprobs)
     for name, x in (("trainer_logprobs", trainer_logprobs), ("sampler_logprobs", sampler_logprobs)):
@@ -407,8 +415,9 @@ def rollout_importance_weights(trainer_logprobs, sampler_logprobs, mask, *, mode
     return jnp.where(m, jnp.broadcast_to(rho, shape), 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("mode",))
-def rollout_importance_metrics(rho, mask, *, mode: str) -> dict[str, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("mode", "mask_truncated_completions"))
+def rollout_importance_metrics(rho, mask, *, mode: str, truncated=None,
+                               mask_truncated_completions: bool = False) -> dict[str, jax.Array]:
     """TRL's ``sampling/importance_sampling_ratio/min``, ``/mean``, ``/max`` of :func:`rollout_importance_weights`.
 
     Over the completion tokens in the token modes, as TRL logs them; over the sequences with at least one
@@ -420,14 +429,14 @@ def rollout_importance_metrics(rho, mask, *, mode: str) -> dict[str, jax.Array]:
       rho: ``[B, T]`` float, the weights :func:`rollout_importance_weights` returned for ``mask`` and ``mode``.
       mask: ``[B, T]`` the completion mask they were computed with.
       mode: one of :data:`ROLLOUT_CORRECTION_MODES`.
+      truncated, mask_truncated_completions: as they were given to :func:`rollout_importance_weights`.
 
     Returns: a dict of float32 scalars (all 0 when there is no completion token, as TRL's).
 
     Raises: ValueError for an unknown ``mode`` or shapes that differ.
     """
-    if mode not in ROLLOUT_CORRECTION_MODES:
-        raise ValueError(f"rollout correction mode must be one of {ROLLOUT_CORRECTION_MODES}, got {mode!r}")
-    m = _effective_mask(mask, None, False)
+    _check_rollout_correction_mode(mode)
+    m = _effective_mask(mask, truncated, mask_truncated_completions)
     rho = jnp.asarray(rho, jnp.float32)
     if rho.shape != m.shape:
         raise ValueError(f"rho shape {rho.shape} != mask shape {m.shape}")

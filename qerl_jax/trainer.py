@@ -214,14 +214,14 @@ def _rollout_correction(config, batch: dict, sampler_logprobs) -> tuple[jax.Arra
   """
   rl = config.rl
   mode = str(rl.rollout_correction)
-  mask = jnp.asarray(batch["completion_mask"]) > 0
-  if bool(rl.mask_truncated_completions):  # the tokens the loss counts (TRL's completion_mask then drops them too)
-    mask = mask & ~jnp.asarray(batch["truncated"], bool)[:, None]
+  # the tokens the loss counts (with mask_truncated_completions, TRL's completion_mask drops truncated rows too)
+  counted = dict(truncated=batch["truncated"], mask_truncated_completions=bool(rl.mask_truncated_completions))
   clip_min = rl.get("rollout_correction_clip_min", None)
-  rho = grpo.rollout_importance_weights(batch["old_logprobs"], sampler_logprobs, mask, mode=mode,
-                                        clip_min=float(clip_min) if clip_min else None,
-                                        clip_max=float(rl.rollout_correction_clip_max))
-  return rho, _scalar_metrics(grpo.rollout_importance_metrics(rho, mask, mode=mode))
+  rho = grpo.rollout_importance_weights(batch["old_logprobs"], sampler_logprobs, batch["completion_mask"],
+                                        mode=mode, clip_min=float(clip_min) if clip_min else None,
+                                        clip_max=float(rl.rollout_correction_clip_max), **counted)
+  return rho, _scalar_metrics(grpo.rollout_importance_metrics(rho, batch["completion_mask"], mode=mode,
+                                                              **counted))
 
 
 def _select_groups(rounds: Sequence[_Round], num_groups: int, group_size: int, *, dynamic: bool):

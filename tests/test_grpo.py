@@ -323,6 +323,27 @@ def test_rollout_importance_metrics_over_tokens_or_sequences():
     assert all(float(v) == 0.0 for v in empty.values())
 
 
+def test_rollout_importance_leaves_out_truncated_completions_when_asked():
+    """With mask_truncated_completions, truncated rows leave the mask as they leave the loss: the same rho and
+    metrics as a mask with those rows zeroed by hand (the float64 reference's), and without a truncated a clear
+    error."""
+    trainer, sampler = _is_inputs()
+    truncated = np.array([False, True, False, True, False])
+    by_hand = IS_MASK * ~truncated[:, None]
+    p = "sampling/importance_sampling_ratio/"
+    for mode in ("token_truncate", "sequence_mask"):
+        rho = np.asarray(grpo.rollout_importance_weights(trainer, sampler, IS_MASK, mode=mode, clip_min=0.2,
+                                                         truncated=truncated, mask_truncated_completions=True))
+        np.testing.assert_allclose(rho, _np_is_weights(trainer, sampler, by_hand, mode, 0.2, 3.0), rtol=1e-5, atol=0)
+        met = grpo.rollout_importance_metrics(rho, IS_MASK, mode=mode, truncated=truncated,
+                                              mask_truncated_completions=True)
+        want = grpo.rollout_importance_metrics(rho, by_hand, mode=mode)
+        assert {k: float(v) for k, v in met.items()} == {k: float(v) for k, v in want.items()}
+        assert float(met[p + "max"]) > 0
+    with pytest.raises(ValueError, match="needs truncated"):
+        grpo.rollout_importance_weights(trainer, sampler, IS_MASK, mode="token_mask", mask_truncated_completions=True)
+
+
 def test_policy_loss_with_rollout_weights_matches_numpy_and_weights_no_kl():
     """TRL multiplies the clipped per-token loss by the ratio and then adds beta * KL (not weighted)."""
     lp, old = _hand_inputs()
