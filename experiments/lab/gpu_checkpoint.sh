@@ -236,6 +236,9 @@
 #     13 GB more), then with rl.rollout_correction=sequence_mask (the recompute's cost and the logged
 #     sampling/importance_sampling_ratio/*; mask_truncated_completions off, since every benchmark completion is
 #     truncated and the ratio counts only the tokens the loss does) (about 5 minutes).
+#     Session 44 ran 1 (514 passed in 329 s on an H100), 54 and 55, and issue 6's benchmark at batch 8, 64 and 256
+#     (docs/benchmarks.md "Session 44"): the dense rollout copy gained nothing (left off); the 7B NVFP4 step is
+#     1.18x bf16's.
 # (Session 13 ran 1, 7 and 11 (with PROFILE_POSITIONS / PROFILE_SEQ), plus rollout A/Bs: the memsets'
 # cost (ab_rollout.py GL_NO_ZERO=1), a memset-free workspace build (slower, removed), fixed-order
 # partials (QERL_GLUON_DETERMINISTIC=1) and XLA's WHILE command buffers; docs/benchmarks.md "Session 13".
