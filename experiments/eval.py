@@ -23,6 +23,13 @@ than ``--max_prompt_length`` are skipped (for ``heldout``, unless the flag is gi
 GSM8K answer check, the others with math-verify. Prints a table and writes
 ``<workdir or --out>/eval_<step>.json``.
 
+Without ``--workdir`` the base model runs with LoRA off. The trainer's step-0 evaluation instead runs its
+zero-initialized adapter (B = 0) and trained norms. The adapter's delta is exactly zero, but the decode path
+rounds differently with it in bf16: log-probs differ by up to about 0.03 nats, and either path is as close to
+the training forward as the other. So greedy answers on near-ties can differ. For the main job
+(``configs/default.py``) 2 of the 100 held-out completions differ. One of them flips from wrong to right, so the
+base scores 0.37 against the trainer's initial 0.38.
+
 On a GPU running the Gluon decode kernel the default ``model.code_order="auto"`` stores the NVFP4 codes
 in that kernel's order, which makes the decode steps faster (7B: by 4.6 percent at batch 8) at no cost to the result.
 """
