@@ -1148,6 +1148,36 @@ def test_a_resume_with_more_total_steps_names_the_schedule_jump(tmp_path, capsys
           in " ".join(err.split())), err
 
 
+@pytest.mark.parametrize("on_before,on_now", [(False, True), (True, False), (False, False)])
+def test_a_resume_with_more_total_steps_says_when_aqn_was_or_is_off(tmp_path, capsys, on_before, on_now):
+  """A run with aqn.enabled=False resumed with AQN on and more total_steps was told "the AQN sigma 0.00154 (was
+  0.0005)": the checkpoint's sigma came from this config's AQN, while its run drew no noise. The note now uses
+  the checkpoint's aqn values and says where AQN was off (or is off now)."""
+  config = toy.toy_config()
+  config.aqn.enabled = on_before
+  wd = str(tmp_path / "run")
+  _toy_run(config, wd, stop_after=2)  # a checkpoint at step 2 of 6
+  longer = toy.toy_config()
+  longer.aqn.enabled = on_now
+  longer.train.total_steps = 10
+  capsys.readouterr()
+  _toy_run(longer, wd, stop_after=1)
+  err = " ".join(capsys.readouterr().err.split())
+  # by hand: 2 updates done; warmup 1 update; cosine to 0 at the total
+  lr_new, lr_old = (0.1 * 0.5 * (1 + np.cos(np.pi * (2 - 1) / (n - 1))) for n in (10, 6))
+  lr = f"from step 3 the learning rate is {lr_new:.3g} (was {lr_old:.3g})"
+  # the paper's stages (K = 10): stage floor(2 * 10 / total); stage k >= 1 is 1e-2 * (5e-4 / 1e-2) ** ((k - 1) / 8)
+  sigma_new = 1e-2 * (5e-4 / 1e-2) ** ((2 - 1) / 8)  # stage 2 of 10 steps
+  sigma_old = 1e-2 * (5e-4 / 1e-2) ** ((3 - 1) / 8)  # stage 3 of 6 steps
+  if on_now:
+    assert f"{lr}; AQN was off (no noise) and is now on, at sigma {sigma_new:.3g}." in err, err
+  elif on_before:
+    assert f"{lr}; AQN is now off (no noise; it was at sigma {sigma_old:.3g})." in err, err
+  else:
+    assert f"sets the learning-rate schedule, which now stretches to 10 steps: {lr}." in err, err
+  assert "AQN sigma" not in err, err
+
+
 def test_a_resume_with_another_config_names_the_flags_that_restore_the_checkpoints(tmp_path, capsys):
   """The config-diff warning told the user to "pass the first run's --config overrides again", which is wrong
   where a default changed since the checkpoint (model.attn_impl "xla" -> "auto" in session 43): it now gives the
