@@ -689,7 +689,10 @@ def _finished_summary(workdir: str, steps: int, t_start: float) -> dict:
     with open(os.path.join(workdir, "summary.json")) as f:
       summary = json.load(f)
     if isinstance(summary, dict) and summary.get("steps") == steps and "status" in summary:
-      return summary  # (one written before summaries had a status is made again)
+      # (one written before summaries had a status is made again); summary.json is written with sorted keys,
+      # so its rows are put back in a fresh run's order (status first), which run's table prints them in
+      rank = {k: i for i, k in enumerate(_SUMMARY_KEYS)}
+      return dict(sorted(summary.items(), key=lambda kv: rank.get(kv[0], len(rank))))
   except (OSError, ValueError):
     pass
   return _write_summary(workdir, steps, t_start, resumed=True)
@@ -969,6 +972,12 @@ def _run_status(last: dict) -> str:
   if last.get("frac_reward_nonfinite") == 1.0:
     return "rewards-missing"
   return "ok"
+
+
+# the keys of a run's summary in the order train returns (and run prints) them: summarize's, then the wall time
+_SUMMARY_KEYS = ("workdir", "status", "steps", "skipped_updates", "missing_rewards", "initial_accuracy",
+                "final_accuracy", "best_accuracy", "final_reward", "mean_entropy_first_quarter", "mean_step_time_s",
+                "wall_time_s")
 
 
 def summarize(workdir: str, total_steps: int) -> dict:

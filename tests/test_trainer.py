@@ -1075,6 +1075,29 @@ def test_evaluate_greedy_and_pass_at_k_on_the_toy_policy():
   assert ev["sample_accuracy"] <= ev["accuracy"] <= 1.0 and ev["accuracy"] > 0
 
 
+def test_a_rerun_with_nothing_to_train_prints_the_summary_rows_in_a_fresh_runs_order(tmp_path, capsys):
+  """A re-run of a finished run printed its summary table in alphabetical order (summary.json is written with
+  sorted keys), not a fresh run's order with status first."""
+  config = toy.toy_config()
+  wd = str(tmp_path / "run")
+
+  def table_rows():
+    out = capsys.readouterr().out
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("| ")]
+
+  kw = dict(datasets=toy.toy_datasets(), reward_fns=(toy.contains_answer, None), progress=False)
+  capsys.readouterr()
+  trainer.run(config, wd, policy=toy.toy_policy(config), **kw)
+  fresh = table_rows()
+  # summarize's keys in the order it builds them, then the wall time; workdir and None values are not printed
+  assert [k for k, _ in fresh] == ["status", "steps", "skipped_updates", "missing_rewards", "initial_accuracy",
+                                   "final_accuracy", "best_accuracy", "final_reward", "mean_entropy_first_quarter",
+                                   "mean_step_time_s", "wall_time_s"]
+  trainer.run(config, wd, policy=toy.toy_policy(config), **kw)  # nothing to train: summary.json as it is
+  assert table_rows() == fresh
+
+
 def test_a_rerun_with_nothing_to_train_keeps_the_summary(tmp_path, capsys):
   """A re-run of a finished run rewrote summary.json: its wall time grew by the re-run's seconds, and with a
   smaller total_steps its metrics were recomputed over that many steps; it also warned that the config differs."""
