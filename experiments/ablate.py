@@ -1,6 +1,6 @@
 r"""Runs a sweep of config variants one after another and compares them.
 
-  python experiments/ablate.py --config=configs/ablations/qerl.py --workdir=workdirs/ablate_qerl
+  python experiments/ablate.py --config=configs/ablations/qerl.py --workdir=workdirs/ablate
 
 An ablation config (``configs/ablations/*.py``) has three fields:
 

@@ -689,7 +689,10 @@ def _finished_summary(workdir: str, steps: int, t_start: float) -> dict:
     with open(os.path.join(workdir, "summary.json")) as f:
       summary = json.load(f)
     if isinstance(summary, dict) and summary.get("steps") == steps and "status" in summary:
-      return summary  # (one written before summaries had a status is made again)
+      # (one written before summaries had a status is made again); summary.json is written with sorted keys,
+      # so its rows are put back in a fresh run's order (status first), which run's table prints them in
+      rank = {k: i for i, k in enumerate(_SUMMARY_KEYS)}
+      return dict(sorted(summary.items(), key=lambda kv: rank.get(kv[0], len(rank))))
   except (OSError, ValueError):
     pass
   return _write_summary(workdir, steps, t_start, resumed=True)
@@ -698,22 +701,33 @@ def _finished_summary(workdir: str, steps: int, t_start: float) -> dict:
 def _schedule_change_note(diff, config, num_updates: int, step: int) -> str:
   """For a resume whose ``train.total_steps`` differs from the checkpoint's (``diff``: :func:`_config_diff`'s
   triples): the learning rate and AQN sigma of the next step under the checkpoint's schedules and under this
-  config's, since both schedules are stretched to the new length ("" when ``train.total_steps`` is unchanged)."""
+  config's, since both schedules are stretched to the new length ("" when ``train.total_steps`` is unchanged).
+
+  The checkpoint's AQN is its saved ``aqn.*`` values (the diff's old ones): where AQN was off in its run or is
+  off now, the note says so (no noise was, or will be, applied) instead of giving that schedule's sigma."""
   from qerl_jax import aqn, update
   old_total = next((a for key, a, _ in diff if key == "train.total_steps"), None)
   if not isinstance(old_total, int) or old_total < 1:
     return ""
   old = config.copy_and_resolve_references()
+  saved_aqn = {key[len("aqn."):]: a for key, a, _ in diff if key.startswith("aqn.") and a is not None}
   with old.unlocked():
     old.train.total_steps = old_total
+    old.aqn = ml_collections.ConfigDict({**config.aqn.to_dict(), **saved_aqn})
   lr_old, lr_new = (float(update.make_lr_schedule(update_config(c))(jnp.asarray(num_updates, jnp.int32)))
                     for c in (old, config))
-  note = (f" train.total_steps sets the learning-rate and AQN schedules, which now stretch to "
-          f"{int(config.train.total_steps)} steps: from step {step + 1} the learning rate is {lr_new:.3g} "
-          f"(was {lr_old:.3g})")
-  if bool(config.aqn.enabled):
-    s_old, s_new = (aqn.schedule_sigma(_aqn_config(c), step) for c in (old, config))
+  on_old, on_new = bool(old.aqn.enabled), bool(config.aqn.enabled)
+  schedules = ("learning-rate and AQN schedules, which now stretch" if on_old or on_new
+               else "learning-rate schedule, which now stretches")
+  note = (f" train.total_steps sets the {schedules} to {int(config.train.total_steps)} steps: from step "
+          f"{step + 1} the learning rate is {lr_new:.3g} (was {lr_old:.3g})")
+  s_old, s_new = (aqn.schedule_sigma(_aqn_config(c), step) for c in (old, config))
+  if on_old and on_new:
     note += f" and the AQN sigma {s_new:.3g} (was {s_old:.3g})"
+  elif on_new:  # the checkpoint's run drew no noise: its schedule's sigma was never applied
+    note += f"; AQN was off (no noise) and is now on, at sigma {s_new:.3g}"
+  elif on_old:
+    note += f"; AQN is now off (no noise; it was at sigma {s_old:.3g})"
   return note + "."
 
 
@@ -958,6 +972,12 @@ def _run_status(last: dict) -> str:
   if last.get("frac_reward_nonfinite") == 1.0:
     return "rewards-missing"
   return "ok"
+
+
+# the keys of a run's summary in the order train returns (and run prints) them: summarize's, then the wall time
+_SUMMARY_KEYS = ("workdir", "status", "steps", "skipped_updates", "missing_rewards", "initial_accuracy",
+                "final_accuracy", "best_accuracy", "final_reward", "mean_entropy_first_quarter", "mean_step_time_s",
+                "wall_time_s")
 
 
 def summarize(workdir: str, total_steps: int) -> dict:

@@ -1075,6 +1075,29 @@ def test_evaluate_greedy_and_pass_at_k_on_the_toy_policy():
   assert ev["sample_accuracy"] <= ev["accuracy"] <= 1.0 and ev["accuracy"] > 0
 
 
+def test_a_rerun_with_nothing_to_train_prints_the_summary_rows_in_a_fresh_runs_order(tmp_path, capsys):
+  """A re-run of a finished run printed its summary table in alphabetical order (summary.json is written with
+  sorted keys), not a fresh run's order with status first."""
+  config = toy.toy_config()
+  wd = str(tmp_path / "run")
+
+  def table_rows():
+    out = capsys.readouterr().out
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("| ")]
+
+  kw = dict(datasets=toy.toy_datasets(), reward_fns=(toy.contains_answer, None), progress=False)
+  capsys.readouterr()
+  trainer.run(config, wd, policy=toy.toy_policy(config), **kw)
+  fresh = table_rows()
+  # summarize's keys in the order it builds them, then the wall time; workdir and None values are not printed
+  assert [k for k, _ in fresh] == ["status", "steps", "skipped_updates", "missing_rewards", "initial_accuracy",
+                                   "final_accuracy", "best_accuracy", "final_reward", "mean_entropy_first_quarter",
+                                   "mean_step_time_s", "wall_time_s"]
+  trainer.run(config, wd, policy=toy.toy_policy(config), **kw)  # nothing to train: summary.json as it is
+  assert table_rows() == fresh
+
+
 def test_a_rerun_with_nothing_to_train_keeps_the_summary(tmp_path, capsys):
   """A re-run of a finished run rewrote summary.json: its wall time grew by the re-run's seconds, and with a
   smaller total_steps its metrics were recomputed over that many steps; it also warned that the config differs."""
@@ -1146,6 +1169,36 @@ def test_a_resume_with_more_total_steps_names_the_schedule_jump(tmp_path, capsys
   sigma_new = 1e-2 * (5e-4 / 1e-2) ** ((6 - 1) / 8)  # stage 6 of 10 steps; the old schedule is at stage 9: 5e-4
   assert (f"from step 7 the learning rate is {lr_new:.3g} (was 0) and the AQN sigma {sigma_new:.3g} (was 0.0005)."
           in " ".join(err.split())), err
+
+
+@pytest.mark.parametrize("on_before,on_now", [(False, True), (True, False), (False, False)])
+def test_a_resume_with_more_total_steps_says_when_aqn_was_or_is_off(tmp_path, capsys, on_before, on_now):
+  """A run with aqn.enabled=False resumed with AQN on and more total_steps was told "the AQN sigma 0.00154 (was
+  0.0005)": the checkpoint's sigma came from this config's AQN, while its run drew no noise. The note now uses
+  the checkpoint's aqn values and says where AQN was off (or is off now)."""
+  config = toy.toy_config()
+  config.aqn.enabled = on_before
+  wd = str(tmp_path / "run")
+  _toy_run(config, wd, stop_after=2)  # a checkpoint at step 2 of 6
+  longer = toy.toy_config()
+  longer.aqn.enabled = on_now
+  longer.train.total_steps = 10
+  capsys.readouterr()
+  _toy_run(longer, wd, stop_after=1)
+  err = " ".join(capsys.readouterr().err.split())
+  # by hand: 2 updates done; warmup 1 update; cosine to 0 at the total
+  lr_new, lr_old = (0.1 * 0.5 * (1 + np.cos(np.pi * (2 - 1) / (n - 1))) for n in (10, 6))
+  lr = f"from step 3 the learning rate is {lr_new:.3g} (was {lr_old:.3g})"
+  # the paper's stages (K = 10): stage floor(2 * 10 / total); stage k >= 1 is 1e-2 * (5e-4 / 1e-2) ** ((k - 1) / 8)
+  sigma_new = 1e-2 * (5e-4 / 1e-2) ** ((2 - 1) / 8)  # stage 2 of 10 steps
+  sigma_old = 1e-2 * (5e-4 / 1e-2) ** ((3 - 1) / 8)  # stage 3 of 6 steps
+  if on_now:
+    assert f"{lr}; AQN was off (no noise) and is now on, at sigma {sigma_new:.3g}." in err, err
+  elif on_before:
+    assert f"{lr}; AQN is now off (no noise; it was at sigma {sigma_old:.3g})." in err, err
+  else:
+    assert f"sets the learning-rate schedule, which now stretches to 10 steps: {lr}." in err, err
+  assert "AQN sigma" not in err, err
 
 
 def test_a_resume_with_another_config_names_the_flags_that_restore_the_checkpoints(tmp_path, capsys):

@@ -12,9 +12,9 @@ QeRL's claim (Sec. 4, Fig. 3/5) is that quantization noise raises policy entropy
 training and so speeds up reward growth; this sweep measures final greedy accuracy, mean
 policy entropy over the first quarter of training, and wall time.
 
-  python experiments/ablate.py --config=configs/ablations/qerl.py --workdir=workdirs/ablate_qerl
+  python experiments/ablate.py --config=configs/ablations/qerl.py --workdir=workdirs/ablate
   python experiments/ablate.py --config=configs/ablations/qerl.py --config.seeds=0 \
-      --config.base.train.total_steps=20 --workdir=/tmp/quick     # a quick look
+      --config.base.train.total_steps=20 --workdir=workdirs/ablate_quick     # a quick look (about 2 min)
 """
 
 import os
