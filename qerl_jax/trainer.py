@@ -703,17 +703,21 @@ def _schedule_change_note(diff, config, num_updates: int, step: int) -> str:
   triples): the learning rate and AQN sigma of the next step under the checkpoint's schedules and under this
   config's, since both schedules are stretched to the new length ("" when ``train.total_steps`` is unchanged).
 
-  The checkpoint's AQN is its saved ``aqn.*`` values (the diff's old ones): where AQN was off in its run or is
-  off now, the note says so (no noise was, or will be, applied) instead of giving that schedule's sigma."""
+  The checkpoint's schedules are its saved ``optim.*``, ``aqn.*`` and ``rl.num_iterations`` values (the diff's
+  old ones, where they differ). Where AQN was off in its run or is off now, the note says so (no noise was, or
+  will be, applied) instead of giving that schedule's sigma."""
   from qerl_jax import aqn, update
   old_total = next((a for key, a, _ in diff if key == "train.total_steps"), None)
   if not isinstance(old_total, int) or old_total < 1:
     return ""
   old = config.copy_and_resolve_references()
-  saved_aqn = {key[len("aqn."):]: a for key, a, _ in diff if key.startswith("aqn.") and a is not None}
   with old.unlocked():
     old.train.total_steps = old_total
-    old.aqn = ml_collections.ConfigDict({**config.aqn.to_dict(), **saved_aqn})
+    for key, saved, _ in diff:  # the checkpoint's own schedule settings
+      section, _, name = key.partition(".")
+      if (saved is not None and "." not in name and (section in ("optim", "aqn") or key == "rl.num_iterations")
+          and name in old[section]):
+        old[section][name] = saved
   lr_old, lr_new = (float(update.make_lr_schedule(update_config(c))(jnp.asarray(num_updates, jnp.int32)))
                     for c in (old, config))
   on_old, on_new = bool(old.aqn.enabled), bool(config.aqn.enabled)

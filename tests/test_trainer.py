@@ -1201,6 +1201,26 @@ def test_a_resume_with_more_total_steps_says_when_aqn_was_or_is_off(tmp_path, ca
   assert "AQN sigma" not in err, err
 
 
+def test_a_resume_with_more_total_steps_and_another_learning_rate_gives_the_checkpoints_rate(tmp_path, capsys):
+  """The note's "was" learning rate came from this config's optim values, so a resume that also changed
+  optim.learning_rate reported the new peak's rate as the checkpoint's."""
+  config = toy.toy_config()
+  config.aqn.enabled = False
+  wd = str(tmp_path / "run")
+  _toy_run(config, wd, stop_after=2)  # a checkpoint at step 2 of 6, peak 0.1
+  longer = toy.toy_config()
+  longer.aqn.enabled = False
+  longer.train.total_steps = 10
+  longer.optim.learning_rate = 0.05
+  capsys.readouterr()
+  _toy_run(longer, wd, stop_after=1)
+  err = " ".join(capsys.readouterr().err.split())
+  # by hand: 2 updates done; warmup 1 update; cosine to 0 at the total; each schedule at its own peak
+  lr_new = 0.05 * 0.5 * (1 + np.cos(np.pi * (2 - 1) / (10 - 1)))
+  lr_old = 0.1 * 0.5 * (1 + np.cos(np.pi * (2 - 1) / (6 - 1)))
+  assert f"from step 3 the learning rate is {lr_new:.3g} (was {lr_old:.3g})." in err, err
+
+
 def test_a_resume_with_another_config_names_the_flags_that_restore_the_checkpoints(tmp_path, capsys):
   """The config-diff warning told the user to "pass the first run's --config overrides again", which is wrong
   where a default changed since the checkpoint (model.attn_impl "xla" -> "auto" in session 43): it now gives the
