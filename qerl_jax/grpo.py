@@ -59,7 +59,8 @@ LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
 # TRL's vllm_importance_sampling_mode values (rollout_importance_weights)
-ROLLOUT_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+ROLLOUT_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_truncate",
+                            "geometric_mask")
 # Log-ratios are clamped at +-LOG_RATIO_CLAMP before any exp: exp(20) ~ 4.9e8 is finite in
 # float32 and bfloat16, so no value or gradient can overflow however far the policies drift.
 LOG_RATIO_CLAMP = 20.0
@@ -353,13 +354,18 @@ def rollout_importance_weights(trainer_logprobs, sampler_logprobs, mask, *, mode
     ``pi_old`` the importance ratio assumes. Truncated importance sampling (Yao et al. 2025, "Your Efficient
     RL Framework Secretly Brings You Off-Policy RL Training") weights each token's loss by
     ``rho = pi_old / pi_sampler``, bounded; TRL's ``vllm_importance_sampling_correction``, whose four modes
-    these are (``vllm_importance_sampling_mode``, ``_clip_min``, ``_clip_max``). With
+    the first four are (``vllm_importance_sampling_mode``, ``_clip_min``, ``_clip_max``). With
     ``d_t = trainer_logprobs_t - sampler_logprobs_t`` on the completion tokens (0 elsewhere):
 
     * ``token_truncate``: ``rho_t = clip(exp(d_t), clip_min, clip_max)``;
     * ``token_mask``: ``rho_t = exp(d_t)``, set to 0 where it is outside ``[clip_min, clip_max]``;
     * ``sequence_truncate`` / ``sequence_mask``: the same on one ratio a sequence, ``exp(sum_t d_t)``
       (the sum over the sequence's completion tokens), given to each of its tokens.
+    * ``geometric_truncate`` / ``geometric_mask``: the same on the sequence's geometric-mean ratio,
+      ``exp(mean_t d_t)`` over its completion tokens (verl's ``rollout_is_level="geometric"``; Liu, Li et al.
+      2025, "When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch"). It
+      does not grow with the length as the product does, so it needs tight bounds: verl suggests an upper
+      bound of 1.0002-1.001 and its reciprocal as the lower.
 
     The bounds are inclusive (a ratio equal to ``clip_max`` is kept by the mask modes), as in TRL. An
     ``exp`` that overflows float32 gives ``inf``, which truncates to ``clip_max`` and is masked to 0: no
@@ -402,6 +408,8 @@ def rollout_importance_weights(trainer_logprobs, sampler_logprobs, mask, *, mode
          - jnp.where(m, sampler_logprobs.astype(jnp.float32), 0.0))
     if mode.startswith("sequence"):
         d = d.sum(axis=1, keepdims=True)
+    elif mode.startswith("geometric"):
+        d = d.sum(axis=1, keepdims=True) / jnp.maximum(m.sum(axis=1, keepdims=True), 1).astype(jnp.float32)
     ratio = jnp.exp(d)
     if mode.endswith("truncate"):
         rho = jnp.minimum(ratio, jnp.float32(hi))
@@ -421,7 +429,7 @@ def rollout_importance_metrics(rho, mask, *, mode: str, truncated=None,
     """TRL's ``sampling/importance_sampling_ratio/min``, ``/mean``, ``/max`` of :func:`rollout_importance_weights`.
 
     Over the completion tokens in the token modes, as TRL logs them; over the sequences with at least one
-    completion token in the sequence modes. There TRL takes every row (``ratio.flatten()``), so a row its
+    completion token in the sequence and geometric modes. There TRL takes every row (``ratio.flatten()``), so a row its
     ``mask_truncated_completions`` masked whole counts as its ratio ``exp(0) = 1`` (bounded); here such a row,
     and a dynamic-sampling filler row, is left out.
 
@@ -440,7 +448,7 @@ def rollout_importance_metrics(rho, mask, *, mode: str, truncated=None,
     rho = jnp.asarray(rho, jnp.float32)
     if rho.shape != m.shape:
         raise ValueError(f"rho shape {rho.shape} != mask shape {m.shape}")
-    if mode.startswith("sequence"):  # one value a row: its completion tokens all hold it
+    if not mode.startswith("token"):  # one value a row: its completion tokens all hold it
         valid = m.any(axis=1)
         values = jnp.where(m, rho, -jnp.inf).max(axis=1)
     else:

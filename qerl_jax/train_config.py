@@ -65,10 +65,12 @@ Layout (units in brackets)::
                           (sampling/sampling_logp_difference/mean, /max). Off by default.
   rl.rollout_correction   the training-inference mismatch correction (TRL's vllm_importance_sampling_correction;
                           Yao et al. 2025, truncated importance sampling): "none" (default, as QeRL's recipes),
-                          "token_truncate", "token_mask", "sequence_truncate" or "sequence_mask". Any other than
-                          "none" recomputes the old log-probs (as rl.recompute_old_logprobs=True) and weights
-                          each token's clipped loss by rho = exp(old - sampler log-probs), per token or summed
-                          over the sequence, truncated to or masked outside [clip_min, clip_max]
+                          "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", or verl's
+                          "geometric_truncate" / "geometric_mask". Any other than "none" recomputes the old
+                          log-probs (as rl.recompute_old_logprobs=True) and weights each token's clipped loss by
+                          rho = exp(old - sampler log-probs), per token, summed over the sequence, or averaged
+                          over it (geometric: set tight bounds, e.g. 0.999 and 1.001), truncated to or masked
+                          outside [clip_min, clip_max]
                           (grpo.rollout_importance_weights); logs sampling/importance_sampling_ratio/min, /mean,
                           /max. Refused with aqn.rollout_only (the sampler's log-probs are a noisier policy's)
   rl.rollout_correction_clip_max  C_max of rho, > 0 (TRL's default 3.0)
@@ -113,8 +115,9 @@ SCALE_REWARDS = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AQN_SCHEDULES = ("stages", "exponential")
 # rl.rollout_correction: "none" and qerl_jax.grpo.ROLLOUT_CORRECTION_MODES (TRL's vllm_importance_sampling_mode
-# values; written out here, as grpo needs jax)
-ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# values and verl's geometric level; written out here, as grpo needs jax)
+ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask",
+                       "geometric_truncate", "geometric_mask")
 LR_SCHEDULES = ("cosine", "constant", "linear")
 
 

@@ -247,6 +247,8 @@ def _np_is_weights(trainer, sampler, mask, mode, lo, hi):
     d = np.where(m, np.asarray(trainer, np.float64) - np.where(m, np.asarray(sampler, np.float64), 0.0), 0.0)
     if mode.startswith("sequence"):
         d = np.broadcast_to(d.sum(1, keepdims=True), d.shape)
+    elif mode.startswith("geometric"):  # the mean over the row's completion tokens
+        d = np.broadcast_to(d.sum(1, keepdims=True) / np.maximum(m.sum(1, keepdims=True), 1), d.shape)
     with np.errstate(over="ignore"):
         r = np.exp(d)
     if mode.endswith("truncate"):
@@ -266,6 +268,12 @@ IS_HAND = {
     ("sequence_mask", None, 3.0): {(0, 2): 1.5 * math.exp(0.01), (1, 0): 0.04 * math.exp(-55.0), (2, 0): 0.0,
                                    (3, 0): 1.0},
     ("sequence_mask", 1.0, 2.0): {(0, 0): 1.5 * math.exp(0.01), (1, 3): 0.0, (2, 0): 0.0, (3, 0): 1.0},
+    # geometric: the n-th root of the sequence ratio (row 0: n = 3, row 1: n = 4, row 2: e^100, row 3: 1)
+    ("geometric_truncate", 0.5, 1.2): {(0, 0): (1.5 * math.exp(0.01)) ** (1 / 3), (1, 3): 0.5, (2, 0): 1.2,
+                                       (3, 1): 1.0},
+    ("geometric_mask", None, 3.0): {(0, 1): (1.5 * math.exp(0.01)) ** (1 / 3),
+                                    (1, 0): 0.04 ** 0.25 * math.exp(-55.0 / 4), (2, 0): 0.0, (3, 0): 1.0},
+    ("geometric_mask", 0.9, 1.1): {(0, 2): 0.0, (1, 1): 0.0, (2, 0): 0.0, (3, 1): 1.0},
 }
 
 
@@ -278,7 +286,7 @@ def test_rollout_importance_weights_match_numpy_at_the_bounds(mode, lo, hi):
     for (i, j), want in IS_HAND[(mode, lo, hi)].items():
         np.testing.assert_allclose(rho[i, j], want, rtol=1e-5, atol=0)
     assert np.all(rho[IS_MASK == 0] == 0.0)
-    if mode.startswith("sequence"):  # one value a row on its completion tokens
+    if not mode.startswith("token"):  # one value a row on its completion tokens
         for i in range(4):
             assert len(set(rho[i][IS_MASK[i] == 1].tolist())) == 1
     # clip_min 0 is no lower bound, as None
@@ -319,6 +327,12 @@ def test_rollout_importance_metrics_over_tokens_or_sequences():
     seqs = [1.5 * math.exp(0.01), 0.04 * math.exp(-55.0), 0.0, 1.0]  # row 4 (no token) is not a sequence
     np.testing.assert_allclose([float(met[p + k]) for k in ("min", "mean", "max")],
                                [0.0, np.mean(seqs), max(seqs)], rtol=1e-5)
+    rho = grpo.rollout_importance_weights(trainer, sampler, IS_MASK, mode="geometric_truncate", clip_min=0.5,
+                                          clip_max=1.2)
+    met = grpo.rollout_importance_metrics(rho, IS_MASK, mode="geometric_truncate")
+    seqs = [(1.5 * math.exp(0.01)) ** (1 / 3), 0.5, 1.2, 1.0]  # one value a sequence, as in the sequence modes
+    np.testing.assert_allclose([float(met[p + k]) for k in ("min", "mean", "max")],
+                               [0.5, np.mean(seqs), 1.2], rtol=1e-5)
     empty = grpo.rollout_importance_metrics(rho, np.zeros_like(IS_MASK), mode="sequence_mask")
     assert all(float(v) == 0.0 for v in empty.values())
 
@@ -331,7 +345,7 @@ def test_rollout_importance_leaves_out_truncated_completions_when_asked():
     truncated = np.array([False, True, False, True, False])
     by_hand = IS_MASK * ~truncated[:, None]
     p = "sampling/importance_sampling_ratio/"
-    for mode in ("token_truncate", "sequence_mask"):
+    for mode in ("token_truncate", "sequence_mask", "geometric_truncate"):
         rho = np.asarray(grpo.rollout_importance_weights(trainer, sampler, IS_MASK, mode=mode, clip_min=0.2,
                                                          truncated=truncated, mask_truncated_completions=True))
         np.testing.assert_allclose(rho, _np_is_weights(trainer, sampler, by_hand, mode, 0.2, 3.0), rtol=1e-5, atol=0)

@@ -1427,7 +1427,7 @@ def test_rollout_only_aqn_takes_the_update_policy_as_the_old_one(tmp_path):
 
 
 def test_validate_rollout_correction_keys():
-  """rl.rollout_correction: TRL's four modes (grpo's), bounds 0 <= clip_min < clip_max, no effect with "none", and
+  """rl.rollout_correction: TRL's four modes and verl's two geometric ones (grpo's), bounds 0 <= clip_min < clip_max, no effect with "none", and
   refused with rollout-only AQN; it needs no rl.recompute_old_logprobs=True (it implies the recompute)."""
   from qerl_jax import grpo
   assert train_config.ROLLOUT_CORRECTIONS == ("none",) + grpo.ROLLOUT_CORRECTION_MODES
@@ -1449,7 +1449,7 @@ def test_validate_rollout_correction_keys():
   assert problems(rl__rollout_correction="token_mask", rl__rollout_correction_clip_max=10) == []
   assert problems(rl__rollout_correction="tis") == [
       "  - rl.rollout_correction='tis' is not one of ('none', 'token_truncate', 'token_mask', 'sequence_truncate', "
-      "'sequence_mask')"]
+      "'sequence_mask', 'geometric_truncate', 'geometric_mask')"]
   assert problems(rl__rollout_correction="token_mask", rl__rollout_correction_clip_max=0.0) == [
       "  - rl.rollout_correction_clip_max=0.0 must be a number > 0 (the upper bound of the importance ratio rho)"]
   assert problems(rl__rollout_correction="token_mask", rl__rollout_correction_clip_max=None) == [
@@ -1481,7 +1481,8 @@ def _offset_old_logprobs(offsets):
                                        + jax.numpy.asarray(offsets, np.float32)[None] * batch["completion_mask"])
 
 
-@pytest.mark.parametrize("mode,clip_min,clip_max", [("token_truncate", 0.5, 3.0), ("sequence_mask", None, 2.0)])
+@pytest.mark.parametrize("mode,clip_min,clip_max", [("token_truncate", 0.5, 3.0), ("sequence_mask", None, 2.0),
+                                                     ("geometric_truncate", 0.5, 1.29)])
 def test_rollout_correction_weights_the_update_and_logs_trl_ratio_metrics(tmp_path, mode, clip_min, clip_max):
   """rl.rollout_correction recomputes the old log-probs (without rl.recompute_old_logprobs) and hands the update
   rho = the trainer's over the sampler's probability, truncated or masked, with TRL's ratio metrics; the loss
@@ -1518,6 +1519,10 @@ def test_rollout_correction_weights_the_update_and_logs_trl_ratio_metrics(tmp_pa
     if mode == "token_truncate":
       want = np.where(counted, np.clip(np.exp(d), clip_min, clip_max), 0.0)
       values = want[counted]
+    elif mode == "geometric_truncate":  # e^(mean of the row's counted offsets), clipped
+      seq = np.clip(np.exp(d.sum(1) / np.maximum(counted.sum(1), 1)), clip_min, clip_max)
+      want = np.where(counted, seq[:, None], 0.0)
+      values = seq[counted.any(1)]
     else:
       seq = np.exp(d.sum(1))
       seq = np.where(seq <= clip_max, seq, 0.0)
