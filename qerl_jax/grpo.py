@@ -45,6 +45,7 @@ __all__ = [
     "informative_groups",
     "overlong_penalty",
     "kl_divergence",
+    "IMPORTANCE_SAMPLING_LEVELS",
     "ROLLOUT_CORRECTION_MODES",
     "rollout_importance_weights",
     "rollout_importance_metrics",
@@ -59,6 +60,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
 # TRL's vllm_importance_sampling_mode values (rollout_importance_weights)
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # TRL's importance_sampling_level; "sequence" is GSPO
 ROLLOUT_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_truncate",
                             "geometric_mask")
 # Log-ratios are clamped at +-LOG_RATIO_CLAMP before any exp: exp(20) ~ 4.9e8 is finite in
@@ -542,7 +544,8 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
                       epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
                       ref_logprobs=None, kl_estimator: str = "k3", entropy=None, truncated=None,
                       mask_truncated_completions: bool = False,
-                      rollout_is_weights=None) -> dict[str, jax.Array]:
+                      rollout_is_weights=None,
+                      importance_sampling_level: str = "token") -> dict[str, jax.Array]:
     """Un-normalised sums of the clipped surrogate loss and its metrics over one (micro-)batch.
 
     Per token ``t`` of sequence ``i`` (DeepSeekMath eq. 3, DAPO clip-higher)::
@@ -550,6 +553,13 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
         ratio = exp(clip(logprobs - old_logprobs, -20, 20))           # importance ratio
         l     = -min(ratio * A_i, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A_i) * rho_t
               + beta * KL_t                                             # if beta > 0
+
+    With ``importance_sampling_level="sequence"`` (GSPO: Zheng et al. 2025, "Group Sequence Policy
+    Optimization", eq. 7; TRL's option of that name) every token of sequence ``i`` takes one ratio instead,
+    the geometric mean of its tokens' ratios, ``exp(clip(mean_t (logprobs - old_logprobs), -20, 20))`` over
+    its unmasked tokens. Its gradient reaches each token as ``ratio_i / |y_i|``, as GSPO's. GSPO clips this
+    ratio far tighter than GRPO (the paper: ``epsilon`` 3e-4, ``epsilon_high`` 4e-4) and pairs it with
+    ``loss_type="grpo"``. The token-sum losses weight each sequence by its length; TRL warns about them.
 
     ``rho_t`` is ``rollout_is_weights`` (1 when None), the sampler-mismatch correction of
     :func:`rollout_importance_weights`; as in TRL it weights the clipped policy term only, not the KL term,
@@ -563,7 +573,9 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
         sequence with no unmasked token adds 0), otherwise the sum of token losses;
       ``tokens``, ``clip_low``, ``clip_high``, ``clip_region``, ``kl``, ``entropy``: token counts /
       sums over unmasked tokens (TRL's clip indicators: low = ``ratio < 1 - epsilon`` and
-      ``A < 0``, high = ``ratio > 1 + epsilon_high`` and ``A > 0``, region = either).
+      ``A < 0``, high = ``ratio > 1 + epsilon_high`` and ``A > 0``, region = either). At the sequence
+      level a sequence's tokens share its indicator, so the clip counts weight sequences by their
+      token counts; TRL's metric there is a mean over sequences.
     Masked tokens contribute nothing, and their (possibly non-finite, e.g. padding) inputs are
     replaced before any arithmetic so they cannot leak NaN into values or gradients.
 
@@ -571,6 +583,9 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
     Raises: ValueError/TypeError for bad options or shapes.
     """
     _check_loss_options(loss_type, epsilon, epsilon_high, beta, kl_estimator)
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                         f"got {importance_sampling_level!r}")
     m = _effective_mask(mask, truncated, mask_truncated_completions)
     shape = m.shape
     logprobs = jnp.asarray(logprobs)
@@ -593,7 +608,11 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
 
     eps_low = float(epsilon)
     eps_high = eps_low if epsilon_high is None else float(epsilon_high)
-    ratio = jnp.exp(jnp.clip(lp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    log_ratio = lp - old  # 0 off the mask
+    if importance_sampling_level == "sequence":  # GSPO: the mean over the sequence's unmasked tokens
+        count = jnp.maximum(m.sum(axis=1, keepdims=True), 1).astype(jnp.float32)
+        log_ratio = jnp.broadcast_to(log_ratio.sum(axis=1, keepdims=True) / count, shape)
+    ratio = jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
     per_token = -jnp.minimum(ratio * adv, clipped * adv)
     if rollout_is_weights is not None:
@@ -674,13 +693,13 @@ def finalize_policy_loss(terms: Mapping[str, Any], normalizer) -> tuple[jax.Arra
 
 @functools.partial(jax.jit, static_argnames=(
     "loss_type", "epsilon", "epsilon_high", "beta", "max_completion_length", "kl_estimator",
-    "mask_truncated_completions"))
+    "mask_truncated_completions", "importance_sampling_level"))
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "grpo",
                 epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
                 ref_logprobs=None, max_completion_length: int | None = None,
                 kl_estimator: str = "k3", entropy=None, truncated=None,
-                mask_truncated_completions: bool = False, normalizer=None, rollout_is_weights=None
-                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                mask_truncated_completions: bool = False, normalizer=None, rollout_is_weights=None,
+                importance_sampling_level: str = "token") -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped GRPO / DAPO / Dr. GRPO / BNPO policy loss with optional KL penalty (TRL semantics).
 
     Args:
@@ -711,6 +730,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "g
       rollout_is_weights: optional ``[B, T]`` float, each token's weight on the clipped policy term (the
         sampler-mismatch correction, :func:`rollout_importance_weights`; TRL multiplies ``per_token_loss``
         by it before adding the KL term); not differentiated. None: 1.
+      importance_sampling_level: ``"token"`` (default; GRPO's per-token ratio) or ``"sequence"`` (GSPO's
+        per-sequence ratio, the geometric mean of its tokens' ratios; :func:`policy_loss_terms`).
 
     Returns:
       ``(loss, metrics)``: float32 scalar loss and a dict of float32 scalars (see
@@ -718,13 +739,15 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "g
 
     Raises:
       ValueError: unknown ``loss_type``/``kl_estimator``, bad clip ranges, mismatched shapes,
-        ``beta > 0`` without ``ref_logprobs``, ``mask_truncated_completions`` without ``truncated``.
+        ``beta > 0`` without ``ref_logprobs``, ``mask_truncated_completions`` without ``truncated``, an
+        unknown ``importance_sampling_level``.
     """
     terms = policy_loss_terms(
         logprobs, old_logprobs, advantages, mask, loss_type=loss_type, epsilon=epsilon,
         epsilon_high=epsilon_high, beta=beta, ref_logprobs=ref_logprobs,
         kl_estimator=kl_estimator, entropy=entropy, truncated=truncated,
-        mask_truncated_completions=mask_truncated_completions, rollout_is_weights=rollout_is_weights)
+        mask_truncated_completions=mask_truncated_completions, rollout_is_weights=rollout_is_weights,
+        importance_sampling_level=importance_sampling_level)
     if normalizer is None:
         normalizer = loss_normalizer(
             mask, loss_type=loss_type, max_completion_length=max_completion_length,

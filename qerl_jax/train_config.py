@@ -52,6 +52,10 @@ Layout (units in brackets)::
   rl.micro_batch_size     completions per gradient-accumulation micro-batch
   rl.num_iterations, epsilon, epsilon_high, beta, kl_estimator, scale_rewards,
   rl.mask_truncated_completions, format_reward_weight
+  rl.importance_sampling_level  "token" (default: GRPO's per-token ratio) or "sequence" (GSPO, Zheng et al. 2025:
+                          one ratio a completion, the geometric mean of its tokens' ratios; TRL's option of that
+                          name). GSPO clips far tighter: its paper uses rl.epsilon=3e-4, rl.epsilon_high=4e-4,
+                          with rl.loss_type="grpo" (a token-sum loss weights each completion by its length)
   rl.format_reward_kind   the form the format bonus checks (rewards.format_reward): "any" (default: '####',
                           <answer> or \\boxed), "hash", "answer_tags", "boxed", or "think_answer" (QeRL's
                           released <think>...</think><answer>...</answer> term)
@@ -105,7 +109,7 @@ import ml_collections
 from qerl_jax.rewards import FORMAT_KINDS  # rl.format_reward_kind (rewards needs no jax: numpy and the standard library)
 
 __all__ = ["base_config", "validate", "data_spec_error", "config_flags_parser", "config_load_error", "LORA_MODULES",
-           "LOSS_TYPES", "ROLLOUT_CORRECTIONS"]
+           "LOSS_TYPES", "ROLLOUT_CORRECTIONS", "IMPORTANCE_SAMPLING_LEVELS"]
 
 LORA_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
@@ -113,6 +117,7 @@ QUANTS = ("nvfp4", "nf4", "none")
 TASKS = ("gsm8k", "math")
 SCALE_REWARDS = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # qerl_jax.grpo.IMPORTANCE_SAMPLING_LEVELS
 AQN_SCHEDULES = ("stages", "exponential")
 # rl.rollout_correction: "none" and qerl_jax.grpo.ROLLOUT_CORRECTION_MODES (TRL's vllm_importance_sampling_mode
 # values and verl's geometric level; written out here, as grpo needs jax)
@@ -178,6 +183,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.kl_estimator = "k3"
   c.rl.scale_rewards = "group"
   c.rl.mask_truncated_completions = True
+  c.rl.importance_sampling_level = "token"  # "sequence": GSPO's one ratio a completion
   c.rl.format_reward_weight = 0.0
   c.rl.format_reward_kind = "any"  # rewards.FORMAT_KINDS
   c.rl.recompute_old_logprobs = False  # True: old log-probs from the training forward, not the sampler's
@@ -328,6 +334,9 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
   if rl.epsilon_high is not None:
     need(not _all_finite(rl.epsilon_high, rl.epsilon) or float(rl.epsilon_high) >= float(rl.epsilon),
          f"rl.epsilon_high={rl.epsilon_high} must be >= rl.epsilon={rl.epsilon}")
+  need(rl.get("importance_sampling_level", "token") in IMPORTANCE_SAMPLING_LEVELS,
+       f"rl.importance_sampling_level={rl.get('importance_sampling_level')!r} is not one of "
+       f"{IMPORTANCE_SAMPLING_LEVELS}")
   need(float(rl.beta) >= 0, f"rl.beta={rl.beta} must be >= 0")
   need(rl.kl_estimator in KL_ESTIMATORS, f"rl.kl_estimator={rl.kl_estimator!r} is not one of "
        f"{KL_ESTIMATORS}")

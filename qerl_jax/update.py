@@ -52,7 +52,6 @@ def _opt(config: Any, name: str, default: Any) -> Any:
 # which they change nothing; a config that sets one otherwise is refused rather than silently run as plain GRPO.
 _UNSUPPORTED_TRL_FIELDS = {
     "delta": None,                         # two-sided clipping of the ratio (INTELLECT-2)
-    "importance_sampling_level": "token",  # "sequence": GSPO's sequence-level ratio
     "top_entropy_quantile": 1.0,           # loss on the highest-entropy tokens only
 }
 
@@ -226,7 +225,8 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
         (so noise can be drawn inside the jit as a pure function of them).
       config: fields (TRL names): ``loss_type`` ["grpo"], ``epsilon`` [0.2], ``epsilon_high``
         [= epsilon], ``beta`` [0.0], ``kl_estimator`` ["k3"], ``max_completion_length`` [T],
-        ``mask_truncated_completions`` [False], ``gradient_accumulation_steps`` [1], and the
+        ``mask_truncated_completions`` [False], ``importance_sampling_level`` ["token"; "sequence" is
+        GSPO, ``grpo.policy_loss_terms``], ``gradient_accumulation_steps`` [1], and the
         optimizer fields of :func:`make_optimizer` (used when ``optimizer`` is None).
       optimizer: the transformation the train state was made with (default
         ``make_optimizer(config)``).
@@ -262,8 +262,8 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
 
     Raises:
       ValueError: here, for bad config values (loss type, clip range, KL estimator, accumulation
-        steps) or a TRL field that changes the loss and is not implemented (``delta``,
-        ``importance_sampling_level="sequence"``, ``top_entropy_quantile < 1``); at trace time (the first
+        steps, ``importance_sampling_level`` other than ``"token"`` or ``"sequence"``) or a TRL field that
+        changes the loss and is not implemented (``delta``, ``top_entropy_quantile < 1``); at trace time (the first
         call), for a malformed batch.
     """
     loss_type = _opt(config, "loss_type", "grpo")
@@ -273,6 +273,10 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
     kl_estimator = _opt(config, "kl_estimator", "k3")
     max_len = _opt(config, "max_completion_length", None)
     mask_trunc = bool(_opt(config, "mask_truncated_completions", False))
+    is_level = str(_opt(config, "importance_sampling_level", "token"))
+    if is_level not in grpo.IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level must be one of {grpo.IMPORTANCE_SAMPLING_LEVELS}, got "
+                         f"{is_level!r}")
     num_micro = int(_opt(config, "gradient_accumulation_steps", 1))
     if num_micro < 1:
         raise ValueError(f"gradient_accumulation_steps must be >= 1, got {num_micro}")
@@ -300,7 +304,8 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
                 loss_type=loss_type, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
                 ref_logprobs=mb.get("ref_logprobs"), kl_estimator=kl_estimator,
                 entropy=entropy, truncated=mb.get("truncated"),
-                mask_truncated_completions=mask_trunc, rollout_is_weights=mb.get("rollout_is_weights"))
+                mask_truncated_completions=mask_trunc, rollout_is_weights=mb.get("rollout_is_weights"),
+                importance_sampling_level=is_level)
             # bnpo (TRL): each micro-batch's token mean, averaged over the micro-batches; the others: one
             # normaliser for the whole batch
             denom = terms["tokens"] * num_micro if loss_type == "bnpo" else normalizer

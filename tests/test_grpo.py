@@ -100,6 +100,69 @@ def test_hand_example_gradient_grpo():
     assert np.all(np.isfinite(np.asarray(g)))
 
 
+def _np_per_token_gspo(lp, old, adv, mask, eps_low, eps_high):
+    """float64 reference of GSPO's per-token loss: each token of a sequence takes the sequence's ratio
+    exp(mean of its unmasked log-ratios) (Zheng et al. 2025, eq. 7)."""
+    m = np.asarray(mask, bool)
+    d = np.where(m, np.asarray(lp, np.float64) - np.asarray(old, np.float64), 0.0)
+    r = np.exp(d.sum(1, keepdims=True) / np.maximum(m.sum(1, keepdims=True), 1))
+    a = np.asarray(adv, np.float64)[:, None]
+    return np.broadcast_to(-np.minimum(r * a, np.clip(r, 1 - eps_low, 1 + eps_high) * a), m.shape)
+
+
+# GSPO on the hand example: sequence ratios are geometric means of the token ratios,
+#   seq 0: (1.0 * 1.5 * 0.5) ** (1/3) = 0.75 ** (1/3) = 0.9085603, A = +1
+#   seq 1: (0.7 * 1.1) ** (1/2) = 0.77 ** 0.5 = 0.8774964, A = -0.5
+# clip range [0.8, 1.28]: neither is clipped; per-token losses -0.9085603 and +0.4387482
+#   grpo = (-0.9085603 + 0.4387482) / 2 = -0.2349060; dapo = (3 * -0.9085603 + 2 * 0.4387482) / 5 = -0.3696369
+# clip range [0.95, 1.05]: seq 1 (A < 0, r < 0.95) is clipped to 0.95: loss 0.475 and no gradient;
+#   seq 0 (A > 0, r < 0.95) is not (min picks r * A); grpo = (-0.9085603 + 0.475) / 2 = -0.2167802;
+#   clip_ratio/low_mean counts seq 1's 2 tokens of 5 = 0.4
+GSPO_HAND = {(0.2, 0.28, "grpo"): -0.2349060, (0.2, 0.28, "dapo"): -0.3696369, (0.05, 0.05, "grpo"): -0.2167802}
+
+
+@pytest.mark.parametrize("eps_low,eps_high,loss_type", list(GSPO_HAND))
+def test_gspo_sequence_level_ratio_hand_example(eps_low, eps_high, loss_type):
+    lp, old = _hand_inputs()
+    loss, met = grpo.policy_loss(lp, old, ADV, MASK, loss_type=loss_type, epsilon=eps_low, epsilon_high=eps_high,
+                                 importance_sampling_level="sequence")
+    ref = _np_reduce(_np_per_token_gspo(np.nan_to_num(lp), np.nan_to_num(old), ADV, MASK, eps_low, eps_high),
+                     MASK, loss_type, 4)
+    np.testing.assert_allclose(float(loss), ref, rtol=1e-6)
+    np.testing.assert_allclose(float(loss), GSPO_HAND[(eps_low, eps_high, loss_type)], rtol=1e-6)
+    np.testing.assert_allclose(float(met["clip_ratio/low_mean"]), 0.4 if eps_low == 0.05 else 0.0, atol=1e-7)
+    assert float(met["clip_ratio/high_mean"]) == 0.0
+    # the gradient by hand: d(-A r_i)/d logp_t = -A r_i / n_i on each unmasked token of an unclipped sequence;
+    # grpo then divides by the sequence's token count n_i (its mean of n_i equal terms) and by B = 2, dapo by
+    # the 5 tokens
+    g = jax.grad(lambda x: grpo.policy_loss(x, old, ADV, MASK, loss_type=loss_type, epsilon=eps_low,
+                                            epsilon_high=eps_high, importance_sampling_level="sequence")[0])(
+        jnp.asarray(lp))
+    r = np.array([0.75 ** (1 / 3), 0.77 ** 0.5])
+    n = MASK.sum(1)
+    active = np.array([True, eps_low != 0.05])
+    per_seq = np.where(active, -ADV * r / n, 0.0) * (1.0 if loss_type == "grpo" else n)
+    expected = np.where(MASK == 1, per_seq[:, None], 0.0) / (2 if loss_type == "grpo" else 5)
+    np.testing.assert_allclose(np.asarray(g), expected, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+def test_gspo_equals_grpo_when_every_sequence_has_one_token(loss_type):
+    """With one unmasked token a sequence, its sequence ratio is its token ratio: the two levels agree."""
+    rng = np.random.default_rng(5)
+    lp = rng.normal(-2.0, 0.5, size=(6, 3)).astype(np.float32)
+    old = (lp + rng.normal(0.0, 0.3, size=(6, 3))).astype(np.float32)
+    mask = np.zeros((6, 3), np.int32)
+    mask[np.arange(6), rng.integers(0, 3, size=6)] = 1
+    adv = rng.normal(size=6).astype(np.float32)
+    kw = dict(loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, max_completion_length=3)
+    tok = grpo.policy_loss(lp, old, adv, mask, **kw)[0]
+    seq = grpo.policy_loss(lp, old, adv, mask, importance_sampling_level="sequence", **kw)[0]
+    np.testing.assert_allclose(float(seq), float(tok), rtol=1e-6)
+    ref = _np_reduce(_np_per_token_gspo(lp, old, adv, mask, 0.2, 0.28), mask, loss_type, 3)
+    np.testing.assert_allclose(float(seq), ref, rtol=1e-5)
+
+
 @pytest.mark.parametrize("est", grpo.KL_ESTIMATORS)
 def test_kl_penalty_matches_numpy(est):
     lp, old = _hand_inputs()
@@ -569,7 +632,8 @@ def _reference_grad(params, batch, cfg):
             ref_logprobs=batch.get("ref_logprobs"), epsilon_high=cfg.get("epsilon_high"),
             truncated=batch["truncated"],
             mask_truncated_completions=cfg.get("mask_truncated_completions", False),
-            rollout_is_weights=batch.get("rollout_is_weights"))[0]
+            rollout_is_weights=batch.get("rollout_is_weights"),
+            importance_sampling_level=cfg.get("importance_sampling_level", "token"))[0]
     return jax.value_and_grad(f)(params)
 
 
@@ -578,6 +642,9 @@ def _reference_grad(params, batch, cfg):
     {"loss_type": "grpo", "mask_truncated_completions": True},
     {"loss_type": "dapo", "epsilon_high": 0.28, "mask_truncated_completions": True},
     {"loss_type": "dr_grpo", "beta": 0.04, "mask_truncated_completions": True},
+    {"loss_type": "grpo", "beta": 0.04, "importance_sampling_level": "sequence"},
+    {"loss_type": "dapo", "epsilon_high": 0.28, "importance_sampling_level": "sequence",
+     "mask_truncated_completions": True},
 ])
 def test_gradient_accumulation_equals_single_batch(cfg):
     params, batch = _toy(1, beta="beta" in cfg)
@@ -600,6 +667,19 @@ def test_gradient_accumulation_equals_single_batch(cfg):
         np.testing.assert_allclose(float(out[4][1][name]), float(out[1][1][name]), rtol=1e-5)
     assert ("kl" in out[1][1]) == ("beta" in cfg)
     assert np.abs(out[1][0]["w"]).max() > 0
+    if cfg.get("importance_sampling_level") == "sequence":  # GSPO's loss in float64, independently of grpo
+        lp = np.asarray(toy_logprob_fn(params, batch)[0], np.float64)
+        m = np.asarray(batch["completion_mask"]) == 1
+        if cfg.get("mask_truncated_completions"):
+            m = m & ~np.asarray(batch["truncated"])[:, None]
+        per = _np_per_token_gspo(lp, batch["old_logprobs"], batch["advantages"], m, 0.2, cfg.get("epsilon_high", 0.2))
+        if cfg.get("beta"):
+            d = np.asarray(batch["ref_logprobs"], np.float64) - lp
+            per = per + cfg["beta"] * (np.exp(d) - d - 1)
+        per = np.where(m, per, 0.0)
+        want = ((per.sum(1) / np.maximum(m.sum(1), 1)).sum() / B if cfg["loss_type"] == "grpo"  # the empty row counts
+                else per.sum() / m.sum())
+        np.testing.assert_allclose(float(out[1][1]["loss"]), want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
@@ -867,11 +947,13 @@ def test_overlong_penalty_hand_worked():
 
 
 def test_update_step_refuses_trl_fields_it_does_not_implement():
-    """A TRL GRPOConfig with GSPO's sequence-level ratio, two-sided clipping or entropy masking ran as plain
-    token-level GRPO without a word."""
-    for field, value in (("importance_sampling_level", "sequence"), ("delta", 2.0), ("top_entropy_quantile", 0.2)):
+    """A TRL GRPOConfig with two-sided clipping or entropy masking ran as plain GRPO without a word; an unknown
+    importance_sampling_level is refused too (GSPO's "sequence" is implemented)."""
+    for field, value in (("delta", 2.0), ("top_entropy_quantile", 0.2)):
         with pytest.raises(ValueError, match=f"make_update_step: {field}={value!r} not supported"):
             update.make_update_step(toy_logprob_fn, {"loss_type": "dapo", field: value})
+    with pytest.raises(ValueError, match="importance_sampling_level must be one of .'token', 'sequence'., got 'seq'"):
+        update.make_update_step(toy_logprob_fn, {"importance_sampling_level": "seq"})
     # at their neutral values they are accepted
     update.make_update_step(toy_logprob_fn, {"loss_type": "dapo", "max_steps": 10, "importance_sampling_level": "token",
                                              "delta": None, "top_entropy_quantile": 1.0})

@@ -1474,6 +1474,23 @@ def test_validate_rollout_correction_keys():
   assert trainer._config_diff(saved, json.loads(c.to_json_best_effort())) == []
 
 
+def test_importance_sampling_level_reaches_the_update_and_is_validated():
+  """rl.importance_sampling_level ("sequence": GSPO) is TRL's field of that name in the update's options, a bad
+  value is named by validate, and a config saved before the key existed reads it as "token"."""
+  c = toy.toy_config()
+  assert trainer.update_config(c)["importance_sampling_level"] == "token"
+  c.rl.importance_sampling_level = "sequence"
+  train_config.validate(c, check_paths=False)
+  assert trainer.update_config(c)["importance_sampling_level"] == "sequence"
+  c.rl.importance_sampling_level = "seq"
+  with pytest.raises(ValueError, match=r"rl.importance_sampling_level='seq' is not one of \('token', 'sequence'\)"):
+    train_config.validate(c, check_paths=False)
+  fresh = toy.toy_config()
+  saved = json.loads(fresh.to_json_best_effort())
+  del saved["rl"]["importance_sampling_level"]
+  assert trainer._config_diff(saved, json.loads(fresh.to_json_best_effort())) == []
+
+
 def _offset_old_logprobs(offsets):
   """A Policy.old_logprobs that returns the sampler's log-probs plus ``offsets[t]`` on completion token ``t`` (the
   toy's sampler and training forward agree bitwise on the CPU: rho would be exactly 1)."""
