@@ -480,6 +480,23 @@ def _check_loss_options(loss_type, epsilon, epsilon_high, beta, kl_estimator):
         raise ValueError(f"beta must be >= 0, got {beta!r}")
 
 
+def _check_loss_extras(importance_sampling_level, delta, top_entropy_quantile) -> None:
+    """ValueError for an unknown importance-sampling level, a ``delta`` that is not a finite float > 1, or a
+    ``top_entropy_quantile`` outside (0, 1]. A ``delta`` at or below 1 would cap the ratio of every on-policy
+    token (ratio 1) and so zero its gradient: refused."""
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                         f"got {importance_sampling_level!r}")
+    if delta is not None and not (isinstance(delta, (int, float)) and not isinstance(delta, bool)
+                                  and math.isfinite(delta) and delta > 1):
+        raise ValueError(f"delta must be None or a finite float > 1 (INTELLECT-2 recommends > 1 + epsilon_high; "
+                         f"at or below 1 it zeroes the gradient of on-policy tokens), got {delta!r}")
+    if not (isinstance(top_entropy_quantile, (int, float)) and not isinstance(top_entropy_quantile, bool)
+            and 0.0 < top_entropy_quantile <= 1.0):
+        raise ValueError(f"top_entropy_quantile must be a float in (0, 1] (1: every token), got "
+                         f"{top_entropy_quantile!r}")
+
+
 def _effective_mask(mask, truncated, mask_truncated_completions):
     """Bool ``[B, T]`` mask with truncated completions removed when asked."""
     mask = jnp.asarray(mask)
@@ -545,7 +562,8 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
                       ref_logprobs=None, kl_estimator: str = "k3", entropy=None, truncated=None,
                       mask_truncated_completions: bool = False,
                       rollout_is_weights=None,
-                      importance_sampling_level: str = "token") -> dict[str, jax.Array]:
+                      importance_sampling_level: str = "token", delta: float | None = None,
+                      top_entropy_quantile: float = 1.0) -> dict[str, jax.Array]:
     """Un-normalised sums of the clipped surrogate loss and its metrics over one (micro-)batch.
 
     Per token ``t`` of sequence ``i`` (DeepSeekMath eq. 3, DAPO clip-higher)::
@@ -560,6 +578,17 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
     its unmasked tokens. Its gradient reaches each token as ``ratio_i / |y_i|``, as GSPO's. GSPO clips this
     ratio far tighter than GRPO (the paper: ``epsilon`` 3e-4, ``epsilon_high`` 4e-4) and pairs it with
     ``loss_type="grpo"``. The token-sum losses weight each sequence by its length; TRL warns about them.
+
+    ``delta`` (two-sided clipping, INTELLECT-2, Prime Intellect 2025; TRL's ``delta``) caps the unclipped
+    branch: ``-min(min(ratio, delta) * A_i, clip(ratio, ...) * A_i)``, which bounds the loss of a negative
+    advantage whose ratio has run far above 1 (the paper recommends ``delta > 1 + epsilon_high``; it used 4).
+
+    ``top_entropy_quantile < 1`` (Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens
+    Drive Effective RL for LLM Reasoning"; TRL's field) keeps the policy term only on the tokens whose
+    ``entropy`` is at least the ``1 - top_entropy_quantile`` quantile (linear interpolation, as
+    ``torch.quantile``) of this batch's unmasked tokens' entropies; the KL term and the normalisers still
+    count every token, as in TRL. In the update step the batch is each micro-batch, as TRL computes it per
+    loss call.
 
     ``rho_t`` is ``rollout_is_weights`` (1 when None), the sampler-mismatch correction of
     :func:`rollout_importance_weights`; as in TRL it weights the clipped policy term only, not the KL term,
@@ -583,9 +612,10 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
     Raises: ValueError/TypeError for bad options or shapes.
     """
     _check_loss_options(loss_type, epsilon, epsilon_high, beta, kl_estimator)
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
-                         f"got {importance_sampling_level!r}")
+    _check_loss_extras(importance_sampling_level, delta, top_entropy_quantile)
+    if top_entropy_quantile < 1.0 and entropy is None:
+        raise ValueError(f"top_entropy_quantile={top_entropy_quantile} < 1 needs entropy [B, T] (the policy's "
+                         "per-token entropy)")
     m = _effective_mask(mask, truncated, mask_truncated_completions)
     shape = m.shape
     logprobs = jnp.asarray(logprobs)
@@ -614,7 +644,15 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
         log_ratio = jnp.broadcast_to(log_ratio.sum(axis=1, keepdims=True) / count, shape)
     ratio = jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    per_token = -jnp.minimum(ratio * adv, clipped * adv)
+    capped = ratio if delta is None else jnp.minimum(ratio, jnp.float32(delta))
+    per_token = -jnp.minimum(capped * adv, clipped * adv)
+    if top_entropy_quantile < 1.0:  # the policy term on the high-entropy tokens only (TRL: before rho and KL)
+        ent = jnp.asarray(entropy)
+        if ent.shape != shape:
+            raise ValueError(f"entropy shape {ent.shape} != mask shape {shape}")
+        ent = jax.lax.stop_gradient(ent.astype(jnp.float32))
+        threshold = jnp.nanquantile(jnp.where(m, ent, jnp.nan), 1.0 - float(top_entropy_quantile))
+        per_token = jnp.where(m & (ent >= threshold), per_token, 0.0)
     if rollout_is_weights is not None:
         rollout_is_weights = jnp.asarray(rollout_is_weights)
         if rollout_is_weights.shape != shape:
@@ -693,13 +731,14 @@ def finalize_policy_loss(terms: Mapping[str, Any], normalizer) -> tuple[jax.Arra
 
 @functools.partial(jax.jit, static_argnames=(
     "loss_type", "epsilon", "epsilon_high", "beta", "max_completion_length", "kl_estimator",
-    "mask_truncated_completions", "importance_sampling_level"))
+    "mask_truncated_completions", "importance_sampling_level", "delta", "top_entropy_quantile"))
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "grpo",
                 epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
                 ref_logprobs=None, max_completion_length: int | None = None,
                 kl_estimator: str = "k3", entropy=None, truncated=None,
                 mask_truncated_completions: bool = False, normalizer=None, rollout_is_weights=None,
-                importance_sampling_level: str = "token") -> tuple[jax.Array, dict[str, jax.Array]]:
+                importance_sampling_level: str = "token", delta: float | None = None,
+                top_entropy_quantile: float = 1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped GRPO / DAPO / Dr. GRPO / BNPO policy loss with optional KL penalty (TRL semantics).
 
     Args:
@@ -732,6 +771,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "g
         by it before adding the KL term); not differentiated. None: 1.
       importance_sampling_level: ``"token"`` (default; GRPO's per-token ratio) or ``"sequence"`` (GSPO's
         per-sequence ratio, the geometric mean of its tokens' ratios; :func:`policy_loss_terms`).
+      delta: None (default) or a float > 1: INTELLECT-2's cap on the unclipped ratio (:func:`policy_loss_terms`).
+      top_entropy_quantile: in (0, 1], default 1 (every token): the fraction of the highest-entropy tokens the
+        policy term keeps (Wang et al. 2025; :func:`policy_loss_terms`); < 1 needs ``entropy``.
 
     Returns:
       ``(loss, metrics)``: float32 scalar loss and a dict of float32 scalars (see
@@ -740,14 +782,15 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "g
     Raises:
       ValueError: unknown ``loss_type``/``kl_estimator``, bad clip ranges, mismatched shapes,
         ``beta > 0`` without ``ref_logprobs``, ``mask_truncated_completions`` without ``truncated``, an
-        unknown ``importance_sampling_level``.
+        unknown ``importance_sampling_level``, a bad ``delta`` or ``top_entropy_quantile`` (or one < 1 without
+        ``entropy``).
     """
     terms = policy_loss_terms(
         logprobs, old_logprobs, advantages, mask, loss_type=loss_type, epsilon=epsilon,
         epsilon_high=epsilon_high, beta=beta, ref_logprobs=ref_logprobs,
         kl_estimator=kl_estimator, entropy=entropy, truncated=truncated,
         mask_truncated_completions=mask_truncated_completions, rollout_is_weights=rollout_is_weights,
-        importance_sampling_level=importance_sampling_level)
+        importance_sampling_level=importance_sampling_level, delta=delta, top_entropy_quantile=top_entropy_quantile)
     if normalizer is None:
         normalizer = loss_normalizer(
             mask, loss_type=loss_type, max_completion_length=max_completion_length,

@@ -56,6 +56,12 @@ Layout (units in brackets)::
                           one ratio a completion, the geometric mean of its tokens' ratios; TRL's option of that
                           name). GSPO clips far tighter: its paper uses rl.epsilon=3e-4, rl.epsilon_high=4e-4,
                           with rl.loss_type="grpo" (a token-sum loss weights each completion by its length)
+  rl.delta                INTELLECT-2's two-sided clipping (TRL's delta): the unclipped ratio is capped at delta,
+                          bounding the loss of a negative advantage whose ratio ran far above 1; 0 (default, or
+                          None in a config file): off; else > 1 + epsilon_high (INTELLECT-2 used 4)
+  rl.top_entropy_quantile the fraction of each micro-batch's completion tokens, by highest entropy, that the
+                          policy term keeps (Wang et al. 2025, "Beyond the 80/20 Rule"; TRL's field; the paper
+                          keeps 0.2); 1 (default): every token. The KL term and the normalisers count every token
   rl.format_reward_kind   the form the format bonus checks (rewards.format_reward): "any" (default: '####',
                           <answer> or \\boxed), "hash", "answer_tags", "boxed", or "think_answer" (QeRL's
                           released <think>...</think><answer>...</answer> term)
@@ -184,6 +190,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.scale_rewards = "group"
   c.rl.mask_truncated_completions = True
   c.rl.importance_sampling_level = "token"  # "sequence": GSPO's one ratio a completion
+  c.rl.delta = 0.0  # INTELLECT-2's cap on the unclipped ratio (TRL's delta); 0: off
+  c.rl.top_entropy_quantile = 1.0  # < 1: the policy term on that fraction of highest-entropy tokens only
   c.rl.format_reward_weight = 0.0
   c.rl.format_reward_kind = "any"  # rewards.FORMAT_KINDS
   c.rl.recompute_old_logprobs = False  # True: old log-probs from the training forward, not the sampler's
@@ -337,6 +345,15 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
   need(rl.get("importance_sampling_level", "token") in IMPORTANCE_SAMPLING_LEVELS,
        f"rl.importance_sampling_level={rl.get('importance_sampling_level')!r} is not one of "
        f"{IMPORTANCE_SAMPLING_LEVELS}")
+  delta = rl.get("delta", 0.0)
+  eps_high = rl.epsilon if rl.epsilon_high is None else rl.epsilon_high
+  need(delta is None or not _all_finite(delta, eps_high)  # the finiteness check names a NaN
+       or float(delta) == 0 or float(delta) > 1 + float(eps_high),
+       f"rl.delta={delta!r} must be 0 (off) or a number > 1 + rl.epsilon_high (INTELLECT-2's cap on the "
+       "unclipped importance ratio)")
+  teq = rl.get("top_entropy_quantile", 1.0)
+  need(not _all_finite(teq) or 0 < float(teq) <= 1,
+       f"rl.top_entropy_quantile={teq!r} must be in (0, 1] (1: every token)")
   need(float(rl.beta) >= 0, f"rl.beta={rl.beta} must be >= 0")
   need(rl.kl_estimator in KL_ESTIMATORS, f"rl.kl_estimator={rl.kl_estimator!r} is not one of "
        f"{KL_ESTIMATORS}")

@@ -855,6 +855,8 @@ _LEGACY_VALUES = {"model.fuse_projections": False,
                   "rl.dynamic_sampling": False,
                   "rl.recompute_old_logprobs": False,
                   "rl.importance_sampling_level": "token",
+                  "rl.delta": 0.0,
+                  "rl.top_entropy_quantile": 1.0,
                   "rl.rollout_correction": "none",
                   "rl.rollout_correction_clip_max": 3.0,
                   "rl.rollout_correction_clip_min": 0.0,
@@ -871,6 +873,7 @@ _LEGACY_VALUES = {"model.fuse_projections": False,
 # dict (JSON form) that holds it: a config with None and one with that value train alike.
 _NONE_MEANS = {"rl.epsilon_high": lambda c: c["rl"]["epsilon"],  # grpo: no clip-higher, epsilon on both sides
                "rl.rollout_correction_clip_min": lambda c: 0.0,  # no lower bound, as 0
+               "rl.delta": lambda c: 0.0,  # no cap, as 0
                "data.eval": lambda c: "",  # no evaluation set, as ""
                "data.system_prompt": lambda c: ""}  # no system message, as ""
 
@@ -1067,6 +1070,8 @@ def update_config(config: ml_collections.ConfigDict) -> dict:
       "max_completion_length": int(config.sampling.max_completion_length),
       "mask_truncated_completions": bool(rl.mask_truncated_completions),
       "importance_sampling_level": str(rl.get("importance_sampling_level", "token")),
+      "delta": float(rl.delta) if rl.get("delta") else None,  # 0 / None: off
+      "top_entropy_quantile": float(rl.get("top_entropy_quantile", 1.0)),
       "gradient_accumulation_steps": int(rl.batch_size) // int(rl.micro_batch_size),
       "learning_rate": float(o.learning_rate), "adam_beta1": float(o.b1), "adam_beta2": float(o.b2),
       "weight_decay": float(o.weight_decay), "max_grad_norm": float(o.max_grad_norm),

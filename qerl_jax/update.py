@@ -48,24 +48,6 @@ def _opt(config: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-# TRL GRPOConfig fields that change the loss and that this update step does not implement, with the value at
-# which they change nothing; a config that sets one otherwise is refused rather than silently run as plain GRPO.
-_UNSUPPORTED_TRL_FIELDS = {
-    "delta": None,                         # two-sided clipping of the ratio (INTELLECT-2)
-    "top_entropy_quantile": 1.0,           # loss on the highest-entropy tokens only
-}
-
-
-def _check_supported(config: Any) -> None:
-    """Raises ValueError naming each :data:`_UNSUPPORTED_TRL_FIELDS` entry ``config`` sets to another value."""
-    bad = {name: _opt(config, name, neutral) for name, neutral in _UNSUPPORTED_TRL_FIELDS.items()}
-    bad = {name: v for name, v in bad.items() if v != _UNSUPPORTED_TRL_FIELDS[name]}
-    if bad:
-        shown = ", ".join(f"{k}={v!r}" for k, v in bad.items())
-        raise ValueError(f"make_update_step: {shown} not supported (TRL GRPOConfig fields this update step does not "
-                         f"implement; leave them at {', '.join(f'{k}={_UNSUPPORTED_TRL_FIELDS[k]!r}' for k in bad)})")
-
-
 class TrainState(NamedTuple):
     """What changes during RL training (a pytree; checkpoint it whole).
 
@@ -226,7 +208,9 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
       config: fields (TRL names): ``loss_type`` ["grpo"], ``epsilon`` [0.2], ``epsilon_high``
         [= epsilon], ``beta`` [0.0], ``kl_estimator`` ["k3"], ``max_completion_length`` [T],
         ``mask_truncated_completions`` [False], ``importance_sampling_level`` ["token"; "sequence" is
-        GSPO, ``grpo.policy_loss_terms``], ``gradient_accumulation_steps`` [1], and the
+        GSPO], ``delta`` [None; INTELLECT-2's two-sided clipping], ``top_entropy_quantile`` [1.0; < 1 keeps
+        the policy term on each micro-batch's highest-entropy tokens] (all three: ``grpo.policy_loss_terms``),
+        ``gradient_accumulation_steps`` [1], and the
         optimizer fields of :func:`make_optimizer` (used when ``optimizer`` is None).
       optimizer: the transformation the train state was made with (default
         ``make_optimizer(config)``).
@@ -262,8 +246,8 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
 
     Raises:
       ValueError: here, for bad config values (loss type, clip range, KL estimator, accumulation
-        steps, ``importance_sampling_level`` other than ``"token"`` or ``"sequence"``) or a TRL field that
-        changes the loss and is not implemented (``delta``, ``top_entropy_quantile < 1``); at trace time (the first
+        steps, ``importance_sampling_level`` other than ``"token"`` or ``"sequence"``, ``delta`` not a
+        float > 1, ``top_entropy_quantile`` outside (0, 1]); at trace time (the first
         call), for a malformed batch.
     """
     loss_type = _opt(config, "loss_type", "grpo")
@@ -273,14 +257,13 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
     kl_estimator = _opt(config, "kl_estimator", "k3")
     max_len = _opt(config, "max_completion_length", None)
     mask_trunc = bool(_opt(config, "mask_truncated_completions", False))
-    is_level = str(_opt(config, "importance_sampling_level", "token"))
-    if is_level not in grpo.IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"importance_sampling_level must be one of {grpo.IMPORTANCE_SAMPLING_LEVELS}, got "
-                         f"{is_level!r}")
+    is_level = _opt(config, "importance_sampling_level", "token")
+    delta = _opt(config, "delta", None)
+    top_entropy_quantile = _opt(config, "top_entropy_quantile", 1.0)
+    grpo._check_loss_extras(is_level, delta, top_entropy_quantile)
     num_micro = int(_opt(config, "gradient_accumulation_steps", 1))
     if num_micro < 1:
         raise ValueError(f"gradient_accumulation_steps must be >= 1, got {num_micro}")
-    _check_supported(config)
     grpo._check_loss_options(loss_type, epsilon, epsilon_high, beta, kl_estimator)
     if optimizer is None:
         optimizer = make_optimizer(config)
@@ -305,7 +288,7 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
                 ref_logprobs=mb.get("ref_logprobs"), kl_estimator=kl_estimator,
                 entropy=entropy, truncated=mb.get("truncated"),
                 mask_truncated_completions=mask_trunc, rollout_is_weights=mb.get("rollout_is_weights"),
-                importance_sampling_level=is_level)
+                importance_sampling_level=is_level, delta=delta, top_entropy_quantile=top_entropy_quantile)
             # bnpo (TRL): each micro-batch's token mean, averaged over the micro-batches; the others: one
             # normaliser for the whole batch
             denom = terms["tokens"] * num_micro if loss_type == "bnpo" else normalizer

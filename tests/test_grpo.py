@@ -163,6 +163,60 @@ def test_gspo_equals_grpo_when_every_sequence_has_one_token(loss_type):
     np.testing.assert_allclose(float(seq), ref, rtol=1e-5)
 
 
+def test_delta_two_sided_clipping_hand_example():
+    """INTELLECT-2's delta caps the unclipped branch: one sequence, A = -1, ratios 3 and 1, epsilon 0.2, delta 2.
+    token 0: -min(min(3, 2) * -1, clip(3, 0.8, 1.2) * -1) = -min(-2, -1.2) = 2 (without delta: 3), no gradient
+    (the cap is constant); token 1: -min(-1, -1) = 1, gradient -A * r = 1. grpo: (2 + 1) / 2 = 1.5."""
+    old = np.log(np.array([[0.2, 0.5]], np.float32))
+    lp = (old + np.log(np.array([[3.0, 1.0]]))).astype(np.float32)
+    mask, adv = np.ones((1, 2), np.int32), np.array([-1.0], np.float32)
+    f = lambda x, d: grpo.policy_loss(x, old, adv, mask, loss_type="grpo", epsilon=0.2, delta=d)[0]
+    np.testing.assert_allclose(float(f(lp, 2.0)), 1.5, rtol=1e-6)
+    np.testing.assert_allclose(float(f(lp, None)), 2.0, rtol=1e-6)
+    np.testing.assert_allclose(float(f(lp, 5.0)), 2.0, rtol=1e-6)  # a cap above the ratio changes nothing
+    np.testing.assert_allclose(np.asarray(jax.grad(f)(jnp.asarray(lp), 2.0)), [[0.0, 0.5]], atol=1e-7)
+    np.testing.assert_allclose(np.asarray(jax.grad(f)(jnp.asarray(lp), None)), [[1.5, 0.5]], rtol=1e-6)
+
+
+# The hand example's entropies; top_entropy_quantile 0.4 keeps tokens at or above the 0.6 quantile of
+# [0.1, 0.3, 0.5, 0.7, 0.9] (linear: 0.5 + 0.4 * 0.2 = 0.58): seq 0 token 2 (0.9) and seq 1 token 1 (0.7).
+# Their losses (HAND): -0.5 and 0.55. grpo = (-0.5 / 3 + 0.55 / 2) / 2 = 0.0541667; dapo = (-0.5 + 0.55) / 5 = 0.01
+ENTROPY = np.array([[0.1, 0.5, 0.9, np.nan], [0.3, 0.7, np.nan, np.nan]], np.float32)
+
+
+@pytest.mark.parametrize("loss_type,want", [("grpo", 0.0541666667), ("dapo", 0.01)])
+def test_top_entropy_quantile_hand_example(loss_type, want):
+    lp, old = _hand_inputs()
+    kw = dict(loss_type=loss_type, epsilon=EPS, epsilon_high=EPS_HIGH, entropy=ENTROPY)
+    loss, met = grpo.policy_loss(lp, old, ADV, MASK, top_entropy_quantile=0.4, **kw)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    assert float(met["num_tokens"]) == 5  # the normalisers still count every token
+    # float64 reference: numpy's linear quantile over the unmasked entropies
+    per = _np_per_token(np.nan_to_num(lp), np.nan_to_num(old), ADV, EPS, EPS_HIGH)
+    ent = np.nan_to_num(ENTROPY.astype(np.float64), nan=-1.0)
+    keep = (MASK == 1) & (ent >= np.quantile(ent[MASK == 1], 0.6))
+    np.testing.assert_allclose(float(loss), _np_reduce(np.where(keep, per, 0.0), MASK, loss_type, 4), rtol=1e-5)
+    # quantile 1 keeps every token; the KL term is not masked (beta = 1, k1 against ref = logp - 0.1: +0.1 a token)
+    full = grpo.policy_loss(lp, old, ADV, MASK, top_entropy_quantile=1.0, **kw)[0]
+    np.testing.assert_allclose(float(full), HAND[loss_type], rtol=1e-5)
+    kl = grpo.policy_loss(lp, old, ADV, MASK, top_entropy_quantile=0.4, beta=1.0, ref_logprobs=lp - 0.1,
+                          kl_estimator="k1", **kw)[0]
+    np.testing.assert_allclose(float(kl) - float(loss), 0.1, rtol=1e-4)
+    g = jax.grad(lambda x: grpo.policy_loss(x, old, ADV, MASK, top_entropy_quantile=0.4, **kw)[0])(jnp.asarray(lp))
+    assert np.count_nonzero(np.asarray(g)) == 2 and np.asarray(g)[0, 2] != 0 and np.asarray(g)[1, 1] != 0
+
+
+def test_delta_and_top_entropy_quantile_refuse_bad_values():
+    lp, old = _hand_inputs()
+    for kw, needle in ((dict(delta=0.0), "delta must be None or a finite float > 1"), (dict(delta=1.0), "delta"),
+                       (dict(delta=float("nan")), "delta must be"), (dict(delta=True), "delta must be"),
+                       (dict(top_entropy_quantile=0.0), r"top_entropy_quantile must be a float in \(0, 1\]"),
+                       (dict(top_entropy_quantile=1.5), "top_entropy_quantile must be"),
+                       (dict(top_entropy_quantile=0.2), "top_entropy_quantile=0.2 < 1 needs entropy")):
+        with pytest.raises(ValueError, match=needle):
+            grpo.policy_loss(lp, old, ADV, MASK, **kw)
+
+
 @pytest.mark.parametrize("est", grpo.KL_ESTIMATORS)
 def test_kl_penalty_matches_numpy(est):
     lp, old = _hand_inputs()
@@ -946,14 +1000,38 @@ def test_overlong_penalty_hand_worked():
       grpo.overlong_penalty(*args)
 
 
-def test_update_step_refuses_trl_fields_it_does_not_implement():
-    """A TRL GRPOConfig with two-sided clipping or entropy masking ran as plain GRPO without a word; an unknown
-    importance_sampling_level is refused too (GSPO's "sequence" is implemented)."""
-    for field, value in (("delta", 2.0), ("top_entropy_quantile", 0.2)):
-        with pytest.raises(ValueError, match=f"make_update_step: {field}={value!r} not supported"):
+def test_update_step_checks_the_trl_loss_fields_at_build_time():
+    """TRL's importance_sampling_level, delta and top_entropy_quantile are implemented; bad values are refused
+    when the step is built, not at its first call."""
+    for field, value, needle in (("importance_sampling_level", "seq", "importance_sampling_level must be one of"),
+                                 ("delta", -1.0, "delta must be"), ("top_entropy_quantile", 0.0,
+                                                                    "top_entropy_quantile must be")):
+        with pytest.raises(ValueError, match=needle):
             update.make_update_step(toy_logprob_fn, {"loss_type": "dapo", field: value})
-    with pytest.raises(ValueError, match="importance_sampling_level must be one of .'token', 'sequence'., got 'seq'"):
-        update.make_update_step(toy_logprob_fn, {"importance_sampling_level": "seq"})
+
+
+@pytest.mark.parametrize("cfg", [{"loss_type": "dapo", "delta": 1.1, "epsilon_high": 0.28},
+                                 {"loss_type": "grpo", "top_entropy_quantile": 0.3}])
+def test_update_step_with_delta_or_entropy_mask_matches_numpy(cfg):
+    """The update step's loss with INTELLECT-2's delta or TRL's entropy mask against a float64 reference; the
+    entropy quantile is each micro-batch's, as TRL's (one micro-batch here, so the whole batch's)."""
+    params, batch = _toy(4)
+    sgd = optax.sgd(1.0)
+    step_fn = update.make_update_step(toy_logprob_fn, cfg, optimizer=sgd)
+    _, met = step_fn(update.make_train_state(params, sgd), batch, 3, jax.random.key(0))
+    lp, ent = (np.asarray(x, np.float64) for x in toy_logprob_fn(params, batch))
+    m = np.asarray(batch["completion_mask"]) == 1
+    r = np.exp(lp - np.asarray(batch["old_logprobs"], np.float64))
+    a = np.asarray(batch["advantages"], np.float64)[:, None]
+    eps_high = cfg.get("epsilon_high", 0.2)
+    per = -np.minimum(np.minimum(r, cfg.get("delta", np.inf)) * a, np.clip(r, 0.8, 1 + eps_high) * a)
+    if "top_entropy_quantile" in cfg:
+        per = np.where(ent >= np.quantile(ent[m], 1 - cfg["top_entropy_quantile"]), per, 0.0)
+    per = np.where(m, per, 0.0)
+    want = ((per.sum(1) / np.maximum(m.sum(1), 1)).sum() / B if cfg["loss_type"] == "grpo" else per.sum() / m.sum())
+    np.testing.assert_allclose(float(met["loss"]), want, rtol=1e-5)
+    plain, _ = _reference_grad(params, batch, {"loss_type": cfg["loss_type"], "epsilon_high": eps_high})
+    assert abs(float(plain) - want) > 1e-4  # the option changed the loss on this batch
     # at their neutral values they are accepted
     update.make_update_step(toy_logprob_fn, {"loss_type": "dapo", "max_steps": 10, "importance_sampling_level": "token",
                                              "delta": None, "top_entropy_quantile": 1.0})

@@ -1491,6 +1491,42 @@ def test_importance_sampling_level_reaches_the_update_and_is_validated():
   assert trainer._config_diff(saved, json.loads(fresh.to_json_best_effort())) == []
 
 
+def test_delta_and_top_entropy_quantile_reach_the_update_and_are_validated():
+  """rl.delta (INTELLECT-2's cap; 0 or None: off) and rl.top_entropy_quantile are TRL's delta and
+  top_entropy_quantile in the update's options; validate names bad values once each."""
+  c = toy.toy_config()  # epsilon 0.2, epsilon_high 0.28
+  opts = trainer.update_config(c)
+  assert opts["delta"] is None and opts["top_entropy_quantile"] == 1.0
+  c.rl.delta, c.rl.top_entropy_quantile = 4.0, 0.2
+  train_config.validate(c, check_paths=False)
+  opts = trainer.update_config(c)
+  assert opts["delta"] == 4.0 and opts["top_entropy_quantile"] == 0.2
+  c.rl.delta = None  # a config file's None: off, as 0
+  train_config.validate(c, check_paths=False)
+  assert trainer.update_config(c)["delta"] is None
+
+  def problems(**kw):
+    c = toy.toy_config()
+    for key, value in kw.items():
+      c.rl[key] = value
+    try:
+      train_config.validate(c, check_paths=False)
+    except ValueError as e:
+      return str(e).splitlines()[1:]
+    return []
+
+  assert problems(delta=1.2) == ["  - rl.delta=1.2 must be 0 (off) or a number > 1 + rl.epsilon_high (INTELLECT-2's "
+                                 "cap on the unclipped importance ratio)"]
+  assert problems(delta=1.29) == []
+  assert problems(top_entropy_quantile=0.0) == ["  - rl.top_entropy_quantile=0.0 must be in (0, 1] (1: every token)"]
+  assert problems(top_entropy_quantile=1.5) == ["  - rl.top_entropy_quantile=1.5 must be in (0, 1] (1: every token)"]
+  assert problems(delta=float("nan")) == ["  - rl.delta=nan must be a finite number (within float32's range)"]
+  saved = json.loads(toy.toy_config().to_json_best_effort())
+  for key in ("delta", "top_entropy_quantile"):
+    del saved["rl"][key]
+  assert trainer._config_diff(saved, json.loads(toy.toy_config().to_json_best_effort())) == []
+
+
 def _offset_old_logprobs(offsets):
   """A Policy.old_logprobs that returns the sampler's log-probs plus ``offsets[t]`` on completion token ``t`` (the
   toy's sampler and training forward agree bitwise on the CPU: rho would be exactly 1)."""
