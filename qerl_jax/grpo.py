@@ -514,6 +514,23 @@ def _effective_mask(mask, truncated, mask_truncated_completions):
     return m
 
 
+def _masked_quantile(x, mask, q: float) -> jax.Array:
+    """``torch.quantile(x[mask], q)`` (linear interpolation) as a float32 scalar; NaN when ``mask`` is empty.
+
+    As torch: rank ``q * (n - 1)`` in float32 and its two neighbours in the sorted values interpolated with
+    torch's ``lerp``, which gives ``v`` exactly between two equal values ``v``. ``jnp.nanquantile`` computes
+    ``v * (1 - w) + v * w`` instead, which can round above ``v``: a ``>=`` test then drops every token tied at
+    the quantile. Entries outside ``mask`` (possibly non-finite) are never read."""
+    n = mask.sum()
+    s = jnp.sort(jnp.where(mask, x, jnp.inf).ravel())
+    rank = jnp.float32(q) * (jnp.maximum(n, 1) - 1).astype(jnp.float32)
+    below = rank.astype(jnp.int32)  # rank >= 0: the floor
+    w = rank - below.astype(jnp.float32)
+    a, b = s[below], s[jnp.ceil(rank).astype(jnp.int32)]
+    value = jnp.where(w < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))
+    return jnp.where(n > 0, value, jnp.nan)
+
+
 def loss_normalizer(mask, *, loss_type: str, max_completion_length: int | None = None,
                     truncated=None, mask_truncated_completions: bool = False) -> jax.Array:
     """The denominator of ``loss_type`` for a batch (or a whole gradient-accumulation window), as TRL's
@@ -651,7 +668,7 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
         if ent.shape != shape:
             raise ValueError(f"entropy shape {ent.shape} != mask shape {shape}")
         ent = jax.lax.stop_gradient(ent.astype(jnp.float32))
-        threshold = jnp.nanquantile(jnp.where(m, ent, jnp.nan), 1.0 - float(top_entropy_quantile))
+        threshold = _masked_quantile(ent, m, 1.0 - float(top_entropy_quantile))
         per_token = jnp.where(m & (ent >= threshold), per_token, 0.0)
     if rollout_is_weights is not None:
         rollout_is_weights = jnp.asarray(rollout_is_weights)

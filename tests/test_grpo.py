@@ -206,6 +206,20 @@ def test_top_entropy_quantile_hand_example(loss_type, want):
     assert np.count_nonzero(np.asarray(g)) == 2 and np.asarray(g)[0, 2] != 0 and np.asarray(g)[1, 1] != 0
 
 
+def test_top_entropy_quantile_keeps_tokens_tied_at_the_quantile():
+    """Entropies [v, v, 3.5], top_entropy_quantile 0.8: the 0.2 quantile sits between the two v's (rank 0.4), so
+    it is v (torch.quantile's lerp, numpy's linear method) and every token is kept. jnp.nanquantile computes
+    v * 0.6 + v * 0.4, which rounds above v for some v and dropped both tied tokens. With ratio 1 and A = 1 each
+    kept token's dapo loss is -1/3: the loss is -(kept tokens) / 3."""
+    lp = np.full((1, 3), -1.0, np.float32)
+    mask, adv = np.ones((1, 3), np.int32), np.ones(1, np.float32)
+    for v in np.linspace(0.05, 3.0, 60, dtype=np.float32):
+        ent = np.array([[v, v, 3.5]], np.float32)
+        assert np.quantile(ent.astype(np.float64), 0.2) == np.float64(v)  # the threshold, independently
+        loss = grpo.policy_loss(lp, lp, adv, mask, loss_type="dapo", entropy=ent, top_entropy_quantile=0.8)[0]
+        np.testing.assert_allclose(float(loss), -1.0, rtol=1e-6, err_msg=f"v={v!r}")
+
+
 def test_delta_and_top_entropy_quantile_refuse_bad_values():
     lp, old = _hand_inputs()
     for kw, needle in ((dict(delta=0.0), "delta must be None or a finite float > 1"), (dict(delta=1.0), "delta"),
