@@ -482,7 +482,7 @@ def _check_loss_options(loss_type, epsilon, epsilon_high, beta, kl_estimator):
 
 def _check_loss_extras(importance_sampling_level, delta, top_entropy_quantile) -> None:
     """ValueError for an unknown importance-sampling level, a ``delta`` that is not a finite float > 1, or a
-    ``top_entropy_quantile`` outside (0, 1]. A ``delta`` at or below 1 would cap the ratio of every on-policy
+    ``top_entropy_quantile`` outside [0, 1]. A ``delta`` at or below 1 would cap the ratio of every on-policy
     token (ratio 1) and so zero its gradient: refused."""
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
@@ -492,8 +492,9 @@ def _check_loss_extras(importance_sampling_level, delta, top_entropy_quantile) -
         raise ValueError(f"delta must be None or a finite float > 1 (INTELLECT-2 recommends > 1 + epsilon_high; "
                          f"at or below 1 it zeroes the gradient of on-policy tokens), got {delta!r}")
     if not (isinstance(top_entropy_quantile, (int, float)) and not isinstance(top_entropy_quantile, bool)
-            and 0.0 < top_entropy_quantile <= 1.0):
-        raise ValueError(f"top_entropy_quantile must be a float in (0, 1] (1: every token), got "
+            and 0.0 <= top_entropy_quantile <= 1.0):
+        raise ValueError(f"top_entropy_quantile must be a float in [0, 1] (1: every token; 0: the highest-entropy "
+                         f"token and its ties), got "
                          f"{top_entropy_quantile!r}")
 
 
@@ -789,7 +790,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "g
       importance_sampling_level: ``"token"`` (default; GRPO's per-token ratio) or ``"sequence"`` (GSPO's
         per-sequence ratio, the geometric mean of its tokens' ratios; :func:`policy_loss_terms`).
       delta: None (default) or a float > 1: INTELLECT-2's cap on the unclipped ratio (:func:`policy_loss_terms`).
-      top_entropy_quantile: in (0, 1], default 1 (every token): the fraction of the highest-entropy tokens the
+      top_entropy_quantile: in [0, 1], default 1 (every token): the fraction of the highest-entropy tokens the
         policy term keeps (Wang et al. 2025; :func:`policy_loss_terms`); < 1 needs ``entropy``.
 
     Returns:

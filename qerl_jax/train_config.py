@@ -352,8 +352,8 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
        f"rl.delta={delta!r} must be 0 (off) or a number > 1 + rl.epsilon_high (INTELLECT-2's cap on the "
        "unclipped importance ratio)")
   teq = rl.get("top_entropy_quantile", 1.0)
-  need(not _all_finite(teq) or 0 < float(teq) <= 1,
-       f"rl.top_entropy_quantile={teq!r} must be in (0, 1] (1: every token)")
+  need(not _all_finite(teq) or 0 <= float(teq) <= 1,
+       f"rl.top_entropy_quantile={teq!r} must be in [0, 1] (1: every token; 0: the highest-entropy token and its ties)")
   need(float(rl.beta) >= 0, f"rl.beta={rl.beta} must be >= 0")
   need(rl.kl_estimator in KL_ESTIMATORS, f"rl.kl_estimator={rl.kl_estimator!r} is not one of "
        f"{KL_ESTIMATORS}")

@@ -202,7 +202,7 @@ def _rollout_correction(config, batch: dict, sampler_logprobs) -> tuple[jax.Arra
   """``(rho [N, T] float32, metrics)``: TRL's correction of the sampler's training-inference mismatch
   (``vllm_importance_sampling_correction``; Yao et al. 2025, truncated importance sampling), the update's weight
   of each completion token's clipped loss, and its ``sampling/importance_sampling_ratio/min``, ``/mean``,
-  ``/max`` (over the tokens, or the sequences in the sequence modes, that count in the loss).
+  ``/max`` (over the tokens, or the sequences in the sequence and geometric modes, that count in the loss).
 
   Args:
     config: the run's config; ``rl.rollout_correction`` (a mode, not "none"), ``rl.rollout_correction_clip_min``

@@ -247,7 +247,7 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
     Raises:
       ValueError: here, for bad config values (loss type, clip range, KL estimator, accumulation
         steps, ``importance_sampling_level`` other than ``"token"`` or ``"sequence"``, ``delta`` not a
-        float > 1, ``top_entropy_quantile`` outside (0, 1]); at trace time (the first
+        float > 1, ``top_entropy_quantile`` outside [0, 1]); at trace time (the first
         call), for a malformed batch.
     """
     loss_type = _opt(config, "loss_type", "grpo")

@@ -202,6 +202,9 @@ def test_top_entropy_quantile_hand_example(loss_type, want):
     kl = grpo.policy_loss(lp, old, ADV, MASK, top_entropy_quantile=0.4, beta=1.0, ref_logprobs=lp - 0.1,
                           kl_estimator="k1", **kw)[0]
     np.testing.assert_allclose(float(kl) - float(loss), 0.1, rtol=1e-4)
+    # TRL's lower end, 0: the quantile is the maximum, so only seq 0 token 2 (0.9) keeps its term (-0.5)
+    top = grpo.policy_loss(lp, old, ADV, MASK, top_entropy_quantile=0.0, **kw)[0]
+    np.testing.assert_allclose(float(top), -0.5 / 3 / 2 if loss_type == "grpo" else -0.5 / 5, rtol=1e-5)
     g = jax.grad(lambda x: grpo.policy_loss(x, old, ADV, MASK, top_entropy_quantile=0.4, **kw)[0])(jnp.asarray(lp))
     assert np.count_nonzero(np.asarray(g)) == 2 and np.asarray(g)[0, 2] != 0 and np.asarray(g)[1, 1] != 0
 
@@ -224,7 +227,7 @@ def test_delta_and_top_entropy_quantile_refuse_bad_values():
     lp, old = _hand_inputs()
     for kw, needle in ((dict(delta=0.0), "delta must be None or a finite float > 1"), (dict(delta=1.0), "delta"),
                        (dict(delta=float("nan")), "delta must be"), (dict(delta=True), "delta must be"),
-                       (dict(top_entropy_quantile=0.0), r"top_entropy_quantile must be a float in \(0, 1\]"),
+                       (dict(top_entropy_quantile=-0.1), r"top_entropy_quantile must be a float in \[0, 1\]"),
                        (dict(top_entropy_quantile=1.5), "top_entropy_quantile must be"),
                        (dict(top_entropy_quantile=0.2), "top_entropy_quantile=0.2 < 1 needs entropy")):
         with pytest.raises(ValueError, match=needle):
@@ -1018,7 +1021,7 @@ def test_update_step_checks_the_trl_loss_fields_at_build_time():
     """TRL's importance_sampling_level, delta and top_entropy_quantile are implemented; bad values are refused
     when the step is built, not at its first call."""
     for field, value, needle in (("importance_sampling_level", "seq", "importance_sampling_level must be one of"),
-                                 ("delta", -1.0, "delta must be"), ("top_entropy_quantile", 0.0,
+                                 ("delta", -1.0, "delta must be"), ("top_entropy_quantile", 1.5,
                                                                     "top_entropy_quantile must be")):
         with pytest.raises(ValueError, match=needle):
             update.make_update_step(toy_logprob_fn, {"loss_type": "dapo", field: value})

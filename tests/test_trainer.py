@@ -1518,8 +1518,11 @@ def test_delta_and_top_entropy_quantile_reach_the_update_and_are_validated():
   assert problems(delta=1.2) == ["  - rl.delta=1.2 must be 0 (off) or a number > 1 + rl.epsilon_high (INTELLECT-2's "
                                  "cap on the unclipped importance ratio)"]
   assert problems(delta=1.29) == []
-  assert problems(top_entropy_quantile=0.0) == ["  - rl.top_entropy_quantile=0.0 must be in (0, 1] (1: every token)"]
-  assert problems(top_entropy_quantile=1.5) == ["  - rl.top_entropy_quantile=1.5 must be in (0, 1] (1: every token)"]
+  assert problems(top_entropy_quantile=0.0) == []  # TRL's lower end: the highest-entropy token (and ties) only
+  assert problems(top_entropy_quantile=-0.1) == ["  - rl.top_entropy_quantile=-0.1 must be in [0, 1] (1: every token; 0: "
+                                                 "the highest-entropy token and its ties)"]
+  assert problems(top_entropy_quantile=1.5) == ["  - rl.top_entropy_quantile=1.5 must be in [0, 1] (1: every token; 0: "
+                                                "the highest-entropy token and its ties)"]
   assert problems(delta=float("nan")) == ["  - rl.delta=nan must be a finite number (within float32's range)"]
   saved = json.loads(toy.toy_config().to_json_best_effort())
   for key in ("delta", "top_entropy_quantile"):
