@@ -56,7 +56,7 @@ __all__ = [
     "completion_metrics",
 ]
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
 # TRL's vllm_importance_sampling_mode values (rollout_importance_weights)
@@ -480,9 +480,9 @@ def _check_loss_options(loss_type, epsilon, epsilon_high, beta, kl_estimator):
         raise ValueError(f"beta must be >= 0, got {beta!r}")
 
 
-def _check_loss_extras(importance_sampling_level, delta, top_entropy_quantile) -> None:
+def _check_loss_extras(importance_sampling_level, delta, top_entropy_quantile, loss_type=None) -> None:
     """ValueError for an unknown importance-sampling level, a ``delta`` that is not a finite float > 1, or a
-    ``top_entropy_quantile`` outside [0, 1]. A ``delta`` at or below 1 would cap the ratio of every on-policy
+    ``top_entropy_quantile`` outside [0, 1], or a ``delta`` with ``loss_type="cispo"``. A ``delta`` at or below 1 would cap the ratio of every on-policy
     token (ratio 1) and so zero its gradient: refused."""
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
@@ -491,6 +491,9 @@ def _check_loss_extras(importance_sampling_level, delta, top_entropy_quantile) -
                                   and math.isfinite(delta) and delta > 1):
         raise ValueError(f"delta must be None or a finite float > 1 (INTELLECT-2 recommends > 1 + epsilon_high; "
                          f"at or below 1 it zeroes the gradient of on-policy tokens), got {delta!r}")
+    if delta is not None and loss_type == "cispo":
+        raise ValueError("delta caps the clipped losses' unclipped branch; loss_type='cispo' has none (its cap is "
+                         "epsilon_high): leave delta None")
     if not (isinstance(top_entropy_quantile, (int, float)) and not isinstance(top_entropy_quantile, bool)
             and 0.0 <= top_entropy_quantile <= 1.0):
         raise ValueError(f"top_entropy_quantile must be a float in [0, 1] (1: every token; 0: the highest-entropy "
@@ -541,7 +544,8 @@ def loss_normalizer(mask, *, loss_type: str, max_completion_length: int | None =
       :func:`policy_loss_terms`; DeepSeekMath eq. 3). A sequence with no unmasked token (a truncated one
       dropped by ``mask_truncated_completions``) adds 0 to the numerator and still counts here, as in
       TRL's ``.mean()`` over the batch;
-    * ``bnpo`` / ``dapo``: number of unmasked tokens (DAPO's token-level loss, BNPO);
+    * ``bnpo`` / ``dapo`` / ``cispo``: number of unmasked tokens (DAPO's token-level loss, BNPO; TRL's
+      ``cispo`` takes the accumulation window's tokens, as ``dapo``);
     * ``dr_grpo`` (Dr. GRPO, Liu et al. 2025): ``B * max_completion_length`` (default ``T``), a constant:
       dropped truncated sequences still count.
     For ``grpo``, ``dapo`` and ``dr_grpo``, summing the numerators of several micro-batches and dividing
@@ -567,7 +571,7 @@ def loss_normalizer(mask, *, loss_type: str, max_completion_length: int | None =
     m = _effective_mask(mask, truncated, mask_truncated_completions)
     if loss_type == "grpo":
         return jnp.float32(m.shape[0])
-    if loss_type in ("bnpo", "dapo"):
+    if loss_type in ("bnpo", "dapo", "cispo"):
         return m.sum().astype(jnp.float32)
     length = m.shape[1] if max_completion_length is None else max_completion_length
     if not _is_int(length) or length < 1:
@@ -596,6 +600,13 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
     its unmasked tokens. Its gradient reaches each token as ``ratio_i / |y_i|``, as GSPO's. GSPO clips this
     ratio far tighter than GRPO (the paper: ``epsilon`` 3e-4, ``epsilon_high`` 4e-4) and pairs it with
     ``loss_type="grpo"``. The token-sum losses weight each sequence by its length; TRL warns about them.
+
+    ``loss_type="cispo"`` (MiniMax-M1, 2025, eq. 4; TRL's ``cispo``) clips the importance weight instead and
+    keeps every token's gradient: ``l = -sg(min(ratio, epsilon_high)) * A_i * logprobs_t`` (+ beta * KL), where
+    ``epsilon_high`` is the absolute cap epsilon_max (ScaleRL and TRL recommend 5.0; ``epsilon`` is unused), then
+    summed over the tokens and divided by the token count as ``dapo``. Its clip metric is TRL's
+    ``cispo_clip_ratio``, ``ratio > epsilon_high`` with ``A > 0``, reported as ``clip_high`` and ``clip_region``.
+    ``delta`` does not apply to it, as in TRL.
 
     ``delta`` (two-sided clipping, INTELLECT-2, Prime Intellect 2025; TRL's ``delta``) caps the unclipped
     branch: ``-min(min(ratio, delta) * A_i, clip(ratio, ...) * A_i)``, which bounds the loss of a negative
@@ -630,7 +641,7 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
     Raises: ValueError/TypeError for bad options or shapes.
     """
     _check_loss_options(loss_type, epsilon, epsilon_high, beta, kl_estimator)
-    _check_loss_extras(importance_sampling_level, delta, top_entropy_quantile)
+    _check_loss_extras(importance_sampling_level, delta, top_entropy_quantile, loss_type)
     if top_entropy_quantile < 1.0 and entropy is None:
         raise ValueError(f"top_entropy_quantile={top_entropy_quantile} < 1 needs entropy [B, T] (the policy's "
                          "per-token entropy)")
@@ -662,8 +673,12 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
         log_ratio = jnp.broadcast_to(log_ratio.sum(axis=1, keepdims=True) / count, shape)
     ratio = jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    capped = ratio if delta is None else jnp.minimum(ratio, jnp.float32(delta))
-    per_token = -jnp.minimum(capped * adv, clipped * adv)
+    if loss_type == "cispo":  # MiniMax-M1: the clipped ratio is a weight on the REINFORCE term, not differentiated
+        weight = jax.lax.stop_gradient(jnp.minimum(ratio, jnp.float32(eps_high)))
+        per_token = -weight * adv * lp
+    else:
+        capped = ratio if delta is None else jnp.minimum(ratio, jnp.float32(delta))
+        per_token = -jnp.minimum(capped * adv, clipped * adv)
     if top_entropy_quantile < 1.0:  # the policy term on the high-entropy tokens only (TRL: before rho and KL)
         ent = jnp.asarray(entropy)
         if ent.shape != shape:
@@ -699,8 +714,12 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
     else:
         loss_sum = per_token.sum()
 
-    low = (ratio < 1.0 - eps_low) & (adv < 0) & m
-    high = (ratio > 1.0 + eps_high) & (adv > 0) & m
+    if loss_type == "cispo":  # TRL's cispo_clip_ratio: the weight was capped where it counts (A > 0)
+        low = jnp.zeros(shape, bool)
+        high = (ratio > eps_high) & (adv > 0) & m
+    else:
+        low = (ratio < 1.0 - eps_low) & (adv < 0) & m
+        high = (ratio > 1.0 + eps_high) & (adv > 0) & m
     ent_sum = jnp.float32(0.0)
     if entropy is not None:
         entropy = jnp.asarray(entropy)
@@ -772,9 +791,11 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "g
         (DeepSeekMath; TRL); ``"bnpo"`` / ``"dapo"``: sum over all tokens / number of tokens (DAPO
         token-level mean; in a gradient-accumulation window ``dapo`` uses the window's token count and
         ``bnpo`` each micro-batch's, as TRL: :func:`loss_normalizer`); ``"dr_grpo"``: sum over all
-        tokens / (``B`` x ``max_completion_length``) (Dr. GRPO).
-      epsilon: lower clip range (ratio clipped below at ``1 - epsilon``).
-      epsilon_high: upper clip range (DAPO clip-higher, e.g. 0.28); default ``epsilon``.
+        tokens / (``B`` x ``max_completion_length``) (Dr. GRPO); ``"cispo"``: MiniMax-M1's clipped
+        importance-weighted REINFORCE, reduced as ``dapo`` (:func:`policy_loss_terms`).
+      epsilon: lower clip range (ratio clipped below at ``1 - epsilon``); unused by ``cispo``.
+      epsilon_high: upper clip range (DAPO clip-higher, e.g. 0.28); default ``epsilon``. For ``cispo`` the
+        absolute cap epsilon_max of the importance weight (TRL and ScaleRL recommend 5.0).
       beta: KL coefficient; > 0 needs ``ref_logprobs``.
       ref_logprobs: ``[B, T]`` log-probs under the reference policy (the same model with LoRA off);
         when given, the ``kl`` metric is reported even with ``beta == 0``.

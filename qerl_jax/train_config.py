@@ -46,7 +46,8 @@ Layout (units in brackets)::
   data.task               "gsm8k" | "math" (prompt fields and reward)
   data.system_prompt, data.user_template ("{question}" + instructions),
   data.max_prompt_length [tokens], data.eval_size [prompts]
-  rl.loss_type            "grpo" | "bnpo" | "dapo" | "dr_grpo"
+  rl.loss_type            "grpo" | "bnpo" | "dapo" | "dr_grpo" | "cispo" (MiniMax-M1's clipped IS-weight
+                          REINFORCE; rl.epsilon_high is then its cap epsilon_max, e.g. 5.0)
   rl.num_generations      G, completions per prompt (group size)
   rl.batch_size           completions per step (TRL's convention); prompts per step = batch_size / G
   rl.micro_batch_size     completions per gradient-accumulation micro-batch
@@ -118,7 +119,7 @@ __all__ = ["base_config", "validate", "data_spec_error", "config_flags_parser", 
            "LOSS_TYPES", "ROLLOUT_CORRECTIONS", "IMPORTANCE_SAMPLING_LEVELS"]
 
 LORA_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
 QUANTS = ("nvfp4", "nf4", "none")
 TASKS = ("gsm8k", "math")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -347,7 +348,14 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
        f"{IMPORTANCE_SAMPLING_LEVELS}")
   delta = rl.get("delta", 0.0)
   eps_high = rl.epsilon if rl.epsilon_high is None else rl.epsilon_high
-  need(delta is None or not _all_finite(delta, eps_high)  # the finiteness check names a NaN
+  cispo = rl.loss_type == "cispo"
+  need(not cispo or not _all_finite(eps_high) or float(eps_high) >= 1,
+       f"rl.loss_type='cispo' takes rl.epsilon_high as its cap epsilon_max on the importance weight, and "
+       f"{eps_high} < 1 would shrink every on-policy token's weight: set it, e.g. --config.rl.epsilon_high=5.0 "
+       "(TRL's and ScaleRL's recommendation)")
+  need(not cispo or not delta, f"rl.delta={delta!r} caps the clipped losses' unclipped branch; "
+       "rl.loss_type='cispo' has none (its cap is rl.epsilon_high): leave rl.delta=0")
+  need(cispo or delta is None or not _all_finite(delta, eps_high)  # the finiteness check names a NaN
        or float(delta) == 0 or float(delta) > 1 + float(eps_high),
        f"rl.delta={delta!r} must be 0 (off) or a number > 1 + rl.epsilon_high (INTELLECT-2's cap on the "
        "unclipped importance ratio)")

@@ -260,7 +260,7 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
     is_level = _opt(config, "importance_sampling_level", "token")
     delta = _opt(config, "delta", None)
     top_entropy_quantile = _opt(config, "top_entropy_quantile", 1.0)
-    grpo._check_loss_extras(is_level, delta, top_entropy_quantile)
+    grpo._check_loss_extras(is_level, delta, top_entropy_quantile, loss_type)
     num_micro = int(_opt(config, "gradient_accumulation_steps", 1))
     if num_micro < 1:
         raise ValueError(f"gradient_accumulation_steps must be >= 1, got {num_micro}")

@@ -46,6 +46,12 @@ def _np_per_token(lp, old, adv, eps_low, eps_high, beta=0.0, ref=None, est="k3")
     return loss
 
 
+def _np_per_token_cispo(lp, old, adv, eps_max):
+    """float64 reference of CISPO's per-token loss value, -min(r, eps_max) * A * logp (MiniMax-M1 eq. 4)."""
+    lp, old = np.asarray(lp, np.float64), np.asarray(old, np.float64)
+    return -np.minimum(np.exp(lp - old), eps_max) * np.asarray(adv, np.float64)[:, None] * lp
+
+
 def _np_reduce(per_token, mask, loss_type, max_len):
     m = np.asarray(mask, bool)
     pt = np.where(m, per_token, 0.0)
@@ -53,7 +59,7 @@ def _np_reduce(per_token, mask, loss_type, max_len):
         n = m.sum(1)
         keep = n > 0
         return (pt.sum(1)[keep] / n[keep]).mean() if keep.any() else 0.0
-    if loss_type in ("bnpo", "dapo"):
+    if loss_type in ("bnpo", "dapo", "cispo"):
         return pt.sum() / max(m.sum(), 1)
     return pt.sum() / (m.shape[0] * max_len)
 
@@ -69,7 +75,10 @@ def _np_reduce(per_token, mask, loss_type, max_len):
 #   dr_grpo = (-2.78 + 0.95) / (2 seqs * 4)  = -0.22875
 #   clip metrics over 5 tokens: low (r < 0.8, A < 0) = seq1 tok0 -> 0.2; high (r > 1.28, A > 0) =
 #   seq0 tok1 -> 0.2; region 0.4. (seq0 tok2 has r = 0.5 < 0.8 but A > 0: not low-clipped.)
-HAND = {"grpo": -0.2258333333, "bnpo": -0.366, "dapo": -0.366, "dr_grpo": -0.22875}
+# cispo (epsilon_high 0.28 as its cap): every ratio is above 0.28, so each weight is 0.28:
+#   seq 0: -0.28 * log(0.5, 0.3, 0.15) = 0.194081, 0.337112, 0.531194; seq 1: +0.14 * log(0.28, 0.66) = -0.178215,
+#   -0.058172; sum 0.826000 / 5 tokens = 0.1652000; its clip metric: A > 0 and r > 0.28 on seq 0's 3 tokens = 0.6
+HAND = {"grpo": -0.2258333333, "bnpo": -0.366, "dapo": -0.366, "dr_grpo": -0.22875, "cispo": 0.1651999670}
 
 
 @pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
@@ -77,13 +86,15 @@ def test_hand_example_each_loss_type(loss_type):
     lp, old = _hand_inputs()
     loss, met = grpo.policy_loss(lp, old, ADV, MASK, loss_type=loss_type, epsilon=EPS,
                                  epsilon_high=EPS_HIGH, max_completion_length=4)
-    ref = _np_reduce(_np_per_token(np.nan_to_num(lp), np.nan_to_num(old), ADV, EPS, EPS_HIGH),
-                     MASK, loss_type, 4)
+    per = (_np_per_token_cispo(np.nan_to_num(lp), np.nan_to_num(old), ADV, EPS_HIGH) if loss_type == "cispo" else
+           _np_per_token(np.nan_to_num(lp), np.nan_to_num(old), ADV, EPS, EPS_HIGH))
+    ref = _np_reduce(per, MASK, loss_type, 4)
     np.testing.assert_allclose(float(loss), ref, rtol=1e-6)
     np.testing.assert_allclose(float(loss), HAND[loss_type], rtol=1e-6)
-    np.testing.assert_allclose(float(met["clip_ratio/low_mean"]), 0.2, rtol=1e-6)
-    np.testing.assert_allclose(float(met["clip_ratio/high_mean"]), 0.2, rtol=1e-6)
-    np.testing.assert_allclose(float(met["clip_ratio/region_mean"]), 0.4, rtol=1e-6)
+    low, high, region = (0.0, 0.6, 0.6) if loss_type == "cispo" else (0.2, 0.2, 0.4)
+    np.testing.assert_allclose(float(met["clip_ratio/low_mean"]), low, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(float(met["clip_ratio/high_mean"]), high, rtol=1e-6)
+    np.testing.assert_allclose(float(met["clip_ratio/region_mean"]), region, rtol=1e-6)
     assert float(met["num_tokens"]) == 5
 
 
@@ -159,7 +170,9 @@ def test_gspo_equals_grpo_when_every_sequence_has_one_token(loss_type):
     tok = grpo.policy_loss(lp, old, adv, mask, **kw)[0]
     seq = grpo.policy_loss(lp, old, adv, mask, importance_sampling_level="sequence", **kw)[0]
     np.testing.assert_allclose(float(seq), float(tok), rtol=1e-6)
-    ref = _np_reduce(_np_per_token_gspo(lp, old, adv, mask, 0.2, 0.28), mask, loss_type, 3)
+    per = (_np_per_token_cispo(lp, old, adv, 0.28) if loss_type == "cispo"
+           else _np_per_token_gspo(lp, old, adv, mask, 0.2, 0.28))
+    ref = _np_reduce(per, mask, loss_type, 3)
     np.testing.assert_allclose(float(seq), ref, rtol=1e-5)
 
 
@@ -232,6 +245,22 @@ def test_delta_and_top_entropy_quantile_refuse_bad_values():
                        (dict(top_entropy_quantile=0.2), "top_entropy_quantile=0.2 < 1 needs entropy")):
         with pytest.raises(ValueError, match=needle):
             grpo.policy_loss(lp, old, ADV, MASK, **kw)
+
+
+def test_cispo_gradient_by_hand_keeps_every_token():
+    """CISPO's weight is not differentiated: d/dlogp_t of -sg(min(r, eps_max)) * A * logp_t is
+    -min(r, eps_max) * A, on every token, clipped or not (GRPO's clipped tokens get 0); / 5 tokens."""
+    lp, old = _hand_inputs()
+    for cap in (1.2, 5.0):
+        g = jax.grad(lambda x: grpo.policy_loss(x, old, ADV, MASK, loss_type="cispo", epsilon_high=cap)[0])(
+            jnp.asarray(lp))
+        expected = np.where(MASK == 1, -np.minimum(RATIOS, cap) * ADV[:, None], 0.0) / 5
+        np.testing.assert_allclose(np.asarray(g), expected, rtol=1e-6, atol=1e-8)
+    # with the cap at 5 no weight is capped: the loss is sum(-r * A * logp) / 5 (worked: 2.773595 / 5)
+    loss = grpo.policy_loss(lp, old, ADV, MASK, loss_type="cispo", epsilon_high=5.0)[0]
+    np.testing.assert_allclose(float(loss), 0.5547189798, rtol=1e-6)
+    with pytest.raises(ValueError, match="loss_type='cispo' has none"):
+        grpo.policy_loss(lp, old, ADV, MASK, loss_type="cispo", epsilon_high=5.0, delta=4.0)
 
 
 @pytest.mark.parametrize("est", grpo.KL_ESTIMATORS)
@@ -505,9 +534,12 @@ def test_policy_loss_with_rollout_weights_matches_numpy_and_weights_no_kl():
             loss, met = grpo.policy_loss(lp, old, ADV, MASK, rollout_is_weights=rho, **kw)
             pg = _np_per_token(lp0, old0, ADV, EPS, EPS_HIGH)
             kl = _np_per_token(lp0, old0, ADV, EPS, EPS_HIGH, beta=beta, ref=ref) - pg
+            if loss_type == "cispo":
+                pg = _np_per_token_cispo(lp0, old0, ADV, EPS_HIGH)
             want = _np_reduce(pg * rho0 + kl, MASK, loss_type, 4)
             np.testing.assert_allclose(float(loss), want, rtol=1e-6)
-            np.testing.assert_allclose(float(met["clip_ratio/region_mean"]), 0.4, rtol=1e-6)  # the ratio's, as before
+            np.testing.assert_allclose(float(met["clip_ratio/region_mean"]), 0.6 if loss_type == "cispo" else 0.4,
+                                       rtol=1e-6)  # the ratio's, as before
             plain, _ = grpo.policy_loss(lp, old, ADV, MASK, **kw)
             ones, _ = grpo.policy_loss(lp, old, ADV, MASK, rollout_is_weights=np.ones_like(rho), **kw)
             assert float(ones) == float(plain) and abs(float(loss) - float(plain)) > 1e-3
@@ -716,6 +748,7 @@ def _reference_grad(params, batch, cfg):
     {"loss_type": "grpo", "beta": 0.04, "importance_sampling_level": "sequence"},
     {"loss_type": "dapo", "epsilon_high": 0.28, "importance_sampling_level": "sequence",
      "mask_truncated_completions": True},
+    {"loss_type": "cispo", "epsilon_high": 1.2, "mask_truncated_completions": True},
 ])
 def test_gradient_accumulation_equals_single_batch(cfg):
     params, batch = _toy(1, beta="beta" in cfg)
@@ -738,6 +771,11 @@ def test_gradient_accumulation_equals_single_batch(cfg):
         np.testing.assert_allclose(float(out[4][1][name]), float(out[1][1][name]), rtol=1e-5)
     assert ("kl" in out[1][1]) == ("beta" in cfg)
     assert np.abs(out[1][0]["w"]).max() > 0
+    if cfg["loss_type"] == "cispo":  # CISPO's loss in float64: the window's token mean of -min(r, 1.2) * A * logp
+        lp = np.asarray(toy_logprob_fn(params, batch)[0], np.float64)
+        m = (np.asarray(batch["completion_mask"]) == 1) & ~np.asarray(batch["truncated"])[:, None]
+        per = np.where(m, _np_per_token_cispo(lp, batch["old_logprobs"], batch["advantages"], 1.2), 0.0)
+        np.testing.assert_allclose(float(out[1][1]["loss"]), per.sum() / m.sum(), rtol=1e-5)
     if cfg.get("importance_sampling_level") == "sequence":  # GSPO's loss in float64, independently of grpo
         lp = np.asarray(toy_logprob_fn(params, batch)[0], np.float64)
         m = np.asarray(batch["completion_mask"]) == 1

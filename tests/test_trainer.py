@@ -1524,6 +1524,15 @@ def test_delta_and_top_entropy_quantile_reach_the_update_and_are_validated():
   assert problems(top_entropy_quantile=1.5) == ["  - rl.top_entropy_quantile=1.5 must be in [0, 1] (1: every token; 0: "
                                                 "the highest-entropy token and its ties)"]
   assert problems(delta=float("nan")) == ["  - rl.delta=nan must be a finite number (within float32's range)"]
+  # cispo: rl.epsilon_high is its absolute cap; the recipes' 0.28 would shrink every weight, and delta has no branch
+  assert problems(loss_type="cispo") == [
+      "  - rl.loss_type='cispo' takes rl.epsilon_high as its cap epsilon_max on the importance weight, and 0.28 < 1 "
+      "would shrink every on-policy token's weight: set it, e.g. --config.rl.epsilon_high=5.0 (TRL's and ScaleRL's "
+      "recommendation)"]
+  assert problems(loss_type="cispo", epsilon_high=5.0) == []
+  assert problems(loss_type="cispo", epsilon_high=5.0, delta=7.0) == [
+      "  - rl.delta=7.0 caps the clipped losses' unclipped branch; rl.loss_type='cispo' has none (its cap is "
+      "rl.epsilon_high): leave rl.delta=0"]
   saved = json.loads(toy.toy_config().to_json_best_effort())
   for key in ("delta", "top_entropy_quantile"):
     del saved["rl"][key]
