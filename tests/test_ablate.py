@@ -55,6 +55,26 @@ def test_dapo_ablation_adds_one_piece_a_variant_and_validates():
                   "dapo_dynamic_overlong": ("dapo", True, 3, 24, "nvfp4", True)}
 
 
+def test_objectives_ablation_variants_validate_and_differ_from_the_base_where_named():
+  """configs/ablations/objectives.py: two updates a rollout for every variant (with one the ratio is 1 and GSPO is
+  GRPO, CISPO is DAPO), and each variant's objective as its docstring states."""
+  from qerl_jax import train_config
+  ablate = _load(ROOT / "experiments" / "ablate.py")
+  ab = _load(ROOT / "configs" / "ablations" / "objectives.py").get_config()
+  seen = {}
+  for name, overrides in ab.variants:
+    cfg = ablate.apply_overrides(ab.base, tuple(overrides))
+    train_config.validate(cfg, check_paths=False)
+    rl = cfg.rl
+    seen[name] = (rl.loss_type, rl.importance_sampling_level, rl.epsilon, rl.epsilon_high, rl.top_entropy_quantile,
+                  rl.num_iterations, cfg.model.quant, cfg.aqn.enabled)
+  assert seen == {"grpo": ("grpo", "token", 0.2, 0.28, 1.0, 2, "nvfp4", True),
+                  "dapo": ("dapo", "token", 0.2, 0.28, 1.0, 2, "nvfp4", True),
+                  "gspo": ("grpo", "sequence", 3e-4, 4e-4, 1.0, 2, "nvfp4", True),
+                  "cispo": ("cispo", "token", 0.2, 5.0, 1.0, 2, "nvfp4", True),
+                  "dapo_top20": ("dapo", "token", 0.2, 0.28, 0.2, 2, "nvfp4", True)}
+
+
 def test_results_table_mean_and_std():
   ablate = _load(ROOT / "experiments" / "ablate.py")
   table = ablate.results_table({
