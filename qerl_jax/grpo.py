@@ -548,7 +548,7 @@ def loss_normalizer(mask, *, loss_type: str, max_completion_length: int | None =
       ``cispo`` takes the accumulation window's tokens, as ``dapo``);
     * ``dr_grpo`` (Dr. GRPO, Liu et al. 2025): ``B * max_completion_length`` (default ``T``), a constant:
       dropped truncated sequences still count.
-    For ``grpo``, ``dapo`` and ``dr_grpo``, summing the numerators of several micro-batches and dividing
+    For ``grpo``, ``dapo``, ``cispo`` and ``dr_grpo``, summing the numerators of several micro-batches and dividing
     once by the normaliser of their concatenation gives exactly the loss of the concatenated batch.
     ``bnpo`` is TRL's per-micro-batch token mean averaged over the micro-batches
     (:func:`qerl_jax.update.make_update_step` divides each micro-batch by its own token count); on one
