@@ -38,17 +38,22 @@ def test_ablation_config_variants_apply_and_validate():
     ablate.apply_overrides(ab.base, (("model.quantt", "nf4"),))
 
 
-def test_dapo_ablation_adds_one_piece_a_variant_and_validates():
+def _validated_variants(name):
+  """{variant: its trainer config} of configs/ablations/<name>.py, each passed through train_config.validate."""
   from qerl_jax import train_config
   ablate = _load(ROOT / "experiments" / "ablate.py")
-  ab = _load(ROOT / "configs" / "ablations" / "dapo.py").get_config()
-  seen = {}
-  for name, overrides in ab.variants:
-    cfg = ablate.apply_overrides(ab.base, tuple(overrides))
-    train_config.validate(cfg, check_paths=False)
-    rl = cfg.rl
-    seen[name] = (rl.loss_type, rl.dynamic_sampling, rl.max_sampling_rounds if rl.dynamic_sampling else None,
-                  rl.overlong_buffer_length, cfg.model.quant, cfg.aqn.enabled)
+  ab = _load(ROOT / "configs" / "ablations" / f"{name}.py").get_config()
+  out = {}
+  for variant, overrides in ab.variants:
+    out[variant] = ablate.apply_overrides(ab.base, tuple(overrides))
+    train_config.validate(out[variant], check_paths=False)
+  return out
+
+
+def test_dapo_ablation_adds_one_piece_a_variant_and_validates():
+  seen = {name: (c.rl.loss_type, c.rl.dynamic_sampling, c.rl.max_sampling_rounds if c.rl.dynamic_sampling else None,
+                 c.rl.overlong_buffer_length, c.model.quant, c.aqn.enabled)
+          for name, c in _validated_variants("dapo").items()}
   assert seen == {"grpo": ("grpo", False, None, 0, "nvfp4", True),
                   "dapo_token": ("dapo", False, None, 0, "nvfp4", True),
                   "dapo_dynamic": ("dapo", True, 3, 0, "nvfp4", True),
@@ -58,16 +63,9 @@ def test_dapo_ablation_adds_one_piece_a_variant_and_validates():
 def test_objectives_ablation_variants_validate_and_differ_from_the_base_where_named():
   """configs/ablations/objectives.py: two updates a rollout for every variant (with one the ratio is 1 and GSPO is
   GRPO, CISPO is DAPO), and each variant's objective as its docstring states."""
-  from qerl_jax import train_config
-  ablate = _load(ROOT / "experiments" / "ablate.py")
-  ab = _load(ROOT / "configs" / "ablations" / "objectives.py").get_config()
-  seen = {}
-  for name, overrides in ab.variants:
-    cfg = ablate.apply_overrides(ab.base, tuple(overrides))
-    train_config.validate(cfg, check_paths=False)
-    rl = cfg.rl
-    seen[name] = (rl.loss_type, rl.importance_sampling_level, rl.epsilon, rl.epsilon_high, rl.top_entropy_quantile,
-                  rl.num_iterations, cfg.model.quant, cfg.aqn.enabled)
+  seen = {name: (c.rl.loss_type, c.rl.importance_sampling_level, c.rl.epsilon, c.rl.epsilon_high,
+                 c.rl.top_entropy_quantile, c.rl.num_iterations, c.model.quant, c.aqn.enabled)
+          for name, c in _validated_variants("objectives").items()}
   assert seen == {"grpo": ("grpo", "token", 0.2, 0.28, 1.0, 2, "nvfp4", True),
                   "dapo": ("dapo", "token", 0.2, 0.28, 1.0, 2, "nvfp4", True),
                   "gspo": ("grpo", "sequence", 3e-4, 4e-4, 1.0, 2, "nvfp4", True),

@@ -21,13 +21,11 @@ _ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
-from configs.ablations import qerl  # noqa: E402  (the shared base and budget)
+from configs.ablations import dapo  # noqa: E402  (the shared base, budget and QeRL setting)
 
 
 def get_config():
-  c = qerl.get_config()
-  c.base.model.quant = "nvfp4"
-  c.base.aqn.enabled = True
+  c = dapo.get_config()
   c.base.rl.num_iterations = 2
   c.variants = (
       ("grpo", (("rl.loss_type", "grpo"),)),
