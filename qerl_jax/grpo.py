@@ -56,7 +56,7 @@ __all__ = [
     "completion_metrics",
 ]
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
 # TRL's vllm_importance_sampling_mode values (rollout_importance_weights)
@@ -480,9 +480,11 @@ def _check_loss_options(loss_type, epsilon, epsilon_high, beta, kl_estimator):
         raise ValueError(f"beta must be >= 0, got {beta!r}")
 
 
-def _check_loss_extras(importance_sampling_level, delta, top_entropy_quantile, loss_type=None) -> None:
+def _check_loss_extras(importance_sampling_level, delta, top_entropy_quantile, loss_type=None,
+                       sapo_temperatures=(1.0, 1.05)) -> None:
     """ValueError for an unknown importance-sampling level, a ``delta`` that is not a finite float > 1, or a
-    ``top_entropy_quantile`` outside [0, 1], or a ``delta`` with ``loss_type="cispo"``. A ``delta`` at or below 1 would cap the ratio of every on-policy
+    ``top_entropy_quantile`` outside [0, 1], a ``delta`` with ``loss_type`` ``"cispo"`` or ``"sapo"``, or a SAPO
+    temperature that is not a finite float > 0. A ``delta`` at or below 1 would cap the ratio of every on-policy
     token (ratio 1) and so zero its gradient: refused."""
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
@@ -491,9 +493,12 @@ def _check_loss_extras(importance_sampling_level, delta, top_entropy_quantile, l
                                   and math.isfinite(delta) and delta > 1):
         raise ValueError(f"delta must be None or a finite float > 1 (INTELLECT-2 recommends > 1 + epsilon_high; "
                          f"at or below 1 it zeroes the gradient of on-policy tokens), got {delta!r}")
-    if delta is not None and loss_type == "cispo":
-        raise ValueError("delta caps the clipped losses' unclipped branch; loss_type='cispo' has none (its cap is "
-                         "epsilon_high): leave delta None")
+    if delta is not None and loss_type in ("cispo", "sapo"):
+        raise ValueError(f"delta caps the clipped losses' unclipped branch; loss_type={loss_type!r} has none: leave "
+                         "delta None")
+    for name, tau in zip(("sapo_temperature_pos", "sapo_temperature_neg"), sapo_temperatures):
+        if not (isinstance(tau, (int, float)) and not isinstance(tau, bool) and math.isfinite(tau) and tau > 0):
+            raise ValueError(f"{name} must be a finite float > 0, got {tau!r}")
     if not (isinstance(top_entropy_quantile, (int, float)) and not isinstance(top_entropy_quantile, bool)
             and 0.0 <= top_entropy_quantile <= 1.0):
         raise ValueError(f"top_entropy_quantile must be a float in [0, 1] (1: every token; 0: the highest-entropy "
@@ -540,7 +545,7 @@ def loss_normalizer(mask, *, loss_type: str, max_completion_length: int | None =
     """The denominator of ``loss_type`` for a batch (or a whole gradient-accumulation window), as TRL's
     ``GRPOTrainer._compute_loss``.
 
-    * ``grpo``: number of sequences ``B`` (each sequence is first averaged over its own tokens, see
+    * ``grpo`` / ``sapo``: number of sequences ``B`` (each sequence is first averaged over its own tokens, see
       :func:`policy_loss_terms`; DeepSeekMath eq. 3). A sequence with no unmasked token (a truncated one
       dropped by ``mask_truncated_completions``) adds 0 to the numerator and still counts here, as in
       TRL's ``.mean()`` over the batch;
@@ -569,7 +574,7 @@ def loss_normalizer(mask, *, loss_type: str, max_completion_length: int | None =
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     m = _effective_mask(mask, truncated, mask_truncated_completions)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return jnp.float32(m.shape[0])
     if loss_type in ("bnpo", "dapo", "cispo"):
         return m.sum().astype(jnp.float32)
@@ -585,7 +590,8 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
                       mask_truncated_completions: bool = False,
                       rollout_is_weights=None,
                       importance_sampling_level: str = "token", delta: float | None = None,
-                      top_entropy_quantile: float = 1.0) -> dict[str, jax.Array]:
+                      top_entropy_quantile: float = 1.0, sapo_temperature_pos: float = 1.0,
+                      sapo_temperature_neg: float = 1.05) -> dict[str, jax.Array]:
     """Un-normalised sums of the clipped surrogate loss and its metrics over one (micro-)batch.
 
     Per token ``t`` of sequence ``i`` (DeepSeekMath eq. 3, DAPO clip-higher)::
@@ -607,6 +613,12 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
     summed over the tokens and divided by the token count as ``dapo``. Its clip metric is TRL's
     ``cispo_clip_ratio``, ``ratio > epsilon_high`` with ``A > 0``, reported as ``clip_high`` and ``clip_region``.
     ``delta`` does not apply to it, as in TRL.
+
+    ``loss_type="sapo"`` (Soft Adaptive Policy Optimization, Gao et al. 2025, arXiv:2511.20347; TRL's ``sapo``)
+    replaces the hard clip by a smooth gate: ``l = -sigmoid(tau * (ratio - 1)) * 4 / tau * A_i`` (+ beta * KL),
+    with ``tau = sapo_temperature_pos`` where ``A_i > 0`` and ``sapo_temperature_neg`` elsewhere (TRL's 1.0 and
+    1.05), reduced as ``grpo``. Its gradient at ratio 1 is GRPO's and fades smoothly as the ratio leaves 1. It
+    clips nothing, so its clip metrics are 0 (TRL logs none for it); ``delta`` does not apply to it.
 
     ``delta`` (two-sided clipping, INTELLECT-2, Prime Intellect 2025; TRL's ``delta``) caps the unclipped
     branch: ``-min(min(ratio, delta) * A_i, clip(ratio, ...) * A_i)``, which bounds the loss of a negative
@@ -641,7 +653,8 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
     Raises: ValueError/TypeError for bad options or shapes.
     """
     _check_loss_options(loss_type, epsilon, epsilon_high, beta, kl_estimator)
-    _check_loss_extras(importance_sampling_level, delta, top_entropy_quantile, loss_type)
+    _check_loss_extras(importance_sampling_level, delta, top_entropy_quantile, loss_type,
+                       (sapo_temperature_pos, sapo_temperature_neg))
     if top_entropy_quantile < 1.0 and entropy is None:
         raise ValueError(f"top_entropy_quantile={top_entropy_quantile} < 1 needs entropy [B, T] (the policy's "
                          "per-token entropy)")
@@ -676,6 +689,9 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
     if loss_type == "cispo":  # MiniMax-M1: the clipped ratio is a weight on the REINFORCE term, not differentiated
         weight = jax.lax.stop_gradient(jnp.minimum(ratio, jnp.float32(eps_high)))
         per_token = -weight * adv * lp
+    elif loss_type == "sapo":  # a sigmoid gate around ratio 1 instead of the hard clip
+        tau = jnp.where(adv > 0, jnp.float32(sapo_temperature_pos), jnp.float32(sapo_temperature_neg))
+        per_token = -jax.nn.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
     else:
         capped = ratio if delta is None else jnp.minimum(ratio, jnp.float32(delta))
         per_token = -jnp.minimum(capped * adv, clipped * adv)
@@ -708,7 +724,7 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
         raise ValueError("beta > 0 needs ref_logprobs (the policy's log-probs with LoRA off)")
     per_token = jnp.where(m, per_token, 0.0)
 
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         tokens_per_seq = mf.sum(axis=1)
         loss_sum = (per_token.sum(axis=1) / jnp.maximum(tokens_per_seq, 1.0)).sum()
     else:
@@ -717,6 +733,8 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
     if loss_type == "cispo":  # TRL's cispo_clip_ratio: the weight was capped where it counts (A > 0)
         low = jnp.zeros(shape, bool)
         high = (ratio > eps_high) & (adv > 0) & m
+    elif loss_type == "sapo":  # no hard clip
+        low = high = jnp.zeros(shape, bool)
     else:
         low = (ratio < 1.0 - eps_low) & (adv < 0) & m
         high = (ratio > 1.0 + eps_high) & (adv > 0) & m
@@ -768,14 +786,16 @@ def finalize_policy_loss(terms: Mapping[str, Any], normalizer) -> tuple[jax.Arra
 
 @functools.partial(jax.jit, static_argnames=(
     "loss_type", "epsilon", "epsilon_high", "beta", "max_completion_length", "kl_estimator",
-    "mask_truncated_completions", "importance_sampling_level", "delta", "top_entropy_quantile"))
+    "mask_truncated_completions", "importance_sampling_level", "delta", "top_entropy_quantile",
+    "sapo_temperature_pos", "sapo_temperature_neg"))
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "grpo",
                 epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
                 ref_logprobs=None, max_completion_length: int | None = None,
                 kl_estimator: str = "k3", entropy=None, truncated=None,
                 mask_truncated_completions: bool = False, normalizer=None, rollout_is_weights=None,
                 importance_sampling_level: str = "token", delta: float | None = None,
-                top_entropy_quantile: float = 1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+                top_entropy_quantile: float = 1.0, sapo_temperature_pos: float = 1.0,
+                sapo_temperature_neg: float = 1.05) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped GRPO / DAPO / Dr. GRPO / BNPO policy loss with optional KL penalty (TRL semantics).
 
     Args:
@@ -792,7 +812,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "g
         token-level mean; in a gradient-accumulation window ``dapo`` uses the window's token count and
         ``bnpo`` each micro-batch's, as TRL: :func:`loss_normalizer`); ``"dr_grpo"``: sum over all
         tokens / (``B`` x ``max_completion_length``) (Dr. GRPO); ``"cispo"``: MiniMax-M1's clipped
-        importance-weighted REINFORCE, reduced as ``dapo`` (:func:`policy_loss_terms`).
+        importance-weighted REINFORCE, reduced as ``dapo``; ``"sapo"``: SAPO's soft gate, reduced as ``grpo``
+        (both: :func:`policy_loss_terms`).
       epsilon: lower clip range (ratio clipped below at ``1 - epsilon``); unused by ``cispo``.
       epsilon_high: upper clip range (DAPO clip-higher, e.g. 0.28); default ``epsilon``. For ``cispo`` the
         absolute cap epsilon_max of the importance weight (TRL and ScaleRL recommend 5.0).
@@ -813,6 +834,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "g
       delta: None (default) or a float > 1: INTELLECT-2's cap on the unclipped ratio (:func:`policy_loss_terms`).
       top_entropy_quantile: in [0, 1], default 1 (every token): the fraction of the highest-entropy tokens the
         policy term keeps (Wang et al. 2025; :func:`policy_loss_terms`); < 1 needs ``entropy``.
+      sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures for ``A > 0`` and ``A <= 0``
+        (TRL's defaults 1.0 and 1.05); only ``loss_type="sapo"`` reads them.
 
     Returns:
       ``(loss, metrics)``: float32 scalar loss and a dict of float32 scalars (see
@@ -829,7 +852,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_type: str = "g
         epsilon_high=epsilon_high, beta=beta, ref_logprobs=ref_logprobs,
         kl_estimator=kl_estimator, entropy=entropy, truncated=truncated,
         mask_truncated_completions=mask_truncated_completions, rollout_is_weights=rollout_is_weights,
-        importance_sampling_level=importance_sampling_level, delta=delta, top_entropy_quantile=top_entropy_quantile)
+        importance_sampling_level=importance_sampling_level, delta=delta, top_entropy_quantile=top_entropy_quantile,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
     if normalizer is None:
         normalizer = loss_normalizer(
             mask, loss_type=loss_type, max_completion_length=max_completion_length,

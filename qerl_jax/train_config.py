@@ -47,7 +47,9 @@ Layout (units in brackets)::
   data.system_prompt, data.user_template ("{question}" + instructions),
   data.max_prompt_length [tokens], data.eval_size [prompts]
   rl.loss_type            "grpo" | "bnpo" | "dapo" | "dr_grpo" | "cispo" (MiniMax-M1's clipped IS-weight
-                          REINFORCE; rl.epsilon_high is then its cap epsilon_max, e.g. 5.0)
+                          REINFORCE; rl.epsilon_high is then its cap epsilon_max, e.g. 5.0) | "sapo" (a soft
+                          sigmoid gate instead of the clip, temperatures rl.sapo_temperature_pos / _neg for
+                          positive / other advantages, TRL's 1.0 / 1.05)
   rl.num_generations      G, completions per prompt (group size)
   rl.batch_size           completions per step (TRL's convention); prompts per step = batch_size / G
   rl.micro_batch_size     completions per gradient-accumulation micro-batch
@@ -119,7 +121,7 @@ __all__ = ["base_config", "validate", "data_spec_error", "config_flags_parser", 
            "LOSS_TYPES", "ROLLOUT_CORRECTIONS", "IMPORTANCE_SAMPLING_LEVELS"]
 
 LORA_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo")
 QUANTS = ("nvfp4", "nf4", "none")
 TASKS = ("gsm8k", "math")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -193,6 +195,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.importance_sampling_level = "token"  # "sequence": GSPO's one ratio a completion
   c.rl.delta = 0.0  # INTELLECT-2's cap on the unclipped ratio (TRL's delta); 0: off
   c.rl.top_entropy_quantile = 1.0  # < 1: the policy term on that fraction of highest-entropy tokens only
+  c.rl.sapo_temperature_pos = 1.0  # loss_type="sapo": the gate's temperature where the advantage is > 0 (TRL's)
+  c.rl.sapo_temperature_neg = 1.05  # and where it is <= 0 (TRL's)
   c.rl.format_reward_weight = 0.0
   c.rl.format_reward_kind = "any"  # rewards.FORMAT_KINDS
   c.rl.recompute_old_logprobs = False  # True: old log-probs from the training forward, not the sampler's
@@ -353,9 +357,13 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
        f"rl.loss_type='cispo' takes rl.epsilon_high as its cap epsilon_max on the importance weight, and "
        f"{eps_high} < 1 would shrink every on-policy token's weight: set it, e.g. --config.rl.epsilon_high=5.0 "
        "(TRL's and ScaleRL's recommendation)")
-  need(not cispo or not delta, f"rl.delta={delta!r} caps the clipped losses' unclipped branch; "
-       "rl.loss_type='cispo' has none (its cap is rl.epsilon_high): leave rl.delta=0")
-  need(cispo or delta is None or not _all_finite(delta, eps_high)  # the finiteness check names a NaN
+  unclipped = rl.loss_type in ("cispo", "sapo")  # no unclipped branch for delta to cap
+  need(not unclipped or not delta, f"rl.delta={delta!r} caps the clipped losses' unclipped branch; "
+       f"rl.loss_type={rl.loss_type!r} has none{' (its cap is rl.epsilon_high)' if cispo else ''}: leave rl.delta=0")
+  for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
+    tau = rl.get(key, 1.0)
+    need(not _all_finite(tau) or float(tau) > 0, f"rl.{key}={tau!r} must be > 0 (SAPO's gate temperature)")
+  need(unclipped or delta is None or not _all_finite(delta, eps_high)  # the finiteness check names a NaN
        or float(delta) == 0 or float(delta) > 1 + float(eps_high),
        f"rl.delta={delta!r} must be 0 (off) or a number > 1 + rl.epsilon_high (INTELLECT-2's cap on the "
        "unclipped importance ratio)")

@@ -209,7 +209,8 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
         [= epsilon], ``beta`` [0.0], ``kl_estimator`` ["k3"], ``max_completion_length`` [T],
         ``mask_truncated_completions`` [False], ``importance_sampling_level`` ["token"; "sequence" is
         GSPO], ``delta`` [None; INTELLECT-2's two-sided clipping], ``top_entropy_quantile`` [1.0; < 1 keeps
-        the policy term on each micro-batch's highest-entropy tokens] (all three: ``grpo.policy_loss_terms``),
+        the policy term on each micro-batch's highest-entropy tokens], ``sapo_temperature_pos`` [1.0] and
+        ``sapo_temperature_neg`` [1.05] (``loss_type="sapo"``) (all: ``grpo.policy_loss_terms``),
         ``gradient_accumulation_steps`` [1], and the
         optimizer fields of :func:`make_optimizer` (used when ``optimizer`` is None).
       optimizer: the transformation the train state was made with (default
@@ -260,7 +261,8 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
     is_level = _opt(config, "importance_sampling_level", "token")
     delta = _opt(config, "delta", None)
     top_entropy_quantile = _opt(config, "top_entropy_quantile", 1.0)
-    grpo._check_loss_extras(is_level, delta, top_entropy_quantile, loss_type)
+    sapo_temperatures = (_opt(config, "sapo_temperature_pos", 1.0), _opt(config, "sapo_temperature_neg", 1.05))
+    grpo._check_loss_extras(is_level, delta, top_entropy_quantile, loss_type, sapo_temperatures)
     num_micro = int(_opt(config, "gradient_accumulation_steps", 1))
     if num_micro < 1:
         raise ValueError(f"gradient_accumulation_steps must be >= 1, got {num_micro}")
@@ -288,7 +290,8 @@ def make_update_step(logprob_fn: Callable[[Any, Mapping[str, Any]], tuple[jax.Ar
                 ref_logprobs=mb.get("ref_logprobs"), kl_estimator=kl_estimator,
                 entropy=entropy, truncated=mb.get("truncated"),
                 mask_truncated_completions=mask_trunc, rollout_is_weights=mb.get("rollout_is_weights"),
-                importance_sampling_level=is_level, delta=delta, top_entropy_quantile=top_entropy_quantile)
+                importance_sampling_level=is_level, delta=delta, top_entropy_quantile=top_entropy_quantile,
+                sapo_temperature_pos=sapo_temperatures[0], sapo_temperature_neg=sapo_temperatures[1])
             # bnpo (TRL): each micro-batch's token mean, averaged over the micro-batches; the others: one
             # normaliser for the whole batch
             denom = terms["tokens"] * num_micro if loss_type == "bnpo" else normalizer

@@ -52,10 +52,18 @@ def _np_per_token_cispo(lp, old, adv, eps_max):
     return -np.minimum(np.exp(lp - old), eps_max) * np.asarray(adv, np.float64)[:, None] * lp
 
 
+def _np_per_token_sapo(lp, old, adv, tau_pos=1.0, tau_neg=1.05):
+    """float64 reference of SAPO's per-token loss, -sigmoid(tau (r - 1)) * 4 / tau * A (arXiv:2511.20347; TRL)."""
+    r = np.exp(np.asarray(lp, np.float64) - np.asarray(old, np.float64))
+    a = np.asarray(adv, np.float64)[:, None]
+    tau = np.where(a > 0, tau_pos, tau_neg)
+    return -4.0 / tau / (1.0 + np.exp(-tau * (r - 1.0))) * a
+
+
 def _np_reduce(per_token, mask, loss_type, max_len):
     m = np.asarray(mask, bool)
     pt = np.where(m, per_token, 0.0)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         n = m.sum(1)
         keep = n > 0
         return (pt.sum(1)[keep] / n[keep]).mean() if keep.any() else 0.0
@@ -78,7 +86,11 @@ def _np_reduce(per_token, mask, loss_type, max_len):
 # cispo (epsilon_high 0.28 as its cap): every ratio is above 0.28, so each weight is 0.28:
 #   seq 0: -0.28 * log(0.5, 0.3, 0.15) = 0.194081, 0.337112, 0.531194; seq 1: +0.14 * log(0.28, 0.66) = -0.178215,
 #   -0.058172; sum 0.826000 / 5 tokens = 0.1652000; its clip metric: A > 0 and r > 0.28 on seq 0's 3 tokens = 0.6
-HAND = {"grpo": -0.2258333333, "bnpo": -0.366, "dapo": -0.366, "dr_grpo": -0.22875, "cispo": 0.1651999670}
+# sapo (tau 1.0 for A > 0, 1.05 otherwise): seq 0: -4 * sigmoid(r - 1) at r = 1, 1.5, 0.5 = -2, -2.4898373,
+#   -1.5101627, mean -2; seq 1: 4 / 1.05 * 0.5 * sigmoid(1.05 (r - 1)) at r = 0.7, 1.1 = 0.8036091, 1.0023351, mean
+#   0.9029721; as grpo: (-2 + 0.9029721) / 2 = -0.5485140; no hard clip, so clip metrics 0
+HAND = {"grpo": -0.2258333333, "bnpo": -0.366, "dapo": -0.366, "dr_grpo": -0.22875, "cispo": 0.1651999670,
+        "sapo": -0.5485139636}
 
 
 @pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
@@ -86,12 +98,13 @@ def test_hand_example_each_loss_type(loss_type):
     lp, old = _hand_inputs()
     loss, met = grpo.policy_loss(lp, old, ADV, MASK, loss_type=loss_type, epsilon=EPS,
                                  epsilon_high=EPS_HIGH, max_completion_length=4)
-    per = (_np_per_token_cispo(np.nan_to_num(lp), np.nan_to_num(old), ADV, EPS_HIGH) if loss_type == "cispo" else
-           _np_per_token(np.nan_to_num(lp), np.nan_to_num(old), ADV, EPS, EPS_HIGH))
+    per = {"cispo": lambda: _np_per_token_cispo(np.nan_to_num(lp), np.nan_to_num(old), ADV, EPS_HIGH),
+           "sapo": lambda: _np_per_token_sapo(np.nan_to_num(lp), np.nan_to_num(old), ADV)}.get(
+               loss_type, lambda: _np_per_token(np.nan_to_num(lp), np.nan_to_num(old), ADV, EPS, EPS_HIGH))()
     ref = _np_reduce(per, MASK, loss_type, 4)
     np.testing.assert_allclose(float(loss), ref, rtol=1e-6)
     np.testing.assert_allclose(float(loss), HAND[loss_type], rtol=1e-6)
-    low, high, region = (0.0, 0.6, 0.6) if loss_type == "cispo" else (0.2, 0.2, 0.4)
+    low, high, region = {"cispo": (0.0, 0.6, 0.6), "sapo": (0.0, 0.0, 0.0)}.get(loss_type, (0.2, 0.2, 0.4))
     np.testing.assert_allclose(float(met["clip_ratio/low_mean"]), low, rtol=1e-6, atol=0)
     np.testing.assert_allclose(float(met["clip_ratio/high_mean"]), high, rtol=1e-6)
     np.testing.assert_allclose(float(met["clip_ratio/region_mean"]), region, rtol=1e-6)
@@ -170,8 +183,9 @@ def test_gspo_equals_grpo_when_every_sequence_has_one_token(loss_type):
     tok = grpo.policy_loss(lp, old, adv, mask, **kw)[0]
     seq = grpo.policy_loss(lp, old, adv, mask, importance_sampling_level="sequence", **kw)[0]
     np.testing.assert_allclose(float(seq), float(tok), rtol=1e-6)
-    per = (_np_per_token_cispo(lp, old, adv, 0.28) if loss_type == "cispo"
-           else _np_per_token_gspo(lp, old, adv, mask, 0.2, 0.28))
+    per = {"cispo": lambda: _np_per_token_cispo(lp, old, adv, 0.28),
+           "sapo": lambda: _np_per_token_sapo(lp, old, adv)}.get(
+               loss_type, lambda: _np_per_token_gspo(lp, old, adv, mask, 0.2, 0.28))()
     ref = _np_reduce(per, mask, loss_type, 3)
     np.testing.assert_allclose(float(seq), ref, rtol=1e-5)
 
@@ -261,6 +275,26 @@ def test_cispo_gradient_by_hand_keeps_every_token():
     np.testing.assert_allclose(float(loss), 0.5547189798, rtol=1e-6)
     with pytest.raises(ValueError, match="loss_type='cispo' has none"):
         grpo.policy_loss(lp, old, ADV, MASK, loss_type="cispo", epsilon_high=5.0, delta=4.0)
+
+
+def test_sapo_gradient_by_hand_and_temperatures():
+    """d/dlogp of -sigmoid(tau (r - 1)) * 4 / tau * A is -4 sigmoid (1 - sigmoid) * r * A: at r = 1, GRPO's -A; the
+    gate fades it smoothly off ratio 1 instead of cutting it at the clip. grpo's reduction: / n_i / B."""
+    lp, old = _hand_inputs()
+    for tau_pos, tau_neg in ((1.0, 1.05), (2.0, 0.5)):
+        g = jax.grad(lambda x: grpo.policy_loss(x, old, ADV, MASK, loss_type="sapo", sapo_temperature_pos=tau_pos,
+                                                sapo_temperature_neg=tau_neg)[0])(jnp.asarray(lp))
+        tau = np.where(ADV[:, None] > 0, tau_pos, tau_neg)
+        sig = 1.0 / (1.0 + np.exp(-tau * (RATIOS - 1.0)))
+        expected = np.where(MASK == 1, -4.0 * sig * (1 - sig) * RATIOS * ADV[:, None], 0.0)
+        expected = expected / MASK.sum(1, keepdims=True) / 2
+        np.testing.assert_allclose(np.asarray(g), expected, rtol=1e-5, atol=1e-8)
+    assert np.asarray(g)[0, 0] == pytest.approx(-1.0 / 3 / 2)  # r = 1, A = 1: GRPO's gradient
+    for kw, needle in ((dict(sapo_temperature_pos=0.0), "sapo_temperature_pos must be a finite float > 0"),
+                       (dict(sapo_temperature_neg=float("inf")), "sapo_temperature_neg must be"),
+                       (dict(delta=4.0), "loss_type='sapo' has none")):
+        with pytest.raises(ValueError, match=needle):
+            grpo.policy_loss(lp, old, ADV, MASK, loss_type="sapo", **kw)
 
 
 @pytest.mark.parametrize("est", grpo.KL_ESTIMATORS)
@@ -536,10 +570,12 @@ def test_policy_loss_with_rollout_weights_matches_numpy_and_weights_no_kl():
             kl = _np_per_token(lp0, old0, ADV, EPS, EPS_HIGH, beta=beta, ref=ref) - pg
             if loss_type == "cispo":
                 pg = _np_per_token_cispo(lp0, old0, ADV, EPS_HIGH)
+            elif loss_type == "sapo":
+                pg = _np_per_token_sapo(lp0, old0, ADV)
             want = _np_reduce(pg * rho0 + kl, MASK, loss_type, 4)
             np.testing.assert_allclose(float(loss), want, rtol=1e-6)
-            np.testing.assert_allclose(float(met["clip_ratio/region_mean"]), 0.6 if loss_type == "cispo" else 0.4,
-                                       rtol=1e-6)  # the ratio's, as before
+            np.testing.assert_allclose(float(met["clip_ratio/region_mean"]),
+                                       {"cispo": 0.6, "sapo": 0.0}.get(loss_type, 0.4), rtol=1e-6)  # as before
             plain, _ = grpo.policy_loss(lp, old, ADV, MASK, **kw)
             ones, _ = grpo.policy_loss(lp, old, ADV, MASK, rollout_is_weights=np.ones_like(rho), **kw)
             assert float(ones) == float(plain) and abs(float(loss) - float(plain)) > 1e-3
@@ -749,6 +785,7 @@ def _reference_grad(params, batch, cfg):
     {"loss_type": "dapo", "epsilon_high": 0.28, "importance_sampling_level": "sequence",
      "mask_truncated_completions": True},
     {"loss_type": "cispo", "epsilon_high": 1.2, "mask_truncated_completions": True},
+    {"loss_type": "sapo", "beta": 0.04, "mask_truncated_completions": True},
 ])
 def test_gradient_accumulation_equals_single_batch(cfg):
     params, batch = _toy(1, beta="beta" in cfg)
@@ -771,6 +808,14 @@ def test_gradient_accumulation_equals_single_batch(cfg):
         np.testing.assert_allclose(float(out[4][1][name]), float(out[1][1][name]), rtol=1e-5)
     assert ("kl" in out[1][1]) == ("beta" in cfg)
     assert np.abs(out[1][0]["w"]).max() > 0
+    if cfg["loss_type"] == "sapo":  # SAPO's loss in float64: sequence means of the gated term + KL, over all B rows
+        lp = np.asarray(toy_logprob_fn(params, batch)[0], np.float64)
+        m = (np.asarray(batch["completion_mask"]) == 1) & ~np.asarray(batch["truncated"])[:, None]
+        d = np.asarray(batch["ref_logprobs"], np.float64) - lp
+        per = _np_per_token_sapo(lp, batch["old_logprobs"], batch["advantages"]) + 0.04 * (np.exp(d) - d - 1)
+        per = np.where(m, per, 0.0)
+        np.testing.assert_allclose(float(out[1][1]["loss"]), (per.sum(1) / np.maximum(m.sum(1), 1)).sum() / B,
+                                   rtol=1e-5)
     if cfg["loss_type"] == "cispo":  # CISPO's loss in float64: the window's token mean of -min(r, 1.2) * A * logp
         lp = np.asarray(toy_logprob_fn(params, batch)[0], np.float64)
         m = (np.asarray(batch["completion_mask"]) == 1) & ~np.asarray(batch["truncated"])[:, None]

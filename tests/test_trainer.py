@@ -1530,11 +1530,21 @@ def test_delta_and_top_entropy_quantile_reach_the_update_and_are_validated():
       "would shrink every on-policy token's weight: set it, e.g. --config.rl.epsilon_high=5.0 (TRL's and ScaleRL's "
       "recommendation)"]
   assert problems(loss_type="cispo", epsilon_high=5.0) == []
+  # sapo: its gate temperatures (TRL's defaults pass), no delta
+  assert problems(loss_type="sapo") == []
+  assert problems(loss_type="sapo", sapo_temperature_neg=0.0) == [
+      "  - rl.sapo_temperature_neg=0.0 must be > 0 (SAPO's gate temperature)"]
+  assert problems(loss_type="sapo", delta=4.0) == [
+      "  - rl.delta=4.0 caps the clipped losses' unclipped branch; rl.loss_type='sapo' has none: leave rl.delta=0"]
+  c = toy.toy_config()
+  c.rl.loss_type, c.rl.sapo_temperature_pos = "sapo", 2.0
+  assert (trainer.update_config(c)["sapo_temperature_pos"], trainer.update_config(c)["sapo_temperature_neg"]) == (
+      2.0, 1.05)
   assert problems(loss_type="cispo", epsilon_high=5.0, delta=7.0) == [
       "  - rl.delta=7.0 caps the clipped losses' unclipped branch; rl.loss_type='cispo' has none (its cap is "
       "rl.epsilon_high): leave rl.delta=0"]
   saved = json.loads(toy.toy_config().to_json_best_effort())
-  for key in ("delta", "top_entropy_quantile"):
+  for key in ("delta", "top_entropy_quantile", "sapo_temperature_pos", "sapo_temperature_neg"):
     del saved["rl"][key]
   assert trainer._config_diff(saved, json.loads(toy.toy_config().to_json_best_effort())) == []
 
