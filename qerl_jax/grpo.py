@@ -411,7 +411,7 @@ def rollout_importance_weights(trainer_logprobs, sampler_logprobs, mask, *, mode
     if mode.startswith("sequence"):
         d = d.sum(axis=1, keepdims=True)
     elif mode.startswith("geometric"):
-        d = d.sum(axis=1, keepdims=True) / jnp.maximum(m.sum(axis=1, keepdims=True), 1).astype(jnp.float32)
+        d = _row_mean(d, m)
     ratio = jnp.exp(d)
     if mode.endswith("truncate"):
         rho = jnp.minimum(ratio, jnp.float32(hi))
@@ -502,8 +502,7 @@ def _check_loss_extras(importance_sampling_level, delta, top_entropy_quantile, l
     if not (isinstance(top_entropy_quantile, (int, float)) and not isinstance(top_entropy_quantile, bool)
             and 0.0 <= top_entropy_quantile <= 1.0):
         raise ValueError(f"top_entropy_quantile must be a float in [0, 1] (1: every token; 0: the highest-entropy "
-                         f"token and its ties), got "
-                         f"{top_entropy_quantile!r}")
+                         f"token and its ties), got {top_entropy_quantile!r}")
 
 
 def _effective_mask(mask, truncated, mask_truncated_completions):
@@ -521,6 +520,12 @@ def _effective_mask(mask, truncated, mask_truncated_completions):
                 f"truncated must have shape ({m.shape[0]},), got {truncated.shape}")
         m = m & ~truncated.astype(bool)[:, None]
     return m
+
+
+def _row_mean(x, mask) -> jax.Array:
+    """``[B, 1]`` float32: each row's sum of ``x`` (already 0 off ``mask``) over its count of ``mask`` entries (at
+    least 1, so a row with none gives 0): a sequence's mean over its completion tokens."""
+    return x.sum(axis=1, keepdims=True) / jnp.maximum(mask.sum(axis=1, keepdims=True), 1).astype(jnp.float32)
 
 
 def _masked_quantile(x, mask, q: float) -> jax.Array:
@@ -677,13 +682,18 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
     elif adv.shape != shape:
         raise ValueError(f"advantages must be [{shape[0]}] or {shape}, got {adv.shape}")
     adv = jnp.where(m, adv, 0.0)
+    ent = None  # the entropy on the mask, 0 elsewhere: the metric's sum and the high-entropy token mask
+    if entropy is not None:
+        entropy = jnp.asarray(entropy)
+        if entropy.shape != shape:
+            raise ValueError(f"entropy shape {entropy.shape} != mask shape {shape}")
+        ent = jnp.where(m, entropy.astype(jnp.float32), 0.0)
 
     eps_low = float(epsilon)
     eps_high = eps_low if epsilon_high is None else float(epsilon_high)
     log_ratio = lp - old  # 0 off the mask
     if importance_sampling_level == "sequence":  # GSPO: the mean over the sequence's unmasked tokens
-        count = jnp.maximum(m.sum(axis=1, keepdims=True), 1).astype(jnp.float32)
-        log_ratio = jnp.broadcast_to(log_ratio.sum(axis=1, keepdims=True) / count, shape)
+        log_ratio = jnp.broadcast_to(_row_mean(log_ratio, m), shape)
     ratio = jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
     if loss_type == "cispo":  # MiniMax-M1: the clipped ratio is a weight on the REINFORCE term, not differentiated
@@ -696,12 +706,9 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
         capped = ratio if delta is None else jnp.minimum(ratio, jnp.float32(delta))
         per_token = -jnp.minimum(capped * adv, clipped * adv)
     if top_entropy_quantile < 1.0:  # the policy term on the high-entropy tokens only (TRL: before rho and KL)
-        ent = jnp.asarray(entropy)
-        if ent.shape != shape:
-            raise ValueError(f"entropy shape {ent.shape} != mask shape {shape}")
-        ent = jax.lax.stop_gradient(ent.astype(jnp.float32))
-        threshold = _masked_quantile(ent, m, 1.0 - float(top_entropy_quantile))
-        per_token = jnp.where(m & (ent >= threshold), per_token, 0.0)
+        ent_data = jax.lax.stop_gradient(ent)
+        threshold = _masked_quantile(ent_data, m, 1.0 - float(top_entropy_quantile))
+        per_token = jnp.where(m & (ent_data >= threshold), per_token, 0.0)
     if rollout_is_weights is not None:
         rollout_is_weights = jnp.asarray(rollout_is_weights)
         if rollout_is_weights.shape != shape:
@@ -725,8 +732,7 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
     per_token = jnp.where(m, per_token, 0.0)
 
     if loss_type in ("grpo", "sapo"):
-        tokens_per_seq = mf.sum(axis=1)
-        loss_sum = (per_token.sum(axis=1) / jnp.maximum(tokens_per_seq, 1.0)).sum()
+        loss_sum = _row_mean(per_token, m).sum()
     else:
         loss_sum = per_token.sum()
 
@@ -738,12 +744,7 @@ def policy_loss_terms(logprobs, old_logprobs, advantages, mask, *, loss_type: st
     else:
         low = (ratio < 1.0 - eps_low) & (adv < 0) & m
         high = (ratio > 1.0 + eps_high) & (adv > 0) & m
-    ent_sum = jnp.float32(0.0)
-    if entropy is not None:
-        entropy = jnp.asarray(entropy)
-        if entropy.shape != shape:
-            raise ValueError(f"entropy shape {entropy.shape} != mask shape {shape}")
-        ent_sum = jnp.where(m, entropy.astype(jnp.float32), 0.0).sum()
+    ent_sum = jnp.float32(0.0) if ent is None else ent.sum()
     return {
         "loss_sum": loss_sum,
         "tokens": mf.sum(),
