@@ -1426,22 +1426,26 @@ def test_rollout_only_aqn_takes_the_update_policy_as_the_old_one(tmp_path):
       assert len(seen) == 2 and all((s == -0.5).all() for s in seen)
 
 
+def _validation_problems(**kw) -> list[str]:
+  """train_config.validate's problem lines for the toy config with ``section__name=value`` overrides ([] if none)."""
+  c = toy.toy_config()
+  for key, value in kw.items():
+    section, name = key.split("__")
+    c[section][name] = value
+  try:
+    train_config.validate(c, check_paths=False)
+  except ValueError as e:
+    return str(e).splitlines()[1:]
+  return []
+
+
 def test_validate_rollout_correction_keys():
   """rl.rollout_correction: TRL's four modes and verl's two geometric ones (grpo's), bounds 0 <= clip_min < clip_max, no effect with "none", and
   refused with rollout-only AQN; it needs no rl.recompute_old_logprobs=True (it implies the recompute)."""
   from qerl_jax import grpo
   assert train_config.ROLLOUT_CORRECTIONS == ("none",) + grpo.ROLLOUT_CORRECTION_MODES
 
-  def problems(**kw):
-    c = toy.toy_config()
-    for key, value in kw.items():
-      section, name = key.split("__")
-      c[section][name] = value
-    try:
-      train_config.validate(c, check_paths=False)
-    except ValueError as e:
-      return str(e).splitlines()[1:]
-    return []
+  problems = _validation_problems
 
   for mode in grpo.ROLLOUT_CORRECTION_MODES:
     for clip_min in (0.0, None, 0.5):
@@ -1505,15 +1509,7 @@ def test_delta_and_top_entropy_quantile_reach_the_update_and_are_validated():
   train_config.validate(c, check_paths=False)
   assert trainer.update_config(c)["delta"] is None
 
-  def problems(**kw):
-    c = toy.toy_config()
-    for key, value in kw.items():
-      c.rl[key] = value
-    try:
-      train_config.validate(c, check_paths=False)
-    except ValueError as e:
-      return str(e).splitlines()[1:]
-    return []
+  problems = lambda **kw: _validation_problems(**{f"rl__{key}": value for key, value in kw.items()})
 
   assert problems(delta=1.2) == ["  - rl.delta=1.2 must be 0 (off) or a number > 1 + rl.epsilon_high (INTELLECT-2's "
                                  "cap on the unclipped importance ratio)"]
