@@ -5,6 +5,7 @@ decoder's scan carry XLA copies the cache; compare those in a rollout, ab_rollou
 
   APPEND_BATCHES=8,64 APPEND_LENGTH=1300 PYTHONPATH=$PWD python3 experiments/lab/time_append.py
   APPEND_VARIANTS="append;merge;merge dyn" ...   # a subset (names as in VARIANTS; session 37: the in-kernel merge)
+  APPEND_LENGTH=2,300,1300 ...                     # several fills (session 45: fixed cost against cost a slot)
 """
 import os, sys, time
 sys.path.insert(0, os.path.join(os.getcwd(), "experiments"))
@@ -15,7 +16,8 @@ from pallas_kernels import decode_attention as da
 L, S, KH, G, D = 28, 2304, 4, 7, 128
 H = KH * G
 N = (H + 2 * KH) * D
-length = int(os.environ.get("APPEND_LENGTH", 1300))
+LENGTHS = [int(n) for n in os.environ.get("APPEND_LENGTH", "1300").split(",")]
+length = LENGTHS[0]  # read by variant()'s calls at trace time; the loop below sets it
 inv = jnp.asarray(1e6 ** -(np.arange(0, D, 2) / D), jnp.float32)
 
 
@@ -35,11 +37,15 @@ VARIANTS = {"append": variant(), "append t264": variant(target_programs=264),
             "append t1056": variant(target_programs=1056), "append t2112": variant(target_programs=2112),
             "merge": variant(merge=True), "merge dyn": variant(merge=True, dynamic_chunks=True),
             "merge dyn t1056": variant(merge=True, dynamic_chunks=True, target_programs=1056),
-            "merge dyn t2112": variant(merge=True, dynamic_chunks=True, target_programs=2112)}
+            "merge dyn t2112": variant(merge=True, dynamic_chunks=True, target_programs=2112),
+            "merge s3": variant(merge=True, num_stages=3), "merge s4": variant(merge=True, num_stages=4),
+            "merge b32": variant(merge=True, block_s=32), "merge b128": variant(merge=True, block_s=128),
+            "merge w8": variant(merge=True, num_warps=8), "merge b128 w8": variant(merge=True, block_s=128, num_warps=8),
+            "merge w2": variant(merge=True, num_warps=2)}
 VARIANTS = {k: v for k, v in VARIANTS.items() if not os.environ.get("APPEND_VARIANTS")
             or k in os.environ["APPEND_VARIANTS"].split(";")}
 
-for batch in [int(b) for b in os.environ.get("APPEND_BATCHES", "8,64").split(",")]:
+for batch, length in [(int(b), n) for b in os.environ.get("APPEND_BATCHES", "8,64").split(",") for n in LENGTHS]:
   rng = np.random.default_rng(0)
   ys = jnp.asarray(rng.standard_normal((L, batch, N)), jnp.float32)
   bias = jnp.asarray(rng.standard_normal(N), jnp.bfloat16)
@@ -76,5 +82,5 @@ for batch in [int(b) for b in os.environ.get("APPEND_BATCHES", "8,64").split(","
     durs = devtime.trace_durations(call)
     busy = sum(sum(v) for v in durs.values())
     results[name] = (np.median(walls) * 1e6, busy)
-    print(f"batch {batch:3d} {name:14s} err {err:.1e}  wall {np.median(walls)*1e6:7.1f} us  kernels {busy:7.1f} us "
+    print(f"batch {batch:3d} length {length:5d} {name:14s} err {err:.1e}  wall {np.median(walls)*1e6:7.1f} us  kernels {busy:7.1f} us "
           f"({sum(len(v) for v in durs.values())} kernels)", flush=True)
