@@ -11,8 +11,12 @@
 #     -I include -I tools/util/include -I <curand>/include -I examples/common -I examples/55_hopper_mixed_dtype_gemm \
 #     -o bin/ex55_int4_bf16 examples/55_hopper_mixed_dtype_gemm/55_hopper_int4_bf16_gemm.cu     # (in .cutlass/)
 #   CUTLASS_MS=2048 bash experiments/lab/cutlass_mixed_ceiling.sh
+# Other tiles (session 45): copies of the example with its TileShape or ClusterShape line edited (sed), built the same
+# way as bin/ex55_<name>, run with CUTLASS_BINS="ex55_int4_bf16 ex55_t128x256 ...".
 set -u
-BIN=${CUTLASS_BIN:-.cutlass/bin/ex55_int4_bf16}
+for BIN in ${CUTLASS_BINS:-ex55_int4_bf16}; do
+echo "== $BIN"
+BIN=.cutlass/bin/$BIN
 for m in ${CUTLASS_MS:-2048}; do
   for nk in "qkv 4608 3584" "o 3584 3584" "gate 18944 3584" "down 3584 18944"; do
     set -- $nk
@@ -22,5 +26,6 @@ for m in ${CUTLASS_MS:-2048}; do
       echo "$1 M=$m mode=$mo $g: $(echo "$out" | grep -E "Disposition|Avg runtime|GFLOPS" | tr '\n' ' ')"
     done
   done
+done
 done
 MIX_BF16_ONLY=1 MIX_MS=$(echo ${CUTLASS_MS:-2048} | tr ' ' ',') python3 experiments/lab/mgpu_mixed_large_m.py 2>&1 | grep -v -i warn
