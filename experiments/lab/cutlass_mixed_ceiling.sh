@@ -12,13 +12,15 @@
 #     -o bin/ex55_int4_bf16 examples/55_hopper_mixed_dtype_gemm/55_hopper_int4_bf16_gemm.cu     # (in .cutlass/)
 #   CUTLASS_MS=2048 bash experiments/lab/cutlass_mixed_ceiling.sh
 # Other tiles (session 45): copies of the example with its TileShape or ClusterShape line edited (sed), built the same
-# way as bin/ex55_<name>, run with CUTLASS_BINS="ex55_int4_bf16 ex55_t128x256 ...".
+# way as bin/ex55_<name>, run with CUTLASS_BINS="ex55_int4_bf16 ex55_t128x256 ...". CUTLASS_MODEL=32b: the 32B shapes.
 set -u
 for BIN in ${CUTLASS_BINS:-ex55_int4_bf16}; do
 echo "== $BIN"
 BIN=.cutlass/bin/$BIN
 for m in ${CUTLASS_MS:-2048}; do
-  for nk in "qkv 4608 3584" "o 3584 3584" "gate 18944 3584" "down 3584 18944"; do
+  if [ "${CUTLASS_MODEL:-7b}" = 32b ]; then SHAPES=("qkv 7168 5120" "o 5120 5120" "gate 27648 5120" "down 5120 27648")
+  else SHAPES=("qkv 4608 3584" "o 3584 3584" "gate 18944 3584" "down 3584 18944"); fi
+  for nk in "${SHAPES[@]}"; do
     set -- $nk
     for mode in "0 --g=$3" "1 --g=128"; do
       mo=${mode%% *}; g=${mode#* }
@@ -28,4 +30,4 @@ for m in ${CUTLASS_MS:-2048}; do
   done
 done
 done
-MIX_BF16_ONLY=1 MIX_MS=$(echo ${CUTLASS_MS:-2048} | tr ' ' ',') python3 experiments/lab/mgpu_mixed_large_m.py 2>&1 | grep -v -i warn
+MIX_MODEL=${CUTLASS_MODEL:-7b} MIX_BF16_ONLY=1 MIX_MS=$(echo ${CUTLASS_MS:-2048} | tr ' ' ',') python3 experiments/lab/mgpu_mixed_large_m.py 2>&1 | grep -v -i warn

@@ -26,7 +26,9 @@ import numpy as np
 import devtime
 from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mix
 
-SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate": (3584, 18944), "down": (18944, 3584)}
+SHAPES = ({"qkv": (5120, 7168), "o": (5120, 5120), "gate": (5120, 27648), "down": (27648, 5120)}
+          if os.environ.get("MIX_MODEL") == "32b" else
+          {"qkv": (3584, 4608), "o": (3584, 3584), "gate": (3584, 18944), "down": (18944, 3584)})  # (K, N)
 MS = [int(m) for m in os.environ.get("MIX_MS", "2048,8192").split(",")]
 D = mix.MatmulDimension
 FIELDS = {f.name for f in dataclasses.fields(mix.TuningConfig)}
