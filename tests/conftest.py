@@ -1,9 +1,14 @@
 """Shared test fixtures: the ../shared data folder, GPU skipping, the real Qwen2.5 tokenizer."""
 
+import os
 import pathlib
 
-import jax
-import pytest
+# The README's test command runs two pytest-xdist processes; on a GPU each would otherwise take 75% of its memory up
+# front (JAX's default) and the second would run out. Set before JAX starts a backend; an explicit setting wins.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
