@@ -33,6 +33,7 @@
 #   STEPS=53 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=54 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=55 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=56 bash experiments/lab/gpu_checkpoint.sh   (first CUTLASS_BUILD=1 bash experiments/lab/cutlass_mixed_ceiling.sh here; carry .cutlass)
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -463,4 +464,11 @@ step 51 && { timeout 420 python3 experiments/bench_train_step.py --config=config
     --out="$OUT/train_step_7b" 2>&1 | grep -v "^[IW][0-9]" | tail -8
   timeout 170 python3 experiments/bench_train_step.py --config=configs/gsm8k_qwen2_5_32b_single_gpu.py --shape=qwen2.5-32b \
     --quants=nvfp4 --steps=2 --out="$OUT/train_step_32b" 2>&1 | grep -v "^[IW][0-9]" | tail -6; } | tee "$OUT/train_step.txt"
+# 56 (session 45's follow-ups, about 4 minutes): CUTLASS's mixed-input GEMM and bf16 at the 7B and 32B shapes on
+#    whichever card comes (session 45 had them on an H100 only), then decode attention at batch 8 on this card: the
+#    in-kernel merge against XLA's combine at 2 and 1300 filled slots (how much of the fixed part the merge is).
+step 56 && { for model in 7b 32b; do CUTLASS_MODEL=$model CUTLASS_BINS="ex55_t128x256 ex55_t256x128" \
+      CUTLASS_MS="2048 8192" timeout 150 bash experiments/lab/cutlass_mixed_ceiling.sh 2>&1 | grep -v "mode=0"; done
+  APPEND_BATCHES=8 APPEND_LENGTH=2,1300 APPEND_VARIANTS="merge;append" timeout 120 python3 experiments/lab/time_append.py \
+    2>&1 | grep "^batch"; } | tee "$OUT/cutlass_and_attention.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
