@@ -489,20 +489,23 @@ def _check_loss_extras(importance_sampling_level, delta, top_entropy_quantile, l
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
                          f"got {importance_sampling_level!r}")
-    if delta is not None and not (isinstance(delta, (int, float)) and not isinstance(delta, bool)
-                                  and math.isfinite(delta) and delta > 1):
+    if delta is not None and not (_is_finite_number(delta) and delta > 1):
         raise ValueError(f"delta must be None or a finite float > 1 (INTELLECT-2 recommends > 1 + epsilon_high; "
                          f"at or below 1 it zeroes the gradient of on-policy tokens), got {delta!r}")
     if delta is not None and loss_type in ("cispo", "sapo"):
         raise ValueError(f"delta caps the clipped losses' unclipped branch; loss_type={loss_type!r} has none: leave "
                          "delta None")
     for name, tau in zip(("sapo_temperature_pos", "sapo_temperature_neg"), sapo_temperatures):
-        if not (isinstance(tau, (int, float)) and not isinstance(tau, bool) and math.isfinite(tau) and tau > 0):
+        if not (_is_finite_number(tau) and tau > 0):
             raise ValueError(f"{name} must be a finite float > 0, got {tau!r}")
-    if not (isinstance(top_entropy_quantile, (int, float)) and not isinstance(top_entropy_quantile, bool)
-            and 0.0 <= top_entropy_quantile <= 1.0):
+    if not (_is_finite_number(top_entropy_quantile) and 0.0 <= top_entropy_quantile <= 1.0):
         raise ValueError(f"top_entropy_quantile must be a float in [0, 1] (1: every token; 0: the highest-entropy "
                          f"token and its ties), got {top_entropy_quantile!r}")
+
+
+def _is_finite_number(x) -> bool:
+    """A finite Python int or float (not a bool): the loss options' static scalars."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _effective_mask(mask, truncated, mask_truncated_completions):
