@@ -1065,7 +1065,8 @@ def test_ffi_handler_takes_as_many_attributes_as_forward_passes(tmp_path, monkey
 
 def _run_ptx(asm, regs):
   """Executes the decode's inline PTX (``mov``, ``prmt`` default mode, ``shl``/``shr``/``and``/``or``
-  on b32, ``fma.rn.bf16x2``) on uint32 register values ``regs`` (``$0..$11`` and scratch)."""
+  on b32, ``add.u32``, ``cvt.u16.u32``, ``cvt.rn.f16x2.e4m3x2``, ``fma.rn.bf16x2``) on uint32 register values
+  ``regs`` (``$0..$11`` and scratch)."""
   import ml_dtypes
 
   def bf16x2(v):
@@ -1093,6 +1094,13 @@ def _run_ptx(asm, regs):
       out = a[0] & a[1]
     elif op == "or.b32":
       out = a[0] | a[1]
+    elif op == "add.u32":
+      out = a[0] + a[1]
+    elif op == "cvt.u16.u32":  # the low 16 bits
+      out = a[0] & 0xFFFF
+    elif op == "cvt.rn.f16x2.e4m3x2":  # E4M3 bytes 0, 1 -> float16 halves (exact)
+      f16 = np.array([a[0] & 0xFF, (a[0] >> 8) & 0xFF], np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float16)
+      out = int(f16.view(np.uint16)[0]) | (int(f16.view(np.uint16)[1]) << 16)
     elif op == "fma.rn.bf16x2":  # products of two bf16 are exact in float32; one rounding to bf16
       r = (bf16x2(a[0]) * bf16x2(a[1]) + bf16x2(a[2])).astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
       out = int(r[0]) | (int(r[1]) << 16)

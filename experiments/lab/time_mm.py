@@ -1,0 +1,78 @@
+"""Lab (GPU): the large-M Gluon forward (pallas_kernels.w4_gluon_mm) against bf16 cuBLAS and the dequantize +
+cuBLAS path it would replace, per layer matrix of a stack (layer 13), M = 2048 and 8192; device time, median
+of 5 traced calls. Each variant is checked against the dequantize path first (relative error printed).
+
+  XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" PYTHONPATH=$PWD python3 experiments/lab/time_mm.py
+  MM_VARIANTS="base;s3:STAGES=3;if0:IN_FLIGHT=0" MM_MS=2048 MM_MODEL=32b ...   # module settings per variant
+"""
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import devtime  # noqa: E402
+from pallas_kernels import matmul, w4_gluon_mm  # noqa: E402
+from qerl_jax import nvfp4  # noqa: E402
+
+MODELS = {"7b": {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)},
+          "32b": {"qkv": (5120, 7168), "o": (5120, 5120), "gate_up": (5120, 55296), "down": (27648, 5120)}}
+LAYERS = 4
+
+
+def device_us(fn, *args, reps=5) -> float:
+  f = jax.jit(fn)
+  jax.block_until_ready(f(*args))
+  return statistics.median(float(sum(sum(v) for v in devtime.trace_durations(f, *args).values())) for _ in range(reps))
+
+
+def variants():
+  out = []
+  for spec in os.environ.get("MM_VARIANTS", "base").split(";"):
+    name, _, settings = spec.partition(":")
+    out.append((name, dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in settings.split(",") if kv)))
+  return out
+
+
+def main():
+  ms = [int(m) for m in os.environ.get("MM_MS", "2048,8192").split(",")]
+  model = os.environ.get("MM_MODEL", "7b")
+  shapes = MODELS[model]
+  names = os.environ.get("MM_SHAPES", ",".join(shapes)).split(",")
+  defaults = {k: getattr(w4_gluon_mm, k) for k in ("STAGES", "LOAD_WARPS", "LOAD_REGS", "IN_FLIGHT")}
+  idx = jnp.int32(2)
+  totals = {}
+  for name in names:
+    k, n = shapes[name]
+    w = jax.jit(lambda key: nvfp4.quantize(jax.random.normal(key, (LAYERS, k, n), jnp.bfloat16) * 0.02))(jax.random.key(0))
+    wb = jax.jit(lambda w: nvfp4.dequantize(jax.tree.map(lambda a: a[2], w), jnp.bfloat16))(w)
+    for m in ms:
+      x = jax.random.normal(jax.random.key(2), (m, k), jnp.float32).astype(jnp.bfloat16)
+      bf16 = device_us(lambda x, wb: jnp.dot(x, wb, preferred_element_type=jnp.float32).astype(jnp.bfloat16), x, wb)
+      deq_f = lambda x, w, i: matmul.kernel_forward(x, w, index=i, out_dtype=jnp.bfloat16)
+      ref = jax.jit(deq_f)(x, w, idx)
+      deq = device_us(deq_f, x, w, idx)
+      row = f"{name:8s} M={m:5d} | bf16 {bf16:8.1f} us | deq+cuBLAS {deq:8.1f} ({bf16 / deq:4.2f}x)"
+      for key, t in (("bf16", bf16), ("deq", deq)):
+        totals[(key, m)] = totals.get((key, m), 0.0) + t
+      for vname, settings in variants():
+        for key, value in {**defaults, **settings}.items():
+          setattr(w4_gluon_mm, key, value)
+        g = lambda x, w, i: w4_gluon_mm.forward(x, w, index=i)
+        got = jax.jit(g)(x, w, idx)
+        err = float(jnp.linalg.norm((got.astype(jnp.float32) - ref.astype(jnp.float32))) / jnp.linalg.norm(ref.astype(jnp.float32)))
+        t = device_us(g, x, w, idx)
+        totals[(vname, m)] = totals.get((vname, m), 0.0) + t
+        row += f" | {vname} {t:8.1f} ({bf16 / t:4.2f}x, err {err:.1e})"
+      print(row, flush=True)
+  for m in ms:
+    b = totals[("bf16", m)]
+    print(f"{model} summed M={m}: " + ", ".join(f"{v} {t:8.1f} us ({b / t:4.3f}x bf16)" for (v, mm), t in totals.items() if mm == m),
+          flush=True)
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,302 @@
+"""Large-M forward ``y = x @ W`` for NVFP4 weights in Gluon (Triton 3.6, Hopper wgmma), no bf16 W in HBM.
+
+The prefill and training forward of the model's linears (M = batch x sequence, in the thousands):
+``y [M, N] = x [M, K] @ W`` for bf16 ``x`` and an NVFP4 ``W`` ``[K, N]`` (or layer ``index`` of a stack
+``[L, K, N]``, read in place), float32 accumulation, bf16 output. The default path at these M is
+:func:`pallas_kernels.w4_triton.dequantize` then cuBLAS, which writes a transient bf16 copy of ``W`` per
+call; this kernel reads the 4-bit codes once per tile and decodes them in registers, where they are
+wgmma's A operand (the structure of CUTLASS's Hopper mixed-input GEMM, which session 45 measured at
+0.92-0.94x of bf16 with int4 weights: docs/kernels.md).
+
+It computes ``y^T [N, M] = W^T [N, K] @ x^T [K, M]`` (swap-AB): a program owns ``BN`` (128) rows of ``W^T``
+(columns of ``W``, two warpgroups of 64) and ``BM`` (256) rows of ``x``, and runs over K in steps of 64.
+
+* A warp-specialized **producer** (:data:`LOAD_WARPS` warps) copies each step's ``x [BM, 64]`` tile, its
+  codes ``[32 code rows, BN]`` and its E4M3 block scales ``[4, BN]`` by cp.async into a ring of
+  :data:`STAGES` shared buffers; each thread's copies arrive on the stage's mbarrier when they land.
+* The **MMA partition** (8 warps) waits for a stage, reads the codes and scales to registers in the
+  layout of wgmma's register A operand (``k_width`` 2: a thread's register pair is one code byte, the
+  two nibbles ``k, k + 1``), decodes them with inline PTX (E2M1 by bit placement, ``e2m1 * 2**-126``, times
+  the block scale converted from E4M3 to bf16 ``scale * 2**118``: exact; the accumulator is multiplied
+  by ``2**8 / global scale`` at the end) and runs ``m64 n256 k16`` wgmmas with ``x`` from shared memory
+  (K-major). The operand rows are the columns of ``W`` relabelled so that a thread's two rows ``g, g + 8``
+  are adjacent columns (2-byte shared loads); the store undoes it.
+
+Codes in the standard order only (:func:`qerl_jax.nvfp4.to_standard_order`). GPU only (sm_90), launched
+through :mod:`pallas_kernels.w4_gluon`'s XLA FFI handler. Lab status (session 46): see docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import w4_gluon, w4_triton
+from qerl_jax import nvfp4
+
+BLOCK_N = 128   # columns of W a program: the two warpgroups' m64 wgmma rows
+BLOCK_M = 256   # rows of x a program: the wgmma's N
+STEP_K = 64     # contraction a step (4 wgmma k16 blocks; 4 NVFP4 blocks)
+STAGES = 4      # the shared-memory ring (x 32 KB + codes 4 KB + scales 0.5 KB a stage)
+LOAD_WARPS = 4  # warps of the cp.async producer partition
+LOAD_REGS = 40  # its registers a thread (setmaxnreg); the MMA partition gets the rest
+IN_FLIGHT = 1   # wgmmas left in flight past each step (1: the next step's decode overlaps it; 0: wait for it)
+MIN_M = 1024    # the smallest M matmul's dispatch sends here (when enabled)
+# x, codes, block scales (E4M3 bytes), global scales, layer, y
+_ARG_DTYPES = ("*bf16", "*u8", "*u8", "*fp32", "*i32", "*bf16")
+
+
+def applies(m: int, w, x_dtype) -> bool:
+  """Whether :func:`forward` takes ``x [m, K]`` (dtype ``x_dtype``) times ``w``: an NVFP4 ``[K, N]`` weight
+  (or stack) in the standard code order, bf16 ``x``, ``m >= 1``, ``K`` a multiple of 64, ``N`` a multiple of
+  128, every visible GPU sm_90 (wgmma) and the FFI launcher available."""
+  if not isinstance(w, nvfp4.NVFP4Tensor) or jnp.dtype(x_dtype) != jnp.bfloat16:
+    return False
+  k, n = w.shape
+  if m < 1 or k % STEP_K or n % BLOCK_N:
+    return False
+  return bool(w4_gluon._gpu_devices()) and w4_gluon._wgmma_gpus() and w4_gluon.available() \
+      and w4_gluon.launcher() == "ffi"
+
+
+def _asm() -> str:
+  """Inline PTX for four code bytes ``$4`` = (column n, code row r), (n + 1, r), (n, r + 4), (n + 1, r + 4)
+  and their E4M3 block scales ``$5`` (bytes 0, 1: columns n, n + 1; one NVFP4 block holds rows r and r + 4)
+  -> four registers of wgmma's A operand, each a code byte's two values (low nibble: K row 2 r, in the low
+  half; high nibble: 2 r + 1): ``$0`` column n, row r; ``$1`` column n, row r + 4; ``$2`` column n + 1, row r;
+  ``$3`` column n + 1, row r + 4. Each value is bf16 ``e2m1 * scale * 2**-8`` (exact).
+
+  A byte ``b`` of ``u = b | b' << 8`` goes to ``w = u | u << 12`` (its low nibble at bits 0-3, its high
+  nibble at 16-19; ``b'`` lands only on bits the masks drop), then one shift and mask put the magnitudes
+  on bits 6-8 of each half and another the signs on bit 15 (``e2m1 * 2**-126``), and one bf16x2 multiply
+  by the column's scale in both halves finishes it. The scales: ``cvt.rn.f16x2.e4m3x2`` (exact), float16
+  bits shifted right by 3 plus 230 on the exponent = bf16 ``scale * 2**118`` (as
+  :data:`pallas_kernels.w4_gluon._SCALE_F16_ASM`)."""
+  lines = ["{", ".reg .b16 sl;", ".reg .b32 u, w, m, t, z, nz, sp, s0, s1;",
+           "mov.b32 z, 0;", "mov.b32 nz, 0x80008000;",
+           "cvt.u16.u32 sl, $5;", "cvt.rn.f16x2.e4m3x2 sp, sl;", "shr.b32 sp, sp, 3;", "add.u32 sp, sp, 0x73007300;",
+           "prmt.b32 s0, sp, z, 0x1010;", "prmt.b32 s1, sp, z, 0x3232;"]
+  for p, sel in ((0, "0x4410"), (1, "0x4432")):  # bytes (n, r), (n + 1, r) then (n, r + 4), (n + 1, r + 4)
+    lines.append(f"prmt.b32 u, $4, z, {sel};")
+    for col, out, make in ((0, p, ["shl.b32 w, u, 12;", "or.b32 w, w, u;"]),
+                           (1, 2 + p, ["shr.b32 w, u, 8;", "shl.b32 t, u, 4;", "or.b32 w, w, t;"])):
+      lines += make
+      lines += ["shl.b32 m, w, 6;", "and.b32 m, m, 0x01C001C0;", "shl.b32 t, w, 12;", "and.b32 t, t, 0x80008000;",
+                "or.b32 m, m, t;", f"fma.rn.bf16x2 ${out}, m, s{col}, nz;"]
+  return "\n".join(lines + ["}"])
+
+
+def decode_reference(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+  """:func:`_asm`'s arithmetic in numpy, for tests: code bytes (uint8 ``[4]`` as above) and E4M3 scale bytes
+  (uint8 ``[2]``: columns n, n + 1) -> the four output registers as float32 pairs ``[4, 2]`` (low, high half),
+  i.e. ``e2m1 * scale * 2**-8``."""
+  import ml_dtypes
+  lut = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+  s = np.asarray(scales, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32) * 2.0 ** -8
+  out = np.zeros((4, 2), np.float32)
+  for reg, (byte, col) in enumerate(((0, 0), (2, 0), (1, 1), (3, 1))):
+    b = int(codes[byte])
+    out[reg] = lut[b & 15] * s[col], lut[b >> 4] * s[col]
+  return out
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+  """Builds the Gluon kernel (imports triton lazily: CPU installs need not have it)."""
+  from triton.experimental import gluon
+  from triton.experimental.gluon import language as ttgl
+  from triton.experimental.gluon.language.nvidia import hopper
+  from triton.experimental.gluon.language.nvidia.ampere import async_copy
+  from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+  asm = ttgl.constexpr(_asm())
+  # A step's codes as [4 blocks, 8 code rows, BN columns] (code row 8 b + r holds K rows 16 b + 2 r, + 1):
+  # registers n0 r2 b0 b1; lanes r0 r1 n1 n2 n3; warps n4 n5 n6. Relabelled (decode below), this is wgmma's
+  # A operand: lanes r0 r1 are its k1 k2, register r2 its k3 (rows 8-15 of a k16 block), the blocks its k
+  # steps; a thread's operand rows g, g + 8 are columns n, n + 1.
+  code_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
+      reg_bases=[[0, 0, 1], [0, 4, 0], [1, 0, 0], [2, 0, 0]],
+      lane_bases=[[0, 1, 0], [0, 2, 0], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
+      warp_bases=[[0, 0, 16], [0, 0, 32], [0, 0, 64]], block_bases=[], shape=[4, 8, 128]))
+
+  # the accumulator [BN columns, BM rows of x] after the row relabelling, with column bit n0 as the first register
+  # bit: an m64 wgmma's rows g, g + 8 (lanes g) are columns 2 g', 2 g' + 1 (see decode)
+  store_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
+      reg_bases=[[1, 0], [0, 1], [0, 8], [0, 16], [0, 32], [0, 64], [0, 128]],
+      lane_bases=[[0, 2], [0, 4], [2, 0], [4, 0], [8, 0]],
+      warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[], shape=[128, 256]))
+
+  @gluon.jit
+  def decode(c, s):
+    """codes [4, 8, BN] (uint8) and block scales [4, BN] (E4M3 bytes) -> A [BN operand rows, 64 k] bf16.
+
+    Operand row ``(r6 .. r0)`` is column ``(n6 n5 n4 n0 n3 n2 n1)`` of the tile."""
+    sb = ttgl.broadcast(ttgl.expand_dims(s, 1), c)[0]
+    oa, ob = ttgl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r", [c, sb], dtype=(ttgl.bfloat16, ttgl.bfloat16),
+                                         is_pure=True, pack=4)
+    # oa[b, r, n] is the value (column n with n0 = 0, K row 16 b + 2 r + n0); ob the same for the column with
+    # n0 = 1: join them on a last axis q = that column's n0
+    x = ttgl.reshape(ttgl.join(oa, ob), [2] * 13)  # [b1 b0 r2 r1 r0 | n6 n5 n4 n3 n2 n1 n0 (the nibble) | q]
+    # -> A [r6 .. r0 = n6 n5 n4 q n3 n2 n1 | k5 .. k0 = b1 b0 r2 r1 r0 nibble]
+    return ttgl.reshape(ttgl.permute(x, [5, 6, 7, 12, 8, 9, 10, 0, 1, 2, 3, 4, 11]), [128, 64])
+
+  @gluon.jit
+  def producer(x_ptr, p_ptr, s_ptr, x_smem, c_smem, s_smem, ready, empty, pid_m, pid_n, layer,
+               M: ttgl.constexpr, N: ttgl.constexpr, K: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
+               S: ttgl.constexpr, DW: ttgl.constexpr):
+    STEPS: ttgl.constexpr = K // 64
+    # x [BM, 64]: 16 contiguous bytes a copy; rows past M read row M - 1 (their outputs are not stored)
+    xl: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [4, 8], [DW, 1], [1, 0])
+    xm = ttgl.arange(0, BM, layout=ttgl.SliceLayout(1, xl))
+    xk = ttgl.arange(0, 64, layout=ttgl.SliceLayout(0, xl))
+    x_offs = ttgl.expand_dims(ttgl.minimum(xm + pid_m * BM, M - 1), 1) * K + ttgl.expand_dims(xk, 0)
+    # codes [4, 8, BN] of a step (32 code rows): 16 bytes a copy
+    cl: ttgl.constexpr = ttgl.BlockedLayout([1, 1, 16], [1, 4, 8], [DW, 1, 1], [2, 1, 0])
+    cb = ttgl.arange(0, 4, layout=ttgl.SliceLayout(1, ttgl.SliceLayout(2, cl)))
+    cr = ttgl.arange(0, 8, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(2, cl)))
+    cn = ttgl.arange(0, BN, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(1, cl)))
+    kp = ttgl.expand_dims(ttgl.expand_dims(cb * 8, 1) + ttgl.expand_dims(cr, 0), 2)
+    c_offs = kp * N + ttgl.expand_dims(ttgl.expand_dims(cn + pid_n * BN, 0), 1)
+    p_base = p_ptr + layer.to(ttgl.int64) * ((K // 2) * N)  # (a 32B stack passes 2**31 bytes)
+    # block scales [4, BN]
+    sl: ttgl.constexpr = ttgl.BlockedLayout([1, 16], [4, 8], [1, DW], [1, 0])
+    sr = ttgl.arange(0, 4, layout=ttgl.SliceLayout(1, sl))
+    sn = ttgl.arange(0, BN, layout=ttgl.SliceLayout(0, sl))
+    s_offs = ttgl.expand_dims(sr, 1) * N + ttgl.expand_dims(sn + pid_n * BN, 0)
+    s_base = s_ptr + layer.to(ttgl.int64) * ((K // 16) * N)
+    for i in range(STEPS):
+      st = i % S
+      mbarrier.wait(empty.index(st), ((i // S) & 1) ^ 1)
+      async_copy.async_copy_global_to_shared(x_smem.index(st), x_ptr + x_offs + i * 64)
+      async_copy.async_copy_global_to_shared(c_smem.index(st), p_base + c_offs + i * (32 * N))
+      async_copy.async_copy_global_to_shared(s_smem.index(st), s_base + s_offs + i * (4 * N))
+      async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+
+  @gluon.jit
+  def mma_loop(x_smem, c_smem, s_smem, ready, empty, BM: ttgl.constexpr, BN: ttgl.constexpr, K: ttgl.constexpr,
+               S: ttgl.constexpr, IF: ttgl.constexpr):
+    STEPS: ttgl.constexpr = K // 64
+    mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BM, 16])
+    a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 2)
+    acc = ttgl.zeros([BN, BM], ttgl.float32, layout=mma)
+    a_prev = ttgl.zeros([BN, 64], ttgl.bfloat16, layout=a_layout)
+    for i in range(STEPS):
+      st = i % S
+      mbarrier.wait(ready.index(st), (i // S) & 1)
+      c = c_smem.index(st).load(code_layout)
+      s = s_smem.index(st).load(ttgl.SliceLayout(1, code_layout))
+      a = ttgl.convert_layout(decode(c, s), a_layout)
+      hopper.fence_async_shared()  # the copies' generic-proxy writes, before the tensor cores read them
+      acc = hopper.warpgroup_mma(a, x_smem.index(st).permute((1, 0)), acc, is_async=True)
+      if IF == 1:
+        # step i - 1's MMA is retired (its operand registers, kept live until here, and its stage are free)
+        acc, a_prev = hopper.warpgroup_mma_wait(1, deps=[acc, a_prev])
+        mbarrier.arrive(empty.index((i + S - 1) % S), count=1, pred=i > 0)
+        a_prev = a
+      else:
+        acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index(st), count=1)
+    acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+    return (acc,)
+
+  @gluon.jit
+  def w4a16_mm(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr, K: ttgl.constexpr,
+               L: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, DW: ttgl.constexpr,
+               DR: ttgl.constexpr, IF: ttgl.constexpr):
+    pid_m = ttgl.program_id(0)  # row tiles of x fastest: the programs of one weight tile run together (L2)
+    pid_n = ttgl.program_id(1)
+    layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
+    gs = ttgl.load(gs_ptr + layer)
+    x_layout: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([BM, 64], ttgl.bfloat16)
+    c_shared: ttgl.constexpr = ttgl.SwizzledSharedLayout(16, 1, 8, [2, 1, 0])  # 16-byte chunks XOR the code row
+    s_shared: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [S, BM, 64], x_layout)
+    c_smem = ttgl.allocate_shared_memory(ttgl.uint8, [S, 4, 8, BN], c_shared)
+    s_smem = ttgl.allocate_shared_memory(ttgl.uint8, [S, 4, BN], s_shared)
+    ready = ttgl.allocate_shared_memory(ttgl.int64, [S, 1], mbarrier.MBarrierLayout())
+    empty = ttgl.allocate_shared_memory(ttgl.int64, [S, 1], mbarrier.MBarrierLayout())
+    for j in ttgl.static_range(S):
+      mbarrier.init(ready.index(j), count=DW * 32)  # every producer thread's copies (cp.async, no increment)
+      mbarrier.init(empty.index(j), count=1)
+    acc = ttgl.warp_specialize(
+        [(mma_loop, (x_smem, c_smem, s_smem, ready, empty, BM, BN, K, S, IF)),
+         (producer, (x_ptr, p_ptr, s_ptr, x_smem, c_smem, s_smem, ready, empty, pid_m, pid_n, layer, M, N, K, BM, BN,
+                     S, DW))],
+        [DW], [DR])[0]
+    # operand rows (n6 n5 n4 n0 n3 n2 n1) -> columns: a relabelling, no data moves
+    acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 7 + [BM]), [0, 1, 2, 4, 5, 6, 3, 7]), [BN, BM])
+    out = (acc * (256.0 / gs)).to(ttgl.bfloat16)  # 2**8 undoes the decode's 2**-8
+    # the same values with column bit n0 first in each thread's registers, so the stores take column pairs (4 bytes)
+    out = ttgl.convert_layout(out, store_layout, assert_trivial=True)
+    cols = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, out.type.layout)) + pid_n * BN
+    rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, out.type.layout)) + pid_m * BM
+    mask = ttgl.expand_dims(rows < M, 0) & ttgl.expand_dims(cols >= 0, 1)
+    ttgl.store(o_ptr + ttgl.expand_dims(rows, 0) * N + ttgl.expand_dims(cols, 1), out, mask=mask)
+
+  return w4a16_mm
+
+
+def _regs() -> int:
+  """The launch register cap: ``8 + LOAD_WARPS`` warps share an SM's 65536 registers."""
+  return (65536 // (32 * (8 + LOAD_WARPS))) // 8 * 8
+
+
+def meta_for(m: int, k: int, n: int, layers: int) -> dict:
+  """The kernel's constexprs for ``x [m, k]`` and a ``[k, n]`` weight (of a stack of ``layers``).
+
+  Raises:
+    ValueError: settings the kernel cannot take (:data:`STAGES` < 2, :data:`IN_FLIGHT` not 0 or 1).
+  """
+  if STAGES < 2 or IN_FLIGHT not in (0, 1):
+    raise ValueError(f"w4_gluon_mm: STAGES={STAGES} (>= 2) and IN_FLIGHT={IN_FLIGHT} (0 or 1) are not supported")
+  return dict(M=m, N=n, K=k, L=layers, BM=BLOCK_M, BN=BLOCK_N, S=STAGES, DW=LOAD_WARPS, DR=LOAD_REGS, IF=IN_FLIGHT)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(meta: tuple):
+  """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta``, loaded on every GPU."""
+  return w4_gluon._load(compile_for(dict(meta), w4_gluon._target_cc()))
+
+
+def compile_for(meta: dict, cc: int = 90):
+  """``triton.compile`` of the kernel for ``meta`` (:func:`meta_for`) and ``sm_{cc}`` (no GPU needed)."""
+  return w4_gluon._compile_gluon(_kernel(), _ARG_DTYPES, meta, cc, num_warps=8, maxnreg=_regs())
+
+
+def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None) -> jax.Array:
+  """``x @ W`` by the large-M Gluon kernel (GPU only; no VJP: :mod:`pallas_kernels.matmul` calls it).
+
+  Args:
+    x: bf16 ``[M, K]``.
+    w: :class:`~qerl_jax.nvfp4.NVFP4Tensor` ``[K, N]`` (either code order: a decode-order weight, or its
+      layer ``index``, is converted by XLA first), or with ``index`` a stack ``[L, K, N]``.
+    index: int32 scalar (may be traced): layer of the stack, clamped to ``[0, L)``.
+
+  Returns:
+    bf16 ``[M, N]``, accumulated in float32.
+
+  Raises:
+    ValueError: a shape or weight :func:`applies` rejects, an x/weight K mismatch, or ``index`` given
+      with an unstacked weight (or missing with a stack).
+    RuntimeError: the compiled kernel failed to load on a GPU.
+  """
+  m, k = x.shape
+  if not applies(m, w, x.dtype) or w.shape[0] != k:
+    raise ValueError(f"w4_gluon_mm.forward: no kernel for x {x.dtype}{list(x.shape)} and weight "
+                     f"{type(w).__name__} {list(getattr(w, 'shape', ()))} (needs an sm_90 GPU with the FFI launcher, "
+                     f"bf16 x, NVFP4, K % {STEP_K} == 0, N % {BLOCK_N} == 0)")
+  if (index is None) != (w.packed.ndim == 2):
+    raise ValueError(f"w4_gluon_mm.forward: index={index!r} with packed codes of shape {w.packed.shape}")
+  w, index = w4_triton._standard_codes(w, index)
+  n = w.shape[1]
+  codes, scales, gs, idx = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
+  layers = 1 if index is None else w.packed.shape[0]
+  meta = meta_for(m, k, n, layers)
+  ptx, name, shared = _compiled(tuple(meta.items()))
+  grid = (-(-m // BLOCK_M), n // BLOCK_N, 1)
+  return jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((m, n), jnp.bfloat16))(
+      x, codes, scales, gs, idx,
+      **w4_gluon._launch_attrs(ptx, name, grid, shared, threads=32 * (8 + LOAD_WARPS)))

@@ -1,0 +1,134 @@
+"""Tests of the large-M Gluon forward kernel (pallas_kernels/w4_gluon_mm.py).
+
+Gluon has no interpreter, so the kernel's numerics are tested on the GPU against a float64 numpy product.
+On the CPU: its inline-PTX decode (through the small PTX interpreter of test_gluon.py) for every code and a
+range of E4M3 block scales, its shape rules and settings.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels import w4_gluon, w4_gluon_mm
+from qerl_jax import nvfp4
+from tests.test_gluon import _dense64, _rel, _run_ptx, _weight
+
+
+def test_mm_decode_ptx_by_codebook():
+  """The decode's PTX gives ``E2M1[code] * scale * 2**-8`` exactly for both nibbles of the four bytes
+  ((n, r), (n + 1, r), (n, r + 4), (n + 1, r + 4)): the low nibble (K row 2 r) in the low half, each column
+  with its own E4M3 scale, in and out of E4M3's subnormal range; ``decode_reference`` says the same."""
+  rng = np.random.default_rng(3)
+  asm = w4_gluon_mm._asm()
+  codebook = np.asarray(nvfp4.E2M1_CODEBOOK, np.float64)
+  for trial in range(512):
+    code_bytes = (np.array([(trial * 17 + 16 * i + i) % 256 for i in range(4)]) if trial < 256
+                  else rng.integers(0, 256, size=4))
+    scale = rng.choice([2.0 ** -9, 2.0 ** -7, 0.0625, 0.75, 1.0, 13.0, 448.0], size=2).astype(ml_dtypes.float8_e4m3fn)
+    sbytes = scale.view(np.uint8)
+    regs = _run_ptx(asm, {"$4": int(sum(int(b) << (8 * i) for i, b in enumerate(code_bytes))),
+                          "$5": int(sbytes[0]) | (int(sbytes[1]) << 8) | (0xAB << 16)})  # bytes 2, 3 unused
+    ref = w4_gluon_mm.decode_reference(code_bytes.astype(np.uint8), sbytes)
+    for reg, (byte, col) in enumerate(((0, 0), (2, 0), (1, 1), (3, 1))):
+      v = regs[f"${reg}"]
+      got = np.array([v & 0xFFFF, v >> 16], np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+      b = int(code_bytes[byte])
+      want = codebook[[b & 15, b >> 4]] * float(scale[col].astype(np.float64)) * 2.0 ** -8
+      np.testing.assert_array_equal(got, want, err_msg=f"bytes {code_bytes} register {reg}")
+      np.testing.assert_array_equal(ref[reg], want)
+
+
+def test_mm_kernel_not_applied_off_gpu():
+  """Without an sm_90 GPU the kernel never applies (the library keeps dequantize + cuBLAS)."""
+  if w4_gluon._wgmma_gpus() and w4_gluon._gpu_devices():
+    pytest.skip("an sm_90 GPU is present")
+  assert not w4_gluon_mm.applies(2048, _weight(128, 128, 0), jnp.bfloat16)
+  with pytest.raises(ValueError, match="no kernel"):
+    w4_gluon_mm.forward(jnp.zeros((4, 128), jnp.bfloat16), _weight(128, 128, 0))
+
+
+def test_mm_shape_rules(monkeypatch):
+  """K a multiple of 64, N of 128, bf16 x, NVFP4 weights only (with the GPU checks faked true)."""
+  monkeypatch.setattr(w4_gluon, "_gpu_devices", lambda: [object()])
+  monkeypatch.setattr(w4_gluon, "_wgmma_gpus", lambda: True)
+  monkeypatch.setattr(w4_gluon, "available", lambda: True)
+  monkeypatch.setattr(w4_gluon, "launcher", lambda: "ffi")
+  assert w4_gluon_mm.applies(3000, _weight(192, 384, 0), jnp.bfloat16)
+  assert not w4_gluon_mm.applies(3000, _weight(192, 384, 0), jnp.float32)
+  assert not w4_gluon_mm.applies(3000, _weight(160, 384, 0), jnp.bfloat16)  # K % 64
+  assert not w4_gluon_mm.applies(3000, _weight(192, 320, 0), jnp.bfloat16)  # N % 128
+  assert not w4_gluon_mm.applies(0, _weight(192, 384, 0), jnp.bfloat16)
+
+
+def test_mm_settings_are_checked(monkeypatch):
+  """Ring and in-flight settings the kernel cannot take are refused by name before a launch is built."""
+  assert w4_gluon_mm.meta_for(2048, 3584, 4608, 1)["S"] == w4_gluon_mm.STAGES
+  for name, bad in (("STAGES", 1), ("IN_FLIGHT", 2)):
+    with monkeypatch.context() as mp:
+      mp.setattr(w4_gluon_mm, name, bad)
+      with pytest.raises(ValueError, match=name):
+        w4_gluon_mm.meta_for(2048, 3584, 4608, 1)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _skip_without_kernel():
+  if not (w4_gluon._gpu_devices() and w4_gluon._wgmma_gpus() and w4_gluon.available()
+          and w4_gluon.launcher() == "ffi"):
+    pytest.skip("the large-M forward kernel needs an sm_90 GPU and the FFI launcher")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_flight", [0, 1])
+@pytest.mark.parametrize("m,k,n", [
+    (2048, 3584, 4608),   # 7B q/k/v
+    (300, 18944, 3584),   # 7B down, ragged M (two M tiles, the second with 44 rows)
+    (1000, 3584, 3584),   # 7B o
+    (257, 1152, 768),     # one row in the last M tile
+    (1, 64, 128),         # one program, one step, one row
+    (17, 192, 384),       # three column tiles, three steps
+    (100, 320, 640),      # a ring of 4 wrapped once (5 steps)
+])
+def test_gpu_mm_matches_float64(m, k, n, in_flight, monkeypatch):
+  """y = x @ W against float64 (bf16 output: relative error at bf16 rounding), every row and column written
+  (the output is never pre-filled: an unwritten element would be garbage) and finite."""
+  _skip_without_kernel()
+  monkeypatch.setattr(w4_gluon_mm, "IN_FLIGHT", in_flight)
+  wq = _weight(k, n, m + k)
+  x = jnp.asarray(np.random.default_rng(n).standard_normal((m, k)) * 2.0, jnp.bfloat16)
+  got = jax.jit(w4_gluon_mm.forward)(x, wq)
+  assert got.shape == (m, n) and got.dtype == jnp.bfloat16 and bool(jnp.isfinite(got).all())
+  want = np.asarray(x, np.float64) @ _dense64(wq)
+  assert _rel(got, want) < 4e-3
+  g = np.asarray(got, np.float64)
+  for axis in (0, 1):  # no row of x, no column of W left unwritten or misplaced
+    err = np.linalg.norm(g - want, axis=1 - axis) / np.linalg.norm(want, axis=1 - axis)
+    assert err.max() < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_mm_reads_a_stacked_layer():
+  """With ``index`` the kernel reads that layer of a stack in place (clamped like the other kernels)."""
+  _skip_without_kernel()
+  wq = _weight(1280, 768, 5, layers=3)
+  x = jnp.asarray(np.random.default_rng(6).standard_normal((512, 1280)), jnp.bfloat16)
+  f = jax.jit(lambda x, w, i: w4_gluon_mm.forward(x, w, index=i))
+  for index, layer in ((0, 0), (2, 2), (5, 2), (-3, 0)):
+    want = np.asarray(x, np.float64) @ _dense64(jax.tree.map(lambda a: a[layer], wq))
+    assert _rel(f(x, wq, jnp.int32(index)), want) < 4e-3
+
+
+@pytest.mark.gpu
+def test_gpu_mm_reads_a_decode_order_layer():
+  """A decode-order stack (the GPU default of the trainer's ``code_order="auto"``) gives the same product as
+  its standard-order values."""
+  _skip_without_kernel()
+  wq = _weight(1280, 768, 11, layers=3)
+  wd = nvfp4.to_decode_order(wq)
+  x = jnp.asarray(np.random.default_rng(12).standard_normal((300, 1280)), jnp.bfloat16)
+  got = jax.jit(lambda x, w, i: w4_gluon_mm.forward(x, w, index=i))(x, wd, jnp.int32(1))
+  want = np.asarray(x, np.float64) @ _dense64(jax.tree.map(lambda a: a[1], wq))
+  assert _rel(got, want) < 4e-3
