@@ -14,9 +14,11 @@
 // a decode step's float32 accumulator that one memset zeroed for several kernels.
 // tma = [count, then 6 ints per descriptor: operand, rows, columns, box rows, box columns, L2 promotion]: the
 // kernel takes that many TMA descriptors (Triton's host tensor descriptors) before the pointers, each 2-D over an
-// operand of one-byte elements, row-major and contiguous: the CUtensorMap (128 bytes, encoded here by
+// operand of one-byte elements, row-major and contiguous, unswizzled: the CUtensorMap (128 bytes, encoded here by
 // cuTensorMapEncodeTiled at each launch, so a CUDA graph records the operand's current address), then the shape
 // as two int32 and the strides as two int64 (elements), as Triton 3.6's launcher passes them. [0]: none.
+// tma = [-count, then 8 ints per descriptor: the same six, element bytes (1: uint8, 2: bfloat16), swizzle
+// (CUtensorMapSwizzle: 0 none, 3 128 bytes)]: the same with two-byte elements or a swizzled box.
 // Modules are loaded once per (CUDA context, key) pair, where the key is a short digest of the PTX and
 // kernel name computed once in Python, so that a launch looks up a few dozen bytes instead of copying
 // and comparing the whole PTX: qerl_gluon_preload loads them outside any stream capture (called from
@@ -135,16 +137,24 @@ ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRe
     return ffi::Error(ffi::ErrorCode::kInternal,
                       "qerl_gluon_launch: loading kernel " + std::string(name) + " failed, CUresult " + std::to_string(r));
   }
-  if (tma.size() < 1 || tma.size() != 1 + 6 * static_cast<size_t>(tma[0])) {
+  const size_t width = (tma.size() >= 1 && tma[0] < 0) ? 8 : 6;  // ints a descriptor
+  if (tma.size() < 1 || tma.size() != 1 + width * static_cast<size_t>(tma[0] < 0 ? -tma[0] : tma[0])) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "qerl_gluon_launch: tma attribute of " +
                                                             std::to_string(tma.size()) + " values is malformed");
   }
-  const size_t descriptors = static_cast<size_t>(tma[0]);
+  const size_t descriptors = static_cast<size_t>(tma[0] < 0 ? -tma[0] : tma[0]);
   std::vector<CUtensorMap> maps(descriptors);
   std::vector<int32_t> shapes(2 * descriptors);
   std::vector<int64_t> strides(2 * descriptors);
   for (size_t t = 0; t < descriptors; ++t) {
-    const int64_t* spec = tma.begin() + 1 + 6 * t;
+    const int64_t* spec = tma.begin() + 1 + width * t;
+    const int64_t element_bytes = width == 8 ? spec[6] : 1;
+    const int64_t swizzle = width == 8 ? spec[7] : 0;
+    if ((element_bytes != 1 && element_bytes != 2) || (swizzle != 0 && swizzle != 3)) {
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument, "qerl_gluon_launch: tma element bytes " +
+                                                              std::to_string(element_bytes) + " or swizzle " +
+                                                              std::to_string(swizzle) + " not supported");
+    }
     if (spec[0] < 0 || static_cast<size_t>(spec[0]) >= args.size()) {
       return ffi::Error(ffi::ErrorCode::kInvalidArgument, "qerl_gluon_launch: tma operand out of range");
     }
@@ -154,17 +164,17 @@ ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRe
     auto buffer = args.get<ffi::AnyBuffer>(static_cast<size_t>(spec[0]));
     if (buffer.has_error()) return buffer.error();
     const uint64_t dims[2] = {static_cast<uint64_t>(spec[2]), static_cast<uint64_t>(spec[1])};  // innermost first
-    const uint64_t row_bytes[1] = {static_cast<uint64_t>(spec[2])};
+    const uint64_t row_bytes[1] = {static_cast<uint64_t>(spec[2] * element_bytes)};
     const unsigned box[2] = {static_cast<unsigned>(spec[4]), static_cast<unsigned>(spec[3])};
     const unsigned element_strides[2] = {1, 1};
-    if (buffer->size_bytes() != static_cast<size_t>(spec[1] * spec[2])) {
+    if (buffer->size_bytes() != static_cast<size_t>(spec[1] * spec[2] * element_bytes)) {
       return ffi::Error(ffi::ErrorCode::kInvalidArgument, "qerl_gluon_launch: tma operand of " +
                                                               std::to_string(buffer->size_bytes()) +
                                                               " bytes is not rows x columns");
     }
-    // CU_TENSOR_MAP_DATA_TYPE_UINT8, no interleave, no swizzle, no out-of-bounds fill
-    r = d.tensor_map_encode_tiled(&maps[t], 0, 2, buffer->untyped_data(), dims, row_bytes, box, element_strides, 0,
-                                  0, static_cast<int>(spec[5]), 0);
+    // CU_TENSOR_MAP_DATA_TYPE_UINT8 (0) or _BFLOAT16 (9), no interleave, the swizzle, zeros out of bounds
+    r = d.tensor_map_encode_tiled(&maps[t], element_bytes == 2 ? 9 : 0, 2, buffer->untyped_data(), dims, row_bytes,
+                                  box, element_strides, 0, static_cast<int>(swizzle), static_cast<int>(spec[5]), 0);
     if (r != 0) {
       return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_launch: cuTensorMapEncodeTiled failed, CUresult " +
                                                        std::to_string(r));

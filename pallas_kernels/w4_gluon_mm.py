@@ -41,12 +41,21 @@ BLOCK_N = 128   # columns of W a program: the two warpgroups' m64 wgmma rows
 BLOCK_M = 256   # rows of x a program: the wgmma's N
 STEP_K = 64     # contraction a step (4 wgmma k16 blocks; 4 NVFP4 blocks)
 STAGES = 4      # the shared-memory ring (x 32 KB + codes 4 KB + scales 0.5 KB a stage)
-LOAD_WARPS = 4  # warps of the cp.async producer partition
-LOAD_REGS = 40  # its registers a thread (setmaxnreg); the MMA partition gets the rest
+LOAD_REGS = 40  # registers a thread of the one-warp TMA producer partition (setmaxnreg)
+PERSISTENT = 1  # 1: one program an SM walking the tiles (the producer runs into the next tile during a store)
 IN_FLIGHT = 1   # wgmmas left in flight past each step (1: the next step's decode overlaps it; 0: wait for it)
 MIN_M = 1024    # the smallest M matmul's dispatch sends here (when enabled)
-# x, codes, block scales (E4M3 bytes), global scales, layer, y
-_ARG_DTYPES = ("*bf16", "*u8", "*u8", "*fp32", "*i32", "*bf16")
+# The TMA descriptors (the launcher's extended spec, gluon_launch.cc): (operand, element type, box, element bytes,
+# swizzle): x [M, K] in boxes of [BM, 64] (128-byte swizzle, wgmma's B operand), codes [L K / 2, N] in [32, BN]
+# (128-byte swizzle: a thread's 2-byte loads of 4 code rows hit 4 banks), block scales [L K / 16, N] in [4, BN]
+_TMA_BOXES = ((0, "bf16", (BLOCK_M, 64), 2, 3), (1, "u8", (32, BLOCK_N), 1, 3), (2, "u8", (4, BLOCK_N), 1, 0))
+_SWIZZLE_BYTES = {0: 0, 3: 128}
+_TMA_DESCRIPTORS = tuple(
+    f"tensordesc<{t}[{r}, {c}],NVMMASharedLayout(swizzle_byte_width={_SWIZZLE_BYTES[sw]}, "
+    f"element_bitwidth={8 * eb}, rank=2)>" for _, t, (r, c), eb, sw in _TMA_BOXES)
+# descriptors, then x, codes, block scales (E4M3 bytes), global scales, layer, y
+_ARG_DTYPES = _TMA_DESCRIPTORS + ("*bf16", "*u8", "*u8", "*fp32", "*i32", "*bf16")
+_THREADS = 32 * 9  # 8 MMA warps and the producer warp
 
 
 def applies(m: int, w, x_dtype) -> bool:
@@ -109,8 +118,7 @@ def _kernel():
   from triton.experimental import gluon
   from triton.experimental.gluon import language as ttgl
   from triton.experimental.gluon.language.nvidia import hopper
-  from triton.experimental.gluon.language.nvidia.ampere import async_copy
-  from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+  from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma as hopper_tma
 
   asm = ttgl.constexpr(_asm())
   # A step's codes as [4 blocks, 8 code rows, BN columns] (code row 8 b + r holds K rows 16 b + 2 r, + 1):
@@ -124,6 +132,10 @@ def _kernel():
 
   # the accumulator [BN columns, BM rows of x] after the row relabelling, with column bit n0 as the first register
   # bit: an m64 wgmma's rows g, g + 8 (lanes g) are columns 2 g', 2 g' + 1 (see decode)
+  # the same as loaded from a stage's [32 code rows, BN] TMA box
+  code_layout_2d = ttgl.constexpr(ttgl.DistributedLinearLayout(
+      reg_bases=[[0, 1], [4, 0], [8, 0], [16, 0]], lane_bases=[[1, 0], [2, 0], [0, 2], [0, 4], [0, 8]],
+      warp_bases=[[0, 16], [0, 32], [0, 64]], block_bases=[], shape=[32, 128]))
   store_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
       reg_bases=[[1, 0], [0, 1], [0, 8], [0, 16], [0, 32], [0, 64], [0, 128]],
       lane_bases=[[0, 2], [0, 4], [2, 0], [4, 0], [8, 0]],
@@ -144,104 +156,116 @@ def _kernel():
     return ttgl.reshape(ttgl.permute(x, [5, 6, 7, 12, 8, 9, 10, 0, 1, 2, 3, 4, 11]), [128, 64])
 
   @gluon.jit
-  def producer(x_ptr, p_ptr, s_ptr, x_smem, c_smem, s_smem, ready, empty, pid_m, pid_n, layer,
-               M: ttgl.constexpr, N: ttgl.constexpr, K: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
-               S: ttgl.constexpr, DW: ttgl.constexpr):
+  def producer(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M: ttgl.constexpr, N: ttgl.constexpr,
+               K: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, NP: ttgl.constexpr):
+    """One warp: each step's x [BM, 64] (rows past M arrive as zeros), codes [32, BN] and block scales [4, BN] by
+    TMA into stage g % S of the ring once the MMA partition has released it, over this program's tiles."""
     STEPS: ttgl.constexpr = K // 64
-    # x [BM, 64]: 16 contiguous bytes a copy; rows past M read row M - 1 (their outputs are not stored)
-    xl: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [4, 8], [DW, 1], [1, 0])
-    xm = ttgl.arange(0, BM, layout=ttgl.SliceLayout(1, xl))
-    xk = ttgl.arange(0, 64, layout=ttgl.SliceLayout(0, xl))
-    x_offs = ttgl.expand_dims(ttgl.minimum(xm + pid_m * BM, M - 1), 1) * K + ttgl.expand_dims(xk, 0)
-    # codes [4, 8, BN] of a step (32 code rows): 16 bytes a copy
-    cl: ttgl.constexpr = ttgl.BlockedLayout([1, 1, 16], [1, 4, 8], [DW, 1, 1], [2, 1, 0])
-    cb = ttgl.arange(0, 4, layout=ttgl.SliceLayout(1, ttgl.SliceLayout(2, cl)))
-    cr = ttgl.arange(0, 8, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(2, cl)))
-    cn = ttgl.arange(0, BN, layout=ttgl.SliceLayout(0, ttgl.SliceLayout(1, cl)))
-    kp = ttgl.expand_dims(ttgl.expand_dims(cb * 8, 1) + ttgl.expand_dims(cr, 0), 2)
-    c_offs = kp * N + ttgl.expand_dims(ttgl.expand_dims(cn + pid_n * BN, 0), 1)
-    p_base = p_ptr + layer.to(ttgl.int64) * ((K // 2) * N)  # (a 32B stack passes 2**31 bytes)
-    # block scales [4, BN]
-    sl: ttgl.constexpr = ttgl.BlockedLayout([1, 16], [4, 8], [1, DW], [1, 0])
-    sr = ttgl.arange(0, 4, layout=ttgl.SliceLayout(1, sl))
-    sn = ttgl.arange(0, BN, layout=ttgl.SliceLayout(0, sl))
-    s_offs = ttgl.expand_dims(sr, 1) * N + ttgl.expand_dims(sn + pid_n * BN, 0)
-    s_base = s_ptr + layer.to(ttgl.int64) * ((K // 16) * N)
-    for i in range(STEPS):
-      st = i % S
-      mbarrier.wait(empty.index(st), ((i // S) & 1) ^ 1)
-      async_copy.async_copy_global_to_shared(x_smem.index(st), x_ptr + x_offs + i * 64)
-      async_copy.async_copy_global_to_shared(c_smem.index(st), p_base + c_offs + i * (32 * N))
-      async_copy.async_copy_global_to_shared(s_smem.index(st), s_base + s_offs + i * (4 * N))
-      async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+    MT: ttgl.constexpr = (M + BM - 1) // BM
+    TILES: ttgl.constexpr = MT * (N // BN)
+    c_row0 = layer * (K // 2)
+    s_row0 = layer * (K // 16)
+    g = 0
+    for t in range(ttgl.program_id(0), TILES, NP):
+      m0 = (t % MT) * BM
+      n0 = (t // MT) * BN
+      for i in range(STEPS):
+        st = g % S
+        mbarrier.wait(empty.index(st), ((g // S) & 1) ^ 1)
+        mbarrier.expect(ready.index(st), BM * 64 * 2 + 36 * BN)
+        hopper_tma.async_copy_global_to_shared(xd, [m0, i * 64], ready.index(st), x_smem.index(st))
+        hopper_tma.async_copy_global_to_shared(cd, [c_row0 + i * 32, n0], ready.index(st), c_smem.index(st))
+        hopper_tma.async_copy_global_to_shared(sd, [s_row0 + i * 4, n0], ready.index(st), s_smem.index(st))
+        g += 1
 
   @gluon.jit
-  def mma_loop(x_smem, c_smem, s_smem, ready, empty, BM: ttgl.constexpr, BN: ttgl.constexpr, K: ttgl.constexpr,
-               S: ttgl.constexpr, IF: ttgl.constexpr):
+  def mma_loop(x_smem, c_smem, s_smem, ready, empty, o_ptr, scale, M: ttgl.constexpr, N: ttgl.constexpr,
+               K: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, IF: ttgl.constexpr,
+               NP: ttgl.constexpr):
+    """8 warps: per tile, each step's decode and wgmmas (IF: one left in flight past its step), then the tile's
+    store (while the producer already fills the ring for the next tile)."""
     STEPS: ttgl.constexpr = K // 64
+    MT: ttgl.constexpr = (M + BM - 1) // BM
+    TILES: ttgl.constexpr = MT * (N // BN)
     mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BM, 16])
     a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 2)
-    acc = ttgl.zeros([BN, BM], ttgl.float32, layout=mma)
-    a_prev = ttgl.zeros([BN, 64], ttgl.bfloat16, layout=a_layout)
-    for i in range(STEPS):
-      st = i % S
-      mbarrier.wait(ready.index(st), (i // S) & 1)
-      c = c_smem.index(st).load(code_layout)
-      s = s_smem.index(st).load(ttgl.SliceLayout(1, code_layout))
-      a = ttgl.convert_layout(decode(c, s), a_layout)
-      hopper.fence_async_shared()  # the copies' generic-proxy writes, before the tensor cores read them
-      acc = hopper.warpgroup_mma(a, x_smem.index(st).permute((1, 0)), acc, is_async=True)
+    g = 0
+    for t in range(ttgl.program_id(0), TILES, NP):
+      acc = ttgl.zeros([BN, BM], ttgl.float32, layout=mma)
+      a_prev = ttgl.zeros([BN, 64], ttgl.bfloat16, layout=a_layout)
+      for i in range(STEPS):
+        st = g % S
+        mbarrier.wait(ready.index(st), (g // S) & 1)
+        c = ttgl.convert_layout(ttgl.reshape(c_smem.index(st).load(code_layout_2d), [4, 8, BN]), code_layout,
+                                assert_trivial=True)
+        s = s_smem.index(st).load(ttgl.SliceLayout(1, code_layout))
+        a = ttgl.convert_layout(decode(c, s), a_layout)
+        acc = hopper.warpgroup_mma(a, x_smem.index(st).permute((1, 0)), acc, is_async=True)
+        if IF == 1:
+          # the previous step's MMA is retired (its operand registers, kept live until here, and its stage are free)
+          acc, a_prev = hopper.warpgroup_mma_wait(1, deps=[acc, a_prev])
+          mbarrier.arrive(empty.index((g + S - 1) % S), count=1, pred=i > 0)
+          a_prev = a
+        else:
+          acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+          mbarrier.arrive(empty.index(st), count=1)
+        g += 1
+      acc = hopper.warpgroup_mma_wait(0, deps=[acc])
       if IF == 1:
-        # step i - 1's MMA is retired (its operand registers, kept live until here, and its stage are free)
-        acc, a_prev = hopper.warpgroup_mma_wait(1, deps=[acc, a_prev])
-        mbarrier.arrive(empty.index((i + S - 1) % S), count=1, pred=i > 0)
-        a_prev = a
-      else:
-        acc = hopper.warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(empty.index(st), count=1)
-    acc = hopper.warpgroup_mma_wait(0, deps=[acc])
-    return (acc,)
+        mbarrier.arrive(empty.index((g + S - 1) % S), count=1)
+      # operand rows (n6 n5 n4 n0 n3 n2 n1) -> columns: a relabelling, no data moves
+      acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 7 + [BM]), [0, 1, 2, 4, 5, 6, 3, 7]), [BN, BM])
+      out = (acc * scale).to(ttgl.bfloat16)
+      # the same values with column bit n0 first in each thread's registers: the stores take column pairs (4 bytes)
+      out = ttgl.convert_layout(out, store_layout, assert_trivial=True)
+      cols = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, store_layout)) + (t // MT) * BN
+      rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, store_layout)) + (t % MT) * BM
+      mask = ttgl.expand_dims(rows < M, 0) & ttgl.expand_dims(cols >= 0, 1)
+      ttgl.store(o_ptr + ttgl.expand_dims(rows, 0) * N + ttgl.expand_dims(cols, 1), out, mask=mask)
+    return (g,)
 
   @gluon.jit
-  def w4a16_mm(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr, K: ttgl.constexpr,
-               L: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, DW: ttgl.constexpr,
-               DR: ttgl.constexpr, IF: ttgl.constexpr):
-    pid_m = ttgl.program_id(0)  # row tiles of x fastest: the programs of one weight tile run together (L2)
-    pid_n = ttgl.program_id(1)
+  def w4a16_mm(xd, cd, sd, x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
+               K: ttgl.constexpr, L: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr,
+               DR: ttgl.constexpr, IF: ttgl.constexpr, NP: ttgl.constexpr):
     layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
-    gs = ttgl.load(gs_ptr + layer)
-    x_layout: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([BM, 64], ttgl.bfloat16)
-    c_shared: ttgl.constexpr = ttgl.SwizzledSharedLayout(16, 1, 8, [2, 1, 0])  # 16-byte chunks XOR the code row
-    s_shared: ttgl.constexpr = ttgl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [S, BM, 64], x_layout)
-    c_smem = ttgl.allocate_shared_memory(ttgl.uint8, [S, 4, 8, BN], c_shared)
-    s_smem = ttgl.allocate_shared_memory(ttgl.uint8, [S, 4, BN], s_shared)
+    scale = 256.0 / ttgl.load(gs_ptr + layer)  # 2**8 undoes the decode's 2**-8
+    x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [S, BM, 64], xd.layout)
+    c_smem = ttgl.allocate_shared_memory(ttgl.uint8, [S, 32, BN], cd.layout)
+    s_smem = ttgl.allocate_shared_memory(ttgl.uint8, [S, 4, BN], sd.layout)
     ready = ttgl.allocate_shared_memory(ttgl.int64, [S, 1], mbarrier.MBarrierLayout())
     empty = ttgl.allocate_shared_memory(ttgl.int64, [S, 1], mbarrier.MBarrierLayout())
     for j in ttgl.static_range(S):
-      mbarrier.init(ready.index(j), count=DW * 32)  # every producer thread's copies (cp.async, no increment)
+      mbarrier.init(ready.index(j), count=1)
       mbarrier.init(empty.index(j), count=1)
-    acc = ttgl.warp_specialize(
-        [(mma_loop, (x_smem, c_smem, s_smem, ready, empty, BM, BN, K, S, IF)),
-         (producer, (x_ptr, p_ptr, s_ptr, x_smem, c_smem, s_smem, ready, empty, pid_m, pid_n, layer, M, N, K, BM, BN,
-                     S, DW))],
-        [DW], [DR])[0]
-    # operand rows (n6 n5 n4 n0 n3 n2 n1) -> columns: a relabelling, no data moves
-    acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 7 + [BM]), [0, 1, 2, 4, 5, 6, 3, 7]), [BN, BM])
-    out = (acc * (256.0 / gs)).to(ttgl.bfloat16)  # 2**8 undoes the decode's 2**-8
-    # the same values with column bit n0 first in each thread's registers, so the stores take column pairs (4 bytes)
-    out = ttgl.convert_layout(out, store_layout, assert_trivial=True)
-    cols = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, out.type.layout)) + pid_n * BN
-    rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, out.type.layout)) + pid_m * BM
-    mask = ttgl.expand_dims(rows < M, 0) & ttgl.expand_dims(cols >= 0, 1)
-    ttgl.store(o_ptr + ttgl.expand_dims(rows, 0) * N + ttgl.expand_dims(cols, 1), out, mask=mask)
+    hopper.fence_async_shared()
+    ttgl.warp_specialize(
+        [(mma_loop, (x_smem, c_smem, s_smem, ready, empty, o_ptr, scale, M, N, K, BM, BN, S, IF, NP)),
+         (producer, (xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M, N, K, BM, BN, S, NP))],
+        [1], [DR])
 
   return w4a16_mm
 
 
 def _regs() -> int:
-  """The launch register cap: ``8 + LOAD_WARPS`` warps share an SM's 65536 registers."""
-  return (65536 // (32 * (8 + LOAD_WARPS))) // 8 * 8
+  """The launch register cap: 9 warps share an SM's 65536 registers (setmaxnreg then moves them)."""
+  return (65536 // _THREADS) // 8 * 8
+
+
+def _programs(m: int, n: int) -> int:
+  """The grid: one program per tile, or with :data:`PERSISTENT` at most one per SM of the first GPU."""
+  tiles = -(-m // BLOCK_M) * (n // BLOCK_N)
+  if not PERSISTENT:
+    return tiles
+  sms = [getattr(d, "core_count", 0) for d in w4_gluon._gpu_devices()]
+  return max(1, min(tiles, min(sms) if sms and min(sms) > 0 else 132))
+
+
+def _tma_specs(operands) -> np.ndarray:
+  """The launcher's ``tma`` attribute in its extended form: ``-count``, then per descriptor ``operand, rows,
+  columns, box rows, box columns, L2 promotion, element bytes, swizzle``."""
+  specs = [[i, *operands[i].shape, *box, w4_gluon.TMA_L2_PROMOTION, eb, sw] for i, _, box, eb, sw in _TMA_BOXES]
+  return np.array([-len(specs)] + [v for spec in specs for v in spec], np.int64)
 
 
 def meta_for(m: int, k: int, n: int, layers: int) -> dict:
@@ -252,7 +276,8 @@ def meta_for(m: int, k: int, n: int, layers: int) -> dict:
   """
   if STAGES < 2 or IN_FLIGHT not in (0, 1):
     raise ValueError(f"w4_gluon_mm: STAGES={STAGES} (>= 2) and IN_FLIGHT={IN_FLIGHT} (0 or 1) are not supported")
-  return dict(M=m, N=n, K=k, L=layers, BM=BLOCK_M, BN=BLOCK_N, S=STAGES, DW=LOAD_WARPS, DR=LOAD_REGS, IF=IN_FLIGHT)
+  return dict(M=m, N=n, K=k, L=layers, BM=BLOCK_M, BN=BLOCK_N, S=STAGES, DR=LOAD_REGS, IF=IN_FLIGHT,
+              NP=_programs(m, n))
 
 
 @functools.lru_cache(maxsize=None)
@@ -296,7 +321,7 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None) -> jax.Array:
   layers = 1 if index is None else w.packed.shape[0]
   meta = meta_for(m, k, n, layers)
   ptx, name, shared = _compiled(tuple(meta.items()))
-  grid = (-(-m // BLOCK_M), n // BLOCK_N, 1)
+  operands = (x, codes, scales, gs, idx)
   return jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((m, n), jnp.bfloat16))(
-      x, codes, scales, gs, idx,
-      **w4_gluon._launch_attrs(ptx, name, grid, shared, threads=32 * (8 + LOAD_WARPS)))
+      *operands, **w4_gluon._launch_attrs(ptx, name, (meta["NP"], 1, 1), shared, threads=_THREADS,
+                                          tma=_tma_specs(operands)))
