@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import w4_gluon, w4_gluon_dx, w4_triton
+from pallas_kernels import w4_gluon, w4_gluon_dx, w4_gluon_mm, w4_triton
 from qerl_jax import nf4, nvfp4
 
 BACKENDS = ("auto", "reference", "pallas", "interpret")
@@ -38,6 +38,13 @@ GLUON_LORA = os.environ.get("QERL_GLUON_LORA", "1")
 # 0.86x / 0.96x of bf16 at M = 2048 / 8192 against the kernel's 0.57x / 0.62x (7B shapes, H200;
 # docs/benchmarks.md, session 17). QERL_GLUON_DX in the environment sets the default.
 GLUON_DX = os.environ.get("QERL_GLUON_DX", "0")
+# The large-M Gluon forward (pallas_kernels.w4_gluon_mm: the 4-bit codes decoded in registers as wgmma's operand, no
+# bf16 W in HBM) for bf16 results with FUSED_MAX_M["fwd"] < M <= w4_gluon_mm.MAX_M rows where the Gluon decode GEMV
+# does not run, the kernel applies and the Gluon kernels are enabled (gluon_enabled). "auto" (default) uses it; "0"
+# keeps dequantize + cuBLAS. On an H100 (7B shapes summed) it ran at 0.95x of bf16 at M = 2048 against 0.84x for
+# dequantize + cuBLAS, 0.93x against 0.73x at M = 1024; at M = 8192 dequantize + cuBLAS wins (0.955x against
+# 0.90x), hence MAX_M (docs/benchmarks.md, session 46). QERL_GLUON_MM in the environment sets the default.
+GLUON_MM = os.environ.get("QERL_GLUON_MM", "auto")
 
 
 def _check_setting(name: str, value: str, allowed) -> None:
@@ -72,23 +79,57 @@ def _use_gluon(x2d, w, interpret: bool, lora) -> bool:
   return w4_gluon.applies(x2d.shape[0], w, x2d.dtype) and gluon_enabled()
 
 
+def _use_gluon_mm(x2d, w, out_dtype, interpret: bool, lora) -> bool:
+  """Whether :func:`kernel_forward` takes the large-M Gluon forward (see ``GLUON_MM``): a bf16 result without a
+  LoRA term, more rows than the fused Pallas kernel and the Gluon decode GEMV take, at most
+  ``w4_gluon_mm.MAX_M``.
+
+  Raises:
+    ValueError: ``GLUON_MM`` not "auto"/"0" (or ``GLUON`` / ``GLUON_LORA`` malformed).
+  """
+  _check_setting("GLUON_MM", GLUON_MM, ("auto", "0"))
+  m = x2d.shape[0]
+  if interpret or GLUON_MM == "0" or lora is not None or jnp.dtype(out_dtype) != jnp.bfloat16:
+    return False
+  if not FUSED_MAX_M["fwd"] < m <= w4_gluon_mm.MAX_M or _use_gluon(x2d, w, interpret, lora):
+    return False
+  return w4_gluon_mm.applies(m, w, x2d.dtype) and gluon_enabled()
+
+
 def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False, index=None,
-                   lora=None) -> jax.Array:
+                   lora=None, addend=None) -> jax.Array:
   """The kernel path's ``x @ W`` for 2-D bf16 ``x`` ``[M, K]`` -> ``[M, N]`` (no VJP).
 
   The Gluon decode GEMV (:mod:`pallas_kernels.w4_gluon`) where it applies (NVFP4, ``M <= 128``; see
   ``GLUON`` and ``GLUON_LORA``); else the Pallas
-  fused dequantize-in-registers kernel for ``M <= FUSED_MAX_M["fwd"]``, else
+  fused dequantize-in-registers kernel for ``M <= FUSED_MAX_M["fwd"]``, else the large-M Gluon forward
+  (:mod:`pallas_kernels.w4_gluon_mm`, see ``GLUON_MM``) where it applies, else
   a one-pass Pallas dequantize to bf16 followed by ``jnp.dot`` (float32
   accumulation). With ``index`` (int32 scalar), ``w`` is a stack ``[L, K, N]``
   and layer ``index`` is read in place. ``lora = (xa [M, R], b, scale)``
   adds ``scale * xa @ b``: in the fused kernel's epilogue, else by XLA; ``b`` is
   ``[R, N]``, or with ``index`` a stack ``[L, R, N]`` whose layer ``index`` is used.
+  ``addend`` (``[M, N]``, not with ``lora``): added to the float32 product before its one rounding to ``out_dtype``
+  (the large-M Gluon forward's epilogue, or XLA's addend to the cuBLAS GEMM).
 
   Raises:
-    TypeError: unsupported weight type. ValueError: K mismatch, stacked ``w``.
+    TypeError: unsupported weight type. ValueError: K mismatch, stacked ``w``, ``addend`` with ``lora``.
   """
   out_dtype = jnp.dtype(out_dtype or x2d.dtype)
+  if addend is not None:
+    if lora is not None:
+      raise ValueError("kernel_forward: addend and lora cannot be combined; fold the delta into the addend")
+    if _use_gluon_mm(x2d, w, out_dtype, interpret, None) and addend.dtype == jnp.bfloat16:
+      return w4_gluon_mm.forward(x2d, w, index=index, addend=addend)
+    if x2d.shape[0] <= FUSED_MAX_M["fwd"] or _use_gluon(x2d, w, interpret, None):
+      y = kernel_forward(x2d, w, out_dtype=jnp.float32, interpret=interpret, index=index)
+      return (y + addend.astype(jnp.float32)).astype(out_dtype)
+    w_dense = w4_triton.dequantize(w, x2d.dtype, interpret=interpret, index=index)
+    y = _dense_dot(x2d, w_dense, ((1,), (0,)), out_dtype, interpret)
+    # on the GPU a bf16 GEMM output plus a bf16 addend: XLA folds the addend into cuBLAS's C (beta = 1)
+    return y + addend.astype(out_dtype)
+  if _use_gluon_mm(x2d, w, out_dtype, interpret, lora):
+    return w4_gluon_mm.forward(x2d, w, index=index)
   if _use_gluon(x2d, w, interpret, lora):
     y = w4_gluon.forward(x2d, w, out_dtype=jnp.float32 if lora is not None else out_dtype, index=index)
     return y if lora is None else (y + _lora_delta(*lora, index=index)).astype(out_dtype)
@@ -243,6 +284,25 @@ def _kernel_matmul_bwd(out_dtype, interpret, res, dy):
 _kernel_matmul.defvjp(_kernel_matmul_fwd, _kernel_matmul_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _kernel_matmul_add(x2d, w, index, addend, out_dtype, interpret):
+  return kernel_forward(x2d, w, out_dtype=out_dtype, interpret=interpret, index=index, addend=addend)
+
+
+def _kernel_matmul_add_fwd(x2d, w, index, addend, out_dtype, interpret):
+  # (the addend's dtype travels as a 0-d array: residuals must be JAX values)
+  return _kernel_matmul_add(x2d, w, index, addend, out_dtype, interpret), (w, index, jnp.zeros((), addend.dtype))
+
+
+def _kernel_matmul_add_bwd(out_dtype, interpret, res, dy):
+  w, index, addend_like = res
+  dx, dw, dindex = _kernel_matmul_bwd(out_dtype, interpret, (w, index), dy)
+  return dx, dw, dindex, dy.astype(addend_like.dtype)
+
+
+_kernel_matmul_add.defvjp(_kernel_matmul_add_fwd, _kernel_matmul_add_bwd)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _kernel_matmul_lora(x2d, w, index, xa, b, scale, out_dtype, interpret):
   return kernel_forward(x2d, w, out_dtype=out_dtype, interpret=interpret, index=index, lora=(xa, b, scale))
@@ -332,8 +392,8 @@ def layer_of(w, index):
 
 
 def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", index=None,
-                     lora=None) -> jax.Array:
-  """``x @ W`` (``+ scale * xa @ b``) for a 4-bit ``W``; the one entry point the model calls.
+                     lora=None, addend=None) -> jax.Array:
+  """``x @ W`` (``+ scale * xa @ b``, ``+ addend``) for a 4-bit ``W``; the one entry point the model calls.
 
   Differentiable in ``x`` (``jax.custom_vjp`` on the kernel path: the backward
   ``dx = dy @ W^T`` is a fused kernel too); ``W`` is frozen and gets a zero
@@ -367,6 +427,10 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
       ``xa`` and ``b``. With ``index``, ``b`` may also be a stack
       ``[L, R, N]``: the kernel reads layer ``index`` of it in place (a decode
       step's layer scan then copies no adapter factor per step).
+    addend: optional ``[..., N]`` (x's leading dims; not with ``lora``) added to the float32 product before its one
+      rounding to ``out_dtype``: the model's bias plus LoRA delta on its bf16 route (``layers.BF16_EPILOGUE``). On
+      the large-M Gluon forward (``GLUON_MM``) its epilogue adds it; on dequantize + cuBLAS XLA folds it into the
+      GEMM (cuBLAS's ``C``); its cotangent is ``dy``.
 
   Returns:
     ``[..., N]`` in ``out_dtype`` (zeros when ``x`` has no rows).
@@ -374,8 +438,9 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
   Raises:
     ValueError: unknown backend, a scalar or non-float ``x``, K mismatch, ``lora``
       shapes that do not match (or ``lora`` with a stacked ``w`` and no ``index``), a non-finite Python
-      ``lora`` scale, a non-floating ``out_dtype``, or a forced kernel backend with an input it does not
-      take (non-bf16 ``x``, stacked ``w``).
+      ``lora`` scale, a non-floating ``out_dtype``, an ``addend`` that is not a float ``[..., N]`` of x's leading
+      dims (or comes with ``lora``), or a forced kernel backend with an input it does not take (non-bf16 ``x``,
+      stacked ``w``).
     TypeError: unsupported weight type; an ``index`` that is not an integer scalar.
   """
   if backend not in BACKENDS:
@@ -403,6 +468,12 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
     if index is None and w.packed.ndim != 2:  # the product would be [..., L, N]: the delta does not line up
       raise ValueError(f"quantized_matmul: lora needs a [K, N] weight, or a stack [L, K, N] with index; got "
                        f"packed shape {w.packed.shape} and no index")
+  if addend is not None:
+    if lora is not None:
+      raise ValueError("quantized_matmul: addend and lora cannot be combined; fold the delta into the addend")
+    if addend.shape != (*x.shape[:-1], n) or not jnp.issubdtype(addend.dtype, jnp.floating):
+      raise ValueError(f"quantized_matmul: addend must be a float array {[*x.shape[:-1], n]} (x's leading dims, "
+                       f"N); got {addend.dtype}{list(addend.shape)}")
   if backend == "auto":
     backend = "pallas" if (_on_gpu() and _kernel_applies(x, w, index)) else "reference"
   if backend == "reference":
@@ -410,6 +481,8 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
     y = reference_matmul(x, w if index is None else layer_of(w, index), out_dtype=jnp.float32)
     if lora is not None:
       y = y + _lora_delta(*lora, index=index)
+    if addend is not None:
+      y = y + addend.astype(jnp.float32)
     return y.astype(out_dtype or x.dtype)
   if not _kernel_applies(x, w, index):
     raise ValueError(f"backend {backend!r} needs bf16 x and a [K, N] weight without leading dims "
@@ -421,7 +494,9 @@ def quantized_matmul(x: jax.Array, w, *, out_dtype=None, backend: str = "auto", 
   if index is not None:
     index = jnp.asarray(index, jnp.int32)
   interpret = backend == "interpret"
-  if lora is None:
+  if addend is not None:
+    y = _kernel_matmul_add(x.reshape(-1, k), w, index, addend.reshape(-1, n), out_dtype, interpret)
+  elif lora is None:
     y = _kernel_matmul(x.reshape(-1, k), w, index, out_dtype, interpret)
   else:
     y = _kernel_matmul_lora(x.reshape(-1, k), w, index, xa.reshape(-1, xa.shape[-1]), b, float(scale), out_dtype,

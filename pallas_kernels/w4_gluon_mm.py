@@ -22,7 +22,8 @@ It computes ``y^T [N, M] = W^T [N, K] @ x^T [K, M]`` (swap-AB): a program owns `
   (K-major). The operand rows are the columns of ``W`` relabelled so that a thread's two rows ``g, g + 8``
   are adjacent columns (2-byte shared loads); the store undoes it.
 
-Codes in the standard order only (:func:`qerl_jax.nvfp4.to_standard_order`). GPU only (sm_90), launched
+Codes in either order (:func:`qerl_jax.nvfp4.to_decode_order`'s is read in place: it moves bits only inside a code
+row's pair of columns). GPU only (sm_90), launched
 through :mod:`pallas_kernels.w4_gluon`'s XLA FFI handler. Lab status (session 46): see docs/kernels.md.
 """
 
@@ -42,9 +43,14 @@ BLOCK_M = 256   # rows of x a program: the wgmma's N
 STEP_K = 64     # contraction a step (4 wgmma k16 blocks; 4 NVFP4 blocks)
 STAGES = 4      # the shared-memory ring (x 32 KB + codes 4 KB + scales 0.5 KB a stage)
 LOAD_REGS = 40  # registers a thread of the one-warp TMA producer partition (setmaxnreg)
+DECODE = 2      # the decode's PTX: 2 (_asm2, 16-bit column pairs in), 3 (the same, its shift on the FMA pipe) or 1
+                # (_asm, bytes in; session 46's first build)
+PROBE = 0       # lab (wrong results): 1 skips the shared loads and the decode (a constant operand), 2 the stores
 PERSISTENT = 1  # 1: one program an SM walking the tiles (the producer runs into the next tile during a store)
 IN_FLIGHT = 1   # wgmmas left in flight past each step (1: the next step's decode overlaps it; 0: wait for it)
-MIN_M = 1024    # the smallest M matmul's dispatch sends here (when enabled)
+MAX_M = 4096    # the most rows matmul.kernel_forward sends here (GLUON_MM): at M = 8192 dequantize + cuBLAS was
+                # faster (0.955x of bf16 against 0.90x, 7B shapes summed, H100, session 46); at M = 2048 this kernel
+                # (0.95x against 0.84x)
 # The TMA descriptors (the launcher's extended spec, gluon_launch.cc): (operand, element type, box, element bytes,
 # swizzle): x [M, K] in boxes of [BM, 64] (128-byte swizzle, wgmma's B operand), codes [L K / 2, N] in [32, BN]
 # (128-byte swizzle: a thread's 2-byte loads of 4 code rows hit 4 banks), block scales [L K / 16, N] in [4, BN]
@@ -53,8 +59,8 @@ _SWIZZLE_BYTES = {0: 0, 3: 128}
 _TMA_DESCRIPTORS = tuple(
     f"tensordesc<{t}[{r}, {c}],NVMMASharedLayout(swizzle_byte_width={_SWIZZLE_BYTES[sw]}, "
     f"element_bitwidth={8 * eb}, rank=2)>" for _, t, (r, c), eb, sw in _TMA_BOXES)
-# descriptors, then x, codes, block scales (E4M3 bytes), global scales, layer, y
-_ARG_DTYPES = _TMA_DESCRIPTORS + ("*bf16", "*u8", "*u8", "*fp32", "*i32", "*bf16")
+# descriptors, then x, codes, block scales (E4M3 bytes), global scales, layer, addend (read with AD = 1), y
+_ARG_DTYPES = _TMA_DESCRIPTORS + ("*bf16", "*u8", "*u8", "*fp32", "*i32", "*bf16", "*bf16")
 # 8 MMA warps and the producer warp, which Triton pads to a warpgroup (setmaxnreg works on warpgroups): the
 # kernel takes 384 threads (its .reqntid), and the launch cap must let 384 threads fit an SM's registers
 _THREADS = 32 * 12
@@ -100,6 +106,48 @@ def _asm() -> str:
   return "\n".join(lines + ["}"])
 
 
+def _asm2(shift_on_fma: bool = False) -> str:
+  """:func:`_asm`'s inputs and outputs (``DECODE`` 2, the default), in about half the instructions: each code
+  byte ``x`` is isolated by one ``prmt`` and placed by one multiply as ``x << 12 | x << 24`` (no bits overlap,
+  so no carries), which puts the low nibble's sign on bit 15 and the high nibble's on bit 31; the magnitudes
+  are the same word shifted right by 6 (bits 6-8 and 22-24), merged under two masks, then one bf16x2 multiply
+  by the column's scale. About 6 instructions a register of two weights, half of them off the ALU pipe.
+  ``shift_on_fma`` (``DECODE`` 3): the shift as ``mul.hi`` by 2**26, moving it from the ALU pipe to the FMA pipe."""
+  lines = ["{", ".reg .b16 sl;", ".reg .b32 x, v, h, z, nz, sp, s0, s1;",
+           "mov.b32 z, 0;", "mov.b32 nz, 0x80008000;",
+           "cvt.u16.u32 sl, $5;", "cvt.rn.f16x2.e4m3x2 sp, sl;", "shr.b32 sp, sp, 3;", "add.u32 sp, sp, 0x73007300;",
+           "prmt.b32 s0, sp, z, 0x1010;", "prmt.b32 s1, sp, z, 0x3232;"]
+  for out, byte, col in ((0, 0, 0), (1, 2, 0), (2, 1, 1), (3, 3, 1)):
+    lines += [f"prmt.b32 x, $4, z, 0x444{byte};", "mul.lo.u32 v, x, 0x01001000;",
+              "mul.hi.u32 h, v, 0x04000000;" if shift_on_fma else "shr.b32 h, v, 6;",
+              "and.b32 h, h, 0x01C001C0;", "and.b32 v, v, 0x80008000;", "or.b32 v, v, h;",
+              f"fma.rn.bf16x2 ${out}, v, s{col}, nz;"]
+  return "\n".join(lines + ["}"])
+
+
+def _asm_decode_order() -> str:
+  """:func:`_asm2` for codes in :func:`qerl_jax.nvfp4.to_decode_order`'s order. That order moves bits only inside
+  each code row's 16-bit pair of columns (n, n + 1), so a thread needs nothing from its neighbours: the low nibble
+  of column n already sits on bf16's magnitude and sign bits (6-8, 15), its high nibble moves by one shift (19),
+  column n + 1's low nibble by one (6) and its high nibble in three pieces (8, 13, 18). About 5.5 instructions a
+  register of two weights, with no isolating ``prmt`` or multiply."""
+  lines = ["{", ".reg .b16 sl;", ".reg .b32 u, v, t, z, nz, sp, s0, s1;",
+           "mov.b32 z, 0;", "mov.b32 nz, 0x80008000;",
+           "cvt.u16.u32 sl, $5;", "cvt.rn.f16x2.e4m3x2 sp, sl;", "shr.b32 sp, sp, 3;", "add.u32 sp, sp, 0x73007300;",
+           "prmt.b32 s0, sp, z, 0x1010;", "prmt.b32 s1, sp, z, 0x3232;"]
+  for h, sel in ((0, "0x4410"), (1, "0x4432")):  # code row r, then r + 4
+    lines += [f"prmt.b32 u, $4, z, {sel};",
+              # column n
+              "and.b32 v, u, 0x81C0;", "shl.b32 t, u, 19;", "and.b32 t, t, 0x81C00000;", "or.b32 v, v, t;",
+              f"fma.rn.bf16x2 ${h}, v, s0, nz;",
+              # column n + 1
+              "shl.b32 v, u, 6;", "and.b32 v, v, 0x81C0;"]
+    for sh, mask in ((8, "0x00400000"), (13, "0x01800000"), (18, "0x80000000")):
+      lines += [f"shl.b32 t, u, {sh};", f"and.b32 t, t, {mask};", "or.b32 v, v, t;"]
+    lines.append(f"fma.rn.bf16x2 ${2 + h}, v, s1, nz;")
+  return "\n".join(lines + ["}"])
+
+
 def decode_reference(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
   """:func:`_asm`'s arithmetic in numpy, for tests: code bytes (uint8 ``[4]`` as above) and E4M3 scale bytes
   (uint8 ``[2]``: columns n, n + 1) -> the four output registers as float32 pairs ``[4, 2]`` (low, high half),
@@ -123,6 +171,18 @@ def _kernel():
   from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma as hopper_tma
 
   asm = ttgl.constexpr(_asm())
+  asm2 = ttgl.constexpr(_asm2())
+  asm3 = ttgl.constexpr(_asm2(shift_on_fma=True))
+  asm_do = ttgl.constexpr(_asm_decode_order())
+  # DECODE 2: the codes as 16-bit pairs of columns (n, n + 1), [4 blocks, 8 code rows, BN / 2 pairs]: registers r2 b0
+  # b1; lanes r0 r1 p0 p1 p2; warps p3 p4 p5 (p = n / 2): the same threads and bytes as code_layout
+  pair_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
+      reg_bases=[[0, 4, 0], [1, 0, 0], [2, 0, 0]],
+      lane_bases=[[0, 1, 0], [0, 2, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
+      warp_bases=[[0, 0, 8], [0, 0, 16], [0, 0, 32]], block_bases=[], shape=[4, 8, 64]))
+  pair_layout_2d = ttgl.constexpr(ttgl.DistributedLinearLayout(
+      reg_bases=[[4, 0], [8, 0], [16, 0]], lane_bases=[[1, 0], [2, 0], [0, 1], [0, 2], [0, 4]],
+      warp_bases=[[0, 8], [0, 16], [0, 32]], block_bases=[], shape=[32, 64]))
   # A step's codes as [4 blocks, 8 code rows, BN columns] (code row 8 b + r holds K rows 16 b + 2 r, + 1):
   # registers n0 r2 b0 b1; lanes r0 r1 n1 n2 n3; warps n4 n5 n6. Relabelled (decode below), this is wgmma's
   # A operand: lanes r0 r1 are its k1 k2, register r2 its k3 (rows 8-15 of a k16 block), the blocks its k
@@ -138,6 +198,8 @@ def _kernel():
   code_layout_2d = ttgl.constexpr(ttgl.DistributedLinearLayout(
       reg_bases=[[0, 1], [4, 0], [8, 0], [16, 0]], lane_bases=[[1, 0], [2, 0], [0, 2], [0, 4], [0, 8]],
       warp_bases=[[0, 16], [0, 32], [0, 64]], block_bases=[], shape=[32, 128]))
+  c16_shared = ttgl.constexpr(ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+  s16_shared = ttgl.constexpr(ttgl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
   store_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
       reg_bases=[[1, 0], [0, 1], [0, 8], [0, 16], [0, 32], [0, 64], [0, 128]],
       lane_bases=[[0, 2], [0, 4], [2, 0], [4, 0], [8, 0]],
@@ -156,6 +218,20 @@ def _kernel():
     x = ttgl.reshape(ttgl.join(oa, ob), [2] * 13)  # [b1 b0 r2 r1 r0 | n6 n5 n4 n3 n2 n1 n0 (the nibble) | q]
     # -> A [r6 .. r0 = n6 n5 n4 q n3 n2 n1 | k5 .. k0 = b1 b0 r2 r1 r0 nibble]
     return ttgl.reshape(ttgl.permute(x, [5, 6, 7, 12, 8, 9, 10, 0, 1, 2, 3, 4, 11]), [128, 64])
+
+  @gluon.jit
+  def decode2(c, s, DV: ttgl.constexpr, DO: ttgl.constexpr):
+    """codes [4, 8, BN / 2] (uint16 column pairs) and block scales [4, BN / 2] (uint16 pairs of E4M3 bytes) -> A
+    [BN operand rows, 64 k] bf16, as :func:`decode` (:func:`_asm2`)."""
+    sb = ttgl.broadcast(ttgl.expand_dims(s, 1), c)[0]
+    o0, o1, o2, o3 = ttgl.inline_asm_elementwise(
+        asm_do if DO else asm3 if DV == 3 else asm2, "=r,=r,=r,=r,r,r", [c, sb], dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16),
+        is_pure=True, pack=2)
+    # element [b, r, p] of o0 (o1) is, for r2 = 0, the low nibble and for r2 = 1 the high nibble of column 2p, code
+    # row 8 b + (r with r2 = 0) (+ 4 for o1); o2 and o3 the same for column 2p + 1
+    x = ttgl.reshape(ttgl.join(ttgl.join(o0, o1), ttgl.join(o2, o3)), [2] * 13)
+    # [b1 b0 nibble r1 r0 | p5 .. p0 | k3 (o1) | n0 (o2, o3)] -> A [n6 n5 n4 n0 n3 n2 n1 | b1 b0 k3 r1 r0 nibble]
+    return ttgl.reshape(ttgl.permute(x, [5, 6, 7, 12, 8, 9, 10, 0, 1, 11, 3, 4, 2]), [128, 64])
 
   @gluon.jit
   def producer(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M: ttgl.constexpr, N: ttgl.constexpr,
@@ -181,18 +257,30 @@ def _kernel():
         g += 1
 
   @gluon.jit
-  def load_decode(c_smem, s_smem, ready, g, S: ttgl.constexpr, BN: ttgl.constexpr):
+  def load_decode(c_smem, s_smem, ready, g, S: ttgl.constexpr, BN: ttgl.constexpr, DV: ttgl.constexpr,
+                  DO: ttgl.constexpr):
     """Waits for stage ``g % S`` and returns its decoded operand ``[BN, 64]`` (:func:`decode`'s layout)."""
     st = g % S
     mbarrier.wait(ready.index(st), (g // S) & 1)
-    c = ttgl.convert_layout(ttgl.reshape(c_smem.index(st).load(code_layout_2d), [4, 8, BN]), code_layout,
-                            assert_trivial=True)
-    return decode(c, s_smem.index(st).load(ttgl.SliceLayout(1, code_layout)))
+    if DV == 0:  # PROBE 1 (lab, wrong results): no shared loads, no decode
+      a = ttgl.full([BN, 64], 1.0, ttgl.bfloat16, layout=ttgl.DotOperandLayout(
+          0, ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, 256, 16]), 2))
+    elif DV >= 2:
+      cw = c_smem.index(st)._reinterpret(ttgl.uint16, [32, BN // 2], c16_shared)
+      sw = s_smem.index(st)._reinterpret(ttgl.uint16, [4, BN // 2], s16_shared)
+      c = ttgl.convert_layout(ttgl.reshape(cw.load(pair_layout_2d), [4, 8, BN // 2]), pair_layout,
+                              assert_trivial=True)
+      a = decode2(c, sw.load(ttgl.SliceLayout(1, pair_layout)), DV, DO)
+    else:
+      c = ttgl.convert_layout(ttgl.reshape(c_smem.index(st).load(code_layout_2d), [4, 8, BN]), code_layout,
+                              assert_trivial=True)
+      a = decode(c, s_smem.index(st).load(ttgl.SliceLayout(1, code_layout)))
+    return a
 
   @gluon.jit
-  def mma_loop(x_smem, c_smem, s_smem, ready, empty, o_ptr, scale, M: ttgl.constexpr, N: ttgl.constexpr,
+  def mma_loop(x_smem, c_smem, s_smem, ready, empty, c_ptr, o_ptr, scale, M: ttgl.constexpr, N: ttgl.constexpr,
                K: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, IF: ttgl.constexpr,
-               NP: ttgl.constexpr):
+               NP: ttgl.constexpr, DV: ttgl.constexpr, PR: ttgl.constexpr, DO: ttgl.constexpr, AD: ttgl.constexpr):
     """8 warps: per tile, each step's decode and wgmmas (IF 1: one step's left in flight while the next decodes),
     then the tile's store (while the producer already fills the ring for the next tile)."""
     STEPS: ttgl.constexpr = K // 64
@@ -211,18 +299,18 @@ def _kernel():
         # (session 46 measured relative errors of 0.2 that way).
         a1 = ttgl.zeros([BN, 64], ttgl.bfloat16, layout=a_layout)
         for j in range(STEPS // 2):
-          a0 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN), a_layout)
+          a0 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO), a_layout)
           acc = hopper.warpgroup_mma(a0, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
           acc, a1 = hopper.warpgroup_mma_wait(1, deps=[acc, a1])  # step 2j - 1 retired: its stage is free
           mbarrier.arrive(empty.index((g + S - 1) % S), count=1, pred=j > 0)
           g += 1
-          a1 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN), a_layout)
+          a1 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO), a_layout)
           acc = hopper.warpgroup_mma(a1, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
           acc, a0 = hopper.warpgroup_mma_wait(1, deps=[acc, a0])  # step 2j retired
           mbarrier.arrive(empty.index((g + S - 1) % S), count=1)
           g += 1
         if STEPS % 2 == 1:  # the last, odd step
-          a0 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN), a_layout)
+          a0 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO), a_layout)
           acc = hopper.warpgroup_mma(a0, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
           acc, a1 = hopper.warpgroup_mma_wait(1, deps=[acc, a1])
           mbarrier.arrive(empty.index((g + S - 1) % S), count=1, pred=STEPS > 1)
@@ -233,26 +321,29 @@ def _kernel():
         mbarrier.arrive(empty.index((g + S - 1) % S), count=1)
       else:
         for i in range(STEPS):
-          a = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN), a_layout)
+          a = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO), a_layout)
           acc = hopper.warpgroup_mma(a, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
           acc = hopper.warpgroup_mma_wait(0, deps=[acc])
           mbarrier.arrive(empty.index(g % S), count=1)
           g += 1
       # operand rows (n6 n5 n4 n0 n3 n2 n1) -> columns: a relabelling, no data moves
       acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 7 + [BM]), [0, 1, 2, 4, 5, 6, 3, 7]), [BN, BM])
-      out = (acc * scale).to(ttgl.bfloat16)
       # the same values with column bit n0 first in each thread's registers: the stores take column pairs (4 bytes)
-      out = ttgl.convert_layout(out, store_layout, assert_trivial=True)
+      out = ttgl.convert_layout(acc * scale, store_layout, assert_trivial=True)
       cols = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, store_layout)) + (t // MT) * BN
       rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, store_layout)) + (t % MT) * BM
-      mask = ttgl.expand_dims(rows < M, 0) & ttgl.expand_dims(cols >= 0, 1)
-      ttgl.store(o_ptr + ttgl.expand_dims(rows, 0) * N + ttgl.expand_dims(cols, 1), out, mask=mask)
+      mask = ttgl.expand_dims(rows < (0 if PR == 2 else M), 0) & ttgl.expand_dims(cols >= 0, 1)
+      offs = ttgl.expand_dims(rows, 0) * N + ttgl.expand_dims(cols, 1)
+      if AD:  # the addend, in float32 before the one rounding (as cuBLAS's C with beta = 1)
+        out = out + ttgl.load(c_ptr + offs, mask=mask, other=0.0).to(ttgl.float32)
+      ttgl.store(o_ptr + offs, out.to(ttgl.bfloat16), mask=mask)
     return (g,)
 
   @gluon.jit
-  def w4a16_mm(xd, cd, sd, x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
+  def w4a16_mm(xd, cd, sd, x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, c_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                K: ttgl.constexpr, L: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr,
-               DR: ttgl.constexpr, IF: ttgl.constexpr, NP: ttgl.constexpr):
+               DR: ttgl.constexpr, IF: ttgl.constexpr, NP: ttgl.constexpr, DV: ttgl.constexpr, PR: ttgl.constexpr,
+               DO: ttgl.constexpr, AD: ttgl.constexpr):
     layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
     scale = 256.0 / ttgl.load(gs_ptr + layer)  # 2**8 undoes the decode's 2**-8
     x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [S, BM, 64], xd.layout)
@@ -265,7 +356,8 @@ def _kernel():
       mbarrier.init(empty.index(j), count=1)
     hopper.fence_async_shared()
     ttgl.warp_specialize(
-        [(mma_loop, (x_smem, c_smem, s_smem, ready, empty, o_ptr, scale, M, N, K, BM, BN, S, IF, NP)),
+        [(mma_loop, (x_smem, c_smem, s_smem, ready, empty, c_ptr, o_ptr, scale, M, N, K, BM, BN, S, IF, NP,
+                       0 if PR == 1 else DV, PR, DO, AD)),
          (producer, (xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M, N, K, BM, BN, S, NP))],
         [1], [DR])
 
@@ -293,16 +385,17 @@ def _tma_specs(operands) -> np.ndarray:
   return np.array([-len(specs)] + [v for spec in specs for v in spec], np.int64)
 
 
-def meta_for(m: int, k: int, n: int, layers: int) -> dict:
-  """The kernel's constexprs for ``x [m, k]`` and a ``[k, n]`` weight (of a stack of ``layers``).
+def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, addend: bool = False) -> dict:
+  """The kernel's constexprs for ``x [m, k]`` and a ``[k, n]`` weight (of a stack of ``layers``) whose codes are in
+  the decode order (:func:`qerl_jax.nvfp4.to_decode_order`) or not, with a bf16 ``[m, n]`` addend or not.
 
   Raises:
     ValueError: settings the kernel cannot take (:data:`STAGES` < 2, :data:`IN_FLIGHT` not 0 or 1).
   """
   if STAGES < 2 or IN_FLIGHT not in (0, 1):
     raise ValueError(f"w4_gluon_mm: STAGES={STAGES} (>= 2) and IN_FLIGHT={IN_FLIGHT} (0 or 1) are not supported")
-  return dict(M=m, N=n, K=k, L=layers, BM=BLOCK_M, BN=BLOCK_N, S=STAGES, DR=LOAD_REGS, IF=IN_FLIGHT,
-              NP=_programs(m, n))
+  return dict(M=m, N=n, K=k, L=layers, BM=BLOCK_M, BN=BLOCK_N, S=STAGES, DR=LOAD_REGS, IF=IN_FLIGHT, DV=DECODE, PR=PROBE,
+              NP=_programs(m, n), DO=int(decode_order), AD=int(addend))
 
 
 @functools.lru_cache(maxsize=None)
@@ -316,21 +409,23 @@ def compile_for(meta: dict, cc: int = 90):
   return w4_gluon._compile_gluon(_kernel(), _ARG_DTYPES, meta, cc, num_warps=8, maxnreg=_regs())
 
 
-def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None) -> jax.Array:
-  """``x @ W`` by the large-M Gluon kernel (GPU only; no VJP: :mod:`pallas_kernels.matmul` calls it).
+def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None, addend: jax.Array | None = None) -> jax.Array:
+  """``x @ W (+ addend)`` by the large-M Gluon kernel (GPU only; no VJP: :mod:`pallas_kernels.matmul` calls it).
 
   Args:
     x: bf16 ``[M, K]``.
-    w: :class:`~qerl_jax.nvfp4.NVFP4Tensor` ``[K, N]`` (either code order: a decode-order weight, or its
-      layer ``index``, is converted by XLA first), or with ``index`` a stack ``[L, K, N]``.
+    w: :class:`~qerl_jax.nvfp4.NVFP4Tensor` ``[K, N]`` in either code order (read in place), or with ``index`` a
+      stack ``[L, K, N]``.
     index: int32 scalar (may be traced): layer of the stack, clamped to ``[0, L)``.
+    addend: optional bf16 ``[M, N]`` added to the float32 product before its one rounding to bf16 (as cuBLAS's
+      ``C`` with ``beta = 1``: the model's bias plus LoRA delta on its bf16 route, ``layers.BF16_EPILOGUE``).
 
   Returns:
     bf16 ``[M, N]``, accumulated in float32.
 
   Raises:
-    ValueError: a shape or weight :func:`applies` rejects, an x/weight K mismatch, or ``index`` given
-      with an unstacked weight (or missing with a stack).
+    ValueError: a shape or weight :func:`applies` rejects, an x/weight K mismatch, an addend that is not bf16
+      ``[M, N]``, or ``index`` given with an unstacked weight (or missing with a stack).
     RuntimeError: the compiled kernel failed to load on a GPU.
   """
   m, k = x.shape
@@ -340,13 +435,16 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None) -> jax.Array:
                      f"bf16 x, NVFP4, K % {STEP_K} == 0, N % {BLOCK_N} == 0)")
   if (index is None) != (w.packed.ndim == 2):
     raise ValueError(f"w4_gluon_mm.forward: index={index!r} with packed codes of shape {w.packed.shape}")
-  w, index = w4_triton._standard_codes(w, index)
+  if DECODE == 1:  # (the first build's PTX reads the standard order: the layer is converted by XLA first)
+    w, index = w4_triton._standard_codes(w, index)
   n = w.shape[1]
+  if addend is not None and (addend.shape != (m, n) or addend.dtype != jnp.bfloat16):
+    raise ValueError(f"w4_gluon_mm.forward: addend {addend.dtype}{list(addend.shape)}; expected bfloat16{[m, n]}")
   codes, scales, gs, idx = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
   layers = 1 if index is None else w.packed.shape[0]
-  meta = meta_for(m, k, n, layers)
+  meta = meta_for(m, k, n, layers, w.code_order == "decode", addend is not None)
   ptx, name, shared = _compiled(tuple(meta.items()))
-  operands = (x, codes, scales, gs, idx)
+  operands = (x, codes, scales, gs, idx, jnp.zeros((1,), jnp.bfloat16) if addend is None else addend)
   return jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((m, n), jnp.bfloat16))(
       *operands, **w4_gluon._launch_attrs(ptx, name, (meta["NP"], 1, 1), shared, threads=_THREADS,
                                           tma=_tma_specs(operands)))

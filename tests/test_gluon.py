@@ -1065,7 +1065,7 @@ def test_ffi_handler_takes_as_many_attributes_as_forward_passes(tmp_path, monkey
 
 def _run_ptx(asm, regs):
   """Executes the decode's inline PTX (``mov``, ``prmt`` default mode, ``shl``/``shr``/``and``/``or``
-  on b32, ``add.u32``, ``cvt.u16.u32``, ``cvt.rn.f16x2.e4m3x2``, ``fma.rn.bf16x2``) on uint32 register values
+  on b32, ``add.u32``, ``mul.lo.u32``, ``mul.hi.u32``, ``cvt.u16.u32``, ``cvt.rn.f16x2.e4m3x2``, ``fma.rn.bf16x2``) on uint32 register values
   ``regs`` (``$0..$11`` and scratch)."""
   import ml_dtypes
 
@@ -1096,6 +1096,10 @@ def _run_ptx(asm, regs):
       out = a[0] | a[1]
     elif op == "add.u32":
       out = a[0] + a[1]
+    elif op == "mul.lo.u32":
+      out = a[0] * a[1]
+    elif op == "mul.hi.u32":
+      out = (a[0] * a[1]) >> 32
     elif op == "cvt.u16.u32":  # the low 16 bits
       out = a[0] & 0xFFFF
     elif op == "cvt.rn.f16x2.e4m3x2":  # E4M3 bytes 0, 1 -> float16 halves (exact)

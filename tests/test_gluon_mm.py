@@ -16,12 +16,14 @@ from qerl_jax import nvfp4
 from tests.test_gluon import _dense64, _rel, _run_ptx, _weight
 
 
-def test_mm_decode_ptx_by_codebook():
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_mm_decode_ptx_by_codebook(version):
   """The decode's PTX gives ``E2M1[code] * scale * 2**-8`` exactly for both nibbles of the four bytes
   ((n, r), (n + 1, r), (n, r + 4), (n + 1, r + 4)): the low nibble (K row 2 r) in the low half, each column
-  with its own E4M3 scale, in and out of E4M3's subnormal range; ``decode_reference`` says the same."""
+  with its own E4M3 scale, in and out of E4M3's subnormal range; ``decode_reference`` says the same. All
+  versions of the PTX (``DECODE`` 1, 2 and 3) take and give the same registers."""
   rng = np.random.default_rng(3)
-  asm = w4_gluon_mm._asm()
+  asm = w4_gluon_mm._asm() if version == 1 else w4_gluon_mm._asm2(shift_on_fma=version == 3)
   codebook = np.asarray(nvfp4.E2M1_CODEBOOK, np.float64)
   for trial in range(512):
     code_bytes = (np.array([(trial * 17 + 16 * i + i) % 256 for i in range(4)]) if trial < 256
@@ -38,6 +40,35 @@ def test_mm_decode_ptx_by_codebook():
       want = codebook[[b & 15, b >> 4]] * float(scale[col].astype(np.float64)) * 2.0 ** -8
       np.testing.assert_array_equal(got, want, err_msg=f"bytes {code_bytes} register {reg}")
       np.testing.assert_array_equal(ref[reg], want)
+
+
+def test_mm_decode_order_ptx_by_codebook():
+  """The decode-order PTX, fed each code row's 16-bit column pair as ``nvfp4.to_decode_order`` stores it (bits moved
+  only inside that pair), gives the standard PTX's registers for every code: the same four bf16 pairs."""
+  rng = np.random.default_rng(4)
+  asm = w4_gluon_mm._asm_decode_order()
+  codebook = np.asarray(nvfp4.E2M1_CODEBOOK, np.float64)
+  bits = nvfp4.DECODE_ORDER_BITS
+  assert all(bits[b] // 16 == b // 16 for b in range(32))  # the order stays inside each 16-bit half
+
+  def to_decode(pair16):  # one code row's 2 bytes (columns n, n + 1), standard -> decode order
+    word = jnp.asarray(np.array([pair16 | (pair16 << 16)], np.uint32))
+    return int(np.asarray(nvfp4.permute_word_bits(word, bits))[0]) & 0xFFFF
+
+  for trial in range(512):
+    code_bytes = (np.array([(trial * 17 + 16 * i + i) % 256 for i in range(4)]) if trial < 256
+                  else rng.integers(0, 256, size=4))
+    scale = rng.choice([2.0 ** -9, 0.0625, 0.75, 13.0, 448.0], size=2).astype(ml_dtypes.float8_e4m3fn)
+    sbytes = scale.view(np.uint8)
+    lo = to_decode(int(code_bytes[0]) | (int(code_bytes[1]) << 8))  # code row r: columns n, n + 1
+    hi = to_decode(int(code_bytes[2]) | (int(code_bytes[3]) << 8))  # code row r + 4
+    regs = _run_ptx(asm, {"$4": lo | (hi << 16), "$5": int(sbytes[0]) | (int(sbytes[1]) << 8)})
+    for reg, (byte, col) in enumerate(((0, 0), (2, 0), (1, 1), (3, 1))):
+      v = regs[f"${reg}"]
+      got = np.array([v & 0xFFFF, v >> 16], np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+      b = int(code_bytes[byte])
+      want = codebook[[b & 15, b >> 4]] * float(scale[col].astype(np.float64)) * 2.0 ** -8
+      np.testing.assert_array_equal(got, want, err_msg=f"bytes {code_bytes} register {reg}")
 
 
 def test_mm_kernel_not_applied_off_gpu():
@@ -110,6 +141,23 @@ def test_gpu_mm_matches_float64(m, k, n, in_flight, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(300, 1280, 768), (2048, 3584, 4608)])
+def test_gpu_mm_adds_an_addend_before_rounding(m, k, n):
+  """With an addend the kernel returns bf16(x @ W + addend), the sum in float32 and rounded once: against float64
+  at bf16 rounding; a float32 addend is refused by name."""
+  _skip_without_kernel()
+  wq = _weight(k, n, 3)
+  rng = np.random.default_rng(k)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  c = jnp.asarray(rng.standard_normal((m, n)) * 0.5, jnp.bfloat16)
+  got = jax.jit(lambda x, w, c: w4_gluon_mm.forward(x, w, addend=c))(x, wq, c)
+  want = np.asarray(x, np.float64) @ _dense64(wq) + np.asarray(c, np.float64)
+  assert got.dtype == jnp.bfloat16 and _rel(got, want) < 4e-3
+  with pytest.raises(ValueError, match="addend"):
+    w4_gluon_mm.forward(x, wq, addend=c.astype(jnp.float32))
+
+
+@pytest.mark.gpu
 def test_gpu_mm_reads_a_stacked_layer():
   """With ``index`` the kernel reads that layer of a stack in place (clamped like the other kernels)."""
   _skip_without_kernel()
@@ -123,8 +171,8 @@ def test_gpu_mm_reads_a_stacked_layer():
 
 @pytest.mark.gpu
 def test_gpu_mm_reads_a_decode_order_layer():
-  """A decode-order stack (the GPU default of the trainer's ``code_order="auto"``) gives the same product as
-  its standard-order values."""
+  """A decode-order stack (the GPU default of the trainer's ``code_order="auto"``), read in place, gives the same
+  product as its standard-order values."""
   _skip_without_kernel()
   wq = _weight(1280, 768, 11, layers=3)
   wd = nvfp4.to_decode_order(wq)
@@ -132,3 +180,39 @@ def test_gpu_mm_reads_a_decode_order_layer():
   got = jax.jit(lambda x, w, i: w4_gluon_mm.forward(x, w, index=i))(x, wd, jnp.int32(1))
   want = np.asarray(x, np.float64) @ _dense64(jax.tree.map(lambda a: a[1], wq))
   assert _rel(got, want) < 4e-3
+
+
+def _fake_sm90(monkeypatch):
+  """The GPU checks faked true, so the kernel compiles for sm_90 and its call lowers for CUDA on any machine;
+  skips without triton's Gluon or a C++ compiler for the launcher."""
+  pytest.importorskip("triton.experimental.gluon")
+  monkeypatch.delenv("QERL_GLUON_LAUNCH", raising=False)
+  if w4_gluon.launcher() != "ffi":
+    pytest.skip("no C++ compiler for the FFI launcher")
+  monkeypatch.setattr(w4_gluon, "_gpu_devices", lambda: [object()])
+  monkeypatch.setattr(w4_gluon, "_wgmma_gpus", lambda: True)
+  monkeypatch.setattr(w4_gluon, "_load", lambda compiled: (compiled.asm["ptx"], compiled.metadata.name,
+                                                            int(compiled.metadata.shared)))
+
+
+@pytest.mark.parametrize("order", ["standard", "decode"])
+def test_mm_lowers_for_cuda_without_a_gpu(order, monkeypatch):
+  """The call lowers to the FFI launcher with three TMA descriptors in the launcher's extended form (by hand: x
+  [2048, 3584] bf16 in boxes of 256 x 64 with the 128-byte swizzle; codes [3 x 1792, 4608] in 32 x 128, swizzled;
+  block scales [3 x 224, 4608] in 4 x 128), one program an SM (132 without a device to ask), 384 threads (8 MMA
+  warps and the producer's warpgroup), and the PTX of the weight's code order."""
+  _fake_sm90(monkeypatch)
+  k, n = 3584, 4608
+  stack = jax.eval_shape(lambda: nvfp4.quantize(jnp.ones((3, k, n), jnp.float32)))
+  if order == "decode":
+    stack = jax.eval_shape(nvfp4.to_decode_order, stack)
+  x = jax.ShapeDtypeStruct((2048, k), jnp.bfloat16)
+  text = jax.jit(lambda x, w, i: w4_gluon_mm.forward(x, w, index=i)).trace(
+      x, stack, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  l2 = w4_gluon.TMA_L2_PROMOTION
+  spec = [-3, 0, 2048, k, 256, 64, l2, 2, 3, 1, 3 * k // 2, n, 32, 128, l2, 1, 3, 2, 3 * k // 16, n, 4, 128, l2, 1, 0]
+  assert "qerl_gluon_launch" in text and ".entry w4a16_mm" in text
+  assert f"tma = dense<[{', '.join(map(str, spec))}]> : tensor<25xi64>" in text
+  assert "grid_x = 132" in text and "grid_y = 1" in text and "threads = 384" in text
+  assert "cp.async.bulk.tensor.2d.shared::cluster.global" in text and "wgmma.mma_async" in text
+  assert ("shl.b32 t, u, 19" in text) == (order == "decode")  # the decode-order PTX (_asm_decode_order)

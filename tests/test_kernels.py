@@ -605,3 +605,59 @@ def test_dequantize_reads_decode_order_in_place(l, k, n, block_k2, block_n, monk
     np.testing.assert_array_equal(got, np.asarray(w4_triton.dequantize(w, **kw), np.float32))
     np.testing.assert_array_equal(got, np.asarray(nvfp4.dequantize(jax.tree.map(lambda a: a[i], w), jnp.bfloat16),
                                                   np.float32))
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_addend_is_added_before_the_one_rounding(backend):
+  """``quantized_matmul(..., addend=c)`` is bf16(x @ W + c) with the sum in float32 (the bf16 route's bias plus
+  LoRA delta): against a float64 product on every backend, for the large-M shape (M = 96 > FUSED_MAX_M, the
+  dequantize path in interpret mode) and a small one; its cotangents are dx of the plain product and dy itself."""
+  wq = _weight("nvfp4", 128, 192, 0)
+  for m in (5, 96):
+    x = _act((m, 128), 1)
+    c = _act((m, 192), 2) * 0.25
+    y = quantized_matmul(x, wq, backend=backend, addend=c)
+    want = np.asarray(x, np.float64) @ _dense64(wq) + np.asarray(c, np.float64)
+    assert y.dtype == jnp.bfloat16 and _rel(y, want) < 4e-3
+    dy = _act((m, 192), 3)
+    f = lambda x, c: jnp.sum(quantized_matmul(x, wq, backend=backend, addend=c).astype(jnp.float32) * dy)
+    gx, gc = jax.grad(f, argnums=(0, 1))(x, c)
+    gx_plain = jax.grad(lambda x: jnp.sum(quantized_matmul(x, wq, backend=backend).astype(jnp.float32) * dy))(x)
+    np.testing.assert_array_equal(np.asarray(gc, np.float32), np.asarray(dy.astype(jnp.bfloat16), np.float32))
+    np.testing.assert_array_equal(np.asarray(gx, np.float32), np.asarray(gx_plain, np.float32))
+
+
+def test_addend_errors_name_the_problem():
+  """An addend of the wrong shape or an integer dtype, or together with lora, is refused by name."""
+  wq = _weight("nvfp4", 128, 192, 0)
+  x = _act((4, 128), 1)
+  with pytest.raises(ValueError, match="addend must be a float array"):
+    quantized_matmul(x, wq, addend=jnp.zeros((4, 191), jnp.bfloat16))
+  with pytest.raises(ValueError, match="addend must be a float array"):
+    quantized_matmul(x, wq, addend=jnp.zeros((4, 192), jnp.int32))
+  with pytest.raises(ValueError, match="addend and lora"):
+    quantized_matmul(x, wq, addend=jnp.zeros((4, 192), jnp.bfloat16),
+                     lora=(jnp.zeros((4, 8), jnp.bfloat16), jnp.zeros((8, 192), jnp.bfloat16), 1.0))
+
+
+def test_large_m_gluon_forward_dispatch(monkeypatch):
+  """kernel_forward sends a bf16 product to the large-M Gluon forward exactly for FUSED_MAX_M < M <= MAX_M where the
+  decode GEMV does not run, without lora, with GLUON_MM "auto" (with the kernel's own checks faked true: no GPU
+  here); a float32 result, a LoRA term, GLUON_MM = "0" and M = 8192 keep dequantize + cuBLAS; a bad setting is
+  refused by name."""
+  from pallas_kernels import w4_gluon, w4_gluon_mm
+  monkeypatch.setattr(w4_gluon_mm, "applies", lambda m, w, dt: True)
+  monkeypatch.setattr(matmul, "gluon_enabled", lambda: True)
+  monkeypatch.setattr(w4_gluon, "applies", lambda m, w, dt: m <= 128)
+  wq = _weight("nvfp4", 128, 256, 0)
+  use = lambda m, **kw: matmul._use_gluon_mm(jax.ShapeDtypeStruct((m, 128), jnp.bfloat16), wq,
+                                             kw.get("out", jnp.bfloat16), False, kw.get("lora"))
+  assert [m for m in (64, 65, 128, 129, 2048, 4096, 4097, 8192) if use(m)] == [129, 2048, 4096]
+  monkeypatch.setattr(w4_gluon, "applies", lambda m, w, dt: False)  # no decode GEMV (e.g. N % 256 != 0)
+  assert use(65) and not use(64)
+  assert not use(2048, out=jnp.float32) and not use(2048, lora=(None, None, 1.0))
+  monkeypatch.setattr(matmul, "GLUON_MM", "0")
+  assert not use(2048)
+  monkeypatch.setattr(matmul, "GLUON_MM", "1")
+  with pytest.raises(ValueError, match="GLUON_MM"):
+    use(2048)

@@ -4,6 +4,9 @@ of 5 traced calls. Each variant is checked against the dequantize path first (re
 
   XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" PYTHONPATH=$PWD python3 experiments/lab/time_mm.py
   MM_VARIANTS="base;s3:STAGES=3;if0:IN_FLIGHT=0" MM_MS=2048 MM_MODEL=32b ...   # module settings per variant
+  MM_ORDER=decode ...   # decode-order codes (nvfp4.to_decode_order, the trainer's GPU default), read in place
+  MM_ADDEND=1 ...       # a bf16 [M, N] addend (bias + LoRA delta): the kernel's epilogue adds it; the bf16 and
+                        # dequantize paths add it after their GEMM (XLA folds it into cuBLAS's C)
 """
 import os
 import statistics
@@ -14,7 +17,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import devtime  # noqa: E402
-from pallas_kernels import matmul, w4_gluon_mm  # noqa: E402
+from pallas_kernels import w4_gluon_mm, w4_triton  # noqa: E402
 from qerl_jax import nvfp4  # noqa: E402
 
 MODELS = {"7b": {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)},
@@ -26,6 +29,11 @@ def device_us(fn, *args, reps=5) -> float:
   f = jax.jit(fn)
   jax.block_until_ready(f(*args))
   return statistics.median(float(sum(sum(v) for v in devtime.trace_durations(f, *args).values())) for _ in range(reps))
+
+
+def w4_triton_dense(x, w, i):
+  """The library's large-M path before this kernel: the layer dequantized to bf16 by a Pallas kernel, one cuBLAS GEMM."""
+  return jnp.dot(x, w4_triton.dequantize(w, x.dtype, index=i))
 
 
 def variants():
@@ -41,19 +49,25 @@ def main():
   model = os.environ.get("MM_MODEL", "7b")
   shapes = MODELS[model]
   names = os.environ.get("MM_SHAPES", ",".join(shapes)).split(",")
-  defaults = {k: getattr(w4_gluon_mm, k) for k in ("STAGES", "LOAD_REGS", "IN_FLIGHT", "PERSISTENT")}
+  defaults = {k: getattr(w4_gluon_mm, k) for k in ("STAGES", "LOAD_REGS", "IN_FLIGHT", "PERSISTENT", "DECODE", "PROBE")}
   idx = jnp.int32(2)
   totals = {}
   for name in names:
     k, n = shapes[name]
     w = jax.jit(lambda key: nvfp4.quantize(jax.random.normal(key, (LAYERS, k, n), jnp.bfloat16) * 0.02))(jax.random.key(0))
     wb = jax.jit(lambda w: nvfp4.dequantize(jax.tree.map(lambda a: a[2], w), jnp.bfloat16))(w)
+    if os.environ.get("MM_ORDER") == "decode":
+      w = jax.jit(nvfp4.to_decode_order)(w)
+    addend = os.environ.get("MM_ADDEND") == "1"
     for m in ms:
       x = jax.random.normal(jax.random.key(2), (m, k), jnp.float32).astype(jnp.bfloat16)
+      c = (jax.random.normal(jax.random.key(3), (m, n), jnp.float32) * 0.1).astype(jnp.bfloat16) if addend else None
+      plus = (lambda y: y + c) if addend else (lambda y: y)
       # bf16: the faster of a float32-accumulated dot with a bf16 cast and a plain bf16 dot (as bench_kernels.py)
-      bf16 = min(device_us(lambda x, wb: jnp.dot(x, wb, preferred_element_type=jnp.float32).astype(jnp.bfloat16), x, wb),
-                 device_us(lambda x, wb: jnp.dot(x, wb), x, wb))
-      deq_f = lambda x, w, i: matmul.kernel_forward(x, w, index=i, out_dtype=jnp.bfloat16)
+      bf16 = min(device_us(lambda x, wb: plus(jnp.dot(x, wb, preferred_element_type=jnp.float32).astype(jnp.bfloat16)),
+                           x, wb),
+                 device_us(lambda x, wb: plus(jnp.dot(x, wb)), x, wb))
+      deq_f = lambda x, w, i: plus(w4_triton_dense(x, w, i))
       ref = jax.jit(deq_f)(x, w, idx)
       deq = device_us(deq_f, x, w, idx)
       row = f"{name:8s} M={m:5d} | bf16 {bf16:8.1f} us | deq+cuBLAS {deq:8.1f} ({bf16 / deq:4.2f}x)"
@@ -62,7 +76,7 @@ def main():
       for vname, settings in variants():
         for key, value in {**defaults, **settings}.items():
           setattr(w4_gluon_mm, key, value)
-        g = lambda x, w, i: w4_gluon_mm.forward(x, w, index=i)
+        g = lambda x, w, i: w4_gluon_mm.forward(x, w, index=i, addend=c)
         got = jax.jit(g)(x, w, idx)
         err = float(jnp.linalg.norm((got.astype(jnp.float32) - ref.astype(jnp.float32))) / jnp.linalg.norm(ref.astype(jnp.float32)))
         t = device_us(g, x, w, idx)

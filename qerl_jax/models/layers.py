@@ -207,15 +207,17 @@ def _bf16_epilogue_applies(x: jax.Array, w) -> bool:
 def _linear_bf16(x: jax.Array, w, bias: Optional[jax.Array], lora: Optional[dict], lora_scale: float) -> jax.Array:
   """``x @ W + bias + lora_scale * (x @ A) @ B`` in bf16 (the route of ``BF16_EPILOGUE``): the 4-bit product as the
   large-M GEMM's bf16 output, the adapter's delta as a bf16 GEMM output (XLA folds the scale into its alpha) with
-  the bias added to it, and that sum as the first GEMM's addend (cuBLAS's C)."""
+  the bias added to it, and that sum as the first GEMM's addend (``quantized_matmul``'s ``addend``: cuBLAS's C, or
+  the large-M Gluon forward's epilogue)."""
   tensor, index = _tensor_index(w)
-  y = pallas_kernels.quantized_matmul(x, tensor, out_dtype=x.dtype, index=index)
   c = None if bias is None else bias.astype(x.dtype)
   if lora is not None:
     xa, b, scale = _lora_factors(x, lora, lora_scale)
     delta = scale * jnp.dot(xa, b, preferred_element_type=x.dtype)
     c = delta if c is None else delta + c
-  return y if c is None else y + c
+  if c is not None:
+    c = jnp.broadcast_to(c, (*x.shape[:-1], c.shape[-1]))
+  return pallas_kernels.quantized_matmul(x, tensor, out_dtype=x.dtype, index=index, addend=c)
 
 
 def _block_diagonal(loras: tuple, sizes: tuple) -> Optional[dict]:
