@@ -220,6 +220,8 @@ def _path_name(kind, x, wq) -> str:
   """Which kernel path ``matmul.kernel_forward`` / ``kernel_dx`` takes for this row."""
   if kind == "fwd" and matmul._use_gluon(x, wq, False, None):
     return "gluon"
+  if kind == "fwd" and matmul._use_gluon_mm(x, wq, x.dtype, False, None):
+    return "gluon_mm"
   return "deq+cublas" if x.shape[0] > matmul.FUSED_MAX_M[kind] else "fused"
 
 

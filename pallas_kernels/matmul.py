@@ -43,7 +43,8 @@ GLUON_DX = os.environ.get("QERL_GLUON_DX", "0")
 # does not run, the kernel applies and the Gluon kernels are enabled (gluon_enabled). "auto" (default) uses it; "0"
 # keeps dequantize + cuBLAS. On an H100 (7B shapes summed) it ran at 0.95x of bf16 at M = 2048 against 0.84x for
 # dequantize + cuBLAS, 0.93x against 0.73x at M = 1024; at M = 8192 dequantize + cuBLAS wins (0.955x against
-# 0.90x), hence MAX_M (docs/benchmarks.md, session 46). QERL_GLUON_MM in the environment sets the default.
+# 0.90x), hence MAX_M; per shape, w4_gluon_mm.pays decides by a cost model (docs/benchmarks.md, session 46).
+# QERL_GLUON_MM in the environment sets the default.
 GLUON_MM = os.environ.get("QERL_GLUON_MM", "auto")
 
 
@@ -82,7 +83,8 @@ def _use_gluon(x2d, w, interpret: bool, lora) -> bool:
 def _use_gluon_mm(x2d, w, out_dtype, interpret: bool, lora) -> bool:
   """Whether :func:`kernel_forward` takes the large-M Gluon forward (see ``GLUON_MM``): a bf16 result without a
   LoRA term, more rows than the fused Pallas kernel and the Gluon decode GEMV take, at most
-  ``w4_gluon_mm.MAX_M``.
+  ``w4_gluon_mm.MAX_M``, where its cost model has it no slower than dequantize + cuBLAS (``w4_gluon_mm.pays``:
+  shapes with too few tiles for the SMs stay on dequantize + cuBLAS).
 
   Raises:
     ValueError: ``GLUON_MM`` not "auto"/"0" (or ``GLUON`` / ``GLUON_LORA`` malformed).
@@ -93,7 +95,7 @@ def _use_gluon_mm(x2d, w, out_dtype, interpret: bool, lora) -> bool:
     return False
   if not FUSED_MAX_M["fwd"] < m <= w4_gluon_mm.MAX_M or _use_gluon(x2d, w, interpret, lora):
     return False
-  return w4_gluon_mm.applies(m, w, x2d.dtype) and gluon_enabled()
+  return w4_gluon_mm.applies(m, w, x2d.dtype) and w4_gluon_mm.pays(m, *w.shape) and gluon_enabled()
 
 
 def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False, index=None,
@@ -144,12 +146,12 @@ def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False
 
 def dense_path_applies(x: jax.Array, w, index=None) -> bool:
   """Whether :func:`quantized_matmul` (``backend="auto"``) multiplies ``x [..., K]`` by ``w`` (with ``index``) on
-  the large-M path of :func:`kernel_forward`: the weight dequantized by a Pallas kernel, then one cuBLAS GEMM.
-  That holds on a GPU for bf16 ``x``, a 4-bit ``w`` the kernels take, and more rows (the product of ``x``'s
-  leading dims) than the fused kernel's ``FUSED_MAX_M["fwd"]``, where the Gluon decode GEMV does not apply
-  (it takes up to 128 rows). There a bf16 result is the GEMM's own output, so a caller can add its
-  bf16 ``[M, N]`` terms to it in the GEMM's epilogue (:func:`qerl_jax.models.layers.linear`). Shapes only
-  are read (``x`` may be a ``jax.ShapeDtypeStruct``).
+  the large-M path of :func:`kernel_forward`: the large-M Gluon forward (``GLUON_MM``), or the weight dequantized
+  by a Pallas kernel, then one cuBLAS GEMM. That holds on a GPU for bf16 ``x``, a 4-bit ``w`` the kernels take,
+  and more rows (the product of ``x``'s leading dims) than the fused kernel's ``FUSED_MAX_M["fwd"]``, where the
+  Gluon decode GEMV does not apply (it takes up to 128 rows). There a bf16 result is the GEMM's own output, so a
+  caller can pass its bf16 ``[M, N]`` terms as ``quantized_matmul``'s ``addend``, added in the GEMM's epilogue
+  (:func:`qerl_jax.models.layers.linear`). Shapes only are read (``x`` may be a ``jax.ShapeDtypeStruct``).
 
   Raises:
     ValueError: ``GLUON`` not "auto"/"1"/"0" or ``GLUON_LORA`` not "1"/"0".

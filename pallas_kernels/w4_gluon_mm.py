@@ -1,30 +1,35 @@
-"""Large-M forward ``y = x @ W`` for NVFP4 weights in Gluon (Triton 3.6, Hopper wgmma), no bf16 W in HBM.
+"""Large-M forward ``y = x @ W (+ addend)`` for NVFP4 weights in Gluon (Triton 3.6, Hopper wgmma), no bf16 W in HBM.
 
 The prefill and training forward of the model's linears (M = batch x sequence, in the thousands):
 ``y [M, N] = x [M, K] @ W`` for bf16 ``x`` and an NVFP4 ``W`` ``[K, N]`` (or layer ``index`` of a stack
-``[L, K, N]``, read in place), float32 accumulation, bf16 output. The default path at these M is
-:func:`pallas_kernels.w4_triton.dequantize` then cuBLAS, which writes a transient bf16 copy of ``W`` per
-call; this kernel reads the 4-bit codes once per tile and decodes them in registers, where they are
-wgmma's A operand (the structure of CUTLASS's Hopper mixed-input GEMM, which session 45 measured at
-0.92-0.94x of bf16 with int4 weights: docs/kernels.md).
+``[L, K, N]``, read in place), float32 accumulation, bf16 output. Dequantize + cuBLAS
+(:func:`pallas_kernels.w4_triton.dequantize`, then one GEMM) writes a transient bf16 copy of ``W`` per call; this
+kernel reads the 4-bit codes once per tile and decodes them in registers, where they are wgmma's A operand (the
+structure of CUTLASS's Hopper mixed-input GEMM, which session 45 measured at 0.92-0.94x of bf16 with int4 weights).
+:func:`pallas_kernels.matmul.kernel_forward` sends bf16 products at ``64 < M <= MAX_M`` here where :func:`pays`
+(``matmul.GLUON_MM``). On an H100 (session 46, 7B shapes summed) it runs at 0.95x of bf16 at M = 2048, where
+dequantize + cuBLAS is at 0.84x (docs/kernels.md, "Large-M forward"; docs/benchmarks.md, "Session 46").
 
-It computes ``y^T [N, M] = W^T [N, K] @ x^T [K, M]`` (swap-AB): a program owns ``BN`` (128) rows of ``W^T``
-(columns of ``W``, two warpgroups of 64) and ``BM`` (256) rows of ``x``, and runs over K in steps of 64.
+It computes ``y^T [N, M] = W^T [N, K] @ x^T [K, M]`` (swap-AB): a tile is ``BN`` (128) rows of ``W^T`` (columns of
+``W``, two warpgroups of 64) by ``BM`` (256) rows of ``x``, over K in steps of 64. With :data:`PERSISTENT` one
+program runs an SM and walks the tiles, the rows of ``x`` fastest (the programs sharing a weight tile run together).
 
-* A warp-specialized **producer** (:data:`LOAD_WARPS` warps) copies each step's ``x [BM, 64]`` tile, its
-  codes ``[32 code rows, BN]`` and its E4M3 block scales ``[4, BN]`` by cp.async into a ring of
-  :data:`STAGES` shared buffers; each thread's copies arrive on the stage's mbarrier when they land.
-* The **MMA partition** (8 warps) waits for a stage, reads the codes and scales to registers in the
-  layout of wgmma's register A operand (``k_width`` 2: a thread's register pair is one code byte, the
-  two nibbles ``k, k + 1``), decodes them with inline PTX (E2M1 by bit placement, ``e2m1 * 2**-126``, times
-  the block scale converted from E4M3 to bf16 ``scale * 2**118``: exact; the accumulator is multiplied
-  by ``2**8 / global scale`` at the end) and runs ``m64 n256 k16`` wgmmas with ``x`` from shared memory
-  (K-major). The operand rows are the columns of ``W`` relabelled so that a thread's two rows ``g, g + 8``
-  are adjacent columns (2-byte shared loads); the store undoes it.
+* A **producer** warp (Triton pads it to a warpgroup: 384 threads) copies each step's ``x [BM, 64]`` (128-byte
+  swizzle; rows past M arrive as zeros), codes ``[32 code rows, BN]`` (128-byte swizzle) and E4M3 block scales
+  ``[4, BN]`` by TMA into a ring of :data:`STAGES` stages, one mbarrier each.
+* The **MMA partition** (8 warps) waits for a stage, reads the codes as 16-bit column pairs (``ldmatrix``) and the
+  scales in the layout of wgmma's register A operand (``k_width`` 2: a thread's register pair is one code byte, the
+  nibbles ``k, k + 1``), decodes them with inline PTX (:func:`_asm2`, or :func:`_asm_decode_order` for
+  :func:`qerl_jax.nvfp4.to_decode_order`'s codes, read in place: E2M1 by bit placement, ``e2m1 * 2**-126``, times
+  the block scale as bf16 ``scale * 2**118``: exact) and runs ``m64 n256 k16`` wgmmas with ``x`` from shared memory
+  (K-major), one step's left in flight while the next decodes (steps in pairs, with two operand values, so an
+  in-flight wgmma's registers are never the next decode's). The operand rows are the columns of ``W`` relabelled
+  so that a thread's two rows ``g, g + 8`` are adjacent columns; the store undoes it.
+* The **epilogue** multiplies by ``2**8 / global scale``, adds the optional bf16 ``addend`` in float32 and rounds
+  once to bf16 (cuBLAS's ``C`` with ``beta = 1``), while the producer already fills the ring for the next tile.
 
-Codes in either order (:func:`qerl_jax.nvfp4.to_decode_order`'s is read in place: it moves bits only inside a code
-row's pair of columns). GPU only (sm_90), launched
-through :mod:`pallas_kernels.w4_gluon`'s XLA FFI handler. Lab status (session 46): see docs/kernels.md.
+GPU only (sm_90), launched through :mod:`pallas_kernels.w4_gluon`'s XLA FFI handler (its TMA spec's extended form:
+two-byte elements and the swizzle).
 """
 
 from __future__ import annotations
@@ -45,6 +50,18 @@ STAGES = 4      # the shared-memory ring (x 32 KB + codes 4 KB + scales 0.5 KB a
 LOAD_REGS = 40  # registers a thread of the one-warp TMA producer partition (setmaxnreg)
 DECODE = 2      # the decode's PTX: 2 (_asm2, 16-bit column pairs in), 3 (the same, its shift on the FMA pipe) or 1
                 # (_asm, bytes in; session 46's first build)
+# The dispatch's cost model (pays): this kernel's time is rounds x steps x STEP_US, a round being one tile on every
+# SM and a step 64 of K; dequantize + cuBLAS takes DEQUANT_US_PER_MILLION microseconds a million weights plus a bf16
+# GEMM of GEMM_FIXED_US plus the larger of its FLOPs at BF16_TFLOPS and its weight's bytes at HBM_TBPS. Fitted to
+# session 46's H100 runs (bench_kernels.py, 7B and 32B shapes, M = 256-2048: the kernel's step 0.63-0.70 us, the
+# dequantize 0.95-1.03 us a million weights, cuBLAS's small-M GEMMs 20-40 us above their FLOPs or bytes): it picks
+# the faster path in 21 of 24 rows, and the three misses cost 4-12%. An H200 reads HBM faster, which favours
+# dequantize + cuBLAS a little.
+STEP_US = 0.69
+DEQUANT_US_PER_MILLION = 1.0
+GEMM_FIXED_US = 30.0
+BF16_TFLOPS = 800.0
+HBM_TBPS = 3.0
 PROBE = 0       # lab (wrong results): 1 skips the shared loads and the decode (a constant operand), 2 the stores
 PERSISTENT = 1  # 1: one program an SM walking the tiles (the producer runs into the next tile during a store)
 IN_FLIGHT = 1   # wgmmas left in flight past each step (1: the next step's decode overlaps it; 0: wait for it)
@@ -376,6 +393,25 @@ def _programs(m: int, n: int) -> int:
     return tiles
   sms = [getattr(d, "core_count", 0) for d in w4_gluon._gpu_devices()]
   return max(1, min(tiles, min(sms) if sms and min(sms) > 0 else 132))
+
+
+def predicted_us(m: int, k: int, n: int, sms: int | None = None) -> tuple[float, float]:
+  """(this kernel, dequantize + cuBLAS): the modelled microseconds of ``x [m, k] @ W [k, n]`` on ``sms`` SMs (default:
+  the first GPU's, else 132) with :data:`STEP_US`, :data:`DEQUANT_US_PER_MILLION`, :data:`BF16_TFLOPS` and
+  :data:`HBM_TBPS`. The kernel's rounds count its tiles over the SMs, so a shape with few tiles (a long K and a
+  narrow N at small M, such as the 7B down projection at M = 256: 28 tiles) pays for its idle SMs."""
+  if sms is None:
+    sms = _programs(1 << 30, BLOCK_N)  # the SM count (or 132)
+  tiles = -(-m // BLOCK_M) * (n // BLOCK_N)
+  fused = -(-tiles // sms) * (k // STEP_K) * STEP_US
+  gemm = max(2.0 * m * k * n / (BF16_TFLOPS * 1e6), 2.0 * k * n / (HBM_TBPS * 1e6))
+  return fused, GEMM_FIXED_US + gemm + k * n * 1e-6 * DEQUANT_US_PER_MILLION
+
+
+def pays(m: int, k: int, n: int) -> bool:
+  """Whether :func:`predicted_us` has this kernel no slower than dequantize + cuBLAS for ``x [m, k] @ W [k, n]``."""
+  fused, dense = predicted_us(m, k, n)
+  return fused <= dense
 
 
 def _tma_specs(operands) -> np.ndarray:

@@ -182,10 +182,11 @@ def _env_flag(name: str, default: str) -> bool:
   return value == "1"
 
 
-# On the large-M path of a 4-bit weight (prefill, the training forward and its remat: dequantize, then one
-# cuBLAS GEMM; pallas_kernels.matmul.dense_path_applies) the linear's result is the GEMM's own bf16 output, with
-# the bias and the LoRA delta as a bf16 addend that XLA folds into the GEMM (cuBLAS's C, beta = 1: the float32
-# accumulator plus the addend, rounded once to bf16); per-part adapters of a fused q/k/v or gate/up become one
+# On the large-M path of a 4-bit weight (prefill, the training forward and its remat: the large-M Gluon forward,
+# or dequantize then one cuBLAS GEMM; pallas_kernels.matmul.dense_path_applies) the linear's result is the GEMM's
+# own bf16 output, with the bias and the LoRA delta as a bf16 addend (quantized_matmul's addend) added in the GEMM's
+# epilogue (the Gluon kernel's, or cuBLAS's C with beta = 1, which XLA folds in: the float32 accumulator plus the
+# addend, rounded once to bf16); per-part adapters of a fused q/k/v or gate/up become one
 # block-diagonal adapter, so one GEMM writes the whole delta. The float32 route writes a float32 [M, N] product
 # and a float32 delta and reads both back before rounding: about 14 bytes an output element against 6. On an
 # H200 (7B shapes, rank 32) the four linears' forward is 1.13-1.14x and their VJP 1.14-1.16x faster at
