@@ -1132,6 +1132,17 @@ def _wgmma_gpus() -> bool:
   return all(_cc(d) == 90 for d in _gpu_devices())
 
 
+def large_m_ready() -> bool:
+  """What the large-M Gluon kernels (:mod:`pallas_kernels.w4_gluon_dx`, :mod:`pallas_kernels.w4_gluon_mm`) need
+  besides their shapes: at least one visible GPU, every one sm_90 (wgmma), and the FFI launcher (they take more
+  than jax-triton passes: TMA descriptors, warp specialization's thread count).
+
+  Raises:
+    ValueError: ``QERL_GLUON_LAUNCH`` set to something other than "ffi" or "jax_triton".
+  """
+  return bool(_gpu_devices()) and _wgmma_gpus() and available() and launcher() == "ffi"
+
+
 def _warps(wg: bool, narrow_n: int = 0, w8: bool = False) -> int:
   """Warps a program: 4 (mma.sync; 8 with ``w8``), 8 (wgmma), or one per 16 columns of a narrow build."""
   return narrow_n // 16 if narrow_n else 8 if wg or w8 else 4

@@ -87,8 +87,7 @@ def applies(m: int, w, dy_dtype) -> bool:
   k, n = w.shape
   if m < 1 or k % BLOCK_K or n % STEP_N:
     return False
-  return bool(w4_gluon._gpu_devices()) and w4_gluon._wgmma_gpus() and w4_gluon.available() \
-      and w4_gluon.launcher() == "ffi"
+  return w4_gluon.large_m_ready()
 
 
 def _asm() -> str:

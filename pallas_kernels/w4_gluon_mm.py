@@ -85,15 +85,14 @@ _THREADS = 32 * 12
 
 def applies(m: int, w, x_dtype) -> bool:
   """Whether :func:`forward` takes ``x [m, K]`` (dtype ``x_dtype``) times ``w``: an NVFP4 ``[K, N]`` weight
-  (or stack) in the standard code order, bf16 ``x``, ``m >= 1``, ``K`` a multiple of 64, ``N`` a multiple of
-  128, every visible GPU sm_90 (wgmma) and the FFI launcher available."""
+  (or stack) in either code order, bf16 ``x``, ``m >= 1``, ``K`` a multiple of 64, ``N`` a multiple of 128, and
+  :func:`pallas_kernels.w4_gluon.large_m_ready` (every visible GPU sm_90, the FFI launcher)."""
   if not isinstance(w, nvfp4.NVFP4Tensor) or jnp.dtype(x_dtype) != jnp.bfloat16:
     return False
   k, n = w.shape
   if m < 1 or k % STEP_K or n % BLOCK_N:
     return False
-  return bool(w4_gluon._gpu_devices()) and w4_gluon._wgmma_gpus() and w4_gluon.available() \
-      and w4_gluon.launcher() == "ffi"
+  return w4_gluon.large_m_ready()
 
 
 def _asm() -> str:

@@ -16,6 +16,22 @@ from qerl_jax import nvfp4
 from tests.test_gluon import _dense64, _rel, _run_ptx, _weight
 
 
+def _check_registers(regs, code_bytes, scale):
+  """The four output registers of a decode PTX against ``E2M1[code] * scale * 2**-8`` (low nibble in the low
+  half) for bytes (n, r), (n + 1, r), (n, r + 4), (n + 1, r + 4) and the E4M3 scales of columns n, n + 1; returns
+  the expected values ``[4, 2]``."""
+  codebook = np.asarray(nvfp4.E2M1_CODEBOOK, np.float64)
+  wants = []
+  for reg, (byte, col) in enumerate(((0, 0), (2, 0), (1, 1), (3, 1))):
+    v = regs[f"${reg}"]
+    got = np.array([v & 0xFFFF, v >> 16], np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+    b = int(code_bytes[byte])
+    want = codebook[[b & 15, b >> 4]] * float(scale[col].astype(np.float64)) * 2.0 ** -8
+    np.testing.assert_array_equal(got, want, err_msg=f"bytes {code_bytes} register {reg}")
+    wants.append(want)
+  return np.array(wants)
+
+
 @pytest.mark.parametrize("version", [1, 2, 3])
 def test_mm_decode_ptx_by_codebook(version):
   """The decode's PTX gives ``E2M1[code] * scale * 2**-8`` exactly for both nibbles of the four bytes
@@ -24,7 +40,6 @@ def test_mm_decode_ptx_by_codebook(version):
   versions of the PTX (``DECODE`` 1, 2 and 3) take and give the same registers."""
   rng = np.random.default_rng(3)
   asm = w4_gluon_mm._asm() if version == 1 else w4_gluon_mm._asm2(shift_on_fma=version == 3)
-  codebook = np.asarray(nvfp4.E2M1_CODEBOOK, np.float64)
   for trial in range(512):
     code_bytes = (np.array([(trial * 17 + 16 * i + i) % 256 for i in range(4)]) if trial < 256
                   else rng.integers(0, 256, size=4))
@@ -32,14 +47,8 @@ def test_mm_decode_ptx_by_codebook(version):
     sbytes = scale.view(np.uint8)
     regs = _run_ptx(asm, {"$4": int(sum(int(b) << (8 * i) for i, b in enumerate(code_bytes))),
                           "$5": int(sbytes[0]) | (int(sbytes[1]) << 8) | (0xAB << 16)})  # bytes 2, 3 unused
-    ref = w4_gluon_mm.decode_reference(code_bytes.astype(np.uint8), sbytes)
-    for reg, (byte, col) in enumerate(((0, 0), (2, 0), (1, 1), (3, 1))):
-      v = regs[f"${reg}"]
-      got = np.array([v & 0xFFFF, v >> 16], np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
-      b = int(code_bytes[byte])
-      want = codebook[[b & 15, b >> 4]] * float(scale[col].astype(np.float64)) * 2.0 ** -8
-      np.testing.assert_array_equal(got, want, err_msg=f"bytes {code_bytes} register {reg}")
-      np.testing.assert_array_equal(ref[reg], want)
+    want = _check_registers(regs, code_bytes, scale)
+    np.testing.assert_array_equal(w4_gluon_mm.decode_reference(code_bytes.astype(np.uint8), sbytes), want)
 
 
 def test_mm_decode_order_ptx_by_codebook():
@@ -47,7 +56,6 @@ def test_mm_decode_order_ptx_by_codebook():
   only inside that pair), gives the standard PTX's registers for every code: the same four bf16 pairs."""
   rng = np.random.default_rng(4)
   asm = w4_gluon_mm._asm_decode_order()
-  codebook = np.asarray(nvfp4.E2M1_CODEBOOK, np.float64)
   bits = nvfp4.DECODE_ORDER_BITS
   assert all(bits[b] // 16 == b // 16 for b in range(32))  # the order stays inside each 16-bit half
 
@@ -63,12 +71,7 @@ def test_mm_decode_order_ptx_by_codebook():
     lo = to_decode(int(code_bytes[0]) | (int(code_bytes[1]) << 8))  # code row r: columns n, n + 1
     hi = to_decode(int(code_bytes[2]) | (int(code_bytes[3]) << 8))  # code row r + 4
     regs = _run_ptx(asm, {"$4": lo | (hi << 16), "$5": int(sbytes[0]) | (int(sbytes[1]) << 8)})
-    for reg, (byte, col) in enumerate(((0, 0), (2, 0), (1, 1), (3, 1))):
-      v = regs[f"${reg}"]
-      got = np.array([v & 0xFFFF, v >> 16], np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
-      b = int(code_bytes[byte])
-      want = codebook[[b & 15, b >> 4]] * float(scale[col].astype(np.float64)) * 2.0 ** -8
-      np.testing.assert_array_equal(got, want, err_msg=f"bytes {code_bytes} register {reg}")
+    _check_registers(regs, code_bytes, scale)
 
 
 def test_mm_kernel_not_applied_off_gpu():
