@@ -18,7 +18,7 @@
 // cuTensorMapEncodeTiled at each launch, so a CUDA graph records the operand's current address), then the shape
 // as two int32 and the strides as two int64 (elements), as Triton 3.6's launcher passes them. [0]: none.
 // tma = [-count, then 8 ints per descriptor: the same six, element bytes (1: uint8, 2: bfloat16), swizzle
-// (CUtensorMapSwizzle: 0 none, 3 128 bytes)]: the same with two-byte elements or a swizzled box.
+// (CUtensorMapSwizzle: 0 none, 2 64 bytes, 3 128 bytes)]: the same with two-byte elements or a swizzled box.
 // Modules are loaded once per (CUDA context, key) pair, where the key is a short digest of the PTX and
 // kernel name computed once in Python, so that a launch looks up a few dozen bytes instead of copying
 // and comparing the whole PTX: qerl_gluon_preload loads them outside any stream capture (called from
@@ -150,7 +150,7 @@ ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRe
     const int64_t* spec = tma.begin() + 1 + width * t;
     const int64_t element_bytes = width == 8 ? spec[6] : 1;
     const int64_t swizzle = width == 8 ? spec[7] : 0;
-    if ((element_bytes != 1 && element_bytes != 2) || (swizzle != 0 && swizzle != 3)) {
+    if ((element_bytes != 1 && element_bytes != 2) || (swizzle != 0 && swizzle != 2 && swizzle != 3)) {
       return ffi::Error(ffi::ErrorCode::kInvalidArgument, "qerl_gluon_launch: tma element bytes " +
                                                               std::to_string(element_bytes) + " or swizzle " +
                                                               std::to_string(swizzle) + " not supported");

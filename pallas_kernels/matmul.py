@@ -46,6 +46,10 @@ GLUON_DX = os.environ.get("QERL_GLUON_DX", "0")
 # 0.90x), hence MAX_M; per shape, w4_gluon_mm.pays decides by a cost model (docs/benchmarks.md, session 46).
 # QERL_GLUON_MM in the environment sets the default.
 GLUON_MM = os.environ.get("QERL_GLUON_MM", "auto")
+# The same kernel's dx build (w4_gluon_mm.dx: dy @ W^T with no bf16 W in HBM) for kernel_dx at
+# FUSED_MAX_M["dx"] < M <= w4_gluon_mm.MAX_M. "0" (default): not yet run on a GPU (session 46 wrote it; its decode is
+# CPU-tested, and it compiles); "1" uses it where it applies. QERL_GLUON_MM_DX in the environment sets the default.
+GLUON_MM_DX = os.environ.get("QERL_GLUON_MM_DX", "0")
 
 
 def _check_setting(name: str, value: str, allowed) -> None:
@@ -190,16 +194,22 @@ def _use_gluon_dx(dy2d, w, interpret: bool) -> bool:
 def kernel_dx(dy2d: jax.Array, w, *, out_dtype=jnp.bfloat16, interpret: bool = False, index=None) -> jax.Array:
   """The kernel path's ``dy @ W^T`` for 2-D bf16 ``dy`` ``[M, N]`` -> ``[M, K]``.
 
-  Fused kernel for ``M <= FUSED_MAX_M["dx"]``; with ``GLUON_DX = "1"`` and ``M >= w4_gluon_dx.MIN_M``
+  Fused kernel for ``M <= FUSED_MAX_M["dx"]``; with ``GLUON_MM_DX = "1"`` (lab, not yet run on a GPU) and
+  ``M <= w4_gluon_mm.MAX_M`` the large-M Gluon forward's dx build where it applies; with ``GLUON_DX = "1"`` and
+  ``M >= w4_gluon_dx.MIN_M``
   the large-M Gluon kernel where it applies (NVFP4 in the standard code order on sm_90), which writes
   no bf16 W; else Pallas dequantize + XLA matmul contracting N (no transposed copy of W is made).
   ``index``: as in :func:`kernel_forward`.
 
   Raises:
-    TypeError: unsupported weight type. ValueError: N mismatch, stacked ``w``.
+    TypeError: unsupported weight type. ValueError: N mismatch, stacked ``w``, ``GLUON_MM_DX`` not "1"/"0".
   """
   if dy2d.shape[0] <= FUSED_MAX_M["dx"]:
     return w4_triton.dx(dy2d, w, out_dtype=out_dtype, interpret=interpret, index=index)
+  _check_setting("GLUON_MM_DX", GLUON_MM_DX, ("1", "0"))
+  if (GLUON_MM_DX == "1" and not interpret and dy2d.shape[0] <= w4_gluon_mm.MAX_M
+      and w4_gluon_mm.dx_applies(dy2d.shape[0], w, dy2d.dtype) and gluon_enabled()):
+    return w4_gluon_mm.dx(dy2d, w, index=index).astype(out_dtype)
   if _use_gluon_dx(dy2d, w, interpret):
     return w4_gluon_dx.dx(dy2d, w, index=index).astype(out_dtype)
   w_dense = w4_triton.dequantize(w, dy2d.dtype, interpret=interpret, index=index)

@@ -72,12 +72,23 @@ MAX_M = 4096    # the most rows matmul.kernel_forward sends here (GLUON_MM): at 
 # swizzle): x [M, K] in boxes of [BM, 64] (128-byte swizzle, wgmma's B operand), codes [L K / 2, N] in [32, BN]
 # (128-byte swizzle: a thread's 2-byte loads of 4 code rows hit 4 banks), block scales [L K / 16, N] in [4, BN]
 _TMA_BOXES = ((0, "bf16", (BLOCK_M, 64), 2, 3), (1, "u8", (32, BLOCK_N), 1, 3), (2, "u8", (4, BLOCK_N), 1, 0))
-_SWIZZLE_BYTES = {0: 0, 3: 128}
-_TMA_DESCRIPTORS = tuple(
-    f"tensordesc<{t}[{r}, {c}],NVMMASharedLayout(swizzle_byte_width={_SWIZZLE_BYTES[sw]}, "
-    f"element_bitwidth={8 * eb}, rank=2)>" for _, t, (r, c), eb, sw in _TMA_BOXES)
-# descriptors, then x, codes, block scales (E4M3 bytes), global scales, layer, addend (read with AD = 1), y
-_ARG_DTYPES = _TMA_DESCRIPTORS + ("*bf16", "*u8", "*u8", "*fp32", "*i32", "*bf16", "*bf16")
+# the dx build's (dx): dy [M, N] in [BM, 64] (swizzled as x), codes in [BN / 2, 64] (64-byte swizzle), block scales in
+# [BN / 16, 64]
+_TMA_BOXES_DX = ((0, "bf16", (BLOCK_M, 64), 2, 3), (1, "u8", (BLOCK_N // 2, 64), 1, 2),
+                 (2, "u8", (BLOCK_N // 16, 64), 1, 0))
+_SWIZZLE_BYTES = {0: 0, 2: 64, 3: 128}
+
+
+def _descriptor_types(boxes) -> tuple[str, ...]:
+  """The kernel signature's types of the TMA descriptors ``boxes`` (Triton's host tensor descriptors)."""
+  return tuple(f"tensordesc<{t}[{r}, {c}],NVMMASharedLayout(swizzle_byte_width={_SWIZZLE_BYTES[sw]}, "
+               f"element_bitwidth={8 * eb}, rank=2)>" for _, t, (r, c), eb, sw in boxes)
+
+
+# descriptors, then x (dy), codes, block scales (E4M3 bytes), global scales, layer, addend (read with AD = 1), out
+_POINTERS = ("*bf16", "*u8", "*u8", "*fp32", "*i32", "*bf16", "*bf16")
+_ARG_DTYPES = _descriptor_types(_TMA_BOXES) + _POINTERS
+_ARG_DTYPES_DX = _descriptor_types(_TMA_BOXES_DX) + _POINTERS
 # 8 MMA warps and the producer warp, which Triton pads to a warpgroup (setmaxnreg works on warpgroups): the
 # kernel takes 384 threads (its .reqntid), and the launch cap must let 384 threads fit an SM's registers
 _THREADS = 32 * 12
@@ -164,6 +175,41 @@ def _asm_decode_order() -> str:
   return "\n".join(lines + ["}"])
 
 
+def _asm_dx(decode_order: bool = False) -> str:
+  """Inline PTX of the dx build (:func:`dx`, ``W`` as wgmma's operand with N as the contraction): code bytes ``$4`` =
+  (column n, code row r), (n + 1, r), (n + 8, r), (n + 9, r) and their E4M3 block scales ``$5`` (the same four
+  columns) -> ``$0``: K row ``2 r`` (the low nibbles) of columns (n, n + 1), ``$1``: the same of (n + 8, n + 9),
+  ``$2, $3``: K row ``2 r + 1`` (the high nibbles). Each register pairs two columns of one K row, as wgmma's A
+  operand pairs two contraction indices; each half is bf16 ``e2m1 * scale * 2**-8`` with its own column's scale.
+
+  A column pair's bytes go to bytes 0 and 2 of a word (one ``prmt``), so both low nibbles sit at bits 0-3 of their
+  halves and both high nibbles at 4-7: one shift and mask places the magnitudes (bits 6-8, 22-24), another the signs
+  (15, 31), and one bf16x2 multiply by the pair's scales (``cvt.rn.f16x2.e4m3x2`` of their two E4M3 bytes, shifted:
+  already one scale a half) finishes it. ``decode_order``: the codes as :func:`qerl_jax.nvfp4.to_decode_order`
+  stores them (bits moved only inside each 16-bit column pair): column n's low nibble is already in place, column
+  n + 1's moves by one shift (22), column n's high nibble by one (3) and column n + 1's in three pieces."""
+  lines = ["{", ".reg .b16 sl;", ".reg .b32 u, p, v, t, z, nz, sp, sw;", "mov.b32 z, 0;", "mov.b32 nz, 0x80008000;"]
+  for h in (0, 1):  # columns (n, n + 1), then (n + 8, n + 9)
+    lines += ["mov.b32 sw, $5;" if h == 0 else "shr.b32 sw, $5, 16;", "cvt.u16.u32 sl, sw;",
+              "cvt.rn.f16x2.e4m3x2 sp, sl;", "shr.b32 sp, sp, 3;", "add.u32 sp, sp, 0x73007300;"]
+    if decode_order:
+      lines += ["mov.b32 u, $4;" if h == 0 else "shr.b32 u, $4, 16;",
+                # K row 2 r: column n's low nibble in place (6-8, 15), column n + 1's from (0-2, 9) by 22
+                "and.b32 v, u, 0x81C0;", "shl.b32 t, u, 22;", "and.b32 t, t, 0x81C00000;", "or.b32 v, v, t;",
+                f"fma.rn.bf16x2 ${h}, v, sp, nz;",
+                # K row 2 r + 1: column n's high nibble from (3-5, 12) by 3, column n + 1's from (14, 10, 11, 13)
+                "shl.b32 v, u, 3;", "and.b32 v, v, 0x81C0;"]
+      for sh, mask in ((8, "0x00400000"), (13, "0x01800000"), (18, "0x80000000")):
+        lines += [f"shl.b32 t, u, {sh};", f"and.b32 t, t, {mask};", "or.b32 v, v, t;"]
+      lines.append(f"fma.rn.bf16x2 ${2 + h}, v, sp, nz;")
+      continue
+    lines.append(f"prmt.b32 p, $4, z, {'0x4140' if h == 0 else '0x4342'};")  # [b_n, 0, b_n+1, 0]
+    for out, mag, sign in ((h, 6, 12), (2 + h, 2, 8)):  # low nibbles (K row 2 r), high nibbles (2 r + 1)
+      lines += [f"shl.b32 v, p, {mag};", "and.b32 v, v, 0x01C001C0;", f"shl.b32 t, p, {sign};",
+                "and.b32 t, t, 0x80008000;", "or.b32 v, v, t;", f"fma.rn.bf16x2 ${out}, v, sp, nz;"]
+  return "\n".join(lines + ["}"])
+
+
 def decode_reference(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
   """:func:`_asm`'s arithmetic in numpy, for tests: code bytes (uint8 ``[4]`` as above) and E4M3 scale bytes
   (uint8 ``[2]``: columns n, n + 1) -> the four output registers as float32 pairs ``[4, 2]`` (low, high half),
@@ -190,6 +236,8 @@ def _kernel():
   asm2 = ttgl.constexpr(_asm2())
   asm3 = ttgl.constexpr(_asm2(shift_on_fma=True))
   asm_do = ttgl.constexpr(_asm_decode_order())
+  asm_dx = ttgl.constexpr(_asm_dx())
+  asm_dx_do = ttgl.constexpr(_asm_dx(decode_order=True))
   # DECODE 2: the codes as 16-bit pairs of columns (n, n + 1), [4 blocks, 8 code rows, BN / 2 pairs]: registers r2 b0
   # b1; lanes r0 r1 p0 p1 p2; warps p3 p4 p5 (p = n / 2): the same threads and bytes as code_layout
   pair_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
@@ -215,6 +263,17 @@ def _kernel():
       reg_bases=[[0, 1], [4, 0], [8, 0], [16, 0]], lane_bases=[[1, 0], [2, 0], [0, 2], [0, 4], [0, 8]],
       warp_bases=[[0, 16], [0, 32], [0, 64]], block_bases=[], shape=[32, 128]))
   c16_shared = ttgl.constexpr(ttgl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+  # the dx build (DX): a stage's codes [64 code rows (128 K rows: the tile's outputs), 64 columns (the contraction)]
+  # with the 64-byte swizzle, read as 16-bit column pairs [8 blocks, 8 code rows, 32 pairs]: registers p2 p3 p4; lanes
+  # p0 p1 r0 r1 r2; warps b0 b1 b2 (p = n / 2): wgmma's A operand with rows (K) and the contraction (N) relabelled
+  c16_shared_dx = ttgl.constexpr(ttgl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
+  dx_pair_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
+      reg_bases=[[0, 0, 4], [0, 0, 8], [0, 0, 16]],
+      lane_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+      warp_bases=[[1, 0, 0], [2, 0, 0], [4, 0, 0]], block_bases=[], shape=[8, 8, 32]))
+  dx_pair_layout_2d = ttgl.constexpr(ttgl.DistributedLinearLayout(
+      reg_bases=[[0, 4], [0, 8], [0, 16]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+      warp_bases=[[8, 0], [16, 0], [32, 0]], block_bases=[], shape=[64, 32]))
   s16_shared = ttgl.constexpr(ttgl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
   store_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
       reg_bases=[[1, 0], [0, 1], [0, 8], [0, 16], [0, 32], [0, 64], [0, 128]],
@@ -250,15 +309,34 @@ def _kernel():
     return ttgl.reshape(ttgl.permute(x, [5, 6, 7, 12, 8, 9, 10, 0, 1, 11, 3, 4, 2]), [128, 64])
 
   @gluon.jit
+  def decode_dx(c, s, DO: ttgl.constexpr):
+    """The dx build's codes [8 blocks, 8 code rows, 32 column pairs] (uint16) and block scales [8, 32] (uint16 pairs
+    of E4M3 bytes) -> A [128 K rows, 64 columns of N] bf16 (:func:`_asm_dx`). Operand row ``(r6 .. r0)`` is K row
+    ``(r6 r5 r4 r2 r1 r0 r3)`` of the tile (r3: the nibble), as :func:`decode`'s columns."""
+    sb = ttgl.broadcast(ttgl.expand_dims(s, 1), c)[0]
+    o0, o1, o2, o3 = ttgl.inline_asm_elementwise(
+        asm_dx_do if DO else asm_dx, "=r,=r,=r,=r,r,r", [c, sb],
+        dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16), is_pure=True, pack=2)
+    # element [b, i, p] of o0 is, for p2 = 0, column 2p and for p2 = 1 column 2p + 1 (so p2 is n0), of K row
+    # 2 (8 b + i) (the low nibbles); o1 the same 8 columns on (qa, n3); o2, o3 the high nibbles (qb, the K row's parity)
+    x = ttgl.reshape(ttgl.join(ttgl.join(o0, o1), ttgl.join(o2, o3)), [2] * 13)
+    # [b2 b1 b0 | i2 i1 i0 | p4 p3 p2 p1 p0 | qa | qb] -> A [b2 b1 b0 qb i2 i1 i0 | p4 p3 qa p1 p0 p2]
+    return ttgl.reshape(ttgl.permute(x, [0, 1, 2, 12, 3, 4, 5, 6, 7, 11, 9, 10, 8]), [128, 64])
+
+  @gluon.jit
   def producer(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M: ttgl.constexpr, N: ttgl.constexpr,
-               K: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, NP: ttgl.constexpr):
-    """One warp: each step's x [BM, 64] (rows past M arrive as zeros), codes [32, BN] and block scales [4, BN] by
-    TMA into stage g % S of the ring once the MMA partition has released it, over this program's tiles."""
+               K: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, NP: ttgl.constexpr,
+               DX: ttgl.constexpr):
+    """One warp: each step's x [BM, 64] (rows past M arrive as zeros), codes and block scales by TMA into stage
+    g % S of the ring once the MMA partition has released it, over this program's tiles. N is the output's columns
+    and K the contraction: the forward's codes [32 code rows (K), BN] and scales [4, BN]; the dx build's (DX) codes
+    [BN / 2 code rows (its outputs), 64] and scales [BN / 16, 64]."""
     STEPS: ttgl.constexpr = K // 64
     MT: ttgl.constexpr = (M + BM - 1) // BM
     TILES: ttgl.constexpr = MT * (N // BN)
-    c_row0 = layer * (K // 2)
-    s_row0 = layer * (K // 16)
+    KW: ttgl.constexpr = N if DX else K  # the weight's K (rows of W)
+    c_row0 = layer * (KW // 2)
+    s_row0 = layer * (KW // 16)
     g = 0
     for t in range(ttgl.program_id(0), TILES, NP):
       m0 = (t % MT) * BM
@@ -268,17 +346,27 @@ def _kernel():
         mbarrier.wait(empty.index(st), ((g // S) & 1) ^ 1)
         mbarrier.expect(ready.index(st), BM * 64 * 2 + 36 * BN)
         hopper_tma.async_copy_global_to_shared(xd, [m0, i * 64], ready.index(st), x_smem.index(st))
-        hopper_tma.async_copy_global_to_shared(cd, [c_row0 + i * 32, n0], ready.index(st), c_smem.index(st))
-        hopper_tma.async_copy_global_to_shared(sd, [s_row0 + i * 4, n0], ready.index(st), s_smem.index(st))
+        if DX:
+          hopper_tma.async_copy_global_to_shared(cd, [c_row0 + n0 // 2, i * 64], ready.index(st), c_smem.index(st))
+          hopper_tma.async_copy_global_to_shared(sd, [s_row0 + n0 // 16, i * 64], ready.index(st), s_smem.index(st))
+        else:
+          hopper_tma.async_copy_global_to_shared(cd, [c_row0 + i * 32, n0], ready.index(st), c_smem.index(st))
+          hopper_tma.async_copy_global_to_shared(sd, [s_row0 + i * 4, n0], ready.index(st), s_smem.index(st))
         g += 1
 
   @gluon.jit
   def load_decode(c_smem, s_smem, ready, g, S: ttgl.constexpr, BN: ttgl.constexpr, DV: ttgl.constexpr,
-                  DO: ttgl.constexpr):
+                  DO: ttgl.constexpr, DX: ttgl.constexpr):
     """Waits for stage ``g % S`` and returns its decoded operand ``[BN, 64]`` (:func:`decode`'s layout)."""
     st = g % S
     mbarrier.wait(ready.index(st), (g // S) & 1)
-    if DV == 0:  # PROBE 1 (lab, wrong results): no shared loads, no decode
+    if DX and DV != 0:
+      cw = c_smem.index(st)._reinterpret(ttgl.uint16, [64, 32], c16_shared_dx)
+      sw = s_smem.index(st)._reinterpret(ttgl.uint16, [8, 32], s16_shared)
+      c = ttgl.convert_layout(ttgl.reshape(cw.load(dx_pair_layout_2d), [8, 8, 32]), dx_pair_layout,
+                              assert_trivial=True)
+      a = decode_dx(c, sw.load(ttgl.SliceLayout(1, dx_pair_layout)), DO)
+    elif DV == 0:  # PROBE 1 (lab, wrong results): no shared loads, no decode
       a = ttgl.full([BN, 64], 1.0, ttgl.bfloat16, layout=ttgl.DotOperandLayout(
           0, ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, 256, 16]), 2))
     elif DV >= 2:
@@ -296,7 +384,8 @@ def _kernel():
   @gluon.jit
   def mma_loop(x_smem, c_smem, s_smem, ready, empty, c_ptr, o_ptr, scale, M: ttgl.constexpr, N: ttgl.constexpr,
                K: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, IF: ttgl.constexpr,
-               NP: ttgl.constexpr, DV: ttgl.constexpr, PR: ttgl.constexpr, DO: ttgl.constexpr, AD: ttgl.constexpr):
+               NP: ttgl.constexpr, DV: ttgl.constexpr, PR: ttgl.constexpr, DO: ttgl.constexpr, AD: ttgl.constexpr,
+               DX: ttgl.constexpr):
     """8 warps: per tile, each step's decode and wgmmas (IF 1: one step's left in flight while the next decodes),
     then the tile's store (while the producer already fills the ring for the next tile)."""
     STEPS: ttgl.constexpr = K // 64
@@ -315,18 +404,18 @@ def _kernel():
         # (session 46 measured relative errors of 0.2 that way).
         a1 = ttgl.zeros([BN, 64], ttgl.bfloat16, layout=a_layout)
         for j in range(STEPS // 2):
-          a0 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO), a_layout)
+          a0 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
           acc = hopper.warpgroup_mma(a0, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
           acc, a1 = hopper.warpgroup_mma_wait(1, deps=[acc, a1])  # step 2j - 1 retired: its stage is free
           mbarrier.arrive(empty.index((g + S - 1) % S), count=1, pred=j > 0)
           g += 1
-          a1 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO), a_layout)
+          a1 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
           acc = hopper.warpgroup_mma(a1, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
           acc, a0 = hopper.warpgroup_mma_wait(1, deps=[acc, a0])  # step 2j retired
           mbarrier.arrive(empty.index((g + S - 1) % S), count=1)
           g += 1
         if STEPS % 2 == 1:  # the last, odd step
-          a0 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO), a_layout)
+          a0 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
           acc = hopper.warpgroup_mma(a0, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
           acc, a1 = hopper.warpgroup_mma_wait(1, deps=[acc, a1])
           mbarrier.arrive(empty.index((g + S - 1) % S), count=1, pred=STEPS > 1)
@@ -337,7 +426,7 @@ def _kernel():
         mbarrier.arrive(empty.index((g + S - 1) % S), count=1)
       else:
         for i in range(STEPS):
-          a = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO), a_layout)
+          a = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
           acc = hopper.warpgroup_mma(a, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
           acc = hopper.warpgroup_mma_wait(0, deps=[acc])
           mbarrier.arrive(empty.index(g % S), count=1)
@@ -359,12 +448,16 @@ def _kernel():
   def w4a16_mm(xd, cd, sd, x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, c_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                K: ttgl.constexpr, L: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr,
                DR: ttgl.constexpr, IF: ttgl.constexpr, NP: ttgl.constexpr, DV: ttgl.constexpr, PR: ttgl.constexpr,
-               DO: ttgl.constexpr, AD: ttgl.constexpr):
+               DO: ttgl.constexpr, AD: ttgl.constexpr, DX: ttgl.constexpr):
     layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
     scale = 256.0 / ttgl.load(gs_ptr + layer)  # 2**8 undoes the decode's 2**-8
     x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [S, BM, 64], xd.layout)
-    c_smem = ttgl.allocate_shared_memory(ttgl.uint8, [S, 32, BN], cd.layout)
-    s_smem = ttgl.allocate_shared_memory(ttgl.uint8, [S, 4, BN], sd.layout)
+    if DX:
+      c_smem = ttgl.allocate_shared_memory(ttgl.uint8, [S, BN // 2, 64], cd.layout)
+      s_smem = ttgl.allocate_shared_memory(ttgl.uint8, [S, BN // 16, 64], sd.layout)
+    else:
+      c_smem = ttgl.allocate_shared_memory(ttgl.uint8, [S, 32, BN], cd.layout)
+      s_smem = ttgl.allocate_shared_memory(ttgl.uint8, [S, 4, BN], sd.layout)
     ready = ttgl.allocate_shared_memory(ttgl.int64, [S, 1], mbarrier.MBarrierLayout())
     empty = ttgl.allocate_shared_memory(ttgl.int64, [S, 1], mbarrier.MBarrierLayout())
     for j in ttgl.static_range(S):
@@ -373,8 +466,8 @@ def _kernel():
     hopper.fence_async_shared()
     ttgl.warp_specialize(
         [(mma_loop, (x_smem, c_smem, s_smem, ready, empty, c_ptr, o_ptr, scale, M, N, K, BM, BN, S, IF, NP,
-                       0 if PR == 1 else DV, PR, DO, AD)),
-         (producer, (xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M, N, K, BM, BN, S, NP))],
+                       0 if PR == 1 else DV, PR, DO, AD, DX)),
+         (producer, (xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M, N, K, BM, BN, S, NP, DX))],
         [1], [DR])
 
   return w4a16_mm
@@ -413,16 +506,19 @@ def pays(m: int, k: int, n: int) -> bool:
   return fused <= dense
 
 
-def _tma_specs(operands) -> np.ndarray:
+def _tma_specs(operands, boxes=_TMA_BOXES) -> np.ndarray:
   """The launcher's ``tma`` attribute in its extended form: ``-count``, then per descriptor ``operand, rows,
   columns, box rows, box columns, L2 promotion, element bytes, swizzle``."""
-  specs = [[i, *operands[i].shape, *box, w4_gluon.TMA_L2_PROMOTION, eb, sw] for i, _, box, eb, sw in _TMA_BOXES]
+  specs = [[i, *operands[i].shape, *box, w4_gluon.TMA_L2_PROMOTION, eb, sw] for i, _, box, eb, sw in boxes]
   return np.array([-len(specs)] + [v for spec in specs for v in spec], np.int64)
 
 
-def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, addend: bool = False) -> dict:
+def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, addend: bool = False,
+             dx: bool = False) -> dict:
   """The kernel's constexprs for ``x [m, k]`` and a ``[k, n]`` weight (of a stack of ``layers``) whose codes are in
-  the decode order (:func:`qerl_jax.nvfp4.to_decode_order`) or not, with a bf16 ``[m, n]`` addend or not.
+  the decode order (:func:`qerl_jax.nvfp4.to_decode_order`) or not, with a bf16 ``[m, n]`` addend or not; with
+  ``dx``, the dx build for ``dy [m, k]`` against a ``[n, k]`` weight (``k`` is then the weight's N, the contraction,
+  and ``n`` its K, the output's columns).
 
   Raises:
     ValueError: settings the kernel cannot take (:data:`STAGES` < 2, :data:`IN_FLIGHT` not 0 or 1).
@@ -430,7 +526,7 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
   if STAGES < 2 or IN_FLIGHT not in (0, 1):
     raise ValueError(f"w4_gluon_mm: STAGES={STAGES} (>= 2) and IN_FLIGHT={IN_FLIGHT} (0 or 1) are not supported")
   return dict(M=m, N=n, K=k, L=layers, BM=BLOCK_M, BN=BLOCK_N, S=STAGES, DR=LOAD_REGS, IF=IN_FLIGHT, DV=DECODE, PR=PROBE,
-              NP=_programs(m, n), DO=int(decode_order), AD=int(addend))
+              NP=_programs(m, n), DO=int(decode_order), AD=int(addend), DX=int(dx))
 
 
 @functools.lru_cache(maxsize=None)
@@ -441,7 +537,8 @@ def _compiled(meta: tuple):
 
 def compile_for(meta: dict, cc: int = 90):
   """``triton.compile`` of the kernel for ``meta`` (:func:`meta_for`) and ``sm_{cc}`` (no GPU needed)."""
-  return w4_gluon._compile_gluon(_kernel(), _ARG_DTYPES, meta, cc, num_warps=8, maxnreg=_regs())
+  arg_dtypes = _ARG_DTYPES_DX if meta.get("DX") else _ARG_DTYPES
+  return w4_gluon._compile_gluon(_kernel(), arg_dtypes, meta, cc, num_warps=8, maxnreg=_regs())
 
 
 def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None, addend: jax.Array | None = None) -> jax.Array:
@@ -483,3 +580,53 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None, addend: jax.Array
   return jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((m, n), jnp.bfloat16))(
       *operands, **w4_gluon._launch_attrs(ptx, name, (meta["NP"], 1, 1), shared, threads=_THREADS,
                                           tma=_tma_specs(operands)))
+
+
+def dx_applies(m: int, w, dy_dtype) -> bool:
+  """Whether :func:`dx` takes ``dy [m, N]`` (dtype ``dy_dtype``) against ``w``: an NVFP4 ``[K, N]`` weight (or stack)
+  in either code order, bf16 ``dy``, ``m >= 1``, ``K`` a multiple of 128 (the tile's outputs), ``N`` a multiple of
+  64 (a step), and :func:`pallas_kernels.w4_gluon.large_m_ready`."""
+  if not isinstance(w, nvfp4.NVFP4Tensor) or jnp.dtype(dy_dtype) != jnp.bfloat16:
+    return False
+  k, n = w.shape
+  return m >= 1 and k % BLOCK_N == 0 and n % STEP_K == 0 and w4_gluon.large_m_ready()
+
+
+def dx(dy: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None) -> jax.Array:
+  """``dy @ W^T`` by the same kernel with ``W`` as the operand the other way round (lab, session 46: compiled and
+  its decode CPU-tested, **not yet run on a GPU**; :data:`pallas_kernels.matmul.GLUON_MM_DX` turns it on).
+
+  ``dx^T [K, M] = W [K, N] @ dy^T [N, M]``: a tile is 128 rows of K (64 code rows, whose two nibbles are the
+  operand's rows ``g, g + 8``) by 256 rows of ``dy``, over N in steps of 64; a thread's register pair is two adjacent
+  columns of one K row (:func:`_asm_dx`), each with its own E4M3 block scale.
+
+  Args:
+    dy: bf16 ``[M, N]``.
+    w: :class:`~qerl_jax.nvfp4.NVFP4Tensor` ``[K, N]`` in either code order (read in place), or with ``index`` a
+      stack ``[L, K, N]``.
+    index: int32 scalar (may be traced): layer of the stack, clamped to ``[0, L)``.
+
+  Returns:
+    bf16 ``[M, K]``, accumulated in float32.
+
+  Raises:
+    ValueError: a shape or weight :func:`dx_applies` rejects, a dy/weight N mismatch, or ``index`` given with an
+      unstacked weight (or missing with a stack).
+    RuntimeError: the compiled kernel failed to load on a GPU.
+  """
+  m, n = dy.shape
+  if not dx_applies(m, w, dy.dtype) or w.shape[1] != n:
+    raise ValueError(f"w4_gluon_mm.dx: no kernel for dy {dy.dtype}{list(dy.shape)} and weight {type(w).__name__} "
+                     f"{list(getattr(w, 'shape', ()))} (needs an sm_90 GPU with the FFI launcher, bf16 dy, NVFP4, "
+                     f"K % {BLOCK_N} == 0, N % {STEP_K} == 0)")
+  if (index is None) != (w.packed.ndim == 2):
+    raise ValueError(f"w4_gluon_mm.dx: index={index!r} with packed codes of shape {w.packed.shape}")
+  k = w.shape[0]
+  codes, scales, gs, idx = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
+  layers = 1 if index is None else w.packed.shape[0]
+  meta = meta_for(m, n, k, layers, w.code_order == "decode", dx=True)
+  ptx, name, shared = _compiled(tuple(meta.items()))
+  operands = (dy, codes, scales, gs, idx, jnp.zeros((1,), jnp.bfloat16))
+  return jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((m, k), jnp.bfloat16))(
+      *operands, **w4_gluon._launch_attrs(ptx, name, (meta["NP"], 1, 1), shared, threads=_THREADS,
+                                          tma=_tma_specs(operands, _TMA_BOXES_DX)))

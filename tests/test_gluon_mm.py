@@ -74,6 +74,38 @@ def test_mm_decode_order_ptx_by_codebook():
     _check_registers(regs, code_bytes, scale)
 
 
+@pytest.mark.parametrize("order", ["standard", "decode"])
+def test_dx_decode_ptx_by_codebook(order):
+  """The dx build's PTX: for code bytes (n, r), (n + 1, r), (n + 8, r), (n + 9, r) and their four E4M3 scales, register
+  ``$0`` holds K row 2 r (low nibbles) of columns (n, n + 1), ``$1`` of (n + 8, n + 9), ``$2, $3`` K row 2 r + 1
+  (high nibbles), each half ``E2M1[code] * its column's scale * 2**-8`` exactly, for every code; the decode-order
+  PTX gives the same registers from ``nvfp4.to_decode_order``'s bytes."""
+  rng = np.random.default_rng(5)
+  asm = w4_gluon_mm._asm_dx(decode_order=order == "decode")
+  codebook = np.asarray(nvfp4.E2M1_CODEBOOK, np.float64)
+
+  def to_decode(pair16):
+    word = jnp.asarray(np.array([pair16 | (pair16 << 16)], np.uint32))
+    return int(np.asarray(nvfp4.permute_word_bits(word, nvfp4.DECODE_ORDER_BITS))[0]) & 0xFFFF
+
+  for trial in range(512):
+    code_bytes = (np.array([(trial * 17 + 16 * i + i) % 256 for i in range(4)]) if trial < 256
+                  else rng.integers(0, 256, size=4))
+    scale = rng.choice([2.0 ** -9, 0.0625, 0.75, 13.0, 448.0], size=4).astype(ml_dtypes.float8_e4m3fn)
+    sb = scale.view(np.uint8).astype(int)
+    pairs = [int(code_bytes[0]) | (int(code_bytes[1]) << 8), int(code_bytes[2]) | (int(code_bytes[3]) << 8)]
+    if order == "decode":
+      pairs = [to_decode(p) for p in pairs]
+    regs = _run_ptx(asm, {"$4": pairs[0] | (pairs[1] << 16),
+                          "$5": int(sb[0] | (sb[1] << 8) | (sb[2] << 16) | (sb[3] << 24))})
+    for reg, (cols, nib) in enumerate((((0, 1), 0), ((2, 3), 0), ((0, 1), 1), ((2, 3), 1))):
+      v = regs[f"${reg}"]
+      got = np.array([v & 0xFFFF, v >> 16], np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+      codes = [(int(code_bytes[c]) >> (4 * nib)) & 15 for c in cols]
+      want = codebook[codes] * scale[list(cols)].astype(np.float64) * 2.0 ** -8
+      np.testing.assert_array_equal(got, want, err_msg=f"{order} bytes {code_bytes} register {reg}")
+
+
 def test_mm_kernel_not_applied_off_gpu():
   """Without an sm_90 GPU the kernel never applies (the library keeps dequantize + cuBLAS)."""
   if w4_gluon._wgmma_gpus() and w4_gluon._gpu_devices():
@@ -219,3 +251,54 @@ def test_mm_lowers_for_cuda_without_a_gpu(order, monkeypatch):
   assert "grid_x = 132" in text and "grid_y = 1" in text and "threads = 384" in text
   assert "cp.async.bulk.tensor.2d.shared::cluster.global" in text and "wgmma.mma_async" in text
   assert ("shl.b32 t, u, 19" in text) == (order == "decode")  # the decode-order PTX (_asm_decode_order)
+
+
+@pytest.mark.parametrize("order", ["standard", "decode"])
+def test_dx_build_lowers_for_cuda_without_a_gpu(order, monkeypatch):
+  """The dx build's call lowers with its own three TMA specs (by hand: dy [512, 4608] bf16 in boxes of 256 x 64 with
+  the 128-byte swizzle; codes [3 x 1792, 4608] in 64 x 64 with the 64-byte swizzle; block scales [3 x 224, 4608] in
+  8 x 64), a [512, 3584] result and the dx PTX of the weight's code order."""
+  _fake_sm90(monkeypatch)
+  k, n = 3584, 4608
+  stack = jax.eval_shape(lambda: nvfp4.quantize(jnp.ones((3, k, n), jnp.float32)))
+  if order == "decode":
+    stack = jax.eval_shape(nvfp4.to_decode_order, stack)
+  dy = jax.ShapeDtypeStruct((512, n), jnp.bfloat16)
+  f = jax.jit(lambda dy, w, i: w4_gluon_mm.dx(dy, w, index=i))
+  i = jax.ShapeDtypeStruct((), jnp.int32)
+  assert jax.eval_shape(f, dy, stack, i).shape == (512, k)
+  text = f.trace(dy, stack, i).lower(lowering_platforms=("cuda",)).as_text()
+  l2 = w4_gluon.TMA_L2_PROMOTION
+  spec = [-3, 0, 512, n, 256, 64, l2, 2, 3, 1, 3 * k // 2, n, 64, 64, l2, 1, 2, 2, 3 * k // 16, n, 8, 64, l2, 1, 0]
+  assert f"tma = dense<[{', '.join(map(str, spec))}]> : tensor<25xi64>" in text
+  assert ".entry w4a16_mm" in text and "threads = 384" in text
+  assert ("shl.b32 t, u, 22" in text) == (order == "decode")  # _asm_dx(decode_order=True)
+
+
+def test_dx_build_is_opt_in(monkeypatch):
+  """kernel_dx takes the dx build only with GLUON_MM_DX = "1" (it has not run on a GPU yet); a bad value is refused."""
+  import os
+  from pallas_kernels import matmul
+  if "QERL_GLUON_MM_DX" not in os.environ:
+    assert matmul.GLUON_MM_DX == "0"
+  monkeypatch.setattr(matmul, "GLUON_MM_DX", "2")
+  with pytest.raises(ValueError, match="GLUON_MM_DX"):
+    matmul.kernel_dx(jnp.zeros((100, 256), jnp.bfloat16), _weight(128, 256, 0), interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(2048, 3584, 4608), (300, 18944, 3584), (257, 1152, 768), (100, 256, 320)])
+@pytest.mark.parametrize("order", ["standard", "decode"])
+def test_gpu_dx_build_matches_float64(m, k, n, order):
+  """dx = dy @ W^T by the dx build against float64 (bf16 output), every row and column written, either code order."""
+  _skip_without_kernel()
+  wq = _weight(k, n, m + n)
+  dy = jnp.asarray(np.random.default_rng(k).standard_normal((m, n)) * 2.0, jnp.bfloat16)
+  got = jax.jit(w4_gluon_mm.dx)(dy, nvfp4.to_decode_order(wq) if order == "decode" else wq)
+  assert got.shape == (m, k) and got.dtype == jnp.bfloat16 and bool(jnp.isfinite(got).all())
+  want = np.asarray(dy, np.float64) @ _dense64(wq).T
+  assert _rel(got, want) < 4e-3
+  g = np.asarray(got, np.float64)
+  for axis in (0, 1):
+    err = np.linalg.norm(g - want, axis=1 - axis) / np.linalg.norm(want, axis=1 - axis)
+    assert err.max() < 1e-2

@@ -7,6 +7,8 @@ of 5 traced calls. Each variant is checked against the dequantize path first (re
   MM_ORDER=decode ...   # decode-order codes (nvfp4.to_decode_order, the trainer's GPU default), read in place
   MM_ADDEND=1 ...       # a bf16 [M, N] addend (bias + LoRA delta): the kernel's epilogue adds it; the bf16 and
                         # dequantize paths add it after their GEMM (XLA folds it into cuBLAS's C)
+  MM_KIND=dx ...        # the backward dy [M, N] @ W^T by the dx build (w4_gluon_mm.dx) against dot_general with
+                        # the bf16 W and against dequantize + cuBLAS contracting N
 """
 import os
 import statistics
@@ -59,15 +61,22 @@ def main():
     if os.environ.get("MM_ORDER") == "decode":
       w = jax.jit(nvfp4.to_decode_order)(w)
     addend = os.environ.get("MM_ADDEND") == "1"
+    dx = os.environ.get("MM_KIND") == "dx"
     for m in ms:
-      x = jax.random.normal(jax.random.key(2), (m, k), jnp.float32).astype(jnp.bfloat16)
+      x = jax.random.normal(jax.random.key(2), (m, n if dx else k), jnp.float32).astype(jnp.bfloat16)
       c = (jax.random.normal(jax.random.key(3), (m, n), jnp.float32) * 0.1).astype(jnp.bfloat16) if addend else None
       plus = (lambda y: y + c) if addend else (lambda y: y)
       # bf16: the faster of a float32-accumulated dot with a bf16 cast and a plain bf16 dot (as bench_kernels.py)
-      bf16 = min(device_us(lambda x, wb: plus(jnp.dot(x, wb, preferred_element_type=jnp.float32).astype(jnp.bfloat16)),
-                           x, wb),
-                 device_us(lambda x, wb: plus(jnp.dot(x, wb)), x, wb))
-      deq_f = lambda x, w, i: plus(w4_triton_dense(x, w, i))
+      if dx:  # dy @ W^T contracting N, no transposed copy (as matmul.kernel_dx)
+        dims = (((1,), (1,)), ((), ()))
+        bf16 = device_us(lambda x, wb: jax.lax.dot_general(x, wb, dims, preferred_element_type=jnp.bfloat16), x, wb)
+        deq_f = lambda x, w, i: jax.lax.dot_general(x, w4_triton.dequantize(w, x.dtype, index=i), dims,
+                                                    preferred_element_type=jnp.bfloat16)
+      else:
+        bf16 = min(device_us(lambda x, wb: plus(jnp.dot(x, wb, preferred_element_type=jnp.float32).astype(jnp.bfloat16)),
+                             x, wb),
+                   device_us(lambda x, wb: plus(jnp.dot(x, wb)), x, wb))
+        deq_f = lambda x, w, i: plus(w4_triton_dense(x, w, i))
       ref = jax.jit(deq_f)(x, w, idx)
       deq = device_us(deq_f, x, w, idx)
       row = f"{name:8s} M={m:5d} | bf16 {bf16:8.1f} us | deq+cuBLAS {deq:8.1f} ({bf16 / deq:4.2f}x)"
@@ -76,7 +85,8 @@ def main():
       for vname, settings in variants():
         for key, value in {**defaults, **settings}.items():
           setattr(w4_gluon_mm, key, value)
-        g = lambda x, w, i: w4_gluon_mm.forward(x, w, index=i, addend=c)
+        g = ((lambda x, w, i: w4_gluon_mm.dx(x, w, index=i)) if dx else
+             (lambda x, w, i: w4_gluon_mm.forward(x, w, index=i, addend=c)))
         got = jax.jit(g)(x, w, idx)
         err = float(jnp.linalg.norm((got.astype(jnp.float32) - ref.astype(jnp.float32))) / jnp.linalg.norm(ref.astype(jnp.float32)))
         t = device_us(g, x, w, idx)
