@@ -62,7 +62,8 @@ DEQUANT_US_PER_MILLION = 1.0
 GEMM_FIXED_US = 30.0
 BF16_TFLOPS = 800.0
 HBM_TBPS = 3.0
-PROBE = 0       # lab (wrong results): 1 skips the shared loads and the decode (a constant operand), 2 the stores
+PROBE = 0       # lab (wrong results): 1 skips the shared loads and the decode (a constant operand); 2 masks every store
+                # off, after which the compiler may drop the MMAs too (read it as a decode-and-copies-only probe)
 PERSISTENT = 1  # 1: one program an SM walking the tiles (the producer runs into the next tile during a store)
 IN_FLIGHT = 1   # wgmmas left in flight past each step (1: the next step's decode overlaps it; 0: wait for it)
 MAX_M = 4096    # the most rows matmul.kernel_forward sends here (GLUON_MM): at M = 8192 dequantize + cuBLAS was
@@ -572,14 +573,9 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None, addend: jax.Array
   n = w.shape[1]
   if addend is not None and (addend.shape != (m, n) or addend.dtype != jnp.bfloat16):
     raise ValueError(f"w4_gluon_mm.forward: addend {addend.dtype}{list(addend.shape)}; expected bfloat16{[m, n]}")
-  codes, scales, gs, idx = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
   layers = 1 if index is None else w.packed.shape[0]
   meta = meta_for(m, k, n, layers, w.code_order == "decode", addend is not None)
-  ptx, name, shared = _compiled(tuple(meta.items()))
-  operands = (x, codes, scales, gs, idx, jnp.zeros((1,), jnp.bfloat16) if addend is None else addend)
-  return jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((m, n), jnp.bfloat16))(
-      *operands, **w4_gluon._launch_attrs(ptx, name, (meta["NP"], 1, 1), shared, threads=_THREADS,
-                                          tma=_tma_specs(operands)))
+  return _launch(x, w, index, meta, _TMA_BOXES, n, addend)
 
 
 def dx_applies(m: int, w, dy_dtype) -> bool:
@@ -622,11 +618,17 @@ def dx(dy: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None) -> jax.Array:
   if (index is None) != (w.packed.ndim == 2):
     raise ValueError(f"w4_gluon_mm.dx: index={index!r} with packed codes of shape {w.packed.shape}")
   k = w.shape[0]
-  codes, scales, gs, idx = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
   layers = 1 if index is None else w.packed.shape[0]
   meta = meta_for(m, n, k, layers, w.code_order == "decode", dx=True)
+  return _launch(dy, w, index, meta, _TMA_BOXES_DX, k)
+
+
+def _launch(a, w, index, meta: dict, boxes, out_cols: int, addend=None) -> jax.Array:
+  """The FFI call of the kernel built for ``meta`` on activations ``a`` (x or dy, bf16 ``[M, *]``) and ``w`` (layer
+  ``index``), with the TMA descriptors ``boxes``: bf16 ``[M, out_cols]``."""
+  codes, scales, gs, idx = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
   ptx, name, shared = _compiled(tuple(meta.items()))
-  operands = (dy, codes, scales, gs, idx, jnp.zeros((1,), jnp.bfloat16))
-  return jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((m, k), jnp.bfloat16))(
+  operands = (a, codes, scales, gs, idx, jnp.zeros((1,), jnp.bfloat16) if addend is None else addend)
+  return jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((a.shape[0], out_cols), jnp.bfloat16))(
       *operands, **w4_gluon._launch_attrs(ptx, name, (meta["NP"], 1, 1), shared, threads=_THREADS,
-                                          tma=_tma_specs(operands, _TMA_BOXES_DX)))
+                                          tma=_tma_specs(operands, boxes)))
