@@ -230,6 +230,13 @@ def _fake_sm90(monkeypatch):
                                                             int(compiled.metadata.shared)))
 
 
+def _abstract_stack(order):
+  """``(k, n, stack)``: a 3-layer NVFP4 stack at the 7B q/k/v shape as abstract values, in ``order``."""
+  k, n = 3584, 4608
+  stack = jax.eval_shape(lambda: nvfp4.quantize(jnp.ones((3, k, n), jnp.float32)))
+  return k, n, jax.eval_shape(nvfp4.to_decode_order, stack) if order == "decode" else stack
+
+
 @pytest.mark.parametrize("order", ["standard", "decode"])
 def test_mm_lowers_for_cuda_without_a_gpu(order, monkeypatch):
   """The call lowers to the FFI launcher with three TMA descriptors in the launcher's extended form (by hand: x
@@ -237,10 +244,7 @@ def test_mm_lowers_for_cuda_without_a_gpu(order, monkeypatch):
   block scales [3 x 224, 4608] in 4 x 128), one program an SM (132 without a device to ask), 384 threads (8 MMA
   warps and the producer's warpgroup), and the PTX of the weight's code order."""
   _fake_sm90(monkeypatch)
-  k, n = 3584, 4608
-  stack = jax.eval_shape(lambda: nvfp4.quantize(jnp.ones((3, k, n), jnp.float32)))
-  if order == "decode":
-    stack = jax.eval_shape(nvfp4.to_decode_order, stack)
+  k, n, stack = _abstract_stack(order)
   x = jax.ShapeDtypeStruct((2048, k), jnp.bfloat16)
   text = jax.jit(lambda x, w, i: w4_gluon_mm.forward(x, w, index=i)).trace(
       x, stack, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
@@ -259,10 +263,7 @@ def test_dx_build_lowers_for_cuda_without_a_gpu(order, monkeypatch):
   the 128-byte swizzle; codes [3 x 1792, 4608] in 64 x 64 with the 64-byte swizzle; block scales [3 x 224, 4608] in
   8 x 64), a [512, 3584] result and the dx PTX of the weight's code order."""
   _fake_sm90(monkeypatch)
-  k, n = 3584, 4608
-  stack = jax.eval_shape(lambda: nvfp4.quantize(jnp.ones((3, k, n), jnp.float32)))
-  if order == "decode":
-    stack = jax.eval_shape(nvfp4.to_decode_order, stack)
+  k, n, stack = _abstract_stack(order)
   dy = jax.ShapeDtypeStruct((512, n), jnp.bfloat16)
   f = jax.jit(lambda dy, w, i: w4_gluon_mm.dx(dy, w, index=i))
   i = jax.ShapeDtypeStruct((), jnp.int32)
