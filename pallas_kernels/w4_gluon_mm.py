@@ -479,13 +479,16 @@ def _regs() -> int:
   return (65536 // _THREADS) // 8 * 8
 
 
-def _programs(m: int, n: int) -> int:
-  """The grid: one program per tile, or with :data:`PERSISTENT` at most one per SM of the first GPU."""
-  tiles = -(-m // BLOCK_M) * (n // BLOCK_N)
-  if not PERSISTENT:
-    return tiles
+def _sm_count() -> int:
+  """The fewest SMs of the visible GPUs (``core_count``), or 132 (an H100's or H200's) where none says."""
   sms = [getattr(d, "core_count", 0) for d in w4_gluon._gpu_devices()]
-  return max(1, min(tiles, min(sms) if sms and min(sms) > 0 else 132))
+  return min(sms) if sms and min(sms) > 0 else 132
+
+
+def _programs(m: int, n: int) -> int:
+  """The grid: one program per tile, or with :data:`PERSISTENT` at most one per SM (:func:`_sm_count`)."""
+  tiles = -(-m // BLOCK_M) * (n // BLOCK_N)
+  return max(1, min(tiles, _sm_count())) if PERSISTENT else tiles
 
 
 def predicted_us(m: int, k: int, n: int, sms: int | None = None) -> tuple[float, float]:
@@ -494,7 +497,7 @@ def predicted_us(m: int, k: int, n: int, sms: int | None = None) -> tuple[float,
   :data:`HBM_TBPS`. The kernel's rounds count its tiles over the SMs, so a shape with few tiles (a long K and a
   narrow N at small M, such as the 7B down projection at M = 256: 28 tiles) pays for its idle SMs."""
   if sms is None:
-    sms = _programs(1 << 30, BLOCK_N)  # the SM count (or 132)
+    sms = _sm_count()
   tiles = -(-m // BLOCK_M) * (n // BLOCK_N)
   fused = -(-tiles // sms) * (k // STEP_K) * STEP_US
   gemm = max(2.0 * m * k * n / (BF16_TFLOPS * 1e6), 2.0 * k * n / (HBM_TBPS * 1e6))
