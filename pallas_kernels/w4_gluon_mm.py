@@ -27,6 +27,10 @@ program runs an SM and walks the tiles, the rows of ``x`` fastest (the programs 
   so that a thread's two rows ``g, g + 8`` are adjacent columns; the store undoes it.
 * The **epilogue** multiplies by ``2**8 / global scale``, adds the optional bf16 ``addend`` in float32 and rounds
   once to bf16 (cuBLAS's ``C`` with ``beta = 1``), while the producer already fills the ring for the next tile.
+* **Split-K** (:data:`MAX_SPLITS`, lab, off: not yet run on a GPU): a shape with fewer tiles than SMs (the 7B q/k/v,
+  o and down projections at M = 256: 36, 28, 28 tiles on 132 SMs) splits each tile's K steps into ``SK`` units
+  (:func:`splits_for`); each unit adds its float32 part into a float32 output that the launcher zeroed
+  (``red.global.add.v2.f32``, split 0 adding the addend), and XLA rounds it to bf16 once.
 
 GPU only (sm_90), launched through :mod:`pallas_kernels.w4_gluon`'s XLA FFI handler (its TMA spec's extended form:
 two-byte elements and the swizzle).
@@ -66,6 +70,10 @@ PROBE = 0       # lab (wrong results): 1 skips the shared loads and the decode (
                 # off, after which the compiler may drop the MMAs too (read it as a decode-and-copies-only probe)
 PERSISTENT = 1  # 1: one program an SM walking the tiles (the producer runs into the next tile during a store)
 IN_FLIGHT = 1   # wgmmas left in flight past each step (1: the next step's decode overlaps it; 0: wait for it)
+MAX_SPLITS = 1  # split-K (session 47, lab: compiled and lowering-tested, not yet run on a GPU): up to this many K
+                # splits a tile, chosen by the cost model (splits_for), their float32 parts added by atomics into a
+                # zeroed output that XLA rounds to bf16; for shapes with fewer tiles than SMs (7B down at M = 256: 28
+                # tiles on 132 SMs, 0.31x of bf16 unsplit). 1: off
 MAX_M = 4096    # the most rows matmul.kernel_forward sends here (GLUON_MM): at M = 8192 dequantize + cuBLAS was
                 # faster (0.955x of bf16 against 0.90x, 7B shapes summed, H100, session 46); at M = 2048 this kernel
                 # (0.95x against 0.84x)
@@ -327,22 +335,25 @@ def _kernel():
   @gluon.jit
   def producer(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M: ttgl.constexpr, N: ttgl.constexpr,
                K: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, NP: ttgl.constexpr,
-               DX: ttgl.constexpr):
+               DX: ttgl.constexpr, SK: ttgl.constexpr):
     """One warp: each step's x [BM, 64] (rows past M arrive as zeros), codes and block scales by TMA into stage
-    g % S of the ring once the MMA partition has released it, over this program's tiles. N is the output's columns
+    g % S of the ring once the MMA partition has released it, over this program's units (a tile's steps, or with SK
+    splits one SK-th of them). N is the output's columns
     and K the contraction: the forward's codes [32 code rows (K), BN] and scales [4, BN]; the dx build's (DX) codes
     [BN / 2 code rows (its outputs), 64] and scales [BN / 16, 64]."""
-    STEPS: ttgl.constexpr = K // 64
+    SS: ttgl.constexpr = K // 64 // SK  # steps a unit (a tile's split)
     MT: ttgl.constexpr = (M + BM - 1) // BM
-    TILES: ttgl.constexpr = MT * (N // BN)
+    UNITS: ttgl.constexpr = MT * (N // BN) * SK
     KW: ttgl.constexpr = N if DX else K  # the weight's K (rows of W)
     c_row0 = layer * (KW // 2)
     s_row0 = layer * (KW // 16)
     g = 0
-    for t in range(ttgl.program_id(0), TILES, NP):
-      m0 = (t % MT) * BM
-      n0 = (t // MT) * BN
-      for i in range(STEPS):
+    for u in range(ttgl.program_id(0), UNITS, NP):  # rows of x fastest, then the split, then the columns
+      m0 = (u % MT) * BM
+      n0 = (u // MT // SK) * BN
+      k0 = ((u // MT) % SK) * SS
+      for j in range(SS):
+        i = k0 + j
         st = g % S
         mbarrier.wait(empty.index(st), ((g // S) & 1) ^ 1)
         mbarrier.expect(ready.index(st), BM * 64 * 2 + 36 * BN)
@@ -386,16 +397,18 @@ def _kernel():
   def mma_loop(x_smem, c_smem, s_smem, ready, empty, c_ptr, o_ptr, scale, M: ttgl.constexpr, N: ttgl.constexpr,
                K: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, IF: ttgl.constexpr,
                NP: ttgl.constexpr, DV: ttgl.constexpr, PR: ttgl.constexpr, DO: ttgl.constexpr, AD: ttgl.constexpr,
-               DX: ttgl.constexpr):
-    """8 warps: per tile, each step's decode and wgmmas (IF 1: one step's left in flight while the next decodes),
-    then the tile's store (while the producer already fills the ring for the next tile)."""
-    STEPS: ttgl.constexpr = K // 64
+               DX: ttgl.constexpr, SK: ttgl.constexpr):
+    """8 warps: per unit (a tile, or with SK splits one SK-th of its steps), each step's decode and wgmmas (IF 1: one
+    step's left in flight while the next decodes), then the unit's store, or with SK > 1 its float32 atomic add (while
+    the producer already fills the ring for the next unit)."""
+    STEPS: ttgl.constexpr = K // 64 // SK  # steps a unit
     MT: ttgl.constexpr = (M + BM - 1) // BM
-    TILES: ttgl.constexpr = MT * (N // BN)
+    UNITS: ttgl.constexpr = MT * (N // BN) * SK
     mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BM, 16])
     a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 2)
     g = 0
-    for t in range(ttgl.program_id(0), TILES, NP):
+    for u in range(ttgl.program_id(0), UNITS, NP):
+      t = (u // MT // SK) * MT + u % MT  # the tile: column tile t // MT, row tile t % MT
       acc = ttgl.zeros([BN, BM], ttgl.float32, layout=mma)
       if IF == 1:
         # Steps in pairs, each with its own operand value (a0, a1): an asynchronous wgmma reads its A registers
@@ -440,16 +453,21 @@ def _kernel():
       rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, store_layout)) + (t % MT) * BM
       mask = ttgl.expand_dims(rows < (0 if PR == 2 else M), 0) & ttgl.expand_dims(cols >= 0, 1)
       offs = ttgl.expand_dims(rows, 0) * N + ttgl.expand_dims(cols, 1)
-      if AD:  # the addend, in float32 before the one rounding (as cuBLAS's C with beta = 1)
-        out = out + ttgl.load(c_ptr + offs, mask=mask, other=0.0).to(ttgl.float32)
-      ttgl.store(o_ptr + offs, out.to(ttgl.bfloat16), mask=mask)
+      if SK > 1:  # split-K: the parts summed in the L2 by float32 atomics into the zeroed output; split 0 adds the addend
+        if AD:
+          out = out + ttgl.load(c_ptr + offs, mask=mask & ((u // MT) % SK == 0), other=0.0).to(ttgl.float32)
+        ttgl.atomic_add(o_ptr + offs, out, mask=mask, sem="relaxed")
+      else:
+        if AD:  # the addend, in float32 before the one rounding (as cuBLAS's C with beta = 1)
+          out = out + ttgl.load(c_ptr + offs, mask=mask, other=0.0).to(ttgl.float32)
+        ttgl.store(o_ptr + offs, out.to(ttgl.bfloat16), mask=mask)
     return (g,)
 
   @gluon.jit
   def w4a16_mm(xd, cd, sd, x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, c_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                K: ttgl.constexpr, L: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr,
                DR: ttgl.constexpr, IF: ttgl.constexpr, NP: ttgl.constexpr, DV: ttgl.constexpr, PR: ttgl.constexpr,
-               DO: ttgl.constexpr, AD: ttgl.constexpr, DX: ttgl.constexpr):
+               DO: ttgl.constexpr, AD: ttgl.constexpr, DX: ttgl.constexpr, SK: ttgl.constexpr):
     layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
     scale = 256.0 / ttgl.load(gs_ptr + layer)  # 2**8 undoes the decode's 2**-8
     x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [S, BM, 64], xd.layout)
@@ -467,8 +485,8 @@ def _kernel():
     hopper.fence_async_shared()
     ttgl.warp_specialize(
         [(mma_loop, (x_smem, c_smem, s_smem, ready, empty, c_ptr, o_ptr, scale, M, N, K, BM, BN, S, IF, NP,
-                       0 if PR == 1 else DV, PR, DO, AD, DX)),
-         (producer, (xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M, N, K, BM, BN, S, NP, DX))],
+                       0 if PR == 1 else DV, PR, DO, AD, DX, SK)),
+         (producer, (xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M, N, K, BM, BN, S, NP, DX, SK))],
         [1], [DR])
 
   return w4a16_mm
@@ -485,21 +503,51 @@ def _sm_count() -> int:
   return min(sms) if sms and min(sms) > 0 else 132
 
 
-def _programs(m: int, n: int) -> int:
-  """The grid: one program per tile, or with :data:`PERSISTENT` at most one per SM (:func:`_sm_count`)."""
-  tiles = -(-m // BLOCK_M) * (n // BLOCK_N)
-  return max(1, min(tiles, _sm_count())) if PERSISTENT else tiles
+def _programs(m: int, n: int, splits: int = 1) -> int:
+  """The grid: one program per unit (a tile, or one of its ``splits`` K splits), or with :data:`PERSISTENT` at most
+  one per SM (:func:`_sm_count`)."""
+  units = -(-m // BLOCK_M) * (n // BLOCK_N) * splits
+  return max(1, min(units, _sm_count())) if PERSISTENT else units
+
+
+def _fused_us(m: int, k: int, n: int, splits: int, sms: int) -> float:
+  """This kernel's modelled microseconds for ``x [m, k] @ W [k, n]`` in ``splits`` K splits on ``sms`` SMs: rounds
+  of units (one unit on every SM) times a unit's steps times :data:`STEP_US`; a split run adds its float32 traffic
+  (the zeroing, every split's atomic add, XLA's rounding pass) at :data:`HBM_TBPS`."""
+  units = -(-m // BLOCK_M) * (n // BLOCK_N) * splits
+  us = -(-units // sms) * (k // STEP_K // splits) * STEP_US
+  if splits > 1:
+    us += m * n * (4.0 * (splits + 2) + 2.0) / (HBM_TBPS * 1e6)
+  return us
+
+
+def splits_for(m: int, k: int, n: int, sms: int | None = None) -> int:
+  """The K splits of ``x [m, k] @ W [k, n]``: the divisor of the ``k / 64`` steps, at most :data:`MAX_SPLITS`, with
+  the least modelled time (:func:`_fused_us`; ties to fewer), or 1 where the split parts must be summed in a fixed
+  order (:func:`pallas_kernels.w4_gluon.atomic_split_k`: atomics add them in whatever order they arrive).
+
+  Raises:
+    ValueError: ``QERL_GLUON_DETERMINISTIC`` malformed, or :data:`MAX_SPLITS` below 1.
+  """
+  if MAX_SPLITS < 1:
+    raise ValueError(f"w4_gluon_mm: MAX_SPLITS={MAX_SPLITS}; expected at least 1 (1: no split-K)")
+  if MAX_SPLITS == 1 or not w4_gluon.atomic_split_k():
+    return 1
+  sms = _sm_count() if sms is None else sms
+  steps = k // STEP_K
+  options = [s for s in range(1, min(MAX_SPLITS, steps) + 1) if steps % s == 0]
+  return min(options, key=lambda s: (_fused_us(m, k, n, s, sms), s))
 
 
 def predicted_us(m: int, k: int, n: int, sms: int | None = None) -> tuple[float, float]:
   """(this kernel, dequantize + cuBLAS): the modelled microseconds of ``x [m, k] @ W [k, n]`` on ``sms`` SMs (default:
   the first GPU's, else 132) with :data:`STEP_US`, :data:`DEQUANT_US_PER_MILLION`, :data:`BF16_TFLOPS` and
-  :data:`HBM_TBPS`. The kernel's rounds count its tiles over the SMs, so a shape with few tiles (a long K and a
-  narrow N at small M, such as the 7B down projection at M = 256: 28 tiles) pays for its idle SMs."""
+  :data:`HBM_TBPS`. The kernel's rounds count its units over the SMs, so a shape with few tiles (a long K and a
+  narrow N at small M, such as the 7B down projection at M = 256: 28 tiles) pays for its idle SMs unless it is split
+  along K (:func:`splits_for`)."""
   if sms is None:
     sms = _sm_count()
-  tiles = -(-m // BLOCK_M) * (n // BLOCK_N)
-  fused = -(-tiles // sms) * (k // STEP_K) * STEP_US
+  fused = _fused_us(m, k, n, splits_for(m, k, n, sms), sms)
   gemm = max(2.0 * m * k * n / (BF16_TFLOPS * 1e6), 2.0 * k * n / (HBM_TBPS * 1e6))
   return fused, GEMM_FIXED_US + gemm + k * n * 1e-6 * DEQUANT_US_PER_MILLION
 
@@ -518,19 +566,24 @@ def _tma_specs(operands, boxes=_TMA_BOXES) -> np.ndarray:
 
 
 def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, addend: bool = False,
-             dx: bool = False) -> dict:
+             dx: bool = False, splits: int | None = None) -> dict:
   """The kernel's constexprs for ``x [m, k]`` and a ``[k, n]`` weight (of a stack of ``layers``) whose codes are in
   the decode order (:func:`qerl_jax.nvfp4.to_decode_order`) or not, with a bf16 ``[m, n]`` addend or not; with
   ``dx``, the dx build for ``dy [m, k]`` against a ``[n, k]`` weight (``k`` is then the weight's N, the contraction,
-  and ``n`` its K, the output's columns).
+  and ``n`` its K, the output's columns). ``splits``: K splits (``SK``; default :func:`splits_for`); above 1 the
+  kernel adds float32 parts into a zeroed float32 output.
 
   Raises:
-    ValueError: settings the kernel cannot take (:data:`STAGES` < 2, :data:`IN_FLIGHT` not 0 or 1).
+    ValueError: settings the kernel cannot take (:data:`STAGES` < 2, :data:`IN_FLIGHT` not 0 or 1, :data:`MAX_SPLITS`
+      below 1), or ``splits`` that do not divide the ``k / 64`` steps.
   """
   if STAGES < 2 or IN_FLIGHT not in (0, 1):
     raise ValueError(f"w4_gluon_mm: STAGES={STAGES} (>= 2) and IN_FLIGHT={IN_FLIGHT} (0 or 1) are not supported")
+  splits = splits_for(m, k, n) if splits is None else splits
+  if splits < 1 or (k // STEP_K) % splits:
+    raise ValueError(f"w4_gluon_mm: splits={splits} must be a positive divisor of the {k // STEP_K} steps (K = {k})")
   return dict(M=m, N=n, K=k, L=layers, BM=BLOCK_M, BN=BLOCK_N, S=STAGES, DR=LOAD_REGS, IF=IN_FLIGHT, DV=DECODE, PR=PROBE,
-              NP=_programs(m, n), DO=int(decode_order), AD=int(addend), DX=int(dx))
+              NP=_programs(m, n, splits), DO=int(decode_order), AD=int(addend), DX=int(dx), SK=splits)
 
 
 @functools.lru_cache(maxsize=None)
@@ -542,6 +595,8 @@ def _compiled(meta: tuple):
 def compile_for(meta: dict, cc: int = 90):
   """``triton.compile`` of the kernel for ``meta`` (:func:`meta_for`) and ``sm_{cc}`` (no GPU needed)."""
   arg_dtypes = _ARG_DTYPES_DX if meta.get("DX") else _ARG_DTYPES
+  if meta.get("SK", 1) > 1:  # split-K: the output is float32 (atomics)
+    arg_dtypes = arg_dtypes[:-1] + ("*fp32",)
   return w4_gluon._compile_gluon(_kernel(), arg_dtypes, meta, cc, num_warps=8, maxnreg=_regs())
 
 
@@ -632,6 +687,9 @@ def _launch(a, w, index, meta: dict, boxes, out_cols: int, addend=None) -> jax.A
   codes, scales, gs, idx = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
   ptx, name, shared = _compiled(tuple(meta.items()))
   operands = (a, codes, scales, gs, idx, jnp.zeros((1,), jnp.bfloat16) if addend is None else addend)
-  return jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((a.shape[0], out_cols), jnp.bfloat16))(
+  split = meta["SK"] > 1  # float32 parts added into a zeroed float32 output, rounded to bf16 by XLA
+  y = jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((a.shape[0], out_cols),
+                                                                   jnp.float32 if split else jnp.bfloat16))(
       *operands, **w4_gluon._launch_attrs(ptx, name, (meta["NP"], 1, 1), shared, threads=_THREADS,
-                                          tma=_tma_specs(operands, boxes)))
+                                          zero_results=split, tma=_tma_specs(operands, boxes)))
+  return y.astype(jnp.bfloat16)

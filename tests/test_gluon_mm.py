@@ -138,6 +138,31 @@ def test_mm_settings_are_checked(monkeypatch):
         w4_gluon_mm.meta_for(2048, 3584, 4608, 1)
 
 
+def test_mm_split_k_rules(monkeypatch):
+  """The K splits by the cost model, worked by hand (132 SMs, STEP_US 0.69, HBM_TBPS 3.0): the 7B down projection at
+  M = 256 has 28 tiles of 296 steps. Unsplit: 1 round x 296 steps = 204.2 us. 4 splits: 112 units in 1 round x 74
+  steps = 51.06 us plus 256 x 3584 x (4 x 6 + 2) bytes at 3 TB/s = 7.95 us: 59.01. 8 splits: 224 units, 2 rounds x 37
+  steps = 51.1 plus 12.8: 63.9. 2 splits: 102.1 + 5.5. So 4. At M = 2048 the 7B q/k/v (288 tiles, 56 steps) stays
+  unsplit: 3 rounds x 56 = 115.9 us; 2 splits 5 rounds x 28 = 96.6 plus 2048 x 4608 x 18 / 3e6 = 56.6. Off by
+  default (MAX_SPLITS 1: not yet run on a GPU) and under a fixed summation order."""
+  assert w4_gluon_mm.MAX_SPLITS == 1 and w4_gluon_mm.splits_for(256, 18944, 3584, sms=132) == 1
+  monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 8)
+  monkeypatch.delenv("QERL_GLUON_DETERMINISTIC", raising=False)
+  monkeypatch.setenv("XLA_FLAGS", "")
+  assert w4_gluon_mm.splits_for(256, 18944, 3584, sms=132) == 4
+  assert w4_gluon_mm._fused_us(256, 18944, 3584, 4, 132) == pytest.approx(59.01, abs=0.01)
+  assert w4_gluon_mm.splits_for(2048, 3584, 4608, sms=132) == 1
+  assert w4_gluon_mm.predicted_us(256, 18944, 3584, sms=132)[0] == pytest.approx(59.01, abs=0.01)
+  monkeypatch.setenv("QERL_GLUON_DETERMINISTIC", "1")
+  assert w4_gluon_mm.splits_for(256, 18944, 3584, sms=132) == 1
+  monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 0)
+  with pytest.raises(ValueError, match="MAX_SPLITS"):
+    w4_gluon_mm.splits_for(256, 18944, 3584)
+  monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 1)
+  with pytest.raises(ValueError, match="splits=3"):  # 3 does not divide the 56 steps of K = 3584
+    w4_gluon_mm.meta_for(256, 3584, 4608, 1, splits=3)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
@@ -257,6 +282,26 @@ def test_mm_lowers_for_cuda_without_a_gpu(order, monkeypatch):
   assert ("shl.b32 t, u, 19" in text) == (order == "decode")  # the decode-order PTX (_asm_decode_order)
 
 
+def test_mm_split_k_lowers_for_cuda_without_a_gpu(monkeypatch):
+  """With split-K the launcher zeroes a float32 result that the kernel adds its parts into (float32 atomics) and XLA
+  rounds it to bf16: the 7B q/k/v at M = 256 (36 tiles) with MAX_SPLITS 2 runs 72 programs, one a unit."""
+  _fake_sm90(monkeypatch)
+  monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 2)
+  monkeypatch.delenv("QERL_GLUON_DETERMINISTIC", raising=False)
+  monkeypatch.setenv("XLA_FLAGS", "")
+  k, n, stack = _abstract_stack("standard")
+  x = jax.ShapeDtypeStruct((256, k), jnp.bfloat16)
+  c = jax.ShapeDtypeStruct((256, n), jnp.bfloat16)
+  f = jax.jit(lambda x, w, i, c: w4_gluon_mm.forward(x, w, index=i, addend=c))
+  i = jax.ShapeDtypeStruct((), jnp.int32)
+  out = jax.eval_shape(f, x, stack, i, c)
+  assert out.shape == (256, n) and out.dtype == jnp.bfloat16
+  text = f.trace(x, stack, i, c).lower(lowering_platforms=("cuda",)).as_text()
+  assert "grid_x = 72" in text and "zero_results = 1" in text
+  assert "atom.global.gpu.relaxed.add.v2.f32" in text
+  assert f"-> tensor<256x{n}xf32>" in text and "stablehlo.convert" in text
+
+
 @pytest.mark.parametrize("order", ["standard", "decode"])
 def test_dx_build_lowers_for_cuda_without_a_gpu(order, monkeypatch):
   """The dx build's call lowers with its own three TMA specs (by hand: dy [512, 4608] bf16 in boxes of 256 x 64 with
@@ -303,3 +348,34 @@ def test_gpu_dx_build_matches_float64(m, k, n, order):
   for axis in (0, 1):
     err = np.linalg.norm(g - want, axis=1 - axis) / np.linalg.norm(want, axis=1 - axis)
     assert err.max() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,splits", [
+    (256, 18944, 3584, 4),  # 7B down at M = 256: 112 units
+    (300, 3584, 4608, 7),   # ragged M, 7 splits of 8 steps
+    (17, 192, 384, 3),      # one step a split
+    (2000, 1280, 3840, 5),  # 1200 units: about 9 a program in the persistent walk
+])
+@pytest.mark.parametrize("order", ["standard", "decode"])
+def test_gpu_mm_split_k_matches_float64(m, k, n, splits, order, monkeypatch):
+  """Split-K (float32 atomics into a zeroed output, rounded by XLA) against float64, with and without an addend (added
+  once, by split 0), every row and column written, either code order."""
+  _skip_without_kernel()
+  monkeypatch.setattr(w4_gluon_mm, "splits_for", lambda *a, **kw: splits)
+  wq = _weight(k, n, m + splits)
+  rng = np.random.default_rng(k + n)
+  x = jnp.asarray(rng.standard_normal((m, k)) * 2.0, jnp.bfloat16)
+  c = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+  w = nvfp4.to_decode_order(wq) if order == "decode" else wq
+  assert w4_gluon_mm.meta_for(m, k, n, 1)["SK"] == splits
+  want = np.asarray(x, np.float64) @ _dense64(wq)
+  for addend in (None, c):
+    got = jax.jit(lambda x, w, c: w4_gluon_mm.forward(x, w, addend=c))(x, w, addend)
+    ref = want if addend is None else want + np.asarray(c, np.float64)
+    assert got.shape == (m, n) and got.dtype == jnp.bfloat16 and bool(jnp.isfinite(got).all())
+    assert _rel(got, ref) < 4e-3
+    g = np.asarray(got, np.float64)
+    for axis in (0, 1):
+      err = np.linalg.norm(g - ref, axis=1 - axis) / np.linalg.norm(ref, axis=1 - axis)
+      assert err.max() < 1e-2

@@ -51,7 +51,8 @@ def main():
   model = os.environ.get("MM_MODEL", "7b")
   shapes = MODELS[model]
   names = os.environ.get("MM_SHAPES", ",".join(shapes)).split(",")
-  defaults = {k: getattr(w4_gluon_mm, k) for k in ("STAGES", "LOAD_REGS", "IN_FLIGHT", "PERSISTENT", "DECODE", "PROBE")}
+  defaults = {k: getattr(w4_gluon_mm, k) for k in ("STAGES", "LOAD_REGS", "IN_FLIGHT", "PERSISTENT", "DECODE", "PROBE",
+                                                   "MAX_SPLITS")}
   idx = jnp.int32(2)
   totals = {}
   for name in names:
