@@ -49,6 +49,9 @@ from qerl_jax import nvfp4
 
 BLOCK_N = 128   # columns of W a program: the two warpgroups' m64 wgmma rows
 BLOCK_M = 256   # rows of x a program: the wgmma's N
+SMALL_BLOCK_M = 128  # the narrow tile's rows of x (m64 n128 wgmmas: half the tensor-core work a step of BLOCK_M's)
+SMALL_M_MAX = 0  # lab (session 47: compiled, not yet run on a GPU): M <= this takes the narrow tile (SMALL_BLOCK_M),
+                 # for M = 65-128, where the 256-row tile multiplies as many zero rows as rows of x. 0: off
 STEP_K = 64     # contraction a step (4 wgmma k16 blocks; 4 NVFP4 blocks)
 STAGES = 4      # the shared-memory ring (x 32 KB + codes 4 KB + scales 0.5 KB a stage)
 LOAD_REGS = 40  # registers a thread of the one-warp TMA producer partition (setmaxnreg)
@@ -62,6 +65,7 @@ DECODE = 2      # the decode's PTX: 2 (_asm2, 16-bit column pairs in), 3 (the sa
 # the faster path in 21 of 24 rows, and the three misses cost 4-12%. An H200 reads HBM faster, which favours
 # dequantize + cuBLAS a little.
 STEP_US = 0.69
+SMALL_STEP_US = 0.45  # the narrow tile's step: a guess (the wgmma half of STEP_US's, the decode the same), not measured
 DEQUANT_US_PER_MILLION = 1.0
 GEMM_FIXED_US = 30.0
 BF16_TFLOPS = 800.0
@@ -79,13 +83,18 @@ MAX_M = 4096    # the most rows matmul.kernel_forward sends here (GLUON_MM): at 
                 # (0.95x against 0.84x)
 # The TMA descriptors (the launcher's extended spec, gluon_launch.cc): (operand, element type, box, element bytes,
 # swizzle): x [M, K] in boxes of [BM, 64] (128-byte swizzle, wgmma's B operand), codes [L K / 2, N] in [32, BN]
-# (128-byte swizzle: a thread's 2-byte loads of 4 code rows hit 4 banks), block scales [L K / 16, N] in [4, BN]
-_TMA_BOXES = ((0, "bf16", (BLOCK_M, 64), 2, 3), (1, "u8", (32, BLOCK_N), 1, 3), (2, "u8", (4, BLOCK_N), 1, 0))
-# the dx build's (dx): dy [M, N] in [BM, 64] (swizzled as x), codes in [BN / 2, 64] (64-byte swizzle), block scales in
+# (128-byte swizzle: a thread's 2-byte loads of 4 code rows hit 4 banks), block scales [L K / 16, N] in [4, BN];
+# the dx build's: dy [M, N] in [BM, 64] (swizzled as x), codes in [BN / 2, 64] (64-byte swizzle), block scales in
 # [BN / 16, 64]
-_TMA_BOXES_DX = ((0, "bf16", (BLOCK_M, 64), 2, 3), (1, "u8", (BLOCK_N // 2, 64), 1, 2),
-                 (2, "u8", (BLOCK_N // 16, 64), 1, 0))
 _SWIZZLE_BYTES = {0: 0, 2: 64, 3: 128}
+
+
+def _boxes(bm: int = BLOCK_M, dx: bool = False) -> tuple:
+  """The TMA descriptors' ``(operand, element type, box, element bytes, swizzle)`` for ``bm`` rows of x (dy) a tile,
+  the forward's or the dx build's."""
+  if dx:
+    return ((0, "bf16", (bm, 64), 2, 3), (1, "u8", (BLOCK_N // 2, 64), 1, 2), (2, "u8", (BLOCK_N // 16, 64), 1, 0))
+  return ((0, "bf16", (bm, 64), 2, 3), (1, "u8", (32, BLOCK_N), 1, 3), (2, "u8", (4, BLOCK_N), 1, 0))
 
 
 def _descriptor_types(boxes) -> tuple[str, ...]:
@@ -96,8 +105,6 @@ def _descriptor_types(boxes) -> tuple[str, ...]:
 
 # descriptors, then x (dy), codes, block scales (E4M3 bytes), global scales, layer, addend (read with AD = 1), out
 _POINTERS = ("*bf16", "*u8", "*u8", "*fp32", "*i32", "*bf16", "*bf16")
-_ARG_DTYPES = _descriptor_types(_TMA_BOXES) + _POINTERS
-_ARG_DTYPES_DX = _descriptor_types(_TMA_BOXES_DX) + _POINTERS
 # 8 MMA warps and the producer warp, which Triton pads to a warpgroup (setmaxnreg works on warpgroups): the
 # kernel takes 384 threads (its .reqntid), and the launch cap must let 384 threads fit an SM's registers
 _THREADS = 32 * 12
@@ -284,10 +291,13 @@ def _kernel():
       reg_bases=[[0, 4], [0, 8], [0, 16]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
       warp_bases=[[8, 0], [16, 0], [32, 0]], block_bases=[], shape=[64, 32]))
   s16_shared = ttgl.constexpr(ttgl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
-  store_layout = ttgl.constexpr(ttgl.DistributedLinearLayout(
-      reg_bases=[[1, 0], [0, 1], [0, 8], [0, 16], [0, 32], [0, 64], [0, 128]],
-      lane_bases=[[0, 2], [0, 4], [2, 0], [4, 0], [8, 0]],
-      warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[], shape=[128, 256]))
+  def store_layout_for(bm):  # the accumulator [BN, bm] with column bit n0 first in a thread's registers
+    return ttgl.constexpr(ttgl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [0, 1]] + [[0, r] for r in (8, 16, 32, 64, 128) if r < bm],
+        lane_bases=[[0, 2], [0, 4], [2, 0], [4, 0], [8, 0]],
+        warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[], shape=[128, bm]))
+  store_layout = store_layout_for(256)
+  store_layout_small = store_layout_for(SMALL_BLOCK_M)  # the narrow tile's (SMALL_M_MAX)
 
   @gluon.jit
   def decode(c, s):
@@ -448,9 +458,10 @@ def _kernel():
       # operand rows (n6 n5 n4 n0 n3 n2 n1) -> columns: a relabelling, no data moves
       acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 7 + [BM]), [0, 1, 2, 4, 5, 6, 3, 7]), [BN, BM])
       # the same values with column bit n0 first in each thread's registers: the stores take column pairs (4 bytes)
-      out = ttgl.convert_layout(acc * scale, store_layout, assert_trivial=True)
-      cols = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, store_layout)) + (t // MT) * BN
-      rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, store_layout)) + (t % MT) * BM
+      st_layout: ttgl.constexpr = store_layout if BM == 256 else store_layout_small
+      out = ttgl.convert_layout(acc * scale, st_layout, assert_trivial=True)
+      cols = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, st_layout)) + (t // MT) * BN
+      rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, st_layout)) + (t % MT) * BM
       mask = ttgl.expand_dims(rows < (0 if PR == 2 else M), 0) & ttgl.expand_dims(cols >= 0, 1)
       offs = ttgl.expand_dims(rows, 0) * N + ttgl.expand_dims(cols, 1)
       if SK > 1:  # split-K: the parts summed in the L2 by float32 atomics into the zeroed output; split 0 adds the addend
@@ -503,19 +514,27 @@ def _sm_count() -> int:
   return min(sms) if sms and min(sms) > 0 else 132
 
 
+def block_m(m: int) -> int:
+  """The rows of x a tile takes for ``x [m, K]``: :data:`SMALL_BLOCK_M` where ``m <= SMALL_M_MAX``, else
+  :data:`BLOCK_M`."""
+  return SMALL_BLOCK_M if m <= SMALL_M_MAX else BLOCK_M
+
+
 def _programs(m: int, n: int, splits: int = 1) -> int:
   """The grid: one program per unit (a tile, or one of its ``splits`` K splits), or with :data:`PERSISTENT` at most
   one per SM (:func:`_sm_count`)."""
-  units = -(-m // BLOCK_M) * (n // BLOCK_N) * splits
+  units = -(-m // block_m(m)) * (n // BLOCK_N) * splits
   return max(1, min(units, _sm_count())) if PERSISTENT else units
 
 
 def _fused_us(m: int, k: int, n: int, splits: int, sms: int) -> float:
   """This kernel's modelled microseconds for ``x [m, k] @ W [k, n]`` in ``splits`` K splits on ``sms`` SMs: rounds
-  of units (one unit on every SM) times a unit's steps times :data:`STEP_US`; a split run adds its float32 traffic
-  (the zeroing, every split's atomic add, XLA's rounding pass) at :data:`HBM_TBPS`."""
-  units = -(-m // BLOCK_M) * (n // BLOCK_N) * splits
-  us = -(-units // sms) * (k // STEP_K // splits) * STEP_US
+  of units (one unit on every SM) times a unit's steps times :data:`STEP_US` (the narrow tile's :data:`SMALL_STEP_US`);
+  a split run adds its float32 traffic (the zeroing, every split's atomic add, XLA's rounding pass) at
+  :data:`HBM_TBPS`."""
+  units = -(-m // block_m(m)) * (n // BLOCK_N) * splits
+  step_us = STEP_US if block_m(m) == BLOCK_M else SMALL_STEP_US
+  us = -(-units // sms) * (k // STEP_K // splits) * step_us
   if splits > 1:
     us += m * n * (4.0 * (splits + 2) + 2.0) / (HBM_TBPS * 1e6)
   return us
@@ -558,7 +577,7 @@ def pays(m: int, k: int, n: int) -> bool:
   return fused <= dense
 
 
-def _tma_specs(operands, boxes=_TMA_BOXES) -> np.ndarray:
+def _tma_specs(operands, boxes) -> np.ndarray:
   """The launcher's ``tma`` attribute in its extended form: ``-count``, then per descriptor ``operand, rows,
   columns, box rows, box columns, L2 promotion, element bytes, swizzle``."""
   specs = [[i, *operands[i].shape, *box, w4_gluon.TMA_L2_PROMOTION, eb, sw] for i, _, box, eb, sw in boxes]
@@ -582,7 +601,7 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
   splits = splits_for(m, k, n) if splits is None else splits
   if splits < 1 or (k // STEP_K) % splits:
     raise ValueError(f"w4_gluon_mm: splits={splits} must be a positive divisor of the {k // STEP_K} steps (K = {k})")
-  return dict(M=m, N=n, K=k, L=layers, BM=BLOCK_M, BN=BLOCK_N, S=STAGES, DR=LOAD_REGS, IF=IN_FLIGHT, DV=DECODE, PR=PROBE,
+  return dict(M=m, N=n, K=k, L=layers, BM=block_m(m), BN=BLOCK_N, S=STAGES, DR=LOAD_REGS, IF=IN_FLIGHT, DV=DECODE, PR=PROBE,
               NP=_programs(m, n, splits), DO=int(decode_order), AD=int(addend), DX=int(dx), SK=splits)
 
 
@@ -594,9 +613,9 @@ def _compiled(meta: tuple):
 
 def compile_for(meta: dict, cc: int = 90):
   """``triton.compile`` of the kernel for ``meta`` (:func:`meta_for`) and ``sm_{cc}`` (no GPU needed)."""
-  arg_dtypes = _ARG_DTYPES_DX if meta.get("DX") else _ARG_DTYPES
-  if meta.get("SK", 1) > 1:  # split-K: the output is float32 (atomics)
-    arg_dtypes = arg_dtypes[:-1] + ("*fp32",)
+  # split-K (SK > 1): the output is float32 (atomics)
+  arg_dtypes = (_descriptor_types(_boxes(meta["BM"], bool(meta.get("DX")))) + _POINTERS[:-1]
+                + ("*fp32" if meta.get("SK", 1) > 1 else "*bf16",))
   return w4_gluon._compile_gluon(_kernel(), arg_dtypes, meta, cc, num_warps=8, maxnreg=_regs())
 
 
@@ -633,7 +652,7 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None, addend: jax.Array
     raise ValueError(f"w4_gluon_mm.forward: addend {addend.dtype}{list(addend.shape)}; expected bfloat16{[m, n]}")
   layers = 1 if index is None else w.packed.shape[0]
   meta = meta_for(m, k, n, layers, w.code_order == "decode", addend is not None)
-  return _launch(x, w, index, meta, _TMA_BOXES, n, addend)
+  return _launch(x, w, index, meta, n, addend)
 
 
 def dx_applies(m: int, w, dy_dtype) -> bool:
@@ -678,12 +697,13 @@ def dx(dy: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None) -> jax.Array:
   k = w.shape[0]
   layers = 1 if index is None else w.packed.shape[0]
   meta = meta_for(m, n, k, layers, w.code_order == "decode", dx=True)
-  return _launch(dy, w, index, meta, _TMA_BOXES_DX, k)
+  return _launch(dy, w, index, meta, k)
 
 
-def _launch(a, w, index, meta: dict, boxes, out_cols: int, addend=None) -> jax.Array:
+def _launch(a, w, index, meta: dict, out_cols: int, addend=None) -> jax.Array:
   """The FFI call of the kernel built for ``meta`` on activations ``a`` (x or dy, bf16 ``[M, *]``) and ``w`` (layer
-  ``index``), with the TMA descriptors ``boxes``: bf16 ``[M, out_cols]``."""
+  ``index``), with the TMA descriptors of ``meta``'s build (:func:`_boxes`): bf16 ``[M, out_cols]``."""
+  boxes = _boxes(meta["BM"], bool(meta["DX"]))
   codes, scales, gs, idx = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
   ptx, name, shared = _compiled(tuple(meta.items()))
   operands = (a, codes, scales, gs, idx, jnp.zeros((1,), jnp.bfloat16) if addend is None else addend)

@@ -302,6 +302,22 @@ def test_mm_split_k_lowers_for_cuda_without_a_gpu(monkeypatch):
   assert f"-> tensor<256x{n}xf32>" in text and "stablehlo.convert" in text
 
 
+def test_mm_narrow_tile_lowers_for_cuda_without_a_gpu(monkeypatch):
+  """With SMALL_M_MAX = 128, M = 100 takes the narrow tile: x in TMA boxes of 128 x 64 and m64 n128 wgmmas; the
+  7B q/k/v (36 column tiles of one row tile) runs 36 programs. M = 129 keeps the 256-row tile."""
+  _fake_sm90(monkeypatch)
+  monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", 128)
+  assert (w4_gluon_mm.block_m(128), w4_gluon_mm.block_m(129)) == (128, 256)
+  k, n, stack = _abstract_stack("standard")
+  i = jax.ShapeDtypeStruct((), jnp.int32)
+  f = jax.jit(lambda x, w, i: w4_gluon_mm.forward(x, w, index=i))
+  text = f.trace(jax.ShapeDtypeStruct((100, k), jnp.bfloat16), stack, i).lower(lowering_platforms=("cuda",)).as_text()
+  l2 = w4_gluon.TMA_L2_PROMOTION
+  assert f"tma = dense<[-3, 0, 100, {k}, 128, 64, {l2}, 2, 3," in text
+  assert "grid_x = 36" in text and "wgmma.mma_async.sync.aligned.m64n128k16" in text
+  assert "m64n256k16" not in text
+
+
 @pytest.mark.parametrize("order", ["standard", "decode"])
 def test_dx_build_lowers_for_cuda_without_a_gpu(order, monkeypatch):
   """The dx build's call lowers with its own three TMA specs (by hand: dy [512, 4608] bf16 in boxes of 256 x 64 with
@@ -379,3 +395,24 @@ def test_gpu_mm_split_k_matches_float64(m, k, n, splits, order, monkeypatch):
     for axis in (0, 1):
       err = np.linalg.norm(g - ref, axis=1 - axis) / np.linalg.norm(ref, axis=1 - axis)
       assert err.max() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,splits", [(128, 3584, 4608, 1), (65, 1280, 768, 1), (100, 18944, 3584, 4),
+                                          (257, 1152, 768, 1)])
+def test_gpu_mm_narrow_tile_matches_float64(m, k, n, splits, monkeypatch):
+  """The narrow tile (SMALL_M_MAX = 128: 128 rows of x, m64 n128 wgmmas), alone and split, against float64; M = 257
+  takes three narrow tiles when SMALL_M_MAX covers it."""
+  _skip_without_kernel()
+  monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", max(128, m))
+  monkeypatch.setattr(w4_gluon_mm, "splits_for", lambda *a, **kw: splits)
+  assert w4_gluon_mm.meta_for(m, k, n, 1)["BM"] == 128
+  wq = _weight(k, n, m + 7)
+  x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)) * 2.0, jnp.bfloat16)
+  got = jax.jit(w4_gluon_mm.forward)(x, wq)
+  want = np.asarray(x, np.float64) @ _dense64(wq)
+  assert got.shape == (m, n) and bool(jnp.isfinite(got).all()) and _rel(got, want) < 4e-3
+  g = np.asarray(got, np.float64)
+  for axis in (0, 1):
+    err = np.linalg.norm(g - want, axis=1 - axis) / np.linalg.norm(want, axis=1 - axis)
+    assert err.max() < 1e-2

@@ -7,6 +7,7 @@ of 5 traced calls. Each variant is checked against the dequantize path first (re
   MM_ORDER=decode ...   # decode-order codes (nvfp4.to_decode_order, the trainer's GPU default), read in place
   MM_ADDEND=1 ...       # a bf16 [M, N] addend (bias + LoRA delta): the kernel's epilogue adds it; the bf16 and
                         # dequantize paths add it after their GEMM (XLA folds it into cuBLAS's C)
+  MM_VARIANTS="base;sk8:MAX_SPLITS=8;narrow:SMALL_M_MAX=128,MAX_SPLITS=8" MM_MS=128,256 ...  # split-K, narrow tile
   MM_KIND=dx ...        # the backward dy [M, N] @ W^T by the dx build (w4_gluon_mm.dx) against dot_general with
                         # the bf16 W and against dequantize + cuBLAS contracting N
 """
@@ -52,7 +53,7 @@ def main():
   shapes = MODELS[model]
   names = os.environ.get("MM_SHAPES", ",".join(shapes)).split(",")
   defaults = {k: getattr(w4_gluon_mm, k) for k in ("STAGES", "LOAD_REGS", "IN_FLIGHT", "PERSISTENT", "DECODE", "PROBE",
-                                                   "MAX_SPLITS")}
+                                                   "MAX_SPLITS", "SMALL_M_MAX")}
   idx = jnp.int32(2)
   totals = {}
   for name in names:
