@@ -34,6 +34,9 @@
 #   STEPS=54 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=55 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=56 bash experiments/lab/gpu_checkpoint.sh   (first CUTLASS_BUILD=1 bash experiments/lab/cutlass_mixed_ceiling.sh here; carry .cutlass)
+#   STEPS=57 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=58 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=59 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -471,4 +474,24 @@ step 56 && { for model in 7b 32b; do CUTLASS_MODEL=$model CUTLASS_BINS="ex55_t12
       CUTLASS_MS="2048 8192" timeout 150 bash experiments/lab/cutlass_mixed_ceiling.sh 2>&1 | grep -v "mode=0"; done
   APPEND_BATCHES=8 APPEND_LENGTH=2,1300 APPEND_VARIANTS="merge;append" timeout 120 python3 experiments/lab/time_append.py \
     2>&1 | grep "^batch"; } | tee "$OUT/cutlass_and_attention.txt"
+# 57 (session 47, prepared; about 6 minutes): the large-M forward's lab builds, none yet run on a GPU: the GPU tests of
+#    tests/test_gluon_mm.py (the dx build, split-K, the narrow 128-row tile), then the forward at M = 128-1024 on the
+#    7B and 32B shapes: the default against split-K (MAX_SPLITS=8) and the narrow tile with split-K. If split-K is
+#    correct and faster, set MAX_SPLITS (and refit STEP_US / SMALL_STEP_US from the rows); the narrow tile would then
+#    need a dispatch rule against the Gluon GEMV at M = 65-128.
+step 57 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -m gpu tests/test_gluon_mm.py \
+    -p no:cacheprovider 2>&1 | tail -4
+  for model in 7b 32b; do MM_MODEL=$model MM_MS=128,256,512,1024 \
+      MM_VARIANTS="base;sk8:MAX_SPLITS=8;narrow:SMALL_M_MAX=128,MAX_SPLITS=8" timeout 150 \
+      python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn; done; } | tee "$OUT/mm_split_narrow.txt"
+# 58 (session 47, prepared; about 6 minutes): the dx build's timing against dequantize + cuBLAS (M = 2048, 8192, 7B),
+#    then issue 4's table at M = 256-2048 under the cost model's dispatch (bench_kernels.py; default settings).
+step 58 && { MM_KIND=dx MM_MS=2048,8192 timeout 150 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn
+  timeout 300 python3 experiments/bench_kernels.py --models=7b,32b --ms=256,1024,2048 --kinds=fwd --ragged=false \
+    --json="$OUT/bench_kernels_mm.json" 2>&1 | grep "|"; } | tee "$OUT/mm_dx_bench.txt"
+# 59 (session 47, prepared; about 5 minutes): a batch-256 rollout (1024 new tokens), NVFP4, with split-K off and on
+#    (MM_SET): the decode step's M = 256 products move from dequantize + cuBLAS to the large-M forward where it pays.
+step 59 && { for s in "MAX_SPLITS=1" "MAX_SPLITS=8"; do MM_SET="$s" timeout 150 python3 experiments/lab/gluon/ab_rollout.py \
+      --batches=256 --new_tokens=1024 --formats=nvfp4_fused --time_budget_s=120 2>&1 | grep "w4_gluon_mm\|nvfp4_fused |"; done
+} | tee "$OUT/mm_split_rollout.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
