@@ -27,10 +27,12 @@ program runs an SM and walks the tiles, the rows of ``x`` fastest (the programs 
   so that a thread's two rows ``g, g + 8`` are adjacent columns; the store undoes it.
 * The **epilogue** multiplies by ``2**8 / global scale``, adds the optional bf16 ``addend`` in float32 and rounds
   once to bf16 (cuBLAS's ``C`` with ``beta = 1``), while the producer already fills the ring for the next tile.
-* **Split-K** (:data:`MAX_SPLITS`, lab, off: not yet run on a GPU): a shape with fewer tiles than SMs (the 7B q/k/v,
-  o and down projections at M = 256: 36, 28, 28 tiles on 132 SMs) splits each tile's K steps into ``SK`` units
-  (:func:`splits_for`); each unit adds its float32 part into a float32 output that the launcher zeroed
-  (``red.global.add.v2.f32``, split 0 adding the addend), and XLA rounds it to bf16 once.
+* **Split-K** (:data:`MAX_SPLITS`, lab, off: not yet run on a GPU): a shape whose tiles leave SMs idle (fewer tiles
+  than SMs, as the 7B q/k/v, o and down projections at M = 256: 36, 28, 28 tiles on 132 SMs; or a last round that
+  fills few SMs, as the 7B q/k/v at M = 2048: 288 tiles, 2.18 rounds) splits the tiles of its last, partial round
+  (or all of them) into ``SK`` units along K (:func:`plan_for`). Each unit adds its float32 part into float32 tail
+  columns that XLA zeroed (``atom.global.add.v2.f32``), and XLA adds the addend and rounds them to bf16 into the
+  output once; the whole tiles before them store bf16 as above.
 
 GPU only (sm_90), launched through :mod:`pallas_kernels.w4_gluon`'s XLA FFI handler (its TMA spec's extended form:
 two-byte elements and the swizzle).
@@ -39,6 +41,7 @@ two-byte elements and the swizzle).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -75,9 +78,10 @@ PROBE = 0       # lab (wrong results): 1 skips the shared loads and the decode (
 PERSISTENT = 1  # 1: one program an SM walking the tiles (the producer runs into the next tile during a store)
 IN_FLIGHT = 1   # wgmmas left in flight past each step (1: the next step's decode overlaps it; 0: wait for it)
 MAX_SPLITS = 1  # split-K (session 47, lab: compiled and lowering-tested, not yet run on a GPU): up to this many K
-                # splits a tile, chosen by the cost model (splits_for), their float32 parts added by atomics into a
-                # zeroed output that XLA rounds to bf16; for shapes with fewer tiles than SMs (7B down at M = 256: 28
-                # tiles on 132 SMs, 0.31x of bf16 unsplit). 1: off
+                # splits a tile of the last, partial round of tiles (or of every tile), chosen by the cost model
+                # (plan_for), their float32 parts added by atomics into zeroed tail columns that XLA rounds to bf16;
+                # for shapes whose tiles leave SMs idle (7B down at M = 256: 28 tiles on 132 SMs, 0.31x of bf16
+                # unsplit). 1: off
 MAX_M = 4096    # the most rows matmul.kernel_forward sends here (GLUON_MM): at M = 8192 dequantize + cuBLAS was
                 # faster (0.955x of bf16 against 0.90x, 7B shapes summed, H100, session 46); at M = 2048 this kernel
                 # (0.95x against 0.84x)
@@ -103,8 +107,10 @@ def _descriptor_types(boxes) -> tuple[str, ...]:
                f"element_bitwidth={8 * eb}, rank=2)>" for _, t, (r, c), eb, sw in boxes)
 
 
-# descriptors, then x (dy), codes, block scales (E4M3 bytes), global scales, layer, addend (read with AD = 1), out
-_POINTERS = ("*bf16", "*u8", "*u8", "*fp32", "*i32", "*bf16", "*bf16")
+# descriptors, then x (dy), codes, block scales (E4M3 bytes), global scales, layer, addend (read with AD = 1), the
+# zeroed split-tail operand (aliased to the last result; the kernel uses the result's pointer), then the results: out
+# (bf16) and the split tail's float32 columns
+_POINTERS = ("*bf16", "*u8", "*u8", "*fp32", "*i32", "*bf16", "*fp32", "*bf16", "*fp32")
 # 8 MMA warps and the producer warp, which Triton pads to a warpgroup (setmaxnreg works on warpgroups): the
 # kernel takes 384 threads (its .reqntid), and the launch cap must let 384 threads fit an SM's registers
 _THREADS = 32 * 12
@@ -343,38 +349,50 @@ def _kernel():
     return ttgl.reshape(ttgl.permute(x, [0, 1, 2, 12, 3, 4, 5, 6, 7, 11, 9, 10, 8]), [128, 64])
 
   @gluon.jit
+  def produce_unit(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, c_row0, s_row0, m0, n0, k0, g,
+                   BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, NS: ttgl.constexpr, DX: ttgl.constexpr):
+    """Copies a unit's NS steps from step k0 (x rows m0.., weight columns n0..) into the ring; returns the next g."""
+    ttgl.static_assert(NS > 0)  # (also names ttgl in the body, which the signature's annotations need)
+    BYTES: ttgl.constexpr = BM * 64 * 2 + 36 * BN  # a stage: x, codes, block scales
+    for j in range(NS):
+      i = k0 + j
+      st = g % S
+      mbarrier.wait(empty.index(st), ((g // S) & 1) ^ 1)
+      mbarrier.expect(ready.index(st), BYTES)
+      hopper_tma.async_copy_global_to_shared(xd, [m0, i * 64], ready.index(st), x_smem.index(st))
+      if DX:
+        hopper_tma.async_copy_global_to_shared(cd, [c_row0 + n0 // 2, i * 64], ready.index(st), c_smem.index(st))
+        hopper_tma.async_copy_global_to_shared(sd, [s_row0 + n0 // 16, i * 64], ready.index(st), s_smem.index(st))
+      else:
+        hopper_tma.async_copy_global_to_shared(cd, [c_row0 + i * 32, n0], ready.index(st), c_smem.index(st))
+        hopper_tma.async_copy_global_to_shared(sd, [s_row0 + i * 4, n0], ready.index(st), s_smem.index(st))
+      g += 1
+    return g
+
+  @gluon.jit
   def producer(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M: ttgl.constexpr, N: ttgl.constexpr,
                K: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, NP: ttgl.constexpr,
-               DX: ttgl.constexpr, SK: ttgl.constexpr):
+               DX: ttgl.constexpr, FT: ttgl.constexpr, SK: ttgl.constexpr):
     """One warp: each step's x [BM, 64] (rows past M arrive as zeros), codes and block scales by TMA into stage
-    g % S of the ring once the MMA partition has released it, over this program's units (a tile's steps, or with SK
-    splits one SK-th of them). N is the output's columns
-    and K the contraction: the forward's codes [32 code rows (K), BN] and scales [4, BN]; the dx build's (DX) codes
-    [BN / 2 code rows (its outputs), 64] and scales [BN / 16, 64]."""
-    SS: ttgl.constexpr = K // 64 // SK  # steps a unit (a tile's split)
+    g % S of the ring once the MMA partition has released it, over this program's units: first whole tiles of the
+    first FT (x row tiles fastest), then the split tail (:func:`_tail_unit`). N is the output's columns and K the
+    contraction: the forward's codes [32 code rows (K), BN] and scales [4, BN]; the dx build's (DX) codes [BN / 2
+    code rows (its outputs), 64] and scales [BN / 16, 64]."""
+    STEPS: ttgl.constexpr = K // 64
     MT: ttgl.constexpr = (M + BM - 1) // BM
-    UNITS: ttgl.constexpr = MT * (N // BN) * SK
+    TU: ttgl.constexpr = (MT * (N // BN) - FT) * SK  # tail units
     KW: ttgl.constexpr = N if DX else K  # the weight's K (rows of W)
     c_row0 = layer * (KW // 2)
     s_row0 = layer * (KW // 16)
+    pid = ttgl.program_id(0)
     g = 0
-    for u in range(ttgl.program_id(0), UNITS, NP):  # rows of x fastest, then the split, then the columns
-      m0 = (u % MT) * BM
-      n0 = (u // MT // SK) * BN
-      k0 = ((u // MT) % SK) * SS
-      for j in range(SS):
-        i = k0 + j
-        st = g % S
-        mbarrier.wait(empty.index(st), ((g // S) & 1) ^ 1)
-        mbarrier.expect(ready.index(st), BM * 64 * 2 + 36 * BN)
-        hopper_tma.async_copy_global_to_shared(xd, [m0, i * 64], ready.index(st), x_smem.index(st))
-        if DX:
-          hopper_tma.async_copy_global_to_shared(cd, [c_row0 + n0 // 2, i * 64], ready.index(st), c_smem.index(st))
-          hopper_tma.async_copy_global_to_shared(sd, [s_row0 + n0 // 16, i * 64], ready.index(st), s_smem.index(st))
-        else:
-          hopper_tma.async_copy_global_to_shared(cd, [c_row0 + i * 32, n0], ready.index(st), c_smem.index(st))
-          hopper_tma.async_copy_global_to_shared(sd, [s_row0 + i * 4, n0], ready.index(st), s_smem.index(st))
-        g += 1
+    for t in range(pid, FT, NP):
+      g = produce_unit(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, c_row0, s_row0, (t % MT) * BM,
+                       (t // MT) * BN, 0, g, BM, BN, S, STEPS, DX)
+    for v in range((pid + NP - FT % NP) % NP, TU, NP):
+      g = produce_unit(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, c_row0, s_row0, (v % MT) * BM,
+                       (FT // MT + v // MT // SK) * BN, ((v // MT) % SK) * (STEPS // SK), g, BM, BN, S,
+                       STEPS // SK, DX)
 
   @gluon.jit
   def load_decode(c_smem, s_smem, ready, g, S: ttgl.constexpr, BN: ttgl.constexpr, DV: ttgl.constexpr,
@@ -404,81 +422,101 @@ def _kernel():
     return a
 
   @gluon.jit
-  def mma_loop(x_smem, c_smem, s_smem, ready, empty, c_ptr, o_ptr, scale, M: ttgl.constexpr, N: ttgl.constexpr,
-               K: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, IF: ttgl.constexpr,
-               NP: ttgl.constexpr, DV: ttgl.constexpr, PR: ttgl.constexpr, DO: ttgl.constexpr, AD: ttgl.constexpr,
-               DX: ttgl.constexpr, SK: ttgl.constexpr):
-    """8 warps: per unit (a tile, or with SK splits one SK-th of its steps), each step's decode and wgmmas (IF 1: one
-    step's left in flight while the next decodes), then the unit's store, or with SK > 1 its float32 atomic add (while
-    the producer already fills the ring for the next unit)."""
-    STEPS: ttgl.constexpr = K // 64 // SK  # steps a unit
-    MT: ttgl.constexpr = (M + BM - 1) // BM
-    UNITS: ttgl.constexpr = MT * (N // BN) * SK
+  def mma_unit(x_smem, c_smem, s_smem, ready, empty, g, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr,
+               IF: ttgl.constexpr, NS: ttgl.constexpr, DV: ttgl.constexpr, DO: ttgl.constexpr, DX: ttgl.constexpr):
+    """A unit's NS steps: each step's decode and wgmmas (IF 1: one step's left in flight while the next decodes),
+    releasing each stage once its wgmma retired. Returns (the accumulator [BN, BM] in wgmma's layout, the next g)."""
     mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BM, 16])
     a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 2)
-    g = 0
-    for u in range(ttgl.program_id(0), UNITS, NP):
-      t = (u // MT // SK) * MT + u % MT  # the tile: column tile t // MT, row tile t % MT
-      acc = ttgl.zeros([BN, BM], ttgl.float32, layout=mma)
-      if IF == 1:
-        # Steps in pairs, each with its own operand value (a0, a1): an asynchronous wgmma reads its A registers
-        # until it retires, so the next step's decode must write other registers. Passing the in-flight step's
-        # operand through the wait keeps it (and its registers) live until its wgmma has retired; a single
-        # loop-carried operand would be copied at the back edge and its registers handed to the next decode
-        # (session 46 measured relative errors of 0.2 that way).
-        a1 = ttgl.zeros([BN, 64], ttgl.bfloat16, layout=a_layout)
-        for j in range(STEPS // 2):
-          a0 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
-          acc = hopper.warpgroup_mma(a0, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
-          acc, a1 = hopper.warpgroup_mma_wait(1, deps=[acc, a1])  # step 2j - 1 retired: its stage is free
-          mbarrier.arrive(empty.index((g + S - 1) % S), count=1, pred=j > 0)
-          g += 1
-          a1 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
-          acc = hopper.warpgroup_mma(a1, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
-          acc, a0 = hopper.warpgroup_mma_wait(1, deps=[acc, a0])  # step 2j retired
-          mbarrier.arrive(empty.index((g + S - 1) % S), count=1)
-          g += 1
-        if STEPS % 2 == 1:  # the last, odd step
-          a0 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
-          acc = hopper.warpgroup_mma(a0, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
-          acc, a1 = hopper.warpgroup_mma_wait(1, deps=[acc, a1])
-          mbarrier.arrive(empty.index((g + S - 1) % S), count=1, pred=STEPS > 1)
-          g += 1
-          acc, a0 = hopper.warpgroup_mma_wait(0, deps=[acc, a0])
-        else:
-          acc, a1 = hopper.warpgroup_mma_wait(0, deps=[acc, a1])
+    acc = ttgl.zeros([BN, BM], ttgl.float32, layout=mma)
+    if IF == 1:
+      # Steps in pairs, each with its own operand value (a0, a1): an asynchronous wgmma reads its A registers
+      # until it retires, so the next step's decode must write other registers. Passing the in-flight step's
+      # operand through the wait keeps it (and its registers) live until its wgmma has retired; a single
+      # loop-carried operand would be copied at the back edge and its registers handed to the next decode
+      # (session 46 measured relative errors of 0.2 that way).
+      a1 = ttgl.zeros([BN, 64], ttgl.bfloat16, layout=a_layout)
+      for j in range(NS // 2):
+        a0 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
+        acc = hopper.warpgroup_mma(a0, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
+        acc, a1 = hopper.warpgroup_mma_wait(1, deps=[acc, a1])  # step 2j - 1 retired: its stage is free
+        mbarrier.arrive(empty.index((g + S - 1) % S), count=1, pred=j > 0)
+        g += 1
+        a1 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
+        acc = hopper.warpgroup_mma(a1, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
+        acc, a0 = hopper.warpgroup_mma_wait(1, deps=[acc, a0])  # step 2j retired
         mbarrier.arrive(empty.index((g + S - 1) % S), count=1)
+        g += 1
+      if NS % 2 == 1:  # the last, odd step
+        a0 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
+        acc = hopper.warpgroup_mma(a0, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
+        acc, a1 = hopper.warpgroup_mma_wait(1, deps=[acc, a1])
+        mbarrier.arrive(empty.index((g + S - 1) % S), count=1, pred=NS > 1)
+        g += 1
+        acc, a0 = hopper.warpgroup_mma_wait(0, deps=[acc, a0])
       else:
-        for i in range(STEPS):
-          a = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
-          acc = hopper.warpgroup_mma(a, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
-          acc = hopper.warpgroup_mma_wait(0, deps=[acc])
-          mbarrier.arrive(empty.index(g % S), count=1)
-          g += 1
-      # operand rows (n6 n5 n4 n0 n3 n2 n1) -> columns: a relabelling, no data moves
-      acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 7 + [BM]), [0, 1, 2, 4, 5, 6, 3, 7]), [BN, BM])
-      # the same values with column bit n0 first in each thread's registers: the stores take column pairs (4 bytes)
-      st_layout: ttgl.constexpr = store_layout if BM == 256 else store_layout_small
-      out = ttgl.convert_layout(acc * scale, st_layout, assert_trivial=True)
-      cols = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, st_layout)) + (t // MT) * BN
-      rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, st_layout)) + (t % MT) * BM
-      mask = ttgl.expand_dims(rows < (0 if PR == 2 else M), 0) & ttgl.expand_dims(cols >= 0, 1)
-      offs = ttgl.expand_dims(rows, 0) * N + ttgl.expand_dims(cols, 1)
-      if SK > 1:  # split-K: the parts summed in the L2 by float32 atomics into the zeroed output; split 0 adds the addend
-        if AD:
-          out = out + ttgl.load(c_ptr + offs, mask=mask & ((u // MT) % SK == 0), other=0.0).to(ttgl.float32)
-        ttgl.atomic_add(o_ptr + offs, out, mask=mask, sem="relaxed")
-      else:
-        if AD:  # the addend, in float32 before the one rounding (as cuBLAS's C with beta = 1)
-          out = out + ttgl.load(c_ptr + offs, mask=mask, other=0.0).to(ttgl.float32)
-        ttgl.store(o_ptr + offs, out.to(ttgl.bfloat16), mask=mask)
+        acc, a1 = hopper.warpgroup_mma_wait(0, deps=[acc, a1])
+      mbarrier.arrive(empty.index((g + S - 1) % S), count=1)
+    else:
+      for i in range(NS):
+        a = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
+        acc = hopper.warpgroup_mma(a, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
+        acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index(g % S), count=1)
+        g += 1
+    return acc, g
+
+  @gluon.jit
+  def store_unit(acc, scale, c_ptr, o_ptr, w_ptr, m0, n0, M: ttgl.constexpr, N: ttgl.constexpr,
+                 BM: ttgl.constexpr, BN: ttgl.constexpr, PR: ttgl.constexpr, AD: ttgl.constexpr, TAIL: ttgl.constexpr,
+                 TN0: ttgl.constexpr):
+    """A unit's epilogue for x rows m0.. and columns n0..: a whole tile rounds once to bf16 into o_ptr ([M, N]); a
+    tail unit (TAIL) adds its float32 part into w_ptr ([M, N - TN0], the zeroed tail columns from TN0) by atomics."""
+    # operand rows (n6 n5 n4 n0 n3 n2 n1) -> columns: a relabelling, no data moves
+    acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 7 + [BM]), [0, 1, 2, 4, 5, 6, 3, 7]), [BN, BM])
+    # the same values with column bit n0 first in each thread's registers: the stores take column pairs (4 bytes)
+    st_layout: ttgl.constexpr = store_layout if BM == 256 else store_layout_small
+    out = ttgl.convert_layout(acc * scale, st_layout, assert_trivial=True)
+    cols = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, st_layout)) + n0
+    rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, st_layout)) + m0
+    mask = ttgl.expand_dims(rows < (0 if PR == 2 else M), 0) & ttgl.expand_dims(cols >= 0, 1)
+    offs = ttgl.expand_dims(rows, 0) * N + ttgl.expand_dims(cols, 1)
+    if TAIL:  # (XLA adds the addend when it rounds the tail: loading it here too made ptxas spill)
+      ttgl.atomic_add(w_ptr + ttgl.expand_dims(rows, 0) * (N - TN0) + ttgl.expand_dims(cols - TN0, 1), out,
+                      mask=mask, sem="relaxed")
+    else:
+      if AD:  # the addend, in float32 before the one rounding (as cuBLAS's C with beta = 1)
+        out = out + ttgl.load(c_ptr + offs, mask=mask, other=0.0).to(ttgl.float32)
+      ttgl.store(o_ptr + offs, out.to(ttgl.bfloat16), mask=mask)
+
+  @gluon.jit
+  def mma_loop(x_smem, c_smem, s_smem, ready, empty, c_ptr, o_ptr, w_ptr, scale, M: ttgl.constexpr,
+               N: ttgl.constexpr, K: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr,
+               IF: ttgl.constexpr, NP: ttgl.constexpr, DV: ttgl.constexpr, PR: ttgl.constexpr, DO: ttgl.constexpr,
+               AD: ttgl.constexpr, DX: ttgl.constexpr, FT: ttgl.constexpr, SK: ttgl.constexpr):
+    """8 warps: this program's units as the producer walks them (whole tiles of the first FT, then the tail's split
+    units), each unit's MMAs then its epilogue (while the producer already fills the ring for the next unit)."""
+    STEPS: ttgl.constexpr = K // 64
+    MT: ttgl.constexpr = (M + BM - 1) // BM
+    TU: ttgl.constexpr = (MT * (N // BN) - FT) * SK
+    TN0: ttgl.constexpr = FT // MT * BN  # the tail's first column
+    pid = ttgl.program_id(0)
+    g = 0
+    for t in range(pid, FT, NP):
+      acc, g = mma_unit(x_smem, c_smem, s_smem, ready, empty, g, BM, BN, S, IF, STEPS, DV, DO, DX)
+      store_unit(acc, scale, c_ptr, o_ptr, w_ptr, (t % MT) * BM, (t // MT) * BN, M, N, BM, BN, PR, AD, False, TN0)
+    for v in range((pid + NP - FT % NP) % NP, TU, NP):
+      acc, g = mma_unit(x_smem, c_smem, s_smem, ready, empty, g, BM, BN, S, IF, STEPS // SK, DV, DO, DX)
+      store_unit(acc, scale, c_ptr, o_ptr, w_ptr, (v % MT) * BM, (FT // MT + v // MT // SK) * BN, M, N, BM, BN, PR,
+                 AD, True, TN0)
     return (g,)
 
   @gluon.jit
-  def w4a16_mm(xd, cd, sd, x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, c_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
-               K: ttgl.constexpr, L: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr,
-               DR: ttgl.constexpr, IF: ttgl.constexpr, NP: ttgl.constexpr, DV: ttgl.constexpr, PR: ttgl.constexpr,
-               DO: ttgl.constexpr, AD: ttgl.constexpr, DX: ttgl.constexpr, SK: ttgl.constexpr):
+  def w4a16_mm(xd, cd, sd, x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, c_ptr, z_ptr, o_ptr, w_ptr, M: ttgl.constexpr,
+               N: ttgl.constexpr, K: ttgl.constexpr, L: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
+               S: ttgl.constexpr, DR: ttgl.constexpr, IF: ttgl.constexpr, NP: ttgl.constexpr, DV: ttgl.constexpr,
+               PR: ttgl.constexpr, DO: ttgl.constexpr, AD: ttgl.constexpr, DX: ttgl.constexpr, FT: ttgl.constexpr,
+               SK: ttgl.constexpr):
     layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
     scale = 256.0 / ttgl.load(gs_ptr + layer)  # 2**8 undoes the decode's 2**-8
     x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [S, BM, 64], xd.layout)
@@ -495,9 +533,9 @@ def _kernel():
       mbarrier.init(empty.index(j), count=1)
     hopper.fence_async_shared()
     ttgl.warp_specialize(
-        [(mma_loop, (x_smem, c_smem, s_smem, ready, empty, c_ptr, o_ptr, scale, M, N, K, BM, BN, S, IF, NP,
-                       0 if PR == 1 else DV, PR, DO, AD, DX, SK)),
-         (producer, (xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M, N, K, BM, BN, S, NP, DX, SK))],
+        [(mma_loop, (x_smem, c_smem, s_smem, ready, empty, c_ptr, o_ptr, w_ptr, scale, M, N, K, BM, BN, S, IF, NP,
+                       0 if PR == 1 else DV, PR, DO, AD, DX, FT, SK)),
+         (producer, (xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M, N, K, BM, BN, S, NP, DX, FT, SK))],
         [1], [DR])
 
   return w4a16_mm
@@ -520,42 +558,71 @@ def block_m(m: int) -> int:
   return SMALL_BLOCK_M if m <= SMALL_M_MAX else BLOCK_M
 
 
-def _programs(m: int, n: int, splits: int = 1) -> int:
-  """The grid: one program per unit (a tile, or one of its ``splits`` K splits), or with :data:`PERSISTENT` at most
+class Plan(NamedTuple):
+  """How the tiles of one product are split: the first ``full`` tiles (x row tiles fastest) run whole, each rounded
+  once to bf16; each later tile (the tail) runs as ``splits`` units of ``K / 64 / splits`` steps whose float32 parts
+  are added by atomics into zeroed tail columns that XLA rounds to bf16. ``full`` is a multiple of the row tiles,
+  so the tail is whole columns."""
+  full: int
+  splits: int
+
+
+def _tiles(m: int, n: int) -> tuple[int, int]:
+  """(row tiles, all tiles) of an ``[m, n]`` output."""
+  mt = -(-m // block_m(m))
+  return mt, mt * (n // BLOCK_N)
+
+
+def _programs(m: int, n: int, plan: Plan | None = None) -> int:
+  """The grid: one program per unit (a whole tile, or a split of a tail tile), or with :data:`PERSISTENT` at most
   one per SM (:func:`_sm_count`)."""
-  units = -(-m // block_m(m)) * (n // BLOCK_N) * splits
+  tiles = _tiles(m, n)[1]
+  plan = Plan(tiles, 1) if plan is None else plan
+  units = plan.full + (tiles - plan.full) * plan.splits
   return max(1, min(units, _sm_count())) if PERSISTENT else units
 
 
-def _fused_us(m: int, k: int, n: int, splits: int, sms: int) -> float:
-  """This kernel's modelled microseconds for ``x [m, k] @ W [k, n]`` in ``splits`` K splits on ``sms`` SMs: rounds
-  of units (one unit on every SM) times a unit's steps times :data:`STEP_US` (the narrow tile's :data:`SMALL_STEP_US`);
-  a split run adds its float32 traffic (the zeroing, every split's atomic add, XLA's rounding pass) at
-  :data:`HBM_TBPS`."""
-  units = -(-m // block_m(m)) * (n // BLOCK_N) * splits
-  step_us = STEP_US if block_m(m) == BLOCK_M else SMALL_STEP_US
-  us = -(-units // sms) * (k // STEP_K // splits) * step_us
-  if splits > 1:
-    us += m * n * (4.0 * (splits + 2) + 2.0) / (HBM_TBPS * 1e6)
+def _plan_us(m: int, k: int, n: int, plan: Plan, sms: int) -> float:
+  """This kernel's modelled microseconds for ``x [m, k] @ W [k, n]`` run as ``plan`` on ``sms`` SMs: the busiest
+  program's steps (its whole tiles and tail units as the persistent walk deals them out) times :data:`STEP_US` (the
+  narrow tile's :data:`SMALL_STEP_US`), plus the tail's float32 traffic (XLA's zeroing, every split's atomic add, the
+  rounding pass) at :data:`HBM_TBPS`."""
+  mt, tiles = _tiles(m, n)
+  steps = k // STEP_K
+  tail = (tiles - plan.full) * plan.splits
+  programs = max(1, min(plan.full + tail, sms))
+  busiest = max(len(range(p, plan.full, programs)) * steps
+                + len(range((p - plan.full) % programs, tail, programs)) * (steps // plan.splits)
+                for p in range(programs))
+  us = busiest * (STEP_US if block_m(m) == BLOCK_M else SMALL_STEP_US)
+  if tail:
+    tail_cols = n - plan.full // mt * BLOCK_N
+    us += m * tail_cols * (4.0 * (plan.splits + 2) + 2.0) / (HBM_TBPS * 1e6)
   return us
 
 
-def splits_for(m: int, k: int, n: int, sms: int | None = None) -> int:
-  """The K splits of ``x [m, k] @ W [k, n]``: the divisor of the ``k / 64`` steps, at most :data:`MAX_SPLITS`, with
-  the least modelled time (:func:`_fused_us`; ties to fewer), or 1 where the split parts must be summed in a fixed
-  order (:func:`pallas_kernels.w4_gluon.atomic_split_k`: atomics add them in whatever order they arrive).
+def plan_for(m: int, k: int, n: int, sms: int | None = None) -> Plan:
+  """The split of ``x [m, k] @ W [k, n]`` with the least modelled time (:func:`_plan_us`; ties to no split, then to
+  fewer splits): every tile whole; or the whole rounds of tiles whole and the last, partial round split; or every
+  tile split; splits dividing the ``k / 64`` steps, at most :data:`MAX_SPLITS`. Every tile whole where the parts
+  must be summed in a fixed order (:func:`pallas_kernels.w4_gluon.atomic_split_k`: atomics add them in whatever
+  order they arrive).
 
   Raises:
     ValueError: ``QERL_GLUON_DETERMINISTIC`` malformed, or :data:`MAX_SPLITS` below 1.
   """
   if MAX_SPLITS < 1:
     raise ValueError(f"w4_gluon_mm: MAX_SPLITS={MAX_SPLITS}; expected at least 1 (1: no split-K)")
+  mt, tiles = _tiles(m, n)
+  whole = Plan(tiles, 1)
   if MAX_SPLITS == 1 or not w4_gluon.atomic_split_k():
-    return 1
+    return whole
   sms = _sm_count() if sms is None else sms
   steps = k // STEP_K
-  options = [s for s in range(1, min(MAX_SPLITS, steps) + 1) if steps % s == 0]
-  return min(options, key=lambda s: (_fused_us(m, k, n, s, sms), s))
+  rounds_full = tiles // sms * sms // mt * mt  # whole rounds of tiles, cut to whole columns
+  plans = [whole] + [Plan(full, s) for s in range(2, min(MAX_SPLITS, steps) + 1) if steps % s == 0
+                     for full in sorted({0, rounds_full}) if full < tiles]
+  return min(plans, key=lambda p: (_plan_us(m, k, n, p, sms), p.splits))
 
 
 def predicted_us(m: int, k: int, n: int, sms: int | None = None) -> tuple[float, float]:
@@ -563,10 +630,10 @@ def predicted_us(m: int, k: int, n: int, sms: int | None = None) -> tuple[float,
   the first GPU's, else 132) with :data:`STEP_US`, :data:`DEQUANT_US_PER_MILLION`, :data:`BF16_TFLOPS` and
   :data:`HBM_TBPS`. The kernel's rounds count its units over the SMs, so a shape with few tiles (a long K and a
   narrow N at small M, such as the 7B down projection at M = 256: 28 tiles) pays for its idle SMs unless it is split
-  along K (:func:`splits_for`)."""
+  along K (:func:`plan_for`)."""
   if sms is None:
     sms = _sm_count()
-  fused = _fused_us(m, k, n, splits_for(m, k, n, sms), sms)
+  fused = _plan_us(m, k, n, plan_for(m, k, n, sms), sms)
   gemm = max(2.0 * m * k * n / (BF16_TFLOPS * 1e6), 2.0 * k * n / (HBM_TBPS * 1e6))
   return fused, GEMM_FIXED_US + gemm + k * n * 1e-6 * DEQUANT_US_PER_MILLION
 
@@ -585,24 +652,30 @@ def _tma_specs(operands, boxes) -> np.ndarray:
 
 
 def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, addend: bool = False,
-             dx: bool = False, splits: int | None = None) -> dict:
+             dx: bool = False, plan: Plan | None = None) -> dict:
   """The kernel's constexprs for ``x [m, k]`` and a ``[k, n]`` weight (of a stack of ``layers``) whose codes are in
   the decode order (:func:`qerl_jax.nvfp4.to_decode_order`) or not, with a bf16 ``[m, n]`` addend or not; with
   ``dx``, the dx build for ``dy [m, k]`` against a ``[n, k]`` weight (``k`` is then the weight's N, the contraction,
-  and ``n`` its K, the output's columns). ``splits``: K splits (``SK``; default :func:`splits_for`); above 1 the
-  kernel adds float32 parts into a zeroed float32 output.
+  and ``n`` its K, the output's columns). ``plan``: the split (:class:`Plan`; default :func:`plan_for`), as ``FT``
+  (whole tiles) and ``SK`` (the tail's splits).
 
   Raises:
     ValueError: settings the kernel cannot take (:data:`STAGES` < 2, :data:`IN_FLIGHT` not 0 or 1, :data:`MAX_SPLITS`
-      below 1), or ``splits`` that do not divide the ``k / 64`` steps.
+      below 1), or a ``plan`` whose splits do not divide the ``k / 64`` steps or whose whole tiles are not whole
+      columns.
   """
   if STAGES < 2 or IN_FLIGHT not in (0, 1):
     raise ValueError(f"w4_gluon_mm: STAGES={STAGES} (>= 2) and IN_FLIGHT={IN_FLIGHT} (0 or 1) are not supported")
-  splits = splits_for(m, k, n) if splits is None else splits
-  if splits < 1 or (k // STEP_K) % splits:
-    raise ValueError(f"w4_gluon_mm: splits={splits} must be a positive divisor of the {k // STEP_K} steps (K = {k})")
-  return dict(M=m, N=n, K=k, L=layers, BM=block_m(m), BN=BLOCK_N, S=STAGES, DR=LOAD_REGS, IF=IN_FLIGHT, DV=DECODE, PR=PROBE,
-              NP=_programs(m, n, splits), DO=int(decode_order), AD=int(addend), DX=int(dx), SK=splits)
+  plan = plan_for(m, k, n) if plan is None else Plan(*plan)
+  mt, tiles = _tiles(m, n)
+  if plan.splits < 1 or (k // STEP_K) % plan.splits or not 0 <= plan.full <= tiles or plan.full % mt:
+    raise ValueError(f"w4_gluon_mm: plan {tuple(plan)} needs splits dividing the {k // STEP_K} steps (K = {k}) and "
+                     f"0..{tiles} whole tiles in multiples of the {mt} row tiles")
+  if plan.full < tiles and plan.splits == 1:
+    plan = Plan(tiles, 1)  # an unsplit tail is whole tiles
+  return dict(M=m, N=n, K=k, L=layers, BM=block_m(m), BN=BLOCK_N, S=STAGES, DR=LOAD_REGS, IF=IN_FLIGHT, DV=DECODE,
+              PR=PROBE, NP=_programs(m, n, plan), DO=int(decode_order), AD=int(addend), DX=int(dx), FT=plan.full,
+              SK=plan.splits)
 
 
 @functools.lru_cache(maxsize=None)
@@ -613,9 +686,7 @@ def _compiled(meta: tuple):
 
 def compile_for(meta: dict, cc: int = 90):
   """``triton.compile`` of the kernel for ``meta`` (:func:`meta_for`) and ``sm_{cc}`` (no GPU needed)."""
-  # split-K (SK > 1): the output is float32 (atomics)
-  arg_dtypes = (_descriptor_types(_boxes(meta["BM"], bool(meta.get("DX")))) + _POINTERS[:-1]
-                + ("*fp32" if meta.get("SK", 1) > 1 else "*bf16",))
+  arg_dtypes = _descriptor_types(_boxes(meta["BM"], bool(meta.get("DX")))) + _POINTERS
   return w4_gluon._compile_gluon(_kernel(), arg_dtypes, meta, cc, num_warps=8, maxnreg=_regs())
 
 
@@ -707,9 +778,21 @@ def _launch(a, w, index, meta: dict, out_cols: int, addend=None) -> jax.Array:
   codes, scales, gs, idx = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
   ptx, name, shared = _compiled(tuple(meta.items()))
   operands = (a, codes, scales, gs, idx, jnp.zeros((1,), jnp.bfloat16) if addend is None else addend)
-  split = meta["SK"] > 1  # float32 parts added into a zeroed float32 output, rounded to bf16 by XLA
-  y = jax.ffi.ffi_call(w4_gluon._FFI_TARGET, jax.ShapeDtypeStruct((a.shape[0], out_cols),
-                                                                   jnp.float32 if split else jnp.bfloat16))(
-      *operands, **w4_gluon._launch_attrs(ptx, name, (meta["NP"], 1, 1), shared, threads=_THREADS,
-                                          zero_results=split, tma=_tma_specs(operands, boxes)))
-  return y.astype(jnp.bfloat16)
+  m = a.shape[0]
+  tail_cols = out_cols - meta["FT"] // -(-m // meta["BM"]) * BLOCK_N  # columns of the split tail
+  # the tail's float32 columns, zeroed by XLA and aliased to the second result (a placeholder without a tail); the
+  # first result is the whole tiles' bf16 output (a placeholder when every tile is split)
+  zeros = jnp.zeros((m, tail_cols) if tail_cols else (1,), jnp.float32)
+  out_shapes = (jax.ShapeDtypeStruct((m, out_cols) if meta["FT"] else (1,), jnp.bfloat16),
+                jax.ShapeDtypeStruct(zeros.shape, jnp.float32))
+  # (without a tail the placeholders are neither aliased nor written: no zeroing kernel runs)
+  y, tail = jax.ffi.ffi_call(w4_gluon._FFI_TARGET, out_shapes, input_output_aliases={6: 1} if tail_cols else None)(
+      *operands, zeros, **w4_gluon._launch_attrs(ptx, name, (meta["NP"], 1, 1), shared, threads=_THREADS,
+                                                 tma=_tma_specs(operands, boxes)))
+  if not tail_cols:
+    return y
+  if addend is not None:  # the tail's addend, in float32 before its one rounding
+    tail = tail + addend[:, out_cols - tail_cols:].astype(jnp.float32)
+  if not meta["FT"]:
+    return tail.astype(jnp.bfloat16)
+  return jax.lax.dynamic_update_slice(y, tail.astype(jnp.bfloat16), (0, out_cols - tail_cols))

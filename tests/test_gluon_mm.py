@@ -139,28 +139,38 @@ def test_mm_settings_are_checked(monkeypatch):
 
 
 def test_mm_split_k_rules(monkeypatch):
-  """The K splits by the cost model, worked by hand (132 SMs, STEP_US 0.69, HBM_TBPS 3.0): the 7B down projection at
-  M = 256 has 28 tiles of 296 steps. Unsplit: 1 round x 296 steps = 204.2 us. 4 splits: 112 units in 1 round x 74
-  steps = 51.06 us plus 256 x 3584 x (4 x 6 + 2) bytes at 3 TB/s = 7.95 us: 59.01. 8 splits: 224 units, 2 rounds x 37
-  steps = 51.1 plus 12.8: 63.9. 2 splits: 102.1 + 5.5. So 4. At M = 2048 the 7B q/k/v (288 tiles, 56 steps) stays
-  unsplit: 3 rounds x 56 = 115.9 us; 2 splits 5 rounds x 28 = 96.6 plus 2048 x 4608 x 18 / 3e6 = 56.6. Off by
-  default (MAX_SPLITS 1: not yet run on a GPU) and under a fixed summation order."""
-  assert w4_gluon_mm.MAX_SPLITS == 1 and w4_gluon_mm.splits_for(256, 18944, 3584, sms=132) == 1
+  """The split plan by the cost model, worked by hand (132 SMs, STEP_US 0.69, HBM_TBPS 3.0).
+
+  7B down at M = 256: 28 tiles of 296 steps, no whole round. Unsplit: 296 steps = 204.2 us. Every tile in 4 splits:
+  112 units, one a program, 74 steps = 51.06 us plus 256 x 3584 x (4 x 6 + 2) bytes at 3 TB/s = 7.95: 59.01. In 8:
+  224 units, 2 x 37 steps = 51.06 plus 12.85. In 2: 102.1 plus 5.5. So (0 whole tiles, 4 splits).
+
+  7B q/k/v at M = 2048: 8 row tiles x 36 = 288 tiles. Unsplit: 3 tiles on 24 programs, 168 steps = 115.9 us. Two
+  whole rounds (264 tiles, whole columns: 33 x 8) and the last 24 tiles in 4 splits: 2 x 56 + 14 = 126 steps = 86.94
+  plus the tail's 384 columns, 2048 x 384 x 26 bytes = 6.82: 93.76. In 8 splits: 126 steps plus 11.01; in 2: 140 steps
+  plus 4.72; in 7: 128 steps plus 9.96. So (264, 4).
+
+  Off by default (MAX_SPLITS 1: not yet run on a GPU) and under a fixed summation order."""
+  Plan = w4_gluon_mm.Plan
+  assert w4_gluon_mm.MAX_SPLITS == 1 and w4_gluon_mm.plan_for(256, 18944, 3584, sms=132) == Plan(28, 1)
   monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 8)
   monkeypatch.delenv("QERL_GLUON_DETERMINISTIC", raising=False)
   monkeypatch.setenv("XLA_FLAGS", "")
-  assert w4_gluon_mm.splits_for(256, 18944, 3584, sms=132) == 4
-  assert w4_gluon_mm._fused_us(256, 18944, 3584, 4, 132) == pytest.approx(59.01, abs=0.01)
-  assert w4_gluon_mm.splits_for(2048, 3584, 4608, sms=132) == 1
+  assert w4_gluon_mm.plan_for(256, 18944, 3584, sms=132) == Plan(0, 4)
   assert w4_gluon_mm.predicted_us(256, 18944, 3584, sms=132)[0] == pytest.approx(59.01, abs=0.01)
+  assert w4_gluon_mm.plan_for(2048, 3584, 4608, sms=132) == Plan(264, 4)
+  assert w4_gluon_mm.predicted_us(2048, 3584, 4608, sms=132)[0] == pytest.approx(93.76, abs=0.01)
+  assert w4_gluon_mm._plan_us(2048, 3584, 4608, Plan(288, 1), 132) == pytest.approx(115.92, abs=0.01)
   monkeypatch.setenv("QERL_GLUON_DETERMINISTIC", "1")
-  assert w4_gluon_mm.splits_for(256, 18944, 3584, sms=132) == 1
+  assert w4_gluon_mm.plan_for(256, 18944, 3584, sms=132) == Plan(28, 1)
   monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 0)
   with pytest.raises(ValueError, match="MAX_SPLITS"):
-    w4_gluon_mm.splits_for(256, 18944, 3584)
+    w4_gluon_mm.plan_for(256, 18944, 3584)
   monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 1)
-  with pytest.raises(ValueError, match="splits=3"):  # 3 does not divide the 56 steps of K = 3584
-    w4_gluon_mm.meta_for(256, 3584, 4608, 1, splits=3)
+  with pytest.raises(ValueError, match="plan"):  # 3 does not divide the 56 steps of K = 3584
+    w4_gluon_mm.meta_for(256, 3584, 4608, 1, plan=Plan(0, 3))
+  with pytest.raises(ValueError, match="plan"):  # whole tiles not whole columns (8 row tiles)
+    w4_gluon_mm.meta_for(2048, 3584, 4608, 1, plan=Plan(12, 4))
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -278,28 +288,33 @@ def test_mm_lowers_for_cuda_without_a_gpu(order, monkeypatch):
   assert "qerl_gluon_launch" in text and ".entry w4a16_mm" in text
   assert f"tma = dense<[{', '.join(map(str, spec))}]> : tensor<25xi64>" in text
   assert "grid_x = 132" in text and "grid_y = 1" in text and "threads = 384" in text
+  assert "output_operand_aliases" not in text  # unsplit: no tail columns to zero
   assert "cp.async.bulk.tensor.2d.shared::cluster.global" in text and "wgmma.mma_async" in text
   assert ("shl.b32 t, u, 19" in text) == (order == "decode")  # the decode-order PTX (_asm_decode_order)
 
 
 def test_mm_split_k_lowers_for_cuda_without_a_gpu(monkeypatch):
-  """With split-K the launcher zeroes a float32 result that the kernel adds its parts into (float32 atomics) and XLA
-  rounds it to bf16: the 7B q/k/v at M = 256 (36 tiles) with MAX_SPLITS 2 runs 72 programs, one a unit."""
+  """Split-K lowers with the tail's float32 columns as a zeroed operand aliased to the second result (the kernel adds
+  its parts into them with float32 atomics), rounded by XLA: every tile split (the 7B q/k/v at M = 256, 36 tiles, 2
+  splits: 72 programs, the whole tail) and two whole rounds with a split tail (M = 2048: 264 whole tiles, the last
+  384 columns split, written into the output by a dynamic update slice)."""
   _fake_sm90(monkeypatch)
-  monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 2)
   monkeypatch.delenv("QERL_GLUON_DETERMINISTIC", raising=False)
   monkeypatch.setenv("XLA_FLAGS", "")
   k, n, stack = _abstract_stack("standard")
-  x = jax.ShapeDtypeStruct((256, k), jnp.bfloat16)
-  c = jax.ShapeDtypeStruct((256, n), jnp.bfloat16)
-  f = jax.jit(lambda x, w, i, c: w4_gluon_mm.forward(x, w, index=i, addend=c))
   i = jax.ShapeDtypeStruct((), jnp.int32)
-  out = jax.eval_shape(f, x, stack, i, c)
-  assert out.shape == (256, n) and out.dtype == jnp.bfloat16
-  text = f.trace(x, stack, i, c).lower(lowering_platforms=("cuda",)).as_text()
-  assert "grid_x = 72" in text and "zero_results = 1" in text
-  assert "atom.global.gpu.relaxed.add.v2.f32" in text
-  assert f"-> tensor<256x{n}xf32>" in text and "stablehlo.convert" in text
+  f = jax.jit(lambda x, w, i, c: w4_gluon_mm.forward(x, w, index=i, addend=c))
+  for m, splits, grid, tail_cols in ((256, 2, 72, n), (2048, 4, 132, 384)):
+    monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", splits)
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    c = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    out = jax.eval_shape(f, x, stack, i, c)
+    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+    text = f.trace(x, stack, i, c).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"grid_x = {grid}" in text and "zero_results = 0" in text and "output_operand_aliases" in text
+    assert "atom.global.gpu.relaxed.add.v2.f32" in text
+    assert f"tensor<{m}x{tail_cols}xf32>" in text
+    assert ("dynamic_update_slice" in text) == (tail_cols < n)
 
 
 def test_mm_narrow_tile_lowers_for_cuda_without_a_gpu(monkeypatch):
@@ -367,24 +382,27 @@ def test_gpu_dx_build_matches_float64(m, k, n, order):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n,splits", [
-    (256, 18944, 3584, 4),  # 7B down at M = 256: 112 units
-    (300, 3584, 4608, 7),   # ragged M, 7 splits of 8 steps
-    (17, 192, 384, 3),      # one step a split
-    (2000, 1280, 3840, 5),  # 1200 units: about 9 a program in the persistent walk
+@pytest.mark.parametrize("m,k,n,plan", [
+    (256, 18944, 3584, (0, 4)),   # 7B down at M = 256: every tile in 4 splits, 112 units
+    (300, 3584, 4608, (0, 7)),    # ragged M (2 row tiles), 7 splits of 8 steps
+    (17, 192, 384, (0, 3)),       # one step a split
+    (2048, 3584, 4608, (264, 4)),  # 7B q/k/v at M = 2048: two whole rounds, the last 3 column tiles split
+    (2000, 1280, 3840, (128, 5)),  # ragged, 16 whole column tiles, 14 split ones in the persistent walk
+    (300, 1280, 768, (2, 4)),     # one whole column tile of 2 row tiles
 ])
 @pytest.mark.parametrize("order", ["standard", "decode"])
-def test_gpu_mm_split_k_matches_float64(m, k, n, splits, order, monkeypatch):
-  """Split-K (float32 atomics into a zeroed output, rounded by XLA) against float64, with and without an addend (added
-  once, by split 0), every row and column written, either code order."""
+def test_gpu_mm_split_k_matches_float64(m, k, n, plan, order, monkeypatch):
+  """Split-K (float32 atomics into zeroed tail columns, rounded by XLA; whole tiles rounded in the kernel) against
+  float64, with and without an addend, every row and column written, either code order."""
   _skip_without_kernel()
-  monkeypatch.setattr(w4_gluon_mm, "splits_for", lambda *a, **kw: splits)
-  wq = _weight(k, n, m + splits)
+  monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
+  wq = _weight(k, n, m + plan[1])
   rng = np.random.default_rng(k + n)
   x = jnp.asarray(rng.standard_normal((m, k)) * 2.0, jnp.bfloat16)
   c = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
   w = nvfp4.to_decode_order(wq) if order == "decode" else wq
-  assert w4_gluon_mm.meta_for(m, k, n, 1)["SK"] == splits
+  meta = w4_gluon_mm.meta_for(m, k, n, 1)
+  assert (meta["FT"], meta["SK"]) == plan
   want = np.asarray(x, np.float64) @ _dense64(wq)
   for addend in (None, c):
     got = jax.jit(lambda x, w, c: w4_gluon_mm.forward(x, w, addend=c))(x, w, addend)
@@ -398,14 +416,15 @@ def test_gpu_mm_split_k_matches_float64(m, k, n, splits, order, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n,splits", [(128, 3584, 4608, 1), (65, 1280, 768, 1), (100, 18944, 3584, 4),
-                                          (257, 1152, 768, 1)])
-def test_gpu_mm_narrow_tile_matches_float64(m, k, n, splits, monkeypatch):
-  """The narrow tile (SMALL_M_MAX = 128: 128 rows of x, m64 n128 wgmmas), alone and split, against float64; M = 257
-  takes three narrow tiles when SMALL_M_MAX covers it."""
+@pytest.mark.parametrize("m,k,n,plan", [(128, 3584, 4608, (36, 1)), (65, 1280, 768, (6, 1)),
+                                        (100, 18944, 3584, (0, 4)), (257, 1152, 768, (18, 1)),
+                                        (257, 1152, 768, (6, 3))])
+def test_gpu_mm_narrow_tile_matches_float64(m, k, n, plan, monkeypatch):
+  """The narrow tile (SMALL_M_MAX = 128: 128 rows of x, m64 n128 wgmmas), whole and split, against float64; M = 257
+  takes three row tiles when SMALL_M_MAX covers it (whole, or one whole column tile and a split tail)."""
   _skip_without_kernel()
   monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", max(128, m))
-  monkeypatch.setattr(w4_gluon_mm, "splits_for", lambda *a, **kw: splits)
+  monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
   assert w4_gluon_mm.meta_for(m, k, n, 1)["BM"] == 128
   wq = _weight(k, n, m + 7)
   x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)) * 2.0, jnp.bfloat16)
@@ -416,3 +435,17 @@ def test_gpu_mm_narrow_tile_matches_float64(m, k, n, splits, monkeypatch):
   for axis in (0, 1):
     err = np.linalg.norm(g - want, axis=1 - axis) / np.linalg.norm(want, axis=1 - axis)
     assert err.max() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", [(0, 4), (264, 7)])
+def test_gpu_dx_build_split_k_matches_float64(plan, monkeypatch):
+  """The dx build with split-K (every tile split; two whole rounds and a split tail) against float64."""
+  _skip_without_kernel()
+  monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
+  m, k, n = 300, 18944, 3584
+  wq = _weight(k, n, 9)
+  dy = jnp.asarray(np.random.default_rng(10).standard_normal((m, n)), jnp.bfloat16)
+  got = jax.jit(w4_gluon_mm.dx)(dy, wq)
+  want = np.asarray(dy, np.float64) @ _dense64(wq).T
+  assert got.shape == (m, k) and bool(jnp.isfinite(got).all()) and _rel(got, want) < 4e-3
