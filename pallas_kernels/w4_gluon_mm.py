@@ -82,6 +82,10 @@ MAX_SPLITS = 1  # split-K (session 47, lab: compiled and lowering-tested, not ye
                 # (plan_for), their float32 parts added by atomics into zeroed tail columns that XLA rounds to bf16;
                 # for shapes whose tiles leave SMs idle (7B down at M = 256: 28 tiles on 132 SMs, 0.31x of bf16
                 # unsplit). 1: off
+RASTER_GROUP = 0  # lab (session 47, not yet run on a GPU): > 0 walks the whole tiles in groups of this many x row
+                  # tiles (the row tiles fastest within a group), so that the tiles running at once share fewer rows
+                  # of x: at M = 8192 x [8192, 3584] (58 MB) outgrows the L2 and the default order (row tiles
+                  # fastest over all of M) reads all of it again for every few column tiles. 0: that default order
 MAX_M = 4096    # the most rows matmul.kernel_forward sends here (GLUON_MM): at M = 8192 dequantize + cuBLAS was
                 # faster (0.955x of bf16 against 0.90x, 7B shapes summed, H100, session 46); at M = 2048 this kernel
                 # (0.95x against 0.84x)
@@ -349,6 +353,22 @@ def _kernel():
     return ttgl.reshape(ttgl.permute(x, [0, 1, 2, 12, 3, 4, 5, 6, 7, 11, 9, 10, 8]), [128, 64])
 
   @gluon.jit
+  def tile_of(t, MT: ttgl.constexpr, NTF: ttgl.constexpr, G: ttgl.constexpr):
+    """(row tile, column tile) of whole tile ``t`` of the first ``NTF`` column tiles: x row tiles fastest, or with
+    G > 0 in groups of G row tiles (the last group may be smaller), the row tiles fastest within a group."""
+    ttgl.static_assert(MT > 0)  # (also names ttgl in the body, which the signature's annotations need)
+    if G == 0:
+      mt = t % MT
+      nt = t // MT
+    else:
+      first = t // (G * NTF) * G
+      rows = ttgl.minimum(MT - first, G)
+      within = t % (G * NTF)
+      mt = first + within % rows
+      nt = within // rows
+    return mt, nt
+
+  @gluon.jit
   def produce_unit(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, c_row0, s_row0, m0, n0, k0, g,
                    BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, NS: ttgl.constexpr, DX: ttgl.constexpr):
     """Copies a unit's NS steps from step k0 (x rows m0.., weight columns n0..) into the ring; returns the next g."""
@@ -372,7 +392,7 @@ def _kernel():
   @gluon.jit
   def producer(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M: ttgl.constexpr, N: ttgl.constexpr,
                K: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, NP: ttgl.constexpr,
-               DX: ttgl.constexpr, FT: ttgl.constexpr, SK: ttgl.constexpr):
+               DX: ttgl.constexpr, FT: ttgl.constexpr, SK: ttgl.constexpr, G: ttgl.constexpr):
     """One warp: each step's x [BM, 64] (rows past M arrive as zeros), codes and block scales by TMA into stage
     g % S of the ring once the MMA partition has released it, over this program's units: first whole tiles of the
     first FT (x row tiles fastest), then the split tail (:func:`_tail_unit`). N is the output's columns and K the
@@ -387,8 +407,9 @@ def _kernel():
     pid = ttgl.program_id(0)
     g = 0
     for t in range(pid, FT, NP):
-      g = produce_unit(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, c_row0, s_row0, (t % MT) * BM,
-                       (t // MT) * BN, 0, g, BM, BN, S, STEPS, DX)
+      mt, nt = tile_of(t, MT, FT // MT, G)
+      g = produce_unit(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, c_row0, s_row0, mt * BM, nt * BN, 0, g, BM,
+                       BN, S, STEPS, DX)
     for v in range((pid + NP - FT % NP) % NP, TU, NP):
       g = produce_unit(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, c_row0, s_row0, (v % MT) * BM,
                        (FT // MT + v // MT // SK) * BN, ((v // MT) % SK) * (STEPS // SK), g, BM, BN, S,
@@ -493,7 +514,7 @@ def _kernel():
   def mma_loop(x_smem, c_smem, s_smem, ready, empty, c_ptr, o_ptr, w_ptr, scale, M: ttgl.constexpr,
                N: ttgl.constexpr, K: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr,
                IF: ttgl.constexpr, NP: ttgl.constexpr, DV: ttgl.constexpr, PR: ttgl.constexpr, DO: ttgl.constexpr,
-               AD: ttgl.constexpr, DX: ttgl.constexpr, FT: ttgl.constexpr, SK: ttgl.constexpr):
+               AD: ttgl.constexpr, DX: ttgl.constexpr, FT: ttgl.constexpr, SK: ttgl.constexpr, G: ttgl.constexpr):
     """8 warps: this program's units as the producer walks them (whole tiles of the first FT, then the tail's split
     units), each unit's MMAs then its epilogue (while the producer already fills the ring for the next unit)."""
     STEPS: ttgl.constexpr = K // 64
@@ -504,7 +525,8 @@ def _kernel():
     g = 0
     for t in range(pid, FT, NP):
       acc, g = mma_unit(x_smem, c_smem, s_smem, ready, empty, g, BM, BN, S, IF, STEPS, DV, DO, DX)
-      store_unit(acc, scale, c_ptr, o_ptr, w_ptr, (t % MT) * BM, (t // MT) * BN, M, N, BM, BN, PR, AD, False, TN0)
+      mt, nt = tile_of(t, MT, FT // MT, G)
+      store_unit(acc, scale, c_ptr, o_ptr, w_ptr, mt * BM, nt * BN, M, N, BM, BN, PR, AD, False, TN0)
     for v in range((pid + NP - FT % NP) % NP, TU, NP):
       acc, g = mma_unit(x_smem, c_smem, s_smem, ready, empty, g, BM, BN, S, IF, STEPS // SK, DV, DO, DX)
       store_unit(acc, scale, c_ptr, o_ptr, w_ptr, (v % MT) * BM, (FT // MT + v // MT // SK) * BN, M, N, BM, BN, PR,
@@ -516,7 +538,7 @@ def _kernel():
                N: ttgl.constexpr, K: ttgl.constexpr, L: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
                S: ttgl.constexpr, DR: ttgl.constexpr, IF: ttgl.constexpr, NP: ttgl.constexpr, DV: ttgl.constexpr,
                PR: ttgl.constexpr, DO: ttgl.constexpr, AD: ttgl.constexpr, DX: ttgl.constexpr, FT: ttgl.constexpr,
-               SK: ttgl.constexpr):
+               SK: ttgl.constexpr, G: ttgl.constexpr):
     layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
     scale = 256.0 / ttgl.load(gs_ptr + layer)  # 2**8 undoes the decode's 2**-8
     x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [S, BM, 64], xd.layout)
@@ -534,8 +556,9 @@ def _kernel():
     hopper.fence_async_shared()
     ttgl.warp_specialize(
         [(mma_loop, (x_smem, c_smem, s_smem, ready, empty, c_ptr, o_ptr, w_ptr, scale, M, N, K, BM, BN, S, IF, NP,
-                       0 if PR == 1 else DV, PR, DO, AD, DX, FT, SK)),
-         (producer, (xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M, N, K, BM, BN, S, NP, DX, FT, SK))],
+                       0 if PR == 1 else DV, PR, DO, AD, DX, FT, SK, G)),
+         (producer, (xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M, N, K, BM, BN, S, NP, DX, FT, SK,
+                     G))],
         [1], [DR])
 
   return w4a16_mm
@@ -571,6 +594,18 @@ def _tiles(m: int, n: int) -> tuple[int, int]:
   """(row tiles, all tiles) of an ``[m, n]`` output."""
   mt = -(-m // block_m(m))
   return mt, mt * (n // BLOCK_N)
+
+
+def whole_tile(t: int, row_tiles: int, col_tiles: int, group: int) -> tuple[int, int]:
+  """(row tile, column tile) of whole tile ``t`` of ``row_tiles x col_tiles``, as the kernel walks them (its
+  ``tile_of``, line for line): x row tiles fastest, or with ``group`` > 0 (:data:`RASTER_GROUP`) in groups of that
+  many row tiles (the last may be smaller), the row tiles fastest within a group."""
+  if group == 0:
+    return t % row_tiles, t // row_tiles
+  first = t // (group * col_tiles) * group
+  rows = min(row_tiles - first, group)
+  within = t % (group * col_tiles)
+  return first + within % rows, within // rows
 
 
 def _programs(m: int, n: int, plan: Plan | None = None) -> int:
@@ -661,11 +696,12 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
 
   Raises:
     ValueError: settings the kernel cannot take (:data:`STAGES` < 2, :data:`IN_FLIGHT` not 0 or 1, :data:`MAX_SPLITS`
-      below 1), or a ``plan`` whose splits do not divide the ``k / 64`` steps or whose whole tiles are not whole
+      below 1, :data:`RASTER_GROUP` below 0), or a ``plan`` whose splits do not divide the ``k / 64`` steps or whose whole tiles are not whole
       columns.
   """
-  if STAGES < 2 or IN_FLIGHT not in (0, 1):
-    raise ValueError(f"w4_gluon_mm: STAGES={STAGES} (>= 2) and IN_FLIGHT={IN_FLIGHT} (0 or 1) are not supported")
+  if STAGES < 2 or IN_FLIGHT not in (0, 1) or RASTER_GROUP < 0:
+    raise ValueError(f"w4_gluon_mm: STAGES={STAGES} (>= 2), IN_FLIGHT={IN_FLIGHT} (0 or 1) and "
+                     f"RASTER_GROUP={RASTER_GROUP} (>= 0) are not all supported")
   plan = plan_for(m, k, n) if plan is None else Plan(*plan)
   mt, tiles = _tiles(m, n)
   if plan.splits < 1 or (k // STEP_K) % plan.splits or not 0 <= plan.full <= tiles or plan.full % mt:
@@ -675,7 +711,7 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
     plan = Plan(tiles, 1)  # an unsplit tail is whole tiles
   return dict(M=m, N=n, K=k, L=layers, BM=block_m(m), BN=BLOCK_N, S=STAGES, DR=LOAD_REGS, IF=IN_FLIGHT, DV=DECODE,
               PR=PROBE, NP=_programs(m, n, plan), DO=int(decode_order), AD=int(addend), DX=int(dx), FT=plan.full,
-              SK=plan.splits)
+              SK=plan.splits, G=RASTER_GROUP if 0 < RASTER_GROUP < -(-m // block_m(m)) else 0)
 
 
 @functools.lru_cache(maxsize=None)

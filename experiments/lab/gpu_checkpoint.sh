@@ -37,6 +37,7 @@
 #   STEPS=57 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=58 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=59 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=60 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -494,4 +495,9 @@ step 58 && { MM_KIND=dx MM_MS=2048,8192 timeout 150 python3 experiments/lab/time
 step 59 && { for s in "MAX_SPLITS=1" "MAX_SPLITS=8"; do MM_SET="$s" timeout 150 python3 experiments/lab/gluon/ab_rollout.py \
       --batches=256 --new_tokens=1024 --formats=nvfp4_fused --time_budget_s=120 2>&1 | grep "w4_gluon_mm\|nvfp4_fused |"; done
 } | tee "$OUT/mm_split_rollout.txt"
+# 60 (session 47, prepared; about 5 minutes): the large-M forward at M = 4096 and 8192 (7B shapes), where x outgrows the
+#    L2: the default walk against grouped walks of 8, 12 and 16 row tiles (RASTER_GROUP), with split-K on. If a group
+#    brings M = 8192 above dequantize + cuBLAS (0.955x of bf16 on an H100), raise MAX_M.
+step 60 && { MM_MS=4096,8192 MM_VARIANTS="base;sk8:MAX_SPLITS=8;g8:RASTER_GROUP=8,MAX_SPLITS=8;g12:RASTER_GROUP=12,MAX_SPLITS=8;g16:RASTER_GROUP=16,MAX_SPLITS=8" \
+    timeout 280 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn; } | tee "$OUT/mm_raster.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)

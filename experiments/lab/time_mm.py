@@ -53,7 +53,7 @@ def main():
   shapes = MODELS[model]
   names = os.environ.get("MM_SHAPES", ",".join(shapes)).split(",")
   defaults = {k: getattr(w4_gluon_mm, k) for k in ("STAGES", "LOAD_REGS", "IN_FLIGHT", "PERSISTENT", "DECODE", "PROBE",
-                                                   "MAX_SPLITS", "SMALL_M_MAX")}
+                                                   "MAX_SPLITS", "SMALL_M_MAX", "RASTER_GROUP")}
   idx = jnp.int32(2)
   totals = {}
   for name in names:
