@@ -193,6 +193,17 @@ def _skip_without_kernel():
     pytest.skip("the large-M forward kernel needs an sm_90 GPU and the FFI launcher")
 
 
+def _check_written(got, want, shape):
+  """``got`` (bf16) has ``shape``, is finite and matches float64 ``want`` at bf16 rounding over the whole output and
+  in every row and every column (a row of x or a column of W left unwritten or misplaced shows there)."""
+  assert got.shape == shape and got.dtype == jnp.bfloat16 and bool(jnp.isfinite(got).all())
+  assert _rel(got, want) < 4e-3
+  g = np.asarray(got, np.float64)
+  for axis in (0, 1):
+    err = np.linalg.norm(g - want, axis=1 - axis) / np.linalg.norm(want, axis=1 - axis)
+    assert err.max() < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("in_flight", [0, 1])
 @pytest.mark.parametrize("m,k,n", [
@@ -212,13 +223,7 @@ def test_gpu_mm_matches_float64(m, k, n, in_flight, monkeypatch):
   wq = _weight(k, n, m + k)
   x = jnp.asarray(np.random.default_rng(n).standard_normal((m, k)) * 2.0, jnp.bfloat16)
   got = jax.jit(w4_gluon_mm.forward)(x, wq)
-  assert got.shape == (m, n) and got.dtype == jnp.bfloat16 and bool(jnp.isfinite(got).all())
-  want = np.asarray(x, np.float64) @ _dense64(wq)
-  assert _rel(got, want) < 4e-3
-  g = np.asarray(got, np.float64)
-  for axis in (0, 1):  # no row of x, no column of W left unwritten or misplaced
-    err = np.linalg.norm(g - want, axis=1 - axis) / np.linalg.norm(want, axis=1 - axis)
-    assert err.max() < 1e-2
+  _check_written(got, np.asarray(x, np.float64) @ _dense64(wq), (m, n))
 
 
 @pytest.mark.gpu
@@ -383,13 +388,7 @@ def test_gpu_dx_build_matches_float64(m, k, n, order):
   wq = _weight(k, n, m + n)
   dy = jnp.asarray(np.random.default_rng(k).standard_normal((m, n)) * 2.0, jnp.bfloat16)
   got = jax.jit(w4_gluon_mm.dx)(dy, nvfp4.to_decode_order(wq) if order == "decode" else wq)
-  assert got.shape == (m, k) and got.dtype == jnp.bfloat16 and bool(jnp.isfinite(got).all())
-  want = np.asarray(dy, np.float64) @ _dense64(wq).T
-  assert _rel(got, want) < 4e-3
-  g = np.asarray(got, np.float64)
-  for axis in (0, 1):
-    err = np.linalg.norm(g - want, axis=1 - axis) / np.linalg.norm(want, axis=1 - axis)
-    assert err.max() < 1e-2
+  _check_written(got, np.asarray(dy, np.float64) @ _dense64(wq).T, (m, k))
 
 
 @pytest.mark.gpu
@@ -417,13 +416,7 @@ def test_gpu_mm_split_k_matches_float64(m, k, n, plan, order, monkeypatch):
   want = np.asarray(x, np.float64) @ _dense64(wq)
   for addend in (None, c):
     got = jax.jit(lambda x, w, c: w4_gluon_mm.forward(x, w, addend=c))(x, w, addend)
-    ref = want if addend is None else want + np.asarray(c, np.float64)
-    assert got.shape == (m, n) and got.dtype == jnp.bfloat16 and bool(jnp.isfinite(got).all())
-    assert _rel(got, ref) < 4e-3
-    g = np.asarray(got, np.float64)
-    for axis in (0, 1):
-      err = np.linalg.norm(g - ref, axis=1 - axis) / np.linalg.norm(ref, axis=1 - axis)
-      assert err.max() < 1e-2
+    _check_written(got, want if addend is None else want + np.asarray(c, np.float64), (m, n))
 
 
 @pytest.mark.gpu
@@ -440,12 +433,7 @@ def test_gpu_mm_narrow_tile_matches_float64(m, k, n, plan, monkeypatch):
   wq = _weight(k, n, m + 7)
   x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)) * 2.0, jnp.bfloat16)
   got = jax.jit(w4_gluon_mm.forward)(x, wq)
-  want = np.asarray(x, np.float64) @ _dense64(wq)
-  assert got.shape == (m, n) and bool(jnp.isfinite(got).all()) and _rel(got, want) < 4e-3
-  g = np.asarray(got, np.float64)
-  for axis in (0, 1):
-    err = np.linalg.norm(g - want, axis=1 - axis) / np.linalg.norm(want, axis=1 - axis)
-    assert err.max() < 1e-2
+  _check_written(got, np.asarray(x, np.float64) @ _dense64(wq), (m, n))
 
 
 @pytest.mark.gpu
@@ -476,9 +464,4 @@ def test_gpu_mm_grouped_raster_matches_float64(m, k, n, group, plan, monkeypatch
   wq = _weight(k, n, group)
   x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
   got = jax.jit(w4_gluon_mm.forward)(x, wq)
-  want = np.asarray(x, np.float64) @ _dense64(wq)
-  assert got.shape == (m, n) and bool(jnp.isfinite(got).all()) and _rel(got, want) < 4e-3
-  g = np.asarray(got, np.float64)
-  for axis in (0, 1):
-    err = np.linalg.norm(g - want, axis=1 - axis) / np.linalg.norm(want, axis=1 - axis)
-    assert err.max() < 1e-2
+  _check_written(got, np.asarray(x, np.float64) @ _dense64(wq), (m, n))
