@@ -41,6 +41,7 @@ two-byte elements and the swizzle).
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -49,6 +50,19 @@ import numpy as np
 
 from pallas_kernels import w4_gluon, w4_triton
 from qerl_jax import nvfp4
+
+
+def _env_int(name: str, default: int) -> int:
+  """The integer in environment variable ``name`` (``default`` when unset).
+
+  Raises:
+    ValueError: the variable holds something other than a non-negative integer.
+  """
+  value = os.environ.get(name, str(default))
+  if not value.isdigit():
+    raise ValueError(f"{name}={value!r}; expected a non-negative integer")
+  return int(value)
+
 
 BLOCK_N = 128   # columns of W a program: the two warpgroups' m64 wgmma rows
 BLOCK_M = 256   # rows of x a program: the wgmma's N
@@ -77,11 +91,11 @@ PROBE = 0       # lab (wrong results): 1 skips the shared loads and the decode (
                 # off, after which the compiler may drop the MMAs too (read it as a decode-and-copies-only probe)
 PERSISTENT = 1  # 1: one program an SM walking the tiles (the producer runs into the next tile during a store)
 IN_FLIGHT = 1   # wgmmas left in flight past each step (1: the next step's decode overlaps it; 0: wait for it)
-MAX_SPLITS = 1  # split-K (session 47, lab: compiled and lowering-tested, not yet run on a GPU): up to this many K
-                # splits a tile of the last, partial round of tiles (or of every tile), chosen by the cost model
-                # (plan_for), their float32 parts added by atomics into zeroed tail columns that XLA rounds to bf16;
-                # for shapes whose tiles leave SMs idle (7B down at M = 256: 28 tiles on 132 SMs, 0.31x of bf16
-                # unsplit). 1: off
+# Split-K (session 47, lab: compiled and lowering-tested, not yet run on a GPU): up to this many K splits a tile of the
+# last, partial round of tiles (or of every tile), chosen by the cost model (plan_for), their float32 parts added by
+# atomics into zeroed tail columns that XLA rounds to bf16; for shapes whose tiles leave SMs idle (7B down at M = 256:
+# 28 tiles on 132 SMs, 0.31x of bf16 unsplit). 1: off. QERL_GLUON_MM_MAX_SPLITS in the environment sets it at import.
+MAX_SPLITS = _env_int("QERL_GLUON_MM_MAX_SPLITS", 1)
 RASTER_GROUP = 0  # lab (session 47, not yet run on a GPU): > 0 walks the whole tiles in groups of this many x row
                   # tiles (the row tiles fastest within a group), so that the tiles running at once share fewer rows
                   # of x: at M = 8192 x [8192, 3584] (58 MB) outgrows the L2 and the default order (row tiles

@@ -486,10 +486,11 @@ step 57 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -
       MM_VARIANTS="base;sk8:MAX_SPLITS=8;narrow:SMALL_M_MAX=128,MAX_SPLITS=8" timeout 150 \
       python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn; done; } | tee "$OUT/mm_split_narrow.txt"
 # 58 (session 47, prepared; about 6 minutes): the dx build's timing against dequantize + cuBLAS (M = 2048, 8192, 7B),
-#    then issue 4's table at M = 256-2048 under the cost model's dispatch (bench_kernels.py; default settings).
+#    then issue 4's table at M = 256-2048 under the cost model's dispatch (bench_kernels.py), split-K on
+#    (QERL_GLUON_MM_MAX_SPLITS=8; default settings otherwise).
 step 58 && { MM_KIND=dx MM_MS=2048,8192 timeout 150 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn
-  timeout 300 python3 experiments/bench_kernels.py --models=7b,32b --ms=256,1024,2048 --kinds=fwd --ragged=false \
-    --json="$OUT/bench_kernels_mm.json" 2>&1 | grep "|"; } | tee "$OUT/mm_dx_bench.txt"
+  QERL_GLUON_MM_MAX_SPLITS=8 timeout 300 python3 experiments/bench_kernels.py --models=7b,32b --ms=256,1024,2048 \
+    --kinds=fwd --ragged=false --json="$OUT/bench_kernels_mm_split.json" 2>&1 | grep "|"; } | tee "$OUT/mm_dx_bench.txt"
 # 59 (session 47, prepared; about 5 minutes): a batch-256 rollout (1024 new tokens), NVFP4, with split-K off and on
 #    (MM_SET): the decode step's M = 256 products move from dequantize + cuBLAS to the large-M forward where it pays.
 step 59 && { for s in "MAX_SPLITS=1" "MAX_SPLITS=8"; do MM_SET="$s" timeout 150 python3 experiments/lab/gluon/ab_rollout.py \
