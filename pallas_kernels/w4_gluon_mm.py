@@ -66,9 +66,9 @@ def _env_int(name: str, default: int) -> int:
 
 BLOCK_N = 128   # columns of W a program: the two warpgroups' m64 wgmma rows
 BLOCK_M = 256   # rows of x a program: the wgmma's N
-SMALL_BLOCK_M = 128  # the narrow tile's rows of x (m64 n128 wgmmas: half the tensor-core work a step of BLOCK_M's)
-SMALL_M_MAX = 0  # lab (session 47: compiled, not yet run on a GPU): M <= this takes the narrow tile (SMALL_BLOCK_M),
-                 # for M = 65-128, where the 256-row tile multiplies as many zero rows as rows of x. 0: off
+SMALL_M_MAX = 0  # lab (session 47: compiled, not yet run on a GPU): M <= this takes a narrow tile of 64 rows of x
+                 # (M <= 64: m64 n64 wgmmas) or 128 (m64 n128), for small M, where the 256-row tile multiplies more
+                 # zero rows than rows of x; the decode GEMV (w4_gluon) still takes M <= 128 in the dispatch. 0: off
 STEP_K = 64     # contraction a step (4 wgmma k16 blocks; 4 NVFP4 blocks)
 STAGES = 4      # the shared-memory ring (x 32 KB + codes 4 KB + scales 0.5 KB a stage)
 LOAD_REGS = 40  # registers a thread of the one-warp TMA producer partition (setmaxnreg)
@@ -82,7 +82,8 @@ DECODE = 2      # the decode's PTX: 2 (_asm2, 16-bit column pairs in), 3 (the sa
 # the faster path in 21 of 24 rows, and the three misses cost 4-12%. An H200 reads HBM faster, which favours
 # dequantize + cuBLAS a little.
 STEP_US = 0.69
-SMALL_STEP_US = 0.45  # the narrow tile's step: a guess (the wgmma half of STEP_US's, the decode the same), not measured
+SMALL_STEP_US = {128: 0.45, 64: 0.35}  # the narrow tiles' steps: guesses (the wgmmas a half or a quarter of STEP_US's,
+                                       # the decode the same), not measured
 DEQUANT_US_PER_MILLION = 1.0
 GEMM_FIXED_US = 30.0
 BF16_TFLOPS = 800.0
@@ -321,7 +322,8 @@ def _kernel():
         lane_bases=[[0, 2], [0, 4], [2, 0], [4, 0], [8, 0]],
         warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[], shape=[128, bm]))
   store_layout = store_layout_for(256)
-  store_layout_small = store_layout_for(SMALL_BLOCK_M)  # the narrow tile's (SMALL_M_MAX)
+  store_layout_128 = store_layout_for(128)  # the narrow tiles' (SMALL_M_MAX)
+  store_layout_64 = store_layout_for(64)
 
   @gluon.jit
   def decode(c, s):
@@ -510,7 +512,7 @@ def _kernel():
     # operand rows (n6 n5 n4 n0 n3 n2 n1) -> columns: a relabelling, no data moves
     acc = ttgl.reshape(ttgl.permute(ttgl.reshape(acc, [2] * 7 + [BM]), [0, 1, 2, 4, 5, 6, 3, 7]), [BN, BM])
     # the same values with column bit n0 first in each thread's registers: the stores take column pairs (4 bytes)
-    st_layout: ttgl.constexpr = store_layout if BM == 256 else store_layout_small
+    st_layout: ttgl.constexpr = store_layout if BM == 256 else store_layout_128 if BM == 128 else store_layout_64
     out = ttgl.convert_layout(acc * scale, st_layout, assert_trivial=True)
     cols = ttgl.arange(0, BN, layout=ttgl.SliceLayout(1, st_layout)) + n0
     rows = ttgl.arange(0, BM, layout=ttgl.SliceLayout(0, st_layout)) + m0
@@ -590,9 +592,11 @@ def _sm_count() -> int:
 
 
 def block_m(m: int) -> int:
-  """The rows of x a tile takes for ``x [m, K]``: :data:`SMALL_BLOCK_M` where ``m <= SMALL_M_MAX``, else
-  :data:`BLOCK_M`."""
-  return SMALL_BLOCK_M if m <= SMALL_M_MAX else BLOCK_M
+  """The rows of x a tile takes for ``x [m, K]``: where ``m <= SMALL_M_MAX`` a narrow tile of 64 rows (``m <= 64``) or
+  128, else :data:`BLOCK_M`."""
+  if m > SMALL_M_MAX:
+    return BLOCK_M
+  return 64 if m <= 64 else 128
 
 
 class Plan(NamedTuple):
@@ -634,7 +638,7 @@ def _programs(m: int, n: int, plan: Plan | None = None) -> int:
 def _plan_us(m: int, k: int, n: int, plan: Plan, sms: int) -> float:
   """This kernel's modelled microseconds for ``x [m, k] @ W [k, n]`` run as ``plan`` on ``sms`` SMs: the busiest
   program's steps (its whole tiles and tail units as the persistent walk deals them out) times :data:`STEP_US` (the
-  narrow tile's :data:`SMALL_STEP_US`), plus the tail's float32 traffic (XLA's zeroing, every split's atomic add, the
+  narrow tiles' :data:`SMALL_STEP_US`), plus the tail's float32 traffic (XLA's zeroing, every split's atomic add, the
   rounding pass) at :data:`HBM_TBPS`."""
   mt, tiles = _tiles(m, n)
   steps = k // STEP_K
@@ -643,7 +647,8 @@ def _plan_us(m: int, k: int, n: int, plan: Plan, sms: int) -> float:
   busiest = max(len(range(p, plan.full, programs)) * steps
                 + len(range((p - plan.full) % programs, tail, programs)) * (steps // plan.splits)
                 for p in range(programs))
-  us = busiest * (STEP_US if block_m(m) == BLOCK_M else SMALL_STEP_US)
+  bm = block_m(m)
+  us = busiest * (STEP_US if bm == BLOCK_M else SMALL_STEP_US[bm])
   if tail:
     tail_cols = n - plan.full // mt * BLOCK_N
     us += m * tail_cols * (4.0 * (plan.splits + 2) + 2.0) / (HBM_TBPS * 1e6)

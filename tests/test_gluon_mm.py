@@ -338,19 +338,22 @@ def test_mm_split_k_lowers_for_cuda_without_a_gpu(monkeypatch):
 
 
 def test_mm_narrow_tile_lowers_for_cuda_without_a_gpu(monkeypatch):
-  """With SMALL_M_MAX = 128, M = 100 takes the narrow tile: x in TMA boxes of 128 x 64 and m64 n128 wgmmas; the
-  7B q/k/v (36 column tiles of one row tile) runs 36 programs. M = 129 keeps the 256-row tile."""
+  """With SMALL_M_MAX = 128, M = 100 takes the 128-row tile (x in TMA boxes of 128 x 64, m64 n128 wgmmas) and M = 64
+  the 64-row one (64 x 64, m64 n64); the 7B q/k/v (36 column tiles of one row tile) runs 36 programs. M = 129 keeps
+  the 256-row tile."""
   _fake_sm90(monkeypatch)
   monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", 128)
-  assert (w4_gluon_mm.block_m(128), w4_gluon_mm.block_m(129)) == (128, 256)
+  assert [w4_gluon_mm.block_m(m) for m in (1, 64, 65, 128, 129)] == [64, 64, 128, 128, 256]
   k, n, stack = _abstract_stack("standard")
   i = jax.ShapeDtypeStruct((), jnp.int32)
   f = jax.jit(lambda x, w, i: w4_gluon_mm.forward(x, w, index=i))
-  text = f.trace(jax.ShapeDtypeStruct((100, k), jnp.bfloat16), stack, i).lower(lowering_platforms=("cuda",)).as_text()
   l2 = w4_gluon.TMA_L2_PROMOTION
-  assert f"tma = dense<[-3, 0, 100, {k}, 128, 64, {l2}, 2, 3," in text
-  assert "grid_x = 36" in text and "wgmma.mma_async.sync.aligned.m64n128k16" in text
-  assert "m64n256k16" not in text
+  for m, bm in ((100, 128), (64, 64)):
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    text = f.trace(x, stack, i).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"tma = dense<[-3, 0, {m}, {k}, {bm}, 64, {l2}, 2, 3," in text
+    assert "grid_x = 36" in text and f"wgmma.mma_async.sync.aligned.m64n{bm}k16" in text
+    assert "m64n256k16" not in text
 
 
 @pytest.mark.parametrize("order", ["standard", "decode"])
@@ -424,16 +427,19 @@ def test_gpu_mm_split_k_matches_float64(m, k, n, plan, order, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n,plan", [(128, 3584, 4608, (36, 1)), (65, 1280, 768, (6, 1)),
-                                        (100, 18944, 3584, (0, 4)), (257, 1152, 768, (18, 1)),
-                                        (257, 1152, 768, (6, 3))])
-def test_gpu_mm_narrow_tile_matches_float64(m, k, n, plan, monkeypatch):
-  """The narrow tile (SMALL_M_MAX = 128: 128 rows of x, m64 n128 wgmmas), whole and split, against float64; M = 257
-  takes three row tiles when SMALL_M_MAX covers it (whole, or one whole column tile and a split tail)."""
+@pytest.mark.parametrize("m,k,n,plan,bm", [(128, 3584, 4608, (36, 1), 128), (65, 1280, 768, (6, 1), 128),
+                                           (100, 18944, 3584, (0, 4), 128), (257, 1152, 768, (18, 1), 128),
+                                           (257, 1152, 768, (6, 3), 128), (64, 3584, 4608, (36, 1), 64),
+                                           (1, 1280, 768, (6, 1), 64), (33, 18944, 3584, (0, 4), 64),
+                                           (8, 3584, 37888, (264, 4), 64)])
+def test_gpu_mm_narrow_tile_matches_float64(m, k, n, plan, bm, monkeypatch):
+  """The narrow tiles (SMALL_M_MAX: 128 rows of x with m64 n128 wgmmas, or 64 with m64 n64 at M <= 64), whole and
+  split, against float64; M = 257 takes three row tiles when SMALL_M_MAX covers it (whole, or one whole column tile
+  and a split tail)."""
   _skip_without_kernel()
   monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", max(128, m))
   monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
-  assert w4_gluon_mm.meta_for(m, k, n, 1)["BM"] == 128
+  assert w4_gluon_mm.meta_for(m, k, n, 1)["BM"] == bm
   wq = _weight(k, n, m + 7)
   x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)) * 2.0, jnp.bfloat16)
   got = jax.jit(w4_gluon_mm.forward)(x, wq)

@@ -7,7 +7,8 @@ of 5 traced calls. Each variant is checked against the dequantize path first (re
   MM_ORDER=decode ...   # decode-order codes (nvfp4.to_decode_order, the trainer's GPU default), read in place
   MM_ADDEND=1 ...       # a bf16 [M, N] addend (bias + LoRA delta): the kernel's epilogue adds it; the bf16 and
                         # dequantize paths add it after their GEMM (XLA folds it into cuBLAS's C)
-  MM_VARIANTS="base;sk8:MAX_SPLITS=8;narrow:SMALL_M_MAX=128,MAX_SPLITS=8" MM_MS=128,256 ...  # split-K, narrow tile
+  MM_VARIANTS="base;sk8:MAX_SPLITS=8;narrow:SMALL_M_MAX=128,MAX_SPLITS=8" MM_MS=64,128,256 ...  # split-K, narrow
+                        # tiles; at M <= 128 the decode GEMV (w4_gluon, the library's path there) is timed too
   MM_KIND=dx ...        # the backward dy [M, N] @ W^T by the dx build (w4_gluon_mm.dx) against dot_general with
                         # the bf16 W and against dequantize + cuBLAS contracting N
 """
@@ -20,7 +21,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import devtime  # noqa: E402
-from pallas_kernels import w4_gluon_mm, w4_triton  # noqa: E402
+from pallas_kernels import w4_gluon, w4_gluon_mm, w4_triton  # noqa: E402
 from qerl_jax import nvfp4  # noqa: E402
 
 MODELS = {"7b": {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)},
@@ -82,7 +83,12 @@ def main():
       ref = jax.jit(deq_f)(x, w, idx)
       deq = device_us(deq_f, x, w, idx)
       row = f"{name:8s} M={m:5d} | bf16 {bf16:8.1f} us | deq+cuBLAS {deq:8.1f} ({bf16 / deq:4.2f}x)"
-      for key, t in (("bf16", bf16), ("deq", deq)):
+      timed = [("bf16", bf16), ("deq", deq)]
+      if not dx and not addend and w4_gluon.applies(m, w, x.dtype):  # M <= 128: the decode GEMV, the library's path
+        gemv = device_us(lambda x, w, i: w4_gluon.forward(x, w, index=i), x, w, idx)
+        row += f" | gemv {gemv:8.1f} ({bf16 / gemv:4.2f}x)"
+        timed.append(("gemv", gemv))
+      for key, t in timed:
         totals[(key, m)] = totals.get((key, m), 0.0) + t
       for vname, settings in variants():
         for key, value in {**defaults, **settings}.items():
