@@ -498,9 +498,14 @@ def _train(config, workdir, closing: contextlib.ExitStack, *, policy, datasets, 
             file=sys.stderr)
     print(f"resuming from the checkpoint at step {start} in {checkpointer.directory}", file=sys.stderr)
   if start >= total and latest is not None:  # config.json and summary.json keep the run that trained those steps
-    print(f"warning: the checkpoint is at step {start}, past train.total_steps={total}: nothing to train"
-          if start > total else f"the run is complete (step {start} of train.total_steps={total}): nothing to "
-          "train; raise --config.train.total_steps to continue it", file=sys.stderr)
+    # other keys changed on the command line change nothing here: say so, rather than let them look applied
+    unused = [(key, a, b) for key, a, b in diff if key != "train.total_steps"]
+    note = ("" if not unused else "; the config differs from the checkpoint's ("
+            + ", ".join(f"{key}: {a!r} -> {b!r}" for key, a, b in unused)
+            + "), which changes nothing here: give a new --workdir to train with it")
+    print((f"warning: the checkpoint is at step {start}, past train.total_steps={total}: nothing to train"
+           if start > total else f"the run is complete (step {start} of train.total_steps={total}): nothing to "
+           "train; raise --config.train.total_steps to continue it") + note, file=sys.stderr)
     return _finished_summary(workdir, start, t_start)
   logger = metrics_lib.MetricsLogger(workdir, resume_step=start if start > 0 else None)
   closing.callback(logger.close)

@@ -1116,6 +1116,15 @@ def test_a_rerun_with_nothing_to_train_keeps_the_summary(tmp_path, capsys):
     err = capsys.readouterr().err
     assert said in err and "differs" not in err, err
     assert open(path).read() == before
+  again = toy.toy_config()  # another key changed: the message says it changes nothing, and nothing is rewritten
+  again.optim.learning_rate = 0.2
+  capsys.readouterr()
+  assert _toy_run(again, wd) == first
+  err = capsys.readouterr().err
+  assert ("the run is complete (step 6 of train.total_steps=6): nothing to train; raise --config.train.total_steps "
+          "to continue it; the config differs from the checkpoint's (optim.learning_rate: 0.1 -> 0.2), which changes "
+          "nothing here: give a new --workdir to train with it") in err, err
+  assert open(path).read() == before
   os.remove(path)  # a run stopped between its last checkpoint and summary.json: made from the metrics now
   remade = _toy_run(config, wd)
   assert {k: v for k, v in remade.items() if k != "wall_time_s"} == {k: v for k, v in first.items()
