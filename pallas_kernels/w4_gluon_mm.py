@@ -411,7 +411,7 @@ def _kernel():
                DX: ttgl.constexpr, FT: ttgl.constexpr, SK: ttgl.constexpr, G: ttgl.constexpr):
     """One warp: each step's x [BM, 64] (rows past M arrive as zeros), codes and block scales by TMA into stage
     g % S of the ring once the MMA partition has released it, over this program's units: first whole tiles of the
-    first FT (x row tiles fastest), then the split tail (:func:`_tail_unit`). N is the output's columns and K the
+    first FT (:func:`tile_of`), then the tail's split units (SK a tile, x row tiles fastest). N is the output's columns and K the
     contraction: the forward's codes [32 code rows (K), BN] and scales [4, BN]; the dx build's (DX) codes [BN / 2
     code rows (its outputs), 64] and scales [BN / 16, 64]."""
     STEPS: ttgl.constexpr = K // 64
@@ -422,14 +422,15 @@ def _kernel():
     s_row0 = layer * (KW // 16)
     pid = ttgl.program_id(0)
     g = 0
-    for t in range(pid, FT, NP):
+    for t in range(pid, FT, NP):  # (FT = 0: no iteration)
       mt, nt = tile_of(t, MT, FT // MT, G)
       g = produce_unit(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, c_row0, s_row0, mt * BM, nt * BN, 0, g, BM,
                        BN, S, STEPS, DX)
-    for v in range((pid + NP - FT % NP) % NP, TU, NP):
-      g = produce_unit(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, c_row0, s_row0, (v % MT) * BM,
-                       (FT // MT + v // MT // SK) * BN, ((v // MT) % SK) * (STEPS // SK), g, BM, BN, S,
-                       STEPS // SK, DX)
+    if TU > 0:  # (constexpr: a build without a tail has no tail loop)
+      for v in range((pid + NP - FT % NP) % NP, TU, NP):
+        g = produce_unit(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, c_row0, s_row0, (v % MT) * BM,
+                         (FT // MT + v // MT // SK) * BN, ((v // MT) % SK) * (STEPS // SK), g, BM, BN, S,
+                         STEPS // SK, DX)
 
   @gluon.jit
   def load_decode(c_smem, s_smem, ready, g, S: ttgl.constexpr, BN: ttgl.constexpr, DV: ttgl.constexpr,
@@ -543,10 +544,11 @@ def _kernel():
       acc, g = mma_unit(x_smem, c_smem, s_smem, ready, empty, g, BM, BN, S, IF, STEPS, DV, DO, DX)
       mt, nt = tile_of(t, MT, FT // MT, G)
       store_unit(acc, scale, c_ptr, o_ptr, w_ptr, mt * BM, nt * BN, M, N, BM, BN, PR, AD, False, TN0)
-    for v in range((pid + NP - FT % NP) % NP, TU, NP):
-      acc, g = mma_unit(x_smem, c_smem, s_smem, ready, empty, g, BM, BN, S, IF, STEPS // SK, DV, DO, DX)
-      store_unit(acc, scale, c_ptr, o_ptr, w_ptr, (v % MT) * BM, (FT // MT + v // MT // SK) * BN, M, N, BM, BN, PR,
-                 AD, True, TN0)
+    if TU > 0:
+      for v in range((pid + NP - FT % NP) % NP, TU, NP):
+        acc, g = mma_unit(x_smem, c_smem, s_smem, ready, empty, g, BM, BN, S, IF, STEPS // SK, DV, DO, DX)
+        store_unit(acc, scale, c_ptr, o_ptr, w_ptr, (v % MT) * BM, (FT // MT + v // MT // SK) * BN, M, N, BM, BN,
+                   PR, AD, True, TN0)
     return (g,)
 
   @gluon.jit
