@@ -71,6 +71,8 @@ SMALL_M_MAX = 0  # lab (session 47: compiled, not yet run on a GPU): M <= this t
                  # zero rows than rows of x; the decode GEMV (w4_gluon) still takes M <= 128 in the dispatch. 0: off
 STEP_K = 64     # contraction a step (4 wgmma k16 blocks; 4 NVFP4 blocks)
 STAGES = 4      # the shared-memory ring (x 32 KB + codes 4 KB + scales 0.5 KB a stage)
+SMALL_STAGES = 4  # lab: the narrow tiles' ring (x 8 or 16 KB a stage: up to 16 or 10 stages fit). At small M the
+                  # weight stream is the bytes: keeping more of it in flight may matter more than at BLOCK_M
 LOAD_REGS = 40  # registers a thread of the one-warp TMA producer partition (setmaxnreg)
 DECODE = 2      # the decode's PTX: 2 (_asm2, 16-bit column pairs in), 3 (the same, its shift on the FMA pipe) or 1
                 # (_asm, bytes in; session 46's first build)
@@ -716,13 +718,13 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
   (whole tiles) and ``SK`` (the tail's splits).
 
   Raises:
-    ValueError: settings the kernel cannot take (:data:`STAGES` < 2, :data:`IN_FLIGHT` not 0 or 1, :data:`MAX_SPLITS`
-      below 1, :data:`RASTER_GROUP` below 0), or a ``plan`` whose splits do not divide the ``k / 64`` steps or whose whole tiles are not whole
+    ValueError: settings the kernel cannot take (:data:`STAGES` or :data:`SMALL_STAGES` < 2, :data:`IN_FLIGHT` not 0
+      or 1, :data:`MAX_SPLITS` below 1, :data:`RASTER_GROUP` below 0), or a ``plan`` whose splits do not divide the ``k / 64`` steps or whose whole tiles are not whole
       columns.
   """
-  if STAGES < 2 or IN_FLIGHT not in (0, 1) or RASTER_GROUP < 0:
-    raise ValueError(f"w4_gluon_mm: STAGES={STAGES} (>= 2), IN_FLIGHT={IN_FLIGHT} (0 or 1) and "
-                     f"RASTER_GROUP={RASTER_GROUP} (>= 0) are not all supported")
+  if min(STAGES, SMALL_STAGES) < 2 or IN_FLIGHT not in (0, 1) or RASTER_GROUP < 0:
+    raise ValueError(f"w4_gluon_mm: STAGES={STAGES}, SMALL_STAGES={SMALL_STAGES} (>= 2), IN_FLIGHT={IN_FLIGHT} (0 or 1) "
+                     f"and RASTER_GROUP={RASTER_GROUP} (>= 0) are not all supported")
   plan = plan_for(m, k, n) if plan is None else Plan(*plan)
   mt, tiles = _tiles(m, n)
   if plan.splits < 1 or (k // STEP_K) % plan.splits or not 0 <= plan.full <= tiles or plan.full % mt:
@@ -730,7 +732,8 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
                      f"0..{tiles} whole tiles in multiples of the {mt} row tiles")
   if plan.full < tiles and plan.splits == 1:
     plan = Plan(tiles, 1)  # an unsplit tail is whole tiles
-  return dict(M=m, N=n, K=k, L=layers, BM=block_m(m), BN=BLOCK_N, S=STAGES, DR=LOAD_REGS, IF=IN_FLIGHT, DV=DECODE,
+  bm = block_m(m)
+  return dict(M=m, N=n, K=k, L=layers, BM=bm, BN=BLOCK_N, S=STAGES if bm == BLOCK_M else SMALL_STAGES, DR=LOAD_REGS, IF=IN_FLIGHT, DV=DECODE,
               PR=PROBE, NP=_programs(m, n, plan), DO=int(decode_order), AD=int(addend), DX=int(dx), FT=plan.full,
               SK=plan.splits, G=RASTER_GROUP if 0 < RASTER_GROUP < -(-m // block_m(m)) else 0)
 

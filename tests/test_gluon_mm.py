@@ -142,7 +142,7 @@ def test_mm_grouped_raster_covers_every_tile_once():
 def test_mm_settings_are_checked(monkeypatch):
   """Ring, in-flight and raster settings the kernel cannot take are refused by name before a launch is built."""
   assert w4_gluon_mm.meta_for(2048, 3584, 4608, 1)["S"] == w4_gluon_mm.STAGES
-  for name, bad in (("STAGES", 1), ("IN_FLIGHT", 2), ("RASTER_GROUP", -1)):
+  for name, bad in (("STAGES", 1), ("SMALL_STAGES", 1), ("IN_FLIGHT", 2), ("RASTER_GROUP", -1)):
     with monkeypatch.context() as mp:
       mp.setattr(w4_gluon_mm, name, bad)
       with pytest.raises(ValueError, match=name):

@@ -479,14 +479,14 @@ step 56 && { for model in 7b 32b; do CUTLASS_MODEL=$model CUTLASS_BINS="ex55_t12
 # 57 (session 47, prepared; about 6 minutes): the large-M forward's lab builds, none yet run on a GPU: the GPU tests of
 #    tests/test_gluon_mm.py (the dx build, split-K, the narrow 64- and 128-row tiles, the grouped walk), then the
 #    forward at M = 8-1024 on the 7B shapes (step 61: 32B): the default against split-K (MAX_SPLITS=8) and the narrow tiles
-#    with split-K, and at M <= 128 the decode GEMV. If split-K is correct and faster, set MAX_SPLITS (and refit STEP_US
+#    with split-K (with a ring of 4 and of 8 stages), and at M <= 128 the decode GEMV. If split-K is correct and faster, set MAX_SPLITS (and refit STEP_US
 #    / SMALL_STEP_US from the rows); where a narrow tile beats the GEMV, give the dispatch a rule for it.
 step 57 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -m gpu tests/test_gluon_mm.py \
     -p no:cacheprovider 2>&1 | tail -4
-  MM_MS=8,64,128,256,512,1024 MM_VARIANTS="base;sk8:MAX_SPLITS=8;narrow:SMALL_M_MAX=128,MAX_SPLITS=8" timeout 330 \
+  MM_MS=8,64,128,256,512,1024 MM_VARIANTS="base;sk8:MAX_SPLITS=8;narrow:SMALL_M_MAX=128,MAX_SPLITS=8;narrow8:SMALL_M_MAX=128,MAX_SPLITS=8,SMALL_STAGES=8" timeout 330 \
       python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn; } | tee "$OUT/mm_split_narrow.txt"
 # 61 (session 47, prepared; about 5 minutes): step 57's timing on the 32B shapes.
-step 61 && { MM_MODEL=32b MM_MS=8,64,128,256,512,1024 MM_VARIANTS="base;sk8:MAX_SPLITS=8;narrow:SMALL_M_MAX=128,MAX_SPLITS=8" \
+step 61 && { MM_MODEL=32b MM_MS=8,64,128,256,512,1024 MM_VARIANTS="base;sk8:MAX_SPLITS=8;narrow:SMALL_M_MAX=128,MAX_SPLITS=8;narrow8:SMALL_M_MAX=128,MAX_SPLITS=8,SMALL_STAGES=8" \
       timeout 400 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn; } | tee "$OUT/mm_split_narrow_32b.txt"
 # 58 (session 47, prepared; about 6 minutes): the dx build's timing against dequantize + cuBLAS (M = 2048, 8192, 7B),
 #    then issue 4's table at M = 256-2048 under the cost model's dispatch (bench_kernels.py), split-K on

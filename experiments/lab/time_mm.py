@@ -54,7 +54,7 @@ def main():
   shapes = MODELS[model]
   names = os.environ.get("MM_SHAPES", ",".join(shapes)).split(",")
   defaults = {k: getattr(w4_gluon_mm, k) for k in ("STAGES", "LOAD_REGS", "IN_FLIGHT", "PERSISTENT", "DECODE", "PROBE",
-                                                   "MAX_SPLITS", "SMALL_M_MAX", "RASTER_GROUP")}
+                                                   "MAX_SPLITS", "SMALL_M_MAX", "RASTER_GROUP", "SMALL_STAGES")}
   idx = jnp.int32(2)
   totals = {}
   for name in names:
