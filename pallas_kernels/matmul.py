@@ -88,7 +88,9 @@ def _use_gluon_mm(x2d, w, out_dtype, interpret: bool, lora) -> bool:
   """Whether :func:`kernel_forward` takes the large-M Gluon forward (see ``GLUON_MM``): a bf16 result without a
   LoRA term, more rows than the fused Pallas kernel and the Gluon decode GEMV take, at most
   ``w4_gluon_mm.MAX_M``, where its cost model has it no slower than dequantize + cuBLAS (``w4_gluon_mm.pays``:
-  shapes with too few tiles for the SMs stay on dequantize + cuBLAS).
+  shapes with too few tiles for the SMs stay on dequantize + cuBLAS); and with ``w4_gluon_mm.SMALL_M_MAX`` set
+  (lab, 0 by default) every bf16 product of at most that many rows, in the kernel's narrow tiles. (A decode step's
+  projections into its shared float32 accumulator, ``quantized_matmul_into``, stay on the decode GEMV.)
 
   Raises:
     ValueError: ``GLUON_MM`` not "auto"/"0" (or ``GLUON`` / ``GLUON_LORA`` malformed).
@@ -97,9 +99,10 @@ def _use_gluon_mm(x2d, w, out_dtype, interpret: bool, lora) -> bool:
   m = x2d.shape[0]
   if interpret or GLUON_MM == "0" or lora is not None or jnp.dtype(out_dtype) != jnp.bfloat16:
     return False
-  if not FUSED_MAX_M["fwd"] < m <= w4_gluon_mm.MAX_M or _use_gluon(x2d, w, interpret, lora):
+  narrow = m <= w4_gluon_mm.SMALL_M_MAX  # (lab, off: the narrow tiles instead of the decode GEMV and Pallas kernel)
+  if not narrow and (not FUSED_MAX_M["fwd"] < m <= w4_gluon_mm.MAX_M or _use_gluon(x2d, w, interpret, lora)):
     return False
-  return w4_gluon_mm.applies(m, w, x2d.dtype) and w4_gluon_mm.pays(m, *w.shape) and gluon_enabled()
+  return w4_gluon_mm.applies(m, w, x2d.dtype) and (narrow or w4_gluon_mm.pays(m, *w.shape)) and gluon_enabled()
 
 
 def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False, index=None,

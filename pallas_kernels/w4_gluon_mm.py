@@ -68,7 +68,8 @@ BLOCK_N = 128   # columns of W a program: the two warpgroups' m64 wgmma rows
 BLOCK_M = 256   # rows of x a program: the wgmma's N
 SMALL_M_MAX = 0  # lab (session 47: compiled, not yet run on a GPU): M <= this takes a narrow tile of 64 rows of x
                  # (M <= 64: m64 n64 wgmmas) or 128 (m64 n128), for small M, where the 256-row tile multiplies more
-                 # zero rows than rows of x; the decode GEMV (w4_gluon) still takes M <= 128 in the dispatch. 0: off
+                 # zero rows than rows of x; set, matmul's dispatch sends bf16 products of up to this many rows here
+                 # instead of to the decode GEMV (w4_gluon; a decode step's accumulated projections excepted). 0: off
 STEP_K = 64     # contraction a step (4 wgmma k16 blocks; 4 NVFP4 blocks)
 STAGES = 4      # the shared-memory ring (x 32 KB + codes 4 KB + scales 0.5 KB a stage)
 SMALL_STAGES = 4  # lab: the narrow tiles' ring (x 8 or 16 KB a stage: up to 16 or 10 stages fit). At small M the
