@@ -39,6 +39,7 @@
 #   STEPS=59 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=60 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=61 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=62 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -504,4 +505,12 @@ step 59 && { for s in "MAX_SPLITS=1" "MAX_SPLITS=8"; do MM_SET="$s" timeout 150 
 #    brings M = 8192 above dequantize + cuBLAS (0.955x of bf16 on an H100), raise MAX_M.
 step 60 && { MM_MS=4096,8192 MM_VARIANTS="base;sk8:MAX_SPLITS=8;g8:RASTER_GROUP=8,MAX_SPLITS=8;g12:RASTER_GROUP=12,MAX_SPLITS=8;g16:RASTER_GROUP=16,MAX_SPLITS=8" \
     timeout 280 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn; } | tee "$OUT/mm_raster.txt"
+# 62 (session 47, prepared; about 6 minutes; after step 57 passes): the narrow tiles in a rollout, batch 8 and 64,
+#    512 new tokens, NVFP4: the default; the decoder without its shared decode accumulator (ACCUMULATE_DECODE=0, so
+#    that o, gate/up and down go through matmul's dispatch); the same with the narrow tiles and split-K on.
+step 62 && { for s in "|" "ACCUMULATE_DECODE=0|" "ACCUMULATE_DECODE=0|SMALL_M_MAX=128,MAX_SPLITS=8"; do
+    echo "== decoder ${s%%|*}; w4_gluon_mm ${s#*|}"
+    MODEL_SET="${s%%|*}" MM_SET="${s#*|}" timeout 170 python3 experiments/lab/gluon/ab_rollout.py --batches=8,64 \
+      --new_tokens=512 --formats=nvfp4_fused --time_budget_s=150 2>&1 | grep "nvfp4_fused |"; done; } \
+  | tee "$OUT/mm_narrow_rollout.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
