@@ -43,7 +43,9 @@ GLUON_DX = os.environ.get("QERL_GLUON_DX", "0")
 # does not run, the kernel applies and the Gluon kernels are enabled (gluon_enabled). "auto" (default) uses it; "0"
 # keeps dequantize + cuBLAS. On an H100 (7B shapes summed) it ran at 0.95x of bf16 at M = 2048 against 0.84x for
 # dequantize + cuBLAS, 0.93x against 0.73x at M = 1024; at M = 8192 dequantize + cuBLAS wins (0.955x against
-# 0.90x), hence MAX_M; per shape, w4_gluon_mm.pays decides by a cost model (docs/benchmarks.md, session 46).
+# 0.90x), hence MAX_M; per shape, w4_gluon_mm.pays decides by a cost model (docs/benchmarks.md, session 46). Since
+# session 47 it also takes bf16 products of w4_gluon_mm.NARROW_MIN_M < M <= w4_gluon_mm.SMALL_M_MAX (32 < M <= 128)
+# in narrow tiles, instead of the decode GEMV, and splits along K where its tiles leave SMs idle (MAX_SPLITS).
 # QERL_GLUON_MM in the environment sets the default.
 GLUON_MM = os.environ.get("QERL_GLUON_MM", "auto")
 # The same kernel's dx build (w4_gluon_mm.dx: dy @ W^T with no bf16 W in HBM) for kernel_dx at
@@ -88,9 +90,10 @@ def _use_gluon_mm(x2d, w, out_dtype, interpret: bool, lora) -> bool:
   """Whether :func:`kernel_forward` takes the large-M Gluon forward (see ``GLUON_MM``): a bf16 result without a
   LoRA term, more rows than the fused Pallas kernel and the Gluon decode GEMV take, at most
   ``w4_gluon_mm.MAX_M``, where its cost model has it no slower than dequantize + cuBLAS (``w4_gluon_mm.pays``:
-  shapes with too few tiles for the SMs stay on dequantize + cuBLAS); and with ``w4_gluon_mm.SMALL_M_MAX`` set
-  (lab, 0 by default) every bf16 product of at most that many rows, in the kernel's narrow tiles. (A decode step's
-  projections into its shared float32 accumulator, ``quantized_matmul_into``, stay on the decode GEMV.)
+  shapes with too few tiles for the SMs stay on dequantize + cuBLAS); and every bf16 product of
+  ``w4_gluon_mm.NARROW_MIN_M < M <= w4_gluon_mm.SMALL_M_MAX`` rows (32 < M <= 128), in the kernel's narrow tiles,
+  instead of the decode GEMV. (A decode step's projections into its shared float32 accumulator,
+  ``quantized_matmul_into``, stay on the decode GEMV.)
 
   Raises:
     ValueError: ``GLUON_MM`` not "auto"/"0" (or ``GLUON`` / ``GLUON_LORA`` malformed).
@@ -99,7 +102,7 @@ def _use_gluon_mm(x2d, w, out_dtype, interpret: bool, lora) -> bool:
   m = x2d.shape[0]
   if interpret or GLUON_MM == "0" or lora is not None or jnp.dtype(out_dtype) != jnp.bfloat16:
     return False
-  narrow = m <= w4_gluon_mm.SMALL_M_MAX  # (lab, off: the narrow tiles instead of the decode GEMV and Pallas kernel)
+  narrow = w4_gluon_mm.NARROW_MIN_M < m <= w4_gluon_mm.SMALL_M_MAX  # the narrow tiles instead of the decode GEMV
   if not narrow and (not FUSED_MAX_M["fwd"] < m <= w4_gluon_mm.MAX_M or _use_gluon(x2d, w, interpret, lora)):
     return False
   return w4_gluon_mm.applies(m, w, x2d.dtype) and (narrow or w4_gluon_mm.pays(m, *w.shape)) and gluon_enabled()

@@ -66,14 +66,18 @@ def _env_int(name: str, default: int) -> int:
 
 BLOCK_N = 128   # columns of W a program: the two warpgroups' m64 wgmma rows
 BLOCK_M = 256   # rows of x a program: the wgmma's N
-SMALL_M_MAX = 0  # lab (session 47: compiled, not yet run on a GPU): M <= this takes a narrow tile of 64 rows of x
-                 # (M <= 64: m64 n64 wgmmas) or 128 (m64 n128), for small M, where the 256-row tile multiplies more
-                 # zero rows than rows of x; set, matmul's dispatch sends bf16 products of up to this many rows here
-                 # instead of to the decode GEMV (w4_gluon; a decode step's accumulated projections excepted). 0: off
+SMALL_M_MAX = 128  # M <= this takes a narrow tile of 64 rows of x (M <= 64: m64 n64 wgmmas) or 128 (m64 n128), where
+                   # the 256-row tile multiplies more zero rows than rows of x. matmul's dispatch sends bf16 products of
+                   # NARROW_MIN_M < M <= this here instead of to the decode GEMV (w4_gluon; a decode step's accumulated
+                   # projections excepted). H100, session 47, 7B shapes summed, decode-order codes: M = 64 1.39x of
+                   # bf16 against the GEMV's 1.09x, M = 128 1.15x against 0.76x (32B: 1.60x / 1.13x, 1.26x / 0.68x).
+                   # 0: off
+NARROW_MIN_M = 32  # at M <= this the decode GEMV stays: M = 32 1.65x of bf16 against the narrow tile's 1.47x (7B, H100)
 STEP_K = 64     # contraction a step (4 wgmma k16 blocks; 4 NVFP4 blocks)
 STAGES = 4      # the shared-memory ring (x 32 KB + codes 4 KB + scales 0.5 KB a stage)
-SMALL_STAGES = 4  # lab: the narrow tiles' ring (x 8 or 16 KB a stage: up to 16 or 10 stages fit). At small M the
-                  # weight stream is the bytes: keeping more of it in flight may matter more than at BLOCK_M
+SMALL_STAGES = 8  # the narrow tiles' ring (x 8 or 16 KB a stage: up to 16 or 10 stages fit). At small M the weight
+                  # stream is the bytes: 8 stages against 4, 7B gate/up at M = 8 51.8 against 60.4 us, M = 64 55.4
+                  # against 58.8 (H100, session 47); 16 no faster than 8 (M = 32, 64)
 LOAD_REGS = 40  # registers a thread of the one-warp TMA producer partition (setmaxnreg)
 DECODE = 2      # the decode's PTX: 2 (_asm2, 16-bit column pairs in), 3 (the same, its shift on the FMA pipe) or 1
                 # (_asm, bytes in; session 46's first build)
@@ -95,11 +99,13 @@ PROBE = 0       # lab (wrong results): 1 skips the shared loads and the decode (
                 # off, after which the compiler may drop the MMAs too (read it as a decode-and-copies-only probe)
 PERSISTENT = 1  # 1: one program an SM walking the tiles (the producer runs into the next tile during a store)
 IN_FLIGHT = 1   # wgmmas left in flight past each step (1: the next step's decode overlaps it; 0: wait for it)
-# Split-K (session 47, lab: compiled and lowering-tested, not yet run on a GPU): up to this many K splits a tile of the
-# last, partial round of tiles (or of every tile), chosen by the cost model (plan_for), their float32 parts added by
-# atomics into zeroed tail columns that XLA rounds to bf16; for shapes whose tiles leave SMs idle (7B down at M = 256:
-# 28 tiles on 132 SMs, 0.31x of bf16 unsplit). 1: off. QERL_GLUON_MM_MAX_SPLITS in the environment sets it at import.
-MAX_SPLITS = _env_int("QERL_GLUON_MM_MAX_SPLITS", 1)
+# Split-K: up to this many K splits a tile of the last, partial round of tiles (or of every tile), chosen by the cost
+# model (plan_for), their float32 parts added by atomics into zeroed tail columns that XLA rounds to bf16; for shapes
+# whose tiles leave SMs idle (7B down at M = 256: 28 tiles on 132 SMs, 0.31x of bf16 unsplit). H100, session 47, 7B
+# shapes summed (8 against 1): M = 256 0.87x of bf16 against 0.50x, 512 0.87x / 0.72x, 1024 0.946x / 0.922x, 2048
+# 0.953x / 0.939x, 4096 0.933x / 0.908x; 32B M = 256-2048 0.93-0.98x against 0.67-0.91x. 1: off (also under a fixed
+# summation order, QERL_GLUON_DETERMINISTIC=1). QERL_GLUON_MM_MAX_SPLITS in the environment sets it at import.
+MAX_SPLITS = _env_int("QERL_GLUON_MM_MAX_SPLITS", 8)
 RASTER_GROUP = 0  # lab (session 47, not yet run on a GPU): > 0 walks the whole tiles in groups of this many x row
                   # tiles (the row tiles fastest within a group), so that the tiles running at once share fewer rows
                   # of x: at M = 8192 x [8192, 3584] (58 MB) outgrows the L2 and the default order (row tiles

@@ -161,11 +161,11 @@ def test_mm_split_k_rules(monkeypatch):
   plus the tail's 384 columns, 2048 x 384 x 26 bytes = 6.82: 93.76. In 8 splits: 126 steps plus 11.01; in 2: 140 steps
   plus 4.72; in 7: 128 steps plus 9.96. So (264, 4).
 
-  Off by default (MAX_SPLITS 1: not yet run on a GPU) and under a fixed summation order."""
+  MAX_SPLITS is 8 by default; 1, or a fixed summation order, keeps every tile whole."""
   import os
   Plan = w4_gluon_mm.Plan
   if "QERL_GLUON_MM_MAX_SPLITS" not in os.environ:
-    assert w4_gluon_mm.MAX_SPLITS == 1
+    assert w4_gluon_mm.MAX_SPLITS == 8
   monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 1)
   assert w4_gluon_mm.plan_for(256, 18944, 3584, sms=132) == Plan(28, 1)
   monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 8)
@@ -299,6 +299,7 @@ def test_mm_lowers_for_cuda_without_a_gpu(order, monkeypatch):
   block scales [3 x 224, 4608] in 4 x 128), one program an SM (132 without a device to ask), 384 threads (8 MMA
   warps and the producer's warpgroup), and the PTX of the weight's code order."""
   _fake_sm90(monkeypatch)
+  monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 1)  # every tile whole (split-K: the test below)
   k, n, stack = _abstract_stack(order)
   x = jax.ShapeDtypeStruct((2048, k), jnp.bfloat16)
   text = jax.jit(lambda x, w, i: w4_gluon_mm.forward(x, w, index=i)).trace(
@@ -343,6 +344,7 @@ def test_mm_narrow_tile_lowers_for_cuda_without_a_gpu(monkeypatch):
   the 256-row tile."""
   _fake_sm90(monkeypatch)
   monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", 128)
+  monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 1)  # every tile whole: one program a column tile
   assert [w4_gluon_mm.block_m(m) for m in (1, 64, 65, 128, 129)] == [64, 64, 128, 128, 256]
   k, n, stack = _abstract_stack("standard")
   i = jax.ShapeDtypeStruct((), jnp.int32)

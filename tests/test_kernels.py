@@ -641,10 +641,10 @@ def test_addend_errors_name_the_problem():
 
 
 def test_large_m_gluon_forward_dispatch(monkeypatch):
-  """kernel_forward sends a bf16 product to the large-M Gluon forward exactly for FUSED_MAX_M < M <= MAX_M where the
+  """kernel_forward sends a bf16 product to the large-M Gluon forward for FUSED_MAX_M < M <= MAX_M where the
   decode GEMV does not run, without lora, with GLUON_MM "auto" (with the kernel's own checks faked true: no GPU
-  here); a float32 result, a LoRA term, GLUON_MM = "0" and M = 8192 keep dequantize + cuBLAS; with the lab's
-  SMALL_M_MAX the narrow tiles take the small-M bf16 products too; a bad setting is refused by name."""
+  here), and by default the narrow tiles' 32 < M <= 128 from the decode GEMV; a float32 result, a LoRA term,
+  GLUON_MM = "0" and M = 8192 keep dequantize + cuBLAS; a bad setting is refused by name."""
   from pallas_kernels import w4_gluon, w4_gluon_mm
   monkeypatch.setattr(w4_gluon_mm, "applies", lambda m, w, dt: True)
   monkeypatch.setattr(matmul, "gluon_enabled", lambda: True)
@@ -652,15 +652,15 @@ def test_large_m_gluon_forward_dispatch(monkeypatch):
   wq = _weight("nvfp4", 128, 256, 0)
   use = lambda m, **kw: matmul._use_gluon_mm(jax.ShapeDtypeStruct((m, 128), jnp.bfloat16), wq,
                                              kw.get("out", jnp.bfloat16), False, kw.get("lora"))
+  # by default the narrow tiles take 32 < M <= 128 from the decode GEMV, which keeps M <= 32
+  assert [m for m in (1, 32, 33, 64, 65, 128, 129, 2048, 4096, 4097, 8192) if use(m)] == [33, 64, 65, 128, 129,
+                                                                                           2048, 4096]
+  assert not use(64, out=jnp.float32) and not use(64, lora=(None, None, 1.0))
+  monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", 0)  # without them: the GEMV to 128, then this kernel
   assert [m for m in (64, 65, 128, 129, 2048, 4096, 4097, 8192) if use(m)] == [129, 2048, 4096]
   monkeypatch.setattr(w4_gluon, "applies", lambda m, w, dt: False)  # no decode GEMV (e.g. N % 256 != 0)
   assert use(65) and not use(64)
   assert not use(2048, out=jnp.float32) and not use(2048, lora=(None, None, 1.0))
-  monkeypatch.setattr(w4_gluon, "applies", lambda m, w, dt: m <= 128)
-  monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", 128)  # lab: the narrow tiles take M <= 128 instead of the GEMV
-  assert [m for m in (1, 64, 128, 129) if use(m)] == [1, 64, 128, 129]
-  assert not use(8, out=jnp.float32) and not use(8, lora=(None, None, 1.0))
-  monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", 0)
   monkeypatch.setattr(matmul, "GLUON_MM", "0")
   assert not use(2048)
   monkeypatch.setattr(matmul, "GLUON_MM", "1")
