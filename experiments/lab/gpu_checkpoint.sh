@@ -477,6 +477,10 @@ step 56 && { for model in 7b 32b; do CUTLASS_MODEL=$model CUTLASS_BINS="ex55_t12
       CUTLASS_MS="2048 8192" timeout 150 bash experiments/lab/cutlass_mixed_ceiling.sh 2>&1 | grep -v "mode=0"; done
   APPEND_BATCHES=8 APPEND_LENGTH=2,1300 APPEND_VARIANTS="merge;append" timeout 120 python3 experiments/lab/time_append.py \
     2>&1 | grep "^batch"; } | tee "$OUT/cutlass_and_attention.txt"
+# (Session 47 ran 57's tests (52 passed) and timings, and part of 61, on an H100 after writing them: split-K and the
+#  narrow tiles are now the defaults, so 57-62's "MAX_SPLITS=8" / "SMALL_M_MAX=128" variants are the default; their
+#  "base" rows run the whole-tile kernel only where MM_VARIANTS sets MAX_SPLITS=1,SMALL_M_MAX=0. docs/benchmarks.md
+#  "Session 47".)
 # 57 (session 47, prepared; about 6 minutes): the large-M forward's lab builds, none yet run on a GPU: the GPU tests of
 #    tests/test_gluon_mm.py (the dx build, split-K, the narrow 64- and 128-row tiles, the grouped walk), then the
 #    forward at M = 8-1024 on the 7B shapes (step 61: 32B): the default against split-K (MAX_SPLITS=8) and the narrow tiles
@@ -505,12 +509,10 @@ step 59 && { for s in "MAX_SPLITS=1" "MAX_SPLITS=8"; do MM_SET="$s" timeout 150 
 #    brings M = 8192 above dequantize + cuBLAS (0.955x of bf16 on an H100), raise MAX_M.
 step 60 && { MM_MS=4096,8192 MM_VARIANTS="base;sk8:MAX_SPLITS=8;g8:RASTER_GROUP=8,MAX_SPLITS=8;g12:RASTER_GROUP=12,MAX_SPLITS=8;g16:RASTER_GROUP=16,MAX_SPLITS=8" \
     timeout 280 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn; } | tee "$OUT/mm_raster.txt"
-# 62 (session 47, prepared; about 6 minutes; after step 57 passes): the narrow tiles in a rollout, batch 8 and 64,
-#    512 new tokens, NVFP4: the default; the decoder without its shared decode accumulator (ACCUMULATE_DECODE=0, so
-#    that o, gate/up and down go through matmul's dispatch); the same with the narrow tiles and split-K on.
-step 62 && { for s in "|" "ACCUMULATE_DECODE=0|" "ACCUMULATE_DECODE=0|SMALL_M_MAX=128,MAX_SPLITS=8"; do
-    echo "== decoder ${s%%|*}; w4_gluon_mm ${s#*|}"
-    MODEL_SET="${s%%|*}" MM_SET="${s#*|}" timeout 170 python3 experiments/lab/gluon/ab_rollout.py --batches=8,64 \
-      --new_tokens=512 --formats=nvfp4_fused --time_budget_s=150 2>&1 | grep "nvfp4_fused |"; done; } \
-  | tee "$OUT/mm_narrow_rollout.txt"
+# 62 (session 47, prepared; about 6 minutes): the new defaults in rollouts, NVFP4, 512 new tokens: batch 64 (its decode
+#    products at M = 64 now take the narrow tiles; decode steps of more than the decoder's ACCUMULATE_MAX_ROWS = 32
+#    rows go through matmul's dispatch) and batch 256 (M = 256: split-K), against the session-46 routing (MM_SET).
+step 62 && { for s in "SMALL_M_MAX=0,MAX_SPLITS=1" ""; do echo "== w4_gluon_mm ${s:-defaults}"
+    MM_SET="$s" timeout 170 python3 experiments/lab/gluon/ab_rollout.py --batches=64,256 --new_tokens=512 \
+      --formats=nvfp4_fused --time_budget_s=150 2>&1 | grep "nvfp4_fused |"; done; } | tee "$OUT/mm_defaults_rollout.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
