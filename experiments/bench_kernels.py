@@ -122,14 +122,14 @@ def _row_check(kind, x, wq, cfg=None):
   """Relative error of the dispatched kernel path vs the reference; NaN anywhere (the fused
   kernels write into a NaN-poisoned buffer; the dequantize path is checked bit-exact)."""
   m = x.shape[0]
-  gluon = cfg is None and _path_name(kind, x, wq) == "gluon"
+  gluon = cfg is None and _path_name(kind, x, wq) in ("gluon", "gluon_mm")  # checked through the dispatch
   fused = m <= matmul.FUSED_MAX_M[kind] or gluon
   nan = False
   if not fused:
     nan = bool(jnp.any(w4_triton.dequantize(wq, jnp.bfloat16) != nvfp4.dequantize(wq, jnp.bfloat16)))
   if kind == "fwd":
     if gluon:
-      y = matmul.kernel_forward(x, wq)  # the Gluon decode kernel (M <= 128), which the timing runs too
+      y = matmul.kernel_forward(x, wq)  # the dispatched Gluon kernel, which the timing runs too
     else:
       y = (w4_triton.forward(x, wq, config=cfg, poison_output=True) if fused else matmul.kernel_forward(x, wq))
     ref = matmul.reference_matmul(x, wq)
@@ -217,11 +217,12 @@ def _bench_row(model, layer, k, n, m, kind, w_bf16, wq, cfg=None, check=True):
 
 
 def _path_name(kind, x, wq) -> str:
-  """Which kernel path ``matmul.kernel_forward`` / ``kernel_dx`` takes for this row."""
-  if kind == "fwd" and matmul._use_gluon(x, wq, False, None):
-    return "gluon"
+  """Which kernel path ``matmul.kernel_forward`` / ``kernel_dx`` takes for this row (in its order: the large-M Gluon
+  forward, which takes 32 < M <= 128 in narrow tiles, before the decode GEMV)."""
   if kind == "fwd" and matmul._use_gluon_mm(x, wq, x.dtype, False, None):
     return "gluon_mm"
+  if kind == "fwd" and matmul._use_gluon(x, wq, False, None):
+    return "gluon"
   return "deq+cublas" if x.shape[0] > matmul.FUSED_MAX_M[kind] else "fused"
 
 
