@@ -378,7 +378,7 @@ def test_dx_build_lowers_for_cuda_without_a_gpu(order, monkeypatch):
 
 
 def test_dx_build_is_opt_in(monkeypatch):
-  """kernel_dx takes the dx build only with GLUON_MM_DX = "1" (it has not run on a GPU yet); a bad value is refused."""
+  """kernel_dx takes the dx build only with GLUON_MM_DX = "1" (it has not been timed yet); a bad value is refused."""
   import os
   from pallas_kernels import matmul
   if "QERL_GLUON_MM_DX" not in os.environ:
