@@ -27,7 +27,7 @@ program runs an SM and walks the tiles, the rows of ``x`` fastest (the programs 
   so that a thread's two rows ``g, g + 8`` are adjacent columns; the store undoes it.
 * The **epilogue** multiplies by ``2**8 / global scale``, adds the optional bf16 ``addend`` in float32 and rounds
   once to bf16 (cuBLAS's ``C`` with ``beta = 1``), while the producer already fills the ring for the next tile.
-* **Split-K** (:data:`MAX_SPLITS`, lab, off: not yet run on a GPU): a shape whose tiles leave SMs idle (fewer tiles
+* **Split-K** (:data:`MAX_SPLITS`, 8 by default since session 47): a shape whose tiles leave SMs idle (fewer tiles
   than SMs, as the 7B q/k/v, o and down projections at M = 256: 36, 28, 28 tiles on 132 SMs; or a last round that
   fills few SMs, as the 7B q/k/v at M = 2048: 288 tiles, 2.18 rounds) splits the tiles of its last, partial round
   (or all of them) into ``SK`` units along K (:func:`plan_for`). Each unit adds its float32 part into float32 tail
@@ -89,8 +89,9 @@ DECODE = 2      # the decode's PTX: 2 (_asm2, 16-bit column pairs in), 3 (the sa
 # the faster path in 21 of 24 rows, and the three misses cost 4-12%. An H200 reads HBM faster, which favours
 # dequantize + cuBLAS a little.
 STEP_US = 0.69
-SMALL_STEP_US = {128: 0.45, 64: 0.35}  # the narrow tiles' steps: guesses (the wgmmas a half or a quarter of STEP_US's,
-                                       # the decode the same), not measured
+SMALL_STEP_US = {128: 0.45, 64: 0.35}  # the narrow tiles' steps: guesses made before any GPU run (the wgmmas a half or
+                                       # a quarter of STEP_US's); session 47's rows give about 0.4-0.5 us on the large
+                                       # matrices. Only plan_for reads them: the narrow dispatch skips pays
 DEQUANT_US_PER_MILLION = 1.0
 GEMM_FIXED_US = 30.0
 BF16_TFLOPS = 800.0
@@ -106,7 +107,7 @@ IN_FLIGHT = 1   # wgmmas left in flight past each step (1: the next step's decod
 # 0.953x / 0.939x, 4096 0.933x / 0.908x; 32B M = 256-2048 0.93-0.98x against 0.67-0.91x. 1: off (also under a fixed
 # summation order, QERL_GLUON_DETERMINISTIC=1). QERL_GLUON_MM_MAX_SPLITS in the environment sets it at import.
 MAX_SPLITS = _env_int("QERL_GLUON_MM_MAX_SPLITS", 8)
-RASTER_GROUP = 0  # lab (session 47, not yet run on a GPU): > 0 walks the whole tiles in groups of this many x row
+RASTER_GROUP = 0  # lab (session 47; GPU-tested, not timed): > 0 walks the whole tiles in groups of this many x row
                   # tiles (the row tiles fastest within a group), so that the tiles running at once share fewer rows
                   # of x: at M = 8192 x [8192, 3584] (58 MB) outgrows the L2 and the default order (row tiles
                   # fastest over all of M) reads all of it again for every few column tiles. 0: that default order
@@ -637,11 +638,15 @@ def whole_tile(t: int, row_tiles: int, col_tiles: int, group: int) -> tuple[int,
   return first + within % rows, within // rows
 
 
-def _programs(m: int, n: int, plan: Plan | None = None) -> int:
+def _tail_cols(n: int, full: int, row_tiles: int) -> int:
+  """Output columns of the split tail: those after the ``full`` whole tiles (whole columns of ``row_tiles`` tiles)."""
+  return n - full // row_tiles * BLOCK_N
+
+
+def _programs(m: int, n: int, plan: Plan) -> int:
   """The grid: one program per unit (a whole tile, or a split of a tail tile), or with :data:`PERSISTENT` at most
   one per SM (:func:`_sm_count`)."""
   tiles = _tiles(m, n)[1]
-  plan = Plan(tiles, 1) if plan is None else plan
   units = plan.full + (tiles - plan.full) * plan.splits
   return max(1, min(units, _sm_count())) if PERSISTENT else units
 
@@ -661,8 +666,7 @@ def _plan_us(m: int, k: int, n: int, plan: Plan, sms: int) -> float:
   bm = block_m(m)
   us = busiest * (STEP_US if bm == BLOCK_M else SMALL_STEP_US[bm])
   if tail:
-    tail_cols = n - plan.full // mt * BLOCK_N
-    us += m * tail_cols * (4.0 * (plan.splits + 2) + 2.0) / (HBM_TBPS * 1e6)
+    us += m * _tail_cols(n, plan.full, mt) * (4.0 * (plan.splits + 2) + 2.0) / (HBM_TBPS * 1e6)
   return us
 
 
@@ -804,8 +808,9 @@ def dx_applies(m: int, w, dy_dtype) -> bool:
 
 
 def dx(dy: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None) -> jax.Array:
-  """``dy @ W^T`` by the same kernel with ``W`` as the operand the other way round (lab, session 46: compiled and
-  its decode CPU-tested, **not yet run on a GPU**; :data:`pallas_kernels.matmul.GLUON_MM_DX` turns it on).
+  """``dy @ W^T`` by the same kernel with ``W`` as the operand the other way round (lab, session 46; its GPU tests
+  pass since session 47, whole and split, but it has not been timed; :data:`pallas_kernels.matmul.GLUON_MM_DX` turns
+  it on).
 
   ``dx^T [K, M] = W [K, N] @ dy^T [N, M]``: a tile is 128 rows of K (64 code rows, whose two nibbles are the
   operand's rows ``g, g + 8``) by 256 rows of ``dy``, over N in steps of 64; a thread's register pair is two adjacent
@@ -846,7 +851,7 @@ def _launch(a, w, index, meta: dict, out_cols: int, addend=None) -> jax.Array:
   ptx, name, shared = _compiled(tuple(meta.items()))
   operands = (a, codes, scales, gs, idx, jnp.zeros((1,), jnp.bfloat16) if addend is None else addend)
   m = a.shape[0]
-  tail_cols = out_cols - meta["FT"] // -(-m // meta["BM"]) * BLOCK_N  # columns of the split tail
+  tail_cols = _tail_cols(out_cols, meta["FT"], -(-m // meta["BM"]))
   # the tail's float32 columns, zeroed by XLA and aliased to the second result (a placeholder without a tail); the
   # first result is the whole tiles' bf16 output (a placeholder when every tile is split)
   zeros = jnp.zeros((m, tail_cols) if tail_cols else (1,), jnp.float32)
