@@ -97,7 +97,8 @@ GEMM_FIXED_US = 30.0
 BF16_TFLOPS = 800.0
 HBM_TBPS = 3.0
 PROBE = 0       # lab (wrong results): 1 skips the shared loads and the decode (a constant operand); 2 masks every store
-                # off, after which the compiler may drop the MMAs too (read it as a decode-and-copies-only probe)
+                # off, after which the compiler may drop the MMAs too (read it as a decode-and-copies-only probe);
+                # 3 copies no x into the ring and 4 no codes or block scales (the stages keep what they held)
 PERSISTENT = 1  # 1: one program an SM walking the tiles (the producer runs into the next tile during a store)
 IN_FLIGHT = 1   # wgmmas left in flight past each step (1: the next step's decode overlaps it; 0: wait for it)
 # Split-K: up to this many K splits a tile of the last, partial round of tiles (or of every tile), chosen by the cost
@@ -107,6 +108,8 @@ IN_FLIGHT = 1   # wgmmas left in flight past each step (1: the next step's decod
 # 0.953x / 0.939x, 4096 0.933x / 0.908x; 32B M = 256-2048 0.93-0.98x against 0.67-0.91x. 1: off (also under a fixed
 # summation order, QERL_GLUON_DETERMINISTIC=1). QERL_GLUON_MM_MAX_SPLITS in the environment sets it at import.
 MAX_SPLITS = _env_int("QERL_GLUON_MM_MAX_SPLITS", 8)
+NARROW_PER_SM = 1  # lab (session 48): programs an SM for the 64-row narrow tiles (2: twice the warps a scheduler to
+                   # hide the decode's latency, at half the registers a thread and ring of SMALL_STAGES // 2)
 RASTER_GROUP = 0  # lab (session 47; GPU-tested, not timed): > 0 walks the whole tiles in groups of this many x row
                   # tiles (the row tiles fastest within a group), so that the tiles running at once share fewer rows
                   # of x: at M = 8192 x [8192, 3584] (58 MB) outgrows the L2 and the default order (row tiles
@@ -396,17 +399,26 @@ def _kernel():
 
   @gluon.jit
   def produce_unit(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, c_row0, s_row0, m0, n0, k0, g,
-                   BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, NS: ttgl.constexpr, DX: ttgl.constexpr):
-    """Copies a unit's NS steps from step k0 (x rows m0.., weight columns n0..) into the ring; returns the next g."""
+                   BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, NS: ttgl.constexpr, DX: ttgl.constexpr,
+                   PR: ttgl.constexpr):
+    """Copies a unit's NS steps from step k0 (x rows m0.., weight columns n0..) into the ring; returns the next g.
+    PROBE 3 (lab) copies no x, PROBE 4 no codes or block scales: the stage keeps what it held."""
     ttgl.static_assert(NS > 0)  # (also names ttgl in the body, which the signature's annotations need)
-    BYTES: ttgl.constexpr = BM * 64 * 2 + 36 * BN  # a stage: x, codes, block scales
+    XB: ttgl.constexpr = 0 if PR == 3 else BM * 64 * 2  # a stage's x bytes
+    WB: ttgl.constexpr = 0 if PR == 4 else 36 * BN  # its codes and block scales
     for j in range(NS):
       i = k0 + j
       st = g % S
       mbarrier.wait(empty.index(st), ((g // S) & 1) ^ 1)
-      mbarrier.expect(ready.index(st), BYTES)
-      hopper_tma.async_copy_global_to_shared(xd, [m0, i * 64], ready.index(st), x_smem.index(st))
-      if DX:
+      if XB + WB > 0:
+        mbarrier.expect(ready.index(st), XB + WB)
+      else:
+        mbarrier.arrive(ready.index(st), count=1)
+      if XB > 0:
+        hopper_tma.async_copy_global_to_shared(xd, [m0, i * 64], ready.index(st), x_smem.index(st))
+      if WB == 0:
+        pass
+      elif DX:
         hopper_tma.async_copy_global_to_shared(cd, [c_row0 + n0 // 2, i * 64], ready.index(st), c_smem.index(st))
         hopper_tma.async_copy_global_to_shared(sd, [s_row0 + n0 // 16, i * 64], ready.index(st), s_smem.index(st))
       else:
@@ -418,7 +430,7 @@ def _kernel():
   @gluon.jit
   def producer(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M: ttgl.constexpr, N: ttgl.constexpr,
                K: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, NP: ttgl.constexpr,
-               DX: ttgl.constexpr, FT: ttgl.constexpr, SK: ttgl.constexpr, G: ttgl.constexpr):
+               DX: ttgl.constexpr, FT: ttgl.constexpr, SK: ttgl.constexpr, G: ttgl.constexpr, PR: ttgl.constexpr):
     """One warp: each step's x [BM, 64] (rows past M arrive as zeros), codes and block scales by TMA into stage
     g % S of the ring once the MMA partition has released it, over this program's units: first whole tiles of the
     first FT (:func:`tile_of`), then the tail's split units (SK a tile, x row tiles fastest). N is the output's columns and K the
@@ -435,12 +447,12 @@ def _kernel():
     for t in range(pid, FT, NP):  # (FT = 0: no iteration)
       mt, nt = tile_of(t, MT, FT // MT, G)
       g = produce_unit(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, c_row0, s_row0, mt * BM, nt * BN, 0, g, BM,
-                       BN, S, STEPS, DX)
+                       BN, S, STEPS, DX, PR)
     if TU > 0:  # (constexpr: a build without a tail has no tail loop)
       for v in range((pid + NP - FT % NP) % NP, TU, NP):
         g = produce_unit(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, c_row0, s_row0, (v % MT) * BM,
                          (FT // MT + v // MT // SK) * BN, ((v // MT) % SK) * (STEPS // SK), g, BM, BN, S,
-                         STEPS // SK, DX)
+                         STEPS // SK, DX, PR)
 
   @gluon.jit
   def load_decode(c_smem, s_smem, ready, g, S: ttgl.constexpr, BN: ttgl.constexpr, DV: ttgl.constexpr,
@@ -586,15 +598,16 @@ def _kernel():
         [(mma_loop, (x_smem, c_smem, s_smem, ready, empty, c_ptr, o_ptr, w_ptr, scale, M, N, K, BM, BN, S, IF, NP,
                        0 if PR == 1 else DV, PR, DO, AD, DX, FT, SK, G)),
          (producer, (xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M, N, K, BM, BN, S, NP, DX, FT, SK,
-                     G))],
+                     G, PR))],
         [1], [DR])
 
   return w4a16_mm
 
 
-def _regs() -> int:
-  """The launch register cap: 12 warps share an SM's 65536 registers (setmaxnreg then moves them)."""
-  return (65536 // _THREADS) // 8 * 8
+def _regs(per_sm: int = 1) -> int:
+  """The launch register cap: ``per_sm`` programs of 12 warps share an SM's 65536 registers (setmaxnreg then moves
+  them)."""
+  return (65536 // (_THREADS * per_sm)) // 8 * 8
 
 
 def _sm_count() -> int:
@@ -648,7 +661,12 @@ def _programs(m: int, n: int, plan: Plan) -> int:
   one per SM (:func:`_sm_count`)."""
   tiles = _tiles(m, n)[1]
   units = plan.full + (tiles - plan.full) * plan.splits
-  return max(1, min(units, _sm_count())) if PERSISTENT else units
+  return max(1, min(units, _sm_count() * _per_sm(m))) if PERSISTENT else units
+
+
+def _per_sm(m: int) -> int:
+  """Persistent programs an SM for ``x [m, K]``: :data:`NARROW_PER_SM` for the 64-row tiles, else 1."""
+  return NARROW_PER_SM if block_m(m) == 64 else 1
 
 
 def _plan_us(m: int, k: int, n: int, plan: Plan, sms: int) -> float:
@@ -730,12 +748,13 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
 
   Raises:
     ValueError: settings the kernel cannot take (:data:`STAGES` or :data:`SMALL_STAGES` < 2, :data:`IN_FLIGHT` not 0
-      or 1, :data:`MAX_SPLITS` below 1, :data:`RASTER_GROUP` below 0), or a ``plan`` whose splits do not divide the ``k / 64`` steps or whose whole tiles are not whole
+      or 1, :data:`MAX_SPLITS` below 1, :data:`RASTER_GROUP` below 0, :data:`NARROW_PER_SM` not 1 or 2), or a ``plan`` whose splits do not divide the ``k / 64`` steps or whose whole tiles are not whole
       columns.
   """
-  if min(STAGES, SMALL_STAGES) < 2 or IN_FLIGHT not in (0, 1) or RASTER_GROUP < 0:
-    raise ValueError(f"w4_gluon_mm: STAGES={STAGES}, SMALL_STAGES={SMALL_STAGES} (>= 2), IN_FLIGHT={IN_FLIGHT} (0 or 1) "
-                     f"and RASTER_GROUP={RASTER_GROUP} (>= 0) are not all supported")
+  if min(STAGES, SMALL_STAGES) < 2 or IN_FLIGHT not in (0, 1) or RASTER_GROUP < 0 or NARROW_PER_SM not in (1, 2):
+    raise ValueError(f"w4_gluon_mm: STAGES={STAGES}, SMALL_STAGES={SMALL_STAGES} (>= 2), IN_FLIGHT={IN_FLIGHT} (0 or 1), "
+                     f"RASTER_GROUP={RASTER_GROUP} (>= 0) and NARROW_PER_SM={NARROW_PER_SM} (1 or 2) are not all "
+                     f"supported")
   plan = plan_for(m, k, n) if plan is None else Plan(*plan)
   mt, tiles = _tiles(m, n)
   if plan.splits < 1 or (k // STEP_K) % plan.splits or not 0 <= plan.full <= tiles or plan.full % mt:
@@ -744,7 +763,9 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
   if plan.full < tiles and plan.splits == 1:
     plan = Plan(tiles, 1)  # an unsplit tail is whole tiles
   bm = block_m(m)
-  return dict(M=m, N=n, K=k, L=layers, BM=bm, BN=BLOCK_N, S=STAGES if bm == BLOCK_M else SMALL_STAGES, DR=LOAD_REGS, IF=IN_FLIGHT, DV=DECODE,
+  pp = _per_sm(m)
+  return dict(M=m, N=n, K=k, L=layers, BM=bm, BN=BLOCK_N, S=STAGES if bm == BLOCK_M else max(2, SMALL_STAGES // pp),
+              DR=LOAD_REGS, IF=IN_FLIGHT, DV=DECODE, PP=pp,
               PR=PROBE, NP=_programs(m, n, plan), DO=int(decode_order), AD=int(addend), DX=int(dx), FT=plan.full,
               SK=plan.splits, G=RASTER_GROUP if 0 < RASTER_GROUP < -(-m // block_m(m)) else 0)
 
@@ -758,7 +779,8 @@ def _compiled(meta: tuple):
 def compile_for(meta: dict, cc: int = 90):
   """``triton.compile`` of the kernel for ``meta`` (:func:`meta_for`) and ``sm_{cc}`` (no GPU needed)."""
   arg_dtypes = _descriptor_types(_boxes(meta["BM"], bool(meta.get("DX")))) + _POINTERS
-  return w4_gluon._compile_gluon(_kernel(), arg_dtypes, meta, cc, num_warps=8, maxnreg=_regs())
+  constexprs = {k: v for k, v in meta.items() if k != "PP"}  # PP: programs an SM, the register cap's divisor
+  return w4_gluon._compile_gluon(_kernel(), arg_dtypes, constexprs, cc, num_warps=8, maxnreg=_regs(meta.get("PP", 1)))
 
 
 def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None, addend: jax.Array | None = None) -> jax.Array:

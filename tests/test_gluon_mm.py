@@ -142,11 +142,27 @@ def test_mm_grouped_raster_covers_every_tile_once():
 def test_mm_settings_are_checked(monkeypatch):
   """Ring, in-flight and raster settings the kernel cannot take are refused by name before a launch is built."""
   assert w4_gluon_mm.meta_for(2048, 3584, 4608, 1)["S"] == w4_gluon_mm.STAGES
-  for name, bad in (("STAGES", 1), ("SMALL_STAGES", 1), ("IN_FLIGHT", 2), ("RASTER_GROUP", -1)):
+  for name, bad in (("STAGES", 1), ("SMALL_STAGES", 1), ("IN_FLIGHT", 2), ("RASTER_GROUP", -1),
+                    ("NARROW_PER_SM", 3)):
     with monkeypatch.context() as mp:
       mp.setattr(w4_gluon_mm, name, bad)
       with pytest.raises(ValueError, match=name):
         w4_gluon_mm.meta_for(2048, 3584, 4608, 1)
+
+
+def test_mm_two_narrow_programs_an_sm(monkeypatch):
+  """NARROW_PER_SM = 2 (lab) doubles the persistent grid of the 64-row tiles only, halves their ring, and caps the
+  registers so that two programs of 384 threads share an SM's 65536: 7B gate/up at M = 64 has 296 tiles, so 264
+  programs on 132 SMs; M = 100 (128-row tiles) and M = 2048 keep one program an SM."""
+  monkeypatch.setattr(w4_gluon_mm, "_sm_count", lambda: 132)
+  monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 1)
+  monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", 128)
+  monkeypatch.setattr(w4_gluon_mm, "NARROW_PER_SM", 2)
+  meta = w4_gluon_mm.meta_for(64, 3584, 37888, 1)
+  assert (meta["NP"], meta["S"], meta["PP"]) == (264, w4_gluon_mm.SMALL_STAGES // 2, 2)
+  assert w4_gluon_mm._regs(meta["PP"]) == 80 and w4_gluon_mm._regs() == 168  # 65536 / 768, / 384, to 8
+  for m in (100, 2048):
+    assert (w4_gluon_mm.meta_for(m, 3584, 37888, 1)["NP"], w4_gluon_mm.meta_for(m, 3584, 37888, 1)["PP"]) == (132, 1)
 
 
 def test_mm_split_k_rules(monkeypatch):
@@ -444,6 +460,22 @@ def test_gpu_mm_narrow_tile_matches_float64(m, k, n, plan, bm, monkeypatch):
   assert w4_gluon_mm.meta_for(m, k, n, 1)["BM"] == bm
   wq = _weight(k, n, m + 7)
   x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)) * 2.0, jnp.bfloat16)
+  got = jax.jit(w4_gluon_mm.forward)(x, wq)
+  _check_written(got, np.asarray(x, np.float64) @ _dense64(wq), (m, n))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,plan", [(64, 3584, 4608, (36, 1)), (33, 18944, 3584, (0, 4)),
+                                        (8, 3584, 37888, (264, 4))])
+def test_gpu_mm_two_narrow_programs_an_sm_match_float64(m, k, n, plan, monkeypatch):
+  """Two persistent programs an SM on the 64-row tiles (NARROW_PER_SM, lab), whole and split, against float64."""
+  _skip_without_kernel()
+  monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", 128)
+  monkeypatch.setattr(w4_gluon_mm, "NARROW_PER_SM", 2)
+  monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
+  assert w4_gluon_mm.meta_for(m, k, n, 1)["PP"] == 2
+  wq = _weight(k, n, m + 11)
+  x = jnp.asarray(np.random.default_rng(m + 1).standard_normal((m, k)) * 2.0, jnp.bfloat16)
   got = jax.jit(w4_gluon_mm.forward)(x, wq)
   _check_written(got, np.asarray(x, np.float64) @ _dense64(wq), (m, n))
 
