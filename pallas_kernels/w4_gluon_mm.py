@@ -101,6 +101,9 @@ PROBE = 0       # lab (wrong results): 1 skips the shared loads and the decode (
                 # 3 copies no x into the ring and 4 no codes or block scales (the stages keep what they held)
 PERSISTENT = 1  # 1: one program an SM walking the tiles (the producer runs into the next tile during a store)
 IN_FLIGHT = 1   # wgmmas left in flight past each step (1: the next step's decode overlaps it; 0: wait for it)
+RELEASE_PAIRS = 0  # lab (session 48): 1 releases the ring's stages in pairs (one mbarrier arrive, and the MMA warps'
+                   # two barriers around it, every other step) where the ring and every unit's steps are even, with
+                   # IN_FLIGHT 1 (the kernel's IF 2)
 # Split-K: up to this many K splits a tile of the last, partial round of tiles (or of every tile), chosen by the cost
 # model (plan_for), their float32 parts added by atomics into zeroed tail columns that XLA rounds to bf16; for shapes
 # whose tiles leave SMs idle (7B down at M = 256: 28 tiles on 132 SMs, 0.31x of bf16 unsplit). H100, session 47, 7B
@@ -400,16 +403,18 @@ def _kernel():
   @gluon.jit
   def produce_unit(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, c_row0, s_row0, m0, n0, k0, g,
                    BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, NS: ttgl.constexpr, DX: ttgl.constexpr,
-                   PR: ttgl.constexpr):
+                   PR: ttgl.constexpr, IF: ttgl.constexpr):
     """Copies a unit's NS steps from step k0 (x rows m0.., weight columns n0..) into the ring; returns the next g.
-    PROBE 3 (lab) copies no x, PROBE 4 no codes or block scales: the stage keeps what it held."""
+    PROBE 3 (lab) copies no x, PROBE 4 no codes or block scales: the stage keeps what it held. IF 2: the MMA
+    partition releases stages in pairs on the even stage's barrier, so only an even stage waits."""
     ttgl.static_assert(NS > 0)  # (also names ttgl in the body, which the signature's annotations need)
     XB: ttgl.constexpr = 0 if PR == 3 else BM * 64 * 2  # a stage's x bytes
     WB: ttgl.constexpr = 0 if PR == 4 else 36 * BN  # its codes and block scales
     for j in range(NS):
       i = k0 + j
       st = g % S
-      mbarrier.wait(empty.index(st), ((g // S) & 1) ^ 1)
+      if IF != 2 or st % 2 == 0:
+        mbarrier.wait(empty.index(st), ((g // S) & 1) ^ 1)
       if XB + WB > 0:
         mbarrier.expect(ready.index(st), XB + WB)
       else:
@@ -430,7 +435,8 @@ def _kernel():
   @gluon.jit
   def producer(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M: ttgl.constexpr, N: ttgl.constexpr,
                K: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr, NP: ttgl.constexpr,
-               DX: ttgl.constexpr, FT: ttgl.constexpr, SK: ttgl.constexpr, G: ttgl.constexpr, PR: ttgl.constexpr):
+               DX: ttgl.constexpr, FT: ttgl.constexpr, SK: ttgl.constexpr, G: ttgl.constexpr, PR: ttgl.constexpr,
+               IF: ttgl.constexpr):
     """One warp: each step's x [BM, 64] (rows past M arrive as zeros), codes and block scales by TMA into stage
     g % S of the ring once the MMA partition has released it, over this program's units: first whole tiles of the
     first FT (:func:`tile_of`), then the tail's split units (SK a tile, x row tiles fastest). N is the output's columns and K the
@@ -447,12 +453,12 @@ def _kernel():
     for t in range(pid, FT, NP):  # (FT = 0: no iteration)
       mt, nt = tile_of(t, MT, FT // MT, G)
       g = produce_unit(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, c_row0, s_row0, mt * BM, nt * BN, 0, g, BM,
-                       BN, S, STEPS, DX, PR)
+                       BN, S, STEPS, DX, PR, IF)
     if TU > 0:  # (constexpr: a build without a tail has no tail loop)
       for v in range((pid + NP - FT % NP) % NP, TU, NP):
         g = produce_unit(xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, c_row0, s_row0, (v % MT) * BM,
                          (FT // MT + v // MT // SK) * BN, ((v // MT) % SK) * (STEPS // SK), g, BM, BN, S,
-                         STEPS // SK, DX, PR)
+                         STEPS // SK, DX, PR, IF)
 
   @gluon.jit
   def load_decode(c_smem, s_smem, ready, g, S: ttgl.constexpr, BN: ttgl.constexpr, DV: ttgl.constexpr,
@@ -485,11 +491,12 @@ def _kernel():
   def mma_unit(x_smem, c_smem, s_smem, ready, empty, g, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr,
                IF: ttgl.constexpr, NS: ttgl.constexpr, DV: ttgl.constexpr, DO: ttgl.constexpr, DX: ttgl.constexpr):
     """A unit's NS steps: each step's decode and wgmmas (IF 1: one step's left in flight while the next decodes),
-    releasing each stage once its wgmma retired. Returns (the accumulator [BN, BM] in wgmma's layout, the next g)."""
+    releasing each stage once its wgmma retired (IF 2: as 1, but each pair of stages 2p, 2p + 1 at once, on stage
+    2p's barrier: NS even and S even). Returns (the accumulator [BN, BM] in wgmma's layout, the next g)."""
     mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BM, 16])
     a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 2)
     acc = ttgl.zeros([BN, BM], ttgl.float32, layout=mma)
-    if IF == 1:
+    if IF >= 1:
       # Steps in pairs, each with its own operand value (a0, a1): an asynchronous wgmma reads its A registers
       # until it retires, so the next step's decode must write other registers. Passing the in-flight step's
       # operand through the wait keeps it (and its registers) live until its wgmma has retired; a single
@@ -500,12 +507,16 @@ def _kernel():
         a0 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
         acc = hopper.warpgroup_mma(a0, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
         acc, a1 = hopper.warpgroup_mma_wait(1, deps=[acc, a1])  # step 2j - 1 retired: its stage is free
-        mbarrier.arrive(empty.index((g + S - 1) % S), count=1, pred=j > 0)
+        if IF == 2:  # (g even: steps g - 2 and g - 1 retired, the pair of stages from (g - 2) % S)
+          mbarrier.arrive(empty.index((g + S - 2) % S), count=1, pred=j > 0)
+        else:
+          mbarrier.arrive(empty.index((g + S - 1) % S), count=1, pred=j > 0)
         g += 1
         a1 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
         acc = hopper.warpgroup_mma(a1, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
         acc, a0 = hopper.warpgroup_mma_wait(1, deps=[acc, a0])  # step 2j retired
-        mbarrier.arrive(empty.index((g + S - 1) % S), count=1)
+        if IF == 1:
+          mbarrier.arrive(empty.index((g + S - 1) % S), count=1)
         g += 1
       if NS % 2 == 1:  # the last, odd step
         a0 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
@@ -516,7 +527,7 @@ def _kernel():
         acc, a0 = hopper.warpgroup_mma_wait(0, deps=[acc, a0])
       else:
         acc, a1 = hopper.warpgroup_mma_wait(0, deps=[acc, a1])
-      mbarrier.arrive(empty.index((g + S - 1) % S), count=1)
+      mbarrier.arrive(empty.index((g + S - IF) % S), count=1)  # (IF 2: the last pair's first stage)
     else:
       for i in range(NS):
         a = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
@@ -598,7 +609,7 @@ def _kernel():
         [(mma_loop, (x_smem, c_smem, s_smem, ready, empty, c_ptr, o_ptr, w_ptr, scale, M, N, K, BM, BN, S, IF, NP,
                        0 if PR == 1 else DV, PR, DO, AD, DX, FT, SK, G)),
          (producer, (xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M, N, K, BM, BN, S, NP, DX, FT, SK,
-                     G, PR))],
+                     G, PR, IF))],
         [1], [DR])
 
   return w4a16_mm
@@ -764,8 +775,12 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
     plan = Plan(tiles, 1)  # an unsplit tail is whole tiles
   bm = block_m(m)
   pp = _per_sm(m)
-  return dict(M=m, N=n, K=k, L=layers, BM=bm, BN=BLOCK_N, S=STAGES if bm == BLOCK_M else max(2, SMALL_STAGES // pp),
-              DR=LOAD_REGS, IF=IN_FLIGHT, DV=DECODE, PP=pp,
+  stages = STAGES if bm == BLOCK_M else max(2, SMALL_STAGES // pp)
+  steps = k // STEP_K
+  pairs = RELEASE_PAIRS and IN_FLIGHT == 1 and stages % 2 == 0 and steps % 2 == 0 and (
+      plan.full == tiles or (steps // plan.splits) % 2 == 0)
+  return dict(M=m, N=n, K=k, L=layers, BM=bm, BN=BLOCK_N, S=stages,
+              DR=LOAD_REGS, IF=2 if pairs else IN_FLIGHT, DV=DECODE, PP=pp,
               PR=PROBE, NP=_programs(m, n, plan), DO=int(decode_order), AD=int(addend), DX=int(dx), FT=plan.full,
               SK=plan.splits, G=RASTER_GROUP if 0 < RASTER_GROUP < -(-m // block_m(m)) else 0)
 

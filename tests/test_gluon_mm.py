@@ -165,6 +165,21 @@ def test_mm_two_narrow_programs_an_sm(monkeypatch):
     assert (w4_gluon_mm.meta_for(m, 3584, 37888, 1)["NP"], w4_gluon_mm.meta_for(m, 3584, 37888, 1)["PP"]) == (132, 1)
 
 
+def test_mm_release_pairs_only_where_every_unit_is_even(monkeypatch):
+  """RELEASE_PAIRS (lab) builds the kernel's IF 2 only with IN_FLIGHT 1, an even ring and even steps in every unit:
+  7B q/k/v (56 steps) whole or in 4 splits of 14; not in 8 splits of 7, nor at K = 192 (3 steps), nor with
+  IN_FLIGHT 0."""
+  monkeypatch.setattr(w4_gluon_mm, "_sm_count", lambda: 132)
+  monkeypatch.setattr(w4_gluon_mm, "RELEASE_PAIRS", 1)
+  meta, Plan = w4_gluon_mm.meta_for, w4_gluon_mm.Plan
+  assert meta(2048, 3584, 4608, 1, plan=Plan(288, 1))["IF"] == 2
+  assert meta(2048, 3584, 4608, 1, plan=Plan(264, 4))["IF"] == 2
+  assert meta(2048, 3584, 4608, 1, plan=Plan(264, 8))["IF"] == 1
+  assert meta(300, 192, 384, 1, plan=Plan(6, 1))["IF"] == 1
+  monkeypatch.setattr(w4_gluon_mm, "IN_FLIGHT", 0)
+  assert meta(2048, 3584, 4608, 1, plan=Plan(288, 1))["IF"] == 0
+
+
 def test_mm_split_k_rules(monkeypatch):
   """The split plan by the cost model, worked by hand (132 SMs, STEP_US 0.69, HBM_TBPS 3.0).
 
@@ -476,6 +491,22 @@ def test_gpu_mm_two_narrow_programs_an_sm_match_float64(m, k, n, plan, monkeypat
   assert w4_gluon_mm.meta_for(m, k, n, 1)["PP"] == 2
   wq = _weight(k, n, m + 11)
   x = jnp.asarray(np.random.default_rng(m + 1).standard_normal((m, k)) * 2.0, jnp.bfloat16)
+  got = jax.jit(w4_gluon_mm.forward)(x, wq)
+  _check_written(got, np.asarray(x, np.float64) @ _dense64(wq), (m, n))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,plan", [(2048, 3584, 4608, (264, 4)), (64, 3584, 4608, (36, 1)),
+                                        (300, 18944, 3584, (0, 4)), (2000, 1280, 3840, (128, 5))])
+def test_gpu_mm_release_pairs_match_float64(m, k, n, plan, monkeypatch):
+  """The ring's stages released in pairs (RELEASE_PAIRS, lab; the kernel's IF 2) against float64: whole rounds and a
+  split tail, a narrow tile, every tile split, and a plan with odd split units (20 steps in 5), which keeps IF 1."""
+  _skip_without_kernel()
+  monkeypatch.setattr(w4_gluon_mm, "RELEASE_PAIRS", 1)
+  monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
+  assert w4_gluon_mm.meta_for(m, k, n, 1)["IF"] == (1 if plan[1] == 5 else 2)
+  wq = _weight(k, n, m + 13)
+  x = jnp.asarray(np.random.default_rng(m + 2).standard_normal((m, k)) * 2.0, jnp.bfloat16)
   got = jax.jit(w4_gluon_mm.forward)(x, wq)
   _check_written(got, np.asarray(x, np.float64) @ _dense64(wq), (m, n))
 

@@ -519,12 +519,13 @@ step 62 && { for s in "SMALL_M_MAX=0,MAX_SPLITS=1" ""; do echo "== w4_gluon_mm $
 # 63 (session 48, prepared; no device machine came that session; about 7 minutes): the dx build's timing (step 58's
 #    first part), the GPU tests of two narrow programs an SM, then the narrow tiles at M = 64 and 128 (7B gate/up, down,
 #    q/k/v): the default against NARROW_PER_SM=2 and the probes without a decode (PROBE=1), without x copies (3),
-#    without weight copies (4), and with no wgmma left in flight (IN_FLIGHT=0). Whichever of decode, copies or the
+#    without weight copies (4), with no wgmma left in flight (IN_FLIGHT=0), and with the ring's stages released in
+#    pairs (RELEASE_PAIRS=1: 3 barriers of the MMA warps every two steps instead of 4). Whichever of decode, copies or the
 #    step's waits the probes show to be the narrow step's limit is the next target; if NARROW_PER_SM=2 is faster, make
 #    it the default and refit SMALL_STEP_US[64].
 step 63 && { MM_KIND=dx MM_MS=2048,8192 timeout 140 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 80 python3 -m pytest -q -m gpu tests/test_gluon_mm.py -k two_narrow \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 80 python3 -m pytest -q -m gpu tests/test_gluon_mm.py -k "two_narrow or release_pairs" \
     -p no:cacheprovider 2>&1 | tail -2
-  MM_MS=64,128 MM_SHAPES=gate_up,down,qkv MM_VARIANTS="base;pp2:NARROW_PER_SM=2;p1:PROBE=1;p3:PROBE=3;p4:PROBE=4;if0:IN_FLIGHT=0" \
+  MM_MS=64,128 MM_SHAPES=gate_up,down,qkv MM_VARIANTS="base;pp2:NARROW_PER_SM=2;rp:RELEASE_PAIRS=1;p1:PROBE=1;p3:PROBE=3;p4:PROBE=4;if0:IN_FLIGHT=0" \
     timeout 230 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn; } | tee "$OUT/narrow_probe.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
