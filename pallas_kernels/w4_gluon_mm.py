@@ -415,20 +415,16 @@ def _kernel():
       st = g % S
       if IF != 2 or st % 2 == 0:
         mbarrier.wait(empty.index(st), ((g // S) & 1) ^ 1)
-      if XB + WB > 0:
-        mbarrier.expect(ready.index(st), XB + WB)
-      else:
-        mbarrier.arrive(ready.index(st), count=1)
+      mbarrier.expect(ready.index(st), XB + WB)  # (one probe at a time: never 0 bytes)
       if XB > 0:
         hopper_tma.async_copy_global_to_shared(xd, [m0, i * 64], ready.index(st), x_smem.index(st))
-      if WB == 0:
-        pass
-      elif DX:
-        hopper_tma.async_copy_global_to_shared(cd, [c_row0 + n0 // 2, i * 64], ready.index(st), c_smem.index(st))
-        hopper_tma.async_copy_global_to_shared(sd, [s_row0 + n0 // 16, i * 64], ready.index(st), s_smem.index(st))
-      else:
-        hopper_tma.async_copy_global_to_shared(cd, [c_row0 + i * 32, n0], ready.index(st), c_smem.index(st))
-        hopper_tma.async_copy_global_to_shared(sd, [s_row0 + i * 4, n0], ready.index(st), s_smem.index(st))
+      if WB > 0:
+        if DX:
+          hopper_tma.async_copy_global_to_shared(cd, [c_row0 + n0 // 2, i * 64], ready.index(st), c_smem.index(st))
+          hopper_tma.async_copy_global_to_shared(sd, [s_row0 + n0 // 16, i * 64], ready.index(st), s_smem.index(st))
+        else:
+          hopper_tma.async_copy_global_to_shared(cd, [c_row0 + i * 32, n0], ready.index(st), c_smem.index(st))
+          hopper_tma.async_copy_global_to_shared(sd, [s_row0 + i * 4, n0], ready.index(st), s_smem.index(st))
       g += 1
     return g
 
@@ -507,10 +503,8 @@ def _kernel():
         a0 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
         acc = hopper.warpgroup_mma(a0, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
         acc, a1 = hopper.warpgroup_mma_wait(1, deps=[acc, a1])  # step 2j - 1 retired: its stage is free
-        if IF == 2:  # (g even: steps g - 2 and g - 1 retired, the pair of stages from (g - 2) % S)
-          mbarrier.arrive(empty.index((g + S - 2) % S), count=1, pred=j > 0)
-        else:
-          mbarrier.arrive(empty.index((g + S - 1) % S), count=1, pred=j > 0)
+        # IF 2 (g even): steps g - 2 and g - 1 retired, the pair of stages from (g - 2) % S
+        mbarrier.arrive(empty.index((g + S - IF) % S), count=1, pred=j > 0)
         g += 1
         a1 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
         acc = hopper.warpgroup_mma(a1, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
@@ -782,7 +776,7 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
   return dict(M=m, N=n, K=k, L=layers, BM=bm, BN=BLOCK_N, S=stages,
               DR=LOAD_REGS, IF=2 if pairs else IN_FLIGHT, DV=DECODE, PP=pp,
               PR=PROBE, NP=_programs(m, n, plan), DO=int(decode_order), AD=int(addend), DX=int(dx), FT=plan.full,
-              SK=plan.splits, G=RASTER_GROUP if 0 < RASTER_GROUP < -(-m // block_m(m)) else 0)
+              SK=plan.splits, G=RASTER_GROUP if 0 < RASTER_GROUP < mt else 0)
 
 
 @functools.lru_cache(maxsize=None)

@@ -162,7 +162,8 @@ def test_mm_two_narrow_programs_an_sm(monkeypatch):
   assert (meta["NP"], meta["S"], meta["PP"]) == (264, w4_gluon_mm.SMALL_STAGES // 2, 2)
   assert w4_gluon_mm._regs(meta["PP"]) == 80 and w4_gluon_mm._regs() == 168  # 65536 / 768, / 384, to 8
   for m in (100, 2048):
-    assert (w4_gluon_mm.meta_for(m, 3584, 37888, 1)["NP"], w4_gluon_mm.meta_for(m, 3584, 37888, 1)["PP"]) == (132, 1)
+    meta = w4_gluon_mm.meta_for(m, 3584, 37888, 1)
+    assert (meta["NP"], meta["PP"]) == (132, 1)
 
 
 def test_mm_release_pairs_only_where_every_unit_is_even(monkeypatch):
