@@ -1092,14 +1092,16 @@ def _target_cc() -> int:
   return min((_cc(d) for d in _gpu_devices()), default=90)
 
 
-def _load(compiled) -> tuple[str, str, int]:
+def _load(compiled, ptx: str | None = None) -> tuple[str, str, int]:
   """``(ptx, kernel name, shared bytes)`` of a ``triton.compile`` result, loaded into the FFI
-  launcher on every visible GPU (outside any CUDA-graph capture) when the launcher is built.
+  launcher on every visible GPU (outside any CUDA-graph capture) when the launcher is built;
+  ``ptx``: a rewrite of the result's PTX to load instead (same kernel name and shared bytes).
 
   Raises:
     RuntimeError: loading failed on a GPU.
   """
-  ptx, name, shared = compiled.asm["ptx"], compiled.metadata.name, int(compiled.metadata.shared)
+  ptx = compiled.asm["ptx"] if ptx is None else ptx
+  name, shared = compiled.metadata.name, int(compiled.metadata.shared)
   lib = _ffi_library()
   if lib is not None:
     for device in _gpu_devices():

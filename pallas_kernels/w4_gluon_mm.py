@@ -104,6 +104,11 @@ IN_FLIGHT = 1   # wgmmas left in flight past each step (1: the next step's decod
 RELEASE_PAIRS = 0  # lab (session 48): 1 releases the ring's stages in pairs (one mbarrier arrive, and the MMA warps'
                    # two barriers around it, every other step) where the ring and every unit's steps are even, with
                    # IN_FLIGHT 1 (the kernel's IF 2)
+WAIT_SYNC = 1  # lab (session 49): 0 deletes from the PTX the barrier across the 8 MMA warps (bar.sync 0, 256) that
+               # Triton's shared-memory analysis puts before each wait on a ring stage's ready barrier (it does so
+               # before every mbarrier operation of a multi-warp partition). Only the barrier before the release
+               # (mbarrier.arrive by one thread) orders anything: both warpgroups' wgmmas must have read the stage.
+               # Half the MMA warps' barriers a step (narrow tiles: two a step; session 48's offline SASS)
 # Split-K: up to this many K splits a tile of the last, partial round of tiles (or of every tile), chosen by the cost
 # model (plan_for), their float32 parts added by atomics into zeroed tail columns that XLA rounds to bf16; for shapes
 # whose tiles leave SMs idle (7B down at M = 256: 28 tiles on 132 SMs, 0.31x of bf16 unsplit). H100, session 47, 7B
@@ -753,13 +758,15 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
 
   Raises:
     ValueError: settings the kernel cannot take (:data:`STAGES` or :data:`SMALL_STAGES` < 2, :data:`IN_FLIGHT` not 0
-      or 1, :data:`MAX_SPLITS` below 1, :data:`RASTER_GROUP` below 0, :data:`NARROW_PER_SM` not 1 or 2), or a ``plan`` whose splits do not divide the ``k / 64`` steps or whose whole tiles are not whole
-      columns.
+      or 1, :data:`MAX_SPLITS` below 1, :data:`RASTER_GROUP` below 0, :data:`NARROW_PER_SM` not 1 or 2,
+      :data:`WAIT_SYNC` not 0 or 1), or a ``plan`` whose splits do not divide the ``k / 64`` steps or whose whole
+      tiles are not whole columns.
   """
-  if min(STAGES, SMALL_STAGES) < 2 or IN_FLIGHT not in (0, 1) or RASTER_GROUP < 0 or NARROW_PER_SM not in (1, 2):
+  if (min(STAGES, SMALL_STAGES) < 2 or IN_FLIGHT not in (0, 1) or RASTER_GROUP < 0 or NARROW_PER_SM not in (1, 2)
+      or WAIT_SYNC not in (0, 1)):
     raise ValueError(f"w4_gluon_mm: STAGES={STAGES}, SMALL_STAGES={SMALL_STAGES} (>= 2), IN_FLIGHT={IN_FLIGHT} (0 or 1), "
-                     f"RASTER_GROUP={RASTER_GROUP} (>= 0) and NARROW_PER_SM={NARROW_PER_SM} (1 or 2) are not all "
-                     f"supported")
+                     f"RASTER_GROUP={RASTER_GROUP} (>= 0), NARROW_PER_SM={NARROW_PER_SM} (1 or 2) and "
+                     f"WAIT_SYNC={WAIT_SYNC} (0 or 1) are not all supported")
   plan = plan_for(m, k, n) if plan is None else Plan(*plan)
   mt, tiles = _tiles(m, n)
   if plan.splits < 1 or (k // STEP_K) % plan.splits or not 0 <= plan.full <= tiles or plan.full % mt:
@@ -774,7 +781,7 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
   pairs = RELEASE_PAIRS and IN_FLIGHT == 1 and stages % 2 == 0 and steps % 2 == 0 and (
       plan.full == tiles or (steps // plan.splits) % 2 == 0)
   return dict(M=m, N=n, K=k, L=layers, BM=bm, BN=BLOCK_N, S=stages,
-              DR=LOAD_REGS, IF=2 if pairs else IN_FLIGHT, DV=DECODE, PP=pp,
+              DR=LOAD_REGS, IF=2 if pairs else IN_FLIGHT, DV=DECODE, PP=pp, WS=WAIT_SYNC,
               PR=PROBE, NP=_programs(m, n, plan), DO=int(decode_order), AD=int(addend), DX=int(dx), FT=plan.full,
               SK=plan.splits, G=RASTER_GROUP if 0 < RASTER_GROUP < mt else 0)
 
@@ -782,14 +789,52 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
 @functools.lru_cache(maxsize=None)
 def _compiled(meta: tuple):
   """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta``, loaded on every GPU."""
-  return w4_gluon._load(compile_for(dict(meta), w4_gluon._target_cc()))
+  compiled = compile_for(dict(meta), w4_gluon._target_cc())
+  return w4_gluon._load(compiled, ptx=ptx_for(compiled, dict(meta)))
 
 
 def compile_for(meta: dict, cc: int = 90):
   """``triton.compile`` of the kernel for ``meta`` (:func:`meta_for`) and ``sm_{cc}`` (no GPU needed)."""
   arg_dtypes = _descriptor_types(_boxes(meta["BM"], bool(meta.get("DX")))) + _POINTERS
-  constexprs = {k: v for k, v in meta.items() if k != "PP"}  # PP: programs an SM, the register cap's divisor
+  # PP: programs an SM, the register cap's divisor; WS: a rewrite of the PTX (ptx_for); neither is a constexpr
+  constexprs = {k: v for k, v in meta.items() if k not in ("PP", "WS")}
   return w4_gluon._compile_gluon(_kernel(), arg_dtypes, constexprs, cc, num_warps=8, maxnreg=_regs(meta.get("PP", 1)))
+
+
+def ptx_for(compiled, meta: dict) -> str:
+  """The PTX the launcher loads for ``compiled`` (:func:`compile_for` of ``meta``): Triton's, or with ``WS`` 0
+  (:data:`WAIT_SYNC`) without the MMA warps' barrier before each wait on a ready barrier (:func:`without_wait_barriers`).
+
+  Raises:
+    RuntimeError: ``WS`` 0 and no such barrier found (Triton's output changed: the rewrite would be a no-op).
+  """
+  ptx = compiled.asm["ptx"]
+  if meta.get("WS", 1):
+    return ptx
+  ptx, dropped = without_wait_barriers(ptx)
+  if not dropped:
+    raise RuntimeError("w4_gluon_mm: WAIT_SYNC=0 found no barrier before an mbarrier wait in the PTX")
+  return ptx
+
+
+def without_wait_barriers(ptx: str) -> tuple[str, int]:
+  """``ptx`` without each ``bar.sync 0, 256`` (the 8 MMA warps) whose next instruction is an ``mbarrier.try_wait``
+  (blank lines, comments, ``.loc``, braces, ``.reg`` and labels skipped); returns it and how many were dropped.
+
+  Waiting on an mbarrier neither reads nor writes data of other threads, so the barrier before it orders nothing:
+  the stage's bytes come by TMA under that mbarrier's transaction count. Barriers before an arrive stay."""
+  lines = ptx.split("\n")
+  keep = [True] * len(lines)
+  for i, line in enumerate(lines):
+    if " ".join(line.split()) != "bar.sync 0, 256;":  # (Triton writes "bar.sync \t0, 256;")
+      continue
+    for nxt in lines[i + 1:i + 12]:
+      t = nxt.strip()
+      if not t or t.startswith(("//", ".loc", "{", ".reg")) or t.endswith(":"):
+        continue
+      keep[i] = not t.startswith("mbarrier.try_wait")
+      break
+  return "\n".join(l for l, k in zip(lines, keep) if k), keep.count(False)
 
 
 def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None, addend: jax.Array | None = None) -> jax.Array:

@@ -143,7 +143,7 @@ def test_mm_settings_are_checked(monkeypatch):
   """Ring, in-flight and raster settings the kernel cannot take are refused by name before a launch is built."""
   assert w4_gluon_mm.meta_for(2048, 3584, 4608, 1)["S"] == w4_gluon_mm.STAGES
   for name, bad in (("STAGES", 1), ("SMALL_STAGES", 1), ("IN_FLIGHT", 2), ("RASTER_GROUP", -1),
-                    ("NARROW_PER_SM", 3)):
+                    ("NARROW_PER_SM", 3), ("WAIT_SYNC", 2)):
     with monkeypatch.context() as mp:
       mp.setattr(w4_gluon_mm, name, bad)
       with pytest.raises(ValueError, match=name):
@@ -164,6 +164,75 @@ def test_mm_two_narrow_programs_an_sm(monkeypatch):
   for m in (100, 2048):
     meta = w4_gluon_mm.meta_for(m, 3584, 37888, 1)
     assert (meta["NP"], meta["PP"]) == (132, 1)
+
+
+_PTX_STEP = """\
+\tbar.sync \t0, 256;
+\t// begin inline asm
+\t{
+\t.reg .pred complete;
+\twaitLoop:
+\tmbarrier.try_wait.parity.shared.b64 complete, [%r172], %r173;
+\t@!complete bra.uni waitLoop;
+\t}
+\tldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r1, %r2, %r3, %r4}, [%r9];
+\tbar.sync \t0, 256;
+\t.loc\t1 507 22
+\t@%p19 mbarrier.arrive.shared::cta.b64 _, [%r171];
+\tbar.sync \t0, 256;
+$L__BB0_20:
+\t.loc\t1 464 33
+\tmbarrier.try_wait.parity.shared.b64 complete, [%r180], %r181;
+\tbar.sync \t0, 128;
+\tmbarrier.try_wait.parity.shared.b64 complete, [%r190], %r191;
+\tbar.sync \t0, 256;
+\tst.shared.b32 [%r5], %r6;
+"""
+
+
+def test_mm_wait_sync_drops_only_the_barriers_before_waits():
+  """WAIT_SYNC = 0 (lab) rewrites the PTX by hand-checked rules: of the five barriers above, the 8-warp ones whose next
+  instruction (past comments, braces, .reg, .loc and labels) is an mbarrier wait go (two); the one before the release
+  (mbarrier.arrive), the 4-warp one and the one before a shared store stay; every other line is kept in order."""
+  got, dropped = w4_gluon_mm.without_wait_barriers(_PTX_STEP)
+  assert dropped == 2
+  lines = _PTX_STEP.split("\n")
+  expected = [l for i, l in enumerate(lines) if i not in (0, 12)]
+  assert got.split("\n") == expected
+  assert got.count("bar.sync") == 3 and "bar.sync \t0, 128;" in got
+  assert w4_gluon_mm.without_wait_barriers(got) == (got, 0)
+
+
+def test_mm_wait_sync_rewrites_the_narrow_build_offline():
+  """The 64-row build of the 7B gate/up (no GPU: triton.compile for sm_90) under WAIT_SYNC = 0 loses the MMA warps'
+  barrier before each of its two ready waits in the whole-tile loop and the two in the tail loop (4), keeps one before
+  every mbarrier.arrive, and still assembles (ptxas, where the triton wheel ships it)."""
+  pytest.importorskip("triton")
+  import os
+  import re
+  import subprocess
+  import tempfile
+  import triton
+  meta = w4_gluon_mm.meta_for(64, 3584, 37888, 2)
+  assert meta["WS"] == 1 and meta["BM"] == 64
+  compiled = w4_gluon_mm.compile_for(meta)
+  assert w4_gluon_mm.ptx_for(compiled, meta) == compiled.asm["ptx"]
+  ptx = w4_gluon_mm.ptx_for(compiled, {**meta, "WS": 0})
+  before = compiled.asm["ptx"].count("bar.sync \t0, 256;")
+  assert ptx.count("bar.sync \t0, 256;") == before - 4
+  code = [l.strip() for l in ptx.split("\n") if l.strip() and not l.strip().startswith(("//", ".loc"))]
+  for i, line in enumerate(code):
+    if line.startswith("mbarrier.try_wait"):
+      assert not code[i - 4].startswith("bar.sync"), code[i - 4:i + 1]  # ({ .reg waitLoop: between)
+    if re.search(r"mbarrier\.arrive\.shared", line):
+      assert code[i - 1].startswith("bar.sync") or code[i - 2].startswith("bar.sync"), code[i - 2:i + 1]
+  ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+  if os.path.exists(ptxas):
+    with tempfile.TemporaryDirectory() as d:
+      open(os.path.join(d, "k.ptx"), "w").write(ptx)
+      run = subprocess.run([ptxas, "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+      assert run.returncode == 0, run.stderr
 
 
 def test_mm_release_pairs_only_where_every_unit_is_even(monkeypatch):
@@ -313,8 +382,8 @@ def _fake_sm90(monkeypatch):
     pytest.skip("no C++ compiler for the FFI launcher")
   monkeypatch.setattr(w4_gluon, "_gpu_devices", lambda: [object()])
   monkeypatch.setattr(w4_gluon, "_wgmma_gpus", lambda: True)
-  monkeypatch.setattr(w4_gluon, "_load", lambda compiled: (compiled.asm["ptx"], compiled.metadata.name,
-                                                            int(compiled.metadata.shared)))
+  monkeypatch.setattr(w4_gluon, "_load", lambda compiled, ptx=None: (
+      compiled.asm["ptx"] if ptx is None else ptx, compiled.metadata.name, int(compiled.metadata.shared)))
 
 
 def _abstract_stack(order):
@@ -508,6 +577,24 @@ def test_gpu_mm_release_pairs_match_float64(m, k, n, plan, monkeypatch):
   assert w4_gluon_mm.meta_for(m, k, n, 1)["IF"] == (1 if plan[1] == 5 else 2)
   wq = _weight(k, n, m + 13)
   x = jnp.asarray(np.random.default_rng(m + 2).standard_normal((m, k)) * 2.0, jnp.bfloat16)
+  got = jax.jit(w4_gluon_mm.forward)(x, wq)
+  _check_written(got, np.asarray(x, np.float64) @ _dense64(wq), (m, n))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,plan,pairs", [(64, 3584, 4608, (36, 1), 0), (100, 3584, 4608, (36, 1), 1),
+                                              (2048, 3584, 4608, (264, 4), 0), (300, 18944, 3584, (0, 4), 1)])
+def test_gpu_mm_without_wait_barriers_match_float64(m, k, n, plan, pairs, monkeypatch):
+  """The PTX without the MMA warps' barrier before each ready wait (WAIT_SYNC 0, lab), with the stages released one
+  or two at a time, narrow and wide tiles, whole and split, against float64."""
+  _skip_without_kernel()
+  monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", 128)
+  monkeypatch.setattr(w4_gluon_mm, "WAIT_SYNC", 0)
+  monkeypatch.setattr(w4_gluon_mm, "RELEASE_PAIRS", pairs)
+  monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
+  assert w4_gluon_mm.meta_for(m, k, n, 1)["WS"] == 0
+  wq = _weight(k, n, m + 17)
+  x = jnp.asarray(np.random.default_rng(m + 3).standard_normal((m, k)) * 2.0, jnp.bfloat16)
   got = jax.jit(w4_gluon_mm.forward)(x, wq)
   _check_written(got, np.asarray(x, np.float64) @ _dense64(wq), (m, n))
 

@@ -54,7 +54,8 @@ def main():
   shapes = MODELS[model]
   names = os.environ.get("MM_SHAPES", ",".join(shapes)).split(",")
   defaults = {k: getattr(w4_gluon_mm, k) for k in ("STAGES", "LOAD_REGS", "IN_FLIGHT", "PERSISTENT", "DECODE", "PROBE",
-                                                   "MAX_SPLITS", "SMALL_M_MAX", "RASTER_GROUP", "SMALL_STAGES")}
+                                                   "MAX_SPLITS", "SMALL_M_MAX", "RASTER_GROUP", "SMALL_STAGES",
+                                                   "NARROW_PER_SM", "RELEASE_PAIRS", "WAIT_SYNC")}
   idx = jnp.int32(2)
   totals = {}
   for name in names:
