@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from typing import NamedTuple
 
 import jax
@@ -109,6 +110,10 @@ WAIT_SYNC = 1  # lab (session 49): 0 deletes from the PTX the barrier across the
                # before every mbarrier operation of a multi-warp partition). Only the barrier before the release
                # (mbarrier.arrive by one thread) orders anything: both warpgroups' wgmmas must have read the stage.
                # Half the MMA warps' barriers a step (narrow tiles: two a step; session 48's offline SASS)
+WARPGROUP_RELEASE = 0  # lab (session 49): 1 releases a ring stage by one arrive from each of the two MMA warpgroups
+                       # (its empty barrier's count 2; the PTX's arrive by thread 0 after a barrier across both
+                       # warpgroups rewritten to one by threads 0 and 128, with no barrier), as CUTLASS's sm90 pipelines
+                       # do: a warpgroup's wgmma wait retires its reads of the stage. With WAIT_SYNC 0, no barrier a step
 # Split-K: up to this many K splits a tile of the last, partial round of tiles (or of every tile), chosen by the cost
 # model (plan_for), their float32 parts added by atomics into zeroed tail columns that XLA rounds to bf16; for shapes
 # whose tiles leave SMs idle (7B down at M = 256: 28 tiles on 132 SMs, 0.31x of bf16 unsplit). H100, session 47, 7B
@@ -588,7 +593,7 @@ def _kernel():
                N: ttgl.constexpr, K: ttgl.constexpr, L: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
                S: ttgl.constexpr, DR: ttgl.constexpr, IF: ttgl.constexpr, NP: ttgl.constexpr, DV: ttgl.constexpr,
                PR: ttgl.constexpr, DO: ttgl.constexpr, AD: ttgl.constexpr, DX: ttgl.constexpr, FT: ttgl.constexpr,
-               SK: ttgl.constexpr, G: ttgl.constexpr):
+               SK: ttgl.constexpr, G: ttgl.constexpr, WR: ttgl.constexpr):
     layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
     scale = 256.0 / ttgl.load(gs_ptr + layer)  # 2**8 undoes the decode's 2**-8
     x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [S, BM, 64], xd.layout)
@@ -602,7 +607,7 @@ def _kernel():
     empty = ttgl.allocate_shared_memory(ttgl.int64, [S, 1], mbarrier.MBarrierLayout())
     for j in ttgl.static_range(S):
       mbarrier.init(ready.index(j), count=1)
-      mbarrier.init(empty.index(j), count=1)
+      mbarrier.init(empty.index(j), count=1 + WR)  # WR 1: each warpgroup's first thread arrives (ptx_for)
     hopper.fence_async_shared()
     ttgl.warp_specialize(
         [(mma_loop, (x_smem, c_smem, s_smem, ready, empty, c_ptr, o_ptr, w_ptr, scale, M, N, K, BM, BN, S, IF, NP,
@@ -759,14 +764,14 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
   Raises:
     ValueError: settings the kernel cannot take (:data:`STAGES` or :data:`SMALL_STAGES` < 2, :data:`IN_FLIGHT` not 0
       or 1, :data:`MAX_SPLITS` below 1, :data:`RASTER_GROUP` below 0, :data:`NARROW_PER_SM` not 1 or 2,
-      :data:`WAIT_SYNC` not 0 or 1), or a ``plan`` whose splits do not divide the ``k / 64`` steps or whose whole
+      :data:`WAIT_SYNC` or :data:`WARPGROUP_RELEASE` not 0 or 1), or a ``plan`` whose splits do not divide the ``k / 64`` steps or whose whole
       tiles are not whole columns.
   """
   if (min(STAGES, SMALL_STAGES) < 2 or IN_FLIGHT not in (0, 1) or RASTER_GROUP < 0 or NARROW_PER_SM not in (1, 2)
-      or WAIT_SYNC not in (0, 1)):
+      or WAIT_SYNC not in (0, 1) or WARPGROUP_RELEASE not in (0, 1)):
     raise ValueError(f"w4_gluon_mm: STAGES={STAGES}, SMALL_STAGES={SMALL_STAGES} (>= 2), IN_FLIGHT={IN_FLIGHT} (0 or 1), "
-                     f"RASTER_GROUP={RASTER_GROUP} (>= 0), NARROW_PER_SM={NARROW_PER_SM} (1 or 2) and "
-                     f"WAIT_SYNC={WAIT_SYNC} (0 or 1) are not all supported")
+                     f"RASTER_GROUP={RASTER_GROUP} (>= 0), NARROW_PER_SM={NARROW_PER_SM} (1 or 2), "
+                     f"WAIT_SYNC={WAIT_SYNC} and WARPGROUP_RELEASE={WARPGROUP_RELEASE} (0 or 1) are not all supported")
   plan = plan_for(m, k, n) if plan is None else Plan(*plan)
   mt, tiles = _tiles(m, n)
   if plan.splits < 1 or (k // STEP_K) % plan.splits or not 0 <= plan.full <= tiles or plan.full % mt:
@@ -781,7 +786,7 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
   pairs = RELEASE_PAIRS and IN_FLIGHT == 1 and stages % 2 == 0 and steps % 2 == 0 and (
       plan.full == tiles or (steps // plan.splits) % 2 == 0)
   return dict(M=m, N=n, K=k, L=layers, BM=bm, BN=BLOCK_N, S=stages,
-              DR=LOAD_REGS, IF=2 if pairs else IN_FLIGHT, DV=DECODE, PP=pp, WS=WAIT_SYNC,
+              DR=LOAD_REGS, IF=2 if pairs else IN_FLIGHT, DV=DECODE, PP=pp, WS=WAIT_SYNC, WR=WARPGROUP_RELEASE,
               PR=PROBE, NP=_programs(m, n, plan), DO=int(decode_order), AD=int(addend), DX=int(dx), FT=plan.full,
               SK=plan.splits, G=RASTER_GROUP if 0 < RASTER_GROUP < mt else 0)
 
@@ -802,19 +807,63 @@ def compile_for(meta: dict, cc: int = 90):
 
 
 def ptx_for(compiled, meta: dict) -> str:
-  """The PTX the launcher loads for ``compiled`` (:func:`compile_for` of ``meta``): Triton's, or with ``WS`` 0
-  (:data:`WAIT_SYNC`) without the MMA warps' barrier before each wait on a ready barrier (:func:`without_wait_barriers`).
+  """The PTX the launcher loads for ``compiled`` (:func:`compile_for` of ``meta``): Triton's; with ``WS`` 0
+  (:data:`WAIT_SYNC`) without the MMA warps' barrier before each wait on a ready barrier (:func:`without_wait_barriers`);
+  with ``WR`` 1 (:data:`WARPGROUP_RELEASE`) with each stage released by both warpgroups (:func:`warpgroup_releases`).
 
   Raises:
-    RuntimeError: ``WS`` 0 and no such barrier found (Triton's output changed: the rewrite would be a no-op).
+    RuntimeError: a rewrite that found nothing to rewrite (Triton's output changed).
   """
   ptx = compiled.asm["ptx"]
-  if meta.get("WS", 1):
-    return ptx
-  ptx, dropped = without_wait_barriers(ptx)
-  if not dropped:
-    raise RuntimeError("w4_gluon_mm: WAIT_SYNC=0 found no barrier before an mbarrier wait in the PTX")
+  if not meta.get("WS", 1):
+    ptx, dropped = without_wait_barriers(ptx)
+    if not dropped:
+      raise RuntimeError("w4_gluon_mm: WAIT_SYNC=0 found no barrier before an mbarrier wait in the PTX")
+  if meta.get("WR", 0):
+    ptx, rewritten = warpgroup_releases(ptx)
+    if not rewritten:
+      raise RuntimeError("w4_gluon_mm: WARPGROUP_RELEASE=1 found no release in the PTX")
   return ptx
+
+
+def warpgroup_releases(ptx: str) -> tuple[str, int]:
+  """``ptx`` with each release of a ring stage by the MMA warps rewritten: Triton writes ``bar.sync 0, 256`` then
+  ``@P mbarrier.arrive`` with ``P`` thread 0's predicate (``(tid & 255) == 0``), possibly ANDed with the caller's
+  ``pred`` first; this makes it an arrive by threads 0 and 128 (each warpgroup's first, ``(tid & 127) == 0``) under the
+  same caller's predicate, with no barrier. The kernel's empty barriers then count 2 (``WR``). Returns the PTX and how
+  many releases were rewritten.
+
+  Raises:
+    RuntimeError: an arrive of the MMA warps in another form, or a thread-0 predicate not defined as above (the
+      rewrite would be wrong: Triton's output changed).
+  """
+  lines = ptx.split("\n")
+  code = [i for i, l in enumerate(lines) if l.strip() and not l.strip().startswith(("//", ".loc"))]
+  defs = dict(re.findall(r"setp\.eq\.b32\s+(%p\d+), (%r\d+), 0;", ptx))
+  masks = set(re.findall(r"and\.b32\s+(%r\d+), %r\d+, 255;", ptx))
+  out, n = list(lines), 0
+  for c, i in enumerate(code):
+    if " ".join(lines[i].split()) != "bar.sync 0, 256;":
+      continue
+    nxt = [" ".join(lines[j].split()) for j in code[c + 1:c + 3]]
+    pair = re.fullmatch(r"and\.pred (%p\d+), (%p\d+), (%p\d+);", nxt[0]) if nxt else None
+    arrive_at = code[c + 2] if pair else code[c + 1]
+    arrive = re.fullmatch(r"@(%p\d+) mbarrier\.arrive\.shared::cta\.b64 _, \[(%r\d+)\];",
+                          " ".join(lines[arrive_at].split()))
+    if arrive is None:
+      continue  # a barrier before something else (a wait, or the barriers' init)
+    thread0, caller = (pair.group(2), pair.group(3)) if pair else (arrive.group(1), None)
+    if pair and pair.group(1) != arrive.group(1) or defs.get(thread0) not in masks:
+      raise RuntimeError(f"w4_gluon_mm: a release of the MMA warps in an unknown form: {nxt}")
+    out[i] = ""
+    pred = "\n\tand.pred \twg_lead, wg_lead, " + caller + ";" if caller else ""
+    out[arrive_at] = ("\t{\n\t.reg .pred wg_lead;\n\t.reg .b32 wg_tid;\n\tmov.u32 \twg_tid, %tid.x;\n"
+                      "\tand.b32 \twg_tid, wg_tid, 127;\n\tsetp.eq.b32 \twg_lead, wg_tid, 0;" + pred +
+                      f"\n\t@wg_lead mbarrier.arrive.shared::cta.b64 _, [{arrive.group(2)}];\n\t}}")
+    n += 1
+  if n != len(re.findall(r"mbarrier\.arrive\.shared::cta\.b64 _,", ptx)):
+    raise RuntimeError("w4_gluon_mm: an mbarrier arrive of the MMA warps without the barrier before it")
+  return "\n".join(out), n
 
 
 def without_wait_barriers(ptx: str) -> tuple[str, int]:

@@ -143,7 +143,7 @@ def test_mm_settings_are_checked(monkeypatch):
   """Ring, in-flight and raster settings the kernel cannot take are refused by name before a launch is built."""
   assert w4_gluon_mm.meta_for(2048, 3584, 4608, 1)["S"] == w4_gluon_mm.STAGES
   for name, bad in (("STAGES", 1), ("SMALL_STAGES", 1), ("IN_FLIGHT", 2), ("RASTER_GROUP", -1),
-                    ("NARROW_PER_SM", 3), ("WAIT_SYNC", 2)):
+                    ("NARROW_PER_SM", 3), ("WAIT_SYNC", 2), ("WARPGROUP_RELEASE", 2)):
     with monkeypatch.context() as mp:
       mp.setattr(w4_gluon_mm, name, bad)
       with pytest.raises(ValueError, match=name):
@@ -203,10 +203,51 @@ def test_mm_wait_sync_drops_only_the_barriers_before_waits():
   assert w4_gluon_mm.without_wait_barriers(got) == (got, 0)
 
 
+_PTX_RELEASES = """\
+\tand.b32 \t%r9, %r1, 255;
+\tsetp.eq.b32 \t%p17, %r9, 0;
+\tbar.sync \t0, 256;
+\tand.pred \t%p19, %p17, %p20;
+\t// begin inline asm
+\t@%p19 mbarrier.arrive.shared::cta.b64 _, [%r171];
+\t// end inline asm
+\tbar.sync \t0, 256;
+\tmbarrier.try_wait.parity.shared.b64 complete, [%r172], %r173;
+\tbar.sync \t0, 256;
+\t@%p17 mbarrier.arrive.shared::cta.b64 _, [%r198];
+\t@%p4 mbarrier.arrive.expect_tx.shared.b64 _, [%r34], 12800;"""
+
+
+def _wg_arrive(bar, caller=None):
+  return ("\t{\n\t.reg .pred wg_lead;\n\t.reg .b32 wg_tid;\n\tmov.u32 \twg_tid, %tid.x;\n\tand.b32 \twg_tid, wg_tid, 127;\n"
+          "\tsetp.eq.b32 \twg_lead, wg_tid, 0;" + (f"\n\tand.pred \twg_lead, wg_lead, {caller};" if caller else "") +
+          f"\n\t@wg_lead mbarrier.arrive.shared::cta.b64 _, [{bar}];\n\t}}")
+
+
+def test_mm_warpgroup_release_rewrites_each_release_by_hand():
+  """WARPGROUP_RELEASE = 1 (lab) rewrites the PTX by hand-checked rules: the two releases (a barrier across the 8 MMA
+  warps, then an arrive by thread 0, once under the caller's predicate %p20) become arrives by each warpgroup's first
+  thread ((tid & 127) == 0) under the same caller's predicate, their barriers gone; the barrier before the wait and the
+  producer's expect_tx arrive stay. An arrive with no barrier before it, or a thread-0 predicate of another form, is
+  refused rather than rewritten wrong."""
+  got, n = w4_gluon_mm.warpgroup_releases(_PTX_RELEASES)
+  lines = _PTX_RELEASES.split("\n")
+  expected = list(lines)
+  expected[2] = expected[9] = ""
+  expected[5] = _wg_arrive("%r171", "%p20")
+  expected[10] = _wg_arrive("%r198")
+  assert n == 2 and got.split("\n") == "\n".join(expected).split("\n")
+  with pytest.raises(RuntimeError, match="without the barrier"):
+    w4_gluon_mm.warpgroup_releases(_PTX_RELEASES.replace("\tbar.sync \t0, 256;\n\t@%p17", "\t@%p17"))
+  with pytest.raises(RuntimeError, match="unknown form"):
+    w4_gluon_mm.warpgroup_releases(_PTX_RELEASES.replace("%r1, 255;", "%r1, 127;"))
+
+
 def test_mm_wait_sync_rewrites_the_narrow_build_offline():
   """The 64-row build of the 7B gate/up (no GPU: triton.compile for sm_90) under WAIT_SYNC = 0 loses the MMA warps'
   barrier before each of its two ready waits in the whole-tile loop and the two in the tail loop (4), keeps one before
-  every mbarrier.arrive, and still assembles (ptxas, where the triton wheel ships it)."""
+  every mbarrier.arrive, and still assembles (ptxas, where the triton wheel ships it); with WARPGROUP_RELEASE 1 as
+  well it keeps none in its loops."""
   pytest.importorskip("triton")
   import os
   import re
@@ -226,13 +267,21 @@ def test_mm_wait_sync_rewrites_the_narrow_build_offline():
       assert not code[i - 4].startswith("bar.sync"), code[i - 4:i + 1]  # ({ .reg waitLoop: between)
     if re.search(r"mbarrier\.arrive\.shared", line):
       assert code[i - 1].startswith("bar.sync") or code[i - 2].startswith("bar.sync"), code[i - 2:i + 1]
+  # WARPGROUP_RELEASE 1 too: the 8 empty barriers count 2, the 6 releases are arrives of each warpgroup, and
+  # of the 17 barriers only the 7 before the barriers' init remain
+  wr = {**meta, "WS": 0, "WR": 1}
+  both = w4_gluon_mm.compile_for(wr)
+  assert both.asm["ptx"].count("], 2;") == 8 and compiled.asm["ptx"].count("], 2;") == 0
+  ptx_wr = w4_gluon_mm.ptx_for(both, wr)
+  assert ptx_wr.count("@wg_lead mbarrier.arrive") == 6 and ptx_wr.count("bar.sync \t0, 256;") == before - 10
   ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
   if os.path.exists(ptxas):
     with tempfile.TemporaryDirectory() as d:
-      open(os.path.join(d, "k.ptx"), "w").write(ptx)
-      run = subprocess.run([ptxas, "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
-                           capture_output=True, text=True)
-      assert run.returncode == 0, run.stderr
+      for text in (ptx, ptx_wr):
+        open(os.path.join(d, "k.ptx"), "w").write(text)
+        run = subprocess.run([ptxas, "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
 
 
 def test_mm_release_pairs_only_where_every_unit_is_even(monkeypatch):
@@ -582,17 +631,21 @@ def test_gpu_mm_release_pairs_match_float64(m, k, n, plan, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n,plan,pairs", [(64, 3584, 4608, (36, 1), 0), (100, 3584, 4608, (36, 1), 1),
-                                              (2048, 3584, 4608, (264, 4), 0), (300, 18944, 3584, (0, 4), 1)])
-def test_gpu_mm_without_wait_barriers_match_float64(m, k, n, plan, pairs, monkeypatch):
-  """The PTX without the MMA warps' barrier before each ready wait (WAIT_SYNC 0, lab), with the stages released one
-  or two at a time, narrow and wide tiles, whole and split, against float64."""
+@pytest.mark.parametrize("m,k,n,plan,pairs,ws,wr", [
+    (64, 3584, 4608, (36, 1), 0, 0, 0), (100, 3584, 4608, (36, 1), 1, 0, 0), (2048, 3584, 4608, (264, 4), 0, 0, 0),
+    (300, 18944, 3584, (0, 4), 1, 0, 0), (64, 3584, 4608, (36, 1), 0, 1, 1), (64, 3584, 37888, (264, 4), 0, 0, 1),
+    (100, 3584, 4608, (36, 1), 1, 0, 1), (2048, 3584, 4608, (264, 4), 0, 0, 1), (2000, 1280, 3840, (128, 5), 0, 0, 1)])
+def test_gpu_mm_ptx_rewrites_match_float64(m, k, n, plan, pairs, ws, wr, monkeypatch):
+  """The PTX without the MMA warps' barrier before each ready wait (WAIT_SYNC 0, lab) and/or with each stage released
+  by both warpgroups (WARPGROUP_RELEASE 1, lab), with the stages released one or two at a time, narrow and wide tiles,
+  whole and split (odd split units too), against float64."""
   _skip_without_kernel()
   monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", 128)
-  monkeypatch.setattr(w4_gluon_mm, "WAIT_SYNC", 0)
+  monkeypatch.setattr(w4_gluon_mm, "WAIT_SYNC", ws)
+  monkeypatch.setattr(w4_gluon_mm, "WARPGROUP_RELEASE", wr)
   monkeypatch.setattr(w4_gluon_mm, "RELEASE_PAIRS", pairs)
   monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
-  assert w4_gluon_mm.meta_for(m, k, n, 1)["WS"] == 0
+  assert (w4_gluon_mm.meta_for(m, k, n, 1)["WS"], w4_gluon_mm.meta_for(m, k, n, 1)["WR"]) == (ws, wr)
   wq = _weight(k, n, m + 17)
   x = jnp.asarray(np.random.default_rng(m + 3).standard_normal((m, k)) * 2.0, jnp.bfloat16)
   got = jax.jit(w4_gluon_mm.forward)(x, wq)

@@ -517,18 +517,20 @@ step 62 && { for s in "SMALL_M_MAX=0,MAX_SPLITS=1" ""; do echo "== w4_gluon_mm $
     MM_SET="$s" timeout 170 python3 experiments/lab/gluon/ab_rollout.py --batches=64,256 --new_tokens=512 \
       --formats=nvfp4_fused --time_budget_s=150 2>&1 | grep "nvfp4_fused |"; done; } | tee "$OUT/mm_defaults_rollout.txt"
 # 63 (session 48, prepared; no device machine came that session; about 7 minutes): the dx build's timing (step 58's
-#    first part), the GPU tests of two narrow programs an SM, then the narrow tiles at M = 64 and 128 (7B gate/up, down,
+#    first part), the narrow tiles at M = 64 and 128 (7B gate/up, down,
 #    q/k/v): the default against NARROW_PER_SM=2 and the probes without a decode (PROBE=1), without x copies (3),
-#    without weight copies (4), with no wgmma left in flight (IN_FLIGHT=0), and with the ring's stages released in
+#    without weight copies (4), and with the ring's stages released in
 #    pairs (RELEASE_PAIRS=1: 3 barriers of the MMA warps every two steps instead of 4). Whichever of decode, copies or the
 #    step's waits the probes show to be the narrow step's limit is the next target; if NARROW_PER_SM=2 is faster, make
 #    it the default and refit SMALL_STEP_US[64]. Session 49 added the PTX without the MMA warps' barrier before each
-#    ready wait (WAIT_SYNC=0: 2 barriers a step left of 4 on its own, 1 with RELEASE_PAIRS=1) and its GPU test, and
-#    dropped IN_FLIGHT=0 (measured before, session 46) for time; time_mm.py now resets these settings between variants
-#    (session 48's list left NARROW_PER_SM=2 on for the variants after pp2).
+#    ready wait (WAIT_SYNC=0: 2 barriers a step left of 4), each stage released by both warpgroups with no barrier
+#    (WARPGROUP_RELEASE=1; with WAIT_SYNC=0 none a step: "nobar") and their GPU tests (last, so that a timeout costs only
+#    them: time_mm.py prints each variant's error against dequantize + cuBLAS anyway), and dropped IN_FLIGHT=0 (measured
+#    in session 46) for time; time_mm.py now resets these settings between variants (session 48's list left
+#    NARROW_PER_SM=2 on for the variants after pp2).
 step 63 && { MM_KIND=dx MM_MS=2048,8192 timeout 140 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -m gpu tests/test_gluon_mm.py -k "two_narrow or release_pairs or wait_barriers" \
-    -p no:cacheprovider 2>&1 | tail -2
-  MM_MS=64,128 MM_SHAPES=gate_up,down,qkv MM_VARIANTS="base;pp2:NARROW_PER_SM=2;rp:RELEASE_PAIRS=1;ws0:WAIT_SYNC=0;ws0rp:WAIT_SYNC=0,RELEASE_PAIRS=1;p1:PROBE=1;p3:PROBE=3;p4:PROBE=4" \
-    timeout 250 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn; } | tee "$OUT/narrow_probe.txt"
+  MM_MS=64,128 MM_SHAPES=gate_up,down,qkv MM_VARIANTS="base;pp2:NARROW_PER_SM=2;rp:RELEASE_PAIRS=1;ws0:WAIT_SYNC=0;wr:WARPGROUP_RELEASE=1;nobar:WAIT_SYNC=0,WARPGROUP_RELEASE=1;p1:PROBE=1;p3:PROBE=3;p4:PROBE=4" \
+    timeout 270 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 110 python3 -m pytest -q -m gpu tests/test_gluon_mm.py \
+    -k "two_narrow or release_pairs or ptx_rewrites" -p no:cacheprovider 2>&1 | tail -3; } | tee "$OUT/narrow_probe.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
