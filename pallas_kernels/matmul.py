@@ -51,7 +51,7 @@ GLUON_MM = os.environ.get("QERL_GLUON_MM", "auto")
 # The same kernel's dx build (w4_gluon_mm.dx: dy @ W^T with no bf16 W in HBM) for kernel_dx at
 # FUSED_MAX_M["dx"] < M <= w4_gluon_mm.MAX_M. "0" (default): not yet timed (session 46 wrote it; its GPU tests pass
 # since session 47); "1" uses it where it applies. QERL_GLUON_MM_DX in the environment sets the default.
-GLUON_MM_DX = os.environ.get("QERL_GLUON_MM_DX", "0")
+GLUON_MM_DX = os.environ.get("QERL_GLUON_MM_DX", "1")
 
 
 def _check_setting(name: str, value: str, allowed) -> None:

@@ -105,12 +105,12 @@ IN_FLIGHT = 1   # wgmmas left in flight past each step (1: the next step's decod
 RELEASE_PAIRS = 0  # lab (session 48): 1 releases the ring's stages in pairs (one mbarrier arrive, and the MMA warps'
                    # two barriers around it, every other step) where the ring and every unit's steps are even, with
                    # IN_FLIGHT 1 (the kernel's IF 2)
-WAIT_SYNC = 1  # lab (session 49): 0 deletes from the PTX the barrier across the 8 MMA warps (bar.sync 0, 256) that
+WAIT_SYNC = 0  # (session 49) 0 deletes from the PTX the barrier across the 8 MMA warps (bar.sync 0, 256) that
                # Triton's shared-memory analysis puts before each wait on a ring stage's ready barrier (it does so
                # before every mbarrier operation of a multi-warp partition). Only the barrier before the release
                # (mbarrier.arrive by one thread) orders anything: both warpgroups' wgmmas must have read the stage.
                # Half the MMA warps' barriers a step (narrow tiles: two a step; session 48's offline SASS)
-WARPGROUP_RELEASE = 0  # lab (session 49): 1 releases a ring stage by one arrive from each of the two MMA warpgroups
+WARPGROUP_RELEASE = 1  # (session 49) 1 releases a ring stage by one arrive from each of the two MMA warpgroups
                        # (its empty barrier's count 2; the PTX's arrive by thread 0 after a barrier across both
                        # warpgroups rewritten to one by threads 0 and 128, with no barrier), as CUTLASS's sm90 pipelines
                        # do: a warpgroup's wgmma wait retires its reads of the stage. With WAIT_SYNC 0, no barrier a step
@@ -826,40 +826,59 @@ def ptx_for(compiled, meta: dict) -> str:
   return ptx
 
 
+_MMA_BARRIER = "bar.sync 0, 256;"  # the 8 MMA warps' barrier (Triton writes "bar.sync \t0, 256;")
+_ALU = re.compile(r"(mov|add|sub|mul|mad|shl|shr|and|or|xor|not|min|max|bfe|cvt|setp|selp)\.")  # no memory, no branch
+
+
+def _after_mma_barriers(lines: list[str], labels: bool):
+  """For each of the MMA warps' barriers in ``lines``: ``(its line, the next instruction's line, the register
+  arithmetic lines between)``. Comments, ``.loc``, braces and ``.reg`` are skipped; labels too if ``labels`` (a
+  branch into the gap would bypass the barrier: only a rewrite that needs no barrier may skip one)."""
+  code = [i for i, l in enumerate(lines) if l.strip() and not l.strip().startswith(("//", ".loc", "{", ".reg"))]
+  for c, i in enumerate(code):
+    if " ".join(lines[i].split()) != _MMA_BARRIER:
+      continue
+    between = []
+    for j in code[c + 1:]:
+      t = lines[j].strip()
+      if _ALU.match(t) or (labels and t.endswith(":")):
+        between.append(j)
+        continue
+      yield i, j, between
+      break
+
+
 def warpgroup_releases(ptx: str) -> tuple[str, int]:
-  """``ptx`` with each release of a ring stage by the MMA warps rewritten: Triton writes ``bar.sync 0, 256`` then
-  ``@P mbarrier.arrive`` with ``P`` thread 0's predicate (``(tid & 255) == 0``), possibly ANDed with the caller's
-  ``pred`` first; this makes it an arrive by threads 0 and 128 (each warpgroup's first, ``(tid & 127) == 0``) under the
-  same caller's predicate, with no barrier. The kernel's empty barriers then count 2 (``WR``). Returns the PTX and how
-  many releases were rewritten.
+  """``ptx`` with each release of a ring stage by the MMA warps rewritten: Triton writes ``bar.sync 0, 256``, maybe
+  some register arithmetic, then ``@P mbarrier.arrive`` with ``P`` thread 0's predicate (``(tid & 255) == 0``),
+  possibly ANDed with the caller's ``pred`` first; this makes it an arrive by threads 0 and 128 (each warpgroup's
+  first, ``(tid & 127) == 0``) under the same caller's predicate, with no barrier. The kernel's empty barriers then
+  count 2 (``WR``). Returns the PTX and how many releases were rewritten.
 
   Raises:
     RuntimeError: an arrive of the MMA warps in another form, or a thread-0 predicate not defined as above (the
       rewrite would be wrong: Triton's output changed).
   """
   lines = ptx.split("\n")
-  code = [i for i, l in enumerate(lines) if l.strip() and not l.strip().startswith(("//", ".loc"))]
-  defs = dict(re.findall(r"setp\.eq\.b32\s+(%p\d+), (%r\d+), 0;", ptx))
-  masks = set(re.findall(r"and\.b32\s+(%r\d+), %r\d+, 255;", ptx))
+  thread0 = {p for p, r in re.findall(r"setp\.eq\.b32\s+(%p\d+), (%r\d+), 0;", ptx)
+             if r in set(re.findall(r"and\.b32\s+(%r\d+), %r\d+, 255;", ptx))}
   out, n = list(lines), 0
-  for c, i in enumerate(code):
-    if " ".join(lines[i].split()) != "bar.sync 0, 256;":
-      continue
-    nxt = [" ".join(lines[j].split()) for j in code[c + 1:c + 3]]
-    pair = re.fullmatch(r"and\.pred (%p\d+), (%p\d+), (%p\d+);", nxt[0]) if nxt else None
-    arrive_at = code[c + 2] if pair else code[c + 1]
-    arrive = re.fullmatch(r"@(%p\d+) mbarrier\.arrive\.shared::cta\.b64 _, \[(%r\d+)\];",
-                          " ".join(lines[arrive_at].split()))
+  for bar, at, between in _after_mma_barriers(lines, labels=False):
+    arrive = re.fullmatch(r"@(%p\d+) mbarrier\.arrive\.shared::cta\.b64 _, \[(%r\d+)\];", " ".join(lines[at].split()))
     if arrive is None:
       continue  # a barrier before something else (a wait, or the barriers' init)
-    thread0, caller = (pair.group(2), pair.group(3)) if pair else (arrive.group(1), None)
-    if pair and pair.group(1) != arrive.group(1) or defs.get(thread0) not in masks:
-      raise RuntimeError(f"w4_gluon_mm: a release of the MMA warps in an unknown form: {nxt}")
-    out[i] = ""
-    pred = "\n\tand.pred \twg_lead, wg_lead, " + caller + ";" if caller else ""
-    out[arrive_at] = ("\t{\n\t.reg .pred wg_lead;\n\t.reg .b32 wg_tid;\n\tmov.u32 \twg_tid, %tid.x;\n"
-                      "\tand.b32 \twg_tid, wg_tid, 127;\n\tsetp.eq.b32 \twg_lead, wg_tid, 0;" + pred +
-                      f"\n\t@wg_lead mbarrier.arrive.shared::cta.b64 _, [{arrive.group(2)}];\n\t}}")
+    pred, caller = arrive.group(1), None
+    for j in between:
+      pair = re.fullmatch(r"and\.pred (%p\d+), (%p\d+), (%p\d+);", " ".join(lines[j].split()))
+      if pair and pair.group(1) == pred:
+        pred, caller = pair.group(2), pair.group(3)
+    if pred not in thread0:
+      raise RuntimeError(f"w4_gluon_mm: a release of the MMA warps in an unknown form: {lines[at].strip()}")
+    out[bar] = ""
+    both = "\n\tand.pred \twg_lead, wg_lead, " + caller + ";" if caller else ""
+    out[at] = ("\t{\n\t.reg .pred wg_lead;\n\t.reg .b32 wg_tid;\n\tmov.u32 \twg_tid, %tid.x;\n"
+               "\tand.b32 \twg_tid, wg_tid, 127;\n\tsetp.eq.b32 \twg_lead, wg_tid, 0;" + both +
+               f"\n\t@wg_lead mbarrier.arrive.shared::cta.b64 _, [{arrive.group(2)}];\n\t}}")
     n += 1
   if n != len(re.findall(r"mbarrier\.arrive\.shared::cta\.b64 _,", ptx)):
     raise RuntimeError("w4_gluon_mm: an mbarrier arrive of the MMA warps without the barrier before it")
@@ -867,23 +886,15 @@ def warpgroup_releases(ptx: str) -> tuple[str, int]:
 
 
 def without_wait_barriers(ptx: str) -> tuple[str, int]:
-  """``ptx`` without each ``bar.sync 0, 256`` (the 8 MMA warps) whose next instruction is an ``mbarrier.try_wait``
-  (blank lines, comments, ``.loc``, braces, ``.reg`` and labels skipped); returns it and how many were dropped.
+  """``ptx`` without each ``bar.sync 0, 256`` (the 8 MMA warps) whose next instruction, past register arithmetic,
+  labels, comments, ``.loc``, braces and ``.reg``, is an ``mbarrier.try_wait``; returns it and how many were dropped.
 
   Waiting on an mbarrier neither reads nor writes data of other threads, so the barrier before it orders nothing:
   the stage's bytes come by TMA under that mbarrier's transaction count. Barriers before an arrive stay."""
   lines = ptx.split("\n")
-  keep = [True] * len(lines)
-  for i, line in enumerate(lines):
-    if " ".join(line.split()) != "bar.sync 0, 256;":  # (Triton writes "bar.sync \t0, 256;")
-      continue
-    for nxt in lines[i + 1:i + 12]:
-      t = nxt.strip()
-      if not t or t.startswith(("//", ".loc", "{", ".reg")) or t.endswith(":"):
-        continue
-      keep[i] = not t.startswith("mbarrier.try_wait")
-      break
-  return "\n".join(l for l, k in zip(lines, keep) if k), keep.count(False)
+  drop = {bar for bar, at, _ in _after_mma_barriers(lines, labels=True)
+          if lines[at].strip().startswith("mbarrier.try_wait")}
+  return "\n".join(l for i, l in enumerate(lines) if i not in drop), len(drop)
 
 
 def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None, addend: jax.Array | None = None) -> jax.Array:

@@ -41,6 +41,7 @@
 #   STEPS=61 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=62 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=63 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=64 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -533,4 +534,19 @@ step 63 && { MM_KIND=dx MM_MS=2048,8192 timeout 140 python3 experiments/lab/time
     timeout 270 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 110 python3 -m pytest -q -m gpu tests/test_gluon_mm.py \
     -k "two_narrow or release_pairs or ptx_rewrites" -p no:cacheprovider 2>&1 | tail -3; } | tee "$OUT/narrow_probe.txt"
+# 64 (session 49; about 8 minutes): step 63 (session 49, H200) had the narrow tiles' step limited by the decode (no
+#    decode: 1.75x of bf16 against 1.08x at M = 64; no copies: within 3%), the barrier-free K loop (WAIT_SYNC=0,
+#    WARPGROUP_RELEASE=1) faster at M = 128 (0.988x against 0.935x) and the dx build at 0.924x of bf16 at M = 2048
+#    (dequantize + cuBLAS 0.851x). With those now the defaults (GLUON_MM_DX "1"): the barrier-free loop against
+#    Triton's ("old") with decode-order codes at M = 64, 128 and 2048, and two programs an SM (pp2); the dx build at
+#    M = 256 and 1024 against dequantize + cuBLAS; issue 4's 7B table (M = 8192 left out: dequantize + cuBLAS, as in
+#    session 35); the GPU tests of the Gluon GEMM, last.
+step 64 && { MM_ORDER=decode MM_MS=64,128,2048 MM_VARIANTS="base;old:WAIT_SYNC=1,WARPGROUP_RELEASE=0;pp2:NARROW_PER_SM=2" \
+    timeout 150 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn
+  MM_KIND=dx MM_ORDER=decode MM_MS=256,1024 MM_VARIANTS="base;old:WAIT_SYNC=1,WARPGROUP_RELEASE=0" \
+    timeout 90 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn
+  timeout 270 python3 experiments/bench_kernels.py --models=7b --kinds=fwd,dx --ms=1,8,32,64,128,256,2048 \
+    --dx_ms=2048 --ragged=false --json="$OUT/bench_kernels_7b.json" 2>&1 | grep "|"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -q -n 4 -m gpu tests/test_gluon_mm.py -p no:cacheprovider \
+    > "$OUT/gpu_tests.txt" 2>&1; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests.txt" | tail -8; } | tee "$OUT/step64.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
