@@ -49,8 +49,10 @@ GLUON_DX = os.environ.get("QERL_GLUON_DX", "0")
 # QERL_GLUON_MM in the environment sets the default.
 GLUON_MM = os.environ.get("QERL_GLUON_MM", "auto")
 # The same kernel's dx build (w4_gluon_mm.dx: dy @ W^T with no bf16 W in HBM) for kernel_dx at
-# FUSED_MAX_M["dx"] < M <= w4_gluon_mm.MAX_M. "0" (default): not yet timed (session 46 wrote it; its GPU tests pass
-# since session 47); "1" uses it where it applies. QERL_GLUON_MM_DX in the environment sets the default.
+# FUSED_MAX_M["dx"] < M <= w4_gluon_mm.MAX_M where it applies. "1" (default) uses it: on the H200 it ran the 7B
+# shapes at M = 2048 at 0.924x of bf16 against 0.851x for dequantize + cuBLAS (at 8192, above MAX_M, 0.878x against
+# 0.957x; docs/benchmarks.md, session 49). "0" keeps dequantize + cuBLAS. QERL_GLUON_MM_DX in the environment sets
+# the default.
 GLUON_MM_DX = os.environ.get("QERL_GLUON_MM_DX", "1")
 
 
@@ -200,7 +202,7 @@ def _use_gluon_dx(dy2d, w, interpret: bool) -> bool:
 def kernel_dx(dy2d: jax.Array, w, *, out_dtype=jnp.bfloat16, interpret: bool = False, index=None) -> jax.Array:
   """The kernel path's ``dy @ W^T`` for 2-D bf16 ``dy`` ``[M, N]`` -> ``[M, K]``.
 
-  Fused kernel for ``M <= FUSED_MAX_M["dx"]``; with ``GLUON_MM_DX = "1"`` (lab, not yet timed) and
+  Fused kernel for ``M <= FUSED_MAX_M["dx"]``; with ``GLUON_MM_DX = "1"`` (the default) and
   ``M <= w4_gluon_mm.MAX_M`` the large-M Gluon forward's dx build where it applies; with ``GLUON_DX = "1"`` and
   ``M >= w4_gluon_dx.MIN_M``
   the large-M Gluon kernel where it applies (NVFP4 in the standard code order on sm_90), which writes
