@@ -187,6 +187,18 @@ def _lora_delta(xa, b, scale, index=None):
                          preferred_element_type=jnp.float32)
 
 
+def _use_gluon_mm_dx(dy2d, w, interpret: bool) -> bool:
+  """Whether :func:`kernel_dx` takes the large-M Gluon forward's dx build (see ``GLUON_MM_DX``) for ``dy2d`` of more
+  than ``FUSED_MAX_M["dx"]`` rows.
+
+  Raises:
+    ValueError: ``GLUON_MM_DX`` not "1"/"0".
+  """
+  _check_setting("GLUON_MM_DX", GLUON_MM_DX, ("1", "0"))
+  return (GLUON_MM_DX == "1" and not interpret and dy2d.shape[0] <= w4_gluon_mm.MAX_M
+          and w4_gluon_mm.dx_applies(dy2d.shape[0], w, dy2d.dtype) and gluon_enabled())
+
+
 def _use_gluon_dx(dy2d, w, interpret: bool) -> bool:
   """Whether :func:`kernel_dx` takes the large-M Gluon dx kernel (see ``GLUON_DX``).
 
@@ -214,9 +226,7 @@ def kernel_dx(dy2d: jax.Array, w, *, out_dtype=jnp.bfloat16, interpret: bool = F
   """
   if dy2d.shape[0] <= FUSED_MAX_M["dx"]:
     return w4_triton.dx(dy2d, w, out_dtype=out_dtype, interpret=interpret, index=index)
-  _check_setting("GLUON_MM_DX", GLUON_MM_DX, ("1", "0"))
-  if (GLUON_MM_DX == "1" and not interpret and dy2d.shape[0] <= w4_gluon_mm.MAX_M
-      and w4_gluon_mm.dx_applies(dy2d.shape[0], w, dy2d.dtype) and gluon_enabled()):
+  if _use_gluon_mm_dx(dy2d, w, interpret):
     return w4_gluon_mm.dx(dy2d, w, index=index).astype(out_dtype)
   if _use_gluon_dx(dy2d, w, interpret):
     return w4_gluon_dx.dx(dy2d, w, index=index).astype(out_dtype)

@@ -852,8 +852,9 @@ def warpgroup_releases(ptx: str) -> tuple[str, int]:
   """``ptx`` with each release of a ring stage by the MMA warps rewritten: Triton writes ``bar.sync 0, 256``, maybe
   some register arithmetic, then ``@P mbarrier.arrive`` with ``P`` thread 0's predicate (``(tid & 255) == 0``),
   possibly ANDed with the caller's ``pred`` first; this makes it an arrive by threads 0 and 128 (each warpgroup's
-  first, ``(tid & 127) == 0``) under the same caller's predicate, with no barrier. The kernel's empty barriers then
-  count 2 (``WR``). Returns the PTX and how many releases were rewritten.
+  first, ``(tid & 127) == 0``) under the same caller's predicate, with no barrier (a release whose predicate is a
+  constant false only loses its barrier). The kernel's empty barriers then count 2 (``WR``). Returns the PTX and how
+  many releases were rewritten.
 
   Raises:
     RuntimeError: an arrive of the MMA warps in another form, or a thread-0 predicate not defined as above (the
@@ -868,8 +869,13 @@ def warpgroup_releases(ptx: str) -> tuple[str, int]:
     if arrive is None:
       continue  # a barrier before something else (a wait, or the barriers' init)
     pred, caller = arrive.group(1), None
-    for j in between:
-      pair = re.fullmatch(r"and\.pred (%p\d+), (%p\d+), (%p\d+);", " ".join(lines[j].split()))
+    between = [" ".join(lines[j].split()) for j in between]
+    if f"mov.pred {pred}, 0;" in between:  # a release that never runs (the caller's pred a constant false:
+      out[bar] = ""                         # a one-step split unit), kept as dead as it was
+      n += 1
+      continue
+    for t in between:
+      pair = re.fullmatch(r"and\.pred (%p\d+), (%p\d+), (%p\d+);", t)
       if pair and pair.group(1) == pred:
         pred, caller = pair.group(2), pair.group(3)
     if pred not in thread0:

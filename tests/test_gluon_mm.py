@@ -219,6 +219,9 @@ _PTX_RELEASES = """\
 \tmov.b32 \t%r327, global_smem;
 \tadd.s32 \t%r262, %r327, 149688;
 \t@%p17 mbarrier.arrive.shared::cta.b64 _, [%r262];
+\tbar.sync \t0, 256;
+\tmov.pred \t%p10, 0;
+\t@%p10 mbarrier.arrive.shared::cta.b64 _, [%r170];
 \t@%p4 mbarrier.arrive.expect_tx.shared.b64 _, [%r34], 12800;"""
 
 
@@ -232,16 +235,17 @@ def test_mm_warpgroup_release_rewrites_each_release_by_hand():
   """WARPGROUP_RELEASE = 1 rewrites the PTX by hand-checked rules: the three releases (a barrier across the 8
   MMA warps, then an arrive by thread 0: once under the caller's predicate %p20, once after address arithmetic) become
   arrives by each warpgroup's first thread ((tid & 127) == 0) under the same caller's predicate, their barriers gone;
-  the barrier before the wait and the producer's expect_tx arrive stay. An arrive with no barrier before it, or a
-  thread-0 predicate of another form, is refused rather than rewritten wrong."""
+  a release whose predicate is a constant false (a one-step split unit's) only loses its barrier; the barrier before
+  the wait and the producer's expect_tx arrive stay. An arrive with no barrier before it, or a thread-0 predicate of
+  another form, is refused rather than rewritten wrong."""
   got, n = w4_gluon_mm.warpgroup_releases(_PTX_RELEASES)
   lines = _PTX_RELEASES.split("\n")
   expected = list(lines)
-  expected[2] = expected[9] = expected[11] = ""
+  expected[2] = expected[9] = expected[11] = expected[15] = ""
   expected[5] = _wg_arrive("%r171", "%p20")
   expected[10] = _wg_arrive("%r198")
   expected[14] = _wg_arrive("%r262")
-  assert n == 3 and got.split("\n") == "\n".join(expected).split("\n")
+  assert n == 4 and got.split("\n") == "\n".join(expected).split("\n")
   with pytest.raises(RuntimeError, match="without the barrier"):
     w4_gluon_mm.warpgroup_releases(_PTX_RELEASES.replace("\tbar.sync \t0, 256;\n\t@%p17", "\t@%p17"))
   with pytest.raises(RuntimeError, match="unknown form"):
