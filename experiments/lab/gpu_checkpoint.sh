@@ -42,6 +42,7 @@
 #   STEPS=62 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=63 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=64 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=65 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -549,4 +550,15 @@ step 64 && { MM_ORDER=decode MM_MS=64,128,2048 MM_VARIANTS="base;old:WAIT_SYNC=1
     --dx_ms=2048 --ragged=false --json="$OUT/bench_kernels_7b.json" 2>&1 | grep "|"
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -q -n 4 -m gpu tests/test_gluon_mm.py -p no:cacheprovider \
     > "$OUT/gpu_tests.txt" 2>&1; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests.txt" | tail -8; } | tee "$OUT/step64.txt"
+# 65 (session 49; about 6 minutes): step 64 (H100) had the barrier-free loop faster at every M (7B summed, decode
+#    order: 1.412x / 1.238x / 0.983x of bf16 at M = 64 / 128 / 2048 against 1.403x / 1.219x / 0.954x), the dx build
+#    at 0.959x / 0.919x at M = 256 / 1024 (dequantize + cuBLAS 0.471x / 0.738x), and 6 GPU tests refused by the
+#    release rewrite at one-step split units (fixed since). The Gluon GEMM's GPU tests again, the kernels' and the
+#    model's GPU tests (the trainer's backward now takes the dx build), then issue 4's 32B table.
+step 65 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -n 4 -m gpu tests/test_gluon_mm.py \
+    -p no:cacheprovider > "$OUT/gpu_tests_mm.txt" 2>&1; grep -E "passed|failed|FAILED" "$OUT/gpu_tests_mm.txt" | tail -8
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 160 python3 -m pytest -q -n 4 -m gpu tests/test_kernels.py tests/test_model.py \
+    -p no:cacheprovider > "$OUT/gpu_tests_model.txt" 2>&1; grep -E "passed|failed|FAILED" "$OUT/gpu_tests_model.txt" | tail -8
+  timeout 170 python3 experiments/bench_kernels.py --models=32b --kinds=fwd,dx --ms=1,8,32,64,128,256,2048 \
+    --dx_ms=2048 --ragged=false --json="$OUT/bench_kernels_32b.json" 2>&1 | grep "|"; } | tee "$OUT/step65.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
