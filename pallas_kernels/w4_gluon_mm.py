@@ -114,6 +114,9 @@ WARPGROUP_RELEASE = 1  # (session 49) 1 releases a ring stage by one arrive from
                        # (its empty barrier's count 2; the PTX's arrive by thread 0 after a barrier across both
                        # warpgroups rewritten to one by threads 0 and 128, with no barrier), as CUTLASS's sm90 pipelines
                        # do: a warpgroup's wgmma wait retires its reads of the stage. With WAIT_SYNC 0, no barrier a step
+PREFETCH_CODES = 0  # lab (session 49): 1 loads each step's codes and block scales from shared memory a step ahead of
+                    # their decode (the kernel's PF), in the forward with IN_FLIGHT 1 and DECODE 2 or 3, on the narrow
+                    # tiles only: session 49 found their step bound by the decode's latency, not its issue slots
 # Split-K: up to this many K splits a tile of the last, partial round of tiles (or of every tile), chosen by the cost
 # model (plan_for), their float32 parts added by atomics into zeroed tail columns that XLA rounds to bf16; for shapes
 # whose tiles leave SMs idle (7B down at M = 256: 28 tiles on 132 SMs, 0.31x of bf16 unsplit). H100, session 47, 7B
@@ -467,6 +470,17 @@ def _kernel():
                          STEPS // SK, DX, PR, IF)
 
   @gluon.jit
+  def load_codes(c_smem, s_smem, ready, g, S: ttgl.constexpr, BN: ttgl.constexpr):
+    """Waits for stage ``g % S`` and returns its codes and block scales in :func:`decode2`'s layouts (PF: loaded a
+    step ahead of their decode)."""
+    st = g % S
+    mbarrier.wait(ready.index(st), (g // S) & 1)
+    cw = c_smem.index(st)._reinterpret(ttgl.uint16, [32, BN // 2], c16_shared)
+    sw = s_smem.index(st)._reinterpret(ttgl.uint16, [4, BN // 2], s16_shared)
+    c = ttgl.convert_layout(ttgl.reshape(cw.load(pair_layout_2d), [4, 8, BN // 2]), pair_layout, assert_trivial=True)
+    return c, sw.load(ttgl.SliceLayout(1, pair_layout))
+
+  @gluon.jit
   def load_decode(c_smem, s_smem, ready, g, S: ttgl.constexpr, BN: ttgl.constexpr, DV: ttgl.constexpr,
                   DO: ttgl.constexpr, DX: ttgl.constexpr):
     """Waits for stage ``g % S`` and returns its decoded operand ``[BN, 64]`` (:func:`decode`'s layout)."""
@@ -495,14 +509,47 @@ def _kernel():
 
   @gluon.jit
   def mma_unit(x_smem, c_smem, s_smem, ready, empty, g, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr,
-               IF: ttgl.constexpr, NS: ttgl.constexpr, DV: ttgl.constexpr, DO: ttgl.constexpr, DX: ttgl.constexpr):
+               IF: ttgl.constexpr, NS: ttgl.constexpr, DV: ttgl.constexpr, DO: ttgl.constexpr, DX: ttgl.constexpr,
+               PF: ttgl.constexpr):
     """A unit's NS steps: each step's decode and wgmmas (IF 1: one step's left in flight while the next decodes),
     releasing each stage once its wgmma retired (IF 2: as 1, but each pair of stages 2p, 2p + 1 at once, on stage
     2p's barrier: NS even and S even). Returns (the accumulator [BN, BM] in wgmma's layout, the next g)."""
     mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BM, 16])
     a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 2)
     acc = ttgl.zeros([BN, BM], ttgl.float32, layout=mma)
-    if IF >= 1:
+    if PF:
+      # IF 1 with each step's codes and block scales loaded from shared memory a step ahead of their decode, so
+      # that the ring's wait and the loads' latency overlap the current step's decode and wgmma. Past the unit's last step the
+      # load repeats the current stage (ready, and not released until the unit's end) instead of waiting for a
+      # stage the producer may never fill.
+      a1 = ttgl.zeros([BN, 64], ttgl.bfloat16, layout=a_layout)
+      c, sc = load_codes(c_smem, s_smem, ready, g, S, BN)
+      for j in range(NS // 2):
+        cn, scn = load_codes(c_smem, s_smem, ready, g + 1, S, BN)  # (2j + 1 < NS) issued before this decode
+        a0 = ttgl.convert_layout(decode2(c, sc, DV, DO), a_layout)
+        c, sc = cn, scn
+        acc = hopper.warpgroup_mma(a0, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
+        acc, a1 = hopper.warpgroup_mma_wait(1, deps=[acc, a1])
+        mbarrier.arrive(empty.index((g + S - 1) % S), count=1, pred=j > 0)
+        g += 1
+        cn, scn = load_codes(c_smem, s_smem, ready, g + (2 * j + 2 < NS).to(ttgl.int32), S, BN)
+        a1 = ttgl.convert_layout(decode2(c, sc, DV, DO), a_layout)
+        c, sc = cn, scn
+        acc = hopper.warpgroup_mma(a1, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
+        acc, a0 = hopper.warpgroup_mma_wait(1, deps=[acc, a0])
+        mbarrier.arrive(empty.index((g + S - 1) % S), count=1)
+        g += 1
+      if NS % 2 == 1:  # the last, odd step (its codes loaded above, or by the prologue when NS is 1)
+        a0 = ttgl.convert_layout(decode2(c, sc, DV, DO), a_layout)
+        acc = hopper.warpgroup_mma(a0, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
+        acc, a1 = hopper.warpgroup_mma_wait(1, deps=[acc, a1])
+        mbarrier.arrive(empty.index((g + S - 1) % S), count=1, pred=NS > 1)
+        g += 1
+        acc, a0 = hopper.warpgroup_mma_wait(0, deps=[acc, a0])
+      else:
+        acc, a1 = hopper.warpgroup_mma_wait(0, deps=[acc, a1])
+      mbarrier.arrive(empty.index((g + S - 1) % S), count=1)
+    elif IF >= 1:
       # Steps in pairs, each with its own operand value (a0, a1): an asynchronous wgmma reads its A registers
       # until it retires, so the next step's decode must write other registers. Passing the in-flight step's
       # operand through the wait keeps it (and its registers) live until its wgmma has retired; a single
@@ -568,7 +615,8 @@ def _kernel():
   def mma_loop(x_smem, c_smem, s_smem, ready, empty, c_ptr, o_ptr, w_ptr, scale, M: ttgl.constexpr,
                N: ttgl.constexpr, K: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr, S: ttgl.constexpr,
                IF: ttgl.constexpr, NP: ttgl.constexpr, DV: ttgl.constexpr, PR: ttgl.constexpr, DO: ttgl.constexpr,
-               AD: ttgl.constexpr, DX: ttgl.constexpr, FT: ttgl.constexpr, SK: ttgl.constexpr, G: ttgl.constexpr):
+               AD: ttgl.constexpr, DX: ttgl.constexpr, FT: ttgl.constexpr, SK: ttgl.constexpr, G: ttgl.constexpr,
+               PF: ttgl.constexpr):
     """8 warps: this program's units as the producer walks them (whole tiles of the first FT, then the tail's split
     units), each unit's MMAs then its epilogue (while the producer already fills the ring for the next unit)."""
     STEPS: ttgl.constexpr = K // 64
@@ -578,12 +626,12 @@ def _kernel():
     pid = ttgl.program_id(0)
     g = 0
     for t in range(pid, FT, NP):
-      acc, g = mma_unit(x_smem, c_smem, s_smem, ready, empty, g, BM, BN, S, IF, STEPS, DV, DO, DX)
+      acc, g = mma_unit(x_smem, c_smem, s_smem, ready, empty, g, BM, BN, S, IF, STEPS, DV, DO, DX, PF)
       mt, nt = tile_of(t, MT, FT // MT, G)
       store_unit(acc, scale, c_ptr, o_ptr, w_ptr, mt * BM, nt * BN, M, N, BM, BN, PR, AD, False, TN0)
     if TU > 0:
       for v in range((pid + NP - FT % NP) % NP, TU, NP):
-        acc, g = mma_unit(x_smem, c_smem, s_smem, ready, empty, g, BM, BN, S, IF, STEPS // SK, DV, DO, DX)
+        acc, g = mma_unit(x_smem, c_smem, s_smem, ready, empty, g, BM, BN, S, IF, STEPS // SK, DV, DO, DX, PF)
         store_unit(acc, scale, c_ptr, o_ptr, w_ptr, (v % MT) * BM, (FT // MT + v // MT // SK) * BN, M, N, BM, BN,
                    PR, AD, True, TN0)
     return (g,)
@@ -593,7 +641,7 @@ def _kernel():
                N: ttgl.constexpr, K: ttgl.constexpr, L: ttgl.constexpr, BM: ttgl.constexpr, BN: ttgl.constexpr,
                S: ttgl.constexpr, DR: ttgl.constexpr, IF: ttgl.constexpr, NP: ttgl.constexpr, DV: ttgl.constexpr,
                PR: ttgl.constexpr, DO: ttgl.constexpr, AD: ttgl.constexpr, DX: ttgl.constexpr, FT: ttgl.constexpr,
-               SK: ttgl.constexpr, G: ttgl.constexpr, WR: ttgl.constexpr):
+               SK: ttgl.constexpr, G: ttgl.constexpr, WR: ttgl.constexpr, PF: ttgl.constexpr):
     layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
     scale = 256.0 / ttgl.load(gs_ptr + layer)  # 2**8 undoes the decode's 2**-8
     x_smem = ttgl.allocate_shared_memory(ttgl.bfloat16, [S, BM, 64], xd.layout)
@@ -611,7 +659,7 @@ def _kernel():
     hopper.fence_async_shared()
     ttgl.warp_specialize(
         [(mma_loop, (x_smem, c_smem, s_smem, ready, empty, c_ptr, o_ptr, w_ptr, scale, M, N, K, BM, BN, S, IF, NP,
-                       0 if PR == 1 else DV, PR, DO, AD, DX, FT, SK, G)),
+                       0 if PR == 1 else DV, PR, DO, AD, DX, FT, SK, G, PF)),
          (producer, (xd, cd, sd, x_smem, c_smem, s_smem, ready, empty, layer, M, N, K, BM, BN, S, NP, DX, FT, SK,
                      G, PR, IF))],
         [1], [DR])
@@ -764,14 +812,15 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
   Raises:
     ValueError: settings the kernel cannot take (:data:`STAGES` or :data:`SMALL_STAGES` < 2, :data:`IN_FLIGHT` not 0
       or 1, :data:`MAX_SPLITS` below 1, :data:`RASTER_GROUP` below 0, :data:`NARROW_PER_SM` not 1 or 2,
-      :data:`WAIT_SYNC` or :data:`WARPGROUP_RELEASE` not 0 or 1), or a ``plan`` whose splits do not divide the ``k / 64`` steps or whose whole
+      :data:`WAIT_SYNC`, :data:`WARPGROUP_RELEASE` or :data:`PREFETCH_CODES` not 0 or 1), or a ``plan`` whose splits do not divide the ``k / 64`` steps or whose whole
       tiles are not whole columns.
   """
   if (min(STAGES, SMALL_STAGES) < 2 or IN_FLIGHT not in (0, 1) or RASTER_GROUP < 0 or NARROW_PER_SM not in (1, 2)
-      or WAIT_SYNC not in (0, 1) or WARPGROUP_RELEASE not in (0, 1)):
+      or WAIT_SYNC not in (0, 1) or WARPGROUP_RELEASE not in (0, 1) or PREFETCH_CODES not in (0, 1)):
     raise ValueError(f"w4_gluon_mm: STAGES={STAGES}, SMALL_STAGES={SMALL_STAGES} (>= 2), IN_FLIGHT={IN_FLIGHT} (0 or 1), "
                      f"RASTER_GROUP={RASTER_GROUP} (>= 0), NARROW_PER_SM={NARROW_PER_SM} (1 or 2), "
-                     f"WAIT_SYNC={WAIT_SYNC} and WARPGROUP_RELEASE={WARPGROUP_RELEASE} (0 or 1) are not all supported")
+                     f"WAIT_SYNC={WAIT_SYNC}, WARPGROUP_RELEASE={WARPGROUP_RELEASE} and PREFETCH_CODES={PREFETCH_CODES} "
+                     f"(0 or 1) are not all supported")
   plan = plan_for(m, k, n) if plan is None else Plan(*plan)
   mt, tiles = _tiles(m, n)
   if plan.splits < 1 or (k // STEP_K) % plan.splits or not 0 <= plan.full <= tiles or plan.full % mt:
@@ -787,6 +836,8 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
       plan.full == tiles or (steps // plan.splits) % 2 == 0)
   return dict(M=m, N=n, K=k, L=layers, BM=bm, BN=BLOCK_N, S=stages,
               DR=LOAD_REGS, IF=2 if pairs else IN_FLIGHT, DV=DECODE, PP=pp, WS=WAIT_SYNC, WR=WARPGROUP_RELEASE,
+              PF=int(bool(PREFETCH_CODES) and not pairs and IN_FLIGHT == 1 and DECODE >= 2 and PROBE != 1 and not dx
+                     and bm < BLOCK_M),
               PR=PROBE, NP=_programs(m, n, plan), DO=int(decode_order), AD=int(addend), DX=int(dx), FT=plan.full,
               SK=plan.splits, G=RASTER_GROUP if 0 < RASTER_GROUP < mt else 0)
 

@@ -143,7 +143,7 @@ def test_mm_settings_are_checked(monkeypatch):
   """Ring, in-flight and raster settings the kernel cannot take are refused by name before a launch is built."""
   assert w4_gluon_mm.meta_for(2048, 3584, 4608, 1)["S"] == w4_gluon_mm.STAGES
   for name, bad in (("STAGES", 1), ("SMALL_STAGES", 1), ("IN_FLIGHT", 2), ("RASTER_GROUP", -1),
-                    ("NARROW_PER_SM", 3), ("WAIT_SYNC", 2), ("WARPGROUP_RELEASE", 2)):
+                    ("NARROW_PER_SM", 3), ("WAIT_SYNC", 2), ("WARPGROUP_RELEASE", 2), ("PREFETCH_CODES", 2)):
     with monkeypatch.context() as mp:
       mp.setattr(w4_gluon_mm, name, bad)
       with pytest.raises(ValueError, match=name):
@@ -296,6 +296,23 @@ def test_mm_wait_sync_rewrites_the_narrow_build_offline():
         run = subprocess.run([ptxas, "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
                              capture_output=True, text=True)
         assert run.returncode == 0, run.stderr
+
+
+def test_mm_prefetch_codes_only_on_narrow_forward_tiles(monkeypatch):
+  """PREFETCH_CODES (lab; the kernel's PF) applies to the narrow tiles' forward with IN_FLIGHT 1 and a 16-bit decode:
+  M = 64 and 128, either code order; not the 256-row tile (M = 2048), the dx build, release pairs, IN_FLIGHT 0,
+  DECODE 1 or the no-decode probe."""
+  monkeypatch.setattr(w4_gluon_mm, "_sm_count", lambda: 132)
+  monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", 128)
+  meta = w4_gluon_mm.meta_for
+  assert meta(64, 3584, 4608, 1)["PF"] == 0
+  monkeypatch.setattr(w4_gluon_mm, "PREFETCH_CODES", 1)
+  assert meta(64, 3584, 4608, 1)["PF"] == 1 and meta(128, 3584, 4608, 1, decode_order=True)["PF"] == 1
+  assert meta(2048, 3584, 4608, 1)["PF"] == 0 and meta(64, 4608, 3584, 1, dx=True)["PF"] == 0
+  for name, value in (("IN_FLIGHT", 0), ("DECODE", 1), ("PROBE", 1), ("RELEASE_PAIRS", 1)):
+    with monkeypatch.context() as mp:
+      mp.setattr(w4_gluon_mm, name, value)
+      assert meta(64, 3584, 4608, 1, plan=w4_gluon_mm.Plan(36, 1))["PF"] == 0, name
 
 
 def test_mm_release_pairs_only_where_every_unit_is_even(monkeypatch):
@@ -667,6 +684,30 @@ def test_gpu_mm_ptx_rewrites_match_float64(m, k, n, plan, pairs, ws, wr, monkeyp
   x = jnp.asarray(np.random.default_rng(m + 3).standard_normal((m, k)) * 2.0, jnp.bfloat16)
   got = jax.jit(w4_gluon_mm.forward)(x, wq)
   _check_written(got, np.asarray(x, np.float64) @ _dense64(wq), (m, n))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,plan,order,addend", [
+    (64, 3584, 4608, (36, 1), "decode", False), (100, 3584, 4608, (36, 1), "standard", True),
+    (33, 18944, 3584, (0, 4), "decode", False), (17, 192, 384, (0, 3), "standard", False),
+    (128, 1344, 768, (0, 3), "decode", True), (1, 256, 128, None, "standard", False)])
+def test_gpu_mm_prefetch_codes_match_float64(m, k, n, plan, order, addend, monkeypatch):
+  """Codes and block scales loaded a step ahead (PREFETCH_CODES, lab; the kernel's PF) against float64: narrow tiles
+  whole and split, units of one step (K = 192 in 3), of 7 (odd: 1344 in 3) and of 74, both code orders, an addend,
+  one row."""
+  _skip_without_kernel()
+  monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", 128)
+  monkeypatch.setattr(w4_gluon_mm, "PREFETCH_CODES", 1)
+  if plan is not None:
+    monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
+  assert w4_gluon_mm.meta_for(m, k, n, 1)["PF"] == 1
+  wq = _weight(k, n, m + 19)
+  w = nvfp4.to_decode_order(wq) if order == "decode" else wq
+  x = jnp.asarray(np.random.default_rng(m + 4).standard_normal((m, k)) * 2.0, jnp.bfloat16)
+  c = jnp.asarray(np.random.default_rng(m + 5).standard_normal((m, n)), jnp.bfloat16) if addend else None
+  got = jax.jit(lambda x, w, c: w4_gluon_mm.forward(x, w, addend=c))(x, w, c)
+  ref = np.asarray(x, np.float64) @ _dense64(wq) + (np.asarray(c, np.float64) if addend else 0.0)
+  _check_written(got, ref, (m, n))
 
 
 @pytest.mark.gpu

@@ -553,10 +553,14 @@ step 64 && { MM_ORDER=decode MM_MS=64,128,2048 MM_VARIANTS="base;old:WAIT_SYNC=1
 # 65 (session 49; about 6 minutes): step 64 (H100) had the barrier-free loop faster at every M (7B summed, decode
 #    order: 1.412x / 1.238x / 0.983x of bf16 at M = 64 / 128 / 2048 against 1.403x / 1.219x / 0.954x), the dx build
 #    at 0.959x / 0.919x at M = 256 / 1024 (dequantize + cuBLAS 0.471x / 0.738x), and 6 GPU tests refused by the
-#    release rewrite at one-step split units (fixed since). The Gluon GEMM's GPU tests again, the kernels' and the
-#    model's GPU tests (the trainer's backward now takes the dx build), then issue 4's 32B table.
+#    release rewrite at one-step split units (fixed since). The Gluon GEMM's GPU tests again (with those of the lab
+#    setting PREFETCH_CODES: the narrow tiles' codes loaded a step ahead of their decode), its timing at M = 64 and
+#    128, the kernels' and the model's GPU tests (the trainer's backward now takes the dx build), then issue 4's 32B
+#    table.
 step 65 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -n 4 -m gpu tests/test_gluon_mm.py \
     -p no:cacheprovider > "$OUT/gpu_tests_mm.txt" 2>&1; grep -E "passed|failed|FAILED" "$OUT/gpu_tests_mm.txt" | tail -8
+  MM_ORDER=decode MM_MS=64,128 MM_VARIANTS="base;pf:PREFETCH_CODES=1" timeout 80 python3 experiments/lab/time_mm.py \
+    2>&1 | grep -v Warn
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -q -n 4 -m gpu tests/test_kernels.py tests/test_model.py \
     -p no:cacheprovider > "$OUT/gpu_tests_model.txt" 2>&1; grep -E "passed|failed|FAILED" "$OUT/gpu_tests_model.txt" | tail -8
   timeout 130 python3 experiments/bench_kernels.py --models=32b --kinds=fwd,dx --ms=1,8,32,64,128,256,2048 \

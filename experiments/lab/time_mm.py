@@ -55,7 +55,8 @@ def main():
   names = os.environ.get("MM_SHAPES", ",".join(shapes)).split(",")
   defaults = {k: getattr(w4_gluon_mm, k) for k in ("STAGES", "LOAD_REGS", "IN_FLIGHT", "PERSISTENT", "DECODE", "PROBE",
                                                    "MAX_SPLITS", "SMALL_M_MAX", "RASTER_GROUP", "SMALL_STAGES",
-                                                   "NARROW_PER_SM", "RELEASE_PAIRS", "WAIT_SYNC", "WARPGROUP_RELEASE")}
+                                                   "NARROW_PER_SM", "RELEASE_PAIRS", "WAIT_SYNC", "WARPGROUP_RELEASE",
+                                                   "PREFETCH_CODES")}
   idx = jnp.int32(2)
   totals = {}
   for name in names:
