@@ -470,15 +470,39 @@ def _kernel():
                          STEPS // SK, DX, PR, IF)
 
   @gluon.jit
-  def load_codes(c_smem, s_smem, ready, g, S: ttgl.constexpr, BN: ttgl.constexpr):
-    """Waits for stage ``g % S`` and returns its codes and block scales in :func:`decode2`'s layouts (PF: loaded a
-    step ahead of their decode)."""
-    st = g % S
-    mbarrier.wait(ready.index(st), (g // S) & 1)
-    cw = c_smem.index(st)._reinterpret(ttgl.uint16, [32, BN // 2], c16_shared)
-    sw = s_smem.index(st)._reinterpret(ttgl.uint16, [4, BN // 2], s16_shared)
-    c = ttgl.convert_layout(ttgl.reshape(cw.load(pair_layout_2d), [4, 8, BN // 2]), pair_layout, assert_trivial=True)
-    return c, sw.load(ttgl.SliceLayout(1, pair_layout))
+  def load_codes(c_smem, s_smem, ready, g, S: ttgl.constexpr, BN: ttgl.constexpr, PF: ttgl.constexpr):
+    """With PF: waits for stage ``g % S`` and returns its codes and block scales in :func:`decode2`'s layouts;
+    without: nothing (two zeros)."""
+    if PF:
+      st = g % S
+      mbarrier.wait(ready.index(st), (g // S) & 1)
+      cw = c_smem.index(st)._reinterpret(ttgl.uint16, [32, BN // 2], c16_shared)
+      sw = s_smem.index(st)._reinterpret(ttgl.uint16, [4, BN // 2], s16_shared)
+      c = ttgl.convert_layout(ttgl.reshape(cw.load(pair_layout_2d), [4, 8, BN // 2]), pair_layout,
+                              assert_trivial=True)
+      sc = sw.load(ttgl.SliceLayout(1, pair_layout))
+    else:
+      c = 0
+      sc = 0
+    return c, sc
+
+  @gluon.jit
+  def operand(c_smem, s_smem, ready, g, nxt, c, sc, S: ttgl.constexpr, BN: ttgl.constexpr, DV: ttgl.constexpr,
+              DO: ttgl.constexpr, DX: ttgl.constexpr, PF: ttgl.constexpr):
+    """Step g's decoded operand ``[BN, 64]`` and the codes for the next call. Without PF: loaded and decoded here
+    (``c``, ``sc`` pass through). With PF (the lab setting PREFETCH_CODES): decoded from ``c``, ``sc`` (step g's,
+    loaded by the previous call) after step ``nxt``'s loads are issued, so that their latency overlaps this decode
+    and its wgmma. The caller passes ``nxt = g`` past a unit's last step: the current stage is ready and not yet
+    released, where the next may never be filled."""
+    ttgl.static_assert(S > 0)  # (also names ttgl in the body, which the signature's annotations need)
+    if PF:
+      cn, scn = load_codes(c_smem, s_smem, ready, nxt, S, BN, PF)
+      a = decode2(c, sc, DV, DO)
+    else:
+      cn = c
+      scn = sc
+      a = load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX)
+    return a, cn, scn
 
   @gluon.jit
   def load_decode(c_smem, s_smem, ready, g, S: ttgl.constexpr, BN: ttgl.constexpr, DV: ttgl.constexpr,
@@ -517,60 +541,34 @@ def _kernel():
     mma: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BM, 16])
     a_layout: ttgl.constexpr = ttgl.DotOperandLayout(0, mma, 2)
     acc = ttgl.zeros([BN, BM], ttgl.float32, layout=mma)
-    if PF:
-      # IF 1 with each step's codes and block scales loaded from shared memory a step ahead of their decode, so
-      # that the ring's wait and the loads' latency overlap the current step's decode and wgmma. Past the unit's last step the
-      # load repeats the current stage (ready, and not released until the unit's end) instead of waiting for a
-      # stage the producer may never fill.
-      a1 = ttgl.zeros([BN, 64], ttgl.bfloat16, layout=a_layout)
-      c, sc = load_codes(c_smem, s_smem, ready, g, S, BN)
-      for j in range(NS // 2):
-        cn, scn = load_codes(c_smem, s_smem, ready, g + 1, S, BN)  # (2j + 1 < NS) issued before this decode
-        a0 = ttgl.convert_layout(decode2(c, sc, DV, DO), a_layout)
-        c, sc = cn, scn
-        acc = hopper.warpgroup_mma(a0, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
-        acc, a1 = hopper.warpgroup_mma_wait(1, deps=[acc, a1])
-        mbarrier.arrive(empty.index((g + S - 1) % S), count=1, pred=j > 0)
-        g += 1
-        cn, scn = load_codes(c_smem, s_smem, ready, g + (2 * j + 2 < NS).to(ttgl.int32), S, BN)
-        a1 = ttgl.convert_layout(decode2(c, sc, DV, DO), a_layout)
-        c, sc = cn, scn
-        acc = hopper.warpgroup_mma(a1, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
-        acc, a0 = hopper.warpgroup_mma_wait(1, deps=[acc, a0])
-        mbarrier.arrive(empty.index((g + S - 1) % S), count=1)
-        g += 1
-      if NS % 2 == 1:  # the last, odd step (its codes loaded above, or by the prologue when NS is 1)
-        a0 = ttgl.convert_layout(decode2(c, sc, DV, DO), a_layout)
-        acc = hopper.warpgroup_mma(a0, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
-        acc, a1 = hopper.warpgroup_mma_wait(1, deps=[acc, a1])
-        mbarrier.arrive(empty.index((g + S - 1) % S), count=1, pred=NS > 1)
-        g += 1
-        acc, a0 = hopper.warpgroup_mma_wait(0, deps=[acc, a0])
-      else:
-        acc, a1 = hopper.warpgroup_mma_wait(0, deps=[acc, a1])
-      mbarrier.arrive(empty.index((g + S - 1) % S), count=1)
-    elif IF >= 1:
+    if IF >= 1:
       # Steps in pairs, each with its own operand value (a0, a1): an asynchronous wgmma reads its A registers
       # until it retires, so the next step's decode must write other registers. Passing the in-flight step's
       # operand through the wait keeps it (and its registers) live until its wgmma has retired; a single
       # loop-carried operand would be copied at the back edge and its registers handed to the next decode
       # (session 46 measured relative errors of 0.2 that way).
+      # PF: each step's codes and block scales come from the shared loads issued a step earlier (operand).
       a1 = ttgl.zeros([BN, 64], ttgl.bfloat16, layout=a_layout)
+      c, sc = load_codes(c_smem, s_smem, ready, g, S, BN, PF)
       for j in range(NS // 2):
-        a0 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
+        a0, c, sc = operand(c_smem, s_smem, ready, g, g + 1, c, sc, S, BN, DV, DO, DX, PF)  # (2j + 1 < NS)
+        a0 = ttgl.convert_layout(a0, a_layout)
         acc = hopper.warpgroup_mma(a0, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
         acc, a1 = hopper.warpgroup_mma_wait(1, deps=[acc, a1])  # step 2j - 1 retired: its stage is free
         # IF 2 (g even): steps g - 2 and g - 1 retired, the pair of stages from (g - 2) % S
         mbarrier.arrive(empty.index((g + S - IF) % S), count=1, pred=j > 0)
         g += 1
-        a1 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
+        a1, c, sc = operand(c_smem, s_smem, ready, g, g + (2 * j + 2 < NS).to(ttgl.int32), c, sc, S, BN, DV, DO, DX,
+                            PF)
+        a1 = ttgl.convert_layout(a1, a_layout)
         acc = hopper.warpgroup_mma(a1, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
         acc, a0 = hopper.warpgroup_mma_wait(1, deps=[acc, a0])  # step 2j retired
         if IF == 1:
           mbarrier.arrive(empty.index((g + S - 1) % S), count=1)
         g += 1
       if NS % 2 == 1:  # the last, odd step
-        a0 = ttgl.convert_layout(load_decode(c_smem, s_smem, ready, g, S, BN, DV, DO, DX), a_layout)
+        a0, c, sc = operand(c_smem, s_smem, ready, g, g, c, sc, S, BN, DV, DO, DX, PF)
+        a0 = ttgl.convert_layout(a0, a_layout)
         acc = hopper.warpgroup_mma(a0, x_smem.index(g % S).permute((1, 0)), acc, is_async=True)
         acc, a1 = hopper.warpgroup_mma_wait(1, deps=[acc, a1])
         mbarrier.arrive(empty.index((g + S - 1) % S), count=1, pred=NS > 1)

@@ -389,6 +389,15 @@ def _check_written(got, want, shape):
     assert err.max() < 1e-2
 
 
+def _check_forward(m, k, n, seed):
+  """``w4_gluon_mm.forward`` of fresh x ``[m, k]`` and an NVFP4 ``[k, n]`` (seeded by ``seed``) against float64,
+  under the settings the caller patched."""
+  wq = _weight(k, n, m + seed)
+  x = jnp.asarray(np.random.default_rng(m + seed).standard_normal((m, k)) * 2.0, jnp.bfloat16)
+  got = jax.jit(w4_gluon_mm.forward)(x, wq)
+  _check_written(got, np.asarray(x, np.float64) @ _dense64(wq), (m, n))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("in_flight", [0, 1])
 @pytest.mark.parametrize("m,k,n", [
@@ -640,10 +649,7 @@ def test_gpu_mm_two_narrow_programs_an_sm_match_float64(m, k, n, plan, monkeypat
   monkeypatch.setattr(w4_gluon_mm, "NARROW_PER_SM", 2)
   monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
   assert w4_gluon_mm.meta_for(m, k, n, 1)["PP"] == 2
-  wq = _weight(k, n, m + 11)
-  x = jnp.asarray(np.random.default_rng(m + 1).standard_normal((m, k)) * 2.0, jnp.bfloat16)
-  got = jax.jit(w4_gluon_mm.forward)(x, wq)
-  _check_written(got, np.asarray(x, np.float64) @ _dense64(wq), (m, n))
+  _check_forward(m, k, n, 11)
 
 
 @pytest.mark.gpu
@@ -657,10 +663,7 @@ def test_gpu_mm_release_pairs_match_float64(m, k, n, plan, monkeypatch):
   monkeypatch.setattr(w4_gluon_mm, "RELEASE_PAIRS", 1)
   monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
   assert w4_gluon_mm.meta_for(m, k, n, 1)["IF"] == (1 if k == 1792 else 2)
-  wq = _weight(k, n, m + 13)
-  x = jnp.asarray(np.random.default_rng(m + 2).standard_normal((m, k)) * 2.0, jnp.bfloat16)
-  got = jax.jit(w4_gluon_mm.forward)(x, wq)
-  _check_written(got, np.asarray(x, np.float64) @ _dense64(wq), (m, n))
+  _check_forward(m, k, n, 13)
 
 
 @pytest.mark.gpu
@@ -680,10 +683,7 @@ def test_gpu_mm_ptx_rewrites_match_float64(m, k, n, plan, pairs, ws, wr, monkeyp
   monkeypatch.setattr(w4_gluon_mm, "RELEASE_PAIRS", pairs)
   monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
   assert (w4_gluon_mm.meta_for(m, k, n, 1)["WS"], w4_gluon_mm.meta_for(m, k, n, 1)["WR"]) == (ws, wr)
-  wq = _weight(k, n, m + 17)
-  x = jnp.asarray(np.random.default_rng(m + 3).standard_normal((m, k)) * 2.0, jnp.bfloat16)
-  got = jax.jit(w4_gluon_mm.forward)(x, wq)
-  _check_written(got, np.asarray(x, np.float64) @ _dense64(wq), (m, n))
+  _check_forward(m, k, n, 17)
 
 
 @pytest.mark.gpu
