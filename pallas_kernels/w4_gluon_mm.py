@@ -843,8 +843,9 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
 @functools.lru_cache(maxsize=None)
 def _compiled(meta: tuple):
   """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta``, loaded on every GPU."""
-  compiled = compile_for(dict(meta), w4_gluon._target_cc())
-  return w4_gluon._load(compiled, ptx=ptx_for(compiled, dict(meta)))
+  meta = dict(meta)
+  compiled = compile_for(meta, w4_gluon._target_cc())
+  return w4_gluon._load(compiled, ptx=ptx_for(compiled, meta))
 
 
 def compile_for(meta: dict, cc: int = 90):
@@ -910,8 +911,8 @@ def warpgroup_releases(ptx: str) -> tuple[str, int]:
       rewrite would be wrong: Triton's output changed).
   """
   lines = ptx.split("\n")
-  thread0 = {p for p, r in re.findall(r"setp\.eq\.b32\s+(%p\d+), (%r\d+), 0;", ptx)
-             if r in set(re.findall(r"and\.b32\s+(%r\d+), %r\d+, 255;", ptx))}
+  tid_mod_256 = set(re.findall(r"and\.b32\s+(%r\d+), %r\d+, 255;", ptx))
+  thread0 = {p for p, r in re.findall(r"setp\.eq\.b32\s+(%p\d+), (%r\d+), 0;", ptx) if r in tid_mod_256}
   out, n = list(lines), 0
   for bar, at, between in _after_mma_barriers(lines, labels=False):
     arrive = re.fullmatch(r"@(%p\d+) mbarrier\.arrive\.shared::cta\.b64 _, \[(%r\d+)\];", " ".join(lines[at].split()))

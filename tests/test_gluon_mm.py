@@ -682,7 +682,8 @@ def test_gpu_mm_ptx_rewrites_match_float64(m, k, n, plan, pairs, ws, wr, monkeyp
   monkeypatch.setattr(w4_gluon_mm, "WARPGROUP_RELEASE", wr)
   monkeypatch.setattr(w4_gluon_mm, "RELEASE_PAIRS", pairs)
   monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
-  assert (w4_gluon_mm.meta_for(m, k, n, 1)["WS"], w4_gluon_mm.meta_for(m, k, n, 1)["WR"]) == (ws, wr)
+  meta = w4_gluon_mm.meta_for(m, k, n, 1)
+  assert (meta["WS"], meta["WR"]) == (ws, wr)
   _check_forward(m, k, n, 17)
 
 
