@@ -34,9 +34,9 @@ GLUON = os.environ.get("QERL_GLUON", "auto")
 GLUON_LORA = os.environ.get("QERL_GLUON_LORA", "1")
 # The large-M Gluon dx kernel (pallas_kernels.w4_gluon_dx: dy @ W^T with no bf16 W in HBM) for
 # M >= w4_gluon_dx.MIN_M, where it applies and the Gluon kernels are enabled (gluon_enabled). "1" uses
-# it; "0" (default) keeps dequantize + cuBLAS, which writes a transient bf16 W per call but is faster:
-# 0.86x / 0.96x of bf16 at M = 2048 / 8192 against the kernel's 0.57x / 0.62x (7B shapes, H200;
-# docs/benchmarks.md, session 17). QERL_GLUON_DX in the environment sets the default.
+# it, before GLUON_MM_DX's build; "0" (default) leaves the choice to GLUON_MM_DX and dequantize + cuBLAS, both
+# faster: 0.86x / 0.96x of bf16 at M = 2048 / 8192 for dequantize + cuBLAS against the kernel's 0.57x / 0.62x
+# (7B shapes, H200; docs/benchmarks.md, session 17). QERL_GLUON_DX in the environment sets the default.
 GLUON_DX = os.environ.get("QERL_GLUON_DX", "0")
 # The large-M Gluon forward (pallas_kernels.w4_gluon_mm: the 4-bit codes decoded in registers as wgmma's operand, no
 # bf16 W in HBM) for bf16 results with FUSED_MAX_M["fwd"] < M <= w4_gluon_mm.MAX_M rows where the Gluon decode GEMV
@@ -214,22 +214,22 @@ def _use_gluon_dx(dy2d, w, interpret: bool) -> bool:
 def kernel_dx(dy2d: jax.Array, w, *, out_dtype=jnp.bfloat16, interpret: bool = False, index=None) -> jax.Array:
   """The kernel path's ``dy @ W^T`` for 2-D bf16 ``dy`` ``[M, N]`` -> ``[M, K]``.
 
-  Fused kernel for ``M <= FUSED_MAX_M["dx"]``; with ``GLUON_MM_DX = "1"`` (the default) and
-  ``M <= w4_gluon_mm.MAX_M`` the large-M Gluon forward's dx build where it applies; with ``GLUON_DX = "1"`` and
-  ``M >= w4_gluon_dx.MIN_M``
-  the large-M Gluon kernel where it applies (NVFP4 in the standard code order on sm_90), which writes
-  no bf16 W; else Pallas dequantize + XLA matmul contracting N (no transposed copy of W is made).
+  Fused kernel for ``M <= FUSED_MAX_M["dx"]``; with ``GLUON_DX = "1"`` (opt-in) and ``M >= w4_gluon_dx.MIN_M``
+  the large-M Gluon dx kernel where it applies (NVFP4 on sm_90); else, with ``GLUON_MM_DX = "1"`` (the default)
+  and ``M <= w4_gluon_mm.MAX_M``, the large-M Gluon forward's dx build where it applies (neither writes a bf16
+  W); else Pallas dequantize + XLA matmul contracting N (no transposed copy of W is made).
   ``index``: as in :func:`kernel_forward`.
 
   Raises:
-    TypeError: unsupported weight type. ValueError: N mismatch, stacked ``w``, ``GLUON_MM_DX`` not "1"/"0".
+    TypeError: unsupported weight type. ValueError: N mismatch, stacked ``w``, ``GLUON_DX`` or ``GLUON_MM_DX`` not
+      "1"/"0".
   """
   if dy2d.shape[0] <= FUSED_MAX_M["dx"]:
     return w4_triton.dx(dy2d, w, out_dtype=out_dtype, interpret=interpret, index=index)
+  if _use_gluon_dx(dy2d, w, interpret):  # the opt-in first: set, it wins over the default below
+    return w4_gluon_dx.dx(dy2d, w, index=index).astype(out_dtype)
   if _use_gluon_mm_dx(dy2d, w, interpret):
     return w4_gluon_mm.dx(dy2d, w, index=index).astype(out_dtype)
-  if _use_gluon_dx(dy2d, w, interpret):
-    return w4_gluon_dx.dx(dy2d, w, index=index).astype(out_dtype)
   w_dense = w4_triton.dequantize(w, dy2d.dtype, interpret=interpret, index=index)
   return _dense_dot(dy2d, w_dense, ((1,), (1,)), out_dtype, interpret)
 

@@ -89,6 +89,21 @@ def test_dx_setting_is_checked(monkeypatch):
     matmul._use_gluon_dx(jnp.zeros((512, 128), jnp.bfloat16), _weight(256, 128, 0), False)
 
 
+def test_dx_opt_in_wins_over_the_default_dx_build(monkeypatch):
+  """Where both apply, kernel_dx takes the opt-in GLUON_DX kernel before the default GLUON_MM_DX build, and the
+  default build when the opt-in does not apply (stand-ins that return known arrays; the dispatch only)."""
+  dy = jnp.ones((512, 128), jnp.bfloat16)
+  wq = _weight(256, 128, 0)
+  monkeypatch.setattr(matmul, "_use_gluon_dx", lambda *a: True)
+  monkeypatch.setattr(matmul, "_use_gluon_mm_dx", lambda *a: True)
+  monkeypatch.setattr(w4_gluon_dx, "dx", lambda dy, w, index=None: jnp.full((dy.shape[0], 256), 2.0, jnp.float32))
+  monkeypatch.setattr(matmul.w4_gluon_mm, "dx", lambda dy, w, index=None: jnp.full((dy.shape[0], 256), 3.0,
+                                                                                   jnp.float32))
+  np.testing.assert_array_equal(np.asarray(matmul.kernel_dx(dy, wq), np.float32), np.full((512, 256), 2.0))
+  monkeypatch.setattr(matmul, "_use_gluon_dx", lambda *a: False)
+  np.testing.assert_array_equal(np.asarray(matmul.kernel_dx(dy, wq), np.float32), np.full((512, 256), 3.0))
+
+
 def test_standard_order_words_undo_the_decode_order():
   """The warp-specialized build's in-register conversion of decode-order codes (its numpy twin, the same masks and
   shifts) gives back the standard-order bytes nvfp4.to_standard_order computes, on random codes."""

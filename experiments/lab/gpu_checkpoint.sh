@@ -43,6 +43,7 @@
 #   STEPS=63 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=64 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=65 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=66 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -565,4 +566,13 @@ step 65 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -
     -p no:cacheprovider > "$OUT/gpu_tests_model.txt" 2>&1; grep -E "passed|failed|FAILED" "$OUT/gpu_tests_model.txt" | tail -8
   timeout 130 python3 experiments/bench_kernels.py --models=32b --kinds=fwd,dx --ms=1,8,32,64,128,256,2048 \
     --dx_ms=2048 --ragged=false --json="$OUT/bench_kernels_32b.json" 2>&1 | grep "|"; } | tee "$OUT/step65.txt"
+# 66 (session 50; about 6 minutes): step 65 (session 50, H100) passed the Gluon GEMM's 77 GPU tests and the kernels' and
+#    model's 29, and had PREFETCH_CODES slower (7B summed 1.382x / 1.185x of bf16 against 1.433x / 1.199x at M = 64 / 128;
+#    it stays off). Issue 4's whole table under the current defaults (7B and 32B, M = 1 to 8192, dx at 2048 and 8192),
+#    then issue 6's (step 3), on whichever card comes.
+step 66 && { for model in 7b 32b; do timeout 200 python3 experiments/bench_kernels.py --models=$model --kinds=fwd,dx \
+    --ms=1,8,32,64,128,256,2048,8192 --dx_ms=2048,8192 --ragged=false --json="$OUT/bench_kernels_$model.json" 2>&1 | grep "|"; done
+  timeout 240 python3 experiments/bench_rollout.py --batches=8,64,256 --new_tokens=2048 --new_tokens_by_batch=256:1024 \
+    --formats=nvfp4_fused,bf16_fused --time_budget_s=200 --out="$OUT/issue6" > "$OUT/issue6.log" 2>&1; grep "|\|x$" "$OUT/issue6.log"; } \
+  | tee "$OUT/step66.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
