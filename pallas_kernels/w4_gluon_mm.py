@@ -116,7 +116,8 @@ WARPGROUP_RELEASE = 1  # (session 49) 1 releases a ring stage by one arrive from
                        # do: a warpgroup's wgmma wait retires its reads of the stage. With WAIT_SYNC 0, no barrier a step
 PREFETCH_CODES = 0  # lab (session 49): 1 loads each step's codes and block scales from shared memory a step ahead of
                     # their decode (the kernel's PF), in the forward with IN_FLIGHT 1 and DECODE 2 or 3, on the narrow
-                    # tiles only: session 49 found their step bound by the decode's latency, not its issue slots
+                    # tiles only: session 49 found their step bound by the decode's latency, not its issue slots.
+                    # Session 50 (H100, 7B summed): slower, 1.382x / 1.185x of bf16 at M = 64 / 128 against 1.433x / 1.199x
 # Split-K: up to this many K splits a tile of the last, partial round of tiles (or of every tile), chosen by the cost
 # model (plan_for), their float32 parts added by atomics into zeroed tail columns that XLA rounds to bf16; for shapes
 # whose tiles leave SMs idle (7B down at M = 256: 28 tiles on 132 SMs, 0.31x of bf16 unsplit). H100, session 47, 7B
