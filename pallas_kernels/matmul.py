@@ -94,7 +94,8 @@ def _use_gluon_mm(x2d, w, out_dtype, interpret: bool, lora) -> bool:
   ``w4_gluon_mm.MAX_M``, where its cost model has it no slower than dequantize + cuBLAS (``w4_gluon_mm.pays``:
   shapes with too few tiles for the SMs stay on dequantize + cuBLAS); and every bf16 product of
   ``w4_gluon_mm.NARROW_MIN_M < M <= w4_gluon_mm.SMALL_M_MAX`` rows (32 < M <= 128), in the kernel's narrow tiles,
-  instead of the decode GEMV. (A decode step's projections into its shared float32 accumulator,
+  instead of the decode GEMV, which keeps weights of at most ``w4_gluon_mm.NARROW_SMALL_WEIGHTS`` values at M <= 64
+  (``w4_gluon_mm.narrow_takes``). (A decode step's projections into its shared float32 accumulator,
   ``quantized_matmul_into``, stay on the decode GEMV.)
 
   Raises:
@@ -104,7 +105,8 @@ def _use_gluon_mm(x2d, w, out_dtype, interpret: bool, lora) -> bool:
   m = x2d.shape[0]
   if interpret or GLUON_MM == "0" or lora is not None or jnp.dtype(out_dtype) != jnp.bfloat16:
     return False
-  narrow = w4_gluon_mm.NARROW_MIN_M < m <= w4_gluon_mm.SMALL_M_MAX  # the narrow tiles instead of the decode GEMV
+  # the narrow tiles instead of the decode GEMV (which keeps the smallest weights at M <= 64)
+  narrow = w4_gluon_mm.narrow_takes(m, *w.shape, _use_gluon(x2d, w, interpret, lora))
   if not narrow and (not FUSED_MAX_M["fwd"] < m <= w4_gluon_mm.MAX_M or _use_gluon(x2d, w, interpret, lora)):
     return False
   return w4_gluon_mm.applies(m, w, x2d.dtype) and (narrow or w4_gluon_mm.pays(m, *w.shape)) and gluon_enabled()

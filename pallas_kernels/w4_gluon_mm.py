@@ -74,6 +74,12 @@ SMALL_M_MAX = 128  # M <= this takes a narrow tile of 64 rows of x (M <= 64: m64
                    # bf16 against the GEMV's 1.09x, M = 128 1.15x against 0.76x (32B: 1.60x / 1.13x, 1.26x / 0.68x).
                    # 0: off
 NARROW_MIN_M = 32  # at M <= this the decode GEMV stays: M = 32 1.65x of bf16 against the narrow tile's 1.47x (7B, H100)
+NARROW_SMALL_WEIGHTS = 1 << 24  # (session 50) at NARROW_MIN_M < M <= 64 weights of at most this many values (K x N:
+                                # the 7B q/k/v, 16.5M, and o, 12.8M) stay on the decode GEMV where it runs. Measured
+                                # at M = 64, decode-order codes, lab harness: q/k/v 12.3 against the narrow tile's
+                                # 13.3 us (H200, session 49), 12.9 against 14.0 (H100, session 50); o 12.2-12.4
+                                # against 12.8-13.0 (H100, sessions 49-50). 0: off
+NARROW_SMALL_MAX_M = 64  # the rows up to which NARROW_SMALL_WEIGHTS applies (the 64-row narrow tile's)
 STEP_K = 64     # contraction a step (4 wgmma k16 blocks; 4 NVFP4 blocks)
 STAGES = 4      # the shared-memory ring (x 32 KB + codes 4 KB + scales 0.5 KB a stage)
 SMALL_STAGES = 8  # the narrow tiles' ring (x 8 or 16 KB a stage: up to 16 or 10 stages fit). At small M the weight
@@ -785,6 +791,15 @@ def predicted_us(m: int, k: int, n: int, sms: int | None = None) -> tuple[float,
   fused = _plan_us(m, k, n, plan_for(m, k, n, sms), sms)
   gemm = max(2.0 * m * k * n / (BF16_TFLOPS * 1e6), 2.0 * k * n / (HBM_TBPS * 1e6))
   return fused, GEMM_FIXED_US + gemm + k * n * 1e-6 * DEQUANT_US_PER_MILLION
+
+
+def narrow_takes(m: int, k: int, n: int, gemv_runs: bool) -> bool:
+  """Whether matmul's dispatch sends a bf16 product ``x [m, k] @ W [k, n]`` to the narrow tiles instead of the decode
+  GEMV: ``NARROW_MIN_M < m <= SMALL_M_MAX``, except that a weight of at most :data:`NARROW_SMALL_WEIGHTS` values stays
+  on the GEMV at ``m <= NARROW_SMALL_MAX_M`` when the GEMV runs it (``gemv_runs``)."""
+  if not NARROW_MIN_M < m <= SMALL_M_MAX:
+    return False
+  return not (gemv_runs and m <= NARROW_SMALL_MAX_M and k * n <= NARROW_SMALL_WEIGHTS)
 
 
 def pays(m: int, k: int, n: int) -> bool:

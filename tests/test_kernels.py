@@ -643,7 +643,8 @@ def test_addend_errors_name_the_problem():
 def test_large_m_gluon_forward_dispatch(monkeypatch):
   """kernel_forward sends a bf16 product to the large-M Gluon forward for FUSED_MAX_M < M <= MAX_M where the
   decode GEMV does not run, without lora, with GLUON_MM "auto" (with the kernel's own checks faked true: no GPU
-  here), and by default the narrow tiles' 32 < M <= 128 from the decode GEMV; a float32 result, a LoRA term,
+  here), and by default the narrow tiles' 32 < M <= 128 from the decode GEMV (which keeps the smallest weights at
+  M <= 64 where it runs); a float32 result, a LoRA term,
   GLUON_MM = "0" and M = 8192 keep dequantize + cuBLAS; a bad setting is refused by name."""
   from pallas_kernels import w4_gluon, w4_gluon_mm
   monkeypatch.setattr(w4_gluon_mm, "applies", lambda m, w, dt: True)
@@ -652,14 +653,21 @@ def test_large_m_gluon_forward_dispatch(monkeypatch):
   wq = _weight("nvfp4", 128, 256, 0)
   use = lambda m, **kw: matmul._use_gluon_mm(jax.ShapeDtypeStruct((m, 128), jnp.bfloat16), wq,
                                              kw.get("out", jnp.bfloat16), False, kw.get("lora"))
-  # by default the narrow tiles take 32 < M <= 128 from the decode GEMV, which keeps M <= 32
-  assert [m for m in (1, 32, 33, 64, 65, 128, 129, 2048, 4096, 4097, 8192) if use(m)] == [33, 64, 65, 128, 129,
-                                                                                           2048, 4096]
+  # by default the narrow tiles take 32 < M <= 128 from the decode GEMV, which keeps M <= 32, and M <= 64 for a
+  # weight of at most NARROW_SMALL_WEIGHTS values (this one: 128 x 256)
+  ms = (1, 32, 33, 64, 65, 128, 129, 2048, 4096, 4097, 8192)
+  assert [m for m in ms if use(m)] == [65, 128, 129, 2048, 4096]
+  monkeypatch.setattr(w4_gluon_mm, "NARROW_SMALL_WEIGHTS", 128 * 256 - 1)  # one value fewer: the narrow tiles take it
+  assert [m for m in ms if use(m)] == [33, 64, 65, 128, 129, 2048, 4096]
+  monkeypatch.setattr(w4_gluon_mm, "NARROW_SMALL_WEIGHTS", 0)
   assert not use(64, out=jnp.float32) and not use(64, lora=(None, None, 1.0))
   monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", 0)  # without them: the GEMV to 128, then this kernel
   assert [m for m in (64, 65, 128, 129, 2048, 4096, 4097, 8192) if use(m)] == [129, 2048, 4096]
   monkeypatch.setattr(w4_gluon, "applies", lambda m, w, dt: False)  # no decode GEMV (e.g. N % 256 != 0)
   assert use(65) and not use(64)
+  monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", 128)  # nor does the small weight stay off the narrow tiles then
+  monkeypatch.setattr(w4_gluon_mm, "NARROW_SMALL_WEIGHTS", 1 << 24)
+  assert use(33) and use(64)
   assert not use(2048, out=jnp.float32) and not use(2048, lora=(None, None, 1.0))
   monkeypatch.setattr(matmul, "GLUON_MM", "0")
   assert not use(2048)
