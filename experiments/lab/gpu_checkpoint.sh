@@ -44,6 +44,7 @@
 #   STEPS=64 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=65 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=66 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=67 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -575,4 +576,15 @@ step 66 && { for model in 7b 32b; do timeout 200 python3 experiments/bench_kerne
   timeout 240 python3 experiments/bench_rollout.py --batches=8,64,256 --new_tokens=2048 --new_tokens_by_batch=256:1024 \
     --formats=nvfp4_fused,bf16_fused --time_budget_s=200 --out="$OUT/issue6" > "$OUT/issue6.log" 2>&1; grep "|\|x$" "$OUT/issue6.log"; } \
   | tee "$OUT/step66.txt"
+# 67 (session 50, prepared; about 4 minutes): the GPU tests of session 50's two changes (kernel_dx takes the opt-in
+#    GLUON_DX kernel first: test_gpu_gradient_takes_the_dx_kernel failed in the H200 suite before it; at 32 < M <= 64
+#    weights of at most NARROW_SMALL_WEIGHTS values stay on the decode GEMV), the 32B shapes at M = 64 by path (is
+#    the 32B o, 26.2M values, faster on the GEMV too? then raise NARROW_SMALL_WEIGHTS to 2**25), and issue 4's 7B rows
+#    at M = 33, 64 under the new rule.
+step 67 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -n 8 -m gpu tests/test_gluon_dx.py \
+    tests/test_kernels.py -p no:cacheprovider > "$OUT/gpu_tests_67.txt" 2>&1; grep -E "passed|failed|FAILED" "$OUT/gpu_tests_67.txt" | tail -8
+  MM_MODEL=32b MM_ORDER=decode MM_MS=40,64 MM_VARIANTS="base;pp2:NARROW_PER_SM=2" timeout 100 python3 experiments/lab/time_mm.py \
+    2>&1 | grep -v Warn
+  timeout 120 python3 experiments/bench_kernels.py --models=7b --kinds=fwd --ms=33,64 --ragged=false \
+    --json="$OUT/bench_kernels_7b_m64.json" 2>&1 | grep "|"; } | tee "$OUT/step67.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
