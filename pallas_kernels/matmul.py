@@ -54,6 +54,15 @@ GLUON_MM = os.environ.get("QERL_GLUON_MM", "auto")
 # 0.957x; docs/benchmarks.md, session 49). "0" keeps dequantize + cuBLAS. QERL_GLUON_MM_DX in the environment sets
 # the default.
 GLUON_MM_DX = os.environ.get("QERL_GLUON_MM_DX", "1")
+# The model's 4-bit linears (qerl_jax.models.layers.linear, fused_linear: their bf16 route, BF16_EPILOGUE) also at
+# 32 < M <= 128 rows where the dispatch sends a bf16 product to the large-M forward's narrow tiles (_use_gluon_mm).
+# Without it dense_path_applies is false up to 128 rows wherever the decode GEMV runs, so a model's product there
+# takes the GEMV's float32 route and the narrow tiles (session 47) reach only callers that ask for bf16 themselves.
+# Lab harness, M = 64, decode-order codes, the 7B gate/up (a batch-64 decode step's largest product): 56.7 against
+# the GEMV's 81.2 us on the H200 (session 49), 56.0 against 85.3 on the H100 (session 50). "0" (default, until a
+# rollout measures it: experiments/lab/gpu_checkpoint.sh step 68) / "1". QERL_GLUON_MM_NARROW_MODEL in the
+# environment sets the default.
+GLUON_MM_NARROW_MODEL = os.environ.get("QERL_GLUON_MM_NARROW_MODEL", "0")
 
 
 def _check_setting(name: str, value: str, allowed) -> None:
@@ -167,14 +176,21 @@ def dense_path_applies(x: jax.Array, w, index=None) -> bool:
   caller can pass its bf16 ``[M, N]`` terms as ``quantized_matmul``'s ``addend``, added in the GEMM's epilogue
   (:func:`qerl_jax.models.layers.linear`). Shapes only are read (``x`` may be a ``jax.ShapeDtypeStruct``).
 
+  With ``GLUON_MM_NARROW_MODEL = "1"`` (opt-in) it also holds where the large-M forward's narrow tiles would take a
+  bf16 product of 32 < M <= 128 rows (instead of the decode GEMV).
+
   Raises:
-    ValueError: ``GLUON`` not "auto"/"1"/"0" or ``GLUON_LORA`` not "1"/"0".
+    ValueError: ``GLUON`` not "auto"/"1"/"0", ``GLUON_LORA`` or ``GLUON_MM_NARROW_MODEL`` not "1"/"0" (or
+      ``GLUON_MM`` not "auto"/"0").
   """
   if not (_on_gpu() and _kernel_applies(x, w, index)):
     return False
   rows = int(np.prod(x.shape[:-1]))
   x2d = jax.ShapeDtypeStruct((rows, x.shape[-1]), x.dtype)
-  return rows > FUSED_MAX_M["fwd"] and not _use_gluon(x2d, w, False, None)
+  if rows > FUSED_MAX_M["fwd"] and not _use_gluon(x2d, w, False, None):
+    return True
+  _check_setting("GLUON_MM_NARROW_MODEL", GLUON_MM_NARROW_MODEL, ("1", "0"))
+  return GLUON_MM_NARROW_MODEL == "1" and _use_gluon_mm(x2d, w, jnp.bfloat16, False, None)
 
 
 def _layer_b(b, index):

@@ -9,6 +9,7 @@ kernels at model shapes.
 """
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -674,3 +675,30 @@ def test_large_m_gluon_forward_dispatch(monkeypatch):
   monkeypatch.setattr(matmul, "GLUON_MM", "1")
   with pytest.raises(ValueError, match="GLUON_MM"):
     use(2048)
+
+
+def test_model_narrow_route_is_opt_in(monkeypatch):
+  """dense_path_applies (the model's bf16 route) holds past 128 rows, or up to 128 where the decode GEMV does not
+  run; with GLUON_MM_NARROW_MODEL = "1" also where the narrow tiles take the bf16 product (32 < M <= 128, the
+  smallest weights at M <= 64 left to the GEMV). Kernel checks faked true (no GPU here)."""
+  from pallas_kernels import w4_gluon, w4_gluon_mm
+  monkeypatch.setattr(matmul, "_on_gpu", lambda: True)
+  monkeypatch.setattr(w4_gluon_mm, "applies", lambda m, w, dt: True)
+  monkeypatch.setattr(matmul, "gluon_enabled", lambda: True)
+  monkeypatch.setattr(w4_gluon, "applies", lambda m, w, dt: m <= 128)
+  wq = _weight("nvfp4", 128, 256, 0)  # 32768 values: at most NARROW_SMALL_WEIGHTS
+  dense = lambda m: matmul.dense_path_applies(jax.ShapeDtypeStruct((m, 128), jnp.bfloat16), wq)
+  ms = (16, 32, 33, 64, 65, 128, 129, 4096)
+  assert matmul.GLUON_MM_NARROW_MODEL == "0" or "QERL_GLUON_MM_NARROW_MODEL" in os.environ
+  monkeypatch.setattr(matmul, "GLUON_MM_NARROW_MODEL", "0")
+  assert [m for m in ms if dense(m)] == [129, 4096]
+  monkeypatch.setattr(matmul, "GLUON_MM_NARROW_MODEL", "1")
+  assert [m for m in ms if dense(m)] == [65, 128, 129, 4096]
+  monkeypatch.setattr(w4_gluon_mm, "NARROW_SMALL_WEIGHTS", 0)
+  assert [m for m in ms if dense(m)] == [33, 64, 65, 128, 129, 4096]
+  assert not matmul.dense_path_applies(jax.ShapeDtypeStruct((64, 128), jnp.float32), wq)  # a float32 x: no route
+  monkeypatch.setattr(matmul, "GLUON_MM", "0")  # the large-M forward off: the GEMV's float32 route again
+  assert [m for m in ms if dense(m)] == [129, 4096]
+  monkeypatch.setattr(matmul, "GLUON_MM_NARROW_MODEL", "yes")
+  with pytest.raises(ValueError, match="GLUON_MM_NARROW_MODEL"):
+    dense(64)

@@ -693,6 +693,46 @@ def test_bf16_route_model_forward_and_lora_gradient(dense_route, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_narrow_route_linear_matches_float64(monkeypatch):
+  """With matmul.GLUON_MM_NARROW_MODEL = "1" the model's linears take the bf16 route at 32 < M <= 128 rows on the
+  large-M forward's narrow tiles (bias and adapter delta in its epilogue), against float64: a weight over
+  NARROW_SMALL_WEIGHTS values at M = 40, 64, 100, and fused parts with per-part adapters at M = 64. Off (the
+  default) the route is not taken there."""
+  from pallas_kernels import matmul, w4_gluon_mm
+  from qerl_jax.models import layers
+  rng = np.random.default_rng(8)
+  k, n = 3584, 5120  # 18.4M values: over NARROW_SMALL_WEIGHTS, so the narrow tiles take it from M = 33
+  w = jnp.asarray(0.02 * rng.normal(size=(k, n)), jnp.float32)
+  q = nvfp4.to_decode_order(nvfp4.quantize(w))
+  deq = np.asarray(nvfp4.dequantize(nvfp4.quantize(w)), np.float64)
+  bias = jnp.asarray(rng.normal(size=(n,)), jnp.bfloat16)
+  lora = {"a": jnp.asarray(0.02 * rng.normal(size=(k, 16)), jnp.float32),
+          "b": jnp.asarray(rng.normal(size=(16, n)), jnp.float32)}
+  if not w4_gluon_mm.applies(64, q, jnp.bfloat16):
+    pytest.skip("the large-M Gluon forward does not apply on this GPU (sm_90 and the FFI launcher)")
+  monkeypatch.setattr(matmul, "GLUON_MM_NARROW_MODEL", "0")
+  assert not matmul.dense_path_applies(jax.ShapeDtypeStruct((64, k), jnp.bfloat16), q)
+  monkeypatch.setattr(matmul, "GLUON_MM_NARROW_MODEL", "1")
+  for m in (40, 64, 100):
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    assert matmul.dense_path_applies(x, q)
+    y = jax.jit(lambda x: layers.linear(x, q, bias=bias, lora=lora, lora_scale=2.0))(x)
+    x64 = np.asarray(x, np.float64)
+    ref = (x64 @ deq + np.asarray(bias, np.float64)
+           + 2.0 * (x64 @ np.asarray(lora["a"], np.float64)) @ np.asarray(lora["b"], np.float64))
+    assert y.dtype == jnp.bfloat16 and np.isfinite(np.asarray(y, np.float32)).all()
+    assert _rel(y, ref) < 1e-2, (m, _rel(y, ref))
+  sizes = (2560, 2560)  # gate/up-like halves, an adapter on the first only
+  loras = ({"a": lora["a"], "b": lora["b"][:, :2560]}, None)
+  parts = jax.jit(lambda x: layers.fused_linear(x, q, sizes, loras=loras, lora_scale=2.0))(x[:64])
+  x64 = np.asarray(x[:64], np.float64)
+  ref = x64 @ deq
+  ref[:, :2560] += 2.0 * (x64 @ np.asarray(lora["a"], np.float64)) @ np.asarray(lora["b"][:, :2560], np.float64)
+  for part, lo, hi in zip(parts, (0, 2560), (2560, 5120)):
+    assert part.dtype == jnp.bfloat16 and _rel(part, ref[:, lo:hi]) < 1e-2, (lo, _rel(part, ref[:, lo:hi]))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("quant", ["nvfp4", "nf4"])
 def test_gpu_bf16_route_linear_matches_float64(quant):
   """On the GPU the bf16 route runs where the large-M path does (more rows than the fused kernel takes, past the

@@ -45,6 +45,7 @@
 #   STEPS=65 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=66 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=67 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=68 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -587,4 +588,19 @@ step 67 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -
     2>&1 | grep -v Warn
   timeout 120 python3 experiments/bench_kernels.py --models=7b --kinds=fwd --ms=33,64 --ragged=false \
     --json="$OUT/bench_kernels_7b_m64.json" 2>&1 | grep "|"; } | tee "$OUT/step67.txt"
+# 68 (session 50, prepared; about 8 minutes): the model's linears on the narrow tiles at 32 < M <= 128
+#    (matmul.GLUON_MM_NARROW_MODEL, opt-in). Until now a model's product of up to 128 rows took the decode GEMV's
+#    float32 route, so the narrow tiles never ran in a rollout; in the harness the 7B gate/up at M = 64 takes 56 us
+#    on them against 81-85 on the GEMV (both cards). Its GPU test against float64, then batch-64 and batch-128
+#    rollouts (NVFP4, plain and with the training adapter) alternating off / on / off / on. If "on" is faster at both
+#    batches and the test passes, make "1" the default (and re-run issue 6's batch 64 row).
+step 68 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -m gpu tests/test_model.py \
+    -k "narrow_route or bf16_route" -p no:cacheprovider 2>&1 | tail -3
+  for s in "GLUON_MM_NARROW_MODEL=0" "GLUON_MM_NARROW_MODEL=1" "GLUON_MM_NARROW_MODEL=0" "GLUON_MM_NARROW_MODEL=1"; do
+    MATMUL_SET="$s" timeout 110 python3 experiments/lab/gluon/ab_rollout.py --batches=64,128 --new_tokens=512 \
+      --formats=nvfp4_fused --time_budget_s=90 2>&1 | grep "GLUON_MM_NARROW_MODEL\|nvfp4_fused |"; done
+  for s in "GLUON_MM_NARROW_MODEL=0" "GLUON_MM_NARROW_MODEL=1"; do
+    MATMUL_SET="$s" timeout 110 python3 experiments/lab/gluon/ab_rollout.py --batches=64 --new_tokens=512 \
+      --formats=nvfp4_fused --lora_rank=32 --aqn --time_budget_s=90 2>&1 | grep "GLUON_MM_NARROW_MODEL\|^| nvfp4"; done
+} | tee "$OUT/step68.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)

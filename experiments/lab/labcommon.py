@@ -108,10 +108,12 @@ def time_against_tuned(variants: dict, ms) -> None:
 
 def set_module_settings(env: str, module) -> None:
   """Replaces ``module``'s settings from the environment variable ``env``, ``"NAME=int,NAME=int"`` (the lab
-  scripts' ``GL_SET`` / ``MODEL_SET`` / ``DA_SET``), printing each; exits naming a setting the module lacks."""
+  scripts' ``GL_SET`` / ``MODEL_SET`` / ``DA_SET``), printing each; exits naming a setting the module lacks. A
+  setting that holds a string (``pallas_kernels.matmul``'s ``"0"`` / ``"1"`` switches) gets the text as given."""
   for assign in filter(None, os.environ.get(env, "").split(",")):
     name, value = assign.split("=")
     if not hasattr(module, name):
       raise SystemExit(f"{module.__name__} has no setting {name}")
-    setattr(module, name, int(value))
-    print(f"{module.__name__}.{name} = {int(value)}", flush=True)
+    value = value if isinstance(getattr(module, name), str) else int(value)
+    setattr(module, name, value)
+    print(f"{module.__name__}.{name} = {value!r}", flush=True)
