@@ -114,9 +114,10 @@ def _use_gluon_mm(x2d, w, out_dtype, interpret: bool, lora) -> bool:
   m = x2d.shape[0]
   if interpret or GLUON_MM == "0" or lora is not None or jnp.dtype(out_dtype) != jnp.bfloat16:
     return False
+  gemv = _use_gluon(x2d, w, interpret, lora)
   # the narrow tiles instead of the decode GEMV (which keeps the smallest weights at M <= 64)
-  narrow = w4_gluon_mm.narrow_takes(m, *w.shape, _use_gluon(x2d, w, interpret, lora))
-  if not narrow and (not FUSED_MAX_M["fwd"] < m <= w4_gluon_mm.MAX_M or _use_gluon(x2d, w, interpret, lora)):
+  narrow = w4_gluon_mm.narrow_takes(m, *w.shape, gemv)
+  if not narrow and (not FUSED_MAX_M["fwd"] < m <= w4_gluon_mm.MAX_M or gemv):
     return False
   return w4_gluon_mm.applies(m, w, x2d.dtype) and (narrow or w4_gluon_mm.pays(m, *w.shape)) and gluon_enabled()
 
