@@ -217,20 +217,8 @@ def _bench_row(model, layer, k, n, m, kind, w_bf16, wq, cfg=None, check=True):
 
 
 def _path_name(kind, x, wq) -> str:
-  """Which kernel path ``matmul.kernel_forward`` / ``kernel_dx`` takes for this row (in its order: the large-M Gluon
-  forward, which takes 32 < M <= 128 in narrow tiles, before the decode GEMV; for dx the fused kernel, the opt-in dx
-  kernel, the forward's dx build, then dequantize + cuBLAS)."""
-  if kind == "fwd" and matmul._use_gluon_mm(x, wq, x.dtype, False, None):
-    return "gluon_mm"
-  if kind == "fwd" and matmul._use_gluon(x, wq, False, None):
-    return "gluon"
-  if x.shape[0] <= matmul.FUSED_MAX_M[kind]:
-    return "fused"
-  if kind == "dx" and matmul._use_gluon_dx(x, wq, False):
-    return "gluon_dx"
-  if kind == "dx" and matmul._use_gluon_mm_dx(x, wq, False):
-    return "gluon_mm_dx"
-  return "deq+cublas"
+  """Which kernel path ``matmul.kernel_forward`` / ``kernel_dx`` takes for this row (asked of the dispatch itself)."""
+  return matmul.forward_path(x, wq) if kind == "fwd" else matmul.dx_path(x, wq)
 
 
 def _print_row(d):

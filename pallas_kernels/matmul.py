@@ -122,6 +122,27 @@ def _use_gluon_mm(x2d, w, out_dtype, interpret: bool, lora) -> bool:
   return w4_gluon_mm.applies(m, w, x2d.dtype) and (narrow or w4_gluon_mm.pays(m, *w.shape)) and gluon_enabled()
 
 
+def forward_path(x2d, w, *, out_dtype=None, interpret: bool = False, lora=None) -> str:
+  """Which kernel :func:`kernel_forward` (without ``addend``) runs for ``x2d`` (``[M, K]``, or a
+  ``jax.ShapeDtypeStruct``; shapes only are read) and ``w``, in its order of precedence: ``"gluon_mm"`` (the large-M
+  Gluon forward, which also takes 32 < M <= 128 in narrow tiles), ``"gluon"`` (the Gluon decode GEMV), ``"fused"``
+  (the Pallas dequantize-in-registers kernel, ``M <= FUSED_MAX_M["fwd"]``), else ``"dequantize+dot"`` (a Pallas
+  dequantize to bf16, then one GEMM). ``out_dtype`` defaults to ``x2d``'s dtype. For benchmarks and tests that label
+  or check the path a shape takes.
+
+  Raises:
+    ValueError: a malformed ``GLUON``, ``GLUON_LORA`` or ``GLUON_MM`` setting.
+  """
+  out_dtype = jnp.dtype(out_dtype or x2d.dtype)
+  if _use_gluon_mm(x2d, w, out_dtype, interpret, lora):
+    return "gluon_mm"
+  if _use_gluon(x2d, w, interpret, lora):
+    return "gluon"
+  if x2d.shape[0] <= FUSED_MAX_M["fwd"]:
+    return "fused"
+  return "dequantize+dot"
+
+
 def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False, index=None,
                    lora=None, addend=None) -> jax.Array:
   """The kernel path's ``x @ W`` for 2-D bf16 ``x`` ``[M, K]`` -> ``[M, N]`` (no VJP).
@@ -154,12 +175,13 @@ def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False
     y = _dense_dot(x2d, w_dense, ((1,), (0,)), out_dtype, interpret)
     # on the GPU a bf16 GEMM output plus a bf16 addend: XLA folds the addend into cuBLAS's C (beta = 1)
     return y + addend.astype(out_dtype)
-  if _use_gluon_mm(x2d, w, out_dtype, interpret, lora):
+  path = forward_path(x2d, w, out_dtype=out_dtype, interpret=interpret, lora=lora)
+  if path == "gluon_mm":
     return w4_gluon_mm.forward(x2d, w, index=index)
-  if _use_gluon(x2d, w, interpret, lora):
+  if path == "gluon":
     y = w4_gluon.forward(x2d, w, out_dtype=jnp.float32 if lora is not None else out_dtype, index=index)
     return y if lora is None else (y + _lora_delta(*lora, index=index)).astype(out_dtype)
-  if x2d.shape[0] <= FUSED_MAX_M["fwd"]:
+  if path == "fused":
     return w4_triton.forward(x2d, w, out_dtype=out_dtype, interpret=interpret, index=index, lora=lora)
   w_dense = w4_triton.dequantize(w, x2d.dtype, interpret=interpret, index=index)
   if lora is None:
@@ -230,6 +252,24 @@ def _use_gluon_dx(dy2d, w, interpret: bool) -> bool:
   return w4_gluon_dx.applies(dy2d.shape[0], w, dy2d.dtype) and gluon_enabled()
 
 
+def dx_path(dy2d, w, *, interpret: bool = False) -> str:
+  """Which kernel :func:`kernel_dx` runs for ``dy2d`` (``[M, N]``, or a ``jax.ShapeDtypeStruct``) and ``w``, in its
+  order of precedence: ``"fused"`` (``M <= FUSED_MAX_M["dx"]``), ``"gluon_dx"`` (the opt-in ``GLUON_DX`` kernel:
+  set, it wins over the default below), ``"gluon_mm_dx"`` (the large-M Gluon forward's dx build, ``GLUON_MM_DX``),
+  else ``"dequantize+dot"``.
+
+  Raises:
+    ValueError: ``GLUON_DX`` or ``GLUON_MM_DX`` not "1"/"0" (or ``GLUON`` malformed).
+  """
+  if dy2d.shape[0] <= FUSED_MAX_M["dx"]:
+    return "fused"
+  if _use_gluon_dx(dy2d, w, interpret):
+    return "gluon_dx"
+  if _use_gluon_mm_dx(dy2d, w, interpret):
+    return "gluon_mm_dx"
+  return "dequantize+dot"
+
+
 def kernel_dx(dy2d: jax.Array, w, *, out_dtype=jnp.bfloat16, interpret: bool = False, index=None) -> jax.Array:
   """The kernel path's ``dy @ W^T`` for 2-D bf16 ``dy`` ``[M, N]`` -> ``[M, K]``.
 
@@ -243,11 +283,12 @@ def kernel_dx(dy2d: jax.Array, w, *, out_dtype=jnp.bfloat16, interpret: bool = F
     TypeError: unsupported weight type. ValueError: N mismatch, stacked ``w``, ``GLUON_DX`` or ``GLUON_MM_DX`` not
       "1"/"0".
   """
-  if dy2d.shape[0] <= FUSED_MAX_M["dx"]:
+  path = dx_path(dy2d, w, interpret=interpret)
+  if path == "fused":
     return w4_triton.dx(dy2d, w, out_dtype=out_dtype, interpret=interpret, index=index)
-  if _use_gluon_dx(dy2d, w, interpret):  # the opt-in first: set, it wins over the default below
+  if path == "gluon_dx":
     return w4_gluon_dx.dx(dy2d, w, index=index).astype(out_dtype)
-  if _use_gluon_mm_dx(dy2d, w, interpret):
+  if path == "gluon_mm_dx":
     return w4_gluon_mm.dx(dy2d, w, index=index).astype(out_dtype)
   w_dense = w4_triton.dequantize(w, dy2d.dtype, interpret=interpret, index=index)
   return _dense_dot(dy2d, w_dense, ((1,), (1,)), out_dtype, interpret)

@@ -100,8 +100,13 @@ def test_dx_opt_in_wins_over_the_default_dx_build(monkeypatch):
   monkeypatch.setattr(matmul.w4_gluon_mm, "dx", lambda dy, w, index=None: jnp.full((dy.shape[0], 256), 3.0,
                                                                                    jnp.float32))
   np.testing.assert_array_equal(np.asarray(matmul.kernel_dx(dy, wq), np.float32), np.full((512, 256), 2.0))
+  assert matmul.dx_path(dy, wq) == "gluon_dx"
   monkeypatch.setattr(matmul, "_use_gluon_dx", lambda *a: False)
   np.testing.assert_array_equal(np.asarray(matmul.kernel_dx(dy, wq), np.float32), np.full((512, 256), 3.0))
+  assert matmul.dx_path(dy, wq) == "gluon_mm_dx"
+  assert matmul.dx_path(dy[:matmul.FUSED_MAX_M["dx"]], wq) == "fused"
+  monkeypatch.setattr(matmul, "_use_gluon_mm_dx", lambda *a: False)
+  assert matmul.dx_path(dy, wq) == "dequantize+dot"
 
 
 def test_standard_order_words_undo_the_decode_order():
