@@ -59,10 +59,12 @@ GLUON_MM_DX = os.environ.get("QERL_GLUON_MM_DX", "1")
 # Without it dense_path_applies is false up to 128 rows wherever the decode GEMV runs, so a model's product there
 # takes the GEMV's float32 route and the narrow tiles (session 47) reach only callers that ask for bf16 themselves.
 # Lab harness, M = 64, decode-order codes, the 7B gate/up (a batch-64 decode step's largest product): 56.7 against
-# the GEMV's 81.2 us on the H200 (session 49), 56.0 against 85.3 on the H100 (session 50). "0" (default, until a
-# rollout measures it: experiments/lab/gpu_checkpoint.sh step 68) / "1". QERL_GLUON_MM_NARROW_MODEL in the
-# environment sets the default.
-GLUON_MM_NARROW_MODEL = os.environ.get("QERL_GLUON_MM_NARROW_MODEL", "0")
+# the GEMV's 81.2 us on the H200 (session 49), 56.0 against 85.3 on the H100 (session 50). In a 7B NVFP4 rollout
+# (512 new tokens, H100, session 51, experiments/lab/gpu_checkpoint.sh step 68) the decode step takes 4.63 against
+# 5.60 ms at batch 64, 6.45 against 8.33 at batch 128, and 5.77 against 6.72 at batch 64 with the training adapter
+# (LoRA rank 32 + AQN). "1" (default, session 51) / "0". QERL_GLUON_MM_NARROW_MODEL in the environment sets the
+# default.
+GLUON_MM_NARROW_MODEL = os.environ.get("QERL_GLUON_MM_NARROW_MODEL", "1")
 
 
 def _check_setting(name: str, value: str, allowed) -> None:
@@ -199,7 +201,7 @@ def dense_path_applies(x: jax.Array, w, index=None) -> bool:
   caller can pass its bf16 ``[M, N]`` terms as ``quantized_matmul``'s ``addend``, added in the GEMM's epilogue
   (:func:`qerl_jax.models.layers.linear`). Shapes only are read (``x`` may be a ``jax.ShapeDtypeStruct``).
 
-  With ``GLUON_MM_NARROW_MODEL = "1"`` (opt-in) it also holds where the large-M forward's narrow tiles would take a
+  With ``GLUON_MM_NARROW_MODEL = "1"`` (the default) it also holds where the large-M forward's narrow tiles would take a
   bf16 product of 32 < M <= 128 rows (instead of the decode GEMV).
 
   Raises:

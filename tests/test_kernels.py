@@ -679,9 +679,9 @@ def test_large_m_gluon_forward_dispatch(monkeypatch):
     use(2048)
 
 
-def test_model_narrow_route_is_opt_in(monkeypatch):
+def test_model_narrow_route_is_on_by_default(monkeypatch):
   """dense_path_applies (the model's bf16 route) holds past 128 rows, or up to 128 where the decode GEMV does not
-  run; with GLUON_MM_NARROW_MODEL = "1" also where the narrow tiles take the bf16 product (32 < M <= 128, the
+  run; with GLUON_MM_NARROW_MODEL = "1" (the default) also where the narrow tiles take the bf16 product (32 < M <= 128, the
   smallest weights at M <= 64 left to the GEMV). Kernel checks faked true (no GPU here)."""
   from pallas_kernels import w4_gluon, w4_gluon_mm
   monkeypatch.setattr(matmul, "_on_gpu", lambda: True)
@@ -691,7 +691,7 @@ def test_model_narrow_route_is_opt_in(monkeypatch):
   wq = _weight("nvfp4", 128, 256, 0)  # 32768 values: at most NARROW_SMALL_WEIGHTS
   dense = lambda m: matmul.dense_path_applies(jax.ShapeDtypeStruct((m, 128), jnp.bfloat16), wq)
   ms = (16, 32, 33, 64, 65, 128, 129, 4096)
-  assert matmul.GLUON_MM_NARROW_MODEL == "0" or "QERL_GLUON_MM_NARROW_MODEL" in os.environ
+  assert matmul.GLUON_MM_NARROW_MODEL == "1" or "QERL_GLUON_MM_NARROW_MODEL" in os.environ
   monkeypatch.setattr(matmul, "GLUON_MM_NARROW_MODEL", "0")
   assert [m for m in ms if dense(m)] == [129, 4096]
   monkeypatch.setattr(matmul, "GLUON_MM_NARROW_MODEL", "1")

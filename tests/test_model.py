@@ -696,8 +696,8 @@ def test_bf16_route_model_forward_and_lora_gradient(dense_route, monkeypatch):
 def test_gpu_narrow_route_linear_matches_float64(monkeypatch):
   """With matmul.GLUON_MM_NARROW_MODEL = "1" the model's linears take the bf16 route at 32 < M <= 128 rows on the
   large-M forward's narrow tiles (bias and adapter delta in its epilogue), against float64: a weight over
-  NARROW_SMALL_WEIGHTS values at M = 40, 64, 100, and fused parts with per-part adapters at M = 64. Off (the
-  default) the route is not taken there."""
+  NARROW_SMALL_WEIGHTS values at M = 40, 64, 100, and fused parts with per-part adapters at M = 64. Off ("0")
+  the route is not taken there."""
   from pallas_kernels import matmul, w4_gluon_mm
   from qerl_jax.models import layers
   rng = np.random.default_rng(8)

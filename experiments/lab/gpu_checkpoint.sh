@@ -46,6 +46,7 @@
 #   STEPS=66 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=67 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=68 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=69 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -603,4 +604,14 @@ step 68 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -
     MATMUL_SET="$s" timeout 110 python3 experiments/lab/gluon/ab_rollout.py --batches=64 --new_tokens=512 \
       --formats=nvfp4_fused --lora_rank=32 --aqn --time_budget_s=90 2>&1 | grep "GLUON_MM_NARROW_MODEL\|^| nvfp4"; done
 } | tee "$OUT/step68.txt"
+# 69 (session 51, prepared; about 7 minutes, for an H200): step 68 (session 51, H100) had the narrow route faster in
+#    every rollout (decode step 4.63 against 5.60 ms at batch 64, 6.45 against 8.33 at 128, 5.77 against 6.72 with
+#    LoRA rank 32 + AQN); it is now the default, and issue 6's batch 64 went from 1.12x to 1.32x of bf16 on the H100.
+#    Issue 6's whole table on the H200 under it (batch 128 added), then the training rollout at batch 64.
+step 69 && { timeout 330 python3 experiments/bench_rollout.py --batches=8,64,128,256 --new_tokens=2048 \
+    --new_tokens_by_batch=256:1024 --formats=nvfp4_fused,bf16_fused --time_budget_s=290 --out="$OUT/issue6" \
+    > "$OUT/issue6.log" 2>&1; grep "|\|x$" "$OUT/issue6.log"
+  timeout 120 python3 experiments/bench_rollout.py --batches=64 --new_tokens=512 --lora_rank=32 --aqn \
+    --formats=nvfp4_fused,bf16_fused --time_budget_s=100 --out="$OUT/train64" > "$OUT/train64.log" 2>&1
+  grep "|\|x$" "$OUT/train64.log"; } | tee "$OUT/step69.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
