@@ -47,6 +47,7 @@
 #   STEPS=67 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=68 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=69 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=70 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -614,4 +615,11 @@ step 69 && { timeout 330 python3 experiments/bench_rollout.py --batches=8,64,128
   timeout 120 python3 experiments/bench_rollout.py --batches=64 --new_tokens=512 --lora_rank=32 --aqn \
     --formats=nvfp4_fused,bf16_fused --time_budget_s=100 --out="$OUT/train64" > "$OUT/train64.log" 2>&1
   grep "|\|x$" "$OUT/train64.log"; } | tee "$OUT/step69.txt"
+# 70 (session 51, prepared; about 5 minutes): decode attention's launch at batch 64 and 128, never swept (its defaults
+#    were tuned at batch 8). A batch-64 rollout profile (H100, session 51) had decode_attention_append at 75.9 us a
+#    layer against the W4A16 kernels' 104; time_append.py (H100) 65.1 us a layer at 1300 slots (about 2.6 TB/s of the
+#    KV cache), dynamic chunks slower (74.9). The rest of that sweep (session 51's ran 3 of its variants: the caches
+#    were drawn by numpy, now on the device).
+step 70 && { for b in 64 128; do APPEND_BATCHES=$b APPEND_LENGTH=1300 APPEND_VARIANTS="merge;merge t1056;merge t2112;merge s3;merge t1056 s3;merge dyn t1056 s3;merge b128;merge w8;merge t2112 b32" \
+    timeout 140 python3 experiments/lab/time_append.py 2>&1 | grep "^batch"; done; } | tee "$OUT/step70.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
