@@ -135,7 +135,7 @@ def forward_path(x2d, w, *, out_dtype=None, interpret: bool = False, lora=None) 
   Raises:
     ValueError: a malformed ``GLUON``, ``GLUON_LORA`` or ``GLUON_MM`` setting.
   """
-  out_dtype = jnp.dtype(out_dtype or x2d.dtype)
+  out_dtype = jnp.dtype(x2d.dtype if out_dtype is None else out_dtype)
   if _use_gluon_mm(x2d, w, out_dtype, interpret, lora):
     return "gluon_mm"
   if _use_gluon(x2d, w, interpret, lora):

@@ -660,6 +660,7 @@ def test_large_m_gluon_forward_dispatch(monkeypatch):
   assert [m for m in ms if use(m)] == [65, 128, 129, 2048, 4096]
   path = lambda m: matmul.forward_path(jax.ShapeDtypeStruct((m, 128), jnp.bfloat16), wq)  # the same, named
   assert [path(m) for m in (1, 64, 65, 4096, 4097)] == ["gluon", "gluon", "gluon_mm", "gluon_mm", "dequantize+dot"]
+  assert matmul.forward_path(jax.ShapeDtypeStruct((65, 128), jnp.bfloat16), wq, out_dtype=jnp.float32) == "gluon"
   monkeypatch.setattr(w4_gluon_mm, "NARROW_SMALL_WEIGHTS", 128 * 256 - 1)  # one value fewer: the narrow tiles take it
   assert [m for m in ms if use(m)] == [33, 64, 65, 128, 129, 2048, 4096]
   monkeypatch.setattr(w4_gluon_mm, "NARROW_SMALL_WEIGHTS", 0)
