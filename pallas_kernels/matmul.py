@@ -149,12 +149,11 @@ def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False
                    lora=None, addend=None) -> jax.Array:
   """The kernel path's ``x @ W`` for 2-D bf16 ``x`` ``[M, K]`` -> ``[M, N]`` (no VJP).
 
-  The Gluon decode GEMV (:mod:`pallas_kernels.w4_gluon`) where it applies (NVFP4, ``M <= 128``; see
-  ``GLUON`` and ``GLUON_LORA``); else the Pallas
-  fused dequantize-in-registers kernel for ``M <= FUSED_MAX_M["fwd"]``, else the large-M Gluon forward
-  (:mod:`pallas_kernels.w4_gluon_mm`, see ``GLUON_MM``) where it applies, else
-  a one-pass Pallas dequantize to bf16 followed by ``jnp.dot`` (float32
-  accumulation). With ``index`` (int32 scalar), ``w`` is a stack ``[L, K, N]``
+  The kernel :func:`forward_path` names, in its order: the large-M Gluon forward (:mod:`pallas_kernels.w4_gluon_mm`,
+  see ``GLUON_MM``; a bf16 result without ``lora``, its narrow tiles also at 32 < M <= 128) where it applies; else
+  the Gluon decode GEMV (:mod:`pallas_kernels.w4_gluon`) where it applies (NVFP4, ``M <= 128``; see ``GLUON`` and
+  ``GLUON_LORA``); else the Pallas fused dequantize-in-registers kernel for ``M <= FUSED_MAX_M["fwd"]``; else a
+  one-pass Pallas dequantize to bf16 followed by ``jnp.dot`` (float32 accumulation). With ``index`` (int32 scalar), ``w`` is a stack ``[L, K, N]``
   and layer ``index`` is read in place. ``lora = (xa [M, R], b, scale)``
   adds ``scale * xa @ b``: in the fused kernel's epilogue, else by XLA; ``b`` is
   ``[R, N]``, or with ``index`` a stack ``[L, R, N]`` whose layer ``index`` is used.
