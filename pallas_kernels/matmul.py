@@ -167,9 +167,11 @@ def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False
   if addend is not None:
     if lora is not None:
       raise ValueError("kernel_forward: addend and lora cannot be combined; fold the delta into the addend")
-    if _use_gluon_mm(x2d, w, out_dtype, interpret, None) and addend.dtype == jnp.bfloat16:
+    # the large-M Gluon forward adds a bf16 addend in its epilogue; otherwise the float32 product of a
+    # GEMV-sized path (the float32 result's own forward_path) takes the addend before its one rounding
+    if addend.dtype == jnp.bfloat16 and forward_path(x2d, w, out_dtype=out_dtype, interpret=interpret) == "gluon_mm":
       return w4_gluon_mm.forward(x2d, w, index=index, addend=addend)
-    if x2d.shape[0] <= FUSED_MAX_M["fwd"] or _use_gluon(x2d, w, interpret, None):
+    if forward_path(x2d, w, out_dtype=jnp.float32, interpret=interpret) != "dequantize+dot":
       y = kernel_forward(x2d, w, out_dtype=jnp.float32, interpret=interpret, index=index)
       return (y + addend.astype(jnp.float32)).astype(out_dtype)
     w_dense = w4_triton.dequantize(w, x2d.dtype, interpret=interpret, index=index)
