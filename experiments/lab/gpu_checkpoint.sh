@@ -609,6 +609,8 @@ step 68 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -
 #    every rollout (decode step 4.63 against 5.60 ms at batch 64, 6.45 against 8.33 at 128, 5.77 against 6.72 with
 #    LoRA rank 32 + AQN); it is now the default, and issue 6's batch 64 went from 1.12x to 1.32x of bf16 on the H100.
 #    Issue 6's whole table on the H200 under it (batch 128 added), then the training rollout at batch 64.
+#    Session 52 ran it on an H100 (no H200 came): 2.18x / 1.31x / 1.13x / 1.00x at batch 8 / 64 / 128 / 256, training
+#    batch 64 1.30x (docs/benchmarks_rollout.md, "session 52").
 step 69 && { timeout 330 python3 experiments/bench_rollout.py --batches=8,64,128,256 --new_tokens=2048 \
     --new_tokens_by_batch=256:1024 --formats=nvfp4_fused,bf16_fused --time_budget_s=290 --out="$OUT/issue6" \
     > "$OUT/issue6.log" 2>&1; grep "|\|x$" "$OUT/issue6.log"
@@ -620,6 +622,8 @@ step 69 && { timeout 330 python3 experiments/bench_rollout.py --batches=8,64,128
 #    layer against the W4A16 kernels' 104; time_append.py (H100) 65.1 us a layer at 1300 slots (about 2.6 TB/s of the
 #    KV cache), dynamic chunks slower (74.9). The rest of that sweep (session 51's ran 3 of its variants: the caches
 #    were drawn by numpy, now on the device).
+#    Session 52 (H100): the defaults ("merge") fastest at both batches, 1781 and 3419 us for 28 layers; at batch 64
+#    about 2.7 TB/s of KV bytes, near the copy rate. Nothing to change.
 step 70 && { for b in 64 128; do APPEND_BATCHES=$b APPEND_LENGTH=1300 APPEND_VARIANTS="merge;merge t1056;merge t2112;merge s3;merge t1056 s3;merge dyn t1056 s3;merge b128;merge w8;merge t2112 b32" \
     timeout 140 python3 experiments/lab/time_append.py 2>&1 | grep "^batch"; done; } | tee "$OUT/step70.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
