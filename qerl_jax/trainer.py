@@ -1001,7 +1001,7 @@ def summarize(workdir: str, total_steps: int) -> dict:
   ``status`` is :func:`_run_status` of the last step; ``skipped_updates`` counts the updates the update step
   skipped for non-finite values (``update.make_update_step``), ``missing_rewards`` the completions without
   a reward, over the whole run; ``mean_entropy_first_quarter`` averages the entropy of the first quarter's steps
-  whose loss counted a token (``num_tokens`` > 0; None when none did).
+  whose loss counted a token (``num_tokens`` > 0; None when none did); ``workdir`` is the absolute path.
 
   Raises:
     FileNotFoundError: ``workdir`` has no metrics.jsonl.
@@ -1016,7 +1016,7 @@ def summarize(workdir: str, total_steps: int) -> dict:
          if r["step"] <= quarter and r.get("entropy") is not None and r.get("num_tokens") != 0]
   last = train_rows[-1] if train_rows else {}
   return {
-      "workdir": workdir,
+      "workdir": os.path.abspath(workdir),
       "status": _run_status(last),
       "steps": int(last.get("step", 0)),
       "skipped_updates": int(last.get("skipped_updates") or 0),

@@ -1131,7 +1131,7 @@ def test_a_rerun_with_nothing_to_train_keeps_the_summary(tmp_path, capsys):
                                                                       if k != "wall_time_s"}
 
 
-def test_summary_entropy_leaves_out_a_step_whose_loss_counted_no_token(tmp_path):
+def test_summary_entropy_leaves_out_a_step_whose_loss_counted_no_token(tmp_path, monkeypatch):
   """With rl.mask_truncated_completions (the default), a step whose completions are all truncated counts no token:
   its entropy is logged as 0, a placeholder, and the summary's mean_entropy_first_quarter averaged it in."""
   config = toy.toy_config()
@@ -1159,6 +1159,9 @@ def test_summary_entropy_leaves_out_a_step_whose_loss_counted_no_token(tmp_path)
   assert rows[2]["num_tokens"] > 0 and rows[2]["entropy"] > 0.1  # ten digits near uniform: about ln(11)
   assert trainer.summarize(wd, 8)["mean_entropy_first_quarter"] == pytest.approx(rows[2]["entropy"])
   assert trainer.summarize(wd, 4)["mean_entropy_first_quarter"] is None  # the first quarter is step 1 alone
+  # a relative workdir is reported as the absolute path the final line prints
+  monkeypatch.chdir(tmp_path)
+  assert trainer.summarize("run", 8)["workdir"] == wd
 
 
 def test_a_resume_with_more_total_steps_names_the_schedule_jump(tmp_path, capsys):
