@@ -14,7 +14,7 @@ policy entropy over the first quarter of training, and wall time.
 
   python experiments/ablate.py --config=configs/ablations/qerl.py --workdir=workdirs/ablate
   python experiments/ablate.py --config=configs/ablations/qerl.py --config.seeds=0 \
-      --config.base.train.total_steps=20 --workdir=workdirs/ablate_quick     # a quick look (about 2 min)
+      --config.base.train.total_steps=20 --workdir=workdirs/ablate_quick     # a quick look (about 3 min)
 """
 
 import os
