@@ -158,7 +158,9 @@ def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False
   adds ``scale * xa @ b``: in the fused kernel's epilogue, else by XLA; ``b`` is
   ``[R, N]``, or with ``index`` a stack ``[L, R, N]`` whose layer ``index`` is used.
   ``addend`` (``[M, N]``, not with ``lora``): added to the float32 product before its one rounding to ``out_dtype``
-  (the large-M Gluon forward's epilogue, or XLA's addend to the cuBLAS GEMM).
+  (the large-M Gluon forward's epilogue, or XLA's addend to the cuBLAS GEMM). Its route: the large-M Gluon forward
+  where :func:`forward_path` names it and the addend is bf16; else the float32 result's path where that is a
+  GEMV-sized kernel (``"gluon"`` or ``"fused"``), the addend added in XLA; else dequantize + dot.
 
   Raises:
     TypeError: unsupported weight type. ValueError: K mismatch, stacked ``w``, ``addend`` with ``lora``.
