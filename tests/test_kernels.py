@@ -680,6 +680,41 @@ def test_large_m_gluon_forward_dispatch(monkeypatch):
     use(2048)
 
 
+def test_addend_takes_the_route_forward_path_names(monkeypatch):
+  """kernel_forward with an addend: a bf16 addend goes into the large-M Gluon forward's epilogue where forward_path
+  names that kernel; a float32 addend there, and any addend at a GEMV-sized M, is added in float32 to the float32
+  result of the path forward_path names for it, then rounded once; past the GEMVs' rows, dequantize + dot. The
+  kernels are stand-ins (no GPU here) whose products are known, so each route's value is checked by hand."""
+  from pallas_kernels import w4_gluon, w4_gluon_mm
+  monkeypatch.setattr(w4_gluon_mm, "applies", lambda m, w, dt: True)
+  monkeypatch.setattr(matmul, "gluon_enabled", lambda: True)
+  monkeypatch.setattr(w4_gluon, "applies", lambda m, w, dt: m <= 128)
+  calls = []
+  def mm(x, w, *, index=None, addend=None):
+    calls.append(("gluon_mm", None if addend is None else addend.dtype))
+    return (jnp.full((x.shape[0], w.shape[1]), 2.0, jnp.float32) + addend.astype(jnp.float32)).astype(jnp.bfloat16)
+  def gemv(x, w, *, out_dtype=None, index=None):
+    calls.append(("gluon", jnp.dtype(out_dtype)))
+    return jnp.full((x.shape[0], w.shape[1]), 1.0 + 2.0 ** -8, out_dtype)  # a tie in bf16: rounded alone, 1.0
+  monkeypatch.setattr(w4_gluon_mm, "forward", mm)
+  monkeypatch.setattr(w4_gluon, "forward", gemv)
+  monkeypatch.setattr(w4_triton, "dequantize", lambda w, dtype, **kw: jnp.ones(w.shape, dtype))
+  wq = _weight("nvfp4", 128, 256, 0)
+  add = lambda m, dt: jnp.full((m, 256), 2.0 ** -9, dt)
+  y = matmul.kernel_forward(jnp.ones((65, 128), jnp.bfloat16), wq, addend=add(65, jnp.bfloat16))
+  assert calls.pop() == ("gluon_mm", jnp.dtype(jnp.bfloat16)) and float(y[0, 0]) == 2.0
+  # a float32 addend at the same M: the float32 GEMV product + addend = 1 + 3 * 2**-9, rounded once to bf16 is
+  # 1 + 2**-7 (rounding the product first would give 1.0, and 1.0 again after the add)
+  f32, bf16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+  y = matmul.kernel_forward(jnp.ones((65, 128), jnp.bfloat16), wq, addend=add(65, jnp.float32))
+  assert calls.pop() == ("gluon", f32) and y.dtype == bf16 and float(y[0, 0]) == 1.0 + 2.0 ** -7
+  y = matmul.kernel_forward(jnp.ones((8, 128), jnp.bfloat16), wq, addend=add(8, jnp.bfloat16))
+  assert calls.pop() == ("gluon", f32) and float(y[0, 0]) == 1.0 + 2.0 ** -7
+  # past the GEMVs (M = 4097 > MAX_M): dequantize + dot, 128 ones summed, plus the addend
+  y = matmul.kernel_forward(jnp.ones((4097, 128), jnp.bfloat16), wq, addend=add(4097, jnp.bfloat16))
+  assert not calls and float(y[0, 0]) == 128.0
+
+
 def test_model_narrow_route_is_on_by_default(monkeypatch):
   """dense_path_applies (the model's bf16 route) holds past 128 rows, or up to 128 where the decode GEMV does not
   run; with GLUON_MM_NARROW_MODEL = "1" (the default) also where the narrow tiles take the bf16 product (32 < M <= 128, the
