@@ -87,7 +87,10 @@ SMALL_STAGES = 8  # the narrow tiles' ring (x 8 or 16 KB a stage: up to 16 or 10
                   # against 58.8 (H100, session 47); 16 no faster than 8 (M = 32, 64)
 LOAD_REGS = 40  # registers a thread of the one-warp TMA producer partition (setmaxnreg)
 DECODE = 2      # the decode's PTX: 2 (_asm2, 16-bit column pairs in), 3 (the same, its shift on the FMA pipe) or 1
-                # (_asm, bytes in; session 46's first build)
+                # (_asm, bytes in; session 46's first build). Lab (session 52): 4 reads decode-order codes with the
+                # GEMV's pairing (_asm_decode_order_paired: a register holds one nibble of code rows r and r + 4,
+                # 11 integer instructions for 4 registers against about 30), x permuted to match
+                # (x_in_nibble_pair_order); standard-order codes take _asm2 under it
 # The dispatch's cost model (pays): this kernel's time is rounds x steps x STEP_US, a round being one tile on every
 # SM and a step 64 of K; dequantize + cuBLAS takes DEQUANT_US_PER_MILLION microseconds a million weights plus a bf16
 # GEMM of GEMM_FIXED_US plus the larger of its FLOPs at BF16_TFLOPS and its weight's bytes at HBM_TBPS. Fitted to
@@ -252,6 +255,42 @@ def _asm_decode_order() -> str:
   return "\n".join(lines + ["}"])
 
 
+def _asm_decode_order_paired() -> str:
+  """:func:`_asm_decode_order`'s inputs for ``DECODE`` 4 (lab): ``$4`` holds code row ``r``'s 16-bit column pair
+  (columns n, n + 1, in :func:`qerl_jax.nvfp4.to_decode_order`'s order) in its low half and row ``r + 4``'s in its
+  high half; each output register holds ONE nibble of both rows, row ``r`` in the low half and ``r + 4`` in the high
+  half, as the decode GEMV pairs them (:mod:`pallas_kernels.w4_gluon`): ``$0`` column n's low nibbles (K rows
+  ``2 r``, ``2 r + 8``), ``$1`` its high nibbles (``2 r + 1``, ``2 r + 9``), ``$2, $3`` the same for column n + 1.
+  The decode order puts each such pair on the same bits of the two halves, so ``$0`` is one mask, ``$1`` and ``$2``
+  a shift and a mask (3 and 6), ``$3`` three shifted pieces: 11 integer instructions for the 4 registers. wgmma
+  then sees K rows ``2 r + 1`` and ``2 r + 8`` of each 16-row block swapped, which :func:`x_in_nibble_pair_order`
+  undoes on ``x``. Each half is bf16 ``e2m1 * scale * 2**-8``, column n's scale (``$5`` byte 0) on ``$0, $1``."""
+  lines = ["{", ".reg .b16 sl;", ".reg .b32 v, t, z, nz, sp, s0, s1;",
+           "mov.b32 z, 0;", "mov.b32 nz, 0x80008000;",
+           "cvt.u16.u32 sl, $5;", "cvt.rn.f16x2.e4m3x2 sp, sl;", "shr.b32 sp, sp, 3;", "add.u32 sp, sp, 0x73007300;",
+           "prmt.b32 s0, sp, z, 0x1010;", "prmt.b32 s1, sp, z, 0x3232;",
+           # column n, low nibble: bits (6, 7, 8, 15) of each half already
+           "and.b32 v, $4, 0x81C081C0;", "fma.rn.bf16x2 $0, v, s0, nz;",
+           # column n, high nibble: (3, 4, 5, 12) by 3
+           "shl.b32 v, $4, 3;", "and.b32 v, v, 0x81C081C0;", "fma.rn.bf16x2 $1, v, s0, nz;",
+           # column n + 1, low nibble: (0, 1, 2, 9) by 6
+           "shl.b32 v, $4, 6;", "and.b32 v, v, 0x81C081C0;", "fma.rn.bf16x2 $2, v, s1, nz;",
+           # column n + 1, high nibble: m 14 -> 6, e0 e1 10 11 -> 7 8, sign 13 -> 15
+           "shr.b32 v, $4, 8;", "and.b32 v, v, 0x00400040;",
+           "shr.b32 t, $4, 3;", "and.b32 t, t, 0x01800180;", "or.b32 v, v, t;",
+           "shl.b32 t, $4, 2;", "and.b32 t, t, 0x80008000;", "or.b32 v, v, t;",
+           "fma.rn.bf16x2 $3, v, s1, nz;"]
+  return "\n".join(lines + ["}"])
+
+
+def x_in_nibble_pair_order(x: jax.Array) -> jax.Array:
+  """``x`` ``[M, K]`` (K a multiple of 16) with K rows ``16 c + 8 a + 2 t + b`` and ``16 c + 8 b + 2 t + a`` swapped
+  (a, b in {0, 1}, t in 0..3: within each 16-row block, rows 1 and 8, 3 and 10, 5 and 12, 7 and 14): the operand
+  order of ``DECODE`` 4 (:func:`_asm_decode_order_paired`). Its own inverse. Same shape and dtype."""
+  m, k = x.shape
+  return x.reshape(m, k // 16, 2, 4, 2).transpose(0, 1, 4, 3, 2).reshape(m, k)
+
+
 def _asm_dx(decode_order: bool = False) -> str:
   """Inline PTX of the dx build (:func:`dx`, ``W`` as wgmma's operand with N as the contraction): code bytes ``$4`` =
   (column n, code row r), (n + 1, r), (n + 8, r), (n + 9, r) and their E4M3 block scales ``$5`` (the same four
@@ -313,6 +352,7 @@ def _kernel():
   asm2 = ttgl.constexpr(_asm2())
   asm3 = ttgl.constexpr(_asm2(shift_on_fma=True))
   asm_do = ttgl.constexpr(_asm_decode_order())
+  asm_dop = ttgl.constexpr(_asm_decode_order_paired())
   asm_dx = ttgl.constexpr(_asm_dx())
   asm_dx_do = ttgl.constexpr(_asm_dx(decode_order=True))
   # DECODE 2: the codes as 16-bit pairs of columns (n, n + 1), [4 blocks, 8 code rows, BN / 2 pairs]: registers r2 b0
@@ -381,7 +421,7 @@ def _kernel():
     [BN operand rows, 64 k] bf16, as :func:`decode` (:func:`_asm2`)."""
     sb = ttgl.broadcast(ttgl.expand_dims(s, 1), c)[0]
     o0, o1, o2, o3 = ttgl.inline_asm_elementwise(
-        asm_do if DO else asm3 if DV == 3 else asm2, "=r,=r,=r,=r,r,r", [c, sb], dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16),
+        asm_dop if (DO and DV == 4) else asm_do if DO else asm3 if DV == 3 else asm2, "=r,=r,=r,=r,r,r", [c, sb], dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16),
         is_pure=True, pack=2)
     # element [b, r, p] of o0 (o1) is, for r2 = 0, the low nibble and for r2 = 1 the high nibble of column 2p, code
     # row 8 b + (r with r2 = 0) (+ 4 for o1); o2 and o3 the same for column 2p + 1
@@ -1002,6 +1042,8 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None, addend: jax.Array
     raise ValueError(f"w4_gluon_mm.forward: addend {addend.dtype}{list(addend.shape)}; expected bfloat16{[m, n]}")
   layers = 1 if index is None else w.packed.shape[0]
   meta = meta_for(m, k, n, layers, w.code_order == "decode", addend is not None)
+  if meta["DV"] == 4 and meta["DO"]:  # (lab) the operand's K order of the paired decode
+    x = x_in_nibble_pair_order(x)
   return _launch(x, w, index, meta, n, addend)
 
 

@@ -74,6 +74,49 @@ def test_mm_decode_order_ptx_by_codebook():
     _check_registers(regs, code_bytes, scale)
 
 
+def test_mm_paired_decode_ptx_takes_one_nibble_of_two_code_rows():
+  """DECODE 4's PTX (lab), fed the same decode-order registers as ``_asm_decode_order``, gives the same bf16 values
+  with the pairing moved: its ``$0`` is the low halves of that PTX's ``$0`` and ``$1`` (column n's low nibble of code
+  rows r and r + 4), ``$1`` their high halves, and ``$2, $3`` the same of ``$2, $3`` (column n + 1); both PTXs
+  checked against the E2M1 codebook on every byte value and E4M3 scales in and out of the subnormal range."""
+  rng = np.random.default_rng(5)
+  old, new = w4_gluon_mm._asm_decode_order(), w4_gluon_mm._asm_decode_order_paired()
+  bits = nvfp4.DECODE_ORDER_BITS
+
+  def to_decode(pair16):
+    word = jnp.asarray(np.array([pair16 | (pair16 << 16)], np.uint32))
+    return int(np.asarray(nvfp4.permute_word_bits(word, bits))[0]) & 0xFFFF
+
+  for trial in range(512):
+    code_bytes = (np.array([(trial * 17 + 16 * i + i) % 256 for i in range(4)]) if trial < 256
+                  else rng.integers(0, 256, size=4))
+    scale = rng.choice([2.0 ** -9, 0.0625, 0.75, 13.0, 448.0], size=2).astype(ml_dtypes.float8_e4m3fn)
+    sbytes = scale.view(np.uint8)
+    word = to_decode(int(code_bytes[0]) | (int(code_bytes[1]) << 8)) | (
+        to_decode(int(code_bytes[2]) | (int(code_bytes[3]) << 8)) << 16)
+    inputs = {"$4": word, "$5": int(sbytes[0]) | (int(sbytes[1]) << 8)}
+    was = _run_ptx(old, dict(inputs))
+    _check_registers(was, code_bytes, scale)
+    got = _run_ptx(new, dict(inputs))
+    lo, hi = (lambda v: v & 0xFFFF), (lambda v: v >> 16)
+    for out, (a, b) in enumerate(((0, 1), (0, 1), (2, 3), (2, 3))):
+      half = lo if out in (0, 2) else hi
+      want = half(was[f"${a}"]) | (half(was[f"${b}"]) << 16)
+      assert got[f"${out}"] == want, (trial, out, hex(got[f"${out}"]), hex(want))
+
+
+def test_x_in_nibble_pair_order_swaps_rows_1_and_8_of_each_block():
+  """The paired decode's operand order: in each 16-row block of K, rows 2 t + 1 and 2 t + 8 trade places (t = 0..3);
+  applied twice it is the identity."""
+  x = jnp.arange(2 * 48, dtype=jnp.float32).reshape(2, 48).astype(jnp.bfloat16)
+  got = np.asarray(w4_gluon_mm.x_in_nibble_pair_order(x), np.float32)
+  block = [0, 8, 2, 10, 4, 12, 6, 14, 1, 9, 3, 11, 5, 13, 7, 15]
+  want = np.asarray(x, np.float32)[:, [16 * c + j for c in range(3) for j in block]]
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(np.asarray(w4_gluon_mm.x_in_nibble_pair_order(jnp.asarray(got, jnp.bfloat16))),
+                                np.asarray(x))
+
+
 @pytest.mark.parametrize("order", ["standard", "decode"])
 def test_dx_decode_ptx_by_codebook(order):
   """The dx build's PTX: for code bytes (n, r), (n + 1, r), (n + 8, r), (n + 9, r) and their four E4M3 scales, register
@@ -709,6 +752,41 @@ def test_gpu_mm_prefetch_codes_match_float64(m, k, n, plan, order, addend, monke
   got = jax.jit(lambda x, w, c: w4_gluon_mm.forward(x, w, addend=c))(x, w, c)
   ref = np.asarray(x, np.float64) @ _dense64(wq) + (np.asarray(c, np.float64) if addend else 0.0)
   _check_written(got, ref, (m, n))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,plan,order,addend", [
+    (64, 3584, 4608, (36, 1), "decode", False), (100, 3584, 4608, (36, 1), "decode", True),
+    (33, 18944, 3584, (0, 4), "decode", False), (128, 1344, 768, (0, 3), "decode", True),
+    (300, 3584, 4608, (0, 7), "decode", False), (2048, 3584, 4608, (264, 4), "decode", True),
+    (1, 256, 128, None, "decode", False), (64, 3584, 4608, (36, 1), "standard", False)])
+def test_gpu_mm_paired_decode_matches_float64(m, k, n, plan, order, addend, monkeypatch):
+  """DECODE 4 (lab: the GEMV's nibble pairing, x permuted to match) against float64: narrow and wide tiles, whole
+  and split, an addend, one row; standard-order codes keep the unpaired decode under it."""
+  _skip_without_kernel()
+  monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", 128)
+  monkeypatch.setattr(w4_gluon_mm, "DECODE", 4)
+  if plan is not None:
+    monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
+  wq = _weight(k, n, m + 23)
+  w = nvfp4.to_decode_order(wq) if order == "decode" else wq
+  x = jnp.asarray(np.random.default_rng(m + 6).standard_normal((m, k)) * 2.0, jnp.bfloat16)
+  c = jnp.asarray(np.random.default_rng(m + 7).standard_normal((m, n)), jnp.bfloat16) if addend else None
+  got = jax.jit(lambda x, w, c: w4_gluon_mm.forward(x, w, addend=c))(x, w, c)
+  ref = np.asarray(x, np.float64) @ _dense64(wq) + (np.asarray(c, np.float64) if addend else 0.0)
+  _check_written(got, ref, (m, n))
+
+
+@pytest.mark.gpu
+def test_gpu_mm_paired_decode_reads_a_stacked_layer(monkeypatch):
+  """DECODE 4 on a decode-order stack read in place at a traced layer index."""
+  _skip_without_kernel()
+  monkeypatch.setattr(w4_gluon_mm, "DECODE", 4)
+  wq = _weight(1280, 768, 29, layers=3)
+  wd = nvfp4.to_decode_order(wq)
+  x = jnp.asarray(np.random.default_rng(30).standard_normal((300, 1280)), jnp.bfloat16)
+  got = jax.jit(lambda x, w, i: w4_gluon_mm.forward(x, w, index=i))(x, wd, jnp.int32(2))
+  assert _rel(got, np.asarray(x, np.float64) @ _dense64(jax.tree.map(lambda a: a[2], wq))) < 4e-3
 
 
 @pytest.mark.gpu
