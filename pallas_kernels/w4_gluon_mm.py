@@ -91,6 +91,8 @@ DECODE = 2      # the decode's PTX: 2 (_asm2, 16-bit column pairs in), 3 (the sa
                 # GEMV's pairing (_asm_decode_order_paired: a register holds one nibble of code rows r and r + 4,
                 # 11 integer instructions for 4 registers against about 30), x permuted to match
                 # (x_in_nibble_pair_order); standard-order codes take _asm2 under it
+PAIRED_X_PERMUTE = 1  # lab (session 52): 0 has forward take x already in DECODE 4's K order (a timing probe of the
+                      # kernel alone: the caller permutes, as a producer kernel would write it)
 # The dispatch's cost model (pays): this kernel's time is rounds x steps x STEP_US, a round being one tile on every
 # SM and a step 64 of K; dequantize + cuBLAS takes DEQUANT_US_PER_MILLION microseconds a million weights plus a bf16
 # GEMM of GEMM_FIXED_US plus the larger of its FLOPs at BF16_TFLOPS and its weight's bytes at HBM_TBPS. Fitted to
@@ -288,7 +290,14 @@ def x_in_nibble_pair_order(x: jax.Array) -> jax.Array:
   (a, b in {0, 1}, t in 0..3: within each 16-row block, rows 1 and 8, 3 and 10, 5 and 12, 7 and 14): the operand
   order of ``DECODE`` 4 (:func:`_asm_decode_order_paired`). Its own inverse. Same shape and dtype."""
   m, k = x.shape
-  return x.reshape(m, k // 16, 2, 4, 2).transpose(0, 1, 4, 3, 2).reshape(m, k)
+  # as uint32 pairs of bf16 (t's two rows 2 t, 2 t + 1 of each half a): the new half 0 takes the low element of both
+  # halves' words, half 1 the high ones. An elementwise fusion for XLA (session 52: the same permutation as a 5-D
+  # transpose of size-2 axes ran as a slow transpose kernel, up to 20 us for a 64 x 18944 x)
+  w = jax.lax.bitcast_convert_type(x.reshape(m, k // 16, 2, 4, 2), jnp.uint32)  # [m, k / 16, 2 (a), 4 (t)]
+  w0, w1 = w[:, :, 0], w[:, :, 1]
+  lo = (w0 & jnp.uint32(0xFFFF)) | (w1 << 16)
+  hi = (w0 >> 16) | (w1 & jnp.uint32(0xFFFF0000))
+  return jax.lax.bitcast_convert_type(jnp.stack([lo, hi], axis=2), x.dtype).reshape(m, k)
 
 
 def _asm_dx(decode_order: bool = False) -> str:
@@ -1042,7 +1051,7 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None, addend: jax.Array
     raise ValueError(f"w4_gluon_mm.forward: addend {addend.dtype}{list(addend.shape)}; expected bfloat16{[m, n]}")
   layers = 1 if index is None else w.packed.shape[0]
   meta = meta_for(m, k, n, layers, w.code_order == "decode", addend is not None)
-  if meta["DV"] == 4 and meta["DO"]:  # (lab) the operand's K order of the paired decode
+  if meta["DV"] == 4 and meta["DO"] and PAIRED_X_PERMUTE:  # (lab) the operand's K order of the paired decode
     x = x_in_nibble_pair_order(x)
   return _launch(x, w, index, meta, n, addend)
 

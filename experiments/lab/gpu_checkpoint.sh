@@ -48,6 +48,7 @@
 #   STEPS=68 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=69 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=70 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=71 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -626,4 +627,20 @@ step 69 && { timeout 330 python3 experiments/bench_rollout.py --batches=8,64,128
 #    about 2.7 TB/s of KV bytes, near the copy rate. Nothing to change.
 step 70 && { for b in 64 128; do APPEND_BATCHES=$b APPEND_LENGTH=1300 APPEND_VARIANTS="merge;merge t1056;merge t2112;merge s3;merge t1056 s3;merge dyn t1056 s3;merge b128;merge w8;merge t2112 b32" \
     timeout 140 python3 experiments/lab/time_append.py 2>&1 | grep "^batch"; done; } | tee "$OUT/step70.txt"
+# 71 (session 52, prepared; about 6 minutes): DECODE = 4, the large-M forward with the decode GEMV's nibble pairing
+#    (w4_gluon_mm._asm_decode_order_paired; offline its main loop 360 -> 256 instructions). Session 52 (H100) measured
+#    the kernel alone (x handed over in its K order, p4k) at 1.700x of bf16 against 1.515x at M = 64, 1.429x against
+#    1.246x at 128, 1.009x against 0.989x at 2048 (7B gate/up + down + q/k/v), and its 9 GPU tests pass; with x
+#    permuted per call by a 5-D transpose it lost (up to 20 us a call). The permute is now an elementwise uint32 op
+#    (x_in_nibble_pair_order), which XLA can fold into an XLA producer. This step: the GPU tests, the harness with the
+#    permute (p4) and without (p4k) at M = 64, 128, 2048 and 8192, then rollouts at batch 64 and 128 alternating
+#    (the decode step's inputs to the narrow tiles come from custom kernels, so there the permute is its own small
+#    kernel). If p4 wins in the harness and the rollouts, make DECODE = 4 the default (and write docs/kernels.md).
+step 71 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -n 10 -m gpu tests/test_gluon_mm.py \
+    -k "paired" -p no:cacheprovider 2>&1 | tail -2
+  MM_ORDER=decode MM_MS=64,128,2048,8192 MM_VARIANTS="base;p4:DECODE=4;p4k:DECODE=4,PAIRED_X_PERMUTE=0" \
+    timeout 200 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn
+  for s in "" "DECODE=4" "" "DECODE=4"; do echo "== w4_gluon_mm ${s:-defaults}"
+    MM_SET="$s" timeout 110 python3 experiments/lab/gluon/ab_rollout.py --batches=64,128 --new_tokens=512 \
+      --formats=nvfp4_fused --time_budget_s=90 2>&1 | grep "nvfp4_fused |"; done; } | tee "$OUT/step71.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
