@@ -51,11 +51,11 @@ def test_mm_decode_ptx_by_codebook(version):
     np.testing.assert_array_equal(w4_gluon_mm.decode_reference(code_bytes.astype(np.uint8), sbytes), want)
 
 
-def test_mm_decode_order_ptx_by_codebook():
-  """The decode-order PTX, fed each code row's 16-bit column pair as ``nvfp4.to_decode_order`` stores it (bits moved
-  only inside that pair), gives the standard PTX's registers for every code: the same four bf16 pairs."""
-  rng = np.random.default_rng(4)
-  asm = w4_gluon_mm._asm_decode_order()
+def _decode_order_cases(seed):
+  """512 inputs of the decode-order PTXs: ``(code bytes (n, r), (n + 1, r), (n, r + 4), (n + 1, r + 4), their two
+  E4M3 scales, the registers {"$4": code rows r | r + 4 as nvfp4.to_decode_order stores each 16-bit column pair,
+  "$5": the scales})``; the first 256 walk every byte value, the rest are random."""
+  rng = np.random.default_rng(seed)
   bits = nvfp4.DECODE_ORDER_BITS
   assert all(bits[b] // 16 == b // 16 for b in range(32))  # the order stays inside each 16-bit half
 
@@ -70,8 +70,15 @@ def test_mm_decode_order_ptx_by_codebook():
     sbytes = scale.view(np.uint8)
     lo = to_decode(int(code_bytes[0]) | (int(code_bytes[1]) << 8))  # code row r: columns n, n + 1
     hi = to_decode(int(code_bytes[2]) | (int(code_bytes[3]) << 8))  # code row r + 4
-    regs = _run_ptx(asm, {"$4": lo | (hi << 16), "$5": int(sbytes[0]) | (int(sbytes[1]) << 8)})
-    _check_registers(regs, code_bytes, scale)
+    yield code_bytes, scale, {"$4": lo | (hi << 16), "$5": int(sbytes[0]) | (int(sbytes[1]) << 8)}
+
+
+def test_mm_decode_order_ptx_by_codebook():
+  """The decode-order PTX, fed each code row's 16-bit column pair as ``nvfp4.to_decode_order`` stores it (bits moved
+  only inside that pair), gives the standard PTX's registers for every code: the same four bf16 pairs."""
+  asm = w4_gluon_mm._asm_decode_order()
+  for code_bytes, scale, inputs in _decode_order_cases(4):
+    _check_registers(_run_ptx(asm, inputs), code_bytes, scale)
 
 
 def test_mm_paired_decode_ptx_takes_one_nibble_of_two_code_rows():
@@ -79,22 +86,8 @@ def test_mm_paired_decode_ptx_takes_one_nibble_of_two_code_rows():
   with the pairing moved: its ``$0`` is the low halves of that PTX's ``$0`` and ``$1`` (column n's low nibble of code
   rows r and r + 4), ``$1`` their high halves, and ``$2, $3`` the same of ``$2, $3`` (column n + 1); both PTXs
   checked against the E2M1 codebook on every byte value and E4M3 scales in and out of the subnormal range."""
-  rng = np.random.default_rng(5)
   old, new = w4_gluon_mm._asm_decode_order(), w4_gluon_mm._asm_decode_order_paired()
-  bits = nvfp4.DECODE_ORDER_BITS
-
-  def to_decode(pair16):
-    word = jnp.asarray(np.array([pair16 | (pair16 << 16)], np.uint32))
-    return int(np.asarray(nvfp4.permute_word_bits(word, bits))[0]) & 0xFFFF
-
-  for trial in range(512):
-    code_bytes = (np.array([(trial * 17 + 16 * i + i) % 256 for i in range(4)]) if trial < 256
-                  else rng.integers(0, 256, size=4))
-    scale = rng.choice([2.0 ** -9, 0.0625, 0.75, 13.0, 448.0], size=2).astype(ml_dtypes.float8_e4m3fn)
-    sbytes = scale.view(np.uint8)
-    word = to_decode(int(code_bytes[0]) | (int(code_bytes[1]) << 8)) | (
-        to_decode(int(code_bytes[2]) | (int(code_bytes[3]) << 8)) << 16)
-    inputs = {"$4": word, "$5": int(sbytes[0]) | (int(sbytes[1]) << 8)}
+  for trial, (code_bytes, scale, inputs) in enumerate(_decode_order_cases(5)):
     was = _run_ptx(old, dict(inputs))
     _check_registers(was, code_bytes, scale)
     got = _run_ptx(new, dict(inputs))
@@ -432,6 +425,20 @@ def _check_written(got, want, shape):
     assert err.max() < 1e-2
 
 
+def _check_forward_order_addend(m, k, n, order, addend, w_seed, x_seed):
+  """``w4_gluon_mm.forward`` of fresh x ``[m, k]`` (seed ``m + x_seed``), an NVFP4 ``[k, n]`` (seed ``m + w_seed``) in
+  code ``order`` and, with ``addend``, a bf16 addend (seed ``m + x_seed + 1``), against float64, under the settings
+  the caller patched."""
+  wq = _weight(k, n, m + w_seed)
+  w = nvfp4.to_decode_order(wq) if order == "decode" else wq
+  x = jnp.asarray(np.random.default_rng(m + x_seed).standard_normal((m, k)) * 2.0, jnp.bfloat16)
+  c = (jnp.asarray(np.random.default_rng(m + x_seed + 1).standard_normal((m, n)), jnp.bfloat16) if addend
+       else None)
+  got = jax.jit(lambda x, w, c: w4_gluon_mm.forward(x, w, addend=c))(x, w, c)
+  ref = np.asarray(x, np.float64) @ _dense64(wq) + (np.asarray(c, np.float64) if addend else 0.0)
+  _check_written(got, ref, (m, n))
+
+
 def _check_forward(m, k, n, seed):
   """``w4_gluon_mm.forward`` of fresh x ``[m, k]`` and an NVFP4 ``[k, n]`` (seeded by ``seed``) against float64,
   under the settings the caller patched."""
@@ -745,13 +752,7 @@ def test_gpu_mm_prefetch_codes_match_float64(m, k, n, plan, order, addend, monke
   if plan is not None:
     monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
   assert w4_gluon_mm.meta_for(m, k, n, 1)["PF"] == 1
-  wq = _weight(k, n, m + 19)
-  w = nvfp4.to_decode_order(wq) if order == "decode" else wq
-  x = jnp.asarray(np.random.default_rng(m + 4).standard_normal((m, k)) * 2.0, jnp.bfloat16)
-  c = jnp.asarray(np.random.default_rng(m + 5).standard_normal((m, n)), jnp.bfloat16) if addend else None
-  got = jax.jit(lambda x, w, c: w4_gluon_mm.forward(x, w, addend=c))(x, w, c)
-  ref = np.asarray(x, np.float64) @ _dense64(wq) + (np.asarray(c, np.float64) if addend else 0.0)
-  _check_written(got, ref, (m, n))
+  _check_forward_order_addend(m, k, n, order, addend, 19, 4)
 
 
 @pytest.mark.gpu
@@ -768,13 +769,7 @@ def test_gpu_mm_paired_decode_matches_float64(m, k, n, plan, order, addend, monk
   monkeypatch.setattr(w4_gluon_mm, "DECODE", 4)
   if plan is not None:
     monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
-  wq = _weight(k, n, m + 23)
-  w = nvfp4.to_decode_order(wq) if order == "decode" else wq
-  x = jnp.asarray(np.random.default_rng(m + 6).standard_normal((m, k)) * 2.0, jnp.bfloat16)
-  c = jnp.asarray(np.random.default_rng(m + 7).standard_normal((m, n)), jnp.bfloat16) if addend else None
-  got = jax.jit(lambda x, w, c: w4_gluon_mm.forward(x, w, addend=c))(x, w, c)
-  ref = np.asarray(x, np.float64) @ _dense64(wq) + (np.asarray(c, np.float64) if addend else 0.0)
-  _check_written(got, ref, (m, n))
+  _check_forward_order_addend(m, k, n, order, addend, 23, 6)
 
 
 @pytest.mark.gpu
