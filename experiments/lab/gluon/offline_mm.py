@@ -6,7 +6,8 @@ per 8 weights a thread decodes (two HMUL2 a pair of weights: the block-scale mul
 decode-side ones (integer and half-precision arithmetic, conversions). The GEMV is fully unrolled, so its whole
 build is counted. Session 52 used it to compare the narrow tiles' decode with the GEMV's.
 
-  python3 experiments/lab/gluon/offline_mm.py                 # M = 64, 128 narrow tiles (both code orders), M = 8 GEMV
+  python3 experiments/lab/gluon/offline_mm.py   # large-M forward M = 64, 128, 2048 (both code orders; DECODE 4),
+                                                # GEMV M = 8-64
 """
 import collections
 import os
@@ -61,19 +62,23 @@ def mma_loops(text):
 
 if __name__ == "__main__":
   os.makedirs("/tmp/gl", exist_ok=True)
-  for m in (64, 128):
-    for order in (1, 0):
+  default = w4_gluon_mm.DECODE
+  for m in (64, 128, 2048):
+    for order, decode in ((1, default), (0, default), (1, 4)):  # 4: the GEMV's pairing (lab, session 52)
+      w4_gluon_mm.DECODE = decode
       meta = w4_gluon_mm.meta_for(m, 3584, 37888, 28, decode_order=bool(order))
-      text = sass(w4_gluon_mm.compile_for(meta, 90), f"mm_m{m}_do{order}")
+      text = sass(w4_gluon_mm.compile_for(meta, 90), f"mm_m{m}_do{order}_dv{decode}")
       start, body = min(mma_loops(text), key=lambda sb: len(sb[1]))  # the innermost: a pair of K steps
       total, side, ops = per_8_weights(body)
-      print(f"large-M forward M={m} {'decode' if order else 'standard'} order: main loop at {start:#x}, "
+      print(f"large-M forward M={m} DECODE={decode} {'decode' if order else 'standard'} order: main loop at {start:#x}, "
             f"{len(body)} instructions; per 8 weights {total:.1f} ({side:.1f} decode-side); "
             f"{sorted(ops.items(), key=lambda x: -x[1])[:8]}")
-  b = w4_gluon._build(8, 3584, 37888, 28, decode_order=True)
-  ck = w4_gluon._compile_gluon(w4_gluon._kernel(b.wg, b.narrow_n), w4_gluon._ARG_DTYPES, b.meta, 90,
-                               num_warps=b.warps, maxnreg=b.maxnreg)
-  body = instructions(sass(ck, "gemv_m8"))
-  total, side, ops = per_8_weights(body)
-  print(f"decode GEMV M=8 decode order (whole build, unrolled): {len(body)} instructions; per 8 weights "
-        f"{total:.1f} ({side:.1f} decode-side); {sorted(ops.items(), key=lambda x: -x[1])[:8]}")
+  w4_gluon_mm.DECODE = default
+  for m in (8, 16, 32, 64):  # mma.sync at M <= 16, wgmma above (64: its narrow build)
+    b = w4_gluon._build(m, 3584, 37888, 28, decode_order=True)
+    ck = w4_gluon._compile_gluon(w4_gluon._kernel(b.wg, b.narrow_n), w4_gluon._ARG_DTYPES, b.meta, 90,
+                                 num_warps=b.warps, maxnreg=b.maxnreg)
+    body = instructions(sass(ck, f"gemv_m{m}"))
+    total, side, ops = per_8_weights(body)
+    print(f"decode GEMV M={m} decode order (whole build, unrolled): {len(body)} instructions; per 8 weights "
+          f"{total:.1f} ({side:.1f} decode-side); {sorted(ops.items(), key=lambda x: -x[1])[:8]}")
