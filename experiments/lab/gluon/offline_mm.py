@@ -17,23 +17,9 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pallas_kernels import w4_gluon, w4_gluon_mm  # noqa: E402
-from sasstool import sass  # noqa: E402
+from sasstool import instructions, opcode, sass  # noqa: E402
 
 DECODE_SIDE = ("LOP3", "PRMT", "SHF", "IMAD", "HMUL2", "F2FP", "IADD3", "LEA", "VIADD", "HADD2", "FMUL")
-
-
-def instructions(text):
-  """``[(address, instruction)]`` of a ``cuobjdump -sass`` listing."""
-  out = []
-  for line in text.split("\n"):
-    m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-    if m:
-      out.append((int(m.group(1), 16), m.group(2).strip()))
-  return out
-
-
-def opcode(ins):
-  return re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0]
 
 
 def per_8_weights(body):
