@@ -442,10 +442,7 @@ def _check_forward_order_addend(m, k, n, order, addend, w_seed, x_seed):
 def _check_forward(m, k, n, seed):
   """``w4_gluon_mm.forward`` of fresh x ``[m, k]`` and an NVFP4 ``[k, n]`` (seeded by ``seed``) against float64,
   under the settings the caller patched."""
-  wq = _weight(k, n, m + seed)
-  x = jnp.asarray(np.random.default_rng(m + seed).standard_normal((m, k)) * 2.0, jnp.bfloat16)
-  got = jax.jit(w4_gluon_mm.forward)(x, wq)
-  _check_written(got, np.asarray(x, np.float64) @ _dense64(wq), (m, n))
+  _check_forward_order_addend(m, k, n, "standard", False, seed, seed)
 
 
 @pytest.mark.gpu
