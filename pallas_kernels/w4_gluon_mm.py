@@ -87,12 +87,18 @@ SMALL_STAGES = 8  # the narrow tiles' ring (x 8 or 16 KB a stage: up to 16 or 10
                   # against 58.8 (H100, session 47); 16 no faster than 8 (M = 32, 64)
 LOAD_REGS = 40  # registers a thread of the one-warp TMA producer partition (setmaxnreg)
 DECODE = 2      # the decode's PTX: 2 (_asm2, 16-bit column pairs in), 3 (the same, its shift on the FMA pipe) or 1
-                # (_asm, bytes in; session 46's first build). Lab (session 52): 4 reads decode-order codes with the
-                # GEMV's pairing (_asm_decode_order_paired: a register holds one nibble of code rows r and r + 4,
-                # 11 integer instructions for 4 registers against about 30), x permuted to match
-                # (x_in_nibble_pair_order); standard-order codes take _asm2 under it
-PAIRED_X_PERMUTE = 1  # lab (session 52): 0 has forward take x already in DECODE 4's K order (a timing probe of the
-                      # kernel alone: the caller permutes, as a producer kernel would write it)
+                # (_asm, bytes in; session 46's first build); 4 (lab) the paired decode below at every M
+PAIRED_MAX_M = 128  # (session 53) decode-order codes on the narrow tiles (M <= this, DECODE 2 or 3) take the GEMV's
+                    # nibble pairing (_asm_decode_order_paired: a register holds one nibble of code rows r and r + 4,
+                    # 11 integer instructions for 4 registers against about 30; the main loop 360 -> 256 instructions
+                    # in offline SASS), x permuted to match (x_in_nibble_pair_order, an elementwise XLA op). There the
+                    # step is bound by the decode's latency. H200, session 53, 7B gate/up + down + q/k/v: M = 64
+                    # 1.122x of bf16 against 1.063x, M = 128 0.965x against 0.901x (with the permute; 1.194x / 1.037x
+                    # without it); decode steps at batch 64 / 128 4.831 / 7.095 ms against 5.010 / 7.316. At M = 2048
+                    # and 8192 the permute's pass over x costs more than the decode saves (0.945x against 0.985x of
+                    # bf16, 0.877x against 0.915x), so the wide tiles keep DECODE. 0: off
+PAIRED_X_PERMUTE = 1  # lab (session 52): 0 has forward take x already in the paired decode's K order (a timing probe
+                      # of the kernel alone: the caller permutes, as a producer kernel would write it)
 # The dispatch's cost model (pays): this kernel's time is rounds x steps x STEP_US, a round being one tile on every
 # SM and a step 64 of K; dequantize + cuBLAS takes DEQUANT_US_PER_MILLION microseconds a million weights plus a bf16
 # GEMM of GEMM_FIXED_US plus the larger of its FLOPs at BF16_TFLOPS and its weight's bytes at HBM_TBPS. Fitted to
@@ -258,15 +264,16 @@ def _asm_decode_order() -> str:
 
 
 def _asm_decode_order_paired() -> str:
-  """:func:`_asm_decode_order`'s inputs for ``DECODE`` 4 (lab): ``$4`` holds code row ``r``'s 16-bit column pair
-  (columns n, n + 1, in :func:`qerl_jax.nvfp4.to_decode_order`'s order) in its low half and row ``r + 4``'s in its
-  high half; each output register holds ONE nibble of both rows, row ``r`` in the low half and ``r + 4`` in the high
-  half, as the decode GEMV pairs them (:mod:`pallas_kernels.w4_gluon`): ``$0`` column n's low nibbles (K rows
-  ``2 r``, ``2 r + 8``), ``$1`` its high nibbles (``2 r + 1``, ``2 r + 9``), ``$2, $3`` the same for column n + 1.
-  The decode order puts each such pair on the same bits of the two halves, so ``$0`` is one mask, ``$1`` and ``$2``
-  a shift and a mask (3 and 6), ``$3`` three shifted pieces: 11 integer instructions for the 4 registers. wgmma
-  then sees K rows ``2 r + 1`` and ``2 r + 8`` of each 16-row block swapped, which :func:`x_in_nibble_pair_order`
-  undoes on ``x``. Each half is bf16 ``e2m1 * scale * 2**-8``, column n's scale (``$5`` byte 0) on ``$0, $1``."""
+  """:func:`_asm_decode_order`'s inputs for the paired decode (the narrow tiles' default, :data:`PAIRED_MAX_M`;
+  ``DECODE`` 4 at every M): ``$4`` holds code row ``r``'s 16-bit column pair (columns n, n + 1, in
+  :func:`qerl_jax.nvfp4.to_decode_order`'s order) in its low half and row ``r + 4``'s in its high half; each output
+  register holds ONE nibble of both rows, row ``r`` in the low half and ``r + 4`` in the high half, as the decode GEMV
+  pairs them (:mod:`pallas_kernels.w4_gluon`): ``$0`` column n's low nibbles (K rows ``2 r``, ``2 r + 8``), ``$1`` its
+  high nibbles (``2 r + 1``, ``2 r + 9``), ``$2, $3`` the same for column n + 1. The decode order puts each such pair
+  on the same bits of the two halves, so ``$0`` is one mask, ``$1`` and ``$2`` a shift and a mask (3 and 6), ``$3``
+  three shifted pieces: 11 integer instructions for the 4 registers. wgmma then sees K rows ``2 r + 1`` and
+  ``2 r + 8`` of each 16-row block swapped, which :func:`x_in_nibble_pair_order` undoes on ``x``. Each half is bf16
+  ``e2m1 * scale * 2**-8``, column n's scale (``$5`` byte 0) on ``$0, $1``."""
   lines = ["{", ".reg .b16 sl;", ".reg .b32 v, t, z, nz, sp, s0, s1;",
            "mov.b32 z, 0;", "mov.b32 nz, 0x80008000;",
            "cvt.u16.u32 sl, $5;", "cvt.rn.f16x2.e4m3x2 sp, sl;", "shr.b32 sp, sp, 3;", "add.u32 sp, sp, 0x73007300;",
@@ -288,7 +295,8 @@ def _asm_decode_order_paired() -> str:
 def x_in_nibble_pair_order(x: jax.Array) -> jax.Array:
   """``x`` ``[M, K]`` (K a multiple of 16) with K rows ``16 c + 8 a + 2 t + b`` and ``16 c + 8 b + 2 t + a`` swapped
   (a, b in {0, 1}, t in 0..3: within each 16-row block, rows 1 and 8, 3 and 10, 5 and 12, 7 and 14): the operand
-  order of ``DECODE`` 4 (:func:`_asm_decode_order_paired`). Its own inverse. Same shape and dtype."""
+  order of the paired decode (:func:`_asm_decode_order_paired`, :data:`PAIRED_MAX_M`). Its own inverse. Same shape
+  and dtype."""
   m, k = x.shape
   # as uint32 pairs of bf16 (t's two rows 2 t, 2 t + 1 of each half a): the new half 0 takes the low element of both
   # halves' words, half 1 the high ones. An elementwise fusion for XLA (session 52: the same permutation as a 5-D
@@ -897,9 +905,10 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
   steps = k // STEP_K
   pairs = RELEASE_PAIRS and IN_FLIGHT == 1 and stages % 2 == 0 and steps % 2 == 0 and (
       plan.full == tiles or (steps // plan.splits) % 2 == 0)
+  dv = 4 if (DECODE in (2, 3) and decode_order and not dx and m <= PAIRED_MAX_M) else DECODE
   return dict(M=m, N=n, K=k, L=layers, BM=bm, BN=BLOCK_N, S=stages,
-              DR=LOAD_REGS, IF=2 if pairs else IN_FLIGHT, DV=DECODE, PP=pp, WS=WAIT_SYNC, WR=WARPGROUP_RELEASE,
-              PF=int(bool(PREFETCH_CODES) and not pairs and IN_FLIGHT == 1 and DECODE >= 2 and PROBE != 1 and not dx
+              DR=LOAD_REGS, IF=2 if pairs else IN_FLIGHT, DV=dv, PP=pp, WS=WAIT_SYNC, WR=WARPGROUP_RELEASE,
+              PF=int(bool(PREFETCH_CODES) and not pairs and IN_FLIGHT == 1 and dv >= 2 and PROBE != 1 and not dx
                      and bm < BLOCK_M),
               PR=PROBE, NP=_programs(m, n, plan), DO=int(decode_order), AD=int(addend), DX=int(dx), FT=plan.full,
               SK=plan.splits, G=RASTER_GROUP if 0 < RASTER_GROUP < mt else 0)
@@ -1024,7 +1033,8 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None, addend: jax.Array
   Args:
     x: bf16 ``[M, K]``.
     w: :class:`~qerl_jax.nvfp4.NVFP4Tensor` ``[K, N]`` in either code order (read in place), or with ``index`` a
-      stack ``[L, K, N]``.
+      stack ``[L, K, N]``. Decode-order codes at ``M <=`` :data:`PAIRED_MAX_M` take the paired decode, for which
+      ``x``'s K rows are first permuted by :func:`x_in_nibble_pair_order` (one elementwise XLA op).
     index: int32 scalar (may be traced): layer of the stack, clamped to ``[0, L)``.
     addend: optional bf16 ``[M, N]`` added to the float32 product before its one rounding to bf16 (as cuBLAS's
       ``C`` with ``beta = 1``: the model's bias plus LoRA delta on its bf16 route, ``layers.BF16_EPILOGUE``).
@@ -1051,7 +1061,7 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None, addend: jax.Array
     raise ValueError(f"w4_gluon_mm.forward: addend {addend.dtype}{list(addend.shape)}; expected bfloat16{[m, n]}")
   layers = 1 if index is None else w.packed.shape[0]
   meta = meta_for(m, k, n, layers, w.code_order == "decode", addend is not None)
-  if meta["DV"] == 4 and meta["DO"] and PAIRED_X_PERMUTE:  # (lab) the operand's K order of the paired decode
+  if meta["DV"] == 4 and meta["DO"] and PAIRED_X_PERMUTE:  # the operand's K order of the paired decode
     x = x_in_nibble_pair_order(x)
   return _launch(x, w, index, meta, n, addend)
 

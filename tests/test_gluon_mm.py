@@ -202,6 +202,35 @@ def test_mm_two_narrow_programs_an_sm(monkeypatch):
     assert (meta["NP"], meta["PP"]) == (132, 1)
 
 
+def test_mm_paired_decode_on_the_narrow_tiles_of_decode_order_codes(monkeypatch):
+  """The paired decode (DV 4) is the default only where session 53 measured it faster: decode-order codes, the
+  forward, M <= PAIRED_MAX_M (128). Standard-order codes, the dx build and M = 129 and 2048 keep DECODE (2);
+  PAIRED_MAX_M = 0 turns it off, DECODE = 4 (lab) turns it on at every M."""
+  monkeypatch.setattr(w4_gluon_mm, "_sm_count", lambda: 132)
+  dv = lambda m, order=True, dx=False: w4_gluon_mm.meta_for(m, 3584, 4608, 1, decode_order=order, dx=dx)["DV"]
+  assert [dv(m) for m in (1, 64, 100, 128, 129, 2048)] == [4, 4, 4, 4, 2, 2]
+  assert (dv(64, order=False), dv(64, dx=True)) == (2, 2)
+  monkeypatch.setattr(w4_gluon_mm, "PAIRED_MAX_M", 0)
+  assert dv(64) == 2
+  monkeypatch.setattr(w4_gluon_mm, "DECODE", 4)
+  assert dv(2048) == 4
+
+
+def test_mm_paired_decode_lowers_with_x_permuted(monkeypatch):
+  """At M = 64 a decode-order layer lowers with the paired decode's PTX (its one-mask register, 0x81C081C0) and x's
+  K permutation ahead of the launch (shifts of x as uint32 in the HLO); at M = 2048 with neither."""
+  _fake_sm90(monkeypatch)
+  monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 1)
+  k, n, stack = _abstract_stack("decode")
+  for m, paired in ((64, True), (2048, False)):
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    lowered = jax.jit(lambda x, w, i: w4_gluon_mm.forward(x, w, index=i)).trace(
+        x, stack, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert ("0x81C081C0" in text) == paired, m
+    assert ("stablehlo.shift_left" in text and "xui32" in text) == paired, m
+
+
 _PTX_STEP = """\
 \tbar.sync \t0, 256;
 \t// begin inline asm

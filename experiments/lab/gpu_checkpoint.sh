@@ -643,4 +643,17 @@ step 71 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -
   for s in "" "DECODE=4" "" "DECODE=4"; do echo "== w4_gluon_mm ${s:-defaults}"
     MM_SET="$s" timeout 110 python3 experiments/lab/gluon/ab_rollout.py --batches=64,128 --new_tokens=512 \
       --formats=nvfp4_fused --time_budget_s=90 2>&1 | grep "nvfp4_fused |"; done; } | tee "$OUT/step71.txt"
+#    Session 53 (H200): the 9 tests pass; the harness had p4 ahead at M = 64 / 128 (7B summed 1.122x / 0.965x of bf16
+#    against 1.063x / 0.901x) and behind at 2048 / 8192 (0.945x / 0.877x against 0.985x / 0.915x), the rollouts ahead
+#    at batch 64 / 128 (decode step 4.13 / 5.80 against 4.30 / 6.01 ms, twice each). The paired decode is now the
+#    narrow tiles' default (w4_gluon_mm.PAIRED_MAX_M = 128).
+# 72 (session 53, prepared; about 7 minutes): the GPU tests of that default (the whole Gluon GEMM file, the kernels'
+#    and the model's), issue 4's rows at M = 64, 128, 256 (7B and 32B, forward), issue 6's at batch 64 and 128.
+step 72 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -n 10 -m gpu tests/test_gluon_mm.py \
+    tests/test_kernels.py tests/test_model.py -p no:cacheprovider > "$OUT/gpu_tests_72.txt" 2>&1
+  grep -E "passed|failed|FAILED" "$OUT/gpu_tests_72.txt" | tail -8
+  for model in 7b 32b; do timeout 100 python3 experiments/bench_kernels.py --models=$model --kinds=fwd --ms=64,128,256 \
+    --ragged=false --json="$OUT/bench_kernels_$model.json" 2>&1 | grep "|"; done
+  timeout 200 python3 experiments/bench_rollout.py --batches=64,128 --new_tokens=2048 --formats=nvfp4_fused,bf16_fused \
+    --time_budget_s=170 --out="$OUT/issue6" > "$OUT/issue6.log" 2>&1; grep "|\|x$" "$OUT/issue6.log"; } | tee "$OUT/step72.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
