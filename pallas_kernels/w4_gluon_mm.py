@@ -87,18 +87,21 @@ SMALL_STAGES = 8  # the narrow tiles' ring (x 8 or 16 KB a stage: up to 16 or 10
                   # against 58.8 (H100, session 47); 16 no faster than 8 (M = 32, 64)
 LOAD_REGS = 40  # registers a thread of the one-warp TMA producer partition (setmaxnreg)
 DECODE = 2      # the decode's PTX: 2 (_asm2, 16-bit column pairs in), 3 (the same, its shift on the FMA pipe) or 1
-                # (_asm, bytes in; session 46's first build); 4 (lab) the paired decode below at every M
+                # (_asm, bytes in; session 46's first build); lab: 4 and 5 the paired decode below at every M (4
+                # without PAIRED_REPAIR, 5 with it)
 PAIRED_MAX_M = 128  # (session 53) decode-order codes on the narrow tiles (M <= this, DECODE 2 or 3) take the GEMV's
-                    # nibble pairing (_asm_decode_order_paired: a register holds one nibble of code rows r and r + 4,
-                    # 11 integer instructions for 4 registers against about 30; the main loop 360 -> 256 instructions
-                    # in offline SASS), x permuted to match (x_in_nibble_pair_order, an elementwise XLA op). There the
-                    # step is bound by the decode's latency. H200, session 53, 7B gate/up + down + q/k/v: M = 64
-                    # 1.122x of bf16 against 1.063x, M = 128 0.965x against 0.901x (with the permute; 1.194x / 1.037x
-                    # without it); decode steps at batch 64 / 128 4.831 / 7.095 ms against 5.010 / 7.316. At M = 2048
-                    # and 8192 the permute's pass over x costs more than the decode saves (0.945x against 0.985x of
-                    # bf16, 0.877x against 0.915x), so the wide tiles keep DECODE. 0: off
-PAIRED_X_PERMUTE = 1  # lab (session 52): 0 has forward take x already in the paired decode's K order (a timing probe
-                      # of the kernel alone: the caller permutes, as a producer kernel would write it)
+                    # nibble pairing (_asm_decode_order_paired: one mask or shift-and-mask isolates a nibble of code
+                    # rows r and r + 4 at once; the main loop 360 -> 256 instructions in offline SASS without the
+                    # repair). There the step is bound by the decode's latency. 0: off. Session 53 (H200, 7B gate/up
+                    # + down + q/k/v + o, x permuted by XLA, PAIRED_REPAIR 0): M = 64 1.122x of bf16 against 1.063x,
+                    # M = 128 0.965x against 0.901x; decode steps at batch 64 / 128 4.831 / 7.095 ms against
+                    # 5.010 / 7.316. At M = 2048 and 8192 that permute's pass over x cost more than the decode saved
+                    # (0.945x against 0.985x, 0.877x against 0.915x)
+PAIRED_REPAIR = 1  # (session 53) 1: the paired decode's registers paired back by K row in registers (4 prmt, DECODE 5:
+                   # the kernel reads x as it is); 0: session 52's form (DECODE 4), x's K rows permuted by XLA first
+                   # (x_in_nibble_pair_order)
+PAIRED_X_PERMUTE = 1  # lab (session 52): 0 has forward take x already in DECODE 4's K order (a timing probe of the
+                      # kernel alone: the caller permutes, as a producer kernel would write it)
 # The dispatch's cost model (pays): this kernel's time is rounds x steps x STEP_US, a round being one tile on every
 # SM and a step 64 of K; dequantize + cuBLAS takes DEQUANT_US_PER_MILLION microseconds a million weights plus a bf16
 # GEMM of GEMM_FIXED_US plus the larger of its FLOPs at BF16_TFLOPS and its weight's bytes at HBM_TBPS. Fitted to
@@ -263,40 +266,52 @@ def _asm_decode_order() -> str:
   return "\n".join(lines + ["}"])
 
 
-def _asm_decode_order_paired() -> str:
-  """:func:`_asm_decode_order`'s inputs for the paired decode (the narrow tiles' default, :data:`PAIRED_MAX_M`;
-  ``DECODE`` 4 at every M): ``$4`` holds code row ``r``'s 16-bit column pair (columns n, n + 1, in
-  :func:`qerl_jax.nvfp4.to_decode_order`'s order) in its low half and row ``r + 4``'s in its high half; each output
-  register holds ONE nibble of both rows, row ``r`` in the low half and ``r + 4`` in the high half, as the decode GEMV
-  pairs them (:mod:`pallas_kernels.w4_gluon`): ``$0`` column n's low nibbles (K rows ``2 r``, ``2 r + 8``), ``$1`` its
-  high nibbles (``2 r + 1``, ``2 r + 9``), ``$2, $3`` the same for column n + 1. The decode order puts each such pair
-  on the same bits of the two halves, so ``$0`` is one mask, ``$1`` and ``$2`` a shift and a mask (3 and 6), ``$3``
-  three shifted pieces: 11 integer instructions for the 4 registers. wgmma then sees K rows ``2 r + 1`` and
-  ``2 r + 8`` of each 16-row block swapped, which :func:`x_in_nibble_pair_order` undoes on ``x``. Each half is bf16
-  ``e2m1 * scale * 2**-8``, column n's scale (``$5`` byte 0) on ``$0, $1``."""
-  lines = ["{", ".reg .b16 sl;", ".reg .b32 v, t, z, nz, sp, s0, s1;",
+def _asm_decode_order_paired(repair: bool = True) -> str:
+  """:func:`_asm_decode_order`'s inputs for the paired decode (:data:`PAIRED_MAX_M`): ``$4`` holds code row ``r``'s
+  16-bit column pair (columns n, n + 1, in :func:`qerl_jax.nvfp4.to_decode_order`'s order) in its low half and row
+  ``r + 4``'s in its high half. Each nibble is decoded with its partner of the other row, as the decode GEMV pairs
+  them (:mod:`pallas_kernels.w4_gluon`): the decode order puts column n's low nibbles of both rows (K rows ``2 r``,
+  ``2 r + 8``) on the same bits of the two halves, so one mask isolates both; its high nibbles (``2 r + 1``,
+  ``2 r + 9``) and column n + 1's low ones take a shift and a mask (3 and 6), column n + 1's high ones three shifted
+  pieces: 11 integer instructions for the 4 registers' bits, against about 30 in :func:`_asm_decode_order`.
+
+  ``repair`` (the default, ``DECODE`` 5): one ``prmt`` a register then pairs the halves back by K row, so the outputs
+  are :func:`_asm_decode_order`'s (``$0``: column n, K rows ``2 r, 2 r + 1``; ``$1``: ``2 r + 8, 2 r + 9``; ``$2,
+  $3`` the same for column n + 1) and ``x`` is read as it is: 15 integer instructions. Without it (``DECODE`` 4,
+  session 52) ``$0`` holds column n's K rows ``2 r, 2 r + 8``, ``$1`` ``2 r + 1, 2 r + 9`` (``$2, $3`` column
+  n + 1), so wgmma sees K rows ``2 r + 1`` and ``2 r + 8`` of each 16-row block swapped, which
+  :func:`x_in_nibble_pair_order` undoes on ``x``. Each half is bf16 ``e2m1 * scale * 2**-8``, column n's scale
+  (``$5`` byte 0) on ``$0, $1``."""
+  lines = ["{", ".reg .b16 sl;", ".reg .b32 a, b, c, v, t, z, nz, sp, s0, s1;",
            "mov.b32 z, 0;", "mov.b32 nz, 0x80008000;",
            "cvt.u16.u32 sl, $5;", "cvt.rn.f16x2.e4m3x2 sp, sl;", "shr.b32 sp, sp, 3;", "add.u32 sp, sp, 0x73007300;",
            "prmt.b32 s0, sp, z, 0x1010;", "prmt.b32 s1, sp, z, 0x3232;",
-           # column n, low nibble: bits (6, 7, 8, 15) of each half already
-           "and.b32 v, $4, 0x81C081C0;", "fma.rn.bf16x2 $0, v, s0, nz;",
-           # column n, high nibble: (3, 4, 5, 12) by 3
-           "shl.b32 v, $4, 3;", "and.b32 v, v, 0x81C081C0;", "fma.rn.bf16x2 $1, v, s0, nz;",
-           # column n + 1, low nibble: (0, 1, 2, 9) by 6
-           "shl.b32 v, $4, 6;", "and.b32 v, v, 0x81C081C0;", "fma.rn.bf16x2 $2, v, s1, nz;",
-           # column n + 1, high nibble: m 14 -> 6, e0 e1 10 11 -> 7 8, sign 13 -> 15
+           # column n, low nibbles (K rows 2 r, 2 r + 8): bits (6, 7, 8, 15) of each half already
+           "and.b32 a, $4, 0x81C081C0;",
+           # column n, high nibbles (2 r + 1, 2 r + 9): (3, 4, 5, 12) by 3
+           "shl.b32 b, $4, 3;", "and.b32 b, b, 0x81C081C0;",
+           # column n + 1, low nibbles: (0, 1, 2, 9) by 6
+           "shl.b32 c, $4, 6;", "and.b32 c, c, 0x81C081C0;",
+           # column n + 1, high nibbles: m 14 -> 6, e0 e1 10 11 -> 7 8, sign 13 -> 15
            "shr.b32 v, $4, 8;", "and.b32 v, v, 0x00400040;",
            "shr.b32 t, $4, 3;", "and.b32 t, t, 0x01800180;", "or.b32 v, v, t;",
-           "shl.b32 t, $4, 2;", "and.b32 t, t, 0x80008000;", "or.b32 v, v, t;",
-           "fma.rn.bf16x2 $3, v, s1, nz;"]
+           "shl.b32 t, $4, 2;", "and.b32 t, t, 0x80008000;", "or.b32 v, v, t;"]
+  if repair:  # (low, high) halves by K row: the low halves of a nibble pair, then the high halves
+    lines += ["prmt.b32 t, a, b, 0x5410;", "fma.rn.bf16x2 $0, t, s0, nz;",
+              "prmt.b32 t, a, b, 0x7632;", "fma.rn.bf16x2 $1, t, s0, nz;",
+              "prmt.b32 t, c, v, 0x5410;", "fma.rn.bf16x2 $2, t, s1, nz;",
+              "prmt.b32 t, c, v, 0x7632;", "fma.rn.bf16x2 $3, t, s1, nz;"]
+  else:
+    lines += ["fma.rn.bf16x2 $0, a, s0, nz;", "fma.rn.bf16x2 $1, b, s0, nz;",
+              "fma.rn.bf16x2 $2, c, s1, nz;", "fma.rn.bf16x2 $3, v, s1, nz;"]
   return "\n".join(lines + ["}"])
 
 
 def x_in_nibble_pair_order(x: jax.Array) -> jax.Array:
   """``x`` ``[M, K]`` (K a multiple of 16) with K rows ``16 c + 8 a + 2 t + b`` and ``16 c + 8 b + 2 t + a`` swapped
   (a, b in {0, 1}, t in 0..3: within each 16-row block, rows 1 and 8, 3 and 10, 5 and 12, 7 and 14): the operand
-  order of the paired decode (:func:`_asm_decode_order_paired`, :data:`PAIRED_MAX_M`). Its own inverse. Same shape
-  and dtype."""
+  order of the paired decode without its repair (``DECODE`` 4, :func:`_asm_decode_order_paired`). Its own inverse.
+  Same shape and dtype."""
   m, k = x.shape
   # as uint32 pairs of bf16 (t's two rows 2 t, 2 t + 1 of each half a): the new half 0 takes the low element of both
   # halves' words, half 1 the high ones. An elementwise fusion for XLA (session 52: the same permutation as a 5-D
@@ -369,7 +384,8 @@ def _kernel():
   asm2 = ttgl.constexpr(_asm2())
   asm3 = ttgl.constexpr(_asm2(shift_on_fma=True))
   asm_do = ttgl.constexpr(_asm_decode_order())
-  asm_dop = ttgl.constexpr(_asm_decode_order_paired())
+  asm_dop = ttgl.constexpr(_asm_decode_order_paired(repair=False))
+  asm_dopr = ttgl.constexpr(_asm_decode_order_paired())
   asm_dx = ttgl.constexpr(_asm_dx())
   asm_dx_do = ttgl.constexpr(_asm_dx(decode_order=True))
   # DECODE 2: the codes as 16-bit pairs of columns (n, n + 1), [4 blocks, 8 code rows, BN / 2 pairs]: registers r2 b0
@@ -438,7 +454,7 @@ def _kernel():
     [BN operand rows, 64 k] bf16, as :func:`decode` (:func:`_asm2`)."""
     sb = ttgl.broadcast(ttgl.expand_dims(s, 1), c)[0]
     o0, o1, o2, o3 = ttgl.inline_asm_elementwise(
-        asm_dop if (DO and DV == 4) else asm_do if DO else asm3 if DV == 3 else asm2, "=r,=r,=r,=r,r,r", [c, sb], dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16),
+        asm_dopr if (DO and DV == 5) else asm_dop if (DO and DV == 4) else asm_do if DO else asm3 if DV == 3 else asm2, "=r,=r,=r,=r,r,r", [c, sb], dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16),
         is_pure=True, pack=2)
     # element [b, r, p] of o0 (o1) is, for r2 = 0, the low nibble and for r2 = 1 the high nibble of column 2p, code
     # row 8 b + (r with r2 = 0) (+ 4 for o1); o2 and o3 the same for column 2p + 1
@@ -905,7 +921,8 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
   steps = k // STEP_K
   pairs = RELEASE_PAIRS and IN_FLIGHT == 1 and stages % 2 == 0 and steps % 2 == 0 and (
       plan.full == tiles or (steps // plan.splits) % 2 == 0)
-  dv = 4 if (DECODE in (2, 3) and decode_order and not dx and m <= PAIRED_MAX_M) else DECODE
+  dv = ((5 if PAIRED_REPAIR else 4) if (DECODE in (2, 3) and decode_order and not dx and m <= PAIRED_MAX_M)
+        else DECODE)
   return dict(M=m, N=n, K=k, L=layers, BM=bm, BN=BLOCK_N, S=stages,
               DR=LOAD_REGS, IF=2 if pairs else IN_FLIGHT, DV=dv, PP=pp, WS=WAIT_SYNC, WR=WARPGROUP_RELEASE,
               PF=int(bool(PREFETCH_CODES) and not pairs and IN_FLIGHT == 1 and dv >= 2 and PROBE != 1 and not dx
@@ -1033,8 +1050,9 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None, addend: jax.Array
   Args:
     x: bf16 ``[M, K]``.
     w: :class:`~qerl_jax.nvfp4.NVFP4Tensor` ``[K, N]`` in either code order (read in place), or with ``index`` a
-      stack ``[L, K, N]``. Decode-order codes at ``M <=`` :data:`PAIRED_MAX_M` take the paired decode, for which
-      ``x``'s K rows are first permuted by :func:`x_in_nibble_pair_order` (one elementwise XLA op).
+      stack ``[L, K, N]``. Decode-order codes at ``M <=`` :data:`PAIRED_MAX_M` take the paired decode
+      (:func:`_asm_decode_order_paired`; with :data:`PAIRED_REPAIR` 0, ``x``'s K rows are first permuted by
+      :func:`x_in_nibble_pair_order`, one elementwise XLA op).
     index: int32 scalar (may be traced): layer of the stack, clamped to ``[0, L)``.
     addend: optional bf16 ``[M, N]`` added to the float32 product before its one rounding to bf16 (as cuBLAS's
       ``C`` with ``beta = 1``: the model's bias plus LoRA delta on its bf16 route, ``layers.BF16_EPILOGUE``).
@@ -1061,7 +1079,7 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None, addend: jax.Array
     raise ValueError(f"w4_gluon_mm.forward: addend {addend.dtype}{list(addend.shape)}; expected bfloat16{[m, n]}")
   layers = 1 if index is None else w.packed.shape[0]
   meta = meta_for(m, k, n, layers, w.code_order == "decode", addend is not None)
-  if meta["DV"] == 4 and meta["DO"] and PAIRED_X_PERMUTE:  # the operand's K order of the paired decode
+  if meta["DV"] == 4 and meta["DO"] and PAIRED_X_PERMUTE:  # the K order of the paired decode without its repair
     x = x_in_nibble_pair_order(x)
   return _launch(x, w, index, meta, n, addend)
 

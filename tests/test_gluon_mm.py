@@ -82,11 +82,12 @@ def test_mm_decode_order_ptx_by_codebook():
 
 
 def test_mm_paired_decode_ptx_takes_one_nibble_of_two_code_rows():
-  """DECODE 4's PTX (lab), fed the same decode-order registers as ``_asm_decode_order``, gives the same bf16 values
-  with the pairing moved: its ``$0`` is the low halves of that PTX's ``$0`` and ``$1`` (column n's low nibble of code
-  rows r and r + 4), ``$1`` their high halves, and ``$2, $3`` the same of ``$2, $3`` (column n + 1); both PTXs
-  checked against the E2M1 codebook on every byte value and E4M3 scales in and out of the subnormal range."""
-  old, new = w4_gluon_mm._asm_decode_order(), w4_gluon_mm._asm_decode_order_paired()
+  """The paired decode's PTX without its repair (DECODE 4), fed the same decode-order registers as
+  ``_asm_decode_order``, gives the same bf16 values with the pairing moved: its ``$0`` is the low halves of that PTX's
+  ``$0`` and ``$1`` (column n's low nibble of code rows r and r + 4), ``$1`` their high halves, and ``$2, $3`` the
+  same of ``$2, $3`` (column n + 1); both PTXs checked against the E2M1 codebook on every byte value and E4M3 scales
+  in and out of the subnormal range."""
+  old, new = w4_gluon_mm._asm_decode_order(), w4_gluon_mm._asm_decode_order_paired(repair=False)
   for trial, (code_bytes, scale, inputs) in enumerate(_decode_order_cases(5)):
     was = _run_ptx(old, dict(inputs))
     _check_registers(was, code_bytes, scale)
@@ -96,6 +97,16 @@ def test_mm_paired_decode_ptx_takes_one_nibble_of_two_code_rows():
       half = lo if out in (0, 2) else hi
       want = half(was[f"${a}"]) | (half(was[f"${b}"]) << 16)
       assert got[f"${out}"] == want, (trial, out, hex(got[f"${out}"]), hex(want))
+
+
+def test_mm_repaired_decode_ptx_gives_the_decode_order_registers():
+  """The paired decode with its repair (DECODE 5, the default), fed the decode-order registers, gives exactly the
+  E2M1 codebook's values in ``_asm_decode_order``'s registers (K rows 2 r, 2 r + 1 of column n in ``$0``, and so on),
+  so x needs no permute; 512 inputs, every byte value and E4M3 scales in and out of the subnormal range."""
+  asm = w4_gluon_mm._asm_decode_order_paired()
+  assert asm.count("prmt.b32 t, ") == 4
+  for code_bytes, scale, inputs in _decode_order_cases(6):
+    _check_registers(_run_ptx(asm, inputs), code_bytes, scale)
 
 
 def test_x_in_nibble_pair_order_swaps_rows_1_and_8_of_each_block():
@@ -203,32 +214,38 @@ def test_mm_two_narrow_programs_an_sm(monkeypatch):
 
 
 def test_mm_paired_decode_on_the_narrow_tiles_of_decode_order_codes(monkeypatch):
-  """The paired decode (DV 4) is the default only where session 53 measured it faster: decode-order codes, the
-  forward, M <= PAIRED_MAX_M (128). Standard-order codes, the dx build and M = 129 and 2048 keep DECODE (2);
-  PAIRED_MAX_M = 0 turns it off, DECODE = 4 (lab) turns it on at every M."""
+  """The paired decode is the default only where session 53 measured it faster: decode-order codes, the forward,
+  M <= PAIRED_MAX_M (128), repaired in registers (DV 5; PAIRED_REPAIR = 0: DV 4, x permuted). Standard-order codes,
+  the dx build and M = 129 and 2048 keep DECODE (2); PAIRED_MAX_M = 0 turns it off, DECODE = 4 or 5 (lab) turns it
+  on at every M."""
   monkeypatch.setattr(w4_gluon_mm, "_sm_count", lambda: 132)
   dv = lambda m, order=True, dx=False: w4_gluon_mm.meta_for(m, 3584, 4608, 1, decode_order=order, dx=dx)["DV"]
-  assert [dv(m) for m in (1, 64, 100, 128, 129, 2048)] == [4, 4, 4, 4, 2, 2]
+  assert [dv(m) for m in (1, 64, 100, 128, 129, 2048)] == [5, 5, 5, 5, 2, 2]
   assert (dv(64, order=False), dv(64, dx=True)) == (2, 2)
+  monkeypatch.setattr(w4_gluon_mm, "PAIRED_REPAIR", 0)
+  assert [dv(m) for m in (64, 129)] == [4, 2]
   monkeypatch.setattr(w4_gluon_mm, "PAIRED_MAX_M", 0)
   assert dv(64) == 2
   monkeypatch.setattr(w4_gluon_mm, "DECODE", 4)
   assert dv(2048) == 4
 
 
-def test_mm_paired_decode_lowers_with_x_permuted(monkeypatch):
-  """At M = 64 a decode-order layer lowers with the paired decode's PTX (its one-mask register, 0x81C081C0) and x's
-  K permutation ahead of the launch (shifts of x as uint32 in the HLO); at M = 2048 with neither."""
+@pytest.mark.parametrize("repair", [1, 0])
+def test_mm_paired_decode_lowers_with_x_permuted_without_its_repair(repair, monkeypatch):
+  """At M = 64 a decode-order layer lowers with the paired decode's PTX (its one-mask register, 0x81C081C0), the
+  repair's re-pairing prmts where PAIRED_REPAIR = 1 and otherwise x's K permutation ahead of the launch (shifts of
+  x as uint32 in the HLO); at M = 2048 with none of them."""
   _fake_sm90(monkeypatch)
   monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 1)
+  monkeypatch.setattr(w4_gluon_mm, "PAIRED_REPAIR", repair)
   k, n, stack = _abstract_stack("decode")
   for m, paired in ((64, True), (2048, False)):
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-    lowered = jax.jit(lambda x, w, i: w4_gluon_mm.forward(x, w, index=i)).trace(
-        x, stack, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
-    text = lowered.as_text()
+    text = jax.jit(lambda x, w, i: w4_gluon_mm.forward(x, w, index=i)).trace(
+        x, stack, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert ("0x81C081C0" in text) == paired, m
-    assert ("stablehlo.shift_left" in text and "xui32" in text) == paired, m
+    assert ("prmt.b32 t, a, b, 0x7632" in text) == (paired and repair == 1), m
+    assert ("stablehlo.shift_left" in text and "xui32" in text) == (paired and repair == 0), m
 
 
 _PTX_STEP = """\
@@ -787,22 +804,24 @@ def test_gpu_mm_prefetch_codes_match_float64(m, k, n, plan, order, addend, monke
     (33, 18944, 3584, (0, 4), "decode", False), (128, 1344, 768, (0, 3), "decode", True),
     (300, 3584, 4608, (0, 7), "decode", False), (2048, 3584, 4608, (264, 4), "decode", True),
     (1, 256, 128, None, "decode", False), (64, 3584, 4608, (36, 1), "standard", False)])
-def test_gpu_mm_paired_decode_matches_float64(m, k, n, plan, order, addend, monkeypatch):
-  """DECODE 4 (lab: the GEMV's nibble pairing, x permuted to match) against float64: narrow and wide tiles, whole
-  and split, an addend, one row; standard-order codes keep the unpaired decode under it."""
+@pytest.mark.parametrize("decode", [4, 5])
+def test_gpu_mm_paired_decode_matches_float64(m, k, n, plan, order, addend, decode, monkeypatch):
+  """The paired decode at every M (lab: DECODE 4, x permuted to match; 5, repaired in registers) against float64:
+  narrow and wide tiles, whole and split, an addend, one row; standard-order codes keep the unpaired decode."""
   _skip_without_kernel()
   monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", 128)
-  monkeypatch.setattr(w4_gluon_mm, "DECODE", 4)
+  monkeypatch.setattr(w4_gluon_mm, "DECODE", decode)
   if plan is not None:
     monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
   _check_forward_order_addend(m, k, n, order, addend, 23, 6)
 
 
 @pytest.mark.gpu
-def test_gpu_mm_paired_decode_reads_a_stacked_layer(monkeypatch):
-  """DECODE 4 on a decode-order stack read in place at a traced layer index."""
+@pytest.mark.parametrize("decode", [4, 5])
+def test_gpu_mm_paired_decode_reads_a_stacked_layer(decode, monkeypatch):
+  """The paired decode (DECODE 4 and 5) on a decode-order stack read in place at a traced layer index."""
   _skip_without_kernel()
-  monkeypatch.setattr(w4_gluon_mm, "DECODE", 4)
+  monkeypatch.setattr(w4_gluon_mm, "DECODE", decode)
   wq = _weight(1280, 768, 29, layers=3)
   wd = nvfp4.to_decode_order(wq)
   x = jnp.asarray(np.random.default_rng(30).standard_normal((300, 1280)), jnp.bfloat16)

@@ -656,4 +656,17 @@ step 72 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -
     --ragged=false --json="$OUT/bench_kernels_$model.json" 2>&1 | grep "|"; done
   timeout 200 python3 experiments/bench_rollout.py --batches=64,128 --new_tokens=2048 --formats=nvfp4_fused,bf16_fused \
     --time_budget_s=170 --out="$OUT/issue6" > "$OUT/issue6.log" 2>&1; grep "|\|x$" "$OUT/issue6.log"; } | tee "$OUT/step72.txt"
+#    Session 53 (H100): 116 passed; bench_kernels 7B 1.99x / 1.65x / 1.12x and 32B 2.02x / 1.63x / 1.10x of bf16 at
+#    M = 64 / 128 / 256; issue 6 1.37x / 1.17x at batch 64 / 128.
+# 73 (session 53, prepared; about 3 minutes): the paired decode repaired in registers (PAIRED_REPAIR 1, DECODE 5: four
+#    prmt pair the halves back by K row, so x needs no permute; offline 288 instructions a main loop against 256
+#    with the permute and 360 unpaired). Its GPU tests, the harness against the unpaired and the permuted forms at
+#    M = 64, 128 and 2048 (DECODE=5 forces it at 2048), then batch-64 rollouts with each form.
+step 73 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -n 10 -m gpu tests/test_gluon_mm.py \
+    -k "paired" -p no:cacheprovider 2>&1 | tail -2
+  MM_ORDER=decode MM_MS=64,128,2048 MM_VARIANTS="base:PAIRED_MAX_M=0;p4:PAIRED_REPAIR=0;p5:DECODE=5" \
+    timeout 120 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn
+  for s in "PAIRED_REPAIR=0" "" ; do echo "== w4_gluon_mm ${s:-defaults}"
+    MM_SET="$s" timeout 80 python3 experiments/lab/gluon/ab_rollout.py --batches=64 --new_tokens=256 \
+      --formats=nvfp4_fused --time_budget_s=50 2>&1 | grep "nvfp4_fused |"; done; } | tee "$OUT/step73.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)

@@ -9,8 +9,9 @@ of 5 traced calls. Each variant is checked against the dequantize path first (re
                         # dequantize paths add it after their GEMM (XLA folds it into cuBLAS's C)
   MM_VARIANTS="base;sk8:MAX_SPLITS=8;narrow:SMALL_M_MAX=128,MAX_SPLITS=8" MM_MS=64,128,256 ...  # split-K, narrow
                         # tiles; at M <= 128 the decode GEMV (w4_gluon, the library's path there) is timed too
-  MM_VARIANTS="base:PAIRED_MAX_M=0;paired;pk:PAIRED_X_PERMUTE=0" MM_ORDER=decode ...  # the paired decode,
-                        # unpaired (base), with x's permute (paired, the default) and without it (pk: x handed over in its K order)
+  MM_VARIANTS="base:PAIRED_MAX_M=0;p4:PAIRED_REPAIR=0;pk:PAIRED_REPAIR=0,PAIRED_X_PERMUTE=0;p5" MM_ORDER=decode ...
+                        # the paired decode: unpaired (base), x permuted by XLA (p4) or handed over permuted (pk), and
+                        # repaired in registers (p5, the default; DECODE=5 forces it at every M)
   MM_KIND=dx ...        # the backward dy [M, N] @ W^T by the dx build (w4_gluon_mm.dx) against dot_general with
                         # the bf16 W and against dequantize + cuBLAS contracting N
 """
@@ -59,7 +60,7 @@ def main():
                                                    "MAX_SPLITS", "SMALL_M_MAX", "RASTER_GROUP", "SMALL_STAGES",
                                                    "NARROW_PER_SM", "RELEASE_PAIRS", "WAIT_SYNC", "WARPGROUP_RELEASE",
                                                    "PREFETCH_CODES", "PAIRED_X_PERMUTE",
-                                                   "PAIRED_MAX_M")}
+                                                   "PAIRED_MAX_M", "PAIRED_REPAIR")}
   idx = jnp.int32(2)
   totals = {}
   for name in names:
@@ -100,7 +101,8 @@ def main():
           setattr(w4_gluon_mm, key, value)
         g = ((lambda x, w, i: w4_gluon_mm.dx(x, w, index=i)) if dx else
              (lambda x, w, i: w4_gluon_mm.forward(x, w, index=i, addend=c)))
-        # the paired decode with PAIRED_X_PERMUTE 0: x comes in its K order already (the kernel timed without the permute)
+        # DECODE 4's paired decode with PAIRED_X_PERMUTE 0: x comes in its K order already (the kernel timed without
+        # the permute)
         paired = not dx and w4_gluon_mm.meta_for(m, k, n, LAYERS, w.code_order == "decode")["DV"] == 4
         xv = w4_gluon_mm.x_in_nibble_pair_order(x) if paired and not w4_gluon_mm.PAIRED_X_PERMUTE else x
         got = jax.jit(g)(xv, w, idx)

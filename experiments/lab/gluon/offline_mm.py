@@ -6,7 +6,7 @@ per 8 weights a thread decodes (two HMUL2 a pair of weights: the block-scale mul
 decode-side ones (integer and half-precision arithmetic, conversions). The GEMV is fully unrolled, so its whole
 build is counted. Session 52 used it to compare the narrow tiles' decode with the GEMV's.
 
-  python3 experiments/lab/gluon/offline_mm.py   # large-M forward M = 64, 128, 2048 (both code orders; DECODE 4),
+  python3 experiments/lab/gluon/offline_mm.py   # large-M forward M = 64, 128, 2048 (both code orders; DECODE 4, 5),
                                                 # GEMV M = 8-64
 """
 import collections
@@ -48,9 +48,10 @@ def mma_loops(text):
 
 if __name__ == "__main__":
   os.makedirs("/tmp/gl", exist_ok=True)
-  default = w4_gluon_mm.DECODE
+  default, paired_max_m = w4_gluon_mm.DECODE, w4_gluon_mm.PAIRED_MAX_M
+  w4_gluon_mm.PAIRED_MAX_M = 0  # each build by its DECODE: 2 unpaired, 4 the GEMV's pairing (session 52), 5 repaired
   for m in (64, 128, 2048):
-    for order, decode in ((1, default), (0, default), (1, 4)):  # 4: the GEMV's pairing (lab, session 52)
+    for order, decode in ((1, 2), (0, 2), (1, 4), (1, 5)):
       w4_gluon_mm.DECODE = decode
       meta = w4_gluon_mm.meta_for(m, 3584, 37888, 28, decode_order=bool(order))
       text = sass(w4_gluon_mm.compile_for(meta, 90), f"mm_m{m}_do{order}_dv{decode}")
@@ -59,7 +60,7 @@ if __name__ == "__main__":
       print(f"large-M forward M={m} DECODE={decode} {'decode' if order else 'standard'} order: main loop at {start:#x}, "
             f"{len(body)} instructions; per 8 weights {total:.1f} ({side:.1f} decode-side); "
             f"{sorted(ops.items(), key=lambda x: -x[1])[:8]}")
-  w4_gluon_mm.DECODE = default
+  w4_gluon_mm.DECODE, w4_gluon_mm.PAIRED_MAX_M = default, paired_max_m
   for m in (8, 16, 32, 64):  # mma.sync at M <= 16, wgmma above (64: its narrow build)
     b = w4_gluon._build(m, 3584, 37888, 28, decode_order=True)
     ck = w4_gluon._compile_gluon(w4_gluon._kernel(b.wg, b.narrow_n), w4_gluon._ARG_DTYPES, b.meta, 90,
