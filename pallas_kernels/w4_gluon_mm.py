@@ -87,19 +87,20 @@ SMALL_STAGES = 8  # the narrow tiles' ring (x 8 or 16 KB a stage: up to 16 or 10
                   # against 58.8 (H100, session 47); 16 no faster than 8 (M = 32, 64)
 LOAD_REGS = 40  # registers a thread of the one-warp TMA producer partition (setmaxnreg)
 DECODE = 2      # the decode's PTX: 2 (_asm2, 16-bit column pairs in), 3 (the same, its shift on the FMA pipe) or 1
-                # (_asm, bytes in; session 46's first build); lab: 4 and 5 the paired decode below at every M (4
-                # without PAIRED_REPAIR, 5 with it)
-PAIRED_MAX_M = 128  # (session 53) decode-order codes on the narrow tiles (M <= this, DECODE 2 or 3) take the GEMV's
-                    # nibble pairing (_asm_decode_order_paired: one mask or shift-and-mask isolates a nibble of code
-                    # rows r and r + 4 at once; the main loop 360 -> 256 instructions in offline SASS without the
-                    # repair). There the step is bound by the decode's latency. 0: off. Session 53 (H200, 7B gate/up
-                    # + down + q/k/v + o, x permuted by XLA, PAIRED_REPAIR 0): M = 64 1.122x of bf16 against 1.063x,
-                    # M = 128 0.965x against 0.901x; decode steps at batch 64 / 128 4.831 / 7.095 ms against
-                    # 5.010 / 7.316. At M = 2048 and 8192 that permute's pass over x cost more than the decode saved
-                    # (0.945x against 0.985x, 0.877x against 0.915x)
-PAIRED_REPAIR = 1  # (session 53) 1: the paired decode's registers paired back by K row in registers (4 prmt, DECODE 5:
-                   # the kernel reads x as it is); 0: session 52's form (DECODE 4), x's K rows permuted by XLA first
-                   # (x_in_nibble_pair_order)
+                # (_asm, bytes in; session 46's first build); lab: 4 or 5 forces the paired decode below at every M.
+                # Under 2 or 3, decode-order codes take NARROW_DECODE / WIDE_DECODE
+# The paired decode (session 53; _asm_decode_order_paired) of decode-order codes: the GEMV's nibble pairing, one mask
+# or shift-and-mask isolating a nibble of code rows r and r + 4 at once. 4: wgmma then sees K rows 2t + 1 and 2t + 8
+# of each 16 swapped, which XLA undoes on x first (x_in_nibble_pair_order; main loop 360 -> 256 SASS instructions);
+# 5: four prmt pair the registers back by K row in the kernel, x read as it is (288 instructions); 2 (or 3): unpaired.
+NARROW_DECODE = 4  # the narrow tiles' (M <= SMALL_M_MAX). H200, 7B q/k/v + o + gate/up + down summed: M = 64 1.122x of
+                   # bf16 against 1.063x unpaired, M = 128 0.965x against 0.901x; decode steps at batch 64 / 128
+                   # 4.831 / 7.095 ms against 5.010 / 7.316. H100: 5 is faster on q/k/v, o and down (31.9 against
+                   # 32.7 us at M = 64) but slower on the fused gate/up (52.8 against 51.1), and a batch-64 step took
+                   # 4.332 / 4.314 ms with 5 against 4.252 / 4.285 with 4
+WIDE_DECODE = 5  # the wide tiles' (M > SMALL_M_MAX; 4 is not taken there: x's permute is a pass over [M, K]). H100,
+                 # M = 2048, 7B summed: 1.003x of bf16 against 0.988x unpaired (one run; with 4 0.989x, and on the H200
+                 # 0.945x against 0.985x)
 PAIRED_X_PERMUTE = 1  # lab (session 52): 0 has forward take x already in DECODE 4's K order (a timing probe of the
                       # kernel alone: the caller permutes, as a producer kernel would write it)
 # The dispatch's cost model (pays): this kernel's time is rounds x steps x STEP_US, a round being one tile on every
@@ -267,21 +268,21 @@ def _asm_decode_order() -> str:
 
 
 def _asm_decode_order_paired(repair: bool = True) -> str:
-  """:func:`_asm_decode_order`'s inputs for the paired decode (:data:`PAIRED_MAX_M`): ``$4`` holds code row ``r``'s
-  16-bit column pair (columns n, n + 1, in :func:`qerl_jax.nvfp4.to_decode_order`'s order) in its low half and row
-  ``r + 4``'s in its high half. Each nibble is decoded with its partner of the other row, as the decode GEMV pairs
-  them (:mod:`pallas_kernels.w4_gluon`): the decode order puts column n's low nibbles of both rows (K rows ``2 r``,
-  ``2 r + 8``) on the same bits of the two halves, so one mask isolates both; its high nibbles (``2 r + 1``,
+  """:func:`_asm_decode_order`'s inputs for the paired decode (:data:`NARROW_DECODE`, :data:`WIDE_DECODE`): ``$4`` holds
+  code row ``r``'s 16-bit column pair (columns n, n + 1, in :func:`qerl_jax.nvfp4.to_decode_order`'s order) in its low
+  half and row ``r + 4``'s in its high half. Each nibble is decoded with its partner of the other row, as the decode
+  GEMV pairs them (:mod:`pallas_kernels.w4_gluon`): the decode order puts column n's low nibbles of both rows (K rows
+  ``2 r``, ``2 r + 8``) on the same bits of the two halves, so one mask isolates both; its high nibbles (``2 r + 1``,
   ``2 r + 9``) and column n + 1's low ones take a shift and a mask (3 and 6), column n + 1's high ones three shifted
   pieces: 11 integer instructions for the 4 registers' bits, against about 30 in :func:`_asm_decode_order`.
 
-  ``repair`` (the default, ``DECODE`` 5): one ``prmt`` a register then pairs the halves back by K row, so the outputs
-  are :func:`_asm_decode_order`'s (``$0``: column n, K rows ``2 r, 2 r + 1``; ``$1``: ``2 r + 8, 2 r + 9``; ``$2,
-  $3`` the same for column n + 1) and ``x`` is read as it is: 15 integer instructions. Without it (``DECODE`` 4,
-  session 52) ``$0`` holds column n's K rows ``2 r, 2 r + 8``, ``$1`` ``2 r + 1, 2 r + 9`` (``$2, $3`` column
-  n + 1), so wgmma sees K rows ``2 r + 1`` and ``2 r + 8`` of each 16-row block swapped, which
-  :func:`x_in_nibble_pair_order` undoes on ``x``. Each half is bf16 ``e2m1 * scale * 2**-8``, column n's scale
-  (``$5`` byte 0) on ``$0, $1``."""
+  ``repair`` (``DECODE`` 5, the wide tiles' default): one ``prmt`` a register then pairs the halves back by K row, so
+  the outputs are :func:`_asm_decode_order`'s (``$0``: column n, K rows ``2 r, 2 r + 1``; ``$1``:
+  ``2 r + 8, 2 r + 9``; ``$2, $3`` the same for column n + 1) and ``x`` is read as it is: 15 integer instructions.
+  Without it (``DECODE`` 4, session 52, the narrow tiles' default) ``$0`` holds column n's K rows ``2 r, 2 r + 8``,
+  ``$1`` ``2 r + 1, 2 r + 9`` (``$2, $3`` column n + 1), so wgmma sees K rows ``2 r + 1`` and ``2 r + 8`` of each
+  16-row block swapped, which :func:`x_in_nibble_pair_order` undoes on ``x``. Each half is bf16
+  ``e2m1 * scale * 2**-8``, column n's scale (``$5`` byte 0) on ``$0, $1``."""
   lines = ["{", ".reg .b16 sl;", ".reg .b32 a, b, c, v, t, z, nz, sp, s0, s1;",
            "mov.b32 z, 0;", "mov.b32 nz, 0x80008000;",
            "cvt.u16.u32 sl, $5;", "cvt.rn.f16x2.e4m3x2 sp, sl;", "shr.b32 sp, sp, 3;", "add.u32 sp, sp, 0x73007300;",
@@ -899,15 +900,18 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
   Raises:
     ValueError: settings the kernel cannot take (:data:`STAGES` or :data:`SMALL_STAGES` < 2, :data:`IN_FLIGHT` not 0
       or 1, :data:`MAX_SPLITS` below 1, :data:`RASTER_GROUP` below 0, :data:`NARROW_PER_SM` not 1 or 2,
-      :data:`WAIT_SYNC`, :data:`WARPGROUP_RELEASE` or :data:`PREFETCH_CODES` not 0 or 1), or a ``plan`` whose splits do not divide the ``k / 64`` steps or whose whole
-      tiles are not whole columns.
+      :data:`WAIT_SYNC`, :data:`WARPGROUP_RELEASE` or :data:`PREFETCH_CODES` not 0 or 1, :data:`DECODE` not 1-5,
+      :data:`NARROW_DECODE` or :data:`WIDE_DECODE` not 2-5), or a ``plan`` whose splits do not divide the ``k / 64``
+      steps or whose whole tiles are not whole columns.
   """
   if (min(STAGES, SMALL_STAGES) < 2 or IN_FLIGHT not in (0, 1) or RASTER_GROUP < 0 or NARROW_PER_SM not in (1, 2)
-      or WAIT_SYNC not in (0, 1) or WARPGROUP_RELEASE not in (0, 1) or PREFETCH_CODES not in (0, 1)):
+      or WAIT_SYNC not in (0, 1) or WARPGROUP_RELEASE not in (0, 1) or PREFETCH_CODES not in (0, 1)
+      or DECODE not in (1, 2, 3, 4, 5) or NARROW_DECODE not in (2, 3, 4, 5) or WIDE_DECODE not in (2, 3, 4, 5)):
     raise ValueError(f"w4_gluon_mm: STAGES={STAGES}, SMALL_STAGES={SMALL_STAGES} (>= 2), IN_FLIGHT={IN_FLIGHT} (0 or 1), "
                      f"RASTER_GROUP={RASTER_GROUP} (>= 0), NARROW_PER_SM={NARROW_PER_SM} (1 or 2), "
                      f"WAIT_SYNC={WAIT_SYNC}, WARPGROUP_RELEASE={WARPGROUP_RELEASE} and PREFETCH_CODES={PREFETCH_CODES} "
-                     f"(0 or 1) are not all supported")
+                     f"(0 or 1), DECODE={DECODE} (1-5), NARROW_DECODE={NARROW_DECODE} and WIDE_DECODE={WIDE_DECODE} "
+                     f"(2-5) are not all supported")
   plan = plan_for(m, k, n) if plan is None else Plan(*plan)
   mt, tiles = _tiles(m, n)
   if plan.splits < 1 or (k // STEP_K) % plan.splits or not 0 <= plan.full <= tiles or plan.full % mt:
@@ -921,8 +925,9 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
   steps = k // STEP_K
   pairs = RELEASE_PAIRS and IN_FLIGHT == 1 and stages % 2 == 0 and steps % 2 == 0 and (
       plan.full == tiles or (steps // plan.splits) % 2 == 0)
-  dv = ((5 if PAIRED_REPAIR else 4) if (DECODE in (2, 3) and decode_order and not dx and m <= PAIRED_MAX_M)
-        else DECODE)
+  dv = DECODE
+  if DECODE in (2, 3) and decode_order and not dx:
+    dv = NARROW_DECODE if bm < BLOCK_M else WIDE_DECODE
   return dict(M=m, N=n, K=k, L=layers, BM=bm, BN=BLOCK_N, S=stages,
               DR=LOAD_REGS, IF=2 if pairs else IN_FLIGHT, DV=dv, PP=pp, WS=WAIT_SYNC, WR=WARPGROUP_RELEASE,
               PF=int(bool(PREFETCH_CODES) and not pairs and IN_FLIGHT == 1 and dv >= 2 and PROBE != 1 and not dx
@@ -1050,9 +1055,9 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None, addend: jax.Array
   Args:
     x: bf16 ``[M, K]``.
     w: :class:`~qerl_jax.nvfp4.NVFP4Tensor` ``[K, N]`` in either code order (read in place), or with ``index`` a
-      stack ``[L, K, N]``. Decode-order codes at ``M <=`` :data:`PAIRED_MAX_M` take the paired decode
-      (:func:`_asm_decode_order_paired`; with :data:`PAIRED_REPAIR` 0, ``x``'s K rows are first permuted by
-      :func:`x_in_nibble_pair_order`, one elementwise XLA op).
+      stack ``[L, K, N]``. Decode-order codes take the paired decode (:func:`_asm_decode_order_paired`,
+      :data:`NARROW_DECODE` and :data:`WIDE_DECODE`); where its form is ``DECODE`` 4 (the narrow tiles'), ``x``'s K
+      rows are first permuted by :func:`x_in_nibble_pair_order`, one elementwise XLA op.
     index: int32 scalar (may be traced): layer of the stack, clamped to ``[0, L)``.
     addend: optional bf16 ``[M, N]`` added to the float32 product before its one rounding to bf16 (as cuBLAS's
       ``C`` with ``beta = 1``: the model's bias plus LoRA delta on its bf16 route, ``layers.BF16_EPILOGUE``).

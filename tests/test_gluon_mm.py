@@ -100,7 +100,7 @@ def test_mm_paired_decode_ptx_takes_one_nibble_of_two_code_rows():
 
 
 def test_mm_repaired_decode_ptx_gives_the_decode_order_registers():
-  """The paired decode with its repair (DECODE 5, the default), fed the decode-order registers, gives exactly the
+  """The paired decode with its repair (DECODE 5, the wide tiles' default), fed the decode-order registers, gives exactly the
   E2M1 codebook's values in ``_asm_decode_order``'s registers (K rows 2 r, 2 r + 1 of column n in ``$0``, and so on),
   so x needs no permute; 512 inputs, every byte value and E4M3 scales in and out of the subnormal range."""
   asm = w4_gluon_mm._asm_decode_order_paired()
@@ -213,39 +213,43 @@ def test_mm_two_narrow_programs_an_sm(monkeypatch):
     assert (meta["NP"], meta["PP"]) == (132, 1)
 
 
-def test_mm_paired_decode_on_the_narrow_tiles_of_decode_order_codes(monkeypatch):
-  """The paired decode is the default only where session 53 measured it faster: decode-order codes, the forward,
-  M <= PAIRED_MAX_M (128), repaired in registers (DV 5; PAIRED_REPAIR = 0: DV 4, x permuted). Standard-order codes,
-  the dx build and M = 129 and 2048 keep DECODE (2); PAIRED_MAX_M = 0 turns it off, DECODE = 4 or 5 (lab) turns it
-  on at every M."""
+def test_mm_paired_decode_by_tile_for_decode_order_codes(monkeypatch):
+  """Decode-order codes in the forward take the paired decode where session 53 measured it faster: the narrow tiles
+  (M <= 128) with x permuted (DV 4, NARROW_DECODE), the wide ones repaired in registers (DV 5, WIDE_DECODE).
+  Standard-order codes and the dx build keep DECODE (2); the settings switch each tile's form, DECODE = 4 or 5 (lab)
+  forces one at every M, and values outside the forms are refused by name."""
   monkeypatch.setattr(w4_gluon_mm, "_sm_count", lambda: 132)
   dv = lambda m, order=True, dx=False: w4_gluon_mm.meta_for(m, 3584, 4608, 1, decode_order=order, dx=dx)["DV"]
-  assert [dv(m) for m in (1, 64, 100, 128, 129, 2048)] == [5, 5, 5, 5, 2, 2]
-  assert (dv(64, order=False), dv(64, dx=True)) == (2, 2)
-  monkeypatch.setattr(w4_gluon_mm, "PAIRED_REPAIR", 0)
-  assert [dv(m) for m in (64, 129)] == [4, 2]
-  monkeypatch.setattr(w4_gluon_mm, "PAIRED_MAX_M", 0)
-  assert dv(64) == 2
+  assert [dv(m) for m in (1, 64, 100, 128, 129, 2048)] == [4, 4, 4, 4, 5, 5]
+  assert (dv(64, order=False), dv(2048, order=False), dv(64, dx=True), dv(2048, dx=True)) == (2, 2, 2, 2)
+  monkeypatch.setattr(w4_gluon_mm, "NARROW_DECODE", 5)
+  monkeypatch.setattr(w4_gluon_mm, "WIDE_DECODE", 2)
+  assert [dv(m) for m in (64, 2048)] == [5, 2]
   monkeypatch.setattr(w4_gluon_mm, "DECODE", 4)
-  assert dv(2048) == 4
+  assert [dv(m) for m in (64, 2048)] == [4, 4]
+  for name, bad in (("NARROW_DECODE", 1), ("WIDE_DECODE", 6), ("DECODE", 0)):
+    with monkeypatch.context() as mp:
+      mp.setattr(w4_gluon_mm, name, bad)
+      with pytest.raises(ValueError, match=name):
+        dv(64)
 
 
-@pytest.mark.parametrize("repair", [1, 0])
-def test_mm_paired_decode_lowers_with_x_permuted_without_its_repair(repair, monkeypatch):
-  """At M = 64 a decode-order layer lowers with the paired decode's PTX (its one-mask register, 0x81C081C0), the
-  repair's re-pairing prmts where PAIRED_REPAIR = 1 and otherwise x's K permutation ahead of the launch (shifts of
-  x as uint32 in the HLO); at M = 2048 with none of them."""
+@pytest.mark.parametrize("narrow", [4, 5])
+def test_mm_paired_decode_lowers_with_x_permuted_only_in_its_form_4(narrow, monkeypatch):
+  """A decode-order layer lowers with the paired decode's PTX (its one-mask register, 0x81C081C0) at M = 64 and
+  2048; the repair's re-pairing prmts where the form is 5 (the wide tiles', and the narrow ones' under
+  NARROW_DECODE = 5), x's K permutation ahead of the launch (shifts of x as uint32 in the HLO) where it is 4."""
   _fake_sm90(monkeypatch)
   monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 1)
-  monkeypatch.setattr(w4_gluon_mm, "PAIRED_REPAIR", repair)
+  monkeypatch.setattr(w4_gluon_mm, "NARROW_DECODE", narrow)
   k, n, stack = _abstract_stack("decode")
-  for m, paired in ((64, True), (2048, False)):
+  for m, form in ((64, narrow), (2048, 5)):
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     text = jax.jit(lambda x, w, i: w4_gluon_mm.forward(x, w, index=i)).trace(
         x, stack, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-    assert ("0x81C081C0" in text) == paired, m
-    assert ("prmt.b32 t, a, b, 0x7632" in text) == (paired and repair == 1), m
-    assert ("stablehlo.shift_left" in text and "xui32" in text) == (paired and repair == 0), m
+    assert "0x81C081C0" in text, m
+    assert ("prmt.b32 t, a, b, 0x7632" in text) == (form == 5), m
+    assert ("stablehlo.shift_left" in text and "xui32" in text) == (form == 4), m
 
 
 _PTX_STEP = """\
@@ -594,7 +598,8 @@ def test_mm_lowers_for_cuda_without_a_gpu(order, monkeypatch):
   assert "grid_x = 132" in text and "grid_y = 1" in text and "threads = 384" in text
   assert "output_operand_aliases" not in text  # unsplit: no tail columns to zero
   assert "cp.async.bulk.tensor.2d.shared::cluster.global" in text and "wgmma.mma_async" in text
-  assert ("shl.b32 t, u, 19" in text) == (order == "decode")  # the decode-order PTX (_asm_decode_order)
+  # the decode-order PTX: the wide tiles' paired decode, repaired in registers (WIDE_DECODE 5)
+  assert ("0x81C081C0" in text and "prmt.b32 t, a, b, 0x5410" in text) == (order == "decode")
 
 
 def test_mm_split_k_lowers_for_cuda_without_a_gpu(monkeypatch):

@@ -646,7 +646,7 @@ step 71 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -
 #    Session 53 (H200): the 9 tests pass; the harness had p4 ahead at M = 64 / 128 (7B summed 1.122x / 0.965x of bf16
 #    against 1.063x / 0.901x) and behind at 2048 / 8192 (0.945x / 0.877x against 0.985x / 0.915x), the rollouts ahead
 #    at batch 64 / 128 (decode step 4.13 / 5.80 against 4.30 / 6.01 ms, twice each). The paired decode is now the
-#    narrow tiles' default (w4_gluon_mm.PAIRED_MAX_M = 128).
+#    narrow tiles' default (then PAIRED_MAX_M = 128; since step 73 w4_gluon_mm.NARROW_DECODE = 4).
 # 72 (session 53, prepared; about 7 minutes): the GPU tests of that default (the whole Gluon GEMM file, the kernels'
 #    and the model's), issue 4's rows at M = 64, 128, 256 (7B and 32B, forward), issue 6's at batch 64 and 128.
 step 72 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -n 10 -m gpu tests/test_gluon_mm.py \
@@ -658,15 +658,29 @@ step 72 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -
     --time_budget_s=170 --out="$OUT/issue6" > "$OUT/issue6.log" 2>&1; grep "|\|x$" "$OUT/issue6.log"; } | tee "$OUT/step72.txt"
 #    Session 53 (H100): 116 passed; bench_kernels 7B 1.99x / 1.65x / 1.12x and 32B 2.02x / 1.63x / 1.10x of bf16 at
 #    M = 64 / 128 / 256; issue 6 1.37x / 1.17x at batch 64 / 128.
-# 73 (session 53, prepared; about 3 minutes): the paired decode repaired in registers (PAIRED_REPAIR 1, DECODE 5: four
-#    prmt pair the halves back by K row, so x needs no permute; offline 288 instructions a main loop against 256
-#    with the permute and 360 unpaired). Its GPU tests, the harness against the unpaired and the permuted forms at
-#    M = 64, 128 and 2048 (DECODE=5 forces it at 2048), then batch-64 rollouts with each form.
+# 73 (session 53; about 3 minutes): the paired decode repaired in registers (DECODE 5: four prmt pair the halves back
+#    by K row, so x needs no permute; offline 288 instructions a main loop against 256 with the permute and 360
+#    unpaired). Its GPU tests, the harness against the unpaired and the permuted forms at M = 64, 128 and 2048, then
+#    batch-64 rollouts with each form on the narrow tiles. Session 53 (H100; the settings then were PAIRED_MAX_M and
+#    PAIRED_REPAIR, renamed below): 18 passed; 7B summed at M = 64 1.566x of bf16 repaired, 1.553x permuted, 1.490x
+#    unpaired, at 128 1.300x / 1.279x / 1.211x, at 2048 1.003x / 0.989x / 0.988x, but the fused gate/up faster
+#    permuted (51.1 against 52.8 us at M = 64), and batch-64 steps 4.332 / 4.314 ms repaired against 4.252 / 4.285
+#    permuted. So the narrow tiles keep the permuted form (NARROW_DECODE 4), the wide ones take the repaired one
+#    (WIDE_DECODE 5).
 step 73 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -n 10 -m gpu tests/test_gluon_mm.py \
     -k "paired" -p no:cacheprovider 2>&1 | tail -2
-  MM_ORDER=decode MM_MS=64,128,2048 MM_VARIANTS="base:PAIRED_MAX_M=0;p4:PAIRED_REPAIR=0;p5:DECODE=5" \
+  MM_ORDER=decode MM_MS=64,128,2048 MM_VARIANTS="base:NARROW_DECODE=2,WIDE_DECODE=2;p4:DECODE=4;p5:DECODE=5" \
     timeout 120 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn
-  for s in "PAIRED_REPAIR=0" "" ; do echo "== w4_gluon_mm ${s:-defaults}"
+  for s in "NARROW_DECODE=4" "NARROW_DECODE=5" ; do echo "== w4_gluon_mm $s"
     MM_SET="$s" timeout 80 python3 experiments/lab/gluon/ab_rollout.py --batches=64 --new_tokens=256 \
       --formats=nvfp4_fused --time_budget_s=50 2>&1 | grep "nvfp4_fused |"; done; } | tee "$OUT/step73.txt"
+# 74 (session 53, prepared; about 6 minutes, for an H200): the wide tiles' repaired decode on the H200 (M = 256-4096,
+#    7B and 32B, against the unpaired form), then issue 6's batch-256 row and issue 4's table at M = 64-2048 under
+#    the session's defaults.
+step 74 && { for model in 7b 32b; do MM_MODEL=$model MM_ORDER=decode MM_MS=256,2048,4096 \
+    MM_VARIANTS="base:WIDE_DECODE=2;p5" timeout 120 python3 experiments/lab/time_mm.py 2>&1 | grep summed; done
+  for model in 7b 32b; do timeout 100 python3 experiments/bench_kernels.py --models=$model --kinds=fwd \
+    --ms=64,128,256,2048 --ragged=false --json="$OUT/bench_kernels_$model.json" 2>&1 | grep "|"; done
+  timeout 120 python3 experiments/bench_rollout.py --batches=256 --new_tokens=1024 --formats=nvfp4_fused,bf16_fused \
+    --time_budget_s=100 2>&1 | grep "|\|x$"; } | tee "$OUT/step74.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)

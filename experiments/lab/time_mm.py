@@ -9,9 +9,9 @@ of 5 traced calls. Each variant is checked against the dequantize path first (re
                         # dequantize paths add it after their GEMM (XLA folds it into cuBLAS's C)
   MM_VARIANTS="base;sk8:MAX_SPLITS=8;narrow:SMALL_M_MAX=128,MAX_SPLITS=8" MM_MS=64,128,256 ...  # split-K, narrow
                         # tiles; at M <= 128 the decode GEMV (w4_gluon, the library's path there) is timed too
-  MM_VARIANTS="base:PAIRED_MAX_M=0;p4:PAIRED_REPAIR=0;pk:PAIRED_REPAIR=0,PAIRED_X_PERMUTE=0;p5" MM_ORDER=decode ...
-                        # the paired decode: unpaired (base), x permuted by XLA (p4) or handed over permuted (pk), and
-                        # repaired in registers (p5, the default; DECODE=5 forces it at every M)
+  MM_VARIANTS="base:NARROW_DECODE=2,WIDE_DECODE=2;p4:DECODE=4;pk:DECODE=4,PAIRED_X_PERMUTE=0;p5:DECODE=5" MM_ORDER=decode
+                        # the paired decode at every M: unpaired (base), x permuted by XLA (p4, the narrow tiles'
+                        # default) or handed over permuted (pk), repaired in registers (p5, the wide tiles' default)
   MM_KIND=dx ...        # the backward dy [M, N] @ W^T by the dx build (w4_gluon_mm.dx) against dot_general with
                         # the bf16 W and against dequantize + cuBLAS contracting N
 """
@@ -60,7 +60,7 @@ def main():
                                                    "MAX_SPLITS", "SMALL_M_MAX", "RASTER_GROUP", "SMALL_STAGES",
                                                    "NARROW_PER_SM", "RELEASE_PAIRS", "WAIT_SYNC", "WARPGROUP_RELEASE",
                                                    "PREFETCH_CODES", "PAIRED_X_PERMUTE",
-                                                   "PAIRED_MAX_M", "PAIRED_REPAIR")}
+                                                   "NARROW_DECODE", "WIDE_DECODE")}
   idx = jnp.int32(2)
   totals = {}
   for name in names:

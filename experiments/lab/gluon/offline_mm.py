@@ -48,8 +48,9 @@ def mma_loops(text):
 
 if __name__ == "__main__":
   os.makedirs("/tmp/gl", exist_ok=True)
-  default, paired_max_m = w4_gluon_mm.DECODE, w4_gluon_mm.PAIRED_MAX_M
-  w4_gluon_mm.PAIRED_MAX_M = 0  # each build by its DECODE: 2 unpaired, 4 the GEMV's pairing (session 52), 5 repaired
+  saved = (w4_gluon_mm.DECODE, w4_gluon_mm.NARROW_DECODE, w4_gluon_mm.WIDE_DECODE)
+  # each build by its DECODE: 2 unpaired, 4 the GEMV's pairing (session 52), 5 repaired in registers (session 53)
+  w4_gluon_mm.NARROW_DECODE = w4_gluon_mm.WIDE_DECODE = 2
   for m in (64, 128, 2048):
     for order, decode in ((1, 2), (0, 2), (1, 4), (1, 5)):
       w4_gluon_mm.DECODE = decode
@@ -60,7 +61,7 @@ if __name__ == "__main__":
       print(f"large-M forward M={m} DECODE={decode} {'decode' if order else 'standard'} order: main loop at {start:#x}, "
             f"{len(body)} instructions; per 8 weights {total:.1f} ({side:.1f} decode-side); "
             f"{sorted(ops.items(), key=lambda x: -x[1])[:8]}")
-  w4_gluon_mm.DECODE, w4_gluon_mm.PAIRED_MAX_M = default, paired_max_m
+  w4_gluon_mm.DECODE, w4_gluon_mm.NARROW_DECODE, w4_gluon_mm.WIDE_DECODE = saved
   for m in (8, 16, 32, 64):  # mma.sync at M <= 16, wgmma above (64: its narrow build)
     b = w4_gluon._build(m, 3584, 37888, 28, decode_order=True)
     ck = w4_gluon._compile_gluon(w4_gluon._kernel(b.wg, b.narrow_n), w4_gluon._ARG_DTYPES, b.meta, 90,
