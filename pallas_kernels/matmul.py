@@ -153,10 +153,10 @@ def kernel_forward(x2d: jax.Array, w, *, out_dtype=None, interpret: bool = False
   see ``GLUON_MM``; a bf16 result without ``lora``, its narrow tiles also at 32 < M <= 128) where it applies; else
   the Gluon decode GEMV (:mod:`pallas_kernels.w4_gluon`) where it applies (NVFP4, ``M <= 128``; see ``GLUON`` and
   ``GLUON_LORA``); else the Pallas fused dequantize-in-registers kernel for ``M <= FUSED_MAX_M["fwd"]``; else a
-  one-pass Pallas dequantize to bf16 followed by ``jnp.dot`` (float32 accumulation). With ``index`` (int32 scalar), ``w`` is a stack ``[L, K, N]``
-  and layer ``index`` is read in place. ``lora = (xa [M, R], b, scale)``
-  adds ``scale * xa @ b``: in the fused kernel's epilogue, else by XLA; ``b`` is
-  ``[R, N]``, or with ``index`` a stack ``[L, R, N]`` whose layer ``index`` is used.
+  one-pass Pallas dequantize to bf16 followed by ``jnp.dot`` (float32 accumulation). With ``index`` (int32
+  scalar), ``w`` is a stack ``[L, K, N]`` and layer ``index`` is read in place. ``lora = (xa [M, R], b, scale)``
+  adds ``scale * xa @ b``: in the fused kernel's epilogue, else by XLA; ``b`` is ``[R, N]``, or with ``index`` a
+  stack ``[L, R, N]`` whose layer ``index`` is used.
   ``addend`` (``[M, N]``, not with ``lora``): added to the float32 product before its one rounding to ``out_dtype``
   (the large-M Gluon forward's epilogue, or XLA's addend to the cuBLAS GEMM). Its route: the large-M Gluon forward
   where :func:`forward_path` names it and the addend is bf16; else the float32 result's path where that is a

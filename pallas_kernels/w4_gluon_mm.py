@@ -198,6 +198,15 @@ def applies(m: int, w, x_dtype) -> bool:
   return w4_gluon.large_m_ready()
 
 
+# The forward's decode PTXs all open with these lines: ``z`` = 0, ``nz`` = bf16x2 -0.0 (the FMA's addend), and
+# ``s0`` / ``s1`` = the E4M3 block scale of column n / n + 1 (``$5`` bytes 0, 1) as bf16 ``scale * 2**118`` in both
+# halves (float16 bits shifted right by 3 plus 230 on the exponent; :func:`_asm`). The PTX declares ``sl`` (b16) and
+# ``z, nz, sp, s0, s1`` (b32).
+_SCALES_PTX = ("mov.b32 z, 0;", "mov.b32 nz, 0x80008000;",
+               "cvt.u16.u32 sl, $5;", "cvt.rn.f16x2.e4m3x2 sp, sl;", "shr.b32 sp, sp, 3;", "add.u32 sp, sp, 0x73007300;",
+               "prmt.b32 s0, sp, z, 0x1010;", "prmt.b32 s1, sp, z, 0x3232;")
+
+
 def _asm() -> str:
   """Inline PTX for four code bytes ``$4`` = (column n, code row r), (n + 1, r), (n, r + 4), (n + 1, r + 4)
   and their E4M3 block scales ``$5`` (bytes 0, 1: columns n, n + 1; one NVFP4 block holds rows r and r + 4)
@@ -212,9 +221,7 @@ def _asm() -> str:
   bits shifted right by 3 plus 230 on the exponent = bf16 ``scale * 2**118`` (as
   :data:`pallas_kernels.w4_gluon._SCALE_F16_ASM`)."""
   lines = ["{", ".reg .b16 sl;", ".reg .b32 u, w, m, t, z, nz, sp, s0, s1;",
-           "mov.b32 z, 0;", "mov.b32 nz, 0x80008000;",
-           "cvt.u16.u32 sl, $5;", "cvt.rn.f16x2.e4m3x2 sp, sl;", "shr.b32 sp, sp, 3;", "add.u32 sp, sp, 0x73007300;",
-           "prmt.b32 s0, sp, z, 0x1010;", "prmt.b32 s1, sp, z, 0x3232;"]
+           *_SCALES_PTX]
   for p, sel in ((0, "0x4410"), (1, "0x4432")):  # bytes (n, r), (n + 1, r) then (n, r + 4), (n + 1, r + 4)
     lines.append(f"prmt.b32 u, $4, z, {sel};")
     for col, out, make in ((0, p, ["shl.b32 w, u, 12;", "or.b32 w, w, u;"]),
@@ -233,9 +240,7 @@ def _asm2(shift_on_fma: bool = False) -> str:
   by the column's scale. About 6 instructions a register of two weights, half of them off the ALU pipe.
   ``shift_on_fma`` (``DECODE`` 3): the shift as ``mul.hi`` by 2**26, moving it from the ALU pipe to the FMA pipe."""
   lines = ["{", ".reg .b16 sl;", ".reg .b32 x, v, h, z, nz, sp, s0, s1;",
-           "mov.b32 z, 0;", "mov.b32 nz, 0x80008000;",
-           "cvt.u16.u32 sl, $5;", "cvt.rn.f16x2.e4m3x2 sp, sl;", "shr.b32 sp, sp, 3;", "add.u32 sp, sp, 0x73007300;",
-           "prmt.b32 s0, sp, z, 0x1010;", "prmt.b32 s1, sp, z, 0x3232;"]
+           *_SCALES_PTX]
   for out, byte, col in ((0, 0, 0), (1, 2, 0), (2, 1, 1), (3, 3, 1)):
     lines += [f"prmt.b32 x, $4, z, 0x444{byte};", "mul.lo.u32 v, x, 0x01001000;",
               "mul.hi.u32 h, v, 0x04000000;" if shift_on_fma else "shr.b32 h, v, 6;",
@@ -251,9 +256,7 @@ def _asm_decode_order() -> str:
   column n + 1's low nibble by one (6) and its high nibble in three pieces (8, 13, 18). About 5.5 instructions a
   register of two weights, with no isolating ``prmt`` or multiply."""
   lines = ["{", ".reg .b16 sl;", ".reg .b32 u, v, t, z, nz, sp, s0, s1;",
-           "mov.b32 z, 0;", "mov.b32 nz, 0x80008000;",
-           "cvt.u16.u32 sl, $5;", "cvt.rn.f16x2.e4m3x2 sp, sl;", "shr.b32 sp, sp, 3;", "add.u32 sp, sp, 0x73007300;",
-           "prmt.b32 s0, sp, z, 0x1010;", "prmt.b32 s1, sp, z, 0x3232;"]
+           *_SCALES_PTX]
   for h, sel in ((0, "0x4410"), (1, "0x4432")):  # code row r, then r + 4
     lines += [f"prmt.b32 u, $4, z, {sel};",
               # column n
@@ -284,9 +287,7 @@ def _asm_decode_order_paired(repair: bool = True) -> str:
   16-row block swapped, which :func:`x_in_nibble_pair_order` undoes on ``x``. Each half is bf16
   ``e2m1 * scale * 2**-8``, column n's scale (``$5`` byte 0) on ``$0, $1``."""
   lines = ["{", ".reg .b16 sl;", ".reg .b32 a, b, c, v, t, z, nz, sp, s0, s1;",
-           "mov.b32 z, 0;", "mov.b32 nz, 0x80008000;",
-           "cvt.u16.u32 sl, $5;", "cvt.rn.f16x2.e4m3x2 sp, sl;", "shr.b32 sp, sp, 3;", "add.u32 sp, sp, 0x73007300;",
-           "prmt.b32 s0, sp, z, 0x1010;", "prmt.b32 s1, sp, z, 0x3232;",
+           *_SCALES_PTX,
            # column n, low nibbles (K rows 2 r, 2 r + 8): bits (6, 7, 8, 15) of each half already
            "and.b32 a, $4, 0x81C081C0;",
            # column n, high nibbles (2 r + 1, 2 r + 9): (3, 4, 5, 12) by 3
