@@ -49,6 +49,10 @@
 #   STEPS=69 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=70 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=71 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=72 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=73 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=74 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=75 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -683,4 +687,16 @@ step 74 && { for model in 7b 32b; do MM_MODEL=$model MM_ORDER=decode MM_MS=256,2
     --ms=64,128,256,2048 --ragged=false --json="$OUT/bench_kernels_$model.json" 2>&1 | grep "|"; done
   timeout 120 python3 experiments/bench_rollout.py --batches=256 --new_tokens=1024 --formats=nvfp4_fused,bf16_fused \
     --time_budget_s=100 2>&1 | grep "|\|x$"; } | tee "$OUT/step74.txt"
+#    Session 54 (an H100 came; raw docs/bench_runs/session54_step74_h100.txt): the repaired form ahead at every wide
+#    row (7B 0.889x -> 0.927x / 0.985x -> 1.001x / 0.956x -> 0.980x of bf16 at M = 256 / 2048 / 4096, 32B 0.996x ->
+#    1.029x / 0.970x -> 1.012x / 0.945x -> 0.970x); bench_kernels 7B 1.98x / 1.64x / 1.17x / 1.00x, 32B 2.02x /
+#    1.61x / 1.15x / 1.02x at M = 64 / 128 / 256 / 2048; batch 256 1.03x (11.640 against 11.840 ms a step).
+# 75 (session 54, prepared; about 7 minutes): issue 4's whole table under the final defaults (forward M = 1-2048, dx
+#    at 2048; M = 8192 runs dequantize + cuBLAS, unchanged since session 50), then issue 6's batch-256 row. On an
+#    H200 this replaces session 50's table; on an H100 it completes session 54's.
+step 75 && { for model in 7b 32b; do timeout 150 python3 experiments/bench_kernels.py --models=$model --kinds=fwd,dx \
+    --ms=1,8,32,64,128,256,2048 --dx_ms=2048 --ragged=false --json="$OUT/bench_kernels_$model.json" 2>&1 | grep "|"; done
+  timeout 120 python3 experiments/bench_rollout.py --batches=256 --new_tokens=1024 --formats=nvfp4_fused,bf16_fused \
+    --time_budget_s=100 --out="$OUT/issue6" > "$OUT/issue6.log" 2>&1; grep "|\|x$" "$OUT/issue6.log"; } \
+  | tee "$OUT/step75.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
