@@ -100,7 +100,7 @@ NARROW_DECODE = 4  # the narrow tiles' (M <= SMALL_M_MAX). H200, 7B q/k/v + o + 
                    # 4.332 / 4.314 ms with 5 against 4.252 / 4.285 with 4
 WIDE_DECODE = 5  # the wide tiles' (M > SMALL_M_MAX; 4 is not taken there: x's permute is a pass over [M, K]). H100,
                  # M = 2048, 7B summed: 1.003x of bf16 against 0.988x unpaired (one run; with 4 0.989x, and on the H200
-                 # 0.945x against 0.985x)
+                 # 0.945x against 0.985x). Session 54 (H100): ahead by 2.5-4.3% at M = 256 / 2048 / 4096, 7B and 32B
 PAIRED_X_PERMUTE = 1  # lab (session 52): 0 has forward take x already in DECODE 4's K order (a timing probe of the
                       # kernel alone: the caller permutes, as a producer kernel would write it)
 # The dispatch's cost model (pays): this kernel's time is rounds x steps x STEP_US, a round being one tile on every
