@@ -8,8 +8,9 @@
 //
 // Kernel parameters, in order: every operand's and result's device pointer, then the two null
 // scratch pointers that Triton 3.6 appends (global and profile scratch; the kernels here use none).
-// With zero_results, the results are zeroed on the stream first (one memset node each in a CUDA
-// graph; byte counts must be multiples of 4), for kernels that add into them. out_offset (bytes) is
+// zero_results is a bitmask: bit i zeroes result i on the stream first (one memset node each in a CUDA
+// graph; byte counts must be multiples of 4), for kernels that add into it (1: a single result, the
+// decode GEMV's; 2: the large-M GEMM's split-K tail, its second result). out_offset (bytes) is
 // added to every result's pointer: the kernel writes a region of a larger (aliased) buffer, such as
 // a decode step's float32 accumulator that one memset zeroed for several kernels.
 // tma = [count, then 6 ints per descriptor: operand, rows, columns, box rows, box columns, L2 promotion]: the
@@ -195,7 +196,7 @@ ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRe
     if (buffer.has_error()) return buffer.error();
     void* data = (*buffer)->untyped_data();
     size_t bytes = (*buffer)->size_bytes();
-    if (zero_results && bytes > 0) {  // the kernel adds into its results (split-K by atomics)
+    if (i < 63 && ((zero_results >> i) & 1) && bytes > 0) {  // the kernel adds into it (split-K by atomics)
       r = d.memset_d32_async(reinterpret_cast<unsigned long long>(data), 0, bytes / 4, stream);
       if (r != 0) {
         return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_launch: cuMemsetD32Async failed, CUresult " +

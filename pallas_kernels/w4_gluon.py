@@ -1118,14 +1118,15 @@ def _module_key(ptx: str, name: str) -> str:
 
 
 def _launch_attrs(ptx: str, name: str, grid: tuple[int, int, int], shared: int, threads: int = 128,
-                  zero_results: bool = False, out_offset: int = 0, tma=None) -> dict:
+                  zero_results: bool | int = False, out_offset: int = 0, tma=None) -> dict:
   """The FFI call's attributes, as ``gluon_launch.cc`` binds them (a CPU test checks their count);
-  ``zero_results``: the launcher zeroes the results on the stream before the kernel runs;
+  ``zero_results``: a bitmask, bit ``i`` has the launcher zero result ``i`` on the stream before the kernel runs
+  (``True``: the first, a single-result call's);
   ``out_offset``: bytes added to the result's pointer (the kernel writes a region of it); ``tma``: the
   TMA descriptors' specs (:func:`_tma_specs`; None: the kernel takes none, sent as ``[0]``)."""
   return dict(key=_module_key(ptx, name), ptx=ptx, name=name, grid_x=np.int64(grid[0]), grid_y=np.int64(grid[1]),
               grid_z=np.int64(grid[2]), threads=np.int64(threads), shared=np.int64(shared),
-              zero_results=np.int64(zero_results), out_offset=np.int64(out_offset),
+              zero_results=np.int64(int(zero_results)), out_offset=np.int64(out_offset),
               tma=np.zeros((1,), np.int64) if tma is None else np.asarray(tma, np.int64))
 
 

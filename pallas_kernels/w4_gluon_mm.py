@@ -103,6 +103,11 @@ WIDE_DECODE = 5  # the wide tiles' (M > SMALL_M_MAX; 4 is not taken there: x's p
                  # 0.945x against 0.985x). Session 54 (H100): ahead by 2.5-4.3% at M = 256 / 2048 / 4096, 7B and 32B
 PAIRED_X_PERMUTE = 1  # lab (session 52): 0 has forward take x already in DECODE 4's K order (a timing probe of the
                       # kernel alone: the caller permutes, as a producer kernel would write it)
+TAIL_MEMSET = 0  # lab (session 54, not yet run on a GPU): 1 has the FFI launcher zero the split-K tail's float32
+                 # columns (a memset node, zero_results bit 1) where XLA now makes them: one zero buffer for the
+                 # whole unrolled decode step, copied into each call's aliased operand. A batch-128 step's profile
+                 # (H100, session 54) has those copies as 3 memcpy128 kernels a layer, 3.5 us each (about 290 us of
+                 # an 8 ms step): o, down (every tile split) and gate/up's tail
 # The dispatch's cost model (pays): this kernel's time is rounds x steps x STEP_US, a round being one tile on every
 # SM and a step 64 of K; dequantize + cuBLAS takes DEQUANT_US_PER_MILLION microseconds a million weights plus a bf16
 # GEMM of GEMM_FIXED_US plus the larger of its FLOPs at BF16_TFLOPS and its weight's bytes at HBM_TBPS. Fitted to
@@ -901,18 +906,19 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
   Raises:
     ValueError: settings the kernel cannot take (:data:`STAGES` or :data:`SMALL_STAGES` < 2, :data:`IN_FLIGHT` not 0
       or 1, :data:`MAX_SPLITS` below 1, :data:`RASTER_GROUP` below 0, :data:`NARROW_PER_SM` not 1 or 2,
-      :data:`WAIT_SYNC`, :data:`WARPGROUP_RELEASE` or :data:`PREFETCH_CODES` not 0 or 1, :data:`DECODE` not 1-5,
-      :data:`NARROW_DECODE` or :data:`WIDE_DECODE` not 2-5), or a ``plan`` whose splits do not divide the ``k / 64``
-      steps or whose whole tiles are not whole columns.
+      :data:`WAIT_SYNC`, :data:`WARPGROUP_RELEASE`, :data:`PREFETCH_CODES` or :data:`TAIL_MEMSET` not 0 or 1,
+      :data:`DECODE` not 1-5, :data:`NARROW_DECODE` or :data:`WIDE_DECODE` not 2-5), or a ``plan`` whose splits do
+      not divide the ``k / 64`` steps or whose whole tiles are not whole columns.
   """
   if (min(STAGES, SMALL_STAGES) < 2 or IN_FLIGHT not in (0, 1) or RASTER_GROUP < 0 or NARROW_PER_SM not in (1, 2)
       or WAIT_SYNC not in (0, 1) or WARPGROUP_RELEASE not in (0, 1) or PREFETCH_CODES not in (0, 1)
-      or DECODE not in (1, 2, 3, 4, 5) or NARROW_DECODE not in (2, 3, 4, 5) or WIDE_DECODE not in (2, 3, 4, 5)):
+      or TAIL_MEMSET not in (0, 1) or DECODE not in (1, 2, 3, 4, 5) or NARROW_DECODE not in (2, 3, 4, 5)
+      or WIDE_DECODE not in (2, 3, 4, 5)):
     raise ValueError(f"w4_gluon_mm: STAGES={STAGES}, SMALL_STAGES={SMALL_STAGES} (>= 2), IN_FLIGHT={IN_FLIGHT} (0 or 1), "
                      f"RASTER_GROUP={RASTER_GROUP} (>= 0), NARROW_PER_SM={NARROW_PER_SM} (1 or 2), "
-                     f"WAIT_SYNC={WAIT_SYNC}, WARPGROUP_RELEASE={WARPGROUP_RELEASE} and PREFETCH_CODES={PREFETCH_CODES} "
-                     f"(0 or 1), DECODE={DECODE} (1-5), NARROW_DECODE={NARROW_DECODE} and WIDE_DECODE={WIDE_DECODE} "
-                     f"(2-5) are not all supported")
+                     f"WAIT_SYNC={WAIT_SYNC}, WARPGROUP_RELEASE={WARPGROUP_RELEASE}, PREFETCH_CODES={PREFETCH_CODES} "
+                     f"and TAIL_MEMSET={TAIL_MEMSET} (0 or 1), DECODE={DECODE} (1-5), NARROW_DECODE={NARROW_DECODE} "
+                     f"and WIDE_DECODE={WIDE_DECODE} (2-5) are not all supported")
   plan = plan_for(m, k, n) if plan is None else Plan(*plan)
   mt, tiles = _tiles(m, n)
   if plan.splits < 1 or (k // STEP_K) % plan.splits or not 0 <= plan.full <= tiles or plan.full % mt:
@@ -1145,14 +1151,19 @@ def _launch(a, w, index, meta: dict, out_cols: int, addend=None) -> jax.Array:
   operands = (a, codes, scales, gs, idx, jnp.zeros((1,), jnp.bfloat16) if addend is None else addend)
   m = a.shape[0]
   tail_cols = _tail_cols(out_cols, meta["FT"], -(-m // meta["BM"]))
-  # the tail's float32 columns, zeroed by XLA and aliased to the second result (a placeholder without a tail); the
-  # first result is the whole tiles' bf16 output (a placeholder when every tile is split)
-  zeros = jnp.zeros((m, tail_cols) if tail_cols else (1,), jnp.float32)
+  memset = bool(TAIL_MEMSET and tail_cols)
+  # the tail's float32 columns, the second result (a placeholder without a tail): zeroed by XLA and aliased to the
+  # kernel's operand after the addend, or with TAIL_MEMSET by the launcher (that operand then a placeholder the
+  # kernel never reads); the first result is the whole tiles' bf16 output (a placeholder when every tile is split)
+  tail_shape = (m, tail_cols) if tail_cols else (1,)
+  zeros = jnp.zeros(tail_shape if tail_cols and not memset else (1,), jnp.float32)
   out_shapes = (jax.ShapeDtypeStruct((m, out_cols) if meta["FT"] else (1,), jnp.bfloat16),
-                jax.ShapeDtypeStruct(zeros.shape, jnp.float32))
+                jax.ShapeDtypeStruct(tail_shape, jnp.float32))
   # (without a tail the placeholders are neither aliased nor written: no zeroing kernel runs)
-  y, tail = jax.ffi.ffi_call(w4_gluon._FFI_TARGET, out_shapes, input_output_aliases={6: 1} if tail_cols else None)(
+  aliases = {6: 1} if tail_cols and not memset else None
+  y, tail = jax.ffi.ffi_call(w4_gluon._FFI_TARGET, out_shapes, input_output_aliases=aliases)(
       *operands, zeros, **w4_gluon._launch_attrs(ptx, name, (meta["NP"], 1, 1), shared, threads=_THREADS,
+                                                 zero_results=2 if memset else 0,
                                                  tma=_tma_specs(operands, boxes)))
   if not tail_cols:
     return y

@@ -190,7 +190,8 @@ def test_mm_settings_are_checked(monkeypatch):
   """Ring, in-flight and raster settings the kernel cannot take are refused by name before a launch is built."""
   assert w4_gluon_mm.meta_for(2048, 3584, 4608, 1)["S"] == w4_gluon_mm.STAGES
   for name, bad in (("STAGES", 1), ("SMALL_STAGES", 1), ("IN_FLIGHT", 2), ("RASTER_GROUP", -1),
-                    ("NARROW_PER_SM", 3), ("WAIT_SYNC", 2), ("WARPGROUP_RELEASE", 2), ("PREFETCH_CODES", 2)):
+                    ("NARROW_PER_SM", 3), ("WAIT_SYNC", 2), ("WARPGROUP_RELEASE", 2), ("PREFETCH_CODES", 2),
+                    ("TAIL_MEMSET", 2)):
     with monkeypatch.context() as mp:
       mp.setattr(w4_gluon_mm, name, bad)
       with pytest.raises(ValueError, match=name):
@@ -602,14 +603,17 @@ def test_mm_lowers_for_cuda_without_a_gpu(order, monkeypatch):
   assert ("0x81C081C0" in text and "prmt.b32 t, a, b, 0x5410" in text) == (order == "decode")
 
 
-def test_mm_split_k_lowers_for_cuda_without_a_gpu(monkeypatch):
-  """Split-K lowers with the tail's float32 columns as a zeroed operand aliased to the second result (the kernel adds
-  its parts into them with float32 atomics), rounded by XLA: every tile split (the 7B q/k/v at M = 256, 36 tiles, 2
-  splits: 72 programs, the whole tail) and two whole rounds with a split tail (M = 2048: 264 whole tiles, the last
-  384 columns split, written into the output by a dynamic update slice)."""
+@pytest.mark.parametrize("tail_memset", [0, 1])
+def test_mm_split_k_lowers_for_cuda_without_a_gpu(tail_memset, monkeypatch):
+  """Split-K lowers with the tail's float32 columns as the second result (the kernel adds its parts into them with
+  float32 atomics), rounded by XLA: every tile split (the 7B q/k/v at M = 256, 36 tiles, 2 splits: 72 programs, the
+  whole tail) and two whole rounds with a split tail (M = 2048: 264 whole tiles, the last 384 columns split, written
+  into the output by a dynamic update slice). The tail is zeroed by XLA, a zero operand aliased to it, or with
+  TAIL_MEMSET by the launcher (bit 1 of ``zero_results``, the second result; no alias, a one-element operand)."""
   _fake_sm90(monkeypatch)
   monkeypatch.delenv("QERL_GLUON_DETERMINISTIC", raising=False)
   monkeypatch.setenv("XLA_FLAGS", "")
+  monkeypatch.setattr(w4_gluon_mm, "TAIL_MEMSET", tail_memset)
   k, n, stack = _abstract_stack("standard")
   i = jax.ShapeDtypeStruct((), jnp.int32)
   f = jax.jit(lambda x, w, i, c: w4_gluon_mm.forward(x, w, index=i, addend=c))
@@ -620,10 +624,18 @@ def test_mm_split_k_lowers_for_cuda_without_a_gpu(monkeypatch):
     out = jax.eval_shape(f, x, stack, i, c)
     assert out.shape == (m, n) and out.dtype == jnp.bfloat16
     text = f.trace(x, stack, i, c).lower(lowering_platforms=("cuda",)).as_text()
-    assert f"grid_x = {grid}" in text and "zero_results = 0" in text and "output_operand_aliases" in text
-    assert "atom.global.gpu.relaxed.add.v2.f32" in text
-    assert f"tensor<{m}x{tail_cols}xf32>" in text
+    assert f"grid_x = {grid}" in text and "atom.global.gpu.relaxed.add.v2.f32" in text
+    assert f"zero_results = {2 if tail_memset else 0}" in text
+    assert ("output_operand_aliases" in text) == (not tail_memset)
+    call = next(line for line in text.split("\n") if "qerl_gluon_launch" in line and "stablehlo.custom_call" in line)
+    operands, results = call.split("->")
+    assert f"tensor<{m}x{tail_cols}xf32>" in results
+    assert (f"tensor<{m}x{tail_cols}xf32>" in operands) == (not tail_memset)
     assert ("dynamic_update_slice" in text) == (tail_cols < n)
+  monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 1)  # unsplit: nothing to zero, nothing aliased (a new trace)
+  g = jax.jit(lambda x, w, i, c: w4_gluon_mm.forward(x, w, index=i, addend=c))
+  text = g.trace(x, stack, i, c).lower(lowering_platforms=("cuda",)).as_text()
+  assert "zero_results = 0" in text and "output_operand_aliases" not in text
 
 
 def test_mm_narrow_tile_lowers_for_cuda_without_a_gpu(monkeypatch):
@@ -715,6 +727,36 @@ def test_gpu_mm_split_k_matches_float64(m, k, n, plan, order, monkeypatch):
   for addend in (None, c):
     got = jax.jit(lambda x, w, c: w4_gluon_mm.forward(x, w, addend=c))(x, w, addend)
     _check_written(got, want if addend is None else want + np.asarray(c, np.float64), (m, n))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,plan", [
+    (256, 18944, 3584, (0, 4)),    # every tile split: the tail is the whole output
+    (2048, 3584, 4608, (264, 4)),  # whole tiles and a split tail (its columns written by a dynamic update slice)
+    (128, 3584, 37888, (148, 7)),  # a narrow tile: the 7B gate/up at M = 128, whole tiles and a split tail
+    (64, 3584, 3584, (0, 7)),      # a narrow tile: the 7B o at M = 64, every tile split
+])
+def test_gpu_mm_tail_memset_matches_float64(m, k, n, plan, monkeypatch):
+  """TAIL_MEMSET (lab): the launcher zeroes the split-K tail (a memset of the second result) instead of XLA's aliased
+  zero buffer. Against float64 with and without an addend, in decode order, twice in one jit (each call must get
+  its own zeroed tail: the second result is not the first call's)."""
+  _skip_without_kernel()
+  monkeypatch.setattr(w4_gluon_mm, "TAIL_MEMSET", 1)
+  monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
+  meta = w4_gluon_mm.meta_for(m, k, n, 1)
+  assert (meta["FT"], meta["SK"]) == plan
+  wq = _weight(k, n, m + 11)
+  w = nvfp4.to_decode_order(wq)
+  rng = np.random.default_rng(m + n)
+  x = jnp.asarray(rng.standard_normal((m, k)) * 2.0, jnp.bfloat16)
+  c = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+  want = np.asarray(x, np.float64) @ _dense64(wq)
+  twice = jax.jit(lambda x, w, c: (w4_gluon_mm.forward(x, w, addend=c), w4_gluon_mm.forward(-x, w, addend=c)))
+  for addend in (None, c):
+    got, neg = twice(x, w, addend)
+    extra = 0.0 if addend is None else np.asarray(c, np.float64)
+    _check_written(got, want + extra, (m, n))
+    _check_written(neg, -want + extra, (m, n))
 
 
 @pytest.mark.gpu
