@@ -101,6 +101,12 @@ NARROW_DECODE = 4  # the narrow tiles' (M <= SMALL_M_MAX). H200, 7B q/k/v + o + 
 WIDE_DECODE = 5  # the wide tiles' (M > SMALL_M_MAX; 4 is not taken there: x's permute is a pass over [M, K]). H100,
                  # M = 2048, 7B summed: 1.003x of bf16 against 0.988x unpaired (one run; with 4 0.989x, and on the H200
                  # 0.945x against 0.985x). Session 54 (H100): ahead by 2.5-4.3% at M = 256 / 2048 / 4096, 7B and 32B
+NARROW_REPAIR_MAX_N = 0  # lab (session 54, not yet run on a GPU): narrow tiles of weights with at most this many
+                         # columns take the repaired form (5: x read as it is) instead of NARROW_DECODE, so that no
+                         # permute of x runs for them. In a decode step x's permute is its own XLA kernel after the
+                         # attention kernel (o's x) and after SwiGLU (down's): 1.8 and 4.0 us a layer at batch 128
+                         # (H100 profile, session 54). Session 53's H100 harness had 5 ahead on o and down at M = 64
+                         # (12.5 / 31.9 against 13.4 / 32.7 us) and behind on the fused gate/up (52.8 against 51.1)
 PAIRED_X_PERMUTE = 1  # lab (session 52): 0 has forward take x already in DECODE 4's K order (a timing probe of the
                       # kernel alone: the caller permutes, as a producer kernel would write it)
 TAIL_MEMSET = 0  # lab (session 54, not yet run on a GPU): 1 has the FFI launcher zero the split-K tail's float32
@@ -907,17 +913,18 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
     ValueError: settings the kernel cannot take (:data:`STAGES` or :data:`SMALL_STAGES` < 2, :data:`IN_FLIGHT` not 0
       or 1, :data:`MAX_SPLITS` below 1, :data:`RASTER_GROUP` below 0, :data:`NARROW_PER_SM` not 1 or 2,
       :data:`WAIT_SYNC`, :data:`WARPGROUP_RELEASE`, :data:`PREFETCH_CODES` or :data:`TAIL_MEMSET` not 0 or 1,
-      :data:`DECODE` not 1-5, :data:`NARROW_DECODE` or :data:`WIDE_DECODE` not 2-5), or a ``plan`` whose splits do
-      not divide the ``k / 64`` steps or whose whole tiles are not whole columns.
+      :data:`NARROW_REPAIR_MAX_N` below 0, :data:`DECODE` not 1-5, :data:`NARROW_DECODE` or :data:`WIDE_DECODE` not
+      2-5), or a ``plan`` whose splits do not divide the ``k / 64`` steps or whose whole tiles are not whole columns.
   """
   if (min(STAGES, SMALL_STAGES) < 2 or IN_FLIGHT not in (0, 1) or RASTER_GROUP < 0 or NARROW_PER_SM not in (1, 2)
       or WAIT_SYNC not in (0, 1) or WARPGROUP_RELEASE not in (0, 1) or PREFETCH_CODES not in (0, 1)
-      or TAIL_MEMSET not in (0, 1) or DECODE not in (1, 2, 3, 4, 5) or NARROW_DECODE not in (2, 3, 4, 5)
+      or TAIL_MEMSET not in (0, 1) or NARROW_REPAIR_MAX_N < 0 or DECODE not in (1, 2, 3, 4, 5) or NARROW_DECODE not in (2, 3, 4, 5)
       or WIDE_DECODE not in (2, 3, 4, 5)):
     raise ValueError(f"w4_gluon_mm: STAGES={STAGES}, SMALL_STAGES={SMALL_STAGES} (>= 2), IN_FLIGHT={IN_FLIGHT} (0 or 1), "
                      f"RASTER_GROUP={RASTER_GROUP} (>= 0), NARROW_PER_SM={NARROW_PER_SM} (1 or 2), "
                      f"WAIT_SYNC={WAIT_SYNC}, WARPGROUP_RELEASE={WARPGROUP_RELEASE}, PREFETCH_CODES={PREFETCH_CODES} "
-                     f"and TAIL_MEMSET={TAIL_MEMSET} (0 or 1), DECODE={DECODE} (1-5), NARROW_DECODE={NARROW_DECODE} "
+                     f"and TAIL_MEMSET={TAIL_MEMSET} (0 or 1), NARROW_REPAIR_MAX_N={NARROW_REPAIR_MAX_N} (>= 0), "
+                     f"DECODE={DECODE} (1-5), NARROW_DECODE={NARROW_DECODE} "
                      f"and WIDE_DECODE={WIDE_DECODE} (2-5) are not all supported")
   plan = plan_for(m, k, n) if plan is None else Plan(*plan)
   mt, tiles = _tiles(m, n)
@@ -934,7 +941,7 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
       plan.full == tiles or (steps // plan.splits) % 2 == 0)
   dv = DECODE
   if DECODE in (2, 3) and decode_order and not dx:
-    dv = NARROW_DECODE if bm < BLOCK_M else WIDE_DECODE
+    dv = WIDE_DECODE if bm == BLOCK_M else 5 if n <= NARROW_REPAIR_MAX_N else NARROW_DECODE
   return dict(M=m, N=n, K=k, L=layers, BM=bm, BN=BLOCK_N, S=stages,
               DR=LOAD_REGS, IF=2 if pairs else IN_FLIGHT, DV=dv, PP=pp, WS=WAIT_SYNC, WR=WARPGROUP_RELEASE,
               PF=int(bool(PREFETCH_CODES) and not pairs and IN_FLIGHT == 1 and dv >= 2 and PROBE != 1 and not dx

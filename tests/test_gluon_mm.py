@@ -223,12 +223,17 @@ def test_mm_paired_decode_by_tile_for_decode_order_codes(monkeypatch):
   dv = lambda m, order=True, dx=False: w4_gluon_mm.meta_for(m, 3584, 4608, 1, decode_order=order, dx=dx)["DV"]
   assert [dv(m) for m in (1, 64, 100, 128, 129, 2048)] == [4, 4, 4, 4, 5, 5]
   assert (dv(64, order=False), dv(2048, order=False), dv(64, dx=True), dv(2048, dx=True)) == (2, 2, 2, 2)
+  with monkeypatch.context() as mp:  # NARROW_REPAIR_MAX_N (lab): narrow tiles of at most that many columns take 5
+    mp.setattr(w4_gluon_mm, "NARROW_REPAIR_MAX_N", 4608)
+    assert [dv(m) for m in (64, 128, 2048)] == [5, 5, 5]
+    assert w4_gluon_mm.meta_for(64, 3584, 37888, 1, decode_order=True)["DV"] == 4  # wider than 4608 columns
+    assert w4_gluon_mm.meta_for(64, 3584, 4608, 1, decode_order=False)["DV"] == 2  # standard order: unpaired
   monkeypatch.setattr(w4_gluon_mm, "NARROW_DECODE", 5)
   monkeypatch.setattr(w4_gluon_mm, "WIDE_DECODE", 2)
   assert [dv(m) for m in (64, 2048)] == [5, 2]
   monkeypatch.setattr(w4_gluon_mm, "DECODE", 4)
   assert [dv(m) for m in (64, 2048)] == [4, 4]
-  for name, bad in (("NARROW_DECODE", 1), ("WIDE_DECODE", 6), ("DECODE", 0)):
+  for name, bad in (("NARROW_DECODE", 1), ("WIDE_DECODE", 6), ("DECODE", 0), ("NARROW_REPAIR_MAX_N", -1)):
     with monkeypatch.context() as mp:
       mp.setattr(w4_gluon_mm, name, bad)
       with pytest.raises(ValueError, match=name):

@@ -54,6 +54,7 @@
 #   STEPS=74 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=75 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=76 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=77 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -703,17 +704,21 @@ step 75 && { for model in 7b 32b; do timeout 150 python3 experiments/bench_kerne
 #    Session 54 (an H100 came; raw docs/bench_runs/session54_step75_*): 7B 3.13x / 3.08x / 2.07x / 2.00x / 1.64x /
 #    1.15x / 1.00x of bf16 at M = 1-2048 (dx 0.95x), 32B 2.78x / 2.74x / 1.86x / 2.04x / 1.62x / 1.14x / 1.02x (dx
 #    0.95x); batch 256 1.01x. Still to run on an H200.
-# 76 (session 54, prepared; about 8 minutes): the launcher's zero_results as a bitmask and w4_gluon_mm.TAIL_MEMSET
+# 76 (session 54, prepared; about 6 minutes): the launcher's zero_results as a bitmask and w4_gluon_mm.TAIL_MEMSET
 #    (the split-K tail zeroed by a memset node instead of XLA's copy of one zero buffer; a batch-128 step's profile
-#    on an H100 had 3 such copies a layer, memcpy128, 3.5 us each). The Gluon GEMV's and GEMM's GPU tests (the GEMV's
-#    atomic builds take their memset through the same bitmask, bit 0), the harness with and without it at M = 64-2048,
-#    then rollouts at batch 64 and 128 alternating it (512 new tokens).
+#    on an H100 had 3 such copies a layer, memcpy128, 3.5 us each), and NARROW_REPAIR_MAX_N (narrow tiles of at most
+#    that many columns, o and down, take the repaired form, so x's permute, its own XLA kernel after attention and
+#    after SwiGLU, 1.8 and 4.0 us a layer at batch 128, goes). The Gluon GEMV's and GEMM's GPU tests (the GEMV's
+#    atomic builds take their memset through the same bitmask, bit 0), then the harness with each at M = 64-2048.
 step 76 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 280 python3 -m pytest -q -n 10 -m gpu tests/test_gluon.py \
     tests/test_gluon_mm.py -p no:cacheprovider > "$OUT/gpu_tests_76.txt" 2>&1
   grep -E "passed|failed|FAILED" "$OUT/gpu_tests_76.txt" | tail -8
-  MM_ORDER=decode MM_MS=64,128,256,2048 MM_VARIANTS="base;tm:TAIL_MEMSET=1" timeout 120 python3 experiments/lab/time_mm.py \
-    2>&1 | grep summed
-  for s in "" "TAIL_MEMSET=1" "" "TAIL_MEMSET=1"; do echo "== w4_gluon_mm ${s:-defaults}"
-    MM_SET="$s" timeout 70 python3 experiments/lab/gluon/ab_rollout.py --batches=64,128 --new_tokens=512 \
-      --formats=nvfp4_fused --time_budget_s=50 2>&1 | grep "nvfp4_fused |"; done; } | tee "$OUT/step76.txt"
+  MM_ORDER=decode MM_MS=64,128,256,2048 MM_VARIANTS="base;tm:TAIL_MEMSET=1;nr:NARROW_REPAIR_MAX_N=8192;both:TAIL_MEMSET=1,NARROW_REPAIR_MAX_N=8192" \
+    timeout 150 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn; } | tee "$OUT/step76.txt"
+# 77 (session 54, prepared; about 7 minutes): the same two settings in rollouts, batch 64 and 128, 512 new tokens,
+#    alternating (twice each).
+step 77 && for s in "" "TAIL_MEMSET=1" "TAIL_MEMSET=1,NARROW_REPAIR_MAX_N=8192" "" "TAIL_MEMSET=1" \
+    "TAIL_MEMSET=1,NARROW_REPAIR_MAX_N=8192"; do echo "== w4_gluon_mm ${s:-defaults}"
+  MM_SET="$s" timeout 68 python3 experiments/lab/gluon/ab_rollout.py --batches=64,128 --new_tokens=512 \
+    --formats=nvfp4_fused --time_budget_s=45 2>&1 | grep "nvfp4_fused |"; done | tee "$OUT/step77.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)

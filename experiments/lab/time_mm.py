@@ -60,7 +60,8 @@ def main():
                                                    "MAX_SPLITS", "SMALL_M_MAX", "RASTER_GROUP", "SMALL_STAGES",
                                                    "NARROW_PER_SM", "RELEASE_PAIRS", "WAIT_SYNC", "WARPGROUP_RELEASE",
                                                    "PREFETCH_CODES", "PAIRED_X_PERMUTE",
-                                                   "NARROW_DECODE", "WIDE_DECODE", "TAIL_MEMSET")}
+                                                   "NARROW_DECODE", "WIDE_DECODE", "TAIL_MEMSET",
+                                                   "NARROW_REPAIR_MAX_N")}
   idx = jnp.int32(2)
   totals = {}
   for name in names:
