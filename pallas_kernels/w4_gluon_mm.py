@@ -918,8 +918,8 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
   """
   if (min(STAGES, SMALL_STAGES) < 2 or IN_FLIGHT not in (0, 1) or RASTER_GROUP < 0 or NARROW_PER_SM not in (1, 2)
       or WAIT_SYNC not in (0, 1) or WARPGROUP_RELEASE not in (0, 1) or PREFETCH_CODES not in (0, 1)
-      or TAIL_MEMSET not in (0, 1) or NARROW_REPAIR_MAX_N < 0 or DECODE not in (1, 2, 3, 4, 5) or NARROW_DECODE not in (2, 3, 4, 5)
-      or WIDE_DECODE not in (2, 3, 4, 5)):
+      or TAIL_MEMSET not in (0, 1) or NARROW_REPAIR_MAX_N < 0 or DECODE not in (1, 2, 3, 4, 5)
+      or NARROW_DECODE not in (2, 3, 4, 5) or WIDE_DECODE not in (2, 3, 4, 5)):
     raise ValueError(f"w4_gluon_mm: STAGES={STAGES}, SMALL_STAGES={SMALL_STAGES} (>= 2), IN_FLIGHT={IN_FLIGHT} (0 or 1), "
                      f"RASTER_GROUP={RASTER_GROUP} (>= 0), NARROW_PER_SM={NARROW_PER_SM} (1 or 2), "
                      f"WAIT_SYNC={WAIT_SYNC}, WARPGROUP_RELEASE={WARPGROUP_RELEASE}, PREFETCH_CODES={PREFETCH_CODES} "
