@@ -336,6 +336,12 @@ def x_in_nibble_pair_order(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(jnp.stack([lo, hi], axis=2), x.dtype).reshape(m, k)
 
 
+def takes_nibble_pair_x(meta: dict) -> bool:
+  """Whether the build for ``meta`` (:func:`meta_for`) reads ``x`` in :func:`x_in_nibble_pair_order`: the paired
+  decode without its repair (``DV`` 4) of decode-order codes (``DO``); :func:`forward` permutes x there."""
+  return meta["DV"] == 4 and bool(meta["DO"])
+
+
 def _asm_dx(decode_order: bool = False) -> str:
   """Inline PTX of the dx build (:func:`dx`, ``W`` as wgmma's operand with N as the contraction): code bytes ``$4`` =
   (column n, code row r), (n + 1, r), (n + 8, r), (n + 9, r) and their E4M3 block scales ``$5`` (the same four
@@ -467,7 +473,8 @@ def _kernel():
     [BN operand rows, 64 k] bf16, as :func:`decode` (:func:`_asm2`)."""
     sb = ttgl.broadcast(ttgl.expand_dims(s, 1), c)[0]
     o0, o1, o2, o3 = ttgl.inline_asm_elementwise(
-        asm_dopr if (DO and DV == 5) else asm_dop if (DO and DV == 4) else asm_do if DO else asm3 if DV == 3 else asm2, "=r,=r,=r,=r,r,r", [c, sb], dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16),
+        asm_dopr if (DO and DV == 5) else asm_dop if (DO and DV == 4) else asm_do if DO else asm3 if DV == 3 else asm2,
+        "=r,=r,=r,=r,r,r", [c, sb], dtype=(ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16, ttgl.bfloat16),
         is_pure=True, pack=2)
     # element [b, r, p] of o0 (o1) is, for r2 = 0, the low nibble and for r2 = 1 the high nibble of column 2p, code
     # row 8 b + (r with r2 = 0) (+ 4 for o1); o2 and o3 the same for column 2p + 1
@@ -1098,7 +1105,7 @@ def forward(x: jax.Array, w: nvfp4.NVFP4Tensor, *, index=None, addend: jax.Array
     raise ValueError(f"w4_gluon_mm.forward: addend {addend.dtype}{list(addend.shape)}; expected bfloat16{[m, n]}")
   layers = 1 if index is None else w.packed.shape[0]
   meta = meta_for(m, k, n, layers, w.code_order == "decode", addend is not None)
-  if meta["DV"] == 4 and meta["DO"] and PAIRED_X_PERMUTE:  # the K order of the paired decode without its repair
+  if takes_nibble_pair_x(meta) and PAIRED_X_PERMUTE:
     x = x_in_nibble_pair_order(x)
   return _launch(x, w, index, meta, n, addend)
 
@@ -1163,7 +1170,7 @@ def _launch(a, w, index, meta: dict, out_cols: int, addend=None) -> jax.Array:
   # kernel's operand after the addend, or with TAIL_MEMSET by the launcher (that operand then a placeholder the
   # kernel never reads); the first result is the whole tiles' bf16 output (a placeholder when every tile is split)
   tail_shape = (m, tail_cols) if tail_cols else (1,)
-  zeros = jnp.zeros(tail_shape if tail_cols and not memset else (1,), jnp.float32)
+  zeros = jnp.zeros((1,) if memset else tail_shape, jnp.float32)
   out_shapes = (jax.ShapeDtypeStruct((m, out_cols) if meta["FT"] else (1,), jnp.bfloat16),
                 jax.ShapeDtypeStruct(tail_shape, jnp.float32))
   # (without a tail the placeholders are neither aliased nor written: no zeroing kernel runs)

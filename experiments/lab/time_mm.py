@@ -56,12 +56,8 @@ def main():
   model = os.environ.get("MM_MODEL", "7b")
   shapes = MODELS[model]
   names = os.environ.get("MM_SHAPES", ",".join(shapes)).split(",")
-  defaults = {k: getattr(w4_gluon_mm, k) for k in ("STAGES", "LOAD_REGS", "IN_FLIGHT", "PERSISTENT", "DECODE", "PROBE",
-                                                   "MAX_SPLITS", "SMALL_M_MAX", "RASTER_GROUP", "SMALL_STAGES",
-                                                   "NARROW_PER_SM", "RELEASE_PAIRS", "WAIT_SYNC", "WARPGROUP_RELEASE",
-                                                   "PREFETCH_CODES", "PAIRED_X_PERMUTE",
-                                                   "NARROW_DECODE", "WIDE_DECODE", "TAIL_MEMSET",
-                                                   "NARROW_REPAIR_MAX_N")}
+  # every setting a variant names, at the module's value: restored before each variant sets its own
+  defaults = {k: getattr(w4_gluon_mm, k) for _, settings in variants() for k in settings}
   idx = jnp.int32(2)
   totals = {}
   for name in names:
@@ -104,7 +100,8 @@ def main():
              (lambda x, w, i: w4_gluon_mm.forward(x, w, index=i, addend=c)))
         # DECODE 4's paired decode with PAIRED_X_PERMUTE 0: x comes in its K order already (the kernel timed without
         # the permute)
-        paired = not dx and w4_gluon_mm.meta_for(m, k, n, LAYERS, w.code_order == "decode")["DV"] == 4
+        paired = not dx and w4_gluon_mm.takes_nibble_pair_x(w4_gluon_mm.meta_for(m, k, n, LAYERS,
+                                                                                  w.code_order == "decode"))
         xv = w4_gluon_mm.x_in_nibble_pair_order(x) if paired and not w4_gluon_mm.PAIRED_X_PERMUTE else x
         got = jax.jit(g)(xv, w, idx)
         err = float(jnp.linalg.norm((got.astype(jnp.float32) - ref.astype(jnp.float32))) / jnp.linalg.norm(ref.astype(jnp.float32)))
