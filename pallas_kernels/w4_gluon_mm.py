@@ -101,19 +101,22 @@ NARROW_DECODE = 4  # the narrow tiles' (M <= SMALL_M_MAX). H200, 7B q/k/v + o + 
 WIDE_DECODE = 5  # the wide tiles' (M > SMALL_M_MAX; 4 is not taken there: x's permute is a pass over [M, K]). H100,
                  # M = 2048, 7B summed: 1.003x of bf16 against 0.988x unpaired (one run; with 4 0.989x, and on the H200
                  # 0.945x against 0.985x). Session 54 (H100): ahead by 2.5-4.3% at M = 256 / 2048 / 4096, 7B and 32B
-NARROW_REPAIR_MAX_N = 0  # lab (session 54, not yet run on a GPU): narrow tiles of weights with at most this many
-                         # columns take the repaired form (5: x read as it is) instead of NARROW_DECODE, so that no
-                         # permute of x runs for them. In a decode step x's permute is its own XLA kernel after the
-                         # attention kernel (o's x) and after SwiGLU (down's): 1.8 and 4.0 us a layer at batch 128
-                         # (H100 profile, session 54). Session 53's H100 harness had 5 ahead on o and down at M = 64
-                         # (12.5 / 31.9 against 13.4 / 32.7 us) and behind on the fused gate/up (52.8 against 51.1)
+NARROW_REPAIR_MAX_N = 8192  # narrow tiles of weights with at most this many columns (the 7B and 32B q/k/v, o and
+                            # down; not the fused gate/up) take the repaired form (5: x read as it is) instead of
+                            # NARROW_DECODE, so that no permute of x runs for them: in a decode step each is its own
+                            # XLA kernel (1.8 / 1.8 / 4.0 us a layer after the input norm, attention and SwiGLU at
+                            # batch 128, H100 profile, session 54). Session 55 (H100): 7B summed 1.526x -> 1.564x of
+                            # bf16 at M = 64, 1.321x -> 1.356x at 128 (with TAIL_MEMSET); batch-64 / 128 steps 4.456 /
+                            # 6.313 -> 4.440 / 6.250 ms and 4.461 / 6.280 -> 4.434 / 6.236. 0: every narrow tile takes
+                            # NARROW_DECODE
 PAIRED_X_PERMUTE = 1  # lab (session 52): 0 has forward take x already in DECODE 4's K order (a timing probe of the
                       # kernel alone: the caller permutes, as a producer kernel would write it)
-TAIL_MEMSET = 0  # lab (session 54, not yet run on a GPU): 1 has the FFI launcher zero the split-K tail's float32
-                 # columns (a memset node, zero_results bit 1) where XLA now makes them: one zero buffer for the
-                 # whole unrolled decode step, copied into each call's aliased operand. A batch-128 step's profile
-                 # (H100, session 54) has those copies as 3 memcpy128 kernels a layer, 3.5 us each (about 290 us of
-                 # an 8 ms step): o, down (every tile split) and gate/up's tail
+TAIL_MEMSET = 1  # the FFI launcher zeroes the split-K tail's float32 columns (a memset node, zero_results bit 1).
+                 # 0: XLA makes them, one zero buffer for the whole unrolled decode step copied into each call's
+                 # aliased operand (a batch-128 step's H100 profile, session 54: 3 memcpy128 kernels a layer, 3.5 us
+                 # each, o, down and gate/up's tail). Session 55 (H100): batch-64 / 128 decode steps 4.472 / 6.348 ->
+                 # 4.456 / 6.313 ms and 4.477 / 6.339 -> 4.461 / 6.280 (two alternating runs); the kernels alone
+                 # (7B summed) 1.493x -> 1.526x of bf16 at M = 64, unchanged at M = 256 and 2048
 # The dispatch's cost model (pays): this kernel's time is rounds x steps x STEP_US, a round being one tile on every
 # SM and a step 64 of K; dequantize + cuBLAS takes DEQUANT_US_PER_MILLION microseconds a million weights plus a bf16
 # GEMM of GEMM_FIXED_US plus the larger of its FLOPs at BF16_TFLOPS and its weight's bytes at HBM_TBPS. Fitted to

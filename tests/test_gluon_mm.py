@@ -215,19 +215,23 @@ def test_mm_two_narrow_programs_an_sm(monkeypatch):
 
 
 def test_mm_paired_decode_by_tile_for_decode_order_codes(monkeypatch):
-  """Decode-order codes in the forward take the paired decode where session 53 measured it faster: the narrow tiles
-  (M <= 128) with x permuted (DV 4, NARROW_DECODE), the wide ones repaired in registers (DV 5, WIDE_DECODE).
-  Standard-order codes and the dx build keep DECODE (2); the settings switch each tile's form, DECODE = 4 or 5 (lab)
-  forces one at every M, and values outside the forms are refused by name."""
+  """Decode-order codes in the forward take the paired decode where sessions 53-55 measured it faster: the wide
+  tiles (M > 128) repaired in registers (DV 5, WIDE_DECODE), the narrow ones (M <= 128) repaired too for weights of
+  at most NARROW_REPAIR_MAX_N columns (the 7B q/k/v, 4608) and with x permuted (DV 4, NARROW_DECODE) for wider ones
+  (the 7B gate/up, 37888). Standard-order codes and the dx build keep DECODE (2); the settings switch each tile's
+  form, DECODE = 4 or 5 (lab) forces one at every M, and values outside the forms are refused by name."""
   monkeypatch.setattr(w4_gluon_mm, "_sm_count", lambda: 132)
-  dv = lambda m, order=True, dx=False: w4_gluon_mm.meta_for(m, 3584, 4608, 1, decode_order=order, dx=dx)["DV"]
-  assert [dv(m) for m in (1, 64, 100, 128, 129, 2048)] == [4, 4, 4, 4, 5, 5]
+  dv = lambda m, order=True, dx=False, n=4608: w4_gluon_mm.meta_for(m, 3584, n, 1, decode_order=order, dx=dx)["DV"]
+  assert w4_gluon_mm.NARROW_REPAIR_MAX_N == 8192
+  assert [dv(m) for m in (1, 64, 100, 128, 129, 2048)] == [5, 5, 5, 5, 5, 5]
+  assert [dv(m, n=37888) for m in (1, 64, 128, 129, 2048)] == [4, 4, 4, 5, 5]
+  assert [dv(64, n=n) for n in (8192, 8448)] == [5, 4]  # at most NARROW_REPAIR_MAX_N columns
   assert (dv(64, order=False), dv(2048, order=False), dv(64, dx=True), dv(2048, dx=True)) == (2, 2, 2, 2)
-  with monkeypatch.context() as mp:  # NARROW_REPAIR_MAX_N (lab): narrow tiles of at most that many columns take 5
-    mp.setattr(w4_gluon_mm, "NARROW_REPAIR_MAX_N", 4608)
-    assert [dv(m) for m in (64, 128, 2048)] == [5, 5, 5]
-    assert w4_gluon_mm.meta_for(64, 3584, 37888, 1, decode_order=True)["DV"] == 4  # wider than 4608 columns
+  with monkeypatch.context() as mp:  # 0: every narrow tile takes NARROW_DECODE
+    mp.setattr(w4_gluon_mm, "NARROW_REPAIR_MAX_N", 0)
+    assert [dv(m) for m in (64, 128, 129, 2048)] == [4, 4, 5, 5]
     assert w4_gluon_mm.meta_for(64, 3584, 4608, 1, decode_order=False)["DV"] == 2  # standard order: unpaired
+  monkeypatch.setattr(w4_gluon_mm, "NARROW_REPAIR_MAX_N", 0)
   monkeypatch.setattr(w4_gluon_mm, "NARROW_DECODE", 5)
   monkeypatch.setattr(w4_gluon_mm, "WIDE_DECODE", 2)
   assert [dv(m) for m in (64, 2048)] == [5, 2]
@@ -240,16 +244,19 @@ def test_mm_paired_decode_by_tile_for_decode_order_codes(monkeypatch):
         dv(64)
 
 
-@pytest.mark.parametrize("narrow", [4, 5])
-def test_mm_paired_decode_lowers_with_x_permuted_only_in_its_form_4(narrow, monkeypatch):
+@pytest.mark.parametrize("narrow,repair_max_n", [(4, 0), (5, 0), (4, 8192)])
+def test_mm_paired_decode_lowers_with_x_permuted_only_in_its_form_4(narrow, repair_max_n, monkeypatch):
   """A decode-order layer lowers with the paired decode's PTX (its one-mask register, 0x81C081C0) at M = 64 and
   2048; the repair's re-pairing prmts where the form is 5 (the wide tiles', and the narrow ones' under
-  NARROW_DECODE = 5), x's K permutation ahead of the launch (shifts of x as uint32 in the HLO) where it is 4."""
+  NARROW_DECODE = 5 or for a weight of at most NARROW_REPAIR_MAX_N columns, 4608 here), x's K permutation ahead of
+  the launch (shifts of x as uint32 in the HLO) where it is 4."""
   _fake_sm90(monkeypatch)
   monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 1)
   monkeypatch.setattr(w4_gluon_mm, "NARROW_DECODE", narrow)
+  monkeypatch.setattr(w4_gluon_mm, "NARROW_REPAIR_MAX_N", repair_max_n)
   k, n, stack = _abstract_stack("decode")
-  for m, form in ((64, narrow), (2048, 5)):
+  assert n == 4608
+  for m, form in ((64, 5 if repair_max_n else narrow), (2048, 5)):
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     text = jax.jit(lambda x, w, i: w4_gluon_mm.forward(x, w, index=i)).trace(
         x, stack, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
@@ -741,12 +748,13 @@ def test_gpu_mm_split_k_matches_float64(m, k, n, plan, order, monkeypatch):
     (128, 3584, 37888, (148, 7)),  # a narrow tile: the 7B gate/up at M = 128, whole tiles and a split tail
     (64, 3584, 3584, (0, 7)),      # a narrow tile: the 7B o at M = 64, every tile split
 ])
-def test_gpu_mm_tail_memset_matches_float64(m, k, n, plan, monkeypatch):
-  """TAIL_MEMSET (lab): the launcher zeroes the split-K tail (a memset of the second result) instead of XLA's aliased
-  zero buffer. Against float64 with and without an addend, in decode order, twice in one jit (each call must get
-  its own zeroed tail: the second result is not the first call's)."""
+@pytest.mark.parametrize("tail_memset", [1, 0])
+def test_gpu_mm_tail_memset_matches_float64(m, k, n, plan, tail_memset, monkeypatch):
+  """TAIL_MEMSET 1 (the default) and 0: the launcher zeroes the split-K tail (a memset of the second result), or XLA
+  makes it and aliases it to an operand. Against float64 with and without an addend, in decode order, twice in one
+  jit (each call must get its own zeroed tail: the second result is not the first call's)."""
   _skip_without_kernel()
-  monkeypatch.setattr(w4_gluon_mm, "TAIL_MEMSET", 1)
+  monkeypatch.setattr(w4_gluon_mm, "TAIL_MEMSET", tail_memset)
   monkeypatch.setattr(w4_gluon_mm, "plan_for", lambda *a, **kw: w4_gluon_mm.Plan(*plan))
   meta = w4_gluon_mm.meta_for(m, k, n, 1)
   assert (meta["FT"], meta["SK"]) == plan
