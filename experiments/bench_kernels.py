@@ -12,7 +12,8 @@ buffer that the kernel must fully overwrite).
 
 Timing: each measured program runs the op on R distinct copies of the weight
 (so that no weight sits in the 60 MB L2 from the previous call: R copies hold
-at least --rotate_mb of 4-bit weight) and is dispatched --inner times back to
+at least --rotate_mb of 4-bit weight), each call with its own copy of x (so that XLA
+cannot merge work on x, such as a permute the kernel needs, across the R calls), and is dispatched --inner times back to
 back. ``--timer=device`` (default): the per-call time is the summed device time
 of the kernels in one profiled run of that (``jax.profiler`` trace, see
 experiments/devtime.py) divided by R * inner, so launch gaps are not counted;
@@ -56,6 +57,8 @@ flags.DEFINE_enum("timer", "device", ["device", "wall"],
                   "wall: synchronised wall clock")
 flags.DEFINE_integer("inner", 3, "programs dispatched back to back per sample")
 flags.DEFINE_integer("rotate_mb", 256, "MiB of 4-bit weight copies rotated through per program")
+flags.DEFINE_bool("x_copies", True, "give each weight copy its own copy of x (false: one x for all, as before "
+                  "session 55, which lets XLA compute work on x alone once for all the copies)")
 flags.DEFINE_bool("check", True, "check each row against the XLA reference with a poisoned output")
 flags.DEFINE_bool("ragged", True, "also check ragged shapes (M=1,3,17,100, N/K off the tiles)")
 flags.DEFINE_bool("sweep", False, "sweep tile configs first (winners used for the table)")
@@ -91,7 +94,11 @@ def _copies(tree, r):
 
 
 def _time(fn, x, ws, reps, inner):
-  prog = jax.jit(lambda x, ws: tuple(fn(x, w) for w in ws))
+  # each weight copy with its own copy of x: one x shared by the R calls would let XLA merge work the calls do on
+  # x alone (the Gluon GEMM's K permute of x under NARROW_DECODE 4) into one op for all R, which a model's layers,
+  # each with its own input, never get
+  x = [x.copy() for _ in ws] if FLAGS.x_copies else [x] * len(ws)
+  prog = jax.jit(lambda xs, ws: tuple(fn(x, w) for x, w in zip(xs, ws)))
   jax.block_until_ready(prog(x, ws))
   jax.block_until_ready(prog(x, ws))
   if FLAGS.timer == "device" and jax.default_backend() in ("gpu", "cuda"):

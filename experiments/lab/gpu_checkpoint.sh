@@ -56,6 +56,7 @@
 #   STEPS=76 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=77 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=78 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=79 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -728,4 +729,17 @@ step 77 && for s in "" "TAIL_MEMSET=1" "TAIL_MEMSET=1,NARROW_REPAIR_MAX_N=8192" 
 step 78 && for r in 1 2 3; do XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -n 10 -m gpu \
     tests/test_gluon.py -k "warp_specialized_build_matches_float64 and 18944-3584" -p no:cacheprovider 2>&1 \
     | grep -E "passed|failed|FAILED|Error:" | tail -6; done | tee "$OUT/step78.txt"
+# 79 (session 55; about 5 minutes): issue 4's whole table again with bench_kernels.py giving each weight copy its own
+#    x (step 75 under the new defaults had the o / down / q/k/v rows at M = 64-128 slower than session 54's, where
+#    one x shared by the R copies let XLA run form 4's x permute once for all R), then M = 64 and 128 with
+#    NARROW_REPAIR_MAX_N = 0 (form 4 for every narrow tile) in the same call.
+step 79 && { for model in 7b 32b; do timeout 150 python3 experiments/bench_kernels.py --models=$model --kinds=fwd,dx \
+    --ms=1,8,32,64,128,256,2048 --dx_ms=2048 --ragged=false --json="$OUT/bench_kernels_$model.json" 2>&1 | grep "|"; done
+  for model in 7b 32b; do echo "== NARROW_REPAIR_MAX_N=0 $model"; timeout 80 python3 -c "
+import runpy, sys; sys.path.insert(0, 'experiments')
+from pallas_kernels import w4_gluon_mm
+w4_gluon_mm.NARROW_REPAIR_MAX_N = 0
+sys.argv = ['bench_kernels.py', '--models=$model', '--kinds=fwd', '--ms=64,128', '--ragged=false',
+            '--json=$OUT/bench_kernels_nr0_$model.json']
+runpy.run_path('experiments/bench_kernels.py', run_name='__main__')" 2>&1 | grep "|"; done; } | tee "$OUT/step79.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
