@@ -65,8 +65,11 @@ def checked_error(forward, x, q0) -> float:
 
 
 def us_per_call(fn, x, copies) -> float:
-  """Device time (µs) of all kernels of ``fn(x, w)`` per copy, from one traced call over all copies."""
-  durs = devtime.trace_durations(jax.jit(lambda x, ws: [fn(x, w) for w in ws]), x, copies)
+  """Device time (µs) of all kernels of ``fn(x, w)`` per copy, from one traced call over all copies, each with its
+  own copy of ``x`` (one shared ``x`` lets XLA rewrite the calls together: session 55 found bf16 dots of the 7B
+  q/k/v and o 2.5x slower that way in bench_kernels.py)."""
+  xs = [x.copy() for _ in copies]
+  durs = devtime.trace_durations(jax.jit(lambda xs, ws: [fn(x, w) for x, w in zip(xs, ws)]), xs, copies)
   return float(sum(sum(v) for v in durs.values())) / len(copies)
 
 
