@@ -705,7 +705,9 @@ step 75 && { for model in 7b 32b; do timeout 150 python3 experiments/bench_kerne
   | tee "$OUT/step75.txt"
 #    Session 54 (an H100 came; raw docs/bench_runs/session54_step75_*): 7B 3.13x / 3.08x / 2.07x / 2.00x / 1.64x /
 #    1.15x / 1.00x of bf16 at M = 1-2048 (dx 0.95x), 32B 2.78x / 2.74x / 1.86x / 2.04x / 1.62x / 1.14x / 1.02x (dx
-#    0.95x); batch 256 1.01x. Still to run on an H200.
+#    0.95x); batch 256 1.01x. Still to run on an H200. Session 55 re-ran it on an H100 under the new defaults (7B
+#    3.05x / ... at M = 1) and found those ratios flattered by the shared x (step 79); bench_kernels.py now gives
+#    each weight copy its own x, so this step on an H200 gives the corrected table.
 # 76 (session 54, prepared; about 6 minutes): the launcher's zero_results as a bitmask and w4_gluon_mm.TAIL_MEMSET
 #    (the split-K tail zeroed by a memset node instead of XLA's copy of one zero buffer; a batch-128 step's profile
 #    on an H100 had 3 such copies a layer, memcpy128, 3.5 us each), and NARROW_REPAIR_MAX_N (narrow tiles of at most
@@ -717,18 +719,25 @@ step 76 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 280 python3 -m pytest -
   grep -E "passed|failed|FAILED" "$OUT/gpu_tests_76.txt" | tail -8
   MM_ORDER=decode MM_MS=64,128,256,2048 MM_VARIANTS="base;tm:TAIL_MEMSET=1;nr:NARROW_REPAIR_MAX_N=8192;both:TAIL_MEMSET=1,NARROW_REPAIR_MAX_N=8192" \
     timeout 150 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn; } | tee "$OUT/step76.txt"
+#    Session 55 ran it (H100; raw docs/bench_runs/session55_step76.txt): 546 GPU tests passed, 1 failed (the lab
+#    WS_STAGES build at M = 16, step 78); 7B summed M = 64 1.493x -> 1.526x (tm) / 1.534x (nr) / 1.564x (both) of
+#    bf16, M = 128 1.317x -> 1.356x (both), M = 256 and 2048 unchanged. Both are the defaults since.
 # 77 (session 54, prepared; about 7 minutes): the same two settings in rollouts, batch 64 and 128, 512 new tokens,
 #    alternating (twice each).
 step 77 && for s in "" "TAIL_MEMSET=1" "TAIL_MEMSET=1,NARROW_REPAIR_MAX_N=8192" "" "TAIL_MEMSET=1" \
     "TAIL_MEMSET=1,NARROW_REPAIR_MAX_N=8192"; do echo "== w4_gluon_mm ${s:-defaults}"
   MM_SET="$s" timeout 68 python3 experiments/lab/gluon/ab_rollout.py --batches=64,128 --new_tokens=512 \
     --formats=nvfp4_fused --time_budget_s=45 2>&1 | grep "nvfp4_fused |"; done | tee "$OUT/step77.txt"
+#    Session 55 ran it (H100): decode steps 4.472 / 4.477 -> 4.440 / 4.434 ms at batch 64 and 6.348 / 6.339 ->
+#    6.250 / 6.236 at 128 with both settings (TAIL_MEMSET alone about half of that).
 # 78 (session 55; about 2 minutes): the lab WS_STAGES GEMV builds' test at K = 18944, N = 3584 three times (session 55's
 #    step 76 had [18944-3584-16-1], one buffer at M = 16 in a 2-layer stack, at relative error 4.5e-3 against float64
 #    on an H100, where session 54's whole suite had passed it): whether it fails every time or now and then.
 step 78 && for r in 1 2 3; do XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -n 10 -m gpu \
     tests/test_gluon.py -k "warp_specialized_build_matches_float64 and 18944-3584" -p no:cacheprovider 2>&1 \
     | grep -E "passed|failed|FAILED|Error:" | tail -6; done | tee "$OUT/step78.txt"
+#    Session 55 ran it with step 1 (618 passed): 15 passed, 15 passed, 2 failed (M = 16, 1 and 2 buffers); _build
+#    now refuses WS_STAGES at M 9-16 (w4_gluon.WS_MAX_M).
 # 79 (session 55; about 5 minutes): issue 4's whole table again with bench_kernels.py giving each weight copy its own
 #    x (step 75 under the new defaults had the o / down / q/k/v rows at M = 64-128 slower than session 54's, where
 #    one x shared by the R copies let XLA run form 4's x permute once for all R), then M = 64 and 128 with
@@ -742,4 +751,7 @@ w4_gluon_mm.NARROW_REPAIR_MAX_N = 0
 sys.argv = ['bench_kernels.py', '--models=$model', '--kinds=fwd', '--ms=64,128', '--ragged=false',
             '--json=$OUT/bench_kernels_nr0_$model.json']
 runpy.run_path('experiments/bench_kernels.py', run_name='__main__')" 2>&1 | grep "|"; done; } | tee "$OUT/step79.txt"
+#    Session 55 ran it (H100; raw docs/bench_runs/session55_step79_*): 7B 2.39x / 2.35x / 1.58x / 1.47x / 1.17x /
+#    0.87x / 1.00x at M = 1-2048 (dx 0.95x), 32B 2.37x / 2.36x / 1.60x / 1.65x / 1.34x / 1.01x / 1.02x (dx 0.96x);
+#    NARROW_REPAIR_MAX_N=0 7B 1.46x / 1.11x and 32B 1.64x / 1.32x at M = 64 / 128 (default 1.47x / 1.17x, 1.65x / 1.34x).
 exit 0  # (a step not chosen leaves a false test as the last status)
