@@ -57,6 +57,7 @@
 #   STEPS=77 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=78 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=79 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=80 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -754,4 +755,17 @@ runpy.run_path('experiments/bench_kernels.py', run_name='__main__')" 2>&1 | grep
 #    Session 55 ran it (H100; raw docs/bench_runs/session55_step79_*): 7B 2.39x / 2.35x / 1.58x / 1.47x / 1.17x /
 #    0.87x / 1.00x at M = 1-2048 (dx 0.95x), 32B 2.37x / 2.36x / 1.60x / 1.65x / 1.34x / 1.01x / 1.02x (dx 0.96x);
 #    NARROW_REPAIR_MAX_N=0 7B 1.46x / 1.11x and 32B 1.64x / 1.32x at M = 64 / 128 (default 1.47x / 1.17x, 1.65x / 1.34x).
+# 80 (session 55, prepared; about 4 minutes): the small matrices at M = 64-256, where session 55's corrected table has
+#    the 7B q/k/v at 0.77x / 0.58x and the o at 0.82x / 0.64x of bf16 (M = 128 / 256). bench_kernels.py (weights
+#    rotated, own x: time_mm.py reads one layer of a stack every call, so a 9 MB matrix sits in the L2) for the 7B
+#    shapes with the split-K cap at 2, 4 and 8 (the default), then with the narrow 128-row tiles up to M = 256
+#    (SMALL_M_MAX = 256).
+step 80 && { for s in 2 4 8; do echo "== MAX_SPLITS=$s"; QERL_GLUON_MM_MAX_SPLITS=$s timeout 80 python3 \
+    experiments/bench_kernels.py --models=7b --kinds=fwd --ms=64,128,256 --ragged=false 2>&1 | grep "qkv\|  o "; done
+  echo "== SMALL_M_MAX=256"; timeout 80 python3 -c "
+import runpy, sys; sys.path.insert(0, 'experiments')
+from pallas_kernels import w4_gluon_mm
+w4_gluon_mm.SMALL_M_MAX = 256
+sys.argv = ['bench_kernels.py', '--models=7b', '--kinds=fwd', '--ms=256', '--ragged=false']
+runpy.run_path('experiments/bench_kernels.py', run_name='__main__')" 2>&1 | grep "|"; } | tee "$OUT/step80.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
