@@ -94,11 +94,15 @@ def _copies(tree, r):
 
 
 def _time(fn, x, ws, reps, inner):
-  # each weight copy with its own copy of x: one x shared by the R calls would let XLA merge work the calls do on
-  # x alone (the Gluon GEMM's K permute of x under NARROW_DECODE 4) into one op for all R, which a model's layers,
-  # each with its own input, never get
-  x = [x.copy() for _ in ws] if FLAGS.x_copies else [x] * len(ws)
-  prog = jax.jit(lambda xs, ws: tuple(fn(x, w) for x, w in zip(xs, ws)))
+  # each weight copy with its own copy of x, as a model's layers each have their own input. With one x shared by
+  # the R calls (--x_copies=false, the script before session 55) XLA ran the bf16 dots of the 7B q/k/v and o and
+  # the 32B o 2.4-2.8x slower than alone (docs/benchmarks.md, "Session 55"), and it may compute work on x alone
+  # (the Gluon GEMM's K permute of x) once for all R
+  if FLAGS.x_copies:
+    x = [x.copy() for _ in ws]
+    prog = jax.jit(lambda xs, ws: tuple(fn(x, w) for x, w in zip(xs, ws)))
+  else:
+    prog = jax.jit(lambda x, ws: tuple(fn(x, w) for w in ws))
   jax.block_until_ready(prog(x, ws))
   jax.block_until_ready(prog(x, ws))
   if FLAGS.timer == "device" and jax.default_backend() in ("gpu", "cuda"):
