@@ -197,8 +197,8 @@ WS_MAX_REGISTERS = 64  # the warp-specialized builds' register cap at launch: 2 
   # 64: 48 (5 programs an SM, 72 registers a compute thread) was slower (56.0 / 57.9 µs) and, with 4 buffers and 4 steps
   # a program, wrong (relative error 0.5 on the H200; not investigated), so _build refuses caps under 64
 WS_MAX_M = 8  # the most rows WS_STAGES builds take: at M = 16 (16-row x tiles) the GPU test against float64 failed
-  # in 3 of its 12 runs of that shape on an H100 (session 55; relative error 3e-3-5e-3 at K = 18944, N = 3584 in a
-  # 2-layer stack, with 1 and with 2 buffers, never at M <= 8), a race not found, so _build refuses M 9-16
+  # in 3 of its 15 cases at K = 18944, N = 3584 (5 runs x 1, 2, 4 buffers) on an H100 (session 55; relative error
+  # 3e-3-5e-3 in a 2-layer stack, with 1 and with 2 buffers, never at M <= 8), a race not found: _build refuses M 9-16
 WS_SMALL = 1  # WS_STAGES applies to the builds of _small_mma_sync (the 7B q/k/v and o) too; 0: the larger ones only
 WS_PROBE = 0  # lab probe of the WS_STAGES builds (wrong results; experiments/lab/gluon/ws_probe.py only): 1 has the loader
   # copy split 0's first two steps over and over (an L2-resident stream: what the compute warps take alone), 2 has
