@@ -67,6 +67,9 @@ flags.DEFINE_integer("lora_rank", 0, "Attach a LoRA adapter of this rank to all 
                      "(what a training rollout runs; 0: none, the base alone).")
 flags.DEFINE_integer("dequantize_min_rows", 0, "SamplingConfig.dequantize_min_rows: rollouts of at least this many "
                      "rows run on a bf16 copy of a 4-bit base made once per rollout (0: never).")
+flags.DEFINE_integer("dequantize_max_weights", 0, "SamplingConfig.dequantize_max_weights: with --dequantize_min_rows, "
+                     "copy only the linears of at most this many weights a layer (0: all; 20000000: the 7B's q/k/v "
+                     "and o).")
 flags.DEFINE_bool("aqn", False, "Fold AQN noise into the RMSNorm weights, as a training rollout does.")
 flags.DEFINE_bool("smoke", False, "Tiny-shape correctness checks on this device, then exit.")
 flags.DEFINE_enum("shape", "qwen2.5-7b", ["qwen2.5-7b", "tiny"], "Model shape (tiny: to try the script on CPU).")
@@ -175,7 +178,7 @@ def adapter_and_noise(cfg, base, rank: int, aqn: bool):
 
 def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth: float, kv_phases: int = 1,
               lora=None, lora_scale: float = 1.0, noise=None, unroll_decode: bool = True,
-              dequantize_min_rows: int = 0) -> dict:
+              dequantize_min_rows: int = 0, dequantize_max_weights: int = 0) -> dict:
   """One compiled generate at (batch, prompt_len, new_tokens), timed twice: all rows live, and no row live.
 
   The end id is outside the vocabulary, so no row ever ends and the decode
@@ -189,7 +192,8 @@ def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth
   """
   config = sampling.SamplingConfig(max_new_tokens=new_tokens, eos_token_ids=(cfg.vocab_size + 1,), pad_id=0,
                                    temperature=1.0, kv_phases=kv_phases, unroll_decode=unroll_decode,
-                                   dequantize_min_rows=dequantize_min_rows)
+                                   dequantize_min_rows=dequantize_min_rows,
+                                   dequantize_max_weights=dequantize_max_weights)
   tokens_np, mask_np = random_prompts(cfg, batch, prompt_len)
   bb, pb = sampling.bucket(batch), sampling.bucket(prompt_len, 16)
   tokens_np, mask_np = sampling.pad_prompts(tokens_np, mask_np, bb, pb, config.pad_id)
@@ -224,10 +228,12 @@ def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth
   # adapters too, as decode reads them: cast to the compute dtype once per rollout (and regrouped for a
   # fused base, block-diagonal b included), not the float32 training copy
   adapter = sampling._decode_adapter(cfg, base, lora) if lora is not None else None
-  dense_copy = config.dequantizes(bb) and sampling.dequantized_base_bytes(base, cfg.dtype) > 0
-  read = base  # what a decode step reads: with the dense copy, its shapes
+  copied = sampling.dequantized_base_bytes(base, cfg.dtype, dequantize_max_weights)
+  dense_copy = config.dequantizes(bb) and copied > 0
+  read = base  # what a decode step reads: with the dense copy (of every linear or of the small ones), its shapes
   if dense_copy:
-    read = jax.eval_shape(lambda b: models.dequantize_base(b, jnp.dtype(cfg.dtype)), base)
+    read = jax.eval_shape(lambda b: models.dequantize_base(b, jnp.dtype(cfg.dtype),
+                                                           max_weights=dequantize_max_weights), base)
   w_bytes = weight_bytes_per_step(cfg, read, bb) + (tree_bytes(adapter) if adapter is not None else 0)
   slots_run = pb + new_tokens
   kv_per_slot = 2 * cfg.num_layers * bb * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(config.cache_dtype).itemsize
@@ -337,7 +343,8 @@ def main(argv):
         continue
       r = bench_one(cfg, bases[fmt], batch, FLAGS.prompt_len, overrides.get(batch, FLAGS.new_tokens), bandwidth,
                     FLAGS.kv_phases, *extras[fmt], unroll_decode=FLAGS.unroll_decode,
-                    dequantize_min_rows=FLAGS.dequantize_min_rows)
+                    dequantize_min_rows=FLAGS.dequantize_min_rows,
+                    dequantize_max_weights=FLAGS.dequantize_max_weights)
       r["format"] = fmt + _suffix()
       rows.append(r)
       print(json.dumps(r), flush=True)
@@ -349,7 +356,8 @@ def main(argv):
     batch = int(batch)
     r = bench_one(cfg, bases[fmt], batch, FLAGS.prompt_len, overrides.get(batch, FLAGS.new_tokens), bandwidth,
                   int(phases), *extras[fmt], unroll_decode=FLAGS.unroll_decode,
-                  dequantize_min_rows=FLAGS.dequantize_min_rows)
+                  dequantize_min_rows=FLAGS.dequantize_min_rows,
+                    dequantize_max_weights=FLAGS.dequantize_max_weights)
     r["format"] = fmt + _suffix()
     rows.append(r)
     print(json.dumps(r), flush=True)

@@ -76,18 +76,25 @@ class SamplingConfig:
       session 10). Same tokens and log-probabilities.
     dequantize_min_rows: ``0`` (default) keeps a 4-bit base 4-bit throughout. Otherwise,
       when the decode rows (the batch bucket times ``num_generations``) are at least
-      this many, every 4-bit linear of the base is dequantized to the compute dtype
-      once, at the start of the call, and prefill and decode run on that dense copy;
-      it lives for the rollout and costs ``K x N x itemsize`` bytes a layer and linear
-      (13.1 GB for the linears of Qwen2.5-7B in bf16, reported in
-      ``metrics["dequantized_base_bytes"]``). Above 128 rows a decode step has no
-      4-bit kernel of its own: it dequantizes every layer to bf16 in HBM and then
-      runs cuBLAS, each step. Dequantizing once instead runs at about bf16's speed: on an
-      H200 (Qwen2.5-7B shape, batch 256, 2048 new tokens; docs/benchmarks_rollout.md,
-      session 18) NVFP4 ran at 0.72x of bf16's tokens/s without it and 1.01x with it,
-      the copy included. The values are those of the
-      large-M matmul path, so tokens may differ from the 4-bit kernels' (different
-      rounding), as they do between batch sizes.
+      this many, the 4-bit linears of the base (all, or those ``dequantize_max_weights``
+      picks) are dequantized to the compute dtype once, at the start of the call, and
+      prefill and decode run on that dense copy; it lives for the rollout and costs
+      ``K x N x itemsize`` bytes a layer and linear (13.1 GB for all the linears of
+      Qwen2.5-7B in bf16, reported in ``metrics["dequantized_base_bytes"]``). It was
+      added when a decode step of more than 128 rows had no 4-bit kernel and
+      dequantized every layer each step (H200, Qwen2.5-7B shape, batch 256: 0.72x of
+      bf16's tokens/s without it, 1.01x with it, session 18); since session 46 the
+      Gluon GEMM takes those rows on sm_90 (1.04x of bf16 at batch 256 on an H100,
+      session 55). The values are those of the large-M matmul path, so tokens may
+      differ from the 4-bit kernels' (different rounding), as they do between batch
+      sizes.
+    dequantize_max_weights: with ``dequantize_min_rows``, copy only the linears of at
+      most this many weights a layer (``K x N``); ``0`` (default): every linear. The
+      small matrices are where the 4-bit products trail bf16 at many rows (H100,
+      session 55, ``bench_kernels.py``: the Qwen2.5-7B q/k/v at 0.77x / 0.58x and o at
+      0.82x / 0.64x of bf16 at M = 128 / 256, while gate and down run at 0.97-1.45x), and
+      they are a small part of the weights: ``20_000_000`` copies the 7B's q/k/v
+      (16.5M weights fused) and o (12.8M), 1.6 GB in bf16 for 28 layers.
 
   Raises:
     ValueError: naming the field, for a value out of range or of the wrong kind (ids that
@@ -109,6 +116,7 @@ class SamplingConfig:
   kv_phases: int = 1
   unroll_decode: bool = True
   dequantize_min_rows: int = 0
+  dequantize_max_weights: int = 0
 
   def __post_init__(self):
     # Accept lists for the id fields but store tuples (hashable).
@@ -145,6 +153,9 @@ class SamplingConfig:
     if not _is_int(self.dequantize_min_rows) or self.dequantize_min_rows < 0:
       raise ValueError(f"SamplingConfig.dequantize_min_rows must be an int >= 0 (0 = never), "
                        f"got {self.dequantize_min_rows!r}")
+    if not _is_int(self.dequantize_max_weights) or self.dequantize_max_weights < 0:
+      raise ValueError(f"SamplingConfig.dequantize_max_weights must be an int >= 0 (0 = every linear), "
+                       f"got {self.dequantize_max_weights!r}")
     try:
       floating = jnp.issubdtype(jnp.dtype(self.cache_dtype), jnp.floating)
     except TypeError:
@@ -641,10 +652,12 @@ def kv_cache_bytes(cfg_model, batch: int, max_len: int, dtype=jnp.bfloat16) -> i
   return int(kv * jnp.dtype(dtype).itemsize + batch * max_len)
 
 
-def dequantized_base_bytes(base: dict, dtype) -> int:
+def dequantized_base_bytes(base: dict, dtype, max_weights: int = 0) -> int:
   """Bytes of the dense copy :attr:`SamplingConfig.dequantize_min_rows` makes of ``base``: every
-  4-bit linear at ``K x N`` elements of ``dtype`` a layer (0 for a base without 4-bit linears)."""
-  quantized = [w for w in jax.tree.leaves(base, is_leaf=models.is_quantized) if models.is_quantized(w)]
+  4-bit linear (with ``max_weights`` > 0, those of at most that many weights a layer, ``K x N``) at
+  ``K x N`` elements of ``dtype`` a layer (0 for a base without 4-bit linears)."""
+  quantized = [w for w in jax.tree.leaves(base, is_leaf=models.is_quantized) if models.is_quantized(w)
+               and (not max_weights or w.shape[0] * w.shape[1] <= max_weights)]
   elements = sum(math.prod(w.packed.shape[:-2]) * w.shape[0] * w.shape[1] for w in quantized)
   return int(elements) * jnp.dtype(dtype).itemsize
 
@@ -685,7 +698,8 @@ def _generate_impl(cfg_model, config: SamplingConfig, lora_scale: float, base, l
   n = b * g
   end_ids = config.end_ids
   if config.dequantizes(n):  # one dense copy for the whole rollout (see SamplingConfig.dequantize_min_rows)
-    base = models.dequantize_base(base, jnp.dtype(cfg_model.dtype), backend="auto")
+    base = models.dequantize_base(base, jnp.dtype(cfg_model.dtype), backend="auto",
+                                  max_weights=config.dequantize_max_weights)
   fwd = dict(lora=_decode_adapter(cfg_model, base, lora), lora_cfg=lora_scale, norm_noise=norm_noise)
 
   # Prefill: B prompts once, cache of P slots; then repeat it G times and add T empty slots.
@@ -825,7 +839,8 @@ def generate(cfg_model, base: dict, prompt_tokens, prompt_mask, key: jax.Array, 
   finished = done[:n]
   metrics = {
       "kv_cache_bytes": kv_cache_bytes(cfg_model, bb * g, pb + config.max_new_tokens, config.cache_dtype),
-      "dequantized_base_bytes": dequantized_base_bytes(base, cfg_model.dtype) if config.dequantizes(bb * g) else 0,
+      "dequantized_base_bytes": (dequantized_base_bytes(base, cfg_model.dtype, config.dequantize_max_weights)
+                                 if config.dequantizes(bb * g) else 0),
       "decode_steps": steps,
       "bucket_batch": bb,
       "bucket_prompt_len": pb,

@@ -99,7 +99,9 @@ Layout (units in brackets)::
   sampling.temperature / top_p / top_k / max_completion_length [tokens]; temperature > 0 and top_k != 1 (greedy
                           sampling makes a group's G completions the same: advantage 0, nothing learned)
   sampling.dequantize_min_rows  0: rollouts stay 4-bit; N: rollouts of >= N rows run on a dense copy (compute dtype) of
-                          the base made once a rollout (faster above 128 rows; qerl_jax.sampling.SamplingConfig)
+                          the base made once a rollout (qerl_jax.sampling.SamplingConfig)
+  sampling.dequantize_max_weights  with dequantize_min_rows, copy only linears of <= this many weights a layer
+                          (K x N; 0: all); 20_000_000 copies the 7B's q/k/v and o (1.6 GB bf16)
   optim.learning_rate / b1 / b2 / weight_decay / warmup_ratio / lr_schedule / max_grad_norm
   train.total_steps, save_every, keep_checkpoints, eval_every, eval_batch_size,
      eval_max_completion_length, log_samples_every, num_samples_logged, async_checkpointing,
@@ -215,9 +217,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.sampling.top_k = 0  # 0: off
   c.sampling.max_completion_length = 2048
   # 0: never. N > 0: a rollout of at least N rows (prompts x G, bucketed) dequantizes the 4-bit base once
-  # and samples on that dense copy (13.1 GB more at 7B in bf16): above 128 rows a 4-bit decode step otherwise
-  # dequantizes every layer each step (0.72x of bf16 at batch 256; docs/benchmarks_rollout.md).
+  # and samples on that dense copy (13.1 GB more at 7B in bf16). Before the Gluon GEMM (session 46) a 4-bit decode
+  # step of more than 128 rows dequantized every layer each step (0.72x of bf16 at batch 256); on sm_90 it now
+  # runs 4-bit at about bf16's speed there (docs/benchmarks_rollout.md).
   c.sampling.dequantize_min_rows = 0
+  c.sampling.dequantize_max_weights = 0  # with dequantize_min_rows: only linears of <= this many weights (0: all)
 
   c.optim = ml_collections.ConfigDict()
   c.optim.learning_rate = 1e-5
@@ -433,6 +437,8 @@ def _validate(config: ml_collections.ConfigDict, check_paths: bool) -> None:
   need(int(s.top_k) >= 0, f"sampling.top_k={s.top_k} must be >= 0 (0 turns it off)")
   need(int(s.get("dequantize_min_rows", 0)) >= 0,
        f"sampling.dequantize_min_rows={s.get('dequantize_min_rows')} must be >= 0 (0 turns it off)")
+  need(int(s.get("dequantize_max_weights", 0)) >= 0,
+       f"sampling.dequantize_max_weights={s.get('dequantize_max_weights')} must be >= 0 (0: every linear)")
   need(int(s.max_completion_length) >= 1,
        f"sampling.max_completion_length={s.max_completion_length} must be >= 1")
 

@@ -873,7 +873,8 @@ _LEGACY_VALUES = {"model.fuse_projections": False,
                   "rl.overlong_buffer_length": 0,
                   "rl.overlong_penalty_factor": 1.0,
                   "data.user_template": "{question}",
-                  "sampling.dequantize_min_rows": 0}
+                  "sampling.dequantize_min_rows": 0,
+                  "sampling.dequantize_max_weights": 0}
 
 
 # Keys a config file may set to None (the command line cannot), with the value None means there, from the config
@@ -1304,7 +1305,8 @@ def _make_generate(config, model_cfg, base, lora_scale, eos_ids, pad_id):
     scfg = sampling.SamplingConfig(
         max_new_tokens=int(max_new_tokens), eos_token_ids=tuple(eos_ids), pad_id=int(pad_id),
         temperature=temp, top_p=float(s.top_p), top_k=int(s.top_k),
-        num_generations=int(num_generations), dequantize_min_rows=int(s.get("dequantize_min_rows", 0)))
+        num_generations=int(num_generations), dequantize_min_rows=int(s.get("dequantize_min_rows", 0)),
+        dequantize_max_weights=int(s.get("dequantize_max_weights", 0)))
     return sampling.generate(model_cfg, base, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask),
                              key, scfg, lora=params, lora_cfg=lora_scale, norm_noise=noise)
 

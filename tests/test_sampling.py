@@ -566,6 +566,68 @@ def test_dequantize_min_rows_samples_from_a_dense_copy_of_the_base():
     SamplingConfig(max_new_tokens=4, eos_token_ids=(1,), pad_id=0, dequantize_min_rows=-1)
 
 
+def test_dequantize_max_weights_copies_only_the_small_linears():
+  """SamplingConfig.dequantize_max_weights: with dequantize_min_rows met, only the linears of at most that many
+  weights a layer (K x N) are copied; the rollout samples what the mixed base models.dequantize_base(max_weights=)
+  makes samples, and the copy's bytes count only those linears (hand count below). Unfused: q (64 x 64) and o
+  (64 x 64) at 4096, k and v too; fused: q/k/v (64 x 128) and down (128 x 64) at 8192, not gate/up (64 x 256)."""
+  from qerl_jax import models
+  cfg = models.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=16, dtype="float32")
+  params = models.init_params(cfg, jax.random.key(0), dtype=jnp.float32, std=0.2)
+  tokens = jnp.asarray([[0, 5, 7, 9], [3, 4, 8, 2]], jnp.int32)
+  mask = jnp.asarray([[0, 1, 1, 1], [1, 1, 1, 1]], jnp.int32)
+  kw = dict(max_new_tokens=6, eos_token_ids=(96,), pad_id=96, temperature=1.0, num_generations=2)
+  for fuse, limit, copied_names, copied_elements in (
+      (False, 4096, {"q", "k", "v", "o"}, 4096 + 2048 + 2048 + 4096),
+      (True, 8192, {"qkv", "o", "down"}, 8192 + 4096 + 8192)):
+    base = models.quantize_base(models.fuse_projections(params) if fuse else params, "nvfp4")
+    mixed = models.dequantize_base(base, jnp.float32, max_weights=limit)
+    lay = mixed["layers"]
+    linears = {"q", "k", "v", "o", "qkv", "gate", "up", "gate_up", "down"}
+    dense_names = {n for g in ("attn", "mlp") for n, w in lay[g].items() if n in linears and not models.is_quantized(w)}
+    assert dense_names == copied_names, fuse
+    want = sampling.generate(cfg, mixed, tokens, mask, jax.random.key(3), SamplingConfig(**kw))
+    ro = sampling.generate(cfg, base, tokens, mask, jax.random.key(3),
+                           SamplingConfig(**kw, dequantize_min_rows=4, dequantize_max_weights=limit))
+    assert ro.metrics["dequantized_base_bytes"] == 2 * copied_elements * 4  # 2 layers, float32
+    np.testing.assert_array_equal(np.asarray(ro.tokens), np.asarray(want.tokens))
+    rtol = 0 if jax.default_backend() == "cpu" else 1e-5  # (the GPU copy's kernel: see the test above)
+    np.testing.assert_allclose(np.asarray(ro.logprobs), np.asarray(want.logprobs), rtol=rtol, atol=1e-6)
+  with pytest.raises(ValueError, match="dequantize_max_weights"):
+    SamplingConfig(max_new_tokens=4, eos_token_ids=(1,), pad_id=0, dequantize_max_weights=-1)
+  with pytest.raises(ValueError, match="max_weights=-1"):
+    models.dequantize_base(base, jnp.float32, max_weights=-1)
+
+
+@pytest.mark.gpu
+def test_gpu_dequantize_max_weights_runs_a_mixed_base():
+  """On a GPU (bf16 model, fused NVFP4 base in decode order): dequantize_max_weights copies q/k/v, o and down
+  (at most 256 x 512 weights) and leaves gate/up 4-bit, so one decode step mixes cuBLAS products with the 4-bit
+  kernels (at 4 rows: the decode GEMV into the layer's shared buffer). It samples what the same mixed base made
+  beforehand by XLA samples: the first token of every row equal, the log-probabilities equal within float32
+  atomics' order (the 4-bit split-K parts) until a row diverges, and the copy's bytes those three linears'."""
+  from qerl_jax import models
+  cfg = models.ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=64, dtype="bfloat16")
+  base = models.to_decode_order(models.quantize_base(models.fuse_projections(
+      models.init_params(cfg, jax.random.key(0), dtype=jnp.float32, std=0.05)), "nvfp4"))
+  limit = 256 * 512
+  mixed = models.dequantize_base(base, jnp.bfloat16, max_weights=limit)  # XLA
+  mlp = mixed["layers"]["mlp"]
+  assert models.is_quantized(mlp["gate_up"]) and not models.is_quantized(mlp["down"])
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 500, (4, 12)), jnp.int32)
+  mask = jnp.ones((4, 12), jnp.int32)
+  kw = dict(max_new_tokens=16, eos_token_ids=(511,), pad_id=511, temperature=1.0)
+  want = sampling.generate(cfg, mixed, tokens, mask, jax.random.key(3), SamplingConfig(**kw))
+  got = sampling.generate(cfg, base, tokens, mask, jax.random.key(3),
+                          SamplingConfig(**kw, dequantize_min_rows=4, dequantize_max_weights=limit))
+  assert got.metrics["dequantized_base_bytes"] == 2 * 2 * (256 * 512 + 256 * 256 + 512 * 256)
+  same = np.cumprod(np.asarray(got.tokens) == np.asarray(want.tokens), axis=1).astype(bool)
+  assert same[:, 0].all()
+  np.testing.assert_allclose(np.asarray(got.logprobs)[same], np.asarray(want.logprobs)[same], atol=2e-2)
+
+
 @pytest.mark.gpu
 def test_gpu_dequantize_min_rows_equals_sampling_a_predequantized_bf16_base():
   """On a GPU (bf16 model, fused NVFP4 base in the decode kernel's code order, as the trainer stores it):

@@ -58,6 +58,7 @@
 #   STEPS=78 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=79 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=80 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=81 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -768,4 +769,15 @@ from pallas_kernels import w4_gluon_mm
 w4_gluon_mm.SMALL_M_MAX = 256
 sys.argv = ['bench_kernels.py', '--models=7b', '--kinds=fwd', '--ms=256', '--ragged=false']
 runpy.run_path('experiments/bench_kernels.py', run_name='__main__')" 2>&1 | grep "|"; } | tee "$OUT/step80.txt"
+# 81 (session 55, prepared; about 5 minutes): SamplingConfig.dequantize_max_weights, a dense copy of only the small
+#    linears for rollouts of many rows (the 7B q/k/v and o, 1.6 GB in bf16, where session 55's corrected table has
+#    them at 0.77x / 0.58x and 0.82x / 0.64x of bf16 at M = 128 / 256): its GPU tests (a mixed base against the same
+#    base made by XLA), then batch 128 and 256 rollouts, 512 new tokens, 4-bit throughout against the small linears
+#    copied, alternating (twice each).
+step 81 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -m gpu tests/test_sampling.py \
+    -k dequantize -p no:cacheprovider 2>&1 | grep -E "passed|failed|FAILED|Error"
+  for d in "" "--dequantize_min_rows=128 --dequantize_max_weights=20000000" "" \
+      "--dequantize_min_rows=128 --dequantize_max_weights=20000000"; do echo "== ${d:-4-bit throughout}"
+    timeout 90 python3 experiments/bench_rollout.py --batches=128,256 --new_tokens=512 --formats=nvfp4_fused $d \
+      --time_budget_s=70 2>&1 | grep "nvfp4_fused |"; done; } | tee "$OUT/step81.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)

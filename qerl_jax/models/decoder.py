@@ -158,19 +158,25 @@ def to_decode_order(base: dict) -> dict:
   return map_linears(lambda w: nvfp4.to_decode_order(w) if isinstance(w, nvfp4.NVFP4Tensor) else w, base)
 
 
-def dequantize_base(base: dict, dtype=jnp.float32, *, backend: str = "reference") -> dict:
+def dequantize_base(base: dict, dtype=jnp.float32, *, backend: str = "reference", max_weights: int = 0) -> dict:
   """The float model a quantized base represents: each 4-bit linear dequantized to ``dtype``
   (``[L, K, N]``; ``K x N x 2`` bytes a layer in bf16).
 
   ``backend`` is :func:`pallas_kernels.dequantize`'s: ``"reference"`` (default; XLA, exact float32
   products) or ``"auto"`` (the Pallas dequantize kernel on a GPU, one layer at a time: the values the
-  large-M matmul path uses).
+  large-M matmul path uses). ``max_weights`` > 0 dequantizes only the linears of at most that many
+  weights a layer (``K x N``) and leaves the others 4-bit (a mixed base, which the model runs as it
+  is); 0 (default): every linear.
 
   Raises:
-    ValueError: unknown ``backend``.
+    ValueError: unknown ``backend``; ``max_weights`` negative.
   """
+  if max_weights < 0:
+    raise ValueError(f"dequantize_base: max_weights={max_weights} must be >= 0 (0: every linear)")
+
   def deq(w):
-    return pallas_kernels.dequantize(w, dtype, backend=backend) if layers.is_quantized(w) else w
+    small = not max_weights or (layers.is_quantized(w) and w.shape[0] * w.shape[1] <= max_weights)
+    return pallas_kernels.dequantize(w, dtype, backend=backend) if layers.is_quantized(w) and small else w
   return map_linears(deq, base)
 
 
