@@ -12,9 +12,9 @@ buffer that the kernel must fully overwrite).
 
 Timing: each measured program runs the op on R distinct copies of the weight
 (so that no weight sits in the 60 MB L2 from the previous call: R copies hold
-at least --rotate_mb of 4-bit weight), each call with its own copy of x (so that XLA
-cannot merge work on x, such as a permute the kernel needs, across the R calls), and is dispatched --inner times back to
-back. ``--timer=device`` (default): the per-call time is the summed device time
+at least --rotate_mb of 4-bit weight), each call with its own copy of x (so that
+XLA cannot rewrite the R calls together, as it did to bf16's dots with one
+shared x: see --x_copies), and is dispatched --inner times back to back. ``--timer=device`` (default): the per-call time is the summed device time
 of the kernels in one profiled run of that (``jax.profiler`` trace, see
 experiments/devtime.py) divided by R * inner, so launch gaps are not counted;
 on a CPU, or where the trace has no device events, it falls back to ``--timer=wall``:

@@ -228,8 +228,7 @@ def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth
   # adapters too, as decode reads them: cast to the compute dtype once per rollout (and regrouped for a
   # fused base, block-diagonal b included), not the float32 training copy
   adapter = sampling._decode_adapter(cfg, base, lora) if lora is not None else None
-  copied = sampling.dequantized_base_bytes(base, cfg.dtype, dequantize_max_weights)
-  dense_copy = config.dequantizes(bb) and copied > 0
+  dense_copy = config.dequantizes(bb) and sampling.dequantized_base_bytes(base, cfg.dtype, dequantize_max_weights) > 0
   read = base  # what a decode step reads: with the dense copy (of every linear or of the small ones), its shapes
   if dense_copy:
     read = jax.eval_shape(lambda b: models.dequantize_base(b, jnp.dtype(cfg.dtype),
@@ -357,7 +356,7 @@ def main(argv):
     r = bench_one(cfg, bases[fmt], batch, FLAGS.prompt_len, overrides.get(batch, FLAGS.new_tokens), bandwidth,
                   int(phases), *extras[fmt], unroll_decode=FLAGS.unroll_decode,
                   dequantize_min_rows=FLAGS.dequantize_min_rows,
-                    dequantize_max_weights=FLAGS.dequantize_max_weights)
+                  dequantize_max_weights=FLAGS.dequantize_max_weights)
     r["format"] = fmt + _suffix()
     rows.append(r)
     print(json.dumps(r), flush=True)

@@ -656,8 +656,8 @@ def dequantized_base_bytes(base: dict, dtype, max_weights: int = 0) -> int:
   """Bytes of the dense copy :attr:`SamplingConfig.dequantize_min_rows` makes of ``base``: every
   4-bit linear (with ``max_weights`` > 0, those of at most that many weights a layer, ``K x N``) at
   ``K x N`` elements of ``dtype`` a layer (0 for a base without 4-bit linears)."""
-  quantized = [w for w in jax.tree.leaves(base, is_leaf=models.is_quantized) if models.is_quantized(w)
-               and (not max_weights or w.shape[0] * w.shape[1] <= max_weights)]
+  quantized = [w for w in jax.tree.leaves(base, is_leaf=models.is_quantized)
+               if models.dequantizes_linear(w, max_weights)]
   elements = sum(math.prod(w.packed.shape[:-2]) * w.shape[0] * w.shape[1] for w in quantized)
   return int(elements) * jnp.dtype(dtype).itemsize
 

@@ -53,7 +53,7 @@ Hugging Face import/export lives in :mod:`qerl_jax.hf`.
 """
 
 from qerl_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, rope_inv_freq
-from qerl_jax.models.decoder import (LINEARS, dequantize_base, forward, init_cache, init_params,
+from qerl_jax.models.decoder import (LINEARS, dequantize_base, dequantizes_linear, forward, init_cache, init_params,
                                      lm_head_logits, logprobs_from_hidden, lora_scale_of,
                                      map_linears, positions_from_mask, quantize_base,
                                      summarize, to_decode_order, token_ids_outside,
@@ -62,7 +62,7 @@ from qerl_jax.models.fuse import cast_adapter, fuse_adapter, fuse_projections, i
 from qerl_jax.models.layers import linear, is_quantized
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES", "ModelConfig", "rope_inv_freq", "LINEARS", "dequantize_base",
+    "SUPPORTED_ARCHITECTURES", "ModelConfig", "rope_inv_freq", "LINEARS", "dequantize_base", "dequantizes_linear",
     "forward", "init_cache", "init_params", "lm_head_logits", "logprobs_from_hidden",
     "lora_scale_of", "map_linears", "positions_from_mask", "quantize_base", "summarize", "to_decode_order",
     "token_ids_outside", "token_logprobs",

@@ -158,6 +158,12 @@ def to_decode_order(base: dict) -> dict:
   return map_linears(lambda w: nvfp4.to_decode_order(w) if isinstance(w, nvfp4.NVFP4Tensor) else w, base)
 
 
+def dequantizes_linear(w, max_weights: int = 0) -> bool:
+  """Whether :func:`dequantize_base` with ``max_weights`` makes a float copy of the linear ``w``: a 4-bit tensor
+  (``[L, K, N]`` or ``[K, N]``) of at most ``max_weights`` weights a layer (``K x N``; 0: any size)."""
+  return layers.is_quantized(w) and (not max_weights or w.shape[0] * w.shape[1] <= max_weights)
+
+
 def dequantize_base(base: dict, dtype=jnp.float32, *, backend: str = "reference", max_weights: int = 0) -> dict:
   """The float model a quantized base represents: each 4-bit linear dequantized to ``dtype``
   (``[L, K, N]``; ``K x N x 2`` bytes a layer in bf16).
@@ -173,11 +179,8 @@ def dequantize_base(base: dict, dtype=jnp.float32, *, backend: str = "reference"
   """
   if max_weights < 0:
     raise ValueError(f"dequantize_base: max_weights={max_weights} must be >= 0 (0: every linear)")
-
-  def deq(w):
-    small = not max_weights or (layers.is_quantized(w) and w.shape[0] * w.shape[1] <= max_weights)
-    return pallas_kernels.dequantize(w, dtype, backend=backend) if layers.is_quantized(w) and small else w
-  return map_linears(deq, base)
+  return map_linears(lambda w: (pallas_kernels.dequantize(w, dtype, backend=backend)
+                                if dequantizes_linear(w, max_weights) else w), base)
 
 
 def summarize(tree: dict) -> str:
