@@ -80,6 +80,16 @@ NARROW_SMALL_WEIGHTS = 1 << 24  # (session 50) at NARROW_MIN_M < M <= 64 weights
                                 # 13.3 us (H200, session 49), 12.9 against 14.0 (H100, session 50); o 12.2-12.4
                                 # against 12.8-13.0 (H100, sessions 49-50). 0: off
 NARROW_SMALL_MAX_M = 64  # the rows up to which NARROW_SMALL_WEIGHTS applies (the 64-row narrow tile's)
+NARROW_SMALL_WIDE_MAX_M = 0  # lab (session 56): at 64 < M <= this, weights of at most NARROW_SMALL_WEIGHTS values
+                             # take the 128-row narrow tile (past SMALL_M_MAX too) instead of the 256-row one: twice
+                             # the tiles, where the 256-row ones leave SMs idle. H100, 256: the kernels alone faster
+                             # (lab harness, 7B summed at M = 256 211.6 -> 206.8 us; q/k/v 30.1 -> 26.2, o 22.1 ->
+                             # 21.4; bench_kernels with every weight narrow: q/k/v 25.6 against 30.4, o 21.3 against
+                             # 22.1, gate/up and down slower), but batch-256 decode steps no faster (10.393 / 10.385 /
+                             # 10.368 ms against 10.362 / 10.327 / 10.368 off), hence off. 0: off
+SMALL_WEIGHT_ROWS = 128  # lab (session 56): the row tile of those small weights, 128 or 64 (m64 n64 wgmmas,
+                         # NARROW_PER_SM programs an SM). 64: q/k/v faster at M = 192 (21.4 against 26.3 us), slower at
+                         # 128 and 256 (21.8 / 29.4 against 19.0 / 26.2), a batch-128 step 6.236 against 6.169 ms
 STEP_K = 64     # contraction a step (4 wgmma k16 blocks; 4 NVFP4 blocks)
 STAGES = 4      # the shared-memory ring (x 32 KB + codes 4 KB + scales 0.5 KB a stage)
 SMALL_STAGES = 8  # the narrow tiles' ring (x 8 or 16 KB a stage: up to 16 or 10 stages fit). At small M the weight
@@ -780,12 +790,16 @@ def _sm_count() -> int:
   return min(sms) if sms and min(sms) > 0 else 132
 
 
-def block_m(m: int) -> int:
-  """The rows of x a tile takes for ``x [m, K]``: where ``m <= SMALL_M_MAX`` a narrow tile of 64 rows (``m <= 64``) or
-  128, else :data:`BLOCK_M`."""
-  if m > SMALL_M_MAX:
-    return BLOCK_M
-  return 64 if m <= 64 else 128
+def block_m(m: int, weights: int | None = None) -> int:
+  """The rows of x a tile takes for ``x [m, K]`` against a weight of ``weights`` values (``K x N``; ``None``: a large
+  one): :data:`SMALL_WEIGHT_ROWS` (128) where ``64 < m <=`` :data:`NARROW_SMALL_WIDE_MAX_M` and ``weights <=``
+  :data:`NARROW_SMALL_WEIGHTS`; else where ``m <= SMALL_M_MAX`` a narrow tile of 64 rows (``m <= 64``) or 128; else
+  :data:`BLOCK_M`."""
+  if m <= 64:
+    return 64 if m <= SMALL_M_MAX else BLOCK_M
+  if weights is not None and m <= NARROW_SMALL_WIDE_MAX_M and weights <= NARROW_SMALL_WEIGHTS:
+    return SMALL_WEIGHT_ROWS
+  return 128 if m <= SMALL_M_MAX else BLOCK_M
 
 
 class Plan(NamedTuple):
@@ -797,9 +811,9 @@ class Plan(NamedTuple):
   splits: int
 
 
-def _tiles(m: int, n: int) -> tuple[int, int]:
-  """(row tiles, all tiles) of an ``[m, n]`` output."""
-  mt = -(-m // block_m(m))
+def _tiles(m: int, k: int, n: int) -> tuple[int, int]:
+  """(row tiles, all tiles) of the ``[m, n]`` output of ``x [m, k] @ W [k, n]``."""
+  mt = -(-m // block_m(m, k * n))
   return mt, mt * (n // BLOCK_N)
 
 
@@ -820,17 +834,17 @@ def _tail_cols(n: int, full: int, row_tiles: int) -> int:
   return n - full // row_tiles * BLOCK_N
 
 
-def _programs(m: int, n: int, plan: Plan) -> int:
+def _programs(m: int, k: int, n: int, plan: Plan) -> int:
   """The grid: one program per unit (a whole tile, or a split of a tail tile), or with :data:`PERSISTENT` at most
   one per SM (:func:`_sm_count`)."""
-  tiles = _tiles(m, n)[1]
+  tiles = _tiles(m, k, n)[1]
   units = plan.full + (tiles - plan.full) * plan.splits
-  return max(1, min(units, _sm_count() * _per_sm(m))) if PERSISTENT else units
+  return max(1, min(units, _sm_count() * _per_sm(block_m(m, k * n)))) if PERSISTENT else units
 
 
-def _per_sm(m: int) -> int:
-  """Persistent programs an SM for ``x [m, K]``: :data:`NARROW_PER_SM` for the 64-row tiles, else 1."""
-  return NARROW_PER_SM if block_m(m) == 64 else 1
+def _per_sm(bm: int) -> int:
+  """Persistent programs an SM for tiles of ``bm`` rows of x: :data:`NARROW_PER_SM` for the 64-row tiles, else 1."""
+  return NARROW_PER_SM if bm == 64 else 1
 
 
 def _plan_us(m: int, k: int, n: int, plan: Plan, sms: int) -> float:
@@ -838,14 +852,14 @@ def _plan_us(m: int, k: int, n: int, plan: Plan, sms: int) -> float:
   program's steps (its whole tiles and tail units as the persistent walk deals them out) times :data:`STEP_US` (the
   narrow tiles' :data:`SMALL_STEP_US`), plus the tail's float32 traffic (XLA's zeroing, every split's atomic add, the
   rounding pass) at :data:`HBM_TBPS`."""
-  mt, tiles = _tiles(m, n)
+  mt, tiles = _tiles(m, k, n)
   steps = k // STEP_K
   tail = (tiles - plan.full) * plan.splits
   programs = max(1, min(plan.full + tail, sms))
   busiest = max(len(range(p, plan.full, programs)) * steps
                 + len(range((p - plan.full) % programs, tail, programs)) * (steps // plan.splits)
                 for p in range(programs))
-  bm = block_m(m)
+  bm = block_m(m, k * n)
   us = busiest * (STEP_US if bm == BLOCK_M else SMALL_STEP_US[bm])
   if tail:
     us += m * _tail_cols(n, plan.full, mt) * (4.0 * (plan.splits + 2) + 2.0) / (HBM_TBPS * 1e6)
@@ -864,7 +878,7 @@ def plan_for(m: int, k: int, n: int, sms: int | None = None) -> Plan:
   """
   if MAX_SPLITS < 1:
     raise ValueError(f"w4_gluon_mm: MAX_SPLITS={MAX_SPLITS}; expected at least 1 (1: no split-K)")
-  mt, tiles = _tiles(m, n)
+  mt, tiles = _tiles(m, k, n)
   whole = Plan(tiles, 1)
   if MAX_SPLITS == 1 or not w4_gluon.atomic_split_k():
     return whole
@@ -924,27 +938,29 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
       or 1, :data:`MAX_SPLITS` below 1, :data:`RASTER_GROUP` below 0, :data:`NARROW_PER_SM` not 1 or 2,
       :data:`WAIT_SYNC`, :data:`WARPGROUP_RELEASE`, :data:`PREFETCH_CODES` or :data:`TAIL_MEMSET` not 0 or 1,
       :data:`NARROW_REPAIR_MAX_N` below 0, :data:`DECODE` not 1-5, :data:`NARROW_DECODE` or :data:`WIDE_DECODE` not
-      2-5), or a ``plan`` whose splits do not divide the ``k / 64`` steps or whose whole tiles are not whole columns.
+      2-5, :data:`SMALL_WEIGHT_ROWS` not 64 or 128), or a ``plan`` whose splits do not divide the ``k / 64`` steps
+      or whose whole tiles are not whole columns.
   """
   if (min(STAGES, SMALL_STAGES) < 2 or IN_FLIGHT not in (0, 1) or RASTER_GROUP < 0 or NARROW_PER_SM not in (1, 2)
       or WAIT_SYNC not in (0, 1) or WARPGROUP_RELEASE not in (0, 1) or PREFETCH_CODES not in (0, 1)
       or TAIL_MEMSET not in (0, 1) or NARROW_REPAIR_MAX_N < 0 or DECODE not in (1, 2, 3, 4, 5)
-      or NARROW_DECODE not in (2, 3, 4, 5) or WIDE_DECODE not in (2, 3, 4, 5)):
+      or NARROW_DECODE not in (2, 3, 4, 5) or WIDE_DECODE not in (2, 3, 4, 5) or SMALL_WEIGHT_ROWS not in (64, 128)):
     raise ValueError(f"w4_gluon_mm: STAGES={STAGES}, SMALL_STAGES={SMALL_STAGES} (>= 2), IN_FLIGHT={IN_FLIGHT} (0 or 1), "
                      f"RASTER_GROUP={RASTER_GROUP} (>= 0), NARROW_PER_SM={NARROW_PER_SM} (1 or 2), "
                      f"WAIT_SYNC={WAIT_SYNC}, WARPGROUP_RELEASE={WARPGROUP_RELEASE}, PREFETCH_CODES={PREFETCH_CODES} "
                      f"and TAIL_MEMSET={TAIL_MEMSET} (0 or 1), NARROW_REPAIR_MAX_N={NARROW_REPAIR_MAX_N} (>= 0), "
                      f"DECODE={DECODE} (1-5), NARROW_DECODE={NARROW_DECODE} "
-                     f"and WIDE_DECODE={WIDE_DECODE} (2-5) are not all supported")
+                     f"and WIDE_DECODE={WIDE_DECODE} (2-5), SMALL_WEIGHT_ROWS={SMALL_WEIGHT_ROWS} (64 or 128) "
+                     f"are not all supported")
   plan = plan_for(m, k, n) if plan is None else Plan(*plan)
-  mt, tiles = _tiles(m, n)
+  mt, tiles = _tiles(m, k, n)
   if plan.splits < 1 or (k // STEP_K) % plan.splits or not 0 <= plan.full <= tiles or plan.full % mt:
     raise ValueError(f"w4_gluon_mm: plan {tuple(plan)} needs splits dividing the {k // STEP_K} steps (K = {k}) and "
                      f"0..{tiles} whole tiles in multiples of the {mt} row tiles")
   if plan.full < tiles and plan.splits == 1:
     plan = Plan(tiles, 1)  # an unsplit tail is whole tiles
-  bm = block_m(m)
-  pp = _per_sm(m)
+  bm = block_m(m, k * n)
+  pp = _per_sm(bm)
   stages = STAGES if bm == BLOCK_M else max(2, SMALL_STAGES // pp)
   steps = k // STEP_K
   pairs = RELEASE_PAIRS and IN_FLIGHT == 1 and stages % 2 == 0 and steps % 2 == 0 and (
@@ -956,7 +972,7 @@ def meta_for(m: int, k: int, n: int, layers: int, decode_order: bool = False, ad
               DR=LOAD_REGS, IF=2 if pairs else IN_FLIGHT, DV=dv, PP=pp, WS=WAIT_SYNC, WR=WARPGROUP_RELEASE,
               PF=int(bool(PREFETCH_CODES) and not pairs and IN_FLIGHT == 1 and dv >= 2 and PROBE != 1 and not dx
                      and bm < BLOCK_M),
-              PR=PROBE, NP=_programs(m, n, plan), DO=int(decode_order), AD=int(addend), DX=int(dx), FT=plan.full,
+              PR=PROBE, NP=_programs(m, k, n, plan), DO=int(decode_order), AD=int(addend), DX=int(dx), FT=plan.full,
               SK=plan.splits, G=RASTER_GROUP if 0 < RASTER_GROUP < mt else 0)
 
 

@@ -191,7 +191,7 @@ def test_mm_settings_are_checked(monkeypatch):
   assert w4_gluon_mm.meta_for(2048, 3584, 4608, 1)["S"] == w4_gluon_mm.STAGES
   for name, bad in (("STAGES", 1), ("SMALL_STAGES", 1), ("IN_FLIGHT", 2), ("RASTER_GROUP", -1),
                     ("NARROW_PER_SM", 3), ("WAIT_SYNC", 2), ("WARPGROUP_RELEASE", 2), ("PREFETCH_CODES", 2),
-                    ("TAIL_MEMSET", 2)):
+                    ("TAIL_MEMSET", 2), ("SMALL_WEIGHT_ROWS", 96)):
     with monkeypatch.context() as mp:
       mp.setattr(w4_gluon_mm, name, bad)
       with pytest.raises(ValueError, match=name):
@@ -215,11 +215,12 @@ def test_mm_two_narrow_programs_an_sm(monkeypatch):
 
 
 def test_mm_paired_decode_by_tile_for_decode_order_codes(monkeypatch):
-  """Decode-order codes in the forward take the paired decode where sessions 53-55 measured it faster: the wide
-  tiles (M > 128) repaired in registers (DV 5, WIDE_DECODE), the narrow ones (M <= 128) repaired too for weights of
-  at most NARROW_REPAIR_MAX_N columns (the 7B q/k/v, 4608) and with x permuted (DV 4, NARROW_DECODE) for wider ones
-  (the 7B gate/up, 37888). Standard-order codes and the dx build keep DECODE (2); the settings switch each tile's
-  form, DECODE = 4 or 5 (lab) forces one at every M, and values outside the forms are refused by name."""
+  """Decode-order codes in the forward take the paired decode where sessions 53-55 measured it faster: the wide tiles (M
+  > 128; with the lab's NARROW_SMALL_WIDE_MAX_M small weights M > 256) repaired in registers (DV 5, WIDE_DECODE), the
+  narrow ones repaired too for weights of at most NARROW_REPAIR_MAX_N columns (the 7B q/k/v, 4608) and with x permuted
+  (DV 4, NARROW_DECODE) for wider ones (the 7B gate/up, 37888). Standard-order codes and the dx build keep DECODE (2);
+  the settings switch each tile's form, DECODE = 4 or 5 (lab) forces one at every M, and values outside the forms are
+  refused by name."""
   monkeypatch.setattr(w4_gluon_mm, "_sm_count", lambda: 132)
   dv = lambda m, order=True, dx=False, n=4608: w4_gluon_mm.meta_for(m, 3584, n, 1, decode_order=order, dx=dx)["DV"]
   assert w4_gluon_mm.NARROW_REPAIR_MAX_N == 8192
@@ -230,6 +231,8 @@ def test_mm_paired_decode_by_tile_for_decode_order_codes(monkeypatch):
   with monkeypatch.context() as mp:  # 0: every narrow tile takes NARROW_DECODE
     mp.setattr(w4_gluon_mm, "NARROW_REPAIR_MAX_N", 0)
     assert [dv(m) for m in (64, 128, 129, 2048)] == [4, 4, 5, 5]
+    mp.setattr(w4_gluon_mm, "NARROW_SMALL_WIDE_MAX_M", 256)  # lab: q/k/v's narrow tile to 256 rows
+    assert [dv(m) for m in (129, 256, 257)] == [4, 4, 5]
     assert w4_gluon_mm.meta_for(64, 3584, 4608, 1, decode_order=False)["DV"] == 2  # standard order: unpaired
   monkeypatch.setattr(w4_gluon_mm, "NARROW_REPAIR_MAX_N", 0)
   monkeypatch.setattr(w4_gluon_mm, "NARROW_DECODE", 5)
@@ -618,14 +621,16 @@ def test_mm_lowers_for_cuda_without_a_gpu(order, monkeypatch):
 @pytest.mark.parametrize("tail_memset", [0, 1])
 def test_mm_split_k_lowers_for_cuda_without_a_gpu(tail_memset, monkeypatch):
   """Split-K lowers with the tail's float32 columns as the second result (the kernel adds its parts into them with
-  float32 atomics), rounded by XLA: every tile split (the 7B q/k/v at M = 256, 36 tiles, 2 splits: 72 programs, the
-  whole tail) and two whole rounds with a split tail (M = 2048: 264 whole tiles, the last 384 columns split, written
-  into the output by a dynamic update slice). The tail is zeroed by XLA, a zero operand aliased to it, or with
-  TAIL_MEMSET by the launcher (bit 1 of ``zero_results``, the second result; no alias, a one-element operand)."""
+  float32 atomics), rounded by XLA: every tile split (the 7B q/k/v at M = 256 on the 256-row tile, 36 tiles, 2
+  splits: 72 programs, the whole tail) and two whole rounds with a split tail (M = 2048: 264 whole tiles, the last
+  384 columns split, written into the output by a dynamic update slice). The tail is zeroed by XLA, a zero operand
+  aliased to it, or with TAIL_MEMSET by the launcher (bit 1 of ``zero_results``, the second result; no alias, a
+  one-element operand)."""
   _fake_sm90(monkeypatch)
   monkeypatch.delenv("QERL_GLUON_DETERMINISTIC", raising=False)
   monkeypatch.setenv("XLA_FLAGS", "")
   monkeypatch.setattr(w4_gluon_mm, "TAIL_MEMSET", tail_memset)
+  monkeypatch.setattr(w4_gluon_mm, "NARROW_SMALL_WIDE_MAX_M", 0)  # M = 256 on the 256-row tile
   k, n, stack = _abstract_stack("standard")
   i = jax.ShapeDtypeStruct((), jnp.int32)
   f = jax.jit(lambda x, w, i, c: w4_gluon_mm.forward(x, w, index=i, addend=c))
@@ -770,6 +775,61 @@ def test_gpu_mm_tail_memset_matches_float64(m, k, n, plan, tail_memset, monkeypa
     extra = 0.0 if addend is None else np.asarray(c, np.float64)
     _check_written(got, want + extra, (m, n))
     _check_written(neg, -want + extra, (m, n))
+
+
+def test_mm_small_weights_take_the_narrow_tile_to_256_rows(monkeypatch):
+  """Past SMALL_M_MAX (128), with the lab's NARROW_SMALL_WIDE_MAX_M at 256 (0, off, by default) weights of at most
+  NARROW_SMALL_WEIGHTS values keep the 128-row tile up to 256 rows: the 7B q/k/v (3584 x 4608, 16.5M values) at M = 256
+  lowers with m64 n128 wgmmas in two row tiles (72 programs, every tile whole), the 7B gate/up (3584 x 37888) keeps m64
+  n256, and M = 257 or the setting at 0 gives the 256-row tile back."""
+  _fake_sm90(monkeypatch)
+  monkeypatch.setattr(w4_gluon_mm, "SMALL_M_MAX", 128)
+  monkeypatch.setattr(w4_gluon_mm, "NARROW_SMALL_WEIGHTS", 1 << 24)
+  monkeypatch.setattr(w4_gluon_mm, "NARROW_SMALL_WIDE_MAX_M", 256)
+  monkeypatch.setattr(w4_gluon_mm, "MAX_SPLITS", 1)
+  qkv, gate_up = 3584 * 4608, 3584 * 37888
+  assert [w4_gluon_mm.block_m(m, qkv) for m in (100, 129, 256, 257)] == [128, 128, 128, 256]
+  assert [w4_gluon_mm.block_m(m, gate_up) for m in (100, 129, 256)] == [128, 256, 256]
+  assert w4_gluon_mm.block_m(200) == 256  # no weight size given: a large weight
+  assert w4_gluon_mm.meta_for(256, 3584, 4608, 1)["BM"] == 128
+  assert w4_gluon_mm.meta_for(256, 3584, 4608, 1, dx=True)["BM"] == 128  # the dx build: the same K x N values
+  k, n, stack = _abstract_stack("decode")
+  i = jax.ShapeDtypeStruct((), jnp.int32)
+  f = jax.jit(lambda x, w, i: w4_gluon_mm.forward(x, w, index=i))
+  text = f.trace(jax.ShapeDtypeStruct((256, k), jnp.bfloat16), stack, i).lower(lowering_platforms=("cuda",)).as_text()
+  assert "grid_x = 72" in text and "wgmma.mma_async.sync.aligned.m64n128k16" in text and "m64n256k16" not in text
+  monkeypatch.setattr(w4_gluon_mm, "SMALL_WEIGHT_ROWS", 64)  # lab: 64-row tiles, NARROW_PER_SM programs an SM
+  assert [w4_gluon_mm.block_m(m, qkv) for m in (1, 65, 128, 256, 257)] == [64, 64, 64, 64, 256]
+  assert w4_gluon_mm.block_m(128, gate_up) == 128
+  meta = w4_gluon_mm.meta_for(256, 3584, 4608, 1)
+  assert (meta["BM"], meta["PP"]) == (64, w4_gluon_mm.NARROW_PER_SM)
+  f = jax.jit(lambda x, w, i: w4_gluon_mm.forward(x, w, index=i))  # a new trace
+  text = f.trace(jax.ShapeDtypeStruct((256, k), jnp.bfloat16), stack, i).lower(lowering_platforms=("cuda",)).as_text()
+  assert "wgmma.mma_async.sync.aligned.m64n64k16" in text and "m64n128k16" not in text
+  monkeypatch.setattr(w4_gluon_mm, "SMALL_WEIGHT_ROWS", 128)
+  monkeypatch.setattr(w4_gluon_mm, "NARROW_SMALL_WIDE_MAX_M", 0)
+  assert w4_gluon_mm.block_m(256, qkv) == 256 and w4_gluon_mm.meta_for(256, 3584, 4608, 1)["BM"] == 256
+  assert w4_gluon_mm.block_m(100, qkv) == 128  # SMALL_M_MAX's narrow tile
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(256, 3584, 4608), (256, 3584, 3584), (200, 1152, 768), (128, 3584, 4608)])
+@pytest.mark.parametrize("order", ["standard", "decode"])
+@pytest.mark.parametrize("rows", [128, 64])
+def test_gpu_small_weight_at_256_rows_matches_float64(m, k, n, order, rows, monkeypatch):
+  """Small weights at 64 < M <= 256 on the narrow tiles (the lab's NARROW_SMALL_WIDE_MAX_M; 128 rows, or 64 with its
+  SMALL_WEIGHT_ROWS) against float64, forward and dx, either code order, every element written."""
+  _skip_without_kernel()
+  monkeypatch.setattr(w4_gluon_mm, "NARROW_SMALL_WIDE_MAX_M", 256)
+  monkeypatch.setattr(w4_gluon_mm, "SMALL_WEIGHT_ROWS", rows)
+  assert w4_gluon_mm.meta_for(m, k, n, 1)["BM"] == rows
+  wq = _weight(k, n, m + k)
+  w = nvfp4.to_decode_order(wq) if order == "decode" else wq
+  rng = np.random.default_rng(n)
+  x = jnp.asarray(rng.standard_normal((m, k)) * 2.0, jnp.bfloat16)
+  _check_written(jax.jit(w4_gluon_mm.forward)(x, w), np.asarray(x, np.float64) @ _dense64(wq), (m, n))
+  dy = jnp.asarray(rng.standard_normal((m, n)) * 2.0, jnp.bfloat16)
+  _check_written(jax.jit(w4_gluon_mm.dx)(dy, w), np.asarray(dy, np.float64) @ _dense64(wq).T, (m, k))
 
 
 @pytest.mark.gpu

@@ -59,6 +59,7 @@
 #   STEPS=79 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=80 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=81 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=82 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -769,6 +770,10 @@ from pallas_kernels import w4_gluon_mm
 w4_gluon_mm.SMALL_M_MAX = 256
 sys.argv = ['bench_kernels.py', '--models=7b', '--kinds=fwd', '--ms=256', '--ragged=false']
 runpy.run_path('experiments/bench_kernels.py', run_name='__main__')" 2>&1 | grep "|"; } | tee "$OUT/step80.txt"
+#    Session 56 ran it (H100; raw docs/bench_runs/session56_step80_h100.txt): 7B q/k/v / o at M = 64, 128, 256 with
+#    MAX_SPLITS 2 / 4 / 8: 13.6 / 13.6 / 13.6, 19.8 / 19.8 / 19.5, 28.7 / 28.7 / 30.4 and 12.9 / 12.9 / 12.9, 19.1 /
+#    15.0 / 15.1, 27.4 / 21.8 / 22.1 us (8 stays); SMALL_M_MAX=256 at M = 256: q/k/v 25.6, o 21.3, gate 61.6, down
+#    68.4 (against 55.1 / 58.1 on the wide tile), which step 82 followed up.
 # 81 (session 55, prepared; about 5 minutes): SamplingConfig.dequantize_max_weights, a dense copy of only the small
 #    linears for rollouts of many rows (the 7B q/k/v and o, 1.6 GB in bf16, where session 55's corrected table has
 #    them at 0.77x / 0.58x and 0.82x / 0.64x of bf16 at M = 128 / 256): its GPU tests (a mixed base against the same
@@ -780,4 +785,27 @@ step 81 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -
       "--dequantize_min_rows=128 --dequantize_max_weights=20000000"; do echo "== ${d:-4-bit throughout}"
     timeout 90 python3 experiments/bench_rollout.py --batches=128,256 --new_tokens=512 --formats=nvfp4_fused $d \
       --time_budget_s=70 2>&1 | grep "nvfp4_fused |"; done; } | tee "$OUT/step81.txt"
+#    Session 56 ran it on an H100 (raw docs/bench_runs/session56_step81*.txt): 2 GPU tests passed; decode step at
+#    batch 128 6.185 / 6.229 ms 4-bit against 6.201 with the copy (none); batch 256 10.407 / 10.431 / 10.425 against
+#    9.835 / 9.833 (5.7% faster, 1.6 GB more). Its grep missed the copy's rows (labelled "nvfp4_fused (bf16 copy)").
+# 82 (session 56; about 8 minutes): w4_gluon_mm.NARROW_SMALL_WIDE_MAX_M = 256 (lab; off by default since this
+#    step), small weights (the 7B q/k/v and o) on the 128-row narrow tile at 64 < M <= 256 (step 80's SMALL_M_MAX=256
+#    run had them 5.4 and 1.1 us faster at M = 256, H100), and SMALL_WEIGHT_ROWS = 64 (64-row tiles there): their GPU
+#    tests, the harness at M = 128-256 for 7B (off, on, 64-row, every weight narrow), batch-128 and 256 rollouts (512
+#    new tokens) under each, then the 32B harness.
+step 82 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -n 10 -m gpu tests/test_gluon_mm.py \
+    -k "small_weight_at_256 or narrow_tile or dx_build or split_k" -p no:cacheprovider 2>&1 | grep -E "passed|failed|FAILED"
+  v="base;on:NARROW_SMALL_WIDE_MAX_M=256;r64:NARROW_SMALL_WIDE_MAX_M=256,SMALL_WEIGHT_ROWS=64;all:SMALL_M_MAX=256"
+  MM_ORDER=decode MM_MS=128,192,256 MM_VARIANTS="$v" timeout 110 python3 experiments/lab/time_mm.py 2>&1 | grep -v Warn
+  for s in "NARROW_SMALL_WIDE_MAX_M=256" "" "NARROW_SMALL_WIDE_MAX_M=256,SMALL_WEIGHT_ROWS=64"; do
+    echo "== w4_gluon_mm ${s:-defaults}"
+    MM_SET="$s" timeout 75 python3 experiments/lab/gluon/ab_rollout.py --batches=128,256 --new_tokens=512 \
+      --formats=nvfp4_fused --time_budget_s=60 2>&1 | grep "nvfp4_fused"; done
+  MM_MODEL=32b MM_ORDER=decode MM_MS=128,256 MM_VARIANTS="$v" timeout 110 python3 experiments/lab/time_mm.py 2>&1 \
+    | grep -v Warn; } | tee "$OUT/step82.txt"
+#    Session 56 ran it while the setting's default was 256 (its "base" then is "on" now and "off" the default; H100;
+#    raw docs/bench_runs/session56_step82*_h100.txt): 47 GPU tests passed; 7B summed at M = 256 211.6 -> 206.8 us
+#    (q/k/v 30.1 -> 26.2, o 22.1 -> 21.4), 192 199.4 -> 198.6, 64-row tiles better only at 192; batch-256 steps
+#    10.368 both (then 10.393 / 10.385 on against 10.362 / 10.327 off, and 11.170 with every weight narrow); hence
+#    off.
 exit 0  # (a step not chosen leaves a false test as the last status)
