@@ -60,6 +60,7 @@
 #   STEPS=80 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=81 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=82 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=83 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -808,4 +809,12 @@ step 82 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -
 #    (q/k/v 30.1 -> 26.2, o 22.1 -> 21.4), 192 199.4 -> 198.6, 64-row tiles better only at 192; batch-256 steps
 #    10.368 both (then 10.393 / 10.385 on against 10.362 / 10.327 off, and 11.170 with every weight narrow); hence
 #    off.
+# 83 (session 56, prepared; about 4 minutes): why step 82's kernel-level gain (the 7B q/k/v and o on the 128-row
+#    tile at M = 256, 4.6 us a layer in time_mm.py) did not reach batch-256 decode steps: per-kernel device time of
+#    a batch-256 rollout (64 new tokens) with NARROW_SMALL_WIDE_MAX_M at 0 (the default) and 256, each kernel's
+#    median by call position within a layer.
+step 83 && for s in "" "NARROW_SMALL_WIDE_MAX_M=256"; do echo "== w4_gluon_mm ${s:-defaults}"
+  PROFILE_MM_SET="$s" PROFILE_POSITIONS=1 PROFILE_TOP=25 OUT="$OUT" timeout 110 python3 \
+    experiments/lab/profile_rollout.py nvfp4_fused:256:64 2>&1 | grep -v "Warn\|I1206\|profiler.py"; done \
+  | tee "$OUT/step83.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)

@@ -12,7 +12,7 @@ median time by call position within the layer (trace order). ``PROFILE_HLO=1`` a
 XLA kernel, the fusion's output shape and the JAX op and source line it came from (from the compiled
 HLO's metadata), to find which model code a small kernel belongs to, and writes the compiled HLO
 text to $OUT (default /tmp). ``PROFILE_MODEL_SET="NAME=int,..."`` sets qerl_jax.models.decoder's module
-settings first (as ab_rollout.py's MODEL_SET).
+settings first (as ab_rollout.py's MODEL_SET), ``PROFILE_MM_SET`` pallas_kernels.w4_gluon_mm's (as its MM_SET).
 
   PYTHONPATH=$PWD python3 experiments/lab/profile_rollout.py nvfp4:8:64 bf16:8:64 nvfp4_fused:8:64:32:aqn
 """
@@ -29,6 +29,8 @@ from qerl_jax.models import decoder
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/lab
 from labcommon import set_module_settings
 set_module_settings("PROFILE_MODEL_SET", decoder)
+from pallas_kernels import w4_gluon_mm
+set_module_settings("PROFILE_MM_SET", w4_gluon_mm)
 
 def profile(fmt, batch, new_tokens, out, rank=0, aqn=False):
   cfg = models.ModelConfig.from_hf(br.QWEN25_7B)
