@@ -785,10 +785,11 @@ step 81 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -
   for d in "" "--dequantize_min_rows=128 --dequantize_max_weights=20000000" "" \
       "--dequantize_min_rows=128 --dequantize_max_weights=20000000"; do echo "== ${d:-4-bit throughout}"
     timeout 90 python3 experiments/bench_rollout.py --batches=128,256 --new_tokens=512 --formats=nvfp4_fused $d \
-      --time_budget_s=70 2>&1 | grep "nvfp4_fused |"; done; } | tee "$OUT/step81.txt"
+      --time_budget_s=70 2>&1 | grep "^| nvfp4_fused"; done; } | tee "$OUT/step81.txt"
 #    Session 56 ran it on an H100 (raw docs/bench_runs/session56_step81*.txt): 2 GPU tests passed; decode step at
 #    batch 128 6.185 / 6.229 ms 4-bit against 6.201 with the copy (none); batch 256 10.407 / 10.431 / 10.425 against
-#    9.835 / 9.833 (5.7% faster, 1.6 GB more). Its grep missed the copy's rows (labelled "nvfp4_fused (bf16 copy)").
+#    9.835 / 9.833 (5.7% faster, 1.6 GB more). Its grep then missed the copy's rows (labelled "nvfp4_fused (bf16
+#    copy)"); fixed since.
 # 82 (session 56; about 8 minutes): w4_gluon_mm.NARROW_SMALL_WIDE_MAX_M = 256 (lab; off by default since this
 #    step), small weights (the 7B q/k/v and o) on the 128-row narrow tile at 64 < M <= 256 (step 80's SMALL_M_MAX=256
 #    run had them 5.4 and 1.1 us faster at M = 256, H100), and SMALL_WEIGHT_ROWS = 64 (64-row tiles there): their GPU
