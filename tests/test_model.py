@@ -17,6 +17,7 @@ from tests._model_utils import (assert_same_as_on_cpu, decode_all as _decode_all
 fwd = jax.jit(models.forward, static_argnums=(0,),
               static_argnames=("lora_cfg", "remat", "return_hidden"))
 
+TORCH_REASON = "PyTorch (a dev extra) runs the transformers reference"
 ARCHS = [("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True), ("llama", False),
          ("llama", True)]
 
@@ -46,7 +47,7 @@ def test_logits_match_transformers_left_padded(arch, tied):
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_logits_match_transformers_far_positions(arch):
   """Positions near 3000 exercise RoPE (and llama3 frequency scaling) beyond the short batch."""
-  import torch
+  torch = pytest.importorskip("torch", reason=TORCH_REASON)
   m, cfg, base = _model(arch, False)
   rng = np.random.default_rng(1)
   tokens = rng.integers(0, cfg.vocab_size, (2, 8)).astype(np.int32)
@@ -74,7 +75,7 @@ def test_logits_match_transformers_at_long_context_real_rope(fixtures_dir, name)
   head_dim 128) at positions up to 120k, on a model shrunk in width and depth only. RoPE angles grow with the
   position, so inverse frequencies 1-2 float32 ulps off transformers' (numpy's float32 power) gave logits
   about 1e-3 off at 120k."""
-  torch = pytest.importorskip("torch")
+  torch = pytest.importorskip("torch", reason=TORCH_REASON)
   import transformers as tf
   d = _fixture_config(fixtures_dir, name)
   d.update(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -101,6 +102,7 @@ def test_logits_match_transformers_at_long_context_real_rope(fixtures_dir, name)
 def test_rope_inv_freq_of_real_configs_matches_transformers(fixtures_dir, name):
   """Bit for bit where transformers' float32 pow is correctly rounded (Llama 3.2's 64 and 128 frequencies,
   llama3 scaling included), else within one ulp (its pow's own error)."""
+  pytest.importorskip("torch", reason=TORCH_REASON)  # transformers' RoPE initialisers return torch tensors
   import transformers as tf
   from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
   from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding

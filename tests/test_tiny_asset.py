@@ -31,7 +31,7 @@ def _prompts(tok, n):
 def test_transformers_generates_and_matches_our_decoder():
   import jax
   import jax.numpy as jnp
-  import torch
+  torch = pytest.importorskip("torch", reason="PyTorch (a dev extra) runs transformers' generate")
   from transformers import AutoModelForCausalLM, AutoTokenizer
 
   from qerl_jax import hf, sampling
