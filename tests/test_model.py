@@ -564,6 +564,59 @@ def test_decode_step_accumulator_regions(monkeypatch, fused, lora_kind, in_kerne
                       if in_kernel == "xa" else [])
 
 
+@pytest.mark.parametrize("lora_kind", [None, "fused"])
+def test_decode_step_bf16_qkv_route(monkeypatch, lora_kind):
+  """decoder.FUSED_ATTENTION_BF16_QKV: a fused-attention decode step without an accumulator whose q/k/v weight is on
+  the large-M bf16 route takes q/k/v from layers.linear (bias and adapter delta as the GEMM's bf16 addend) and the
+  append kernel gets no bias. Without an adapter that is bit for bit the float32 route's q/k/v (the bias is bf16,
+  so adding it before or after the one rounding is the same sum); with one, the delta is rounded to bf16 first,
+  so the logits agree to bf16 rounding, and they differ from the adapter-free ones by far more than that."""
+  from pallas_kernels import decode_attention as da
+  from pallas_kernels import matmul
+  from qerl_jax import lora as lora_lib
+  from qerl_jax.models import decoder
+  cfg = models.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=16, attention_bias=True, dtype="bfloat16")
+  base = models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16, std=0.1)
+  base["layers"]["attn"]["q_bias"] = 0.5 * jax.random.normal(jax.random.key(9), base["layers"]["attn"]["q_bias"].shape,
+                                                             jnp.bfloat16)  # a bias that matters
+  base = models.quantize_base(models.fuse_projections(base), "nvfp4")
+  qkv_n = cfg.q_dim + 2 * cfg.kv_dim
+  kw = {"compiler_options": {"xla_allow_excess_precision": False}}
+  if lora_kind:
+    c = lora_lib.LoRAConfig(r=4, lora_alpha=8.0, target_modules=("q", "v", "o", "up", "down"))
+    lora = lora_lib.init_lora(jax.random.key(5), cfg, c)
+    lora = jax.tree.map(lambda a: a + 0.2 * jax.random.normal(jax.random.key(a.size), a.shape, a.dtype), lora)
+    kw.update(lora=models.fuse_adapter(lora, cfg, dtype=jnp.bfloat16), lora_cfg=c)
+  tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=5))
+  monkeypatch.setattr(da, "auto_backend", lambda dtype: "interpret")  # the fused decode attention
+  monkeypatch.setattr(decoder, "ACCUMULATE_DECODE", False)  # as above ACCUMULATE_MAX_ROWS rows
+  # the q/k/v weight on the large-M route (as at 256 rows on a GPU), the other weights as they were
+  monkeypatch.setattr(matmul, "dense_path_applies", lambda x, w, index=None: w.shape[-1] == qkv_n)
+  biases = []  # the bias the append kernel got, each trace
+  real_append = da.decode_attention_append
+  monkeypatch.setattr(da, "decode_attention_append",
+                      lambda *a, **k: biases.append(a[1] is not None) or real_append(*a, **k))
+  monkeypatch.setattr(decoder, "FUSED_ATTENTION_BF16_QKV", 0)
+  f32_route, _ = _decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
+  assert biases and all(biases)
+  biases.clear()
+  monkeypatch.setattr(decoder, "FUSED_ATTENTION_BF16_QKV", 1)
+  bf16_route, _ = _decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
+  assert biases and not any(biases)  # the route ran: the bias went into the GEMM's addend
+  real = np.asarray(mask, bool)
+  got, ref = np.asarray(bf16_route, np.float32)[real], np.asarray(f32_route, np.float32)[real]
+  assert np.isfinite(got).all()
+  if lora_kind is None:
+    np.testing.assert_array_equal(got, ref)
+  else:
+    scale = np.abs(ref).max()
+    assert np.abs(got - ref).max() < 0.03 * scale
+    kw.pop("lora"), kw.pop("lora_cfg")
+    plain, _ = _decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
+    assert np.abs(np.asarray(plain, np.float32)[real] - got).max() > 0.1 * scale  # the adapter's delta is there
+
+
 # ------------------------------------------------------ the large-M bf16 route (layers.BF16_EPILOGUE) ---
 
 def _bf16_dots(fn, *args) -> int:

@@ -629,6 +629,51 @@ def test_gpu_dequantize_max_weights_runs_a_mixed_base():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [96, 256])
+def test_gpu_bf16_qkv_route_samples_as_the_dense_base(monkeypatch, rows):
+  """On a GPU (bf16 model with q/k/v biases, fused NVFP4 base in decode order) a decode step of 96 or 256 rows has
+  no shared buffer, and its q/k/v weight is on the large-M route (the Gluon GEMM's narrow tiles at 96, its wide
+  tiles at 256), so decoder.FUSED_ATTENTION_BF16_QKV takes q/k/v in bf16 with the bias in the GEMM's epilogue and the
+  append kernel gets none. The rollout samples what the same base dequantized by XLA samples (the first token of
+  every row, the log-probabilities within 4-bit and bf16 rounding until a row diverges), as the float32 route
+  does."""
+  from pallas_kernels import decode_attention as da
+  from qerl_jax import models
+  from qerl_jax.models import decoder
+  cfg = models.ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=8,
+                           num_kv_heads=2, head_dim=64, attention_bias=True, dtype="bfloat16")
+  params = models.init_params(cfg, jax.random.key(0), dtype=jnp.float32, std=0.05)
+  params["layers"]["attn"]["q_bias"] = 0.5 * jax.random.normal(jax.random.key(9),
+                                                               params["layers"]["attn"]["q_bias"].shape)
+  base = models.to_decode_order(models.quantize_base(models.fuse_projections(params), "nvfp4"))
+  dense = models.dequantize_base(base, jnp.bfloat16)  # XLA, from the standard order
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 500, (rows, 12)), jnp.int32)
+  mask = jnp.ones((rows, 12), jnp.int32)
+  kw = dict(max_new_tokens=8, eos_token_ids=(511,), pad_id=511, temperature=1.0)
+  want = sampling.generate(cfg, dense, tokens, mask, jax.random.key(3), SamplingConfig(**kw))
+  biases = []
+  real_append = da.decode_attention_append
+  monkeypatch.setattr(da, "decode_attention_append",
+                      lambda *a, **k: biases.append(a[1] is not None) or real_append(*a, **k))
+  rollouts = []
+  for route in (1, 0):
+    biases.clear()
+    monkeypatch.setattr(decoder, "FUSED_ATTENTION_BF16_QKV", route)
+    got = sampling.generate(cfg, base, tokens, mask, jax.random.key(3), SamplingConfig(**kw))
+    assert biases and all(b == (not route) for b in biases)
+    lp, lpd = np.asarray(got.logprobs), np.asarray(want.logprobs)
+    assert np.isfinite(lp).all()
+    same = np.cumprod(np.asarray(got.tokens) == np.asarray(want.tokens), axis=1).astype(bool)
+    assert same[:, 0].mean() > 0.95  # 4-bit products against dense ones: a rare first-token flip
+    np.testing.assert_allclose(lp[same], lpd[same], atol=0.1)
+    rollouts.append(got)
+  # the two routes: the same 4-bit products but for q/k/v's rounding order, so much closer to each other
+  same = np.cumprod(np.asarray(rollouts[0].tokens) == np.asarray(rollouts[1].tokens), axis=1).astype(bool)
+  assert same[:, 0].all() and same.mean() > 0.5
+  np.testing.assert_allclose(np.asarray(rollouts[0].logprobs)[same], np.asarray(rollouts[1].logprobs)[same], atol=2e-2)
+
+
+@pytest.mark.gpu
 def test_gpu_dequantize_min_rows_equals_sampling_a_predequantized_bf16_base():
   """On a GPU (bf16 model, fused NVFP4 base in the decode kernel's code order, as the trainer stores it):
   the rollout's dense copy comes from the Pallas dequantize kernel, one launch per layer, and sampling on

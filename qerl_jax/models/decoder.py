@@ -57,6 +57,15 @@ FUSED_POST_ATTENTION = 1
 # rollouts 0.2-1.2% faster (NVFP4 and bf16; docs/benchmarks.md "Session 39"). 0 restores XLA's combine (for A/B
 # measurements). Read at trace time.
 FUSED_ATTENTION_COMBINE = 1
+# 1: a fused-attention decode step without an accumulator (more than ACCUMULATE_MAX_ROWS rows) whose q/k/v weight
+# is on layers.BF16_EPILOGUE's large-M route (a 4-bit weight at M > 128 rows, or 65-128 in the Gluon GEMM's narrow
+# tiles; pallas_kernels.matmul.dense_path_applies) takes q/k/v from layers.linear: the Gluon GEMM's bf16 output with
+# the bias (and an adapter's delta) added in its epilogue, as the training forward computes them; the attention
+# kernel then adds no bias. The float32 route it replaces ran there on dequantize + cuBLAS (the Gluon GEMM writes
+# only bf16) at M > 128, or on the decode GEMV's wgmma builds at 65-128: a batch-256 profile (H100, session 57,
+# docs/bench_runs/session57_step83_h100.txt) had the 7B q/k/v at 15.8 us of dequantize and 20.6 us of cuBLAS a
+# layer. 0 keeps the float32 route (for A/B measurements; read at trace time).
+FUSED_ATTENTION_BF16_QKV = 1
 
 
 def _dtype(cfg: ModelConfig):
@@ -265,6 +274,12 @@ class _NextNorms(NamedTuple):
   noise_post: Optional[jax.Array]
 
 
+def _bf16_qkv(x, w, acc) -> bool:
+  """Whether a fused-attention decode step takes its q/k/v in bf16 from :func:`layers.linear`
+  (:data:`FUSED_ATTENTION_BF16_QKV`): no accumulator, and ``w`` on the large-M route of ``layers.BF16_EPILOGUE``."""
+  return bool(FUSED_ATTENTION_BF16_QKV) and acc is None and layers.bf16_epilogue_applies(x, w)
+
+
 def _region_finished(x, w, lora, lora_scale, bias, before, after) -> bool:
   """Whether a projection of ``x`` by ``w`` ran into the accumulator (``after`` advanced past ``before``, see
   :func:`layers.linear_f32_into`) and its region holds the finished product, for a kernel to read in place: no
@@ -315,17 +330,21 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   if fused_attention:
     kc, vc, li, sync = kv
     bias_stack = attn.get("qkv_bias")
-    before = acc
-    y, bias, acc = layers.linear_f32_into(x, attn["qkv"], acc, bias=layers.layer_array(bias_stack), lora=la.get("qkv"),
-                                          lora_scale=lora_scale)
-    # The kernel reads in place what XLA would copy out for it: the bias stack's layer li and, when
-    # q/k/v went unchanged into the head of the accumulator (no adapter, or one the 4-bit kernel added), that head.
-    if bias is not None and isinstance(bias_stack, layers.StackedWeight):
-      bias = bias_stack.tensor
-    qkv = y.reshape(b, -1)
-    # (the bias goes to the kernel apart)
-    if _region_finished(x, attn["qkv"], la.get("qkv"), lora_scale, None, before, acc) and before.offset == 0:
-      qkv = acc.buffer
+    if _bf16_qkv(x, attn["qkv"], acc):  # the large-M route's bf16 q/k/v, bias and adapter in the GEMM's epilogue
+      qkv, bias = layers.linear(x, attn["qkv"], bias=layers.layer_array(bias_stack), lora=la.get("qkv"),
+                                lora_scale=lora_scale).reshape(b, -1), None
+    else:
+      before = acc
+      y, bias, acc = layers.linear_f32_into(x, attn["qkv"], acc, bias=layers.layer_array(bias_stack),
+                                            lora=la.get("qkv"), lora_scale=lora_scale)
+      # The kernel reads in place what XLA would copy out for it: the bias stack's layer li and, when
+      # q/k/v went unchanged into the head of the accumulator (no adapter, or one the 4-bit kernel added), that head.
+      if bias is not None and isinstance(bias_stack, layers.StackedWeight):
+        bias = bias_stack.tensor
+      qkv = y.reshape(b, -1)
+      # (the bias goes to the kernel apart)
+      if _region_finished(x, attn["qkv"], la.get("qkv"), lora_scale, None, before, acc) and before.offset == 0:
+        qkv = acc.buffer
     o, kc, vc, *sync = decode_attn.decode_attention_append(qkv, bias, kc, vc, li, *decode, num_heads=cfg.num_heads,
                                                            dtype=x.dtype, sync=sync)
     return (_after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn, acc, norms, li),

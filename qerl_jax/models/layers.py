@@ -197,8 +197,15 @@ def _env_flag(name: str, default: str) -> bool:
 BF16_EPILOGUE = _env_flag("QERL_BF16_EPILOGUE", "1")
 
 
-def _bf16_epilogue_applies(x: jax.Array, w) -> bool:
-  """Whether :func:`linear` / :func:`fused_linear` take the bf16 route of ``BF16_EPILOGUE`` for ``x @ w``."""
+def bf16_epilogue_applies(x: jax.Array, w) -> bool:
+  """Whether :func:`linear` / :func:`fused_linear` take the bf16 route of ``BF16_EPILOGUE`` for ``x @ w``: bf16 ``x``
+  ``[..., K]`` and a 4-bit ``w`` (or a :class:`StackedWeight` of one) on the large-M path of
+  :func:`pallas_kernels.matmul.dense_path_applies` (a GPU; the Gluon GEMM or dequantize + cuBLAS). Shapes and dtypes
+  only are read; ``x`` may be a ``jax.ShapeDtypeStruct``.
+
+  Raises:
+    ValueError: a malformed kernel setting (as :func:`pallas_kernels.matmul.dense_path_applies`).
+  """
   if not (BF16_EPILOGUE and x.dtype == jnp.bfloat16):
     return False
   tensor, index = _tensor_index(w)
@@ -269,7 +276,7 @@ def linear(x: jax.Array, w, *, bias: Optional[jax.Array] = None,
     TypeError: ``w`` is neither a float array nor a 4-bit tensor.
     ValueError: K mismatch between ``x`` and ``w``.
   """
-  if _bf16_epilogue_applies(x, w):
+  if bf16_epilogue_applies(x, w):
     return _linear_bf16(x, w, bias, lora, lora_scale)
   y, bias = linear_f32_bias_deferred(x, w, bias=bias, lora=lora, lora_scale=lora_scale)
   return finish_linear(y, bias, w, x.dtype)
@@ -315,7 +322,7 @@ def fused_linear(x: jax.Array, w, sizes: tuple[int, ...], *, bias: Optional[jax.
   if lora is not None and _lora_cols(lora) != sum(sizes):
     raise ValueError(f"fused_linear: the fused adapter's b has {_lora_cols(lora)} columns, the parts "
                      f"{sizes} add up to {sum(sizes)}")
-  if _bf16_epilogue_applies(x, w):
+  if bf16_epilogue_applies(x, w):
     _check_part_sizes(sizes, _tensor_index(w)[0].shape[-1])
     if any(l is not None for l in loras):
       lora = _block_diagonal(loras, sizes)
