@@ -58,11 +58,11 @@ FUSED_POST_ATTENTION = 1
 # measurements). Read at trace time.
 FUSED_ATTENTION_COMBINE = 1
 # 1: a fused-attention decode step without an accumulator (more than ACCUMULATE_MAX_ROWS rows) whose q/k/v weight
-# is on layers.BF16_EPILOGUE's large-M route (a 4-bit weight at M > 128 rows, or 65-128 in the Gluon GEMM's narrow
-# tiles; pallas_kernels.matmul.dense_path_applies) takes q/k/v from layers.linear: the Gluon GEMM's bf16 output with
-# the bias (and an adapter's delta) added in its epilogue, as the training forward computes them; the attention
-# kernel then adds no bias. The float32 route it replaces ran there on dequantize + cuBLAS (the Gluon GEMM writes
-# only bf16) at M > 128, or on the decode GEMV's wgmma builds at 65-128: a batch-256 profile (H100, session 57,
+# is on layers.BF16_EPILOGUE's large-M route (a 4-bit weight at M > 128 rows, or 33-128 in the Gluon GEMM's narrow
+# tiles, 65-128 for the 7B q/k/v; pallas_kernels.matmul.dense_path_applies) takes q/k/v from layers.linear: the
+# Gluon GEMM's bf16 output with the bias (and an adapter's delta) added in its epilogue, as the training forward
+# computes them; the attention kernel then adds no bias. The float32 route it replaces ran there on dequantize + cuBLAS (the Gluon GEMM writes
+# only bf16) at M > 128, or on the decode GEMV's wgmma builds at 33-128: a batch-256 profile (H100, session 57,
 # docs/bench_runs/session57_step83_h100.txt) had the 7B q/k/v at 15.8 us of dequantize and 20.6 us of cuBLAS a
 # layer. 0 keeps the float32 route (for A/B measurements; read at trace time).
 FUSED_ATTENTION_BF16_QKV = 1
