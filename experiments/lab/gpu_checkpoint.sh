@@ -61,6 +61,7 @@
 #   STEPS=81 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=82 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=83 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=84 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -818,4 +819,21 @@ step 83 && for s in "" "NARROW_SMALL_WIDE_MAX_M=256"; do echo "== w4_gluon_mm ${
   PROFILE_MM_SET="$s" PROFILE_POSITIONS=1 PROFILE_TOP=25 OUT="$OUT" timeout 110 python3 \
     experiments/lab/profile_rollout.py nvfp4_fused:256:64 2>&1 | grep -v "Warn\|I1206\|profiler.py"; done \
   | tee "$OUT/step83.txt"
+#    Session 57 ran it on an H100 (raw docs/bench_runs/session57_step83_h100.txt): the three w4a16_mm calls a layer
+#    are o, gate/up and down (18.7 / 96.6 / 56.1 us); q/k/v never reach the Gluon GEMM at 256 rows, because the fused
+#    decode attention asks for float32 q/k/v, which it does not write: they run on dequantize (w4_dequantize_decode_order,
+#    15.8 us) + cuBLAS (20.6 us) in every layer and step. So NARROW_SMALL_WIDE_MAX_M, which moves q/k/v's tile, could
+#    only change o (18.7 -> 18.2 us). Hence decoder.FUSED_ATTENTION_BF16_QKV (step 84).
+# 84 (session 57, prepared; about 5 minutes): decoder.FUSED_ATTENTION_BF16_QKV = 1 (lab, off): a fused-attention decode
+#    step past the shared buffer takes q/k/v in bf16 from the large-M route (the Gluon GEMM, bias in its epilogue).
+#    Its GPU test and the bf16 route's, then batch-128 and 256 rollouts on / off / on / off (512 new tokens), then a
+#    batch-256 profile with it on (q/k/v should appear as a fourth w4a16_mm call a layer, the dequantize gone).
+step 84 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -q -n 4 -m gpu tests/test_sampling.py \
+    tests/test_model.py -k "bf16_qkv or bf16_route or narrow_route" -p no:cacheprovider 2>&1 | grep -E "passed|failed|FAILED"
+  for s in "FUSED_ATTENTION_BF16_QKV=1" "" "FUSED_ATTENTION_BF16_QKV=1" ""; do echo "== decoder ${s:-defaults}"
+    MODEL_SET="$s" timeout 75 python3 experiments/lab/gluon/ab_rollout.py --batches=128,256 --new_tokens=512 \
+      --formats=nvfp4_fused --time_budget_s=60 2>&1 | grep "nvfp4_fused"; done
+  PROFILE_MODEL_SET="FUSED_ATTENTION_BF16_QKV=1" PROFILE_POSITIONS=1 PROFILE_TOP=12 OUT="$OUT" timeout 110 python3 \
+    experiments/lab/profile_rollout.py nvfp4_fused:256:64 2>&1 | grep -v "Warn\|I1206\|profiler.py"; } \
+  | tee "$OUT/step84.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
