@@ -86,7 +86,9 @@ NARROW_SMALL_WIDE_MAX_M = 0  # lab (session 56): at 64 < M <= this, weights of a
                              # (lab harness, 7B summed at M = 256 211.6 -> 206.8 us; q/k/v 30.1 -> 26.2, o 22.1 ->
                              # 21.4; bench_kernels with every weight narrow: q/k/v 25.6 against 30.4, o 21.3 against
                              # 22.1, gate/up and down slower), but batch-256 decode steps no faster (10.393 / 10.385 /
-                             # 10.368 ms against 10.362 / 10.327 / 10.368 off), hence off. 0: off
+                             # 10.368 ms against 10.362 / 10.327 / 10.368 off), hence off. 0: off. (Session 57's
+                             # profile: in a rollout the 7B q/k/v ran on dequantize + cuBLAS, never here; see
+                             # qerl_jax.models.decoder.FUSED_ATTENTION_BF16_QKV.)
 SMALL_WEIGHT_ROWS = 128  # lab (session 56): the row tile of those small weights, 128 or 64 (m64 n64 wgmmas,
                          # NARROW_PER_SM programs an SM). 64: q/k/v faster at M = 192 (21.4 against 26.3 us), slower at
                          # 128 and 256 (21.8 / 29.4 against 19.0 / 26.2), a batch-128 step 6.236 against 6.169 ms
