@@ -64,8 +64,8 @@ FUSED_ATTENTION_COMBINE = 1
 # computes them; the attention kernel then adds no bias. The float32 route it replaces runs there on dequantize +
 # cuBLAS (the Gluon GEMM writes only bf16) at M > 128, or on the decode GEMV's wgmma builds at 33-128: a batch-256
 # profile (H100, session 57, docs/bench_runs/session57_step83_h100.txt) had the 7B q/k/v at 15.8 us of dequantize
-# and 20.6 us of cuBLAS a layer. Off (0) until a GPU run times it (and runs its GPU test): session 57 wrote it when the device budget was
-# spent; experiments/lab/gpu_checkpoint.sh step 84 does both. Read at trace time.
+# and 20.6 us of cuBLAS a layer. Off (0) until a GPU run times it (and runs its GPU test): session 57 wrote it when
+# the device budget was spent; experiments/lab/gpu_checkpoint.sh step 84 does both. Read at trace time.
 FUSED_ATTENTION_BF16_QKV = 0
 
 
