@@ -659,6 +659,7 @@ def test_gpu_bf16_qkv_route_samples_as_the_dense_base(monkeypatch, rows):
   for route in (1, 0):
     biases.clear()
     monkeypatch.setattr(decoder, "FUSED_ATTENTION_BF16_QKV", route)
+    jax.clear_caches()  # the setting is read at trace time; generate's jit would reuse the other route's program
     got = sampling.generate(cfg, base, tokens, mask, jax.random.key(3), SamplingConfig(**kw))
     assert biases and all(b == (not route) for b in biases)
     lp, lpd = np.asarray(got.logprobs), np.asarray(want.logprobs)
@@ -667,10 +668,14 @@ def test_gpu_bf16_qkv_route_samples_as_the_dense_base(monkeypatch, rows):
     assert same[:, 0].mean() > 0.95  # 4-bit products against dense ones: a rare first-token flip
     np.testing.assert_allclose(lp[same], lpd[same], atol=0.1)
     rollouts.append(got)
-  # the two routes: the same 4-bit products but for q/k/v's rounding order, so much closer to each other
+  # the two routes: the same 4-bit products, but the bias rounded to bf16 and q/k/v's sums in another order. A
+  # CPU run of this body (the append kernel interpreted, the q/k/v weight put on the large-M path) had the routes
+  # within 0.048 (mean 0.008) on 96% of the tokens; without the bias on the bf16 route they were 1.8 (mean 0.30) apart
+  # and agreed on 38%
   same = np.cumprod(np.asarray(rollouts[0].tokens) == np.asarray(rollouts[1].tokens), axis=1).astype(bool)
-  assert same[:, 0].all() and same.mean() > 0.5
-  np.testing.assert_allclose(np.asarray(rollouts[0].logprobs)[same], np.asarray(rollouts[1].logprobs)[same], atol=2e-2)
+  diff = np.abs(np.asarray(rollouts[0].logprobs) - np.asarray(rollouts[1].logprobs))[same]
+  assert same[:, 0].all() and same.mean() > 0.8
+  assert diff.max() < 0.1 and diff.mean() < 0.03, (diff.max(), diff.mean())
 
 
 @pytest.mark.gpu
