@@ -591,6 +591,7 @@ def test_decode_step_bf16_qkv_route(monkeypatch, lora_kind):
   tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=5))
   monkeypatch.setattr(da, "auto_backend", lambda dtype: "interpret")  # the fused decode attention
   monkeypatch.setattr(decoder, "ACCUMULATE_DECODE", False)  # as above ACCUMULATE_MAX_ROWS rows
+  monkeypatch.setattr(decoder, "FUSED_ATTENTION_BF16_QKV_MIN_ROWS", 1)  # this batch's few rows as if past the GEMV's
   # the q/k/v weight on the large-M route (as at 256 rows on a GPU), the other weights as they were
   monkeypatch.setattr(matmul, "dense_path_applies", lambda x, w, index=None: w.shape[-1] == qkv_n)
   biases = []  # the bias the append kernel got, each trace
@@ -615,6 +616,27 @@ def test_decode_step_bf16_qkv_route(monkeypatch, lora_kind):
     kw.pop("lora"), kw.pop("lora_cfg")
     plain, _ = _decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
     assert np.abs(np.asarray(plain, np.float32)[real] - got).max() > 0.1 * scale  # the adapter's delta is there
+
+
+def test_bf16_qkv_route_starts_past_the_decode_gemv(monkeypatch):
+  """decoder.FUSED_ATTENTION_BF16_QKV applies from FUSED_ATTENTION_BF16_QKV_MIN_ROWS (129) rows, counted over x's
+  leading dims, only without an accumulator and only where the weight is on the large-M route; 0 turns it off."""
+  from pallas_kernels import w4_gluon
+  from qerl_jax.models import decoder, layers
+  w = object()
+  on_route = {"yes": True}
+  monkeypatch.setattr(layers, "bf16_epilogue_applies", lambda x, w_: on_route["yes"])
+  x = lambda *shape: jax.ShapeDtypeStruct((*shape, 3584), jnp.bfloat16)
+  assert decoder.FUSED_ATTENTION_BF16_QKV == 1 and decoder.FUSED_ATTENTION_BF16_QKV_MIN_ROWS == 129
+  assert decoder.FUSED_ATTENTION_BF16_QKV_MIN_ROWS == w4_gluon.MAX_M + 1  # the decode GEMV's rows end at 128
+  assert [decoder._bf16_qkv(x(m), w, None) for m in (1, 32, 128, 129, 256)] == [False] * 3 + [True] * 2
+  assert decoder._bf16_qkv(x(129, 1), w, None) and not decoder._bf16_qkv(x(64, 2), w, None)
+  assert not decoder._bf16_qkv(x(256), w, acc=jnp.zeros(()))
+  on_route["yes"] = False
+  assert not decoder._bf16_qkv(x(256), w, None)
+  on_route["yes"] = True
+  monkeypatch.setattr(decoder, "FUSED_ATTENTION_BF16_QKV", 0)
+  assert not decoder._bf16_qkv(x(256), w, None)
 
 
 # ------------------------------------------------------ the large-M bf16 route (layers.BF16_EPILOGUE) ---

@@ -836,4 +836,16 @@ step 84 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -
   PROFILE_MODEL_SET="FUSED_ATTENTION_BF16_QKV=1" PROFILE_POSITIONS=1 PROFILE_TOP=12 OUT="$OUT" timeout 110 python3 \
     experiments/lab/profile_rollout.py nvfp4_fused:256:64 2>&1 | grep -v "Warn\|I1206\|profiler.py"; } \
   | tee "$OUT/step84.txt"
+#    Session 58 (an H100; raw docs/bench_runs/session58_step84_h100.txt): GPU tests 5 passed; batch 128 on 6.276 /
+#    6.288 ms a step, off 6.176 / 6.200 (the GEMV's f32 builds beat the narrow tiles there); batch 256 on 10.232 /
+#    10.231, off 10.319 / 10.362; the profile's q/k/v 26.7 us in the Gluon GEMM (was 15.8 + 20.6). Hence on by
+#    default from 129 rows (decoder.FUSED_ATTENTION_BF16_QKV_MIN_ROWS).
+# 85 (session 58; about 8 minutes): the whole GPU suite under the new defaults (bf16 q/k/v from 129 rows), then
+#    w4_gluon_mm.NARROW_SMALL_WIDE_MAX_M = 256 again, now that the 7B q/k/v reach the Gluon GEMM in a rollout
+#    (session 56's harness had them 30.1 -> 26.2 us at M = 256): batch-256 rollouts on / off / on / off.
+step 85 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 330 python3 -m pytest -q -n 10 -m gpu tests -p no:cacheprovider \
+    2>&1 | grep -v "Benchmark\|warner(" | grep -E "passed|failed|FAILED|Error" | tail -8
+  for s in "NARROW_SMALL_WIDE_MAX_M=256" "" "NARROW_SMALL_WIDE_MAX_M=256" ""; do echo "== w4_gluon_mm ${s:-defaults}"
+    MM_SET="$s" timeout 60 python3 experiments/lab/gluon/ab_rollout.py --batches=256 --new_tokens=512 \
+      --formats=nvfp4_fused --time_budget_s=50 2>&1 | grep "^| nvfp4_fused"; done; } | tee "$OUT/step85.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)

@@ -57,16 +57,21 @@ FUSED_POST_ATTENTION = 1
 # rollouts 0.2-1.2% faster (NVFP4 and bf16; docs/benchmarks.md "Session 39"). 0 restores XLA's combine (for A/B
 # measurements). Read at trace time.
 FUSED_ATTENTION_COMBINE = 1
-# 1: a fused-attention decode step without an accumulator (more than ACCUMULATE_MAX_ROWS rows) whose q/k/v weight
-# is on layers.BF16_EPILOGUE's large-M route (a 4-bit weight at M > 128 rows, or 33-128 in the Gluon GEMM's narrow
-# tiles, 65-128 for the 7B q/k/v; pallas_kernels.matmul.dense_path_applies) takes q/k/v from layers.linear: the
-# Gluon GEMM's bf16 output with the bias (and an adapter's delta) added in its epilogue, as the training forward
-# computes them; the attention kernel then adds no bias. The float32 route it replaces runs there on dequantize +
-# cuBLAS (the Gluon GEMM writes only bf16) at M > 128, or on the decode GEMV's wgmma builds at 33-128: a batch-256
-# profile (H100, session 57, docs/bench_runs/session57_step83_h100.txt) had the 7B q/k/v at 15.8 us of dequantize
-# and 20.6 us of cuBLAS a layer. Off (0) until a GPU run times it (and runs its GPU test): session 57 wrote it when
-# the device budget was spent; experiments/lab/gpu_checkpoint.sh step 84 does both. Read at trace time.
-FUSED_ATTENTION_BF16_QKV = 0
+# 1: a fused-attention decode step of at least FUSED_ATTENTION_BF16_QKV_MIN_ROWS rows (no accumulator there) whose
+# q/k/v weight is on layers.BF16_EPILOGUE's large-M route (pallas_kernels.matmul.dense_path_applies) takes q/k/v from
+# layers.linear: the Gluon GEMM's bf16 output with the bias (and an adapter's delta) added in its epilogue, as the
+# training forward computes them; the attention kernel then adds no bias. The float32 route it replaces runs at
+# M > 128 on dequantize + cuBLAS (the Gluon GEMM writes only bf16): a batch-256 profile (H100, session 57,
+# docs/bench_runs/session57_step83_h100.txt) had the 7B q/k/v at 15.8 us of dequantize and 20.6 us of cuBLAS a
+# layer; with this route the Gluon GEMM takes them in 26.7 us (session 58, docs/bench_runs/session58_step84_h100.txt),
+# and batch-256 decode steps of 7B shape took 10.232 / 10.231 ms against 10.319 / 10.362 ms with 0 (H100, 512 new
+# tokens). 0: the float32 route everywhere (for A/B measurements). Read at trace time.
+FUSED_ATTENTION_BF16_QKV = 1
+# The fewest rows a decode step takes q/k/v in bf16 at (FUSED_ATTENTION_BF16_QKV): 129, past the decode GEMV's 128
+# (pallas_kernels.w4_gluon.MAX_M). At 33-128 rows the float32 route runs on the GEMV's wgmma builds, and
+# those beat the Gluon GEMM's narrow tiles the bf16 route would take: batch-128 decode steps 6.276 / 6.288 ms with
+# the bf16 route against 6.176 / 6.200 ms without (H100, session 58, the same run as above).
+FUSED_ATTENTION_BF16_QKV_MIN_ROWS = 129
 
 
 def _dtype(cfg: ModelConfig):
@@ -277,8 +282,16 @@ class _NextNorms(NamedTuple):
 
 def _bf16_qkv(x, w, acc) -> bool:
   """Whether a fused-attention decode step takes its q/k/v in bf16 from :func:`layers.linear`
-  (:data:`FUSED_ATTENTION_BF16_QKV`): no accumulator, and ``w`` on the large-M route of ``layers.BF16_EPILOGUE``."""
-  return bool(FUSED_ATTENTION_BF16_QKV) and acc is None and layers.bf16_epilogue_applies(x, w)
+  (:data:`FUSED_ATTENTION_BF16_QKV`): no accumulator, at least :data:`FUSED_ATTENTION_BF16_QKV_MIN_ROWS` rows (the
+  product of ``x``'s leading dims), and ``w`` on the large-M route of ``layers.BF16_EPILOGUE``. Shapes and dtypes only
+  are read.
+
+  Raises:
+    ValueError: a malformed kernel setting (as :func:`layers.bf16_epilogue_applies`).
+  """
+  rows = int(np.prod(x.shape[:-1]))
+  return (bool(FUSED_ATTENTION_BF16_QKV) and acc is None and rows >= FUSED_ATTENTION_BF16_QKV_MIN_ROWS
+          and layers.bf16_epilogue_applies(x, w))
 
 
 def _region_finished(x, w, lora, lora_scale, bias, before, after) -> bool:
