@@ -87,8 +87,9 @@ NARROW_SMALL_WIDE_MAX_M = 0  # lab (session 56): at 64 < M <= this, weights of a
                              # 21.4; bench_kernels with every weight narrow: q/k/v 25.6 against 30.4, o 21.3 against
                              # 22.1, gate/up and down slower), but batch-256 decode steps no faster (10.393 / 10.385 /
                              # 10.368 ms against 10.362 / 10.327 / 10.368 off), hence off. 0: off. (Session 57's
-                             # profile: in a rollout the 7B q/k/v ran on dequantize + cuBLAS, never here; see
-                             # qerl_jax.models.decoder.FUSED_ATTENTION_BF16_QKV.)
+                             # profile: in a rollout the 7B q/k/v ran on dequantize + cuBLAS, never here; since
+                             # session 58 decoder.FUSED_ATTENTION_BF16_QKV sends them here, and batch-256 steps
+                             # with 256 took 10.120 / 10.151 ms against 10.162 / 10.139 at 0: still no gain.)
 SMALL_WEIGHT_ROWS = 128  # lab (session 56): the row tile of those small weights, 128 or 64 (m64 n64 wgmmas,
                          # NARROW_PER_SM programs an SM). 64: q/k/v faster at M = 192 (21.4 against 26.3 us), slower at
                          # 128 and 256 (21.8 / 29.4 against 19.0 / 26.2), a batch-128 step 6.236 against 6.169 ms
