@@ -47,7 +47,8 @@ from qerl_jax import models, sampling, xla_flags
 
 FLAGS = flags.FLAGS
 _XLA = xla_flags.define_launcher_flag()  # the bf16 baseline as the launchers run it (cuBLAS)
-flags.DEFINE_list("batches", ["8", "64", "256"], "Batch sizes (prompts; num_generations = 1).")
+flags.DEFINE_list("batches", ["8", "64", "256"], "Batch sizes (prompts; num_generations = 1). A batch that is not a power of two runs "
+                  "padded to the next one, as sampling.generate buckets it; tokens/s counts its own rows.")
 flags.DEFINE_list("formats", ["bf16_fused", "nvfp4_fused"], "Weight formats of the decoder linears: bf16, "
                   "nvfp4, bf16_fused, nvfp4_fused (q/k/v and gate/up fused, models.fuse_projections: "
                   "the trainer's default, model.fuse_projections=True).")
@@ -218,10 +219,11 @@ def bench_one(cfg, base, batch: int, prompt_len: int, new_tokens: int, bandwidth
   t0 = time.perf_counter()
   out = run(batch)
   t_total = time.perf_counter() - t0
-  toks, lp = np.asarray(out[0]), np.asarray(out[1])
+  # the batch's own rows; a batch that is not a power of two runs padded to its bucket, and those rows hold pad
+  toks, lp, live_mask = (np.asarray(a)[:batch] for a in (out[0], out[1], out[3]))
   steps = int(out[6])
   assert steps == new_tokens - 1, steps
-  assert toks.min() >= 0 and toks.max() < cfg.vocab_size and np.isfinite(lp).all() and np.asarray(out[3]).all()
+  assert toks.min() >= 0 and toks.max() < cfg.vocab_size and np.isfinite(lp).all() and live_mask.all()
   del out, pre
 
   step = (t_total - t_prefill) / (new_tokens - 1)

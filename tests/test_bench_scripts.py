@@ -29,10 +29,11 @@ def test_bench_rollout_7b_shape_without_a_gpu_fails_fast_and_tiny_runs(tmp_path)
   assert r.stderr.strip().splitlines()[-1] == (
       "error: the qwen2.5-7b shape needs a GPU (JAX's backend here is cpu); on a CPU use --shape=tiny "
       "(e.g. --shape=tiny --batches=2 --new_tokens=8 --prompt_len=8) or --smoke")
-  r = _bench("bench_rollout.py", "--shape=tiny", "--batches=2", "--new_tokens=8", "--prompt_len=8",
-             "--formats=nvfp4_fused", f"--out={tmp_path}")
+  r = _bench("bench_rollout.py", "--shape=tiny", "--batches=2,3", "--new_tokens=8", "--prompt_len=8",
+             "--formats=nvfp4_fused", f"--out={tmp_path}")  # 3: padded to a batch of 4, its pad rows set aside
   assert r.returncode == 0, r.stderr[-2000:]
-  assert "| nvfp4_fused | 2 | 8 | 1 |" in (tmp_path / "rollout.md").read_text()
+  md = (tmp_path / "rollout.md").read_text()
+  assert "| nvfp4_fused | 2 | 8 | 1 |" in md and "| nvfp4_fused | 3 | 8 | 1 |" in md
 
 
 def test_bench_train_step_7b_shape_without_a_gpu_fails_fast_and_tiny_runs_the_trainer(tmp_path):
