@@ -47,8 +47,9 @@ from qerl_jax import models, sampling, xla_flags
 
 FLAGS = flags.FLAGS
 _XLA = xla_flags.define_launcher_flag()  # the bf16 baseline as the launchers run it (cuBLAS)
-flags.DEFINE_list("batches", ["8", "64", "256"], "Batch sizes (prompts; num_generations = 1). A batch that is not a power of two runs "
-                  "padded to the next one, as sampling.generate buckets it; tokens/s counts its own rows.")
+flags.DEFINE_list("batches", ["8", "64", "256"], "Batch sizes (prompts; num_generations = 1). A batch that is "
+                  "not a power of two runs padded to the next one, as sampling.generate buckets it; tokens/s "
+                  "counts its own rows.")
 flags.DEFINE_list("formats", ["bf16_fused", "nvfp4_fused"], "Weight formats of the decoder linears: bf16, "
                   "nvfp4, bf16_fused, nvfp4_fused (q/k/v and gate/up fused, models.fuse_projections: "
                   "the trainer's default, model.fuse_projections=True).")
