@@ -850,9 +850,8 @@ step 85 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 330 python3 -m pytest -
       --formats=nvfp4_fused --time_budget_s=50 2>&1 | grep "^| nvfp4_fused"; done; } | tee "$OUT/step85.txt"
 #    Session 58 (an H100; raw docs/bench_runs/session58_step85_h100.txt): 625 passed; batch 256 with 256 10.120 /
 #    10.151 ms a step, at 0 10.162 / 10.139: noise, NARROW_SMALL_WIDE_MAX_M stays 0.
-# 86 (session 58; about 3 minutes): the bf16 q/k/v route's gate between 129 and 255 rows (only 128 and 256 were
-#    timed): batch-160 rollouts (256 new tokens) with decoder.FUSED_ATTENTION_BF16_QKV = 0 / the default, twice.
-step 86 && for s in "FUSED_ATTENTION_BF16_QKV=0" "" "FUSED_ATTENTION_BF16_QKV=0" ""; do echo "== decoder ${s:-defaults}"
-    MODEL_SET="$s" timeout 45 python3 experiments/lab/gluon/ab_rollout.py --batches=160 --new_tokens=256 \
-      --formats=nvfp4_fused --time_budget_s=35 2>&1 | grep "^| nvfp4_fused"; done | tee "$OUT/step86.txt"
+# 86 (session 58; removed): meant to time the bf16 q/k/v gate at 129-255 rows with batch-160 rollouts. It failed
+#    on an H100 in bench_rollout.py's own check (the padding rows' tokens and mask; fixed since), and it could not
+#    have timed the gate: sampling.generate pads a batch to a power of two, so a 160-row batch decodes 256 rows, and
+#    decode steps see 129-255 rows only through lower-level calls.
 exit 0  # (a step not chosen leaves a false test as the last status)
