@@ -70,7 +70,8 @@ FUSED_ATTENTION_BF16_QKV = 1
 # The fewest rows a decode step takes q/k/v in bf16 at (FUSED_ATTENTION_BF16_QKV): 129, past the decode GEMV's 128
 # (pallas_kernels.w4_gluon.MAX_M). At 33-128 rows the float32 route runs on the GEMV's wgmma builds, and
 # those beat the Gluon GEMM's narrow tiles the bf16 route would take: batch-128 decode steps 6.276 / 6.288 ms with
-# the bf16 route against 6.176 / 6.200 ms without (H100, session 58, the same run as above).
+# the bf16 route against 6.176 / 6.200 ms without (H100, session 58, the same run as above). sampling.generate pads
+# its batches to powers of two, so there the route starts at 256 rows.
 FUSED_ATTENTION_BF16_QKV_MIN_ROWS = 129
 
 
