@@ -631,10 +631,11 @@ def test_gpu_dequantize_max_weights_runs_a_mixed_base():
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [160, 256])
 def test_gpu_bf16_qkv_route_samples_as_the_dense_base(monkeypatch, rows):
-  """On a GPU (bf16 model with q/k/v biases, fused NVFP4 base in decode order) a decode step of 160 or 256 rows has
-  no shared buffer and is past the decode GEMV's 128 rows, and its q/k/v weight is on the large-M route (the Gluon
-  GEMM), so decoder.FUSED_ATTENTION_BF16_QKV takes q/k/v in bf16 with the bias in the GEMM's epilogue and the
-  append kernel gets none. The rollout samples what the same base dequantized by XLA samples (the first token of
+  """On a GPU (bf16 model with q/k/v biases, fused NVFP4 base in decode order) a batch of 256 prompts, or of 160
+  padded to 256 rows (generate's power-of-two bucket, so 96 rows of padding), decodes 256 rows: no shared buffer,
+  past the decode GEMV's 128 rows, and the q/k/v weight on the large-M route (the Gluon GEMM), so
+  decoder.FUSED_ATTENTION_BF16_QKV takes q/k/v in bf16 with the bias in the GEMM's epilogue and the append kernel
+  gets none. The rollout samples what the same base dequantized by XLA samples (the first token of
   every row, the log-probabilities within 4-bit and bf16 rounding until a row diverges), as the float32 route
   does."""
   from pallas_kernels import decode_attention as da

@@ -16,7 +16,7 @@ import numpy as np
 
 import pallas_kernels
 from pallas_kernels import decode_attention as decode_attn
-from pallas_kernels import residual_norm
+from pallas_kernels import residual_norm, w4_gluon
 from qerl_jax import nf4, nvfp4
 from qerl_jax.models import layers
 from qerl_jax.models.config import ModelConfig, rope_inv_freq
@@ -67,12 +67,12 @@ FUSED_ATTENTION_COMBINE = 1
 # and batch-256 decode steps of 7B shape took 10.232 / 10.231 ms against 10.319 / 10.362 ms with 0 (H100, 512 new
 # tokens). 0: the float32 route everywhere (for A/B measurements). Read at trace time.
 FUSED_ATTENTION_BF16_QKV = 1
-# The fewest rows a decode step takes q/k/v in bf16 at (FUSED_ATTENTION_BF16_QKV): 129, past the decode GEMV's 128
-# (pallas_kernels.w4_gluon.MAX_M). At 33-128 rows the float32 route runs on the GEMV's wgmma builds, and
+# The fewest rows a decode step takes q/k/v in bf16 at (FUSED_ATTENTION_BF16_QKV): 129, one past the decode GEMV's
+# 128 (pallas_kernels.w4_gluon.MAX_M). At 33-128 rows the float32 route runs on the GEMV's wgmma builds, and
 # those beat the Gluon GEMM's narrow tiles the bf16 route would take: batch-128 decode steps 6.276 / 6.288 ms with
 # the bf16 route against 6.176 / 6.200 ms without (H100, session 58, the same run as above). sampling.generate pads
 # its batches to powers of two, so there the route starts at 256 rows.
-FUSED_ATTENTION_BF16_QKV_MIN_ROWS = 129
+FUSED_ATTENTION_BF16_QKV_MIN_ROWS = w4_gluon.MAX_M + 1
 
 
 def _dtype(cfg: ModelConfig):
