@@ -451,6 +451,17 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
                                        is_pure=True, pack=8)
 
   @gluon.jit
+  def gdc(G: ttgl.constexpr):
+    """Grid dependency control for a programmatic dependent launch (PDL; GDC, lab): with bit 2 the
+    ``griddepcontrol.launch_dependents`` hint (the next grid may launch once every program here has given it),
+    then ``griddepcontrol.wait`` (the previous grid has finished and its writes are visible). Both are no-ops in a
+    launch without the PDL attribute."""
+    if G & 4:
+      ttgl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=ttgl.int32,
+                                  is_pure=False, pack=1)
+    ttgl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=ttgl.int32, is_pure=False, pack=1)
+
+  @gluon.jit
   def load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, i, N: ttgl.constexpr,
                 WITH_X: ttgl.constexpr = True, LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0):
     if LA:
@@ -580,7 +591,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
            K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr, ATOMIC: ttgl.constexpr,
            XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr, LH: ttgl.constexpr, LA: ttgl.constexpr,
            LR: ttgl.constexpr, LS: ttgl.constexpr, XP: ttgl.constexpr, cd=None, sd=None, TS: ttgl.constexpr = 0,
-           WS: ttgl.constexpr = 0, WSP: ttgl.constexpr = 0, LP: ttgl.constexpr = 0):
+           WS: ttgl.constexpr = 0, WSP: ttgl.constexpr = 0, LP: ttgl.constexpr = 0, GDC: ttgl.constexpr = 0):
     """The kernel body; ``LR`` > 0 (the mma.sync builds only) adds the LoRA term (see _kernel's ``lora``);
     ``TS`` > 0 (mma.sync only): codes and scales by TMA (descriptors ``cd``, ``sd``) into ``TS`` shared buffers."""
     if WG:
@@ -685,10 +696,28 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
       if WA:
         acc = hopper.warpgroup_mma_wait(0, deps=[acc])
     else:
-      c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, True, LH, LA)
+      if not GDC:  # (an unset constexpr is None here)
+        c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, True, LH, LA)
+      elif GDC & 2:  # (lab, PDL) step 0's codes and scales before the wait for the previous grid, x after it
+        c0, s0, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, False, LH, LA)
+        if GDC & 8:  # (and step 1's)
+          cp, sp, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(1, STEPS - 1), N, False,
+                                LH, LA)
+        gdc(GDC)
+        x0 = ttgl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+      else:  # (lab, PDL) the wait first
+        gdc(GDC)
+        c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, True, LH, LA)
       for i in ttgl.static_range(STEPS):  # unrolled; step i+1's loads are issued before step i's math
-        c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N,
-                              True, LH, LA)
+        if not GDC:
+          c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N,
+                                 True, LH, LA)
+        elif (GDC & 10) == 10 and i == 0:  # (lab, PDL) step 1's codes and scales came before the wait
+          c1, s1 = cp, sp
+          x1 = ttgl.load(x_ptr + x_offs + min(1, STEPS - 1) * 64, mask=x_mask, other=0.0)
+        else:
+          c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N,
+                                 True, LH, LA)
         if WG:
           # buffer i % 2 was last read by step i - 2's (synchronous) MMA, done before barrier i - 1
           buf = x_smem.index(i % 2)
@@ -750,10 +779,10 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
   def w4a16_gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, z_ptr, o_ptr, M: ttgl.constexpr, N: ttgl.constexpr,
                  K: ttgl.constexpr, L: ttgl.constexpr, STEPS: ttgl.constexpr, MB: ttgl.constexpr,
                  ATOMIC: ttgl.constexpr, XS: ttgl.constexpr, WA: ttgl.constexpr, DO: ttgl.constexpr = 0,
-                 LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0, LP: ttgl.constexpr = 0):
+                 LH: ttgl.constexpr = 0, LA: ttgl.constexpr = 0, LP: ttgl.constexpr = 0, GDC: ttgl.constexpr = 0):
     ttgl.static_assert(M > 0)  # (names ttgl in the body, so that the annotations resolve)
     gemv(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, x_ptr, x_ptr, z_ptr, o_ptr, M, N, K, L, STEPS, MB, ATOMIC, XS, WA,
-         DO, LH, LA, 0, 0.0, 0, LP=LP)
+         DO, LH, LA, 0, 0.0, 0, LP=LP, GDC=GDC)
 
   @gluon.jit
   def w4a16_gemv_lora(x_ptr, p_ptr, s_ptr, gs_ptr, idx_ptr, xa_ptr, b_ptr, z_ptr, o_ptr, M: ttgl.constexpr,
@@ -818,10 +847,12 @@ _ARG_DTYPES_LORA_XP = _ARG_DTYPES[:5] + ("*fp32", "*bf16") + _ARG_DTYPES[5:]  # 
 _ARG_DTYPES_XA = ("*bf16", "*bf16", "*i32", "*fp32")  # lora_xa's kernel: x, A [L, K, R], layer, partials [S, M, R]
 
 
-def _compile_gluon(fn, arg_dtypes, constexprs: dict, cc: int, num_warps: int = 4, maxnreg: int | None = None):
+def _compile_gluon(fn, arg_dtypes, constexprs: dict, cc: int, num_warps: int = 4, maxnreg: int | None = None,
+                   options: dict | None = None):
   """``triton.compile`` of the Gluon kernel ``fn`` for ``sm_{cc}``: its arrays typed ``arg_dtypes``
   (all 16-byte aligned, as JAX allocates them), ``constexprs`` specialised, at most ``maxnreg``
-  registers a thread if given."""
+  registers a thread if given; ``options``: more of Triton's compile options (the lab's PDL probe passes
+  ``launch_pdl``)."""
   import triton
   from triton.backends.compiler import GPUTarget
   from triton.experimental.gluon._runtime import GluonASTSource
@@ -832,7 +863,8 @@ def _compile_gluon(fn, arg_dtypes, constexprs: dict, cc: int, num_warps: int = 4
   _ensure_triton_cache_dir()
   return triton.compile(GluonASTSource(fn, signature, constexprs=dict(constexprs), attrs=attrs),
                         target=GPUTarget("cuda", cc, 32),
-                        options={"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})})
+                        options={"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+                                 **(options or {})})
 
 
 def _ensure_triton_cache_dir():

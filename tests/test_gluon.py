@@ -459,6 +459,40 @@ def _ffi_lowering_case(monkeypatch):
   return k, n, stack, jax.ShapeDtypeStruct((8, k), jnp.bfloat16), jax.ShapeDtypeStruct((), jnp.int32)
 
 
+def test_pdl_probe_builds_wait_after_their_first_weight_loads():
+  """The lab's PDL builds (constexpr ``GDC``, experiments/lab/pdl_probe.py), compiled for sm_90 on the CPU: the
+  library's build has no grid dependency control; ``GDC`` = 1 waits before its loads (only the layer index and
+  the global scale come first); 2 issues step 0's code and scale loads before ``griddepcontrol.wait`` and
+  10 step 1's too, while every x load comes after it; 4 adds ``launch_dependents`` before the wait. The PDL
+  launch attribute is Triton's ``launch_pdl`` option."""
+  pytest.importorskip("triton.experimental.gluon")
+  b = w4_gluon._build(8, 18944, 3584, 4, decode_order=True)  # STEPS 8, codes and scales with evict_first
+  fn = w4_gluon._kernel(b.wg, b.narrow_n, False, b.w8, False)
+
+  def ptx(gdc):
+    meta = dict(b.meta, **({"GDC": gdc} if gdc else {}))
+    c = w4_gluon._compile_gluon(fn, w4_gluon._ARG_DTYPES, meta, 90, num_warps=b.warps, maxnreg=b.maxnreg,
+                                options={"launch_pdl": bool(gdc)})
+    assert c.metadata.launch_pdl == bool(gdc)
+    return c.asm["ptx"]
+
+  def before_wait(text):
+    head = text[:text.index("griddepcontrol.wait")]
+    weights = len(re.findall(r"ld\.global\.L1::evict_first", head))
+    x = head.count("ld.global.v4.b32")  # x: 16 bytes a load, 2 a step
+    return weights, x, "griddepcontrol.launch_dependents" in head
+
+  base = ptx(0)
+  assert "griddepcontrol" not in base
+  # a program's step: 32 code rows (8 bytes a thread and row, 8 loads) and 4 scale rows (2 loads)
+  assert before_wait(ptx(1)) == (0, 0, False)
+  assert before_wait(ptx(2)) == (10, 0, False)
+  assert before_wait(ptx(10)) == (20, 0, False)
+  assert before_wait(ptx(6)) == (10, 0, True)
+  assert base.count("ld.global.v4.b32") == 16 and base.count("ld.global.L1::evict_first") == 80  # 8 steps
+  assert ptx(2).count("ld.global") == base.count("ld.global")  # the same loads, moved
+
+
 def test_ffi_path_lowers_for_cuda_without_a_gpu(monkeypatch):
   """With triton and a C++ compiler present, the kernel compiles for sm_90 and the call lowers to the
   command-buffer-compatible FFI target with the kernel's PTX and launch geometry as attributes."""
