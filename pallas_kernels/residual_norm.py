@@ -78,22 +78,40 @@ def _kernel():
   from triton.experimental.gluon import language as ttgl
 
   @gluon.jit
+  def gdc(G: ttgl.constexpr):
+    """(lab, PDL; as w4_gluon's GDC) bit 2: ``griddepcontrol.launch_dependents``; then ``griddepcontrol.wait``."""
+    if G & 4:
+      ttgl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=ttgl.int32,
+                                  is_pure=False, pack=1)
+    ttgl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=ttgl.int32, is_pure=False, pack=1)
+
+  @gluon.jit
   def residual_rms_norm_rows(h_ptr, y_ptr, w_ptr, n_ptr, idx_ptr, ho_ptr, x_ptr, z_ptr, B: ttgl.constexpr,
                              D: ttgl.constexpr, DP: ttgl.constexpr, L: ttgl.constexpr, Y_OFF: ttgl.constexpr,
                              EPS: ttgl.constexpr, NOISE: ttgl.constexpr, ZS: ttgl.constexpr, ZC: ttgl.constexpr,
-                             WARPS: ttgl.constexpr):
+                             WARPS: ttgl.constexpr, GDC: ttgl.constexpr = 0):
+    # GDC (lab, experiments/lab/pdl_probe.py): the layer's weight and noise loaded before griddepcontrol.wait, h
+    # and y after it (unset: None, the library's build)
     pid = ttgl.program_id(0)
     if pid < B:
       lay: ttgl.constexpr = ttgl.BlockedLayout([DP // (32 * WARPS)], [32], [WARPS], [0])
       layer = ttgl.minimum(ttgl.maximum(ttgl.load(idx_ptr), 0), L - 1)
       d = ttgl.arange(0, DP, layout=lay)
       m = d < D
-      # every load first: one round trip to memory before the reduction
-      h = ttgl.load(h_ptr + pid * D + d, mask=m, other=0.0).to(ttgl.float32)
-      y = ttgl.load(y_ptr + Y_OFF + pid * D + d, mask=m, other=0.0).to(ttgl.bfloat16).to(ttgl.float32)
-      w = ttgl.load(w_ptr + layer * D + d, mask=m, other=0.0).to(ttgl.float32)
-      if NOISE:
-        w = w + ttgl.load(n_ptr + layer * D + d, mask=m, other=0.0)
+      if GDC:
+        w = ttgl.load(w_ptr + layer * D + d, mask=m, other=0.0).to(ttgl.float32)
+        if NOISE:
+          w = w + ttgl.load(n_ptr + layer * D + d, mask=m, other=0.0)
+        gdc(GDC)
+        h = ttgl.load(h_ptr + pid * D + d, mask=m, other=0.0).to(ttgl.float32)
+        y = ttgl.load(y_ptr + Y_OFF + pid * D + d, mask=m, other=0.0).to(ttgl.bfloat16).to(ttgl.float32)
+      else:
+        # every load first: one round trip to memory before the reduction
+        h = ttgl.load(h_ptr + pid * D + d, mask=m, other=0.0).to(ttgl.float32)
+        y = ttgl.load(y_ptr + Y_OFF + pid * D + d, mask=m, other=0.0).to(ttgl.bfloat16).to(ttgl.float32)
+        w = ttgl.load(w_ptr + layer * D + d, mask=m, other=0.0).to(ttgl.float32)
+        if NOISE:
+          w = w + ttgl.load(n_ptr + layer * D + d, mask=m, other=0.0)
       hn = (h + y).to(ttgl.bfloat16)
       ttgl.store(ho_ptr + pid * D + d, hn, mask=m)
       hf = hn.to(ttgl.float32)
@@ -103,6 +121,8 @@ def _kernel():
     else:
       zl: ttgl.constexpr = ttgl.BlockedLayout([ZC // (32 * WARPS)], [32], [WARPS], [0])
       z = (pid - B) * ZC + ttgl.arange(0, ZC, layout=zl)
+      if GDC:
+        gdc(GDC)
       ttgl.store(z_ptr + z, ttgl.zeros([ZC], ttgl.float32, layout=zl), mask=z < ZS)
 
   return residual_rms_norm_rows

@@ -18,7 +18,16 @@ HBM) in one CUDA graph per variant:
   every program of this one has begun.
 
 Every variant's outputs are checked against ``base``'s (float32 atomics: 1e-5 relative) before timing. Prints a
-table of µs a layer (median of ``PDL_REPS`` graph replays). Run on a GPU from the repository root:
+table of µs a layer (median of ``PDL_REPS`` graph replays).
+
+A second table times a whole decode layer's kernel sequence as the decoder runs it at batch 8: q/k/v, a stand-in
+for attention (a PyTorch reduction over a 21 MB cache-sized array, not PDL-aware), o, the post-attention
+:mod:`pallas_kernels.residual_norm` kernel, gate/up, a stand-in for SwiGLU (a PyTorch multiply), down, and the
+layer-end residual norm that zeroes the next accumulator; with ``pdl`` every Gluon kernel takes the PDL
+attribute and its ``GDC`` (the GEMVs ``weights_first_trigger``, the norms their weight and noise loaded before
+the wait, the trigger first), so only the four boundaries between Gluon kernels can overlap.
+
+Run on a GPU from the repository root:
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 experiments/lab/pdl_probe.py
 
@@ -33,7 +42,7 @@ sys.path.insert(0, os.getcwd())
 
 import torch  # noqa: E402
 
-from pallas_kernels import w4_gluon  # noqa: E402
+from pallas_kernels import residual_norm, w4_gluon  # noqa: E402
 
 M = int(os.environ.get("PDL_M", "8"))
 LAYERS = int(os.environ.get("PDL_LAYERS", "28"))
@@ -52,6 +61,98 @@ def compile_build(build, gdc: int, pdl: bool):
   kern = w4_gluon._compile_gluon(fn, w4_gluon._ARG_DTYPES, meta, 90, num_warps=build.warps, maxnreg=build.maxnreg,
                                  options={"launch_pdl": pdl})
   return kern, len(meta)  # Triton's launcher takes a (unused) value for each constexpr of the signature too
+
+
+def compile_norm(b: int, d: int, layers: int, zero_size: int, gdc: int, pdl: bool):
+  meta = residual_norm._meta(b, d, layers, 0, 1e-6, True, zero_size)
+  if gdc:
+    meta["GDC"] = gdc
+  arg_dtypes = ("*bf16", "*fp32", "*bf16", "*fp32", "*i32", "*bf16", "*bf16", "*fp32")
+  kern = w4_gluon._compile_gluon(residual_norm._kernel(), arg_dtypes, meta, 90, num_warps=residual_norm.WARPS,
+                                 options={"launch_pdl": pdl})
+  return kern, len(meta), (b + -(-zero_size // residual_norm.ZERO_CHUNK), 1, 1)
+
+
+def time_graph(record, reps: int) -> tuple[float, float, float]:
+  """(median, min, max) ms of ``reps`` replays of a CUDA graph of ``record()``, after 3 untimed ones."""
+  graph = torch.cuda.CUDAGraph()
+  stream = torch.cuda.Stream()
+  with torch.cuda.stream(stream):
+    record()  # warm the launchers outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, stream=stream):
+      record()
+  times = []
+  for rep in range(reps + 3):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    if rep >= 3:
+      times.append(start.elapsed_time(end))
+  return statistics.median(times), min(times), max(times)
+
+
+def layer_table(projections):
+  """The second table: a decode layer's sequence, base against PDL between its Gluon kernels."""
+  dev = torch.device("cuda")
+  d = SHAPES[0][1]
+  acc_size = M * sum(n for _, _, n in SHAPES)
+  w_stack = (torch.rand((LAYERS, d), device=dev) + 0.5).to(torch.bfloat16)
+  noise = torch.randn((LAYERS, d), device=dev) * 1e-3
+  h = torch.randn((M, d), device=dev).to(torch.bfloat16)
+  h_out = torch.empty_like(h)
+  x_out = torch.empty_like(h)
+  zeros = torch.empty((acc_size,), dtype=torch.float32, device=dev)
+  kv = torch.randn((81920, 128), device=dev).to(torch.bfloat16)  # 21 MB: a batch-8 layer's cache at 1300 slots
+  kv_sum = torch.empty((128,), dtype=torch.bfloat16, device=dev)
+  g, u = (torch.randn((M, 18944), device=dev).to(torch.bfloat16) for _ in range(2))
+  swiglu = torch.empty_like(g)
+  (_, qkv), (_, o), (_, gate_up), (_, down) = [(p[0], p) for p in projections]
+  out = {}
+  for vname, gdc_mm, gdc_norm, pdl in (("base", 0, 0, False), ("pdl", 6, 5, True), ("base", 0, 0, False),
+                                       ("pdl", 6, 5, True)):
+    mm = {p[0]: compile_build(p[1], gdc_mm, pdl) for p in projections}
+    post = compile_norm(M, d, LAYERS, 0, gdc_norm, pdl)
+    end = compile_norm(M, d, LAYERS, acc_size, gdc_norm, pdl)
+
+    def gemv(p, layer):
+      (kern, nconst), (_, build, codes, scales, gs, x, y, idx) = mm[p[0]], p
+      kern[build.grid](x, codes, scales, gs, idx[layer], y, y, *[None] * nconst)
+
+    def norm(k, y, layer, idx):
+      kern, nconst, grid = k
+      kern[grid](h, y, w_stack, noise, idx[layer], h_out, x_out, zeros, *[None] * nconst)
+
+    def record():
+      for layer in range(LAYERS):
+        gemv(qkv, layer)
+        torch.sum(kv, dim=0, out=kv_sum)
+        gemv(o, layer)
+        norm(post, o[6], layer, o[7])
+        gemv(gate_up, layer)
+        torch.mul(g, u, out=swiglu)
+        gemv(down, layer)
+        norm(end, down[6], layer, down[7])
+
+    for p in projections:
+      p[6].zero_()
+    record()
+    torch.cuda.synchronize()
+    got = (h_out.float().clone(), x_out.float().clone())
+    if "want" in out:
+      for a, b in zip(got, out["want"]):
+        assert torch.allclose(a, b, rtol=2e-2, atol=2e-2), f"layer sequence {vname}: norm outputs differ from base"
+    else:
+      out["want"] = got
+    med, lo, hi = time_graph(record, REPS)
+    out.setdefault(vname, []).append((med * 1e3 / LAYERS, lo * 1e3 / LAYERS, hi * 1e3 / LAYERS))
+  print("\n| decode layer, batch %d (two runs each, alternating) | µs a layer (median) | min | max |" % M)
+  print("|---|---:|---:|---:|")
+  for vname in ("base", "pdl"):
+    for med, lo, hi in out[vname]:
+      print(f"| {vname} | {med:.2f} | {lo:.2f} | {hi:.2f} |")
 
 
 def main():
@@ -88,31 +189,15 @@ def main():
       for (pname, *_), got, want in zip(projections, outs, reference):
         err = ((got - want).abs().max() / want.abs().max()).item()
         assert err < 1e-5, f"{vname} {pname}: relative error {err:.2e} against base"
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-      launch(kernels, 0)  # warm the launcher outside the capture
-      torch.cuda.synchronize()
-      with torch.cuda.graph(graph, stream=stream):
-        for layer in range(LAYERS):
-          launch(kernels, layer)
-    times = []
-    for rep in range(REPS + 3):
-      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-      start.record()
-      graph.replay()
-      end.record()
-      end.synchronize()
-      if rep >= 3:
-        times.append(start.elapsed_time(end) * 1e3 / LAYERS)
-    results[vname] = (statistics.median(times), min(times), max(times))
-    del graph
+    med, lo, hi = time_graph(lambda: [launch(kernels, layer) for layer in range(LAYERS)], REPS)
+    results[vname] = (med * 1e3 / LAYERS, lo * 1e3 / LAYERS, hi * 1e3 / LAYERS)
 
   base = results["base"][0]
   print("\n| variant | µs a layer (median) | min | max | against base |")
   print("|---|---:|---:|---:|---:|")
   for vname, (med, lo, hi) in results.items():
     print(f"| {vname} | {med:.2f} | {lo:.2f} | {hi:.2f} | {base / med:.3f}x |")
+  layer_table(projections)
 
 
 if __name__ == "__main__":
