@@ -62,6 +62,7 @@
 #   STEPS=82 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=83 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=84 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=87 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -854,4 +855,14 @@ step 85 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 330 python3 -m pytest -
 #    on an H100 in bench_rollout.py's own check (the padding rows' tokens and mask; fixed since), and it could not
 #    have timed the gate: sampling.generate pads a batch to a power of two, so a 160-row batch decodes 256 rows, and
 #    decode steps see 129-255 rows only through lower-level calls.
+# 87 (session 59; about 2 minutes): what programmatic dependent launch would buy a batch-8 decode step
+#    (experiments/lab/pdl_probe.py; w4_gluon's and residual_norm's lab constexpr GDC): the library's M = 8 GEMV
+#    builds launched by Triton from PyTorch in CUDA graphs, 28 layers, with and without PDL: the 7B GEMV chain alone,
+#    then a decode layer's sequence (q/k/v, attention stand-in, o, post-attention norm, gate/up, SwiGLU stand-in,
+#    down, layer-end norm), base and PDL alternating.
+step 87 && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 experiments/lab/pdl_probe.py 2>&1 | grep -v Warn \
+  | tee "$OUT/step87.txt"
+#    Session 59 ran the GEMV-chain table on an H100 (raw docs/bench_runs/session59_pdl_probe_h100.txt): 57.47 us a
+#    layer without PDL, 53.92 with the weights-first wait and an early trigger (-3.5 us, 6.6%), no gain without the
+#    trigger; the layer table was added after that call and has not run yet.
 exit 0  # (a step not chosen leaves a false test as the last status)
