@@ -48,6 +48,22 @@ typedef int CUdevice;
 struct alignas(64) CUtensorMap {
   uint64_t opaque[16];
 };
+// cuLaunchKernelEx's configuration (CUDA 12 driver API, cuda.h), for programmatic dependent launch (the chain).
+struct CUlaunchAttribute {
+  int id;
+  char pad[4];
+  union {
+    char bytes[64];
+    int programmatic_stream_serialization_allowed;
+  } value;
+};
+struct CUlaunchConfig {
+  unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes;
+  cudaStream_t stream;
+  CUlaunchAttribute* attrs;
+  unsigned num_attrs;
+};
+constexpr int kProgrammaticStreamSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 namespace {
 
@@ -67,6 +83,7 @@ struct Driver {
   // out-of-bounds fill); optional (only the TMA builds need it)
   CUresult (*tensor_map_encode_tiled)(CUtensorMap*, int, unsigned, void*, const uint64_t*, const uint64_t*,
                                       const unsigned*, const unsigned*, int, int, int, int) = nullptr;
+  CUresult (*launch_kernel_ex)(const CUlaunchConfig*, CUfunction, void**, void**) = nullptr;  // optional (the chain)
   bool ok = false;
 };
 
@@ -87,6 +104,7 @@ const Driver& GetDriver() {
     d.memset_d32_async = reinterpret_cast<decltype(d.memset_d32_async)>(dlsym(lib, "cuMemsetD32Async"));
     d.tensor_map_encode_tiled =
         reinterpret_cast<decltype(d.tensor_map_encode_tiled)>(dlsym(lib, "cuTensorMapEncodeTiled"));
+    d.launch_kernel_ex = reinterpret_cast<decltype(d.launch_kernel_ex)>(dlsym(lib, "cuLaunchKernelEx"));
     d.ok = d.ctx_get_current && d.module_load_data && d.module_get_function && d.launch_kernel &&
            d.func_set_attribute && d.primary_ctx_retain && d.ctx_push && d.ctx_pop && d.device_get &&
            d.memset_d32_async;
@@ -230,7 +248,129 @@ ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRe
   return ffi::Error::Success();
 }
 
+// The i-th of `text`'s fields separated by '\x1e' (ASCII record separator), or an empty view past the last.
+std::string_view Field(std::string_view text, size_t i) {
+  size_t start = 0;
+  for (size_t k = 0; k < i; ++k) {
+    size_t at = text.find('\x1e', start);
+    if (at == std::string_view::npos) return {};
+    start = at + 1;
+  }
+  size_t end = text.find('\x1e', start);
+  return text.substr(start, end == std::string_view::npos ? std::string_view::npos : end - start);
+}
+
+// Several kernels launched in order on XLA's stream by one FFI call (lab; w4_gluon.chain_call), so that a CUDA graph
+// holds them in one captured node, where programmatic dependent launch can join them: XLA records every FFI call
+// as its own child graph node, and a programmatic edge does not cross nodes (docs/kernels.md, "Programmatic
+// dependent launch"). keys / ptxs / names: one field per kernel, '\x1e'-separated. launch: 6 ints a kernel (grid x,
+// y, z, threads, shared bytes, pdl: 1 launches it with programmatic stream serialization, so it may start before
+// the kernel before it ends and must wait with griddepcontrol.wait before reading what that one writes). params: per
+// kernel its pointer count, then (buffer, byte offset) pairs, buffer i an operand for i < operands, else result
+// i - operands; Triton's two null scratch pointers follow. zero_results: a bitmask over the results, zeroed first.
+ffi::Error Chain(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view keys,
+                 std::string_view ptxs, std::string_view names, ffi::Span<const int64_t> launch,
+                 ffi::Span<const int64_t> params, int64_t zero_results) {
+  const Driver& d = GetDriver();
+  if (!d.ok) return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_chain: libcuda.so.1 not loadable");
+  if (launch.size() % 6 != 0 || launch.size() == 0) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "qerl_gluon_chain: launch attribute of " +
+                                                            std::to_string(launch.size()) + " values is malformed");
+  }
+  const size_t kernels = launch.size() / 6;
+  std::vector<void*> bases;
+  std::vector<size_t> sizes;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto buffer = args.get<ffi::AnyBuffer>(i);
+    if (buffer.has_error()) return buffer.error();
+    bases.push_back(buffer->untyped_data());
+    sizes.push_back(buffer->size_bytes());
+  }
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto buffer = rets.get<ffi::AnyBuffer>(i);
+    if (buffer.has_error()) return buffer.error();
+    bases.push_back((*buffer)->untyped_data());
+    sizes.push_back((*buffer)->size_bytes());
+    if (i < 63 && ((zero_results >> i) & 1) && sizes.back() > 0) {
+      CUresult r = d.memset_d32_async(reinterpret_cast<unsigned long long>(bases.back()), 0, sizes.back() / 4, stream);
+      if (r != 0) {
+        return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_chain: cuMemsetD32Async failed, CUresult " +
+                                                         std::to_string(r));
+      }
+    }
+  }
+  size_t at = 0;  // position in params
+  for (size_t k = 0; k < kernels; ++k) {
+    const int64_t* l = launch.begin() + 6 * k;
+    std::string_view key = Field(keys, k), ptx = Field(ptxs, k), name = Field(names, k);
+    if (key.empty() || ptx.empty() || name.empty()) {
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                        "qerl_gluon_chain: no key, PTX or name for kernel " + std::to_string(k));
+    }
+    CUfunction fn = nullptr;
+    CUresult r = Function(d, key, ptx, name, l[4], &fn);
+    if (r != 0) {
+      return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_chain: loading kernel " + std::string(name) +
+                                                       " failed, CUresult " + std::to_string(r));
+    }
+    if (at >= params.size() || params[at] < 0 || at + 1 + 2 * static_cast<size_t>(params[at]) > params.size()) {
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                        "qerl_gluon_chain: params attribute malformed at kernel " + std::to_string(k));
+    }
+    const size_t count = static_cast<size_t>(params[at]);
+    std::vector<void*> pointers;
+    for (size_t j = 0; j < count; ++j) {
+      const int64_t buffer = params[at + 1 + 2 * j], offset = params[at + 2 + 2 * j];
+      if (buffer < 0 || static_cast<size_t>(buffer) >= bases.size() || offset < 0 ||
+          static_cast<size_t>(offset) > sizes[buffer]) {
+        return ffi::Error(ffi::ErrorCode::kInvalidArgument, "qerl_gluon_chain: kernel " + std::to_string(k) +
+                                                                " parameter " + std::to_string(j) + " out of range");
+      }
+      pointers.push_back(static_cast<char*>(bases[buffer]) + offset);
+    }
+    at += 1 + 2 * count;
+    pointers.push_back(nullptr);  // global scratch
+    pointers.push_back(nullptr);  // profile scratch
+    std::vector<void*> kernel_params;
+    for (void*& p : pointers) kernel_params.push_back(&p);
+    if (l[5] && k > 0 && d.launch_kernel_ex) {
+      CUlaunchAttribute attr = {};
+      attr.id = kProgrammaticStreamSerialization;
+      attr.value.programmatic_stream_serialization_allowed = 1;
+      CUlaunchConfig config = {static_cast<unsigned>(l[0]), static_cast<unsigned>(l[1]), static_cast<unsigned>(l[2]),
+                               static_cast<unsigned>(l[3]), 1, 1, static_cast<unsigned>(l[4]), stream, &attr, 1};
+      r = d.launch_kernel_ex(&config, fn, kernel_params.data(), nullptr);
+    } else {
+      r = d.launch_kernel(fn, static_cast<unsigned>(l[0]), static_cast<unsigned>(l[1]), static_cast<unsigned>(l[2]),
+                          static_cast<unsigned>(l[3]), 1, 1, static_cast<unsigned>(l[4]), stream, kernel_params.data(),
+                          nullptr);
+    }
+    if (r != 0) {
+      return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_chain: launching " + std::string(name) +
+                                                       " failed, CUresult " + std::to_string(r));
+    }
+  }
+  if (at != params.size()) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "qerl_gluon_chain: params attribute has values past the last "
+                                                        "kernel's");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QerlGluonChain, Chain,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<std::string_view>("keys")
+                                  .Attr<std::string_view>("ptxs")
+                                  .Attr<std::string_view>("names")
+                                  .Attr<ffi::Span<const int64_t>>("launch")
+                                  .Attr<ffi::Span<const int64_t>>("params")
+                                  .Attr<int64_t>("zero_results"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QerlGluonLaunch, Launch,
                               ffi::Ffi::Bind()

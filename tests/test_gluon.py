@@ -685,6 +685,85 @@ def test_decode_order_lowers_its_own_decode(monkeypatch):
         r'key = "([0-9a-f]{32})"', std).group(1)
 
 
+def _gemv_then_norm_chain(x, w, index, h, norm_w, noise, pdl: bool):
+  """(lab) The decode GEMV of ``x`` by layer ``index`` of ``w`` into a zeroed float32 ``y``, then the residual-norm
+  kernel on ``h + y``, both launched by one :func:`w4_gluon.chain_call`; with ``pdl`` the GDC builds (GEMV: first
+  weights before the wait, early release; norm: weight and noise before the wait, early release) and the norm
+  launched with PDL. Returns ``(y, h + y, RMSNorm(h + y) * (w + noise))``."""
+  from pallas_kernels import residual_norm, w4_triton
+  m, (k, n), layers = x.shape[0], w.shape, w.packed.shape[0]
+  b = w4_gluon._build(m, k, n, layers, w.code_order == "decode")
+  meta = dict(b.meta, **({"GDC": 6} if pdl else {}))
+  gemv = w4_gluon._compiled(tuple(meta.items()), b.wg, b.narrow_n, b.maxnreg, b.w8)
+  nmeta = dict(residual_norm._meta(m, n, norm_w.shape[0], 0, 1e-6, True, 0), **({"GDC": 5} if pdl else {}))
+  norm = residual_norm._compiled(tuple(nmeta.items()), "*bf16" if norm_w.dtype == jnp.bfloat16 else "*fp32")
+  codes, scales, gs, layer = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
+  operands = (x, codes, scales, gs, layer, h, norm_w, noise)  # buffers 0-7; results 8 (y), 9 (h + y), 10 (x)
+  launches = [w4_gluon.ChainLaunch(*gemv, b.grid, b.threads, tuple((i, 0) for i in (0, 1, 2, 3, 4, 8, 8))),
+              w4_gluon.ChainLaunch(*norm, (m, 1, 1), 32 * residual_norm.WARPS,
+                                   tuple((i, 0) for i in (5, 8, 6, 7, 4, 9, 10, 8)), pdl=pdl)]
+  out = (jax.ShapeDtypeStruct((m * n,), jnp.float32), jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+         jax.ShapeDtypeStruct((m, n), jnp.bfloat16))
+  y, h_new, x_new = w4_gluon.chain_call(launches, operands, out, zero_results=1)
+  return y.reshape(m, n), h_new, x_new
+
+
+def test_chain_call_lowers_two_kernels_into_one_ffi_call(monkeypatch):
+  """(lab) chain_call: one qerl_gluon_chain custom call carrying both kernels' PTX (the GDC builds, with
+  griddepcontrol), their launch geometry with the PDL flag on the second only, and each kernel's parameters as
+  (buffer, offset) pairs over operands then results; bad requests are refused before lowering."""
+  k, n, stack, x, i = _ffi_lowering_case(monkeypatch)  # 8 x 3584 by a 3-layer stack of 3584 x 4608
+  h = jax.ShapeDtypeStruct((8, n), jnp.bfloat16)
+  norm_w = jax.ShapeDtypeStruct((3, n), jnp.bfloat16)
+  noise = jax.ShapeDtypeStruct((3, n), jnp.float32)
+  fn = lambda x, w, i, h, nw, nz: _gemv_then_norm_chain(x, w, i, h, nw, nz, pdl=True)
+  text = jax.jit(fn).trace(x, stack, i, h, norm_w, noise).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("qerl_gluon_chain") == 1 and "qerl_gluon_launch" not in text
+  assert ".entry w4a16_gemv" in text and ".entry residual_rms_norm_rows" in text
+  assert text.count("griddepcontrol.wait") >= 3  # the GEMV's one, the norm's two (row and zeroing programs)
+  launch = re.search(r"launch = dense<\[([0-9, ]+)\]>", text).group(1).replace(" ", "")
+  # GEMV: 4608 / 256 column tiles x 28 splits, 128 threads, no PDL; norm: 8 row programs of 16 warps, PDL
+  assert re.fullmatch(r"18,28,1,128,\d+,0,8,1,1,512,\d+,1", launch), launch
+  params = re.search(r"params = dense<\[([0-9, ]+)\]>", text).group(1).replace(" ", "")
+  assert params == "7,0,0,1,0,2,0,3,0,4,0,8,0,8,0,8,5,0,8,0,6,0,7,0,4,0,9,0,10,0,8,0"
+  assert "zero_results = 1" in text
+  off = jax.jit(lambda x, w, i, h, nw, nz: _gemv_then_norm_chain(x, w, i, h, nw, nz, pdl=False)).trace(
+      x, stack, i, h, norm_w, noise).lower(lowering_platforms=("cuda",)).as_text()
+  assert "griddepcontrol" not in off and re.search(r"launch = dense<\[[0-9, ]+, 0\]>", off)
+  ok = w4_gluon.ChainLaunch("ptx", "k", 0, (1, 1, 1), 32, ((0, 0),))
+  with pytest.raises(ValueError, match="no kernel"):
+    w4_gluon.chain_call([], (), ())
+  with pytest.raises(ValueError, match="names buffers \\[2\\]"):
+    w4_gluon.chain_call([ok._replace(params=((2, 0),))], (jnp.zeros(4),), (jax.ShapeDtypeStruct((4,), jnp.float32),))
+  with pytest.raises(ValueError, match="field separator"):
+    w4_gluon.chain_call([ok._replace(name="a\x1eb")], (jnp.zeros(4),), ())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True])
+def test_chain_call_runs_the_gemv_then_the_norm_as_the_separate_calls(pdl):
+  """(lab, prepared in session 59) One FFI call launching the decode GEMV (M = 8, layer 1 of a 2-layer 7B-o-sized
+  stack in decode order) and the residual-norm kernel on its product, with and without PDL between them: the same
+  product as forward_into's kernel (float32 atomics: 1e-5 relative) and the same h + y and norm as
+  residual_rms_norm on that product (bit for bit, both read the same y)."""
+  from pallas_kernels import residual_norm
+  if not (w4_gluon.available() and w4_gluon.launcher() == "ffi"):
+    pytest.skip("the Gluon FFI launcher is not available")
+  m, k, n = 8, 3584, 3584
+  keys = jax.random.split(jax.random.key(59), 5)
+  w = nvfp4.to_decode_order(nvfp4.quantize(jax.random.normal(keys[0], (2, k, n), jnp.float32) * 0.05))
+  x = jax.random.normal(keys[1], (m, k), jnp.float32).astype(jnp.bfloat16)
+  h = jax.random.normal(keys[2], (m, n), jnp.float32).astype(jnp.bfloat16)
+  norm_w = (1.0 + 0.1 * jax.random.normal(keys[3], (2, n), jnp.float32)).astype(jnp.bfloat16)
+  noise = 0.01 * jax.random.normal(keys[4], (2, n), jnp.float32)
+  y, h_new, x_new = jax.jit(lambda *a: _gemv_then_norm_chain(*a, pdl=pdl))(x, w, 1, h, norm_w, noise)
+  want_y = w4_gluon.forward(x, w, out_dtype=jnp.float32, index=1)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(want_y), rtol=1e-5, atol=1e-5 * float(jnp.abs(want_y).max()))
+  want_h, want_x = residual_norm.residual_rms_norm(h, y.reshape(-1), 0, norm_w, 1, 1e-6, noise)
+  np.testing.assert_array_equal(np.asarray(h_new.astype(jnp.float32)), np.asarray(want_h.astype(jnp.float32)))
+  np.testing.assert_array_equal(np.asarray(x_new.astype(jnp.float32)), np.asarray(want_x.astype(jnp.float32)))
+
+
 def test_forward_into_lowers_to_an_aliased_region_without_a_memset(monkeypatch):
   """forward_into: the FFI call aliases the float32 buffer to its result, asks for no memset and
   passes the region's byte offset; y is the region read back. Bad buffers and regions are refused."""

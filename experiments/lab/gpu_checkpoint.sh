@@ -63,6 +63,7 @@
 #   STEPS=83 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=84 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=87 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=88 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -867,4 +868,9 @@ step 87 && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 experiments/l
 #    trigger; then on a second H100 call (raw session59_pdl_probe_layer_h100.txt) the chain 58.73 -> 54.29 and the
 #    decode layer's sequence 152.67 / 152.82 -> 147.87 / 147.89 us a layer (4.8 us, the four Gluon boundaries).
 #    Still to run on an H200.
+# 88 (session 59, prepared; about 1 minute): w4_gluon.chain_call (lab), several Gluon kernels launched by one FFI call
+#    (gluon_launch.cc's qerl_gluon_chain), the first step towards PDL inside a decode step: its GPU test (the M = 8
+#    GEMV then the residual-norm kernel, with and without PDL, against the separate calls).
+step 88 && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -q -m gpu tests/test_gluon.py -k chain_call \
+  -p no:cacheprovider 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -8 | tee "$OUT/step88.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
