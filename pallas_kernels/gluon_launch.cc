@@ -144,6 +144,35 @@ CUresult Function(const Driver& d, std::string_view key, std::string_view ptx, s
   return 0;
 }
 
+// Launches `fn` on `stream` with `params` (pointers to each parameter), by cuLaunchKernelEx with programmatic stream
+// serialization when `pdl` (and the driver has it), else by cuLaunchKernel. 0 on success.
+CUresult LaunchOne(const Driver& d, CUfunction fn, const int64_t grid[3], int64_t threads, int64_t shared,
+                   cudaStream_t stream, void** params, bool pdl) {
+  if (pdl && d.launch_kernel_ex) {
+    CUlaunchAttribute attr = {};
+    attr.id = kProgrammaticStreamSerialization;
+    attr.value.programmatic_stream_serialization_allowed = 1;
+    CUlaunchConfig config = {static_cast<unsigned>(grid[0]), static_cast<unsigned>(grid[1]),
+                             static_cast<unsigned>(grid[2]), static_cast<unsigned>(threads), 1, 1,
+                             static_cast<unsigned>(shared), stream, &attr, 1};
+    return d.launch_kernel_ex(&config, fn, params, nullptr);
+  }
+  return d.launch_kernel(fn, static_cast<unsigned>(grid[0]), static_cast<unsigned>(grid[1]),
+                         static_cast<unsigned>(grid[2]), static_cast<unsigned>(threads), 1, 1,
+                         static_cast<unsigned>(shared), stream, params, nullptr);
+}
+
+// Zeroes `bytes` (a multiple of 4) at `data` on `stream` (a memset node in a CUDA graph); `who` names the caller in
+// the error.
+ffi::Error ZeroResult(const Driver& d, void* data, size_t bytes, cudaStream_t stream, const char* who) {
+  CUresult r = d.memset_d32_async(reinterpret_cast<unsigned long long>(data), 0, bytes / 4, stream);
+  if (r != 0) {
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string(who) + ": cuMemsetD32Async failed, CUresult " +
+                                                     std::to_string(r));
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view key,
                   std::string_view ptx, std::string_view name, int64_t grid_x, int64_t grid_y, int64_t grid_z,
                   int64_t threads, int64_t shared, int64_t zero_results, int64_t out_offset,
@@ -215,11 +244,8 @@ ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRe
     void* data = (*buffer)->untyped_data();
     size_t bytes = (*buffer)->size_bytes();
     if (i < 63 && ((zero_results >> i) & 1) && bytes > 0) {  // the kernel adds into it (split-K by atomics)
-      r = d.memset_d32_async(reinterpret_cast<unsigned long long>(data), 0, bytes / 4, stream);
-      if (r != 0) {
-        return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_launch: cuMemsetD32Async failed, CUresult " +
-                                                         std::to_string(r));
-      }
+      ffi::Error e = ZeroResult(d, data, bytes, stream, "qerl_gluon_launch");
+      if (e.failure()) return e;
     }
     if (out_offset < 0 || static_cast<size_t>(out_offset) > bytes) {
       return ffi::Error(ffi::ErrorCode::kInvalidArgument, "qerl_gluon_launch: out_offset " +
@@ -239,8 +265,8 @@ ffi::Error Launch(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRe
     params.push_back(&strides[2 * t + 1]);
   }
   for (void*& p : pointers) params.push_back(&p);
-  r = d.launch_kernel(fn, static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y), static_cast<unsigned>(grid_z),
-                      static_cast<unsigned>(threads), 1, 1, static_cast<unsigned>(shared), stream, params.data(), nullptr);
+  const int64_t grid[3] = {grid_x, grid_y, grid_z};
+  r = LaunchOne(d, fn, grid, threads, shared, stream, params.data(), false);
   if (r != 0) {
     return ffi::Error(ffi::ErrorCode::kInternal,
                       "qerl_gluon_launch: cuLaunchKernel(" + std::string(name) + ") failed, CUresult " + std::to_string(r));
@@ -292,11 +318,8 @@ ffi::Error Chain(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRet
     bases.push_back((*buffer)->untyped_data());
     sizes.push_back((*buffer)->size_bytes());
     if (i < 63 && ((zero_results >> i) & 1) && sizes.back() > 0) {
-      CUresult r = d.memset_d32_async(reinterpret_cast<unsigned long long>(bases.back()), 0, sizes.back() / 4, stream);
-      if (r != 0) {
-        return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_chain: cuMemsetD32Async failed, CUresult " +
-                                                         std::to_string(r));
-      }
+      ffi::Error e = ZeroResult(d, bases.back(), sizes.back(), stream, "qerl_gluon_chain");
+      if (e.failure()) return e;
     }
   }
   size_t at = 0;  // position in params
@@ -333,18 +356,7 @@ ffi::Error Chain(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRet
     pointers.push_back(nullptr);  // profile scratch
     std::vector<void*> kernel_params;
     for (void*& p : pointers) kernel_params.push_back(&p);
-    if (l[5] && k > 0 && d.launch_kernel_ex) {
-      CUlaunchAttribute attr = {};
-      attr.id = kProgrammaticStreamSerialization;
-      attr.value.programmatic_stream_serialization_allowed = 1;
-      CUlaunchConfig config = {static_cast<unsigned>(l[0]), static_cast<unsigned>(l[1]), static_cast<unsigned>(l[2]),
-                               static_cast<unsigned>(l[3]), 1, 1, static_cast<unsigned>(l[4]), stream, &attr, 1};
-      r = d.launch_kernel_ex(&config, fn, kernel_params.data(), nullptr);
-    } else {
-      r = d.launch_kernel(fn, static_cast<unsigned>(l[0]), static_cast<unsigned>(l[1]), static_cast<unsigned>(l[2]),
-                          static_cast<unsigned>(l[3]), 1, 1, static_cast<unsigned>(l[4]), stream, kernel_params.data(),
-                          nullptr);
-    }
+    r = LaunchOne(d, fn, l, l[3], l[4], stream, kernel_params.data(), l[5] && k > 0);
     if (r != 0) {
       return ffi::Error(ffi::ErrorCode::kInternal, "qerl_gluon_chain: launching " + std::string(name) +
                                                        " failed, CUresult " + std::to_string(r));

@@ -77,13 +77,7 @@ def _kernel():
   from triton.experimental import gluon
   from triton.experimental.gluon import language as ttgl
 
-  @gluon.jit
-  def gdc(G: ttgl.constexpr):
-    """(lab, PDL; as w4_gluon's GDC) bit 2: ``griddepcontrol.launch_dependents``; then ``griddepcontrol.wait``."""
-    if G & 4:
-      ttgl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=ttgl.int32,
-                                  is_pure=False, pack=1)
-    ttgl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=ttgl.int32, is_pure=False, pack=1)
+  gdc = w4_gluon._gdc()  # (lab, PDL)
 
   @gluon.jit
   def residual_rms_norm_rows(h_ptr, y_ptr, w_ptr, n_ptr, idx_ptr, ho_ptr, x_ptr, z_ptr, B: ttgl.constexpr,

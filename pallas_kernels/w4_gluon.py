@@ -348,6 +348,26 @@ def scale_f16_bits(codes: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=None)
+def _gdc():
+  """The Gluon helper ``gdc(G)`` of the lab constexpr ``GDC`` (this module's GEMV, :mod:`pallas_kernels.residual_norm`;
+  imports triton lazily): grid dependency control for a programmatic dependent launch (PDL). With bit 2 of ``G`` the
+  ``griddepcontrol.launch_dependents`` hint (the next grid may launch once every program here has given it), then
+  ``griddepcontrol.wait`` (the previous grid has finished and its writes are visible). Both are no-ops in a launch
+  without the PDL attribute."""
+  from triton.experimental import gluon
+  from triton.experimental.gluon import language as ttgl
+
+  @gluon.jit
+  def gdc(G: ttgl.constexpr):
+    if G & 4:
+      ttgl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=ttgl.int32,
+                                  is_pure=False, pack=1)
+    ttgl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=ttgl.int32, is_pure=False, pack=1)
+
+  return gdc
+
+
+@functools.lru_cache(maxsize=None)
 def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = False, tma: bool = False):
   """Builds the Gluon kernel (imports triton lazily: CPU installs need not have it).
 
@@ -376,6 +396,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
   from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
   from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma as hopper_tma
 
+  gdc = _gdc()
   asm = ttgl.constexpr(_asm())
   asm_do = ttgl.constexpr(_asm(decode_order=True))  # codes in nvfp4.to_decode_order's order
   asm_sp = ttgl.constexpr(_asm(scale_pairs=True))  # DO bit 1 (SCALE_PAIRS): the scales paired once a block
@@ -449,17 +470,6 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
     base = ptr - (ptr.to(ttgl.int64, bitcast=True) & 7).to(ttgl.int32)
     return ttgl.inline_asm_elementwise(load_asm[LA], "=r,=r,l,l,l,l,l,l,l,l", [base], dtype=ttgl.uint8,
                                        is_pure=True, pack=8)
-
-  @gluon.jit
-  def gdc(G: ttgl.constexpr):
-    """Grid dependency control for a programmatic dependent launch (PDL; GDC, lab): with bit 2 the
-    ``griddepcontrol.launch_dependents`` hint (the next grid may launch once every program here has given it),
-    then ``griddepcontrol.wait`` (the previous grid has finished and its writes are visible). Both are no-ops in a
-    launch without the PDL attribute."""
-    if G & 4:
-      ttgl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=ttgl.int32,
-                                  is_pure=False, pack=1)
-    ttgl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=ttgl.int32, is_pure=False, pack=1)
 
   @gluon.jit
   def load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, i, N: ttgl.constexpr,
@@ -696,7 +706,8 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
       if WA:
         acc = hopper.warpgroup_mma_wait(0, deps=[acc])
     else:
-      if not GDC:  # (an unset constexpr is None here)
+      G: ttgl.constexpr = 0 if GDC is None else GDC  # (an unset constexpr is None here)
+      if not G:
         c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, True, LH, LA)
       elif GDC & 2:  # (lab, PDL) step 0's codes and scales before the wait for the previous grid, x after it
         c0, s0, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, False, LH, LA)
@@ -709,10 +720,7 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
         gdc(GDC)
         c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, True, LH, LA)
       for i in ttgl.static_range(STEPS):  # unrolled; step i+1's loads are issued before step i's math
-        if not GDC:
-          c1, s1, x1 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(i + 1, STEPS - 1), N,
-                                 True, LH, LA)
-        elif (GDC & 10) == 10 and i == 0:  # (lab, PDL) step 1's codes and scales came before the wait
+        if (G & 10) == 10 and i == 0:  # (lab, PDL) step 1's codes and scales came before the wait
           c1, s1 = cp, sp
           x1 = ttgl.load(x_ptr + x_offs + min(1, STEPS - 1) * 64, mask=x_mask, other=0.0)
         else:
@@ -1373,8 +1381,8 @@ def chain_call(launches, operands, out_shapes, *, zero_results: int = 0, aliases
     The results, a list.
 
   Raises:
-    ValueError: no launch, a kernel name, PTX or key containing the field separator, or a parameter naming a
-      buffer that does not exist.
+    ValueError: no launch, a kernel name or PTX containing the field separator, or a parameter naming a buffer
+      that does not exist or a negative offset.
   """
   launches = list(launches)
   if not launches:
