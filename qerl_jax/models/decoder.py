@@ -16,7 +16,7 @@ import numpy as np
 
 import pallas_kernels
 from pallas_kernels import decode_attention as decode_attn
-from pallas_kernels import residual_norm, w4_gluon
+from pallas_kernels import decode_chain, residual_norm, w4_gluon
 from qerl_jax import nf4, nvfp4
 from qerl_jax.models import layers
 from qerl_jax.models.config import ModelConfig, rope_inv_freq
@@ -73,6 +73,12 @@ FUSED_ATTENTION_BF16_QKV = 1
 # the bf16 route against 6.176 / 6.200 ms without (H100, session 58, the same run as above). sampling.generate pads
 # its batches to powers of two, so there the route starts at 256 rows.
 FUSED_ATTENTION_BF16_QKV_MIN_ROWS = w4_gluon.MAX_M + 1
+# (lab) 1 runs an accumulating decode step's layer after attention (o, the post-attention norm, gate/up, SwiGLU, down,
+# the layer end) as one FFI call of six Gluon kernels joined by programmatic dependent launch
+# (pallas_kernels.decode_chain), where XLA records six calls, each its own CUDA-graph node; 2 runs the same call
+# without PDL (for A/B measurements). Needs FUSED_LAYER_END and FUSED_POST_ATTENTION, and no bias or adapter on o,
+# gate/up and down (a rollout without LoRA). Off until measured in a rollout. Read at trace time.
+PDL_CHAIN = 0
 
 
 def _dtype(cfg: ModelConfig):
@@ -442,6 +448,10 @@ def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None, norms=None, li
   eps = cfg.rms_norm_eps
   attn, la = lp["attn"], ll.get("attn", {})
   mlp, lm = lp["mlp"], ll.get("mlp", {})
+  if PDL_CHAIN and norms is not None and norms.w_post is not None and acc is not None and acc.buffer is not None:
+    chained = _chained_after_attention(cfg, h, o, lp, ll, acc, norms)
+    if chained is not None:
+      return chained
   y, bias, acc, finished = _linear_region(attn, la, "o", o, lora_scale, acc)
   w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
   if norms is not None and norms.w_post is not None and finished:
@@ -473,6 +483,36 @@ def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None, norms=None, li
     return _fused_layer_end(cfg, lora_scale, h, y, mlp, lm, acc, norms.w_next, norms.noise_next, li)
   y, acc = _linear_into(mlp, lm, "down", y, lora_scale, acc)
   return h + y
+
+
+def _chained_after_attention(cfg, h, o, lp, ll, acc, norms):
+  """:data:`PDL_CHAIN`: the layer after attention by :func:`pallas_kernels.decode_chain.post_attention` (o, gate/up
+  and down into their regions of ``acc`` from ``acc.offset`` on, as :func:`_new_accumulator` laid them out),
+  returning ``(h, x_next, buffer_next)`` as :func:`_fused_layer_end`; or None where the chain does not apply (a
+  bias or adapter on o, gate/up or down, separate gate and up, weights not on stacked 4-bit tensors, builds it
+  cannot chain)."""
+  attn, mlp = lp["attn"], lp["mlp"]
+  la, lm = ll.get("attn", {}), ll.get("mlp", {})
+  names = (("o", attn), ("gate_up", mlp), ("down", mlp))
+  if any(n + "_bias" in grp for n, grp in names) or la.get("o") is not None or any(
+      lm.get(n) is not None for n in ("gate", "up", "gate_up", "down")):
+    return None
+  ws = [grp.get(n) for n, grp in names]
+  if not all(isinstance(w, layers.StackedWeight) and isinstance(w.tensor, nvfp4.NVFP4Tensor) for w in ws):
+    return None
+  b, t, d = h.shape
+  o2, h2 = o.reshape(b * t, -1), h.reshape(b * t, d)
+  post = decode_chain.NormStacks(norms.w_post, norms.noise_post)
+  nxt = decode_chain.NormStacks(norms.w_next, norms.noise_next)
+  w_o, w_gu, w_down = (w.tensor for w in ws)
+  if not decode_chain.applies(o2, h2, w_o, w_gu, w_down, post, nxt):
+    return None
+  if acc.offset + b * t * (2 * d + w_gu.shape[1]) > acc.size:
+    return None
+  h2, x_next, buffer, _ = decode_chain.post_attention(o2, h2, acc.buffer, acc.offset, w_o, w_gu, w_down, ws[0].index,
+                                                      post, nxt, cfg.rms_norm_eps, zero_size=acc.size,
+                                                      pdl=PDL_CHAIN != 2)
+  return h2.reshape(b, t, d), x_next.reshape(b, t, d), buffer
 
 
 def _fused_layer_end(cfg, lora_scale, h, x, mlp, lm, acc, w_next, noise_next, li):

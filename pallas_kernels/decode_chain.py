@@ -1,0 +1,214 @@
+"""(Lab) A decode step's layer after attention as one FFI call of six Gluon kernels, joined by programmatic
+dependent launch (PDL).
+
+In an accumulating decode step (``qerl_jax.models.decoder``, batch <= 32 on the Gluon W4A16 GEMV) a layer runs,
+after attention: the o-projection into the layer's float32 accumulator, the residual add and post-attention
+RMSNorm (:mod:`pallas_kernels.residual_norm`), the fused gate/up projection, SwiGLU (an XLA fusion), the
+down-projection, and the residual add with the next layer's input norm. Each is its own FFI call, and XLA records
+each FFI call as its own node of the step's CUDA graph, so every kernel waits for the one before it to drain
+before it launches. :func:`post_attention` launches all six from one FFI call (``w4_gluon.chain_call``): with
+``pdl`` each kernel after the first is launched with programmatic stream serialization and built with the lab's
+grid dependency control (``GDC``): it loads its own weights (the GEMV its first K step's codes and scales, the
+norms their weight and noise) before ``griddepcontrol.wait``, and lets the next kernel launch first. A probe
+outside XLA (``experiments/lab/pdl_probe.py``, session 59) measured 4.8 µs a batch-8 7B layer on an H100 from PDL
+on four of these boundaries.
+
+Numerics equal the unchained path's: the same kernels (the GEMV's float32 atomics in another order only), SwiGLU
+as ``silu(g) * u`` on the products rounded to bf16, as the decoder's ``(jax.nn.silu(g.f32) * u.f32).astype(bf16)``
+up to the hardware exponential. GPU only; :func:`applies` says when.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import residual_norm, w4_gluon, w4_triton
+
+SWIGLU_CHUNK = 2048  # elements of y a SwiGLU program writes (4 a thread at 16 warps)
+SWIGLU_WARPS = 16
+GEMV_GDC = 6  # the GEMVs' GDC: step 0's codes and scales before the wait, the next kernel released (w4_gluon._gdc)
+NORM_GDC = 5  # the norms' and SwiGLU's: their weights (none for SwiGLU) before the wait, the next kernel released
+
+
+class NormStacks(NamedTuple):
+  """A norm's ``[L, D]`` weight stack (bf16 or float32) and optional float32 AQN noise stack (QeRL Sec. 3.3),
+  read at the layer index by :mod:`pallas_kernels.residual_norm`'s kernel."""
+  weight: jax.Array
+  noise: Optional[jax.Array]
+
+
+@functools.lru_cache(maxsize=None)
+def _swiglu_kernel():
+  """The Gluon SwiGLU kernel (imports triton lazily): program ``p`` writes ``y``'s elements ``p * C .. p * C + C
+  - 1`` (``y`` row-major ``[M, I]``) from the fused gate/up product ``[M, 2I]`` (float32, at element ``OFF`` of
+  its buffer)."""
+  from triton.experimental import gluon
+  from triton.experimental.gluon import language as ttgl
+
+  gdc = w4_gluon._gdc()
+
+  @gluon.jit
+  def swiglu_rows(gu_ptr, y_ptr, M: ttgl.constexpr, I: ttgl.constexpr, OFF: ttgl.constexpr, C: ttgl.constexpr,
+                  WARPS: ttgl.constexpr, GDC: ttgl.constexpr = 0):
+    lay: ttgl.constexpr = ttgl.BlockedLayout([C // (32 * WARPS)], [32], [WARPS], [0])
+    e = ttgl.program_id(0) * C + ttgl.arange(0, C, layout=lay)
+    m = e < M * I
+    row = e // I
+    g_at = gu_ptr + OFF + row * (2 * I) + (e - row * I)
+    if GDC:
+      gdc(GDC)
+    # the products rounded to bf16 first, as the decoder's finish_linear
+    g = ttgl.load(g_at, mask=m, other=0.0).to(ttgl.bfloat16).to(ttgl.float32)
+    u = ttgl.load(g_at + I, mask=m, other=0.0).to(ttgl.bfloat16).to(ttgl.float32)
+    ttgl.store(y_ptr + e, (g / (1.0 + ttgl.exp(-g)) * u).to(ttgl.bfloat16), mask=m)
+
+  return swiglu_rows
+
+
+@functools.lru_cache(maxsize=None)
+def _swiglu_compiled(meta: tuple):
+  """``(ptx, kernel name, shared bytes)`` of the SwiGLU kernel for the constexprs ``meta``."""
+  return w4_gluon._load(w4_gluon._compile_gluon(_swiglu_kernel(), ("*fp32", "*bf16"), dict(meta),
+                                                w4_gluon._target_cc(), num_warps=SWIGLU_WARPS))
+
+
+def _gemv_build(m: int, w):
+  """The decode GEMV's build for ``m`` rows times the stack ``w``, or None where the chain cannot launch it: it
+  must add its split-K parts by atomics into the accumulator, read x as it is (no slot-order permute) and take
+  no TMA descriptors."""
+  b = w4_gluon._build_for(m, w, 0)
+  if not b.meta["ATOMIC"] or b.meta.get("XS") or "TS" in b.meta:
+    return None
+  return b
+
+
+def applies(o: jax.Array, h: jax.Array, w_o, w_gate_up, w_down, post: NormStacks, nxt: NormStacks) -> bool:
+  """Whether :func:`post_attention` takes these: NVFP4 weight stacks ``[L, K, N]`` that
+  :func:`w4_gluon.into_applies` takes for the rows at hand (o ``[M, Q]`` -> ``[M, D]``, gate/up ``[M, D]`` ->
+  ``[M, 2I]``, down ``[M, I]`` -> ``[M, D]``) with builds :func:`post_attention` can chain, and norm stacks that
+  :func:`residual_norm.applies` takes for ``h`` (bf16 ``[M, D]``)."""
+  if o.ndim != 2 or h.ndim != 2 or o.shape[0] != h.shape[0]:
+    return False
+  m, d = h.shape
+  if not (residual_norm.applies(h, post.weight, post.noise) and residual_norm.applies(h, nxt.weight, nxt.noise)):
+    return False
+  shapes = ((o.shape[1], d), (d, None), (None, d))
+  for w, (k, n) in zip((w_o, w_gate_up, w_down), shapes):
+    if getattr(w, "packed", None) is None or w.packed.ndim != 3 or (k is not None and w.shape[0] != k) or (
+        n is not None and w.shape[1] != n):
+      return False
+  inter = w_gate_up.shape[1] // 2
+  if w_gate_up.shape[1] != 2 * inter or w_down.shape[0] != inter:
+    return False
+  for x_cols, w in ((o.shape[1], w_o), (d, w_gate_up), (inter, w_down)):
+    x = jax.ShapeDtypeStruct((m, x_cols), jnp.bfloat16)
+    if not w4_gluon.into_applies(x, w, 0) or _gemv_build(m, w) is None:
+      return False
+  return o.dtype == jnp.bfloat16
+
+
+def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o, w_gate_up, w_down, index,
+                   post: NormStacks, nxt: NormStacks, eps: float, *, zero_size: int, pdl: bool = True):
+  """A decode layer after attention, as one FFI call of six kernels (lab; module docstring).
+
+  In order: ``acc[o_at] = o @ W_o``; ``h1 = h + acc[o_at]``, ``x1 = RMSNorm(h1) * (post.weight + post.noise)``;
+  ``acc[gu_at] = x1 @ W_gate_up``; ``y = silu(g) * u`` (SwiGLU, Shazeer 2020; ``g, u`` the halves of the product,
+  each rounded to bf16); ``acc[down_at] = y @ W_down``; ``h2 = h1 + acc[down_at]``, ``x_next = RMSNorm(h2) *
+  (nxt.weight + nxt.noise)``, and a zeroed float32 buffer for the next layer. Regions follow each other from
+  ``offset``: ``o_at = [offset, offset + M D)``, then ``M 2I`` elements for gate/up, then ``M D`` for down.
+
+  Args:
+    o: bf16 ``[M, Q]``, attention's output.
+    h: bf16 ``[M, D]``, the residual stream.
+    acc: float32 ``[S]``, the layer's accumulator, zero from ``offset`` on (aliased: its update is returned).
+    offset: static int, elements.
+    w_o, w_gate_up, w_down: :class:`~qerl_jax.nvfp4.NVFP4Tensor` stacks ``[L, Q, D]``, ``[L, D, 2I]``,
+      ``[L, I, D]`` (gate's columns before up's), read at layer ``index``.
+    index: int32 scalar (may be traced), clamped to ``[0, L)`` by the kernels.
+    post, nxt: :class:`NormStacks` ``[L, D]`` of the post-attention norm and of the norm after the layer.
+    eps: the norms' epsilon (compiled in).
+    zero_size: static int > 0, the next layer's accumulator's length.
+    pdl: launch kernels 2-6 with PDL (their ``GDC`` builds); False launches the library's builds in order.
+
+  Returns:
+    ``(h2, x_next, zeros, acc)``: bf16 ``[M, D]`` twice, float32 ``[zero_size]`` zeros, and ``acc`` with the three
+    regions written.
+
+  Raises:
+    ValueError: :func:`applies` is False, ``acc`` is not 1-D float32, the regions do not fit in it, or
+      ``zero_size`` is not positive.
+  """
+  if not applies(o, h, w_o, w_gate_up, w_down, post, nxt):
+    raise ValueError(f"decode_chain.post_attention: no chain for o {o.dtype}{list(o.shape)}, h {h.dtype}"
+                     f"{list(h.shape)} and weights {[list(w.shape) for w in (w_o, w_gate_up, w_down)]} here "
+                     "(needs the Gluon FFI launcher, NVFP4 stacks on atomic GEMV builds; see applies)")
+  m, d = h.shape
+  inter = w_down.shape[0]
+  offset, zero_size = int(offset), int(zero_size)
+  if acc.ndim != 1 or acc.dtype != jnp.float32:
+    raise ValueError(f"decode_chain.post_attention: acc must be 1-D float32, got {acc.dtype}{list(acc.shape)}")
+  o_at, gu_at = offset, offset + m * d
+  down_at = gu_at + 2 * m * inter
+  if offset < 0 or down_at + m * d > acc.shape[0]:
+    raise ValueError(f"decode_chain.post_attention: regions [{offset}, {down_at + m * d}) do not fit a buffer of "
+                     f"{acc.shape[0]} elements")
+  if zero_size <= 0:
+    raise ValueError(f"decode_chain.post_attention: zero_size must be > 0, got {zero_size}")
+
+  def with_gdc(meta: dict, g: int) -> tuple:
+    return tuple(dict(meta, **({"GDC": g} if pdl else {})).items())
+
+  ops = [o]  # operand 0; then each weight's codes, scales, global scales; one layer index
+  gemvs = []
+  layer = None
+  for w in (w_o, w_gate_up, w_down):
+    codes, scales, gs, layer = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
+    gemvs.append((len(ops), w4_gluon._build_for(m, w, 0)))
+    ops += [codes, scales, gs]
+  i_layer, i_h = len(ops), len(ops) + 1
+  ops += [layer, h]
+  i_norm = len(ops)  # post weight, post noise, next weight, next noise
+  for stacks in (post, nxt):
+    ops += [stacks.weight, jnp.zeros((1,), jnp.float32) if stacks.noise is None else stacks.noise]
+  i_acc = len(ops)
+  ops.append(acc)
+  n_ops = len(ops)
+  r_acc, r_h1, r_x1, r_y, r_h2, r_x, r_z = range(n_ops, n_ops + 7)
+  out = [jax.ShapeDtypeStruct(acc.shape, jnp.float32)] + [jax.ShapeDtypeStruct((m, d), jnp.bfloat16)] * 2 + [
+      jax.ShapeDtypeStruct((m, inter), jnp.bfloat16)] + [jax.ShapeDtypeStruct((m, d), jnp.bfloat16)] * 2 + [
+      jax.ShapeDtypeStruct((zero_size,), jnp.float32)]
+
+  def gemv(which: int, x_buf: int, at: int, first: bool) -> w4_gluon.ChainLaunch:
+    i_w, b = gemvs[which]
+    ptx = w4_gluon._compiled(with_gdc(b.meta, GEMV_GDC), b.wg, b.narrow_n, b.maxnreg, b.w8)
+    # x, codes, scales, global scales, layer, the zeros operand (the accumulator), the output at its region
+    params = ((x_buf, 0), (i_w, 0), (i_w + 1, 0), (i_w + 2, 0), (i_layer, 0), (r_acc, 0), (r_acc, 4 * at))
+    return w4_gluon.ChainLaunch(*ptx, b.grid, b.threads, params, pdl=pdl and not first)
+
+  def norm(stacks: NormStacks, i_stacks: int, h_buf: int, at: int, h_out: int, x_out: int, zeros: int):
+    meta = residual_norm._meta(m, d, stacks.weight.shape[0], at, eps, stacks.noise is not None, zeros)
+    ptx = residual_norm._compiled(with_gdc(meta, NORM_GDC),
+                                  "*bf16" if stacks.weight.dtype == jnp.bfloat16 else "*fp32")
+    params = ((h_buf, 0), (r_acc, 0), (i_stacks, 0), (i_stacks + 1, 0), (i_layer, 0), (h_out, 0), (x_out, 0),
+              (r_z if zeros else r_acc, 0))
+    grid = (m + -(-zeros // residual_norm.ZERO_CHUNK), 1, 1)
+    return w4_gluon.ChainLaunch(*ptx, grid, 32 * residual_norm.WARPS, params, pdl=pdl)
+
+  sw_meta = dict(M=m, I=inter, OFF=gu_at, C=SWIGLU_CHUNK, WARPS=SWIGLU_WARPS)
+  swiglu = w4_gluon.ChainLaunch(*_swiglu_compiled(with_gdc(sw_meta, NORM_GDC)), (-(-m * inter // SWIGLU_CHUNK), 1, 1),
+                                32 * SWIGLU_WARPS, ((r_acc, 0), (r_y, 0)), pdl=pdl)
+  launches = [gemv(0, 0, o_at, True),
+              norm(post, i_norm, i_h, o_at, r_h1, r_x1, 0),
+              gemv(1, r_x1, gu_at, False),
+              swiglu,
+              gemv(2, r_y, down_at, False),
+              norm(nxt, i_norm + 2, r_h1, down_at, r_h2, r_x, zero_size)]
+  acc, _, _, _, h2, x_next, zeros = w4_gluon.chain_call(launches, ops, out, aliases={i_acc: 0})
+  return h2, x_next, zeros, acc
+
+
+__all__ = ["NormStacks", "applies", "post_attention"]

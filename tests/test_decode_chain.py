@@ -1,0 +1,255 @@
+"""pallas_kernels.decode_chain (lab): a decode layer after attention as one FFI call of six Gluon kernels, and the
+decoder's route to it (decoder.PDL_CHAIN)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import decode_chain, residual_norm, w4_gluon
+from qerl_jax import models, nvfp4
+from tests._model_utils import assert_same_as_on_cpu, decode_all, left_padded_batch
+
+S = jax.ShapeDtypeStruct
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _lowering_ready(monkeypatch):
+  pytest.importorskip("triton.experimental.gluon")
+  monkeypatch.delenv("QERL_GLUON_LAUNCH", raising=False)
+  if w4_gluon.launcher() != "ffi":
+    pytest.skip("no C++ compiler for the FFI launcher")
+  monkeypatch.setattr(residual_norm, "available", lambda: True)  # (the norm kernel asks for a GPU backend)
+
+
+def _stacks(layers, d, q, inter):
+  """Abstract 7B-shaped decode-order stacks (o, gate/up, down)."""
+  st = lambda k, n: jax.eval_shape(lambda: nvfp4.to_decode_order(nvfp4.quantize(jnp.ones((layers, k, n)))))
+  return st(q, d), st(d, 2 * inter), st(inter, d)
+
+
+def test_post_attention_lowers_six_kernels_into_one_ffi_call(monkeypatch):
+  """The chain at the 7B shape (batch 8): one qerl_gluon_chain custom call with the six entries (three GEMVs, the
+  two residual norms, SwiGLU), PDL on every launch but the first and eight griddepcontrol.wait (each GEMV one, each
+  norm two: row and zeroing programs, SwiGLU one); each kernel's parameters as (buffer, byte offset) pairs: the
+  GEMVs write the accumulator (result 0, aliased to operand 16) at their regions' byte offsets (o after the
+  4608-wide q/k/v head, then gate/up, then down), gate/up reads the post-attention norm's x (result 2), down reads
+  SwiGLU's y (result 3), the last norm the first one's h (result 1). Without PDL: no grid dependency control, no
+  PDL flag. Bad requests are refused."""
+  _lowering_ready(monkeypatch)
+  m, d, q, inter, layers = 8, 3584, 3584, 18944, 3
+  wo, wgu, wd = _stacks(layers, d, q, inter)
+  o, h = S((m, q), jnp.bfloat16), S((m, d), jnp.bfloat16)
+  head = m * 4608
+  size = head + m * (2 * d + 2 * inter)
+  post = decode_chain.NormStacks(S((layers, d), jnp.bfloat16), S((layers, d), jnp.float32))
+  nxt = decode_chain.NormStacks(S((layers, d), jnp.float32), None)
+  assert decode_chain.applies(o, h, wo, wgu, wd, post, nxt)
+
+  def lower(pdl):
+    fn = lambda o, h, acc, wo, wgu, wd, i, post, nxt: decode_chain.post_attention(
+        o, h, acc, head, wo, wgu, wd, i, post, nxt, 1e-6, zero_size=size, pdl=pdl)
+    return jax.jit(fn).trace(o, h, S((size,), jnp.float32), wo, wgu, wd, S((), jnp.int32), post, nxt).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+  text = lower(True)
+  assert text.count("qerl_gluon_chain") == 1 and "qerl_gluon_launch" not in text
+  entries = re.findall(r"\.entry (\w+)", text)
+  assert [e.split("_")[0] for e in entries] == ["w4a16", "residual", "w4a16", "swiglu", "w4a16", "residual"], entries
+  assert text.count("griddepcontrol.wait") == 8
+  launch = [int(v) for v in re.search(r"launch = dense<\[([0-9, ]+)\]>", text).group(1).split(",")]
+  grids = [tuple(launch[6 * i:6 * i + 3]) for i in range(6)]
+  # o: 14 column tiles x 28 splits; norm: 8 rows; gate/up: 148 x 7; SwiGLU: 8 x 18944 / 2048; down: 14 x 37;
+  # the last norm also zeroes the next accumulator (ZERO_CHUNK elements a program)
+  assert grids == [(14, 28, 1), (8, 1, 1), (148, 7, 1), (74, 1, 1), (14, 37, 1),
+                   (8 + -(-size // residual_norm.ZERO_CHUNK), 1, 1)], grids
+  assert [launch[6 * i + 5] for i in range(6)] == [0, 1, 1, 1, 1, 1]
+  params = [int(v) for v in re.search(r"params = dense<\[([0-9, ]+)\]>", text).group(1).split(",")]
+  kernels, at = [], 0
+  while at < len(params):
+    n = params[at]
+    kernels.append([tuple(params[at + 1 + 2 * j:at + 3 + 2 * j]) for j in range(n)])
+    at += 1 + 2 * n
+  acc, h1, x1, y = 17, 18, 19, 20  # results after the 17 operands
+  o_at, gu_at = head, head + m * d
+  down_at = gu_at + 2 * m * inter
+  assert kernels[0] == [(0, 0), (1, 0), (2, 0), (3, 0), (10, 0), (acc, 0), (acc, 4 * o_at)]
+  assert kernels[2] == [(x1, 0), (4, 0), (5, 0), (6, 0), (10, 0), (acc, 0), (acc, 4 * gu_at)]
+  assert kernels[3] == [(acc, 0), (y, 0)]
+  assert kernels[4] == [(y, 0), (7, 0), (8, 0), (9, 0), (10, 0), (acc, 0), (acc, 4 * down_at)]
+  # norms: h, the accumulator (region offset compiled in), weight, noise, layer, h out, x out, zeros
+  assert kernels[1] == [(11, 0), (acc, 0), (12, 0), (13, 0), (10, 0), (h1, 0), (x1, 0), (acc, 0)]
+  assert kernels[5] == [(h1, 0), (acc, 0), (14, 0), (15, 0), (10, 0), (21, 0), (22, 0), (23, 0)]
+  assert "output_operand_aliases" in text and "operand_index = 16" in text
+  off = lower(False)
+  assert "griddepcontrol" not in off
+  assert re.search(r"launch = dense<\[([0-9, ]+)\]>", off).group(1).replace(" ", "").split(",")[5::6] == ["0"] * 6
+  call = lambda offset, w_down, zero_size: jax.eval_shape(
+      lambda o, h, acc, wo, wgu, wd: decode_chain.post_attention(o, h, acc, offset, wo, wgu, wd, 0, post, nxt, 1e-6,
+                                                                 zero_size=zero_size), o, h, S((size,), jnp.float32),
+      wo, wgu, w_down)
+  with pytest.raises(ValueError, match="do not fit"):
+    call(head + 1, wd, size)
+  with pytest.raises(ValueError, match="zero_size"):
+    call(head, wd, 0)
+  with pytest.raises(ValueError, match="no chain"):  # down's K is not gate/up's half
+    call(head, wo, size)
+
+@pytest.mark.parametrize("lora_kind,setting", [(None, 1), (None, 2), ("fused", 1)])
+def test_decode_step_routes_the_layer_after_attention_to_the_chain(monkeypatch, lora_kind, setting):
+  """decoder.PDL_CHAIN: an accumulating decode step with the fused layer ends hands each layer after attention to
+  decode_chain.post_attention (here an XLA stand-in of its formula: the o, gate/up and down products into their
+  regions from the o region's offset on, the two residual norms, SwiGLU on the bf16-rounded halves): the same
+  logits as the step without it (bit for bit on the CPU), called once a trace with the o region's offset, the
+  next accumulator's size and ``pdl`` = (setting == 1). With an adapter on o and down (XLA adds their deltas) the
+  chain is not taken."""
+  import pallas_kernels
+  from pallas_kernels import decode_attention as da
+  from qerl_jax import lora as lora_lib
+  from qerl_jax.models import decoder
+  cfg = models.ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=16, attention_bias=True, dtype="bfloat16")
+  base = models.quantize_base(models.fuse_projections(models.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16,
+                                                                         std=0.1)), "nvfp4")
+  kw = {"norm_noise": {n: 0.05 * jax.random.normal(jax.random.key(i), (cfg.num_layers, cfg.hidden_size))
+                       for i, n in enumerate(("input_norm", "post_attn_norm"))},
+        "compiler_options": {"xla_allow_excess_precision": False}}
+  if lora_kind:
+    c = lora_lib.LoRAConfig(r=4, lora_alpha=8.0, target_modules=("q", "v", "o", "down"))
+    lora = lora_lib.init_lora(jax.random.key(5), cfg, c)
+    lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(a.size), a.shape, a.dtype), lora)
+    kw.update(lora=models.fuse_adapter(lora, cfg, dtype=jnp.bfloat16), lora_cfg=c)
+  tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=7))
+  monkeypatch.setattr(da, "auto_backend", lambda dtype: "interpret")
+
+  def end_stand_in(h, src, offset, w, index, eps, noise=None, *, zero_size=0):
+    out = residual_norm.reference(h, src[offset:offset + h.size].reshape(h.shape), w[index], eps,
+                                  None if noise is None else noise[index])
+    return (*out, jnp.zeros((zero_size,), jnp.float32)) if zero_size else out
+
+  def into_stand_in(x, w, acc, offset, *, index=None, size=None, lora=None):
+    assert lora is None
+    y = pallas_kernels.quantized_matmul(x, w, index=index, out_dtype=jnp.float32).reshape(-1)
+    acc = jnp.zeros((size,), jnp.float32) if acc is None else acc
+    acc = jax.lax.dynamic_update_slice(acc, acc[offset:offset + y.size] + y, (offset,))
+    return acc[offset:offset + y.size].reshape(*x.shape[:-1], w.shape[1]), acc
+
+  calls = []
+
+  def chain_stand_in(o, h, acc, offset, w_o, w_gu, w_down, index, post, nxt, eps, *, zero_size, pdl=True):
+    calls.append((acc.shape[0], offset, zero_size, pdl))
+    mm = lambda x, w: pallas_kernels.quantized_matmul(x, w, index=index, out_dtype=jnp.float32)
+    norm = lambda h, y, s: residual_norm.reference(h, y, s.weight[index], eps,
+                                                   None if s.noise is None else s.noise[index])
+    h1, x1 = norm(h, mm(o, w_o), post)
+    inter = w_down.shape[0]
+    gu = mm(x1, w_gu).astype(h.dtype).astype(jnp.float32)
+    y = (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]).astype(h.dtype)
+    h2, x2 = norm(h1, mm(y, w_down), nxt)
+    return h2, x2, jnp.zeros((zero_size,), jnp.float32), acc
+
+  monkeypatch.setattr(residual_norm, "available", lambda: True)
+  monkeypatch.setattr(residual_norm, "applies", lambda h, w, noise=None: True)
+  monkeypatch.setattr(residual_norm, "residual_rms_norm", end_stand_in)
+  monkeypatch.setattr(pallas_kernels, "accumulate_applies", lambda x, w, index=None: x.shape[-1] == w.shape[0])
+  monkeypatch.setattr(pallas_kernels, "quantized_matmul_into", into_stand_in)
+  monkeypatch.setattr(pallas_kernels.matmul, "accumulate_lora_applies", lambda *a: False)
+  monkeypatch.setattr(decode_chain, "applies", lambda *a: True)
+  monkeypatch.setattr(decode_chain, "post_attention", chain_stand_in)
+  assert decoder.PDL_CHAIN == 0  # (off by default)
+  plain, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
+  assert not calls
+  monkeypatch.setattr(decoder, "PDL_CHAIN", setting)
+  chained, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
+  assert_same_as_on_cpu(chained, plain)
+  b = tokens.shape[0]
+  total = b * (cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.hidden_size + 2 * cfg.intermediate_size)
+  assert calls == ([] if lora_kind else [(total, b * (cfg.q_dim + 2 * cfg.kv_dim), total, setting == 1)])
+
+
+def _gpu_chain_ready():
+  if not (decode_chain.residual_norm.available() and w4_gluon.launcher() == "ffi"):
+    pytest.skip("the Gluon FFI launcher and a GPU backend are needed")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [True, False])
+def test_gpu_post_attention_matches_the_separate_kernels(pdl):
+  """(lab) The chain at the 7B shape (batch 8, layer 1 of 2-layer stacks, AQN noise on the post-attention norm):
+  its accumulator regions, h and next x against the library's separate calls (forward_into, residual_rms_norm,
+  XLA's SwiGLU) and SwiGLU's y against float64 on the chain's own gate/up product; the head of the accumulator
+  (q/k/v's region, NaN here) is left as it was, and the next accumulator is zero."""
+  _gpu_chain_ready()
+  m, d, q, inter = 8, 3584, 3584, 18944
+  rng = np.random.default_rng(60)
+  st = lambda k, n: nvfp4.to_decode_order(nvfp4.quantize(jnp.asarray(rng.standard_normal((2, k, n)) * 0.03,
+                                                                     jnp.float32)))
+  wo, wgu, wd = st(q, d), st(d, 2 * inter), st(inter, d)
+  o = jnp.asarray(rng.standard_normal((m, q)), jnp.bfloat16)
+  h = jnp.asarray(rng.standard_normal((m, d)) * 4.0, jnp.bfloat16)
+  post = decode_chain.NormStacks(jnp.asarray(1 + 0.1 * rng.standard_normal((2, d)), jnp.bfloat16),
+                                 jnp.asarray(0.01 * rng.standard_normal((2, d)), jnp.float32))
+  nxt = decode_chain.NormStacks(jnp.asarray(1 + 0.1 * rng.standard_normal((2, d)), jnp.float32), None)
+  head = 77
+  size = head + m * (2 * d + 2 * inter)
+  acc = jnp.full((size,), jnp.nan, jnp.float32).at[head:].set(0.0)
+  h2, x2, zeros, acc = jax.jit(lambda *a: decode_chain.post_attention(*a, 1e-6, zero_size=size, pdl=pdl))(
+      o, h, acc, head, wo, wgu, wd, 1, post, nxt)
+  acc = np.asarray(acc)
+  assert np.isnan(acc[:head]).all() and (np.asarray(zeros) == 0).all() and zeros.shape == (size,)
+  gu_at = head + m * d
+  down_at = gu_at + 2 * m * inter
+  y_o = w4_gluon.forward(o, wo, out_dtype=jnp.float32, index=1)
+  assert _rel(acc[head:gu_at].reshape(m, d), y_o) < 1e-5
+  h1, x1 = residual_norm.residual_rms_norm(h, acc[head:gu_at], 0, post.weight, 1, 1e-6, post.noise)
+  gu = w4_gluon.forward(x1, wgu, out_dtype=jnp.float32, index=1)
+  gu_chain = acc[gu_at:down_at].reshape(m, 2 * inter)
+  assert _rel(gu_chain, gu) < 1e-5
+  g = np.asarray(jnp.asarray(gu_chain).astype(jnp.bfloat16), np.float64)
+  y64 = g[:, :inter] / (1 + np.exp(-g[:, :inter])) * g[:, inter:]
+  y = (jax.nn.silu(jnp.asarray(gu_chain).astype(jnp.bfloat16).astype(jnp.float32))
+       * jnp.asarray(gu_chain).astype(jnp.bfloat16).astype(jnp.float32)[:, inter:]).astype(jnp.bfloat16)
+  y_down = w4_gluon.forward(y, wd, out_dtype=jnp.float32, index=1)
+  down_chain = acc[down_at:].reshape(m, d)
+  assert _rel(down_chain, y_down) < 5e-3
+  # (y itself is not a result: checked through the down product, against float64's y times layer 1 of W_down)
+  assert _rel(down_chain, y64 @ np.asarray(nvfp4.dequantize(wd)[1], np.float64)) < 1e-2
+  want_h2, want_x2 = residual_norm.residual_rms_norm(h1, jnp.asarray(down_chain).reshape(-1), 0, nxt.weight, 1, 1e-6)
+  np.testing.assert_array_equal(np.asarray(h2, np.float32), np.asarray(want_h2, np.float32))
+  np.testing.assert_array_equal(np.asarray(x2, np.float32), np.asarray(want_x2, np.float32))
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_with_the_chain_matches_without():
+  """(lab) decoder.PDL_CHAIN = 1 and 2 on a small NVFP4 model whose decode step takes the chain (hidden 512, 4
+  heads of 128, intermediate 1024, AQN noise): every position's logits within bf16 rounding of the step
+  without it (the GEMVs' float32 atomics add in another order), and the chain was traced."""
+  _gpu_chain_ready()
+  from qerl_jax.models import decoder
+  cfg = models.ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=128, attention_bias=True, dtype="bfloat16")
+  base = models.to_decode_order(models.quantize_base(models.fuse_projections(
+      models.init_params(cfg, jax.random.key(1), dtype=jnp.bfloat16, std=0.05)), "nvfp4"))
+  noise = {n: 0.02 * jax.random.normal(jax.random.key(i), (cfg.num_layers, cfg.hidden_size))
+           for i, n in enumerate(("input_norm", "post_attn_norm"))}
+  tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=9))
+  real, traced = decode_chain.post_attention, []
+  outs = {}
+  try:
+    decode_chain.post_attention = lambda *a, **k: traced.append(k["pdl"]) or real(*a, **k)
+    for setting in (0, 1, 2):
+      decoder.PDL_CHAIN = setting
+      outs[setting], _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16,
+                                    norm_noise=noise)
+  finally:
+    decoder.PDL_CHAIN = 0
+    decode_chain.post_attention = real
+  assert traced == [True, False]
+  for setting in (1, 2):
+    assert _rel(outs[setting], outs[0]) < 1e-2, (setting, _rel(outs[setting], outs[0]))
