@@ -86,11 +86,13 @@ def _gemv_build(m: int, w):
   return b
 
 
-def applies(o: jax.Array, h: jax.Array, w_o, w_gate_up, w_down, post: NormStacks, nxt: NormStacks) -> bool:
+def applies(o: jax.Array, h: jax.Array, w_o, w_gate_up, w_down, post: NormStacks, nxt: NormStacks,
+            w_qkv=None) -> bool:
   """Whether :func:`post_attention` takes these: NVFP4 weight stacks ``[L, K, N]`` that
   :func:`w4_gluon.into_applies` takes for the rows at hand (o ``[M, Q]`` -> ``[M, D]``, gate/up ``[M, D]`` ->
-  ``[M, 2I]``, down ``[M, I]`` -> ``[M, D]``) with builds :func:`post_attention` can chain, and norm stacks that
-  :func:`residual_norm.applies` takes for ``h`` (bf16 ``[M, D]``)."""
+  ``[M, 2I]``, down ``[M, I]`` -> ``[M, D]``, and the optional next q/k/v ``[M, D]`` -> ``[M, N]``) with builds
+  :func:`post_attention` can chain, and norm stacks that :func:`residual_norm.applies` takes for ``h`` (bf16
+  ``[M, D]``)."""
   if o.ndim != 2 or h.ndim != 2 or o.shape[0] != h.shape[0]:
     return False
   m, d = h.shape
@@ -104,7 +106,12 @@ def applies(o: jax.Array, h: jax.Array, w_o, w_gate_up, w_down, post: NormStacks
   inter = w_gate_up.shape[1] // 2
   if w_gate_up.shape[1] != 2 * inter or w_down.shape[0] != inter:
     return False
-  for x_cols, w in ((o.shape[1], w_o), (d, w_gate_up), (inter, w_down)):
+  products = [(o.shape[1], w_o), (d, w_gate_up), (inter, w_down)]
+  if w_qkv is not None:
+    if getattr(w_qkv, "packed", None) is None or w_qkv.packed.ndim != 3 or w_qkv.shape[0] != d:
+      return False
+    products.append((d, w_qkv))
+  for x_cols, w in products:
     x = jax.ShapeDtypeStruct((m, x_cols), jnp.bfloat16)
     if not w4_gluon.into_applies(x, w, 0) or _gemv_build(m, w) is None:
       return False
@@ -112,14 +119,17 @@ def applies(o: jax.Array, h: jax.Array, w_o, w_gate_up, w_down, post: NormStacks
 
 
 def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o, w_gate_up, w_down, index,
-                   post: NormStacks, nxt: NormStacks, eps: float, *, zero_size: int, pdl: bool = True):
+                   post: NormStacks, nxt: NormStacks, eps: float, *, zero_size: int, pdl: bool = True,
+                   next_qkv=None):
   """A decode layer after attention, as one FFI call of six kernels (lab; module docstring).
 
   In order: ``acc[o_at] = o @ W_o``; ``h1 = h + acc[o_at]``, ``x1 = RMSNorm(h1) * (post.weight + post.noise)``;
   ``acc[gu_at] = x1 @ W_gate_up``; ``y = silu(g) * u`` (SwiGLU, Shazeer 2020; ``g, u`` the halves of the product,
   each rounded to bf16); ``acc[down_at] = y @ W_down``; ``h2 = h1 + acc[down_at]``, ``x_next = RMSNorm(h2) *
   (nxt.weight + nxt.noise)``, and a zeroed float32 buffer for the next layer. Regions follow each other from
-  ``offset``: ``o_at = [offset, offset + M D)``, then ``M 2I`` elements for gate/up, then ``M D`` for down.
+  ``offset``: ``o_at = [offset, offset + M D)``, then ``M 2I`` elements for gate/up, then ``M D`` for down. With
+  ``next_qkv`` a seventh kernel (PDL too) writes the next layer's fused q/k/v product ``x_next @ W_qkv`` into the
+  head of the new buffer (``[0, M N)``, float32), where that layer's attention reads it.
 
   Args:
     o: bf16 ``[M, Q]``, attention's output.
@@ -132,7 +142,10 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
     post, nxt: :class:`NormStacks` ``[L, D]`` of the post-attention norm and of the norm after the layer.
     eps: the norms' epsilon (compiled in).
     zero_size: static int > 0, the next layer's accumulator's length.
-    pdl: launch kernels 2-6 with PDL (their ``GDC`` builds); False launches the library's builds in order.
+    pdl: launch kernels 2-6 (7) with PDL (their ``GDC`` builds); False launches the library's builds in order.
+    next_qkv: optional ``(w_qkv, next_index)``: the fused q/k/v stack ``[L, D, N]`` (``M N <= zero_size``) and the
+      next layer's index (int32 scalar, may be traced; clamped to ``[0, L)``: after the last layer the product is
+      of no use but harmless).
 
   Returns:
     ``(h2, x_next, zeros, acc)``: bf16 ``[M, D]`` twice, float32 ``[zero_size]`` zeros, and ``acc`` with the three
@@ -142,7 +155,8 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
     ValueError: :func:`applies` is False, ``acc`` is not 1-D float32, the regions do not fit in it, or
       ``zero_size`` is not positive.
   """
-  if not applies(o, h, w_o, w_gate_up, w_down, post, nxt):
+  w_qkv = None if next_qkv is None else next_qkv[0]
+  if not applies(o, h, w_o, w_gate_up, w_down, post, nxt, w_qkv):
     raise ValueError(f"decode_chain.post_attention: no chain for o {o.dtype}{list(o.shape)}, h {h.dtype}"
                      f"{list(h.shape)} and weights {[list(w.shape) for w in (w_o, w_gate_up, w_down)]} here "
                      "(needs the Gluon FFI launcher, NVFP4 stacks on atomic GEMV builds; see applies)")
@@ -156,8 +170,8 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
   if offset < 0 or down_at + m * d > acc.shape[0]:
     raise ValueError(f"decode_chain.post_attention: regions [{offset}, {down_at + m * d}) do not fit a buffer of "
                      f"{acc.shape[0]} elements")
-  if zero_size <= 0:
-    raise ValueError(f"decode_chain.post_attention: zero_size must be > 0, got {zero_size}")
+  if zero_size <= 0 or (w_qkv is not None and m * w_qkv.shape[1] > zero_size):
+    raise ValueError(f"decode_chain.post_attention: zero_size must be > 0 and hold the next q/k/v, got {zero_size}")
 
   def with_gdc(meta: dict, g: int) -> tuple:
     return tuple(dict(meta, **({"GDC": g} if pdl else {})).items())
@@ -165,12 +179,16 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
   ops = [o]  # operand 0; then each weight's codes, scales, global scales; one layer index
   gemvs = []
   layer = None
-  for w in (w_o, w_gate_up, w_down):
-    codes, scales, gs, layer = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
+  for w in (w_o, w_gate_up, w_down) + (() if w_qkv is None else (w_qkv,)):
+    codes, scales, gs, _ = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
     gemvs.append((len(ops), w4_gluon._build_for(m, w, 0)))
     ops += [codes, scales, gs]
+  layer = jnp.asarray(index, jnp.int32).reshape(1)
   i_layer, i_h = len(ops), len(ops) + 1
   ops += [layer, h]
+  if w_qkv is not None:  # (after h: the operands before it keep their places)
+    i_next = len(ops)
+    ops.append(jnp.asarray(next_qkv[1], jnp.int32).reshape(1))
   i_norm = len(ops)  # post weight, post noise, next weight, next noise
   for stacks in (post, nxt):
     ops += [stacks.weight, jnp.zeros((1,), jnp.float32) if stacks.noise is None else stacks.noise]
@@ -182,11 +200,14 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
       jax.ShapeDtypeStruct((m, inter), jnp.bfloat16)] + [jax.ShapeDtypeStruct((m, d), jnp.bfloat16)] * 2 + [
       jax.ShapeDtypeStruct((zero_size,), jnp.float32)]
 
-  def gemv(which: int, x_buf: int, at: int, first: bool) -> w4_gluon.ChainLaunch:
+  def gemv(which: int, x_buf: int, at: int, first: bool, out: int | None = None,
+           layer_buf: int | None = None) -> w4_gluon.ChainLaunch:
     i_w, b = gemvs[which]
     ptx = w4_gluon._compiled(with_gdc(b.meta, GEMV_GDC), b.wg, b.narrow_n, b.maxnreg, b.w8)
-    # x, codes, scales, global scales, layer, the zeros operand (the accumulator), the output at its region
-    params = ((x_buf, 0), (i_w, 0), (i_w + 1, 0), (i_w + 2, 0), (i_layer, 0), (r_acc, 0), (r_acc, 4 * at))
+    out = r_acc if out is None else out
+    # x, codes, scales, global scales, layer, the zeros operand (the output buffer), the output at its region
+    params = ((x_buf, 0), (i_w, 0), (i_w + 1, 0), (i_w + 2, 0), (i_layer if layer_buf is None else layer_buf, 0),
+              (out, 0), (out, 4 * at))
     return w4_gluon.ChainLaunch(*ptx, b.grid, b.threads, params, pdl=pdl and not first)
 
   def norm(stacks: NormStacks, i_stacks: int, h_buf: int, at: int, h_out: int, x_out: int, zeros: int):
@@ -207,6 +228,8 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
               swiglu,
               gemv(2, r_y, down_at, False),
               norm(nxt, i_norm + 2, r_h1, down_at, r_h2, r_x, zero_size)]
+  if w_qkv is not None:  # the next layer's q/k/v into the head of the new buffer
+    launches.append(gemv(3, r_x, 0, False, out=r_z, layer_buf=i_next))
   acc, _, _, _, h2, x_next, zeros = w4_gluon.chain_call(launches, ops, out, aliases={i_acc: 0})
   return h2, x_next, zeros, acc
 

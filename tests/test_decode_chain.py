@@ -87,6 +87,24 @@ def test_post_attention_lowers_six_kernels_into_one_ffi_call(monkeypatch):
   assert kernels[1] == [(11, 0), (acc, 0), (12, 0), (13, 0), (10, 0), (h1, 0), (x1, 0), (acc, 0)]
   assert kernels[5] == [(h1, 0), (acc, 0), (14, 0), (15, 0), (10, 0), (21, 0), (22, 0), (23, 0)]
   assert "output_operand_aliases" in text and "operand_index = 16" in text
+  # with the next layer's q/k/v (a 4608-wide stack, next index as operand 15): a seventh GEMV, PDL, reading the
+  # layer-end norm's x and writing the head of the new buffer (the last result)
+  wqkv = jax.eval_shape(lambda: nvfp4.to_decode_order(nvfp4.quantize(jnp.ones((layers, d, 4608)))))
+  text7 = jax.jit(lambda o, h, acc, wo, wgu, wd, wqkv, i, post, nxt: decode_chain.post_attention(
+      o, h, acc, head, wo, wgu, wd, i, post, nxt, 1e-6, zero_size=size, next_qkv=(wqkv, i + 1))).trace(
+      o, h, S((size,), jnp.float32), wo, wgu, wd, wqkv, S((), jnp.int32), post, nxt).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert len(re.findall(r"\.entry (\w+)", text7)) == 7 and text7.count("griddepcontrol.wait") == 9
+  launch7 = [int(v) for v in re.search(r"launch = dense<\[([0-9, ]+)\]>", text7).group(1).split(",")]
+  assert launch7[36:39] == [18, 28, 1] and launch7[41] == 1
+  params7 = [int(v) for v in re.search(r"params = dense<\[([0-9, ]+)\]>", text7).group(1).split(",")]
+  # operands: o 0, o / gate-up / down / q/k/v weights 1-12, layer 13, h 14, next layer 15, norms 16-19, acc 20;
+  # results 21 (acc) ... 26 (x next), 27 (the new buffer)
+  assert params7[-15:] == [7, 26, 0, 10, 0, 11, 0, 12, 0, 15, 0, 27, 0, 27, 0]
+  with pytest.raises(ValueError, match="hold the next q/k/v"):
+    jax.eval_shape(lambda o, h, acc, wo, wgu, wd, wqkv: decode_chain.post_attention(
+        o, h, acc, head, wo, wgu, wd, 0, post, nxt, 1e-6, zero_size=m * 4608 - 1, next_qkv=(wqkv, 1)),
+        o, h, S((size,), jnp.float32), wo, wgu, wd, wqkv)
   off = lower(False)
   assert "griddepcontrol" not in off
   assert re.search(r"launch = dense<\[([0-9, ]+)\]>", off).group(1).replace(" ", "").split(",")[5::6] == ["0"] * 6
@@ -101,14 +119,15 @@ def test_post_attention_lowers_six_kernels_into_one_ffi_call(monkeypatch):
   with pytest.raises(ValueError, match="no chain"):  # down's K is not gate/up's half
     call(head, wo, size)
 
-@pytest.mark.parametrize("lora_kind,setting", [(None, 1), (None, 2), ("fused", 1)])
+@pytest.mark.parametrize("lora_kind,setting", [(None, 1), (None, 2), (None, 3), ("fused", 1), ("fused", 3)])
 def test_decode_step_routes_the_layer_after_attention_to_the_chain(monkeypatch, lora_kind, setting):
   """decoder.PDL_CHAIN: an accumulating decode step with the fused layer ends hands each layer after attention to
   decode_chain.post_attention (here an XLA stand-in of its formula: the o, gate/up and down products into their
   regions from the o region's offset on, the two residual norms, SwiGLU on the bf16-rounded halves): the same
   logits as the step without it (bit for bit on the CPU), called once a trace with the o region's offset, the
-  next accumulator's size and ``pdl`` = (setting == 1). With an adapter on o and down (XLA adds their deltas) the
-  chain is not taken."""
+  next accumulator's size and ``pdl`` = (setting != 2). Setting 3 also hands it the fused q/k/v stack and the next
+  layer's index (each layer then reads its q/k/v from its buffer's head, layer 0's computed before the loop): the
+  same logits. With an adapter on o and down (XLA adds their deltas) the chain is not taken."""
   import pallas_kernels
   from pallas_kernels import decode_attention as da
   from qerl_jax import lora as lora_lib
@@ -142,8 +161,9 @@ def test_decode_step_routes_the_layer_after_attention_to_the_chain(monkeypatch, 
 
   calls = []
 
-  def chain_stand_in(o, h, acc, offset, w_o, w_gu, w_down, index, post, nxt, eps, *, zero_size, pdl=True):
-    calls.append((acc.shape[0], offset, zero_size, pdl))
+  def chain_stand_in(o, h, acc, offset, w_o, w_gu, w_down, index, post, nxt, eps, *, zero_size, pdl=True,
+                     next_qkv=None):
+    calls.append((acc.shape[0], offset, zero_size, pdl, next_qkv is not None))
     mm = lambda x, w: pallas_kernels.quantized_matmul(x, w, index=index, out_dtype=jnp.float32)
     norm = lambda h, y, s: residual_norm.reference(h, y, s.weight[index], eps,
                                                    None if s.noise is None else s.noise[index])
@@ -152,7 +172,13 @@ def test_decode_step_routes_the_layer_after_attention_to_the_chain(monkeypatch, 
     gu = mm(x1, w_gu).astype(h.dtype).astype(jnp.float32)
     y = (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]).astype(h.dtype)
     h2, x2 = norm(h1, mm(y, w_down), nxt)
-    return h2, x2, jnp.zeros((zero_size,), jnp.float32), acc
+    zeros = jnp.zeros((zero_size,), jnp.float32)
+    if next_qkv is not None:  # the next layer's q/k/v at the head (the kernel clamps the index past the last layer)
+      w_qkv, nxt_i = next_qkv
+      qkv = pallas_kernels.quantized_matmul(x2, w_qkv, index=jnp.minimum(nxt_i, w_qkv.packed.shape[0] - 1),
+                                            out_dtype=jnp.float32).reshape(-1)
+      zeros = zeros.at[:qkv.size].set(qkv)
+    return h2, x2, zeros, acc
 
   monkeypatch.setattr(residual_norm, "available", lambda: True)
   monkeypatch.setattr(residual_norm, "applies", lambda h, w, noise=None: True)
@@ -170,7 +196,8 @@ def test_decode_step_routes_the_layer_after_attention_to_the_chain(monkeypatch, 
   assert_same_as_on_cpu(chained, plain)
   b = tokens.shape[0]
   total = b * (cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.hidden_size + 2 * cfg.intermediate_size)
-  assert calls == ([] if lora_kind else [(total, b * (cfg.q_dim + 2 * cfg.kv_dim), total, setting == 1)])
+  assert calls == ([] if lora_kind else [(total, b * (cfg.q_dim + 2 * cfg.kv_dim), total, setting != 2,
+                                          setting == 3)])
 
 
 def _gpu_chain_ready():
@@ -184,7 +211,8 @@ def test_gpu_post_attention_matches_the_separate_kernels(pdl):
   """(lab) The chain at the 7B shape (batch 8, layer 1 of 2-layer stacks, AQN noise on the post-attention norm):
   its accumulator regions, h and next x against the library's separate calls (forward_into, residual_rms_norm,
   XLA's SwiGLU) and SwiGLU's y against float64 on the chain's own gate/up product; the head of the accumulator
-  (q/k/v's region, NaN here) is left as it was, and the next accumulator is zero."""
+  (q/k/v's region, NaN here) is left as it was, and the next accumulator is zero. With ``next_qkv`` (the index
+  past the last layer, clamped) the next accumulator's head holds x_next @ W_qkv and the rest is zero."""
   _gpu_chain_ready()
   m, d, q, inter = 8, 3584, 3584, 18944
   rng = np.random.default_rng(60)
@@ -199,8 +227,9 @@ def test_gpu_post_attention_matches_the_separate_kernels(pdl):
   head = 77
   size = head + m * (2 * d + 2 * inter)
   acc = jnp.full((size,), jnp.nan, jnp.float32).at[head:].set(0.0)
-  h2, x2, zeros, acc = jax.jit(lambda *a: decode_chain.post_attention(*a, 1e-6, zero_size=size, pdl=pdl))(
-      o, h, acc, head, wo, wgu, wd, 1, post, nxt)
+  chain = lambda o, h, acc, wo, wgu, wd, post, nxt, **kw: decode_chain.post_attention(
+      o, h, acc, head, wo, wgu, wd, 1, post, nxt, 1e-6, zero_size=size, pdl=pdl, **kw)
+  h2, x2, zeros, acc = jax.jit(chain)(o, h, acc, wo, wgu, wd, post, nxt)
   acc = np.asarray(acc)
   assert np.isnan(acc[:head]).all() and (np.asarray(zeros) == 0).all() and zeros.shape == (size,)
   gu_at = head + m * d
@@ -223,11 +252,19 @@ def test_gpu_post_attention_matches_the_separate_kernels(pdl):
   want_h2, want_x2 = residual_norm.residual_rms_norm(h1, jnp.asarray(down_chain).reshape(-1), 0, nxt.weight, 1, 1e-6)
   np.testing.assert_array_equal(np.asarray(h2, np.float32), np.asarray(want_h2, np.float32))
   np.testing.assert_array_equal(np.asarray(x2, np.float32), np.asarray(want_x2, np.float32))
+  # with the next layer's q/k/v: index 2 of a 2-layer stack, clamped to 1, into the head of the new buffer
+  wqkv = st(d, 4608)
+  acc2 = jnp.full((size,), jnp.nan, jnp.float32).at[head:].set(0.0)
+  h2b, x2b, buf, _ = jax.jit(lambda *a: chain(*a, next_qkv=(wqkv, jnp.int32(2))))(o, h, acc2, wo, wgu, wd, post, nxt)
+  buf = np.asarray(buf)
+  assert (buf[m * 4608:] == 0).all()
+  assert _rel(buf[:m * 4608].reshape(m, 4608), w4_gluon.forward(x2b, wqkv, out_dtype=jnp.float32, index=1)) < 1e-5
+  assert _rel(x2b, x2) < 1e-2 and _rel(h2b, h2) < 1e-2
 
 
 @pytest.mark.gpu
 def test_gpu_decode_step_with_the_chain_matches_without():
-  """(lab) decoder.PDL_CHAIN = 1 and 2 on a small NVFP4 model whose decode step takes the chain (hidden 512, 4
+  """(lab) decoder.PDL_CHAIN = 1, 2 and 3 on a small NVFP4 model whose decode step takes the chain (hidden 512, 4
   heads of 128, intermediate 1024, AQN noise): every position's logits within bf16 rounding of the step
   without it (the GEMVs' float32 atomics add in another order), and the chain was traced."""
   _gpu_chain_ready()
@@ -242,14 +279,15 @@ def test_gpu_decode_step_with_the_chain_matches_without():
   real, traced = decode_chain.post_attention, []
   outs = {}
   try:
-    decode_chain.post_attention = lambda *a, **k: traced.append(k["pdl"]) or real(*a, **k)
-    for setting in (0, 1, 2):
+    decode_chain.post_attention = lambda *a, **k: traced.append((k["pdl"], k["next_qkv"] is not None)) or real(*a,
+                                                                                                            **k)
+    for setting in (0, 1, 2, 3):
       decoder.PDL_CHAIN = setting
       outs[setting], _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16,
                                     norm_noise=noise)
   finally:
     decoder.PDL_CHAIN = 0
     decode_chain.post_attention = real
-  assert traced == [True, False]
-  for setting in (1, 2):
+  assert traced == [(True, False), (False, False), (True, True)]
+  for setting in (1, 2, 3):
     assert _rel(outs[setting], outs[0]) < 1e-2, (setting, _rel(outs[setting], outs[0]))

@@ -60,6 +60,7 @@
 #   STEPS=80 bash experiments/lab/gpu_checkpoint.sh
 #   ... (steps 81-88 below)
 #   STEPS=89 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=90 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=81 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=82 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=83 bash experiments/lab/gpu_checkpoint.sh
@@ -875,13 +876,18 @@ step 87 && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 experiments/l
 #    GEMV then the residual-norm kernel, with and without PDL, against the separate calls).
 step 88 && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -q -m gpu tests/test_gluon.py -k chain_call \
   -p no:cacheprovider 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -8 | tee "$OUT/step88.txt"
-# 89 (session 60, prepared; about 8 minutes): decoder.PDL_CHAIN (lab), a decode layer after attention as one FFI call
+# 89 (session 60, prepared; about 7 minutes): decoder.PDL_CHAIN (lab), a decode layer after attention as one FFI call
 #    of six Gluon kernels (pallas_kernels.decode_chain: o, post-attention norm, gate/up, SwiGLU, down, layer-end norm)
-#    joined by PDL: its GPU tests and step 88's, then batch-8 rollouts (512 new tokens) alternating the chain off (0),
-#    with PDL (1) and without PDL (2).
-step 89 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -m gpu tests/test_decode_chain.py \
-    tests/test_gluon.py::test_chain_call_runs_the_gemv_then_the_norm_as_the_separate_calls -p no:cacheprovider 2>&1 | grep -E "passed|failed|FAILED|Error|assert" | tail -12
-  for s in 0 1 0 1 2; do echo "== PDL_CHAIN=$s"; MODEL_SET="PDL_CHAIN=$s" timeout 75 python3 \
+#    joined by PDL (3: and the next layer's q/k/v as a seventh): its GPU tests and step 88's, then batch-8 rollouts
+#    (512 new tokens): the chain off (0), with PDL (1), with the next q/k/v (3), without PDL (2).
+step 89 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 140 python3 -m pytest -q -m gpu tests/test_decode_chain.py \
+    tests/test_gluon.py::test_chain_call_runs_the_gemv_then_the_norm_as_the_separate_calls -p no:cacheprovider 2>&1 \
+    | grep -E "passed|failed|FAILED|Error|assert" | tail -12
+  for s in 0 1 3 2; do echo "== PDL_CHAIN=$s"; MODEL_SET="PDL_CHAIN=$s" timeout 90 python3 \
     experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=512 --formats=nvfp4_fused --time_budget_s=50 2>&1 \
     | grep -E "nvfp4_fused \||Error"; done; } | tee "$OUT/step89.txt"
+# 90 (session 60, prepared; about 6 minutes): step 89's rollouts again, alternating 0 / 1 / 3 twice.
+step 90 && for s in 0 1 3 0 1 3; do echo "== PDL_CHAIN=$s"; MODEL_SET="PDL_CHAIN=$s" timeout 90 python3 \
+    experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=512 --formats=nvfp4_fused --time_budget_s=50 2>&1 \
+    | grep -E "nvfp4_fused \||Error"; done | tee "$OUT/step90.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)

@@ -76,8 +76,10 @@ FUSED_ATTENTION_BF16_QKV_MIN_ROWS = w4_gluon.MAX_M + 1
 # (lab) 1 runs an accumulating decode step's layer after attention (o, the post-attention norm, gate/up, SwiGLU, down,
 # the layer end) as one FFI call of six Gluon kernels joined by programmatic dependent launch
 # (pallas_kernels.decode_chain), where XLA records six calls, each its own CUDA-graph node; 2 runs the same call
-# without PDL (for A/B measurements). Needs FUSED_LAYER_END and FUSED_POST_ATTENTION, and no bias or adapter on o,
-# gate/up and down (a rollout without LoRA). Off until measured in a rollout. Read at trace time.
+# without PDL (for A/B measurements); 3 also runs the next layer's fused q/k/v projection in that call (PDL), after the
+# layer-end norm that makes its input (layer 0's runs before the layer loop). Needs FUSED_LAYER_END and
+# FUSED_POST_ATTENTION, and no bias or adapter on o, gate/up and down (3: and no adapter on q/k/v; a rollout without
+# LoRA). Off until measured in a rollout. Read at trace time.
 PDL_CHAIN = 0
 
 
@@ -280,11 +282,14 @@ class _NextNorms(NamedTuple):
   """The norm stacks ``[L, D]`` a fused decode step's layer ends read at the layer index (:data:`FUSED_LAYER_END`,
   made once a step by :func:`_layer_end_inputs`): the norm after each layer (the next input norm, then the final
   norm; float32) and its AQN noise (zero after the last layer; None without noise), and with
-  :data:`FUSED_POST_ATTENTION` the post-attention norm's weight and noise (else None)."""
+  :data:`FUSED_POST_ATTENTION` the post-attention norm's weight and noise (else None). ``qkv_ahead``
+  (:data:`PDL_CHAIN` = 3): each layer's fused q/k/v product is already in the head of its accumulator, written by
+  the previous layer's chain (layer 0's before the loop)."""
   w_next: jax.Array
   noise_next: Optional[jax.Array]
   w_post: Optional[jax.Array]
   noise_post: Optional[jax.Array]
+  qkv_ahead: bool = False
 
 
 def _bf16_qkv(x, w, acc) -> bool:
@@ -344,14 +349,17 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
     acc = _new_accumulator(cfg, b * t, lp, ll, kv, decode, h.dtype)  # (into one buffer)
   else:  # normed and zeroed by the previous layer's end
     x, buffer, norms = layer_end
-    acc = layers.Accumulator(buffer, 0, buffer.shape[0])
+    # (PDL_CHAIN = 3: with this layer's q/k/v product in the buffer's head)
+    acc = layers.Accumulator(buffer, b * t * attn["qkv"].tensor.shape[1] if norms.qkv_ahead else 0, buffer.shape[0])
   # A decode step on the GPU kernels with fused q/k/v: bias, rounding, RoPE, the cache write and
   # attention run in one kernel on the projection's float32 output.
   fused_attention = _fused_attention(cfg, attn, la, kv, decode, x.dtype)
   if fused_attention:
     kc, vc, li, sync = kv
     bias_stack = attn.get("qkv_bias")
-    if _bf16_qkv(x, attn["qkv"], acc):  # the large-M route's bf16 q/k/v, bias and adapter in the GEMM's epilogue
+    if norms is not None and norms.qkv_ahead:  # written by the previous layer's chain (PDL_CHAIN = 3)
+      qkv, bias = acc.buffer, (bias_stack.tensor if isinstance(bias_stack, layers.StackedWeight) else bias_stack)
+    elif _bf16_qkv(x, attn["qkv"], acc):  # the large-M route's bf16 q/k/v, bias and adapter in the GEMM's epilogue
       qkv, bias = layers.linear(x, attn["qkv"], bias=layers.layer_array(bias_stack), lora=la.get("qkv"),
                                 lora_scale=lora_scale).reshape(b, -1), None
     else:
@@ -452,6 +460,8 @@ def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None, norms=None, li
     chained = _chained_after_attention(cfg, h, o, lp, ll, acc, norms)
     if chained is not None:
       return chained
+  if norms is not None and norms.qkv_ahead:  # (_layer_end_inputs checked layer 0; every layer has its shapes)
+    raise RuntimeError("decoder: PDL_CHAIN = 3 computed the next q/k/v ahead, but a layer did not take the chain")
   y, bias, acc, finished = _linear_region(attn, la, "o", o, lora_scale, acc)
   w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
   if norms is not None and norms.w_post is not None and finished:
@@ -505,13 +515,15 @@ def _chained_after_attention(cfg, h, o, lp, ll, acc, norms):
   post = decode_chain.NormStacks(norms.w_post, norms.noise_post)
   nxt = decode_chain.NormStacks(norms.w_next, norms.noise_next)
   w_o, w_gu, w_down = (w.tensor for w in ws)
-  if not decode_chain.applies(o2, h2, w_o, w_gu, w_down, post, nxt):
+  w_qkv = attn["qkv"].tensor if norms.qkv_ahead else None
+  if not decode_chain.applies(o2, h2, w_o, w_gu, w_down, post, nxt, w_qkv):
     return None
   if acc.offset + b * t * (2 * d + w_gu.shape[1]) > acc.size:
     return None
-  h2, x_next, buffer, _ = decode_chain.post_attention(o2, h2, acc.buffer, acc.offset, w_o, w_gu, w_down, ws[0].index,
-                                                      post, nxt, cfg.rms_norm_eps, zero_size=acc.size,
-                                                      pdl=PDL_CHAIN != 2)
+  index = ws[0].index
+  h2, x_next, buffer, _ = decode_chain.post_attention(
+      o2, h2, acc.buffer, acc.offset, w_o, w_gu, w_down, index, post, nxt, cfg.rms_norm_eps, zero_size=acc.size,
+      pdl=PDL_CHAIN != 2, next_qkv=None if w_qkv is None else (w_qkv, jnp.asarray(index, jnp.int32) + 1))
   return h2.reshape(b, t, d), x_next.reshape(b, t, d), buffer
 
 
@@ -734,7 +746,36 @@ def _layer_end_inputs(cfg, base, scanned, stacked, lay_lora, noise, h, decode):
     w_post, n_post = lay_lora.get("post_attn_norm", base["layers"]["post_attn_norm"]), noise.get("post_attn_norm")
     if not residual_norm.applies(h.reshape(b * t, d), w_post, n_post):
       w_post = n_post = None
-  return x0, jnp.zeros((acc.size,), jnp.float32), _NextNorms(w_next, n_next, w_post, n_post)
+  norms = _NextNorms(w_next, n_next, w_post, n_post)
+  if PDL_CHAIN == 3 and w_post is not None and _qkv_ahead_applies(cfg, stacked, layer0(lay_lora), norms, b * t, h.dtype):
+    # layer 0's q/k/v into its new buffer (the launcher zeroes it); each chain then writes the next layer's
+    w_qkv = stacked["attn"]["qkv"]
+    _, buffer0 = pallas_kernels.quantized_matmul_into(x0.reshape(b * t, d), w_qkv, None, 0, index=np.int32(0),
+                                                      size=acc.size)
+    return x0, buffer0, norms._replace(qkv_ahead=True)
+  return x0, jnp.zeros((acc.size,), jnp.float32), norms
+
+
+def _qkv_ahead_applies(cfg, stacked, ll0, norms, rows, dtype) -> bool:
+  """Whether :data:`PDL_CHAIN` = 3 can compute each layer's fused q/k/v ahead (in the previous layer's chain): the
+  4-bit stacks of q/k/v, o, gate/up and down, none with a bias (but q/k/v's, which the attention kernel adds) or an
+  adapter (``ll0``: layer 0's adapter shapes), the fused decode attention, and :func:`decode_chain.applies` for
+  ``rows`` rows; every layer has layer 0's shapes, so every layer then takes the chain."""
+  attn, mlp = stacked.get("attn", {}), stacked.get("mlp", {})
+  ws = [attn.get("qkv"), attn.get("o"), mlp.get("gate_up"), mlp.get("down")]
+  if not all(isinstance(w, nvfp4.NVFP4Tensor) for w in ws) or cfg.qk_norm or not FUSED_DECODE_ATTENTION:
+    return False
+  if any(n + "_bias" in grp for n, grp in (("o", attn), ("gate_up", mlp), ("down", mlp))):
+    return False
+  if any(v is not None for grp in ll0.values() if isinstance(grp, dict) for v in grp.values()):
+    return False
+  if decode_attn.auto_backend(dtype) == "reference":
+    return False
+  w_qkv, w_o, w_gu, w_down = ws
+  d = cfg.hidden_size
+  return decode_chain.applies(jax.ShapeDtypeStruct((rows, w_o.shape[0]), dtype), jax.ShapeDtypeStruct((rows, d), dtype),
+                              w_o, w_gu, w_down, decode_chain.NormStacks(norms.w_post, norms.noise_post),
+                              decode_chain.NormStacks(norms.w_next, norms.noise_next), w_qkv)
 
 
 def lm_head_logits(cfg: ModelConfig, base: dict, hidden: jax.Array) -> jax.Array:
