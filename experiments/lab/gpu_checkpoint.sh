@@ -883,7 +883,7 @@ step 88 && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -q 
 step 89 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 140 python3 -m pytest -q -m gpu tests/test_decode_chain.py \
     tests/test_gluon.py::test_chain_call_runs_the_gemv_then_the_norm_as_the_separate_calls -p no:cacheprovider 2>&1 \
     | grep -E "passed|failed|FAILED|Error|assert" | tail -12
-  for s in 0 1 3 2; do echo "== PDL_CHAIN=$s"; MODEL_SET="PDL_CHAIN=$s" timeout 90 python3 \
+  for s in ${CHAIN_SETTINGS:-0 1 3 2}; do echo "== PDL_CHAIN=$s"; MODEL_SET="PDL_CHAIN=$s" timeout 90 python3 \
     experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=512 --formats=nvfp4_fused --time_budget_s=50 2>&1 \
     | grep -E "nvfp4_fused \||Error"; done; } | tee "$OUT/step89.txt"
 # 90 (session 60, prepared; about 6 minutes): step 89's rollouts again, alternating 0 / 1 / 3 twice.
