@@ -135,7 +135,7 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
     o: bf16 ``[M, Q]``, attention's output.
     h: bf16 ``[M, D]``, the residual stream.
     acc: float32 ``[S]``, the layer's accumulator, zero from ``offset`` on (aliased: its update is returned).
-    offset: static int, elements.
+    offset: static int, elements, a multiple of 4 (the kernels' pointers are 16-byte aligned).
     w_o, w_gate_up, w_down: :class:`~qerl_jax.nvfp4.NVFP4Tensor` stacks ``[L, Q, D]``, ``[L, D, 2I]``,
       ``[L, I, D]`` (gate's columns before up's), read at layer ``index``.
     index: int32 scalar (may be traced), clamped to ``[0, L)`` by the kernels.
@@ -152,8 +152,8 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
     regions written.
 
   Raises:
-    ValueError: :func:`applies` is False, ``acc`` is not 1-D float32, the regions do not fit in it, or
-      ``zero_size`` is not positive.
+    ValueError: :func:`applies` is False, ``acc`` is not 1-D float32, ``offset`` is not a multiple of 4, the regions
+      do not fit in it, or ``zero_size`` is not positive (or too small for the next q/k/v).
   """
   w_qkv = None if next_qkv is None else next_qkv[0]
   if not applies(o, h, w_o, w_gate_up, w_down, post, nxt, w_qkv):
@@ -167,6 +167,8 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
     raise ValueError(f"decode_chain.post_attention: acc must be 1-D float32, got {acc.dtype}{list(acc.shape)}")
   o_at, gu_at = offset, offset + m * d
   down_at = gu_at + 2 * m * inter
+  if offset % 4:  # (the kernels take their pointers as 16-byte aligned, as Triton specializes them)
+    raise ValueError(f"decode_chain.post_attention: offset {offset} is not a multiple of 4 elements (16 bytes)")
   if offset < 0 or down_at + m * d > acc.shape[0]:
     raise ValueError(f"decode_chain.post_attention: regions [{offset}, {down_at + m * d}) do not fit a buffer of "
                      f"{acc.shape[0]} elements")

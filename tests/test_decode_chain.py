@@ -113,6 +113,8 @@ def test_post_attention_lowers_six_kernels_into_one_ffi_call(monkeypatch):
                                                                  zero_size=zero_size), o, h, S((size,), jnp.float32),
       wo, wgu, w_down)
   with pytest.raises(ValueError, match="do not fit"):
+    call(head + 4, wd, size)
+  with pytest.raises(ValueError, match="multiple of 4"):
     call(head + 1, wd, size)
   with pytest.raises(ValueError, match="zero_size"):
     call(head, wd, 0)
@@ -224,7 +226,7 @@ def test_gpu_post_attention_matches_the_separate_kernels(pdl):
   post = decode_chain.NormStacks(jnp.asarray(1 + 0.1 * rng.standard_normal((2, d)), jnp.bfloat16),
                                  jnp.asarray(0.01 * rng.standard_normal((2, d)), jnp.float32))
   nxt = decode_chain.NormStacks(jnp.asarray(1 + 0.1 * rng.standard_normal((2, d)), jnp.float32), None)
-  head = 77
+  head = 76  # (a q/k/v head of 19 16-byte words)
   size = head + m * (2 * d + 2 * inter)
   acc = jnp.full((size,), jnp.nan, jnp.float32).at[head:].set(0.0)
   chain = lambda o, h, acc, wo, wgu, wd, post, nxt, **kw: decode_chain.post_attention(
