@@ -121,7 +121,7 @@ def test_post_attention_lowers_six_kernels_into_one_ffi_call(monkeypatch):
   with pytest.raises(ValueError, match="no chain"):  # down's K is not gate/up's half
     call(head, wo, size)
 
-@pytest.mark.parametrize("lora_kind,setting", [(None, 1), (None, 2), (None, 3), ("fused", 1), ("fused", 3)])
+@pytest.mark.parametrize("lora_kind,setting", [(None, 2), (None, 3), ("fused", 3)])
 def test_decode_step_routes_the_layer_after_attention_to_the_chain(monkeypatch, lora_kind, setting):
   """decoder.PDL_CHAIN: an accumulating decode step with the fused layer ends hands each layer after attention to
   decode_chain.post_attention (here an XLA stand-in of its formula: the o, gate/up and down products into their
