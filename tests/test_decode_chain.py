@@ -244,8 +244,8 @@ def test_gpu_post_attention_matches_the_separate_kernels(pdl):
   assert _rel(gu_chain, gu) < 1e-5
   g = np.asarray(jnp.asarray(gu_chain).astype(jnp.bfloat16), np.float64)
   y64 = g[:, :inter] / (1 + np.exp(-g[:, :inter])) * g[:, inter:]
-  y = (jax.nn.silu(jnp.asarray(gu_chain).astype(jnp.bfloat16).astype(jnp.float32))
-       * jnp.asarray(gu_chain).astype(jnp.bfloat16).astype(jnp.float32)[:, inter:]).astype(jnp.bfloat16)
+  g32 = jnp.asarray(gu_chain).astype(jnp.bfloat16).astype(jnp.float32)
+  y = (jax.nn.silu(g32[:, :inter]) * g32[:, inter:]).astype(jnp.bfloat16)
   y_down = w4_gluon.forward(y, wd, out_dtype=jnp.float32, index=1)
   down_chain = acc[down_at:].reshape(m, d)
   assert _rel(down_chain, y_down) < 5e-3
