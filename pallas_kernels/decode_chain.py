@@ -1,5 +1,5 @@
-"""(Lab) A decode step's layer after attention as one FFI call of six Gluon kernels, joined by programmatic
-dependent launch (PDL).
+"""A decode step's layer after attention as one FFI call of six Gluon kernels (seven with the next layer's q/k/v),
+joined by programmatic dependent launch (PDL).
 
 In an accumulating decode step (``qerl_jax.models.decoder``, batch <= 32 on the Gluon W4A16 GEMV) a layer runs,
 after attention: the o-projection into the layer's float32 accumulator, the residual add and post-attention
@@ -11,7 +11,9 @@ before it launches. :func:`post_attention` launches all six from one FFI call (`
 grid dependency control (``GDC``): it loads its own weights (the GEMV its first K step's codes and scales, the
 norms their weight and noise) before ``griddepcontrol.wait``, and lets the next kernel launch first. A probe
 outside XLA (``experiments/lab/pdl_probe.py``, session 59) measured 4.8 µs a batch-8 7B layer on an H100 from PDL
-on four of these boundaries.
+on four of these boundaries. In the decoder (``decoder.PDL_CHAIN`` = 3, the default since session 60, with the next
+layer's q/k/v) a batch-8 7B decode step took 2.473 instead of 2.594 ms at 2048 new tokens on an H100 (2.29x of bf16
+instead of 2.19x); the same call without PDL gained nothing (docs/benchmarks.md, "Session 60").
 
 Numerics equal the unchained path's: the same kernels (the GEMV's float32 atomics in another order only), SwiGLU
 as ``silu(g) * u`` on the products rounded to bf16, as the decoder's ``(jax.nn.silu(g.f32) * u.f32).astype(bf16)``
@@ -78,10 +80,11 @@ def _swiglu_compiled(meta: tuple):
 
 def _gemv_build(m: int, w):
   """The decode GEMV's build for ``m`` rows times the stack ``w``, or None where the chain cannot launch it: it
-  must add its split-K parts by atomics into the accumulator, read x as it is (no slot-order permute) and take
-  no TMA descriptors."""
+  must add its split-K parts by atomics into the accumulator, and be an mma.sync build (M <= 16) on the main loop
+  that honours ``GDC`` (the wgmma, warp-specialized, TMA and x-ring main loops have no ``griddepcontrol.wait``: under
+  PDL they would read x before the kernel that writes it has finished)."""
   b = w4_gluon._build_for(m, w, 0)
-  if not b.meta["ATOMIC"] or b.meta.get("XS") or "TS" in b.meta:
+  if not b.meta["ATOMIC"] or b.wg or b.meta.get("XS") or b.meta.get("WS") or "TS" in b.meta or b.meta.get("LP"):
     return None
   return b
 
@@ -121,7 +124,7 @@ def applies(o: jax.Array, h: jax.Array, w_o, w_gate_up, w_down, post: NormStacks
 def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o, w_gate_up, w_down, index,
                    post: NormStacks, nxt: NormStacks, eps: float, *, zero_size: int, pdl: bool = True,
                    next_qkv=None):
-  """A decode layer after attention, as one FFI call of six kernels (lab; module docstring).
+  """A decode layer after attention, as one FFI call of six kernels (module docstring).
 
   In order: ``acc[o_at] = o @ W_o``; ``h1 = h + acc[o_at]``, ``x1 = RMSNorm(h1) * (post.weight + post.noise)``;
   ``acc[gu_at] = x1 @ W_gate_up``; ``y = silu(g) * u`` (SwiGLU, Shazeer 2020; ``g, u`` the halves of the product,
@@ -142,7 +145,8 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
     post, nxt: :class:`NormStacks` ``[L, D]`` of the post-attention norm and of the norm after the layer.
     eps: the norms' epsilon (compiled in).
     zero_size: static int > 0, the next layer's accumulator's length.
-    pdl: launch kernels 2-6 (7) with PDL (their ``GDC`` builds); False launches the library's builds in order.
+    pdl: launch kernels 2-6 (7) with PDL (their ``GDC`` builds; sm_90 and later, else ignored); False launches the
+      library's builds in order.
     next_qkv: optional ``(w_qkv, next_index)``: the fused q/k/v stack ``[L, D, N]`` (``M N <= zero_size``) and the
       next layer's index (int32 scalar, may be traced; clamped to ``[0, L)``: after the last layer the product is
       of no use but harmless).
@@ -174,6 +178,8 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
                      f"{acc.shape[0]} elements")
   if zero_size <= 0 or (w_qkv is not None and m * w_qkv.shape[1] > zero_size):
     raise ValueError(f"decode_chain.post_attention: zero_size must be > 0 and hold the next q/k/v, got {zero_size}")
+
+  pdl = pdl and w4_gluon._target_cc() >= 90  # (griddepcontrol is sm_90's; older GPUs launch the chain in order)
 
   def with_gdc(meta: dict, g: int) -> tuple:
     return tuple(dict(meta, **({"GDC": g} if pdl else {})).items())

@@ -51,6 +51,11 @@ def test_post_attention_lowers_six_kernels_into_one_ffi_call(monkeypatch):
   post = decode_chain.NormStacks(S((layers, d), jnp.bfloat16), S((layers, d), jnp.float32))
   nxt = decode_chain.NormStacks(S((layers, d), jnp.float32), None)
   assert decode_chain.applies(o, h, wo, wgu, wd, post, nxt)
+  # 16 rows: the mma.sync builds, which wait for the kernel before them; 32: the wgmma builds, whose main loop has no
+  # griddepcontrol.wait, so no chain (the decoder then runs the separate calls)
+  rows = lambda r: (S((r, q), jnp.bfloat16), S((r, d), jnp.bfloat16))
+  assert decode_chain.applies(*rows(16), wo, wgu, wd, post, nxt)
+  assert not decode_chain.applies(*rows(32), wo, wgu, wd, post, nxt)
 
   def lower(pdl):
     fn = lambda o, h, acc, wo, wgu, wd, i, post, nxt: decode_chain.post_attention(
@@ -190,7 +195,7 @@ def test_decode_step_routes_the_layer_after_attention_to_the_chain(monkeypatch, 
   monkeypatch.setattr(pallas_kernels.matmul, "accumulate_lora_applies", lambda *a: False)
   monkeypatch.setattr(decode_chain, "applies", lambda *a: True)
   monkeypatch.setattr(decode_chain, "post_attention", chain_stand_in)
-  assert decoder.PDL_CHAIN == 0  # (off by default)
+  monkeypatch.setattr(decoder, "PDL_CHAIN", 0)
   plain, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
   assert not calls
   monkeypatch.setattr(decoder, "PDL_CHAIN", setting)

@@ -73,14 +73,18 @@ FUSED_ATTENTION_BF16_QKV = 1
 # the bf16 route against 6.176 / 6.200 ms without (H100, session 58, the same run as above). sampling.generate pads
 # its batches to powers of two, so there the route starts at 256 rows.
 FUSED_ATTENTION_BF16_QKV_MIN_ROWS = w4_gluon.MAX_M + 1
-# (lab) 1 runs an accumulating decode step's layer after attention (o, the post-attention norm, gate/up, SwiGLU, down,
-# the layer end) as one FFI call of six Gluon kernels joined by programmatic dependent launch
-# (pallas_kernels.decode_chain), where XLA records six calls, each its own CUDA-graph node; 2 runs the same call
-# without PDL (for A/B measurements); 3 also runs the next layer's fused q/k/v projection in that call (PDL), after the
-# layer-end norm that makes its input (layer 0's runs before the layer loop). Needs FUSED_LAYER_END and
-# FUSED_POST_ATTENTION, and no bias or adapter on o, gate/up and down (3: and no adapter on q/k/v; a rollout without
-# LoRA). Off until measured in a rollout. Read at trace time.
-PDL_CHAIN = 0
+# 3 (the default) runs an accumulating decode step's layer after attention (o, the post-attention norm, gate/up,
+# SwiGLU, down, the layer-end norm) and the next layer's fused q/k/v projection as one FFI call of seven Gluon kernels
+# joined by programmatic dependent launch (pallas_kernels.decode_chain; layer 0's q/k/v runs before the layer loop),
+# where XLA records each FFI call as its own CUDA-graph node and every kernel waits for the one before to drain. 1: the
+# six kernels after attention only; 2: those six in one call without PDL; 0: the separate calls (for A/B
+# measurements). Batch-8 decode steps, 7B shape, NVFP4, on an H100 (session 60, docs/benchmarks.md): 512 new tokens,
+# 2.425 / 2.434 / 2.436 ms with 0, 2.348 / 2.353 / 2.344 with 1, 2.315 / 2.325 / 2.321 with 3, 2.446 with 2 (so the
+# gain is PDL's, not the fewer graph nodes'); 2048 new tokens 2.594 -> 2.473 ms (2.19x -> 2.29x of bf16). Applies
+# with FUSED_LAYER_END and FUSED_POST_ATTENTION, the decode GEMV's atomic builds (M <= 16), and no bias or adapter on
+# o, gate/up and down (3: none on q/k/v either; a rollout without LoRA); elsewhere the separate calls run. Read at
+# trace time.
+PDL_CHAIN = 3
 
 
 def _dtype(cfg: ModelConfig):
