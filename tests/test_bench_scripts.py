@@ -11,8 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _bench(script, *args):
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
          "JAX_PLATFORMS": "cpu"}  # the CPU backend even where a GPU is present
+  # (timeout: a hang guard; the tiny trainer run takes 60-100 s on 2 busy cores)
   return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), *args], cwd=ROOT,
-                        capture_output=True, text=True, timeout=300, env=env)  # (a hang guard: the tiny trainer run takes 60-100 s on 2 busy cores)
+                        capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_bench_kernels_without_a_gpu_fails_fast_and_names_smoke():

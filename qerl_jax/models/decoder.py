@@ -777,8 +777,8 @@ def _qkv_ahead_applies(cfg, stacked, ll0, norms, rows, dtype) -> bool:
     return False
   w_qkv, w_o, w_gu, w_down = ws
   d = cfg.hidden_size
-  return decode_chain.applies(jax.ShapeDtypeStruct((rows, w_o.shape[0]), dtype), jax.ShapeDtypeStruct((rows, d), dtype),
-                              w_o, w_gu, w_down, decode_chain.NormStacks(norms.w_post, norms.noise_post),
+  o, h = jax.ShapeDtypeStruct((rows, w_o.shape[0]), dtype), jax.ShapeDtypeStruct((rows, d), dtype)
+  return decode_chain.applies(o, h, w_o, w_gu, w_down, decode_chain.NormStacks(norms.w_post, norms.noise_post),
                               decode_chain.NormStacks(norms.w_next, norms.noise_next), w_qkv)
 
 
