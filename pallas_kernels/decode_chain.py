@@ -7,8 +7,8 @@ RMSNorm (:mod:`pallas_kernels.residual_norm`), the fused gate/up projection, Swi
 down-projection, and the residual add with the next layer's input norm. Each is its own FFI call, and XLA records
 each FFI call as its own node of the step's CUDA graph, so every kernel waits for the one before it to drain
 before it launches. :func:`post_attention` launches all six from one FFI call (``w4_gluon.chain_call``): with
-``pdl`` each kernel after the first is launched with programmatic stream serialization and built with the lab's
-grid dependency control (``GDC``): it loads its own weights (the GEMV its first K step's codes and scales, the
+``pdl`` each kernel after the first is launched with programmatic stream serialization and built with grid
+dependency control (``GDC``): it loads its own weights (the GEMV its first K step's codes and scales, the
 norms their weight and noise) before ``griddepcontrol.wait``, and lets the next kernel launch first. A probe
 outside XLA (``experiments/lab/pdl_probe.py``, session 59) measured 4.8 µs a batch-8 7B layer on an H100 from PDL
 on four of these boundaries. In the decoder (``decoder.PDL_CHAIN`` = 3, the default since session 60, with the next
@@ -186,7 +186,6 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
 
   ops = [o]  # operand 0; then each weight's codes, scales, global scales; one layer index
   gemvs = []
-  layer = None
   for w in (w_o, w_gate_up, w_down) + (() if w_qkv is None else (w_qkv,)):
     codes, scales, gs, _ = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
     gemvs.append((len(ops), w4_gluon._build_for(m, w, 0)))

@@ -77,14 +77,14 @@ def _kernel():
   from triton.experimental import gluon
   from triton.experimental.gluon import language as ttgl
 
-  gdc = w4_gluon._gdc()  # (lab, PDL)
+  gdc = w4_gluon._gdc()  # (PDL: pallas_kernels.decode_chain)
 
   @gluon.jit
   def residual_rms_norm_rows(h_ptr, y_ptr, w_ptr, n_ptr, idx_ptr, ho_ptr, x_ptr, z_ptr, B: ttgl.constexpr,
                              D: ttgl.constexpr, DP: ttgl.constexpr, L: ttgl.constexpr, Y_OFF: ttgl.constexpr,
                              EPS: ttgl.constexpr, NOISE: ttgl.constexpr, ZS: ttgl.constexpr, ZC: ttgl.constexpr,
                              WARPS: ttgl.constexpr, GDC: ttgl.constexpr = 0):
-    # GDC (lab, experiments/lab/pdl_probe.py): the layer's weight and noise loaded before griddepcontrol.wait, h
+    # GDC (PDL, pallas_kernels.decode_chain): the layer's weight and noise loaded before griddepcontrol.wait, h
     # and y after it (unset: None, the library's build)
     pid = ttgl.program_id(0)
     if pid < B:

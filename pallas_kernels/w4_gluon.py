@@ -349,7 +349,7 @@ def scale_f16_bits(codes: np.ndarray) -> np.ndarray:
 
 @functools.lru_cache(maxsize=None)
 def _gdc():
-  """The Gluon helper ``gdc(G)`` of the lab constexpr ``GDC`` (this module's GEMV, :mod:`pallas_kernels.residual_norm`;
+  """The Gluon helper ``gdc(G)`` of the constexpr ``GDC`` (this module's GEMV, :mod:`pallas_kernels.residual_norm`;
   imports triton lazily): grid dependency control for a programmatic dependent launch (PDL). With bit 2 of ``G`` the
   ``griddepcontrol.launch_dependents`` hint (the next grid may launch once every program here has given it), then
   ``griddepcontrol.wait`` (the previous grid has finished and its writes are visible). Both are no-ops in a launch
@@ -709,18 +709,18 @@ def _kernel(wg: bool = False, narrow_n: int = 0, lora: bool = False, w8: bool = 
       G: ttgl.constexpr = 0 if GDC is None else GDC  # (an unset constexpr is None here)
       if not G:
         c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, True, LH, LA)
-      elif GDC & 2:  # (lab, PDL) step 0's codes and scales before the wait for the previous grid, x after it
+      elif GDC & 2:  # (PDL, decode_chain) step 0's codes and scales before the wait for the previous grid, x after it
         c0, s0, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, False, LH, LA)
         if GDC & 8:  # (and step 1's)
           cp, sp, _ = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, min(1, STEPS - 1), N, False,
                                 LH, LA)
         gdc(GDC)
         x0 = ttgl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
-      else:  # (lab, PDL) the wait first
+      else:  # (PDL) the wait first
         gdc(GDC)
         c0, s0, x0 = load_step(x_ptr, p_ptr, s_ptr, c_offs, x_offs, x_mask, s_row0, n0, 0, N, True, LH, LA)
       for i in ttgl.static_range(STEPS):  # unrolled; step i+1's loads are issued before step i's math
-        if (G & 10) == 10 and i == 0:  # (lab, PDL) step 1's codes and scales came before the wait
+        if (G & 10) == 10 and i == 0:  # (PDL) step 1's codes and scales came before the wait
           c1, s1 = cp, sp
           x1 = ttgl.load(x_ptr + x_offs + min(1, STEPS - 1) * 64, mask=x_mask, other=0.0)
         else:
@@ -921,7 +921,7 @@ def _install():
 
 
 _FFI_TARGET = "qerl_gluon_launch"
-_CHAIN_TARGET = "qerl_gluon_chain"  # (lab) several kernels in one FFI call: chain_call
+_CHAIN_TARGET = "qerl_gluon_chain"  # several kernels in one FFI call: chain_call (pallas_kernels.decode_chain)
 
 
 def _build_ffi_library() -> str | None:
@@ -1346,7 +1346,7 @@ def _ffi_call(build: Build, operands, out_shape, aliases, **attrs):
 
 
 class ChainLaunch(NamedTuple):
-  """One kernel of :func:`chain_call` (lab): a compiled kernel (``ptx``, ``name``, ``shared`` bytes, as
+  """One kernel of :func:`chain_call`: a compiled kernel (``ptx``, ``name``, ``shared`` bytes, as
   :func:`_load` returns them), its ``grid`` and ``threads``, its pointer parameters as ``(buffer, byte offset)``
   pairs (buffer ``i`` the ``i``-th operand, or result ``i - len(operands)``), and ``pdl``: launched with
   programmatic stream serialization, so that it may start while the kernel before it runs (it must then wait with
@@ -1364,7 +1364,8 @@ _FIELD_SEPARATOR = "\x1e"  # between the kernels' keys, PTX and names (gluon_lau
 
 
 def chain_call(launches, operands, out_shapes, *, zero_results: int = 0, aliases: dict | None = None):
-  """Several Gluon kernels launched in order by one FFI call (lab; ``gluon_launch.cc``'s ``qerl_gluon_chain``).
+  """Several Gluon kernels launched in order by one FFI call (``gluon_launch.cc``'s ``qerl_gluon_chain``; the decoder's
+  chained decode layer, :mod:`pallas_kernels.decode_chain`).
 
   XLA records each FFI call as its own CUDA-graph node, and a programmatic dependent launch (PDL) edge does not
   cross nodes; kernels launched by one call can be joined by PDL (docs/kernels.md, "Programmatic dependent launch";
