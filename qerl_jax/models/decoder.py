@@ -499,27 +499,47 @@ def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None, norms=None, li
   return h + y
 
 
+_CHAIN_LINEARS = (("attn", "o"), ("mlp", "gate_up"), ("mlp", "down"))  # what decode_chain.post_attention runs
+
+
+def _chain_weights(layer: dict) -> Optional[list]:
+  """o, gate/up and down of ``layer`` (a layer's tree, or the base's stacked 4-bit leaves) for
+  :func:`pallas_kernels.decode_chain.post_attention`, or None where it cannot take them: a bias on one of them, or one
+  that is not NVFP4 (a :class:`layers.StackedWeight`'s tensor counts)."""
+  ws = []
+  for grp, name in _CHAIN_LINEARS:
+    g = layer.get(grp, {})
+    w = g.get(name)
+    if name + "_bias" in g or not isinstance(w.tensor if isinstance(w, layers.StackedWeight) else w,
+                                             nvfp4.NVFP4Tensor):
+      return None
+    ws.append(w)
+  return ws
+
+
+def _chain_norms(norms: _NextNorms) -> tuple:
+  """The post-attention and next norms' :class:`pallas_kernels.decode_chain.NormStacks` of ``norms``."""
+  return (decode_chain.NormStacks(norms.w_post, norms.noise_post),
+          decode_chain.NormStacks(norms.w_next, norms.noise_next))
+
+
 def _chained_after_attention(cfg, h, o, lp, ll, acc, norms):
   """:data:`PDL_CHAIN`: the layer after attention by :func:`pallas_kernels.decode_chain.post_attention` (o, gate/up
   and down into their regions of ``acc`` from ``acc.offset`` on, as :func:`_new_accumulator` laid them out),
   returning ``(h, x_next, buffer_next)`` as :func:`_fused_layer_end`; or None where the chain does not apply (a
   bias or adapter on o, gate/up or down, separate gate and up, weights not on stacked 4-bit tensors, builds it
   cannot chain)."""
-  attn, mlp = lp["attn"], lp["mlp"]
   la, lm = ll.get("attn", {}), ll.get("mlp", {})
-  names = (("o", attn), ("gate_up", mlp), ("down", mlp))
-  if any(n + "_bias" in grp for n, grp in names) or la.get("o") is not None or any(
-      lm.get(n) is not None for n in ("gate", "up", "gate_up", "down")):
+  if la.get("o") is not None or any(lm.get(n) is not None for n in ("gate", "up", "gate_up", "down")):
     return None
-  ws = [grp.get(n) for n, grp in names]
-  if not all(isinstance(w, layers.StackedWeight) and isinstance(w.tensor, nvfp4.NVFP4Tensor) for w in ws):
+  ws = _chain_weights(lp)
+  if ws is None or not all(isinstance(w, layers.StackedWeight) for w in ws):
     return None
   b, t, d = h.shape
   o2, h2 = o.reshape(b * t, -1), h.reshape(b * t, d)
-  post = decode_chain.NormStacks(norms.w_post, norms.noise_post)
-  nxt = decode_chain.NormStacks(norms.w_next, norms.noise_next)
+  post, nxt = _chain_norms(norms)
   w_o, w_gu, w_down = (w.tensor for w in ws)
-  w_qkv = attn["qkv"].tensor if norms.qkv_ahead else None
+  w_qkv = lp["attn"]["qkv"].tensor if norms.qkv_ahead else None
   if not decode_chain.applies(o2, h2, w_o, w_gu, w_down, post, nxt, w_qkv):
     return None
   if acc.offset + b * t * (2 * d + w_gu.shape[1]) > acc.size:
@@ -765,21 +785,16 @@ def _qkv_ahead_applies(cfg, stacked, ll0, norms, rows, dtype) -> bool:
   4-bit stacks of q/k/v, o, gate/up and down, none with a bias (but q/k/v's, which the attention kernel adds) or an
   adapter (``ll0``: layer 0's adapter shapes), the fused decode attention, and :func:`decode_chain.applies` for
   ``rows`` rows; every layer has layer 0's shapes, so every layer then takes the chain."""
-  attn, mlp = stacked.get("attn", {}), stacked.get("mlp", {})
-  ws = [attn.get("qkv"), attn.get("o"), mlp.get("gate_up"), mlp.get("down")]
-  if not all(isinstance(w, nvfp4.NVFP4Tensor) for w in ws) or cfg.qk_norm or not FUSED_DECODE_ATTENTION:
-    return False
-  if any(n + "_bias" in grp for n, grp in (("o", attn), ("gate_up", mlp), ("down", mlp))):
+  ws, w_qkv = _chain_weights(stacked), stacked.get("attn", {}).get("qkv")
+  if ws is None or not isinstance(w_qkv, nvfp4.NVFP4Tensor) or cfg.qk_norm or not FUSED_DECODE_ATTENTION:
     return False
   if any(v is not None for grp in ll0.values() if isinstance(grp, dict) for v in grp.values()):
     return False
   if decode_attn.auto_backend(dtype) == "reference":
     return False
-  w_qkv, w_o, w_gu, w_down = ws
-  d = cfg.hidden_size
-  o, h = jax.ShapeDtypeStruct((rows, w_o.shape[0]), dtype), jax.ShapeDtypeStruct((rows, d), dtype)
-  return decode_chain.applies(o, h, w_o, w_gu, w_down, decode_chain.NormStacks(norms.w_post, norms.noise_post),
-                              decode_chain.NormStacks(norms.w_next, norms.noise_next), w_qkv)
+  w_o, w_gu, w_down = ws
+  o, h = jax.ShapeDtypeStruct((rows, w_o.shape[0]), dtype), jax.ShapeDtypeStruct((rows, cfg.hidden_size), dtype)
+  return decode_chain.applies(o, h, w_o, w_gu, w_down, *_chain_norms(norms), w_qkv)
 
 
 def lm_head_logits(cfg: ModelConfig, base: dict, hidden: jax.Array) -> jax.Array:
