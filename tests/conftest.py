@@ -45,7 +45,26 @@ def pytest_unconfigure(config):
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
+def pytest_configure(config):
+  # The README's `-n 2` distributes tests one at a time ("load"). Tests marked xdist_group share a module fixture
+  # that must run once (test_trainer.py's three default-config processes, about 2 minutes on 2 cores), so the
+  # distribution becomes "loadgroup": each group to one worker, every other test on its own, as before.
+  # A worker parses the command line again ("-n 2" without --dist) and learns of it from its workerinput.
+  if getattr(config.option, "dist", "no") == "load":
+    config.option.dist = "loadgroup"
+  if getattr(config, "workerinput", {}).get("qerl_loadgroup"):
+    config.option.loadgroup = True
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+  node.workerinput["qerl_loadgroup"] = node.config.option.dist == "loadgroup"
+
+
 def pytest_collection_modifyitems(config, items):
+  # The longest tests (marked slow) first, so that neither worker starts a 1-2 minute test while the other is about
+  # to run out of work; otherwise the collection's order.
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)
   if _has_gpu():
     return
   skip = pytest.mark.skip(reason="needs an NVIDIA GPU (none visible to JAX)")

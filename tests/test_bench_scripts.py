@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -24,6 +26,7 @@ def test_bench_kernels_without_a_gpu_fails_fast_and_names_smoke():
       "--smoke checks this script on a CPU (tiny shapes, kernels interpreted)")
 
 
+@pytest.mark.slow
 def test_bench_rollout_7b_shape_without_a_gpu_fails_fast_and_tiny_runs(tmp_path):
   r = _bench("bench_rollout.py", "--batches=1", "--new_tokens=2")
   assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
@@ -37,6 +40,7 @@ def test_bench_rollout_7b_shape_without_a_gpu_fails_fast_and_tiny_runs(tmp_path)
   assert "| nvfp4_fused | 2 | 8 | 1 |" in md and "| nvfp4_fused | 3 | 8 | 1 |" in md
 
 
+@pytest.mark.slow
 def test_bench_train_step_7b_shape_without_a_gpu_fails_fast_and_tiny_runs_the_trainer(tmp_path):
   """The whole-step benchmark runs the trainer's loop on each format in its own process. Its end id lies
   outside the vocabulary, so every completion runs to the limit: 8 tokens a completion, 4 completions a
@@ -77,6 +81,7 @@ def test_bench_train_step_7b_shape_without_a_gpu_fails_fast_and_tiny_runs_the_tr
       assert 0.951 < lo <= mean <= hi < 1.052, (lo, mean, hi)
 
 
+@pytest.mark.slow
 def test_bench_train_step_builds_the_base_a_layer_at_a_time_as_the_whole_model_would_be():
   """The layer-at-a-time random base has the tree, shapes and dtypes of models.init_params + fuse + quantize
   of the whole model, for each format; the last layer holds its own (nonzero) weights."""

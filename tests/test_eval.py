@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -66,6 +68,7 @@ def test_config_errors_and_positional_arguments_are_one_line_errors(tmp_path):
   assert not os.listdir(tmp_path)  # it used to evaluate the base model and write eval_base.json
 
 
+@pytest.mark.slow
 def test_heldout_is_the_default_for_the_embedded_recipe_and_matches_the_asset(tmp_path):
   """With configs/default.py and no --benchmarks, eval.py scores the base model on the recipe's own held-out
   set (synthetic:test:100), with no data folder at all: its greedy accuracy is the NVFP4 held-out accuracy

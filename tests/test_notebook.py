@@ -8,6 +8,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (ROOT / "assets" / "tiny-gsm" / "model.safetensors").is_file(),
                     reason="assets/tiny-gsm not built")
 def test_quickstart_runs_top_to_bottom():

@@ -530,6 +530,7 @@ def test_generate_reads_a_decode_order_base_as_the_standard_one():
     np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
 
 
+@pytest.mark.slow
 def test_dequantize_min_rows_samples_from_a_dense_copy_of_the_base():
   """SamplingConfig.dequantize_min_rows: at or above the threshold (decode rows = batch bucket x G) the
   rollout runs on a dense copy of the 4-bit base, and samples what the same base dequantized beforehand

@@ -661,9 +661,10 @@ _SMALL = ["--config.train.total_steps=4", "--config.train.save_every=1", "--conf
 
 
 def _env(cache_dir):
-  # A shared persistent compilation cache makes the 2nd and 3rd process skip compilation.
+  # A shared persistent compilation cache makes the 2nd and 3rd process skip compilation: the suite's own (conftest),
+  # which the eval launcher's test then shares with these runs, or else ``cache_dir``.
   return {**os.environ, "PYTHONPATH": _pythonpath(), "JAX_PLATFORMS": "cpu",
-          "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+          "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(cache_dir)),
           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
 
@@ -707,6 +708,8 @@ def default_runs(tmp_path_factory):
           "stdout": r.stdout, "resume_stderr": r2.stderr}
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("default_runs")  # one worker runs the module fixture, once
 def test_default_config_runs_end_to_end(default_runs):
   full = default_runs["full"]
   rows = metrics_lib.read_metrics(full)
@@ -745,6 +748,8 @@ def _restore_on_cpu(path):
   return ck.restore(path, target)
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("default_runs")  # one worker runs the module fixture, once
 def test_eval_says_which_step_it_scores_when_the_newest_checkpoint_folder_is_incomplete(default_runs, tmp_path):
   """It quietly scored an older step when the newest checkpoint had lost its state/ folder."""
   import shutil
@@ -760,6 +765,8 @@ def test_eval_says_which_step_it_scores_when_the_newest_checkpoint_folder_is_inc
   assert (run / "eval_3.json").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("default_runs")  # one worker runs the module fixture, once
 def test_sigkill_after_second_checkpoint_resumes_bit_for_bit(default_runs):
   full, killed = default_runs["full"], default_runs["killed"]
   at_kill = default_runs["steps_at_kill"]
