@@ -8,13 +8,15 @@ import tempfile
 # The README's test command runs two pytest-xdist processes; on a GPU each would otherwise take 75% of its memory up
 # front (JAX's default) and the second would run out. Set before JAX starts a backend; an explicit setting wins.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# No NVIDIA driver: the suite runs on XLA's CPU backend and is bound by compiling (the two settings below).
+_CPU_ONLY = not os.path.exists("/dev/nvidiactl")
 # One persistent compilation cache for the whole run, shared by the pytest-xdist workers and the processes tests
 # start (the launchers, bench scripts, the notebook): what one of them compiled (at least half a second's work), the
 # others load (the CPU suite on 2 cores: 753 s against 949 s without, session 59). Removed at the end of the run
 # (pytest_unconfigure); an explicit JAX_COMPILATION_CACHE_DIR wins. Not on a machine with an NVIDIA driver, where
 # the suite is not bound by compiling and the cache has not been tried with the Gluon launcher's kernels.
 # (The workers inherit the variable from the controller, which made the folder and so removes it.)
-_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ and not os.path.exists("/dev/nvidiactl")
+_OWN_CACHE = _CPU_ONLY and "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="qerl-jax-tests-")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
@@ -22,7 +24,7 @@ if _OWN_CACHE:
 # tiny models' code: LLVM at -O0 (`--xla_backend_optimization_level=0`) compiles test_model.py in 128 s against
 # 211 s on 2 cores (session 61). It changes how XLA's CPU code is optimized, not what it computes (no fast-math
 # either way). Inherited by the processes tests start; a level set in XLA_FLAGS already wins.
-if not os.path.exists("/dev/nvidiactl") and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+if _CPU_ONLY and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""),
                                                    "--xla_backend_optimization_level=0"]))
 
