@@ -20,13 +20,17 @@ _OWN_CACHE = _CPU_ONLY and "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="qerl-jax-tests-")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
-# On a machine without an NVIDIA driver the suite is bound by XLA's CPU compiler, most of it LLVM's optimization of
-# tiny models' code: LLVM at -O0 (`--xla_backend_optimization_level=0`) compiles test_model.py in 128 s against
-# 211 s on 2 cores (session 61). It changes how XLA's CPU code is optimized, not what it computes (no fast-math
-# either way). Inherited by the processes tests start; a level set in XLA_FLAGS already wins.
-if _CPU_ONLY and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""),
-                                                   "--xla_backend_optimization_level=0"]))
+# On a machine without an NVIDIA driver the suite is bound by XLA's CPU compiler. Two settings halve it; they change
+# how XLA's CPU code is made, not what it computes (no fast-math either way):
+# - LLVM at -O0 (`--xla_backend_optimization_level=0`): test_model.py in 128 s against 211 s on 2 cores (session 61);
+# - XLA's older loop emitters for fusions instead of its MLIR fusion emitters (`--xla_cpu_use_fusion_emitters=false`):
+#   the tiny trainer's compiles 7 s against 15 s (bench_train_step.py --shape=tiny, session 62).
+# Inherited by the processes tests start; a setting already in XLA_FLAGS wins.
+_CPU_XLA_FLAGS = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"}
+if _CPU_ONLY:
+  _flags = os.environ.get("XLA_FLAGS", "")
+  os.environ["XLA_FLAGS"] = " ".join(filter(None, [_flags] + [f"--{k}={v}" for k, v in _CPU_XLA_FLAGS.items()
+                                                              if k not in _flags]))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
