@@ -1,5 +1,6 @@
 """Shared test fixtures: the ../shared data folder, GPU skipping, the real Qwen2.5 tokenizer."""
 
+import importlib.metadata
 import os
 import pathlib
 import shutil
@@ -8,7 +9,7 @@ import tempfile
 # The README's test command runs two pytest-xdist processes; on a GPU each would otherwise take 75% of its memory up
 # front (JAX's default) and the second would run out. Set before JAX starts a backend; an explicit setting wins.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-# No NVIDIA driver: the suite runs on XLA's CPU backend and is bound by compiling (the two settings below).
+# No NVIDIA driver: the suite runs on XLA's CPU backend and is bound by compiling (the settings below).
 _CPU_ONLY = not os.path.exists("/dev/nvidiactl")
 # One persistent compilation cache for the whole run, shared by the pytest-xdist workers and the processes tests
 # start (the launchers, bench scripts, the notebook): what one of them compiled (at least half a second's work), the
@@ -24,10 +25,23 @@ if _OWN_CACHE:
 # how XLA's CPU code is made, not what it computes (no fast-math either way):
 # - LLVM at -O0 (`--xla_backend_optimization_level=0`): test_model.py in 128 s against 211 s on 2 cores (session 61);
 # - XLA's older loop emitters for fusions instead of its MLIR fusion emitters (`--xla_cpu_use_fusion_emitters=false`):
-#   the tiny trainer's compiles 7 s against 15 s (bench_train_step.py --shape=tiny, session 62).
+#   the tiny trainer's compiles 7 s against 15 s (bench_train_step.py --shape=tiny, session 62). jaxlib 0.10 only:
+#   0.11 has no such flag (its XLA stops at an unknown flag) and always uses the fusion emitters.
 #   (Not for the launchers: the embedded default's steps ran at 2.34 s against 2.02 s with it, at XLA's default -O2.)
 # Inherited by the processes tests start; a setting already in XLA_FLAGS wins.
-_CPU_XLA_FLAGS = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"}
+
+
+def _jaxlib_before(major_minor):
+  try:
+    v = importlib.metadata.version("jaxlib")
+  except importlib.metadata.PackageNotFoundError:
+    return False
+  return tuple(int(x) for x in v.split(".")[:2]) < major_minor
+
+
+_CPU_XLA_FLAGS = {"xla_backend_optimization_level": "0"}
+if _jaxlib_before((0, 11)):
+  _CPU_XLA_FLAGS["xla_cpu_use_fusion_emitters"] = "false"
 if _CPU_ONLY:
   _flags = os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = " ".join(filter(None, [_flags] + [f"--{k}={v}" for k, v in _CPU_XLA_FLAGS.items()
