@@ -39,13 +39,11 @@ def _jaxlib_before(major_minor):
   return tuple(int(x) for x in v.split(".")[:2]) < major_minor
 
 
-_CPU_XLA_FLAGS = {"xla_backend_optimization_level": "0"}
-if _jaxlib_before((0, 11)):
-  _CPU_XLA_FLAGS["xla_cpu_use_fusion_emitters"] = "false"
 if _CPU_ONLY:
-  _flags = os.environ.get("XLA_FLAGS", "")
-  os.environ["XLA_FLAGS"] = " ".join(filter(None, [_flags] + [f"--{k}={v}" for k, v in _CPU_XLA_FLAGS.items()
-                                                              if k not in _flags]))
+  from qerl_jax import xla_flags  # (imports no JAX)
+  _CPU_XLA_FLAGS = ("--xla_backend_optimization_level=0",) + (
+      ("--xla_cpu_use_fusion_emitters=false",) if _jaxlib_before((0, 11)) else ())
+  os.environ["XLA_FLAGS"] = xla_flags.merge(os.environ.get("XLA_FLAGS", ""), _CPU_XLA_FLAGS)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
