@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import residual_norm, w4_gluon, w4_triton
+from pallas_kernels import append_attention, residual_norm, w4_gluon, w4_triton
 
 SWIGLU_CHUNK = 2048  # elements of y a SwiGLU program writes (4 a thread at 16 warps)
 SWIGLU_WARPS = 16
@@ -41,6 +41,41 @@ class NormStacks(NamedTuple):
   read at the layer index by :mod:`pallas_kernels.residual_norm`'s kernel."""
   weight: jax.Array
   noise: Optional[jax.Array]
+
+
+class NextAttention(NamedTuple):
+  """What the chain needs to run the next layer's decode attention after its q/k/v (``decoder.PDL_CHAIN`` = 4; the
+  kernel of :mod:`pallas_kernels.append_attention`): the stacked bf16 KV caches ``[L, B, S, Hkv, hd]`` and the
+  attention's int32 counters ``[B Hkv]`` (all updated in place), the fused q/k/v bias stack ``[L, (H + 2 Hkv) hd]``
+  (bf16 or float32) or None, the step's int8 slot mask ``[B, S]``, filled length (int32 scalar), RoPE's float32 cos
+  and sin ``[B, hd / 2]``, and the query heads ``H``."""
+  k_cache: jax.Array
+  v_cache: jax.Array
+  sync: jax.Array
+  bias: Optional[jax.Array]
+  slot_mask: jax.Array
+  length: jax.Array
+  cos: jax.Array
+  sin: jax.Array
+  num_heads: int
+
+
+def attention_applies(nxt: NextAttention, rows: int, w_qkv) -> bool:
+  """Whether :func:`post_attention` can run the next layer's attention from ``nxt`` after a q/k/v product of
+  ``rows`` rows by ``w_qkv`` ``[L, D, (H + 2 Hkv) hd]``: bf16 caches of ``rows`` rows and of ``w_qkv``'s layers, a
+  head dim of at least 32 (the Triton kernel's RoPE halves feed 16-wide dots), counters and a bias of the right
+  shapes."""
+  kc = nxt.k_cache
+  if kc.ndim != 5 or nxt.v_cache.shape != kc.shape or kc.dtype != jnp.bfloat16 or nxt.v_cache.dtype != jnp.bfloat16:
+    return False
+  n_layers, b, s, kh, hd = kc.shape
+  n = (nxt.num_heads + 2 * kh) * hd
+  if b != rows or hd < 32 or hd % 2 or nxt.num_heads % kh or w_qkv.shape[1] != n or w_qkv.packed.shape[0] != n_layers:
+    return False
+  if nxt.bias is not None and (nxt.bias.shape != (n_layers, n) or nxt.bias.dtype not in (jnp.bfloat16, jnp.float32)):
+    return False
+  return (nxt.sync.shape == (b * kh,) and nxt.sync.dtype == jnp.int32 and nxt.slot_mask.shape == (b, s)
+          and nxt.cos.shape == (b, hd // 2) and nxt.sin.shape == (b, hd // 2))
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,7 +158,7 @@ def applies(o: jax.Array, h: jax.Array, w_o, w_gate_up, w_down, post: NormStacks
 
 def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o, w_gate_up, w_down, index,
                    post: NormStacks, nxt: NormStacks, eps: float, *, zero_size: int, pdl: bool = True,
-                   next_qkv=None):
+                   next_qkv=None, next_attention: Optional[NextAttention] = None):
   """A decode layer after attention, as one FFI call of six kernels (module docstring).
 
   In order: ``acc[o_at] = o @ W_o``; ``h1 = h + acc[o_at]``, ``x1 = RMSNorm(h1) * (post.weight + post.noise)``;
@@ -132,7 +167,10 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
   (nxt.weight + nxt.noise)``, and a zeroed float32 buffer for the next layer. Regions follow each other from
   ``offset``: ``o_at = [offset, offset + M D)``, then ``M 2I`` elements for gate/up, then ``M D`` for down. With
   ``next_qkv`` a seventh kernel (PDL too) writes the next layer's fused q/k/v product ``x_next @ W_qkv`` into the
-  head of the new buffer (``[0, M N)``, float32), where that layer's attention reads it.
+  head of the new buffer (``[0, M N)``, float32), where that layer's attention reads it. With ``next_attention``
+  too, an eighth kernel (PDL: it reads the caches' earlier slots before its wait) runs that attention
+  (:mod:`pallas_kernels.append_attention`: bias, RoPE, the cache append at slot ``length - 1`` and attention over
+  the filled slots); past the last layer it writes nothing.
 
   Args:
     o: bf16 ``[M, Q]``, attention's output.
@@ -150,14 +188,18 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
     next_qkv: optional ``(w_qkv, next_index)``: the fused q/k/v stack ``[L, D, N]`` (``M N <= zero_size``) and the
       next layer's index (int32 scalar, may be traced; clamped to ``[0, L)``: after the last layer the product is
       of no use but harmless).
+    next_attention: optional :class:`NextAttention` (needs ``next_qkv``; :func:`attention_applies`).
 
   Returns:
-    ``(h2, x_next, zeros, acc)``: bf16 ``[M, D]`` twice, float32 ``[zero_size]`` zeros, and ``acc`` with the three
-    regions written.
+    ``(h2, x_next, zeros, acc)``: bf16 ``[M, D]`` twice, float32 ``[zero_size]`` zeros (with ``next_qkv``, the next
+    q/k/v at the head), and ``acc`` with the three regions written; with ``next_attention`` a fifth,
+    ``(o_next bf16 [M, H hd], k cache, v cache, sync)``: the next layer's attention output (unwritten after the last
+    layer) and the updated caches and counters.
 
   Raises:
     ValueError: :func:`applies` is False, ``acc`` is not 1-D float32, ``offset`` is not a multiple of 4, the regions
-      do not fit in it, or ``zero_size`` is not positive (or too small for the next q/k/v).
+      do not fit in it, ``zero_size`` is not positive (or too small for the next q/k/v), or ``next_attention``
+      without ``next_qkv`` or that :func:`attention_applies` refuses.
   """
   w_qkv = None if next_qkv is None else next_qkv[0]
   if not applies(o, h, w_o, w_gate_up, w_down, post, nxt, w_qkv):
@@ -178,6 +220,10 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
                      f"{acc.shape[0]} elements")
   if zero_size <= 0 or (w_qkv is not None and m * w_qkv.shape[1] > zero_size):
     raise ValueError(f"decode_chain.post_attention: zero_size must be > 0 and hold the next q/k/v, got {zero_size}")
+
+  if next_attention is not None and (w_qkv is None or not attention_applies(next_attention, m, w_qkv)):
+    raise ValueError("decode_chain.post_attention: next_attention needs next_qkv and bf16 caches of its rows and "
+                     "layers, head dim >= 32, counters, mask, cos/sin and bias of matching shapes (attention_applies)")
 
   pdl = pdl and w4_gluon._target_cc() >= 90  # (griddepcontrol is sm_90's; older GPUs launch the chain in order)
 
@@ -201,11 +247,27 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
     ops += [stacks.weight, jnp.zeros((1,), jnp.float32) if stacks.noise is None else stacks.noise]
   i_acc = len(ops)
   ops.append(acc)
+  aliases = {i_acc: 0}
+  if next_attention is not None:  # (after acc: the operands before it keep their places)
+    na = next_attention
+    i_att = len(ops)  # bias, cos, sin, k, v, mask, length, sync
+    ops += [jnp.zeros((1,), jnp.float32) if na.bias is None else na.bias, na.cos.astype(jnp.float32),
+            na.sin.astype(jnp.float32), na.k_cache, na.v_cache, na.slot_mask.astype(jnp.int8),
+            jnp.asarray(na.length, jnp.int32).reshape(1), na.sync]
   n_ops = len(ops)
   r_acc, r_h1, r_x1, r_y, r_h2, r_x, r_z = range(n_ops, n_ops + 7)
   out = [jax.ShapeDtypeStruct(acc.shape, jnp.float32)] + [jax.ShapeDtypeStruct((m, d), jnp.bfloat16)] * 2 + [
       jax.ShapeDtypeStruct((m, inter), jnp.bfloat16)] + [jax.ShapeDtypeStruct((m, d), jnp.bfloat16)] * 2 + [
       jax.ShapeDtypeStruct((zero_size,), jnp.float32)]
+  if next_attention is not None:  # results: k, v (aliased), the partials, o_next, sync (aliased)
+    n_layers, _, slots, kh, hd = na.k_cache.shape
+    geo = append_attention.geometry(m, na.num_heads, kh, slots)
+    r_att = n_ops + len(out)
+    out += [jax.ShapeDtypeStruct(na.k_cache.shape, jnp.bfloat16), jax.ShapeDtypeStruct(na.v_cache.shape, jnp.bfloat16)]
+    out += [jax.ShapeDtypeStruct((size,), jnp.float32)
+            for size in append_attention.partial_shapes(m, kh, hd, geo)]
+    out += [jax.ShapeDtypeStruct((m * na.num_heads, hd), jnp.bfloat16), jax.ShapeDtypeStruct(na.sync.shape, jnp.int32)]
+    aliases.update({i_att + 3: r_att - n_ops, i_att + 4: r_att + 1 - n_ops, i_att + 7: r_att + 6 - n_ops})
 
   def gemv(which: int, x_buf: int, at: int, first: bool, out: int | None = None,
            layer_buf: int | None = None) -> w4_gluon.ChainLaunch:
@@ -237,8 +299,20 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
               norm(nxt, i_norm + 2, r_h1, down_at, r_h2, r_x, zero_size)]
   if w_qkv is not None:  # the next layer's q/k/v into the head of the new buffer
     launches.append(gemv(3, r_x, 0, False, out=r_z, layer_buf=i_next))
-  acc, _, _, _, h2, x_next, zeros = w4_gluon.chain_call(launches, ops, out, aliases={i_acc: 0})
-  return h2, x_next, zeros, acc
+  if next_attention is not None:  # the next layer's attention on it (nothing past the last layer)
+    bufs = append_attention.Buffers(qkv=r_z, bias=i_att, cos=i_att + 1, sin=i_att + 2, k=r_att, v=r_att + 1,
+                                    mask=i_att + 5, layer=i_next, length=i_att + 6, o_part=r_att + 2,
+                                    m_part=r_att + 3, l_part=r_att + 4, out=r_att + 5, sync=r_att + 6)
+    launches.append(append_attention.launch(
+        bufs, batch=m, heads=na.num_heads, heads_kv=kh, slots=slots, head_dim=hd, layers=n_layers,
+        bias_dtype=None if na.bias is None else na.bias.dtype, bias_stacked=na.bias is not None,
+        skip_past_last=True, pdl=pdl))
+  res = w4_gluon.chain_call(launches, ops, out, aliases=aliases)
+  acc, _, _, _, h2, x_next, zeros = res[:7]
+  if next_attention is None:
+    return h2, x_next, zeros, acc
+  kc, vc, _, _, _, o_next, sync = res[7:]
+  return h2, x_next, zeros, acc, (o_next, kc, vc, sync)
 
 
-__all__ = ["NormStacks", "applies", "post_attention"]
+__all__ = ["NextAttention", "NormStacks", "applies", "attention_applies", "post_attention"]

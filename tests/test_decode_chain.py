@@ -126,7 +126,50 @@ def test_post_attention_lowers_six_kernels_into_one_ffi_call(monkeypatch):
   with pytest.raises(ValueError, match="no chain"):  # down's K is not gate/up's half
     call(head, wo, size)
 
-@pytest.mark.parametrize("lora_kind,setting", [(None, 2), (None, 3), ("fused", 3)])
+def test_post_attention_with_the_next_attention_lowers_eight_kernels(monkeypatch):
+  """With ``next_attention`` (decoder.PDL_CHAIN = 4; 7B shape, batch 8, a 2304-slot bf16 cache, a bf16 q/k/v bias
+  stack) the chain's eighth kernel is append_attention's, launched with PDL over (row, KV head, split) = (8, 4, 12)
+  programs of 128 threads, built with griddepcontrol (ten waits in all); the caches and the counters are aliased
+  operands; the results add the next layer's attention output [M H, hd]. Refused: next_attention without next_qkv,
+  and caches of another batch."""
+  _lowering_ready(monkeypatch)
+  m, d, q, inter, layers, slots = 8, 3584, 3584, 18944, 3, 2304
+  wo, wgu, wd = _stacks(layers, d, q, inter)
+  wqkv = jax.eval_shape(lambda: nvfp4.to_decode_order(nvfp4.quantize(jnp.ones((layers, d, 4608)))))
+  o, h = S((m, q), jnp.bfloat16), S((m, d), jnp.bfloat16)
+  head = m * 4608
+  size = head + m * (2 * d + 2 * inter)
+  post = decode_chain.NormStacks(S((layers, d), jnp.bfloat16), S((layers, d), jnp.float32))
+  nxt = decode_chain.NormStacks(S((layers, d), jnp.float32), None)
+  cache = S((layers, m, slots, 4, 128), jnp.bfloat16)
+  parts = (cache, cache, S((m * 4,), jnp.int32), S((layers, 4608), jnp.bfloat16), S((m, slots), jnp.int8),
+           S((), jnp.int32), S((m, 64), jnp.float32), S((m, 64), jnp.float32))
+  assert decode_chain.attention_applies(decode_chain.NextAttention(*parts, 28), m, wqkv)
+  assert not decode_chain.attention_applies(decode_chain.NextAttention(*parts, 28), 16, wqkv)
+
+  def fn(o, h, acc, wo, wgu, wd, wqkv, i, post, nxt, parts):
+    return decode_chain.post_attention(o, h, acc, head, wo, wgu, wd, i, post, nxt, 1e-6, zero_size=size,
+                                       next_qkv=(wqkv, i + 1), next_attention=decode_chain.NextAttention(*parts, 28))
+  traced = jax.jit(fn).trace(o, h, S((size,), jnp.float32), wo, wgu, wd, wqkv, S((), jnp.int32), post, nxt, parts)
+  attn = traced.out_info[4]
+  assert [(a.shape, a.dtype) for a in attn] == [((m * 28, 128), jnp.bfloat16), (cache.shape, jnp.bfloat16),
+                                                 (cache.shape, jnp.bfloat16), ((m * 4,), jnp.int32)]
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  entries = re.findall(r"\.entry (\w+)", text)
+  assert entries[-2:] == ["w4a16_gemv", "attend_append"] and len(entries) == 8, entries
+  assert text.count("griddepcontrol.wait") == 10
+  launch = [int(v) for v in re.search(r"launch = dense<\[([0-9, ]+)\]>", text).group(1).split(",")]
+  assert launch[-6:-2] == [8, 4, 12, 128] and launch[-1] == 1
+  # operands: ... acc 20, then bias 21, cos 22, sin 23, k 24, v 25, mask 26, length 27, sync 28
+  for operand in (20, 24, 25, 28):
+    assert f"operand_index = {operand}" in text, operand
+  with pytest.raises(ValueError, match="next_attention needs next_qkv"):
+    jax.eval_shape(lambda o, h, acc, wo, wgu, wd, parts: decode_chain.post_attention(
+        o, h, acc, head, wo, wgu, wd, 0, post, nxt, 1e-6, zero_size=size,
+        next_attention=decode_chain.NextAttention(*parts, 28)), o, h, S((size,), jnp.float32), wo, wgu, wd, parts)
+
+
+@pytest.mark.parametrize("lora_kind,setting", [(None, 2), (None, 3), ("fused", 3), (None, 4)])
 def test_decode_step_routes_the_layer_after_attention_to_the_chain(monkeypatch, lora_kind, setting):
   """decoder.PDL_CHAIN: an accumulating decode step with the fused layer ends hands each layer after attention to
   decode_chain.post_attention (here an XLA stand-in of its formula: the o, gate/up and down products into their
@@ -134,7 +177,10 @@ def test_decode_step_routes_the_layer_after_attention_to_the_chain(monkeypatch, 
   logits as the step without it (bit for bit on the CPU), called once a trace with the o region's offset, the
   next accumulator's size and ``pdl`` = (setting != 2). Setting 3 also hands it the fused q/k/v stack and the next
   layer's index (each layer then reads its q/k/v from its buffer's head, layer 0's computed before the loop): the
-  same logits. With an adapter on o and down (XLA adds their deltas) the chain is not taken."""
+  same logits. Setting 4 also hands it the next layer's attention (decode_chain.NextAttention: the caches, counters,
+  bias stack and the step's mask, length, cos and sin), layer 0's run alone before the loop
+  (append_attention.attend_append; both stand-ins run decode_attention_append): the same logits. With an adapter on
+  o and down (XLA adds their deltas) the chain is not taken."""
   import pallas_kernels
   from pallas_kernels import decode_attention as da
   from qerl_jax import lora as lora_lib
@@ -166,11 +212,20 @@ def test_decode_step_routes_the_layer_after_attention_to_the_chain(monkeypatch, 
     acc = jax.lax.dynamic_update_slice(acc, acc[offset:offset + y.size] + y, (offset,))
     return acc[offset:offset + y.size].reshape(*x.shape[:-1], w.shape[1]), acc
 
-  calls = []
+  calls, firsts = [], []
+
+  def attention_stand_in(qkv, bias, kc, vc, layer, mask8, length, cos, sin, num_heads):
+    return da.decode_attention_append(qkv, bias, kc, vc, layer, mask8, length, cos, sin, num_heads=num_heads,
+                                      dtype=jnp.bfloat16, sync=da.new_sync(mask8.shape[0], kc.shape[3]))[:3]
+
+  def first_stand_in(qkv, bias, kc, vc, layer, mask8, length, cos, sin, *, num_heads, sync):
+    firsts.append(int(layer))
+    o, kc, vc = attention_stand_in(qkv, bias, kc, vc, layer, mask8, length, cos, sin, num_heads)
+    return o, kc, vc, sync
 
   def chain_stand_in(o, h, acc, offset, w_o, w_gu, w_down, index, post, nxt, eps, *, zero_size, pdl=True,
-                     next_qkv=None):
-    calls.append((acc.shape[0], offset, zero_size, pdl, next_qkv is not None))
+                     next_qkv=None, next_attention=None):
+    calls.append((acc.shape[0], offset, zero_size, pdl, next_qkv is not None, next_attention is not None))
     mm = lambda x, w: pallas_kernels.quantized_matmul(x, w, index=index, out_dtype=jnp.float32)
     norm = lambda h, y, s: residual_norm.reference(h, y, s.weight[index], eps,
                                                    None if s.noise is None else s.noise[index])
@@ -185,7 +240,14 @@ def test_decode_step_routes_the_layer_after_attention_to_the_chain(monkeypatch, 
       qkv = pallas_kernels.quantized_matmul(x2, w_qkv, index=jnp.minimum(nxt_i, w_qkv.packed.shape[0] - 1),
                                             out_dtype=jnp.float32).reshape(-1)
       zeros = zeros.at[:qkv.size].set(qkv)
-    return h2, x2, zeros, acc
+    if next_attention is None:
+      return h2, x2, zeros, acc
+    na = next_attention  # the next layer's attention on that q/k/v; nothing past the last layer
+    o_next, kc, vc = attention_stand_in(zeros, na.bias, na.k_cache, na.v_cache, nxt_i, na.slot_mask, na.length,
+                                        na.cos, na.sin, na.num_heads)
+    past = nxt_i >= na.k_cache.shape[0]
+    kc, vc = (jnp.where(past, old, new) for old, new in ((na.k_cache, kc), (na.v_cache, vc)))
+    return h2, x2, zeros, acc, (o_next.reshape(o.shape[0], -1), kc, vc, na.sync)
 
   monkeypatch.setattr(residual_norm, "available", lambda: True)
   monkeypatch.setattr(residual_norm, "applies", lambda h, w, noise=None: True)
@@ -195,6 +257,8 @@ def test_decode_step_routes_the_layer_after_attention_to_the_chain(monkeypatch, 
   monkeypatch.setattr(pallas_kernels.matmul, "accumulate_lora_applies", lambda *a: False)
   monkeypatch.setattr(decode_chain, "applies", lambda *a: True)
   monkeypatch.setattr(decode_chain, "post_attention", chain_stand_in)
+  monkeypatch.setattr(decode_chain, "attention_applies", lambda *a: True)
+  monkeypatch.setattr(decoder.append_attention, "attend_append", first_stand_in)
   monkeypatch.setattr(decoder, "PDL_CHAIN", 0)
   plain, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
   assert not calls
@@ -204,7 +268,8 @@ def test_decode_step_routes_the_layer_after_attention_to_the_chain(monkeypatch, 
   b = tokens.shape[0]
   total = b * (cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.hidden_size + 2 * cfg.intermediate_size)
   assert calls == ([] if lora_kind else [(total, b * (cfg.q_dim + 2 * cfg.kv_dim), total, setting != 2,
-                                          setting == 3)])
+                                          setting >= 3, setting == 4)])
+  assert firsts == ([0] if setting == 4 else [])
 
 
 def _gpu_chain_ready():
@@ -271,9 +336,10 @@ def test_gpu_post_attention_matches_the_separate_kernels(pdl):
 
 @pytest.mark.gpu
 def test_gpu_decode_step_with_the_chain_matches_without():
-  """(lab) decoder.PDL_CHAIN = 1, 2 and 3 on a small NVFP4 model whose decode step takes the chain (hidden 512, 4
-  heads of 128, intermediate 1024, AQN noise): every position's logits within bf16 rounding of the step
-  without it (the GEMVs' float32 atomics add in another order), and the chain was traced."""
+  """(lab) decoder.PDL_CHAIN = 1, 2, 3 and 4 on a small NVFP4 model whose decode step takes the chain (hidden 512,
+  4 heads of 128, intermediate 1024, AQN noise, a q/k/v bias): every position's logits within bf16 rounding of the
+  step without it (the GEMVs' float32 atomics add in another order; 4 runs attention by the Triton kernel), and the
+  chain was traced (with 4, with the next layer's attention)."""
   _gpu_chain_ready()
   from qerl_jax.models import decoder
   cfg = models.ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=4,
@@ -283,18 +349,18 @@ def test_gpu_decode_step_with_the_chain_matches_without():
   noise = {n: 0.02 * jax.random.normal(jax.random.key(i), (cfg.num_layers, cfg.hidden_size))
            for i, n in enumerate(("input_norm", "post_attn_norm"))}
   tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=9))
-  real, traced = decode_chain.post_attention, []
+  real, traced, default = decode_chain.post_attention, [], decoder.PDL_CHAIN
   outs = {}
   try:
-    decode_chain.post_attention = lambda *a, **k: traced.append((k["pdl"], k["next_qkv"] is not None)) or real(*a,
-                                                                                                            **k)
-    for setting in (0, 1, 2, 3):
+    decode_chain.post_attention = lambda *a, **k: traced.append(
+        (k["pdl"], k["next_qkv"] is not None, k.get("next_attention") is not None)) or real(*a, **k)
+    for setting in (0, 1, 2, 3, 4):
       decoder.PDL_CHAIN = setting
       outs[setting], _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16,
                                     norm_noise=noise)
   finally:
-    decoder.PDL_CHAIN = 0
+    decoder.PDL_CHAIN = default
     decode_chain.post_attention = real
-  assert traced == [(True, False), (False, False), (True, True)]
-  for setting in (1, 2, 3):
+  assert traced == [(True, False, False), (False, False, False), (True, True, False), (True, True, True)]
+  for setting in (1, 2, 3, 4):
     assert _rel(outs[setting], outs[0]) < 1e-2, (setting, _rel(outs[setting], outs[0]))

@@ -6,6 +6,7 @@ decoder's scan carry XLA copies the cache; compare those in a rollout, ab_rollou
   APPEND_BATCHES=8,64 APPEND_LENGTH=1300 PYTHONPATH=$PWD python3 experiments/lab/time_append.py
   APPEND_VARIANTS="append;merge;merge dyn" ...   # a subset (names as in VARIANTS; session 37: the in-kernel merge)
   APPEND_LENGTH=2,300,1300 ...                     # several fills (session 45: fixed cost against cost a slot)
+  APPEND_VARIANTS="merge;tl" ...                   # session 63: the Triton kernel of the PDL chain, alone
 """
 import os, sys, time
 sys.path.insert(0, os.path.join(os.getcwd(), "experiments"))
@@ -48,6 +49,18 @@ VARIANTS = {"append": variant(), "append t264": variant(target_programs=264),
             "merge t1056 s3": variant(merge=True, target_programs=1056, num_stages=3),
             "merge t2112 b32": variant(merge=True, target_programs=2112, block_s=32),
             "merge dyn t1056 s3": variant(merge=True, dynamic_chunks=True, target_programs=1056, num_stages=3)}
+
+
+def tl_variant(**kw):
+  """Session 63: the Triton kernel a PDL chain launches (pallas_kernels.append_attention), launched alone."""
+  from pallas_kernels import append_attention as aa
+
+  def call(y, bias, kc, vc, li, mask8, cos, sin, sync):
+    return aa.attend_append(y, bias, kc, vc, li, mask8, length, cos, sin, num_heads=H, sync=sync, **kw)
+  return call
+
+
+VARIANTS["tl"] = tl_variant()
 VARIANTS = {k: v for k, v in VARIANTS.items() if not os.environ.get("APPEND_VARIANTS")
             or k in os.environ["APPEND_VARIANTS"].split(";")}
 

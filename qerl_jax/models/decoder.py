@@ -16,7 +16,7 @@ import numpy as np
 
 import pallas_kernels
 from pallas_kernels import decode_attention as decode_attn
-from pallas_kernels import decode_chain, residual_norm, w4_gluon
+from pallas_kernels import append_attention, decode_chain, residual_norm, w4_gluon
 from qerl_jax import nf4, nvfp4
 from qerl_jax.models import layers
 from qerl_jax.models.config import ModelConfig, rope_inv_freq
@@ -84,6 +84,10 @@ FUSED_ATTENTION_BF16_QKV_MIN_ROWS = w4_gluon.MAX_M + 1
 # with FUSED_LAYER_END and FUSED_POST_ATTENTION, the decode GEMV's atomic builds (M <= 16), and no bias or adapter on
 # o, gate/up and down (3: none on q/k/v either; a rollout without LoRA); elsewhere the separate calls run. Read at
 # trace time.
+# 4 (lab, session 63): 3, and the next layer's decode attention as an eighth kernel of the chain
+# (pallas_kernels.append_attention, a Triton form of decode_attention_append that reads the cache's earlier slots
+# before its PDL wait; layer 0's runs alone before the layer loop), so that a layer is one FFI call (bf16 caches,
+# the in-kernel merge of FUSED_ATTENTION_COMBINE).
 PDL_CHAIN = 3
 
 
@@ -288,12 +292,14 @@ class _NextNorms(NamedTuple):
   norm; float32) and its AQN noise (zero after the last layer; None without noise), and with
   :data:`FUSED_POST_ATTENTION` the post-attention norm's weight and noise (else None). ``qkv_ahead``
   (:data:`PDL_CHAIN` = 3): each layer's fused q/k/v product is already in the head of its accumulator, written by
-  the previous layer's chain (layer 0's before the loop)."""
+  the previous layer's chain (layer 0's before the loop). ``attn_ahead`` (:data:`PDL_CHAIN` = 4): its attention too,
+  whose output the layer receives (layer 0's run before the loop)."""
   w_next: jax.Array
   noise_next: Optional[jax.Array]
   w_post: Optional[jax.Array]
   noise_post: Optional[jax.Array]
   qkv_ahead: bool = False
+  attn_ahead: bool = False
 
 
 def _bf16_qkv(x, w, acc) -> bool:
@@ -340,9 +346,10 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   CPU, float32) the layer is read back with a dynamic slice for
   :func:`layers.attention`.
 
-  ``layer_end`` (with :data:`FUSED_LAYER_END`, from :func:`forward`): ``(x, buffer, norms)``, this layer's normed
-  input and zeroed accumulator (made by the previous layer's end) and the :class:`_NextNorms` stacks; the layer
-  then returns ``(h, x_next, buffer_next)`` in place of ``h``.
+  ``layer_end`` (with :data:`FUSED_LAYER_END`, from :func:`forward`): ``(x, buffer, norms, o)``, this layer's normed
+  input and zeroed accumulator (made by the previous layer's end), the :class:`_NextNorms` stacks and, with
+  ``norms.attn_ahead``, this layer's attention output ``[B T, H hd]`` (else None); the layer then returns ``(h,
+  x_next, buffer_next)`` in place of ``h`` (``(h, x_next, buffer_next, o_next)`` with ``norms.attn_ahead``).
   """
   b, t, _ = h.shape
   eps = cfg.rms_norm_eps
@@ -352,7 +359,7 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
     x = layers.rms_norm(h, ll.get("input_norm", lp["input_norm"]), eps, nn.get("input_norm"))
     acc = _new_accumulator(cfg, b * t, lp, ll, kv, decode, h.dtype)  # (into one buffer)
   else:  # normed and zeroed by the previous layer's end
-    x, buffer, norms = layer_end
+    x, buffer, norms = layer_end[:3]
     # (PDL_CHAIN = 3: with this layer's q/k/v product in the buffer's head)
     acc = layers.Accumulator(buffer, b * t * attn["qkv"].tensor.shape[1] if norms.qkv_ahead else 0, buffer.shape[0])
   # A decode step on the GPU kernels with fused q/k/v: bias, rounding, RoPE, the cache write and
@@ -361,6 +368,12 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
   if fused_attention:
     kc, vc, li, sync = kv
     bias_stack = attn.get("qkv_bias")
+    if norms is not None and norms.attn_ahead:  # attention ran in the previous layer's chain (PDL_CHAIN = 4)
+      o = layer_end[3]
+      nxt = decode_chain.NextAttention(kc, vc, sync, _stack_of(bias_stack), *decode, cfg.num_heads)
+      out = _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn, acc, norms, li,
+                             next_attention=nxt)
+      return out[:4], out[4][1:]
     if norms is not None and norms.qkv_ahead:  # written by the previous layer's chain (PDL_CHAIN = 3)
       qkv, bias = acc.buffer, (bias_stack.tensor if isinstance(bias_stack, layers.StackedWeight) else bias_stack)
     elif _bf16_qkv(x, attn["qkv"], acc):  # the large-M route's bf16 q/k/v, bias and adapter in the GEMM's epilogue
@@ -417,6 +430,11 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
                           None if kv is None else kv[2]), new_kv
 
 
+def _stack_of(bias):
+  """The array of a (possibly stacked) bias: a :class:`layers.StackedWeight`'s whole stack, or ``bias`` itself."""
+  return bias.tensor if isinstance(bias, layers.StackedWeight) else bias
+
+
 def _linear(grp, lgrp, name, x, lora_scale):
   """:func:`layers.linear` by weight ``grp[name]``, its optional bias and adapter ``lgrp[name]``."""
   return layers.linear(x, grp[name], bias=grp.get(name + "_bias"), lora=lgrp.get(name), lora_scale=lora_scale)
@@ -450,21 +468,23 @@ def _mlp_in_weights(mlp, lm) -> list:
   return [mlp["gate"], mlp["up"]]
 
 
-def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None, norms=None, li=None):
+def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None, norms=None, li=None, next_attention=None):
   """The rest of a layer after attention ``o [B, T, H * hd]``: the o projection and the
   residual, then the MLP and its residual. Returns the new ``h``. With ``acc`` (a decode step's
   :class:`layers.Accumulator`) the 4-bit projections write into it. With ``norms`` (:class:`_NextNorms`,
   :data:`FUSED_LAYER_END`) and the layer index ``li`` the last residual, the next norm and the next accumulator
   come from one :func:`pallas_kernels.residual_norm.residual_rms_norm` (and with ``norms.w_post`` the o
-  residual and the post-attention norm from another): returns ``(h, x_next, buffer_next)``."""
+  residual and the post-attention norm from another): returns ``(h, x_next, buffer_next)``; with ``next_attention``
+  (:data:`PDL_CHAIN` = 4, ``norms.attn_ahead``) the chain also runs the next layer's attention, and this returns
+  ``(h, x_next, buffer_next, o_next, (o_next, k cache, v cache, sync))``."""
   eps = cfg.rms_norm_eps
   attn, la = lp["attn"], ll.get("attn", {})
   mlp, lm = lp["mlp"], ll.get("mlp", {})
   if PDL_CHAIN and norms is not None and norms.w_post is not None and acc is not None and acc.buffer is not None:
-    chained = _chained_after_attention(cfg, h, o, lp, ll, acc, norms)
+    chained = _chained_after_attention(cfg, h, o, lp, ll, acc, norms, next_attention)
     if chained is not None:
       return chained
-  if norms is not None and norms.qkv_ahead:  # (_layer_end_inputs checked layer 0; every layer has its shapes)
+  if norms is not None and (norms.qkv_ahead or norms.attn_ahead):  # (_layer_end_inputs checked layer 0; every layer has its shapes)
     raise RuntimeError("decoder: PDL_CHAIN = 3 computed the next q/k/v ahead, but a layer did not take the chain")
   y, bias, acc, finished = _linear_region(attn, la, "o", o, lora_scale, acc)
   w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
@@ -523,12 +543,14 @@ def _chain_norms(norms: _NextNorms) -> tuple:
           decode_chain.NormStacks(norms.w_next, norms.noise_next))
 
 
-def _chained_after_attention(cfg, h, o, lp, ll, acc, norms):
+def _chained_after_attention(cfg, h, o, lp, ll, acc, norms, next_attention=None):
   """:data:`PDL_CHAIN`: the layer after attention by :func:`pallas_kernels.decode_chain.post_attention` (o, gate/up
   and down into their regions of ``acc`` from ``acc.offset`` on, as :func:`_new_accumulator` laid them out),
   returning ``(h, x_next, buffer_next)`` as :func:`_fused_layer_end`; or None where the chain does not apply (a
   bias or adapter on o, gate/up or down, separate gate and up, weights not on stacked 4-bit tensors, builds it
-  cannot chain)."""
+  cannot chain). With ``next_attention`` (:class:`pallas_kernels.decode_chain.NextAttention`, ``norms.attn_ahead``)
+  the chain also runs the next layer's attention: returns ``(h, x_next, buffer_next, o_next, attention)``,
+  ``attention`` the chain's ``(o_next, k cache, v cache, sync)``."""
   la, lm = ll.get("attn", {}), ll.get("mlp", {})
   if la.get("o") is not None or any(lm.get(n) is not None for n in ("gate", "up", "gate_up", "down")):
     return None
@@ -544,11 +566,18 @@ def _chained_after_attention(cfg, h, o, lp, ll, acc, norms):
     return None
   if acc.offset + b * t * (2 * d + w_gu.shape[1]) > acc.size:
     return None
+  if next_attention is not None and not decode_chain.attention_applies(next_attention, b * t, w_qkv):
+    return None
   index = ws[0].index
-  h2, x_next, buffer, _ = decode_chain.post_attention(
+  out = decode_chain.post_attention(
       o2, h2, acc.buffer, acc.offset, w_o, w_gu, w_down, index, post, nxt, cfg.rms_norm_eps, zero_size=acc.size,
-      pdl=PDL_CHAIN != 2, next_qkv=None if w_qkv is None else (w_qkv, jnp.asarray(index, jnp.int32) + 1))
-  return h2.reshape(b, t, d), x_next.reshape(b, t, d), buffer
+      pdl=PDL_CHAIN != 2, next_qkv=None if w_qkv is None else (w_qkv, jnp.asarray(index, jnp.int32) + 1),
+      **({} if next_attention is None else {"next_attention": next_attention}))
+  h2, x_next, buffer = out[0], out[1], out[2]
+  if next_attention is None:
+    return h2.reshape(b, t, d), x_next.reshape(b, t, d), buffer
+  o_next = out[4][0].reshape(b * t, -1)
+  return h2.reshape(b, t, d), x_next.reshape(b, t, d), buffer, o_next, (o_next, *out[4][1:])
 
 
 def _fused_layer_end(cfg, lora_scale, h, x, mlp, lm, acc, w_next, noise_next, li):
@@ -706,7 +735,7 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
   end = _layer_end_inputs(cfg, base, scanned, stacked, lay_lora, noise, h, decode) if cache is not None else None
 
   def body(carry, xs):
-    h, x, buf, kc, vc, sync = carry
+    h, x, buf, kc, vc, sync, o = carry
     lp, ll, nn, li = xs
     lp = _bind_stacked(lp, stacked, li)
     ll = _bind_stacked(ll, lora_b, li)
@@ -717,10 +746,12 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
       # The stacked cache rides in the carry so XLA updates it in place.
       h, (kc, vc, sync) = _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, (kc, vc, li, sync), mask,
                            positions, write_at, attn_chunk, decode=decode,
-                           layer_end=None if end is None else (x, buf, end[2]))
-      if end is not None:
+                           layer_end=None if end is None else (x, buf, end[2], o))
+      if end is not None and end[2].attn_ahead:  # (with the next layer's attention output)
+        h, x, buf, o = h
+      elif end is not None:
         h, x, buf = h
-    return (h, x, buf, kc, vc, sync), None
+    return (h, x, buf, kc, vc, sync, o), None
 
   if remat:
     body = jax.checkpoint(body, prevent_cse=False)
@@ -732,7 +763,17 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
   x0, buf0 = (None, None) if end is None else end[:2]
   # FUSED_ATTENTION_COMBINE: the decode attention kernel's zeroed counters, carried through the layers
   sync0 = (decode_attn.new_sync(b, cfg.num_kv_heads) if FUSED_ATTENTION_COMBINE and decode is not None else None)
-  (h, x, _, kc, vc, _), _ = jax.lax.scan(body, (h, x0, buf0, kc0, vc0, sync0), xs, unroll=bool(unroll_layers))
+  o0 = None
+  if end is not None and PDL_CHAIN == 4 and end[2].qkv_ahead and sync0 is not None:
+    # layer 0's attention on its q/k/v (computed before the loop), alone; each layer's chain then runs the next's
+    bias = _stack_of(stacked["attn"].get("qkv_bias"))
+    first = decode_chain.NextAttention(kc0, vc0, sync0, bias, *decode, cfg.num_heads)
+    if decode_chain.attention_applies(first, b * t, stacked["attn"]["qkv"]):
+      o0, kc0, vc0, sync0 = append_attention.attend_append(buf0, bias, kc0, vc0, np.int32(0), *decode[:2],
+                                                           *decode[2:], num_heads=cfg.num_heads, sync=sync0)
+      o0 = o0.reshape(b, cfg.q_dim)
+      end = (end[0], end[1], end[2]._replace(attn_ahead=True))
+  (h, x, _, kc, vc, _, _), _ = jax.lax.scan(body, (h, x0, buf0, kc0, vc0, sync0, o0), xs, unroll=bool(unroll_layers))
 
   # (with FUSED_LAYER_END the last layer's end applied the final norm)
   h = layers.rms_norm(h, base["final_norm"], cfg.rms_norm_eps) if end is None else x
@@ -771,7 +812,7 @@ def _layer_end_inputs(cfg, base, scanned, stacked, lay_lora, noise, h, decode):
     if not residual_norm.applies(h.reshape(b * t, d), w_post, n_post):
       w_post = n_post = None
   norms = _NextNorms(w_next, n_next, w_post, n_post)
-  if PDL_CHAIN == 3 and w_post is not None and _qkv_ahead_applies(cfg, stacked, layer0(lay_lora), norms, b * t, h.dtype):
+  if PDL_CHAIN in (3, 4) and w_post is not None and _qkv_ahead_applies(cfg, stacked, layer0(lay_lora), norms, b * t, h.dtype):
     # layer 0's q/k/v into its new buffer (the launcher zeroes it); each chain then writes the next layer's
     w_qkv = stacked["attn"]["qkv"]
     _, buffer0 = pallas_kernels.quantized_matmul_into(x0.reshape(b * t, d), w_qkv, None, 0, index=np.int32(0),

@@ -1,0 +1,174 @@
+"""The Triton kernel of :mod:`pallas_kernels.append_attention` (imports triton: loaded lazily by that module).
+
+Triton's interpreter patches the ``tl`` of a kernel's module globals, so the kernel lives at module level here.
+"""
+
+import triton
+import triton.language as tl
+from triton.language.extra import cuda as tl_cuda
+
+MASKED_SCORE = tl.constexpr(-1e30)  # pallas_kernels.decode_attention.MASKED_SCORE
+
+
+@triton.jit
+def _bf16(x, INTERPRET: tl.constexpr):
+  """float32 ``x`` rounded to bf16 (to nearest, ties to even), kept in float32. Under Triton's interpreter
+  (``INTERPRET``), whose float32 -> bf16 conversion does not round to nearest, by the bits."""
+  if INTERPRET:
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+  else:
+    return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _rope(x1, x2, cos, sin, INTERPRET: tl.constexpr):
+  """RoPE's "rotate half" on the halves ``x1, x2`` (Su et al. 2021): ``[x1, x2] cos + [-x2, x1] sin``, each product
+  and the sum rounded to bf16 as XLA's bf16 ops (:func:`pallas_kernels.decode_attention._rope_rounded`)."""
+  a = _bf16(_bf16(x1 * cos, INTERPRET) - _bf16(x2 * sin, INTERPRET), INTERPRET)
+  b = _bf16(_bf16(x2 * cos, INTERPRET) + _bf16(x1 * sin, INTERPRET), INTERPRET)
+  return a, b
+
+
+def attend_append(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, layer_ptr, length_ptr,
+                  o_part_ptr, m_part_ptr, l_part_ptr, out_ptr, sync_ptr,
+                  B: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                  GR: tl.constexpr, S: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr, CHUNK: tl.constexpr,
+                  NSPLIT: tl.constexpr, MC: tl.constexpr, L: tl.constexpr, SCALE: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BIAS_STACKED: tl.constexpr, SKIP_PAST_LAST: tl.constexpr,
+                  GDC: tl.constexpr = 0, INTERPRET: tl.constexpr = 0):
+  b = tl.program_id(0)
+  kvh = tl.program_id(1)
+  split = tl.program_id(2)
+  f32: tl.constexpr = tl.float32
+  bf16: tl.constexpr = tl.bfloat16
+  HALF: tl.constexpr = HD // 2
+  ROWS: tl.constexpr = H + 2 * HKV
+  layer_raw = tl.load(layer_ptr)
+  # a chain's attention of the layer after the last (SKIP_PAST_LAST) reads but writes nothing
+  live = (layer_raw < L) | (SKIP_PAST_LAST == 0)
+  layer = tl.minimum(tl.maximum(layer_raw, 0), L - 1)
+  length = tl.load(length_ptr)
+  write_at = length - 1  # this step's slot: attended from registers, written by split 0, never read
+  gi = tl.arange(0, GP)
+  in_group = gi < G
+  c = tl.arange(0, HALF)
+  d = tl.arange(0, HD)
+  # RoPE's cos and sin for this row (float32, made once per step), in bf16
+  cos = _bf16(tl.load(cos_ptr + b * HALF + c), INTERPRET)
+  sin = _bf16(tl.load(sin_ptr + b * HALF + c), INTERPRET)
+  q_rows = kvh * G + gi
+  kr = H + kvh
+  vr = H + HKV + kvh
+  if HAS_BIAS:
+    br = layer * ROWS if BIAS_STACKED else 0
+    bq1 = tl.load(bias_ptr + (br + q_rows)[:, None] * HD + c[None, :], mask=in_group[:, None], other=0.0).to(f32)
+    bq2 = tl.load(bias_ptr + (br + q_rows)[:, None] * HD + HALF + c[None, :], mask=in_group[:, None],
+                  other=0.0).to(f32)
+    bk1 = tl.load(bias_ptr + (br + kr) * HD + c).to(f32)
+    bk2 = tl.load(bias_ptr + (br + kr) * HD + HALF + c).to(f32)
+    bv = tl.load(bias_ptr + (br + vr) * HD + d).to(f32)
+  new_kept = (tl.load(mask_ptr + b * S + write_at) != 0) & (split == 0)
+  # this split's slots: a fixed chunk, cut at the new slot
+  s_begin = split * CHUNK
+  s_end = tl.minimum(s_begin + CHUNK, write_at)
+  blocks = tl.where(live, tl.maximum(s_end - s_begin + BS - 1, 0) // BS, 0)
+  row0 = ((layer * B + b) * S).to(tl.int64)
+  col = kvh * HD
+  RS: tl.constexpr = HKV * HD  # a cache row (one slot of every KV head)
+  sb = tl.arange(0, BS)
+  # the first block: slots written by earlier steps, read before the wait
+  offs = s_begin + sb
+  inside = offs < s_end
+  keep = (tl.load(mask_ptr + b * S + offs, mask=inside, other=0) != 0) & inside
+  at = (row0 + offs)[:, None] * RS + col
+  k1 = tl.load(k_ptr + at + c[None, :], mask=inside[:, None], other=0.0)
+  k2 = tl.load(k_ptr + at + HALF + c[None, :], mask=inside[:, None], other=0.0)
+  vb = tl.load(v_ptr + at + d[None, :], mask=inside[:, None], other=0.0)
+  if GDC:
+    if GDC & 4:
+      tl_cuda.gdc_launch_dependents()
+    tl_cuda.gdc_wait()
+  # the q/k/v product (written by the kernel before this one), + bias, rounded to bf16
+  base = qkv_ptr + b * ROWS * HD
+  q1 = tl.load(base + q_rows[:, None] * HD + c[None, :], mask=in_group[:, None], other=0.0)
+  q2 = tl.load(base + q_rows[:, None] * HD + HALF + c[None, :], mask=in_group[:, None], other=0.0)
+  nk1 = tl.load(base + kr * HD + c)
+  nk2 = tl.load(base + kr * HD + HALF + c)
+  nv = tl.load(base + vr * HD + d)
+  if HAS_BIAS:
+    q1, q2, nk1, nk2, nv = q1 + bq1, q2 + bq2, nk1 + bk1, nk2 + bk2, nv + bv
+  q1, q2 = _bf16(q1, INTERPRET), _bf16(q2, INTERPRET)
+  nk1, nk2, nv = _bf16(nk1, INTERPRET), _bf16(nk2, INTERPRET), _bf16(nv, INTERPRET)
+  # RoPE, each product and the sum rounded to bf16 (as XLA's bf16 ops)
+  q1, q2 = _rope(q1, q2, cos[None, :], sin[None, :], INTERPRET)
+  nk1, nk2 = _rope(nk1, nk2, cos, sin, INTERPRET)
+  if (split == 0) & live:
+    slot = (row0 + write_at) * RS + col
+    tl.store(k_ptr + slot + c, nk1.to(bf16))
+    tl.store(k_ptr + slot + HALF + c, nk2.to(bf16))
+    tl.store(v_ptr + slot + d, nv.to(bf16))
+  # the new token opens split 0's online softmax (when its slot is attended at all)
+  sc_new = (tl.sum(q1 * nk1[None, :], axis=1) + tl.sum(q2 * nk2[None, :], axis=1)) * SCALE  # [GP]
+  m = tl.where(new_kept, sc_new, MASKED_SCORE)
+  lsum = tl.where(new_kept, 1.0, 0.0) + tl.zeros([GP], f32)
+  acc = tl.where(new_kept, nv[None, :], 0.0) + tl.zeros([GP, HD], f32)
+  # (INTERPRET: the dots' bf16 operands widened to float32, for Triton's interpreter, whose dot multiplies bf16
+  # bits as integers; the values are the same)
+  DT: tl.constexpr = f32 if INTERPRET else bf16
+  q1b, q2b = q1.to(DT), q2.to(DT)
+  for i in range(blocks):
+    # the next block's loads first (masked off past the chunk), then this block's softmax step
+    n_offs = s_begin + (i + 1) * BS + sb
+    n_inside = n_offs < s_end
+    n_keep = (tl.load(mask_ptr + b * S + n_offs, mask=n_inside, other=0) != 0) & n_inside
+    n_at = (row0 + n_offs)[:, None] * RS + col
+    n_k1 = tl.load(k_ptr + n_at + c[None, :], mask=n_inside[:, None], other=0.0)
+    n_k2 = tl.load(k_ptr + n_at + HALF + c[None, :], mask=n_inside[:, None], other=0.0)
+    n_vb = tl.load(v_ptr + n_at + d[None, :], mask=n_inside[:, None], other=0.0)
+    sc = (tl.dot(q1b, tl.trans(k1.to(DT))) + tl.dot(q2b, tl.trans(k2.to(DT)))) * SCALE  # [GP, BS]
+    sc = tl.where(keep[None, :], sc, MASKED_SCORE)
+    m_new = tl.maximum(m, tl.max(sc, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.where(keep[None, :], tl.exp(sc - m_new[:, None]), 0.0)
+    lsum = lsum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(_bf16(p, INTERPRET).to(DT), vb.to(DT))
+    m = m_new
+    keep, k1, k2, vb = n_keep, n_k1, n_k2, n_vb
+  # partials of the splits that saw a slot (split 0 holds the new token's)
+  active = tl.maximum((write_at + CHUNK - 1) // CHUNK, 1)
+  pair = b * HKV + kvh
+  if (split < active) & live:
+    at_p = (split * B * HKV + pair) * GP
+    tl.store(o_part_ptr + (at_p + gi)[:, None] * HD + d[None, :], acc, mask=in_group[:, None])
+    tl.store(m_part_ptr + at_p + gi, m)
+    tl.store(l_part_ptr + at_p + gi, lsum)
+  # the last of this (row, KV head)'s programs to arrive merges the partials (the split-K "last block"
+  # pattern: every thread's stores, a barrier, one acquire-release atomic) and resets the counter
+  tl.debug_barrier()
+  arrived = tl.atomic_add(sync_ptr + pair, 1, mask=live, sem="acq_rel", scope="gpu")
+  if live & (arrived == NSPLIT - 1):
+    r = tl.arange(0, GR)
+    rows = r < G
+    top = tl.full([GR], float("-inf"), f32)
+    den = tl.zeros([GR], f32)
+    num = tl.zeros([GR, HD], f32)
+    sp = tl.arange(0, MC)
+    for ch in range(0, (active + MC - 1) // MC):
+      s_i = ch * MC + sp
+      have = (s_i < active)[:, None] & rows[None, :]  # [MC, GR]
+      at_c = ((s_i * B * HKV + pair) * GP)[:, None] + r[None, :]
+      mc = tl.load(m_part_ptr + at_c, mask=have, other=float("-inf"), cache_modifier=".cg")
+      lc = tl.load(l_part_ptr + at_c, mask=have, other=0.0, cache_modifier=".cg")
+      oc = tl.load(o_part_ptr + at_c[:, :, None] * HD + d[None, None, :], mask=have[:, :, None], other=0.0,
+                   cache_modifier=".cg")
+      new_top = tl.maximum(top, tl.max(mc, axis=0))
+      rescale = tl.exp(top - new_top)
+      w = tl.exp(mc - new_top[None, :])
+      den = den * rescale + tl.sum(w * lc, axis=0)
+      num = num * rescale[:, None] + tl.sum(w[:, :, None] * oc, axis=0)
+      top = new_top
+    out = num / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(out_ptr + (pair * G + r)[:, None] * HD + d[None, :], out.to(bf16), mask=rows[:, None])
+    tl.store(sync_ptr + pair, 0)
