@@ -54,13 +54,16 @@ class Geometry(NamedTuple):
   parts: int
 
 
-def geometry(batch: int, heads: int, heads_kv: int, slots: int, *, block_s: int = BLOCK_S, splits: int | None = None,
-             target_programs: int = TARGET_PROGRAMS) -> Geometry:
-  """The launch geometry for a cache of ``slots`` slots (as :func:`decode_attention_append`'s).
+def geometry(batch: int, heads: int, heads_kv: int, slots: int, *, block_s: int | None = None,
+             splits: int | None = None, target_programs: int | None = None) -> Geometry:
+  """The launch geometry for a cache of ``slots`` slots (as :func:`decode_attention_append`'s; None takes the module's
+  :data:`BLOCK_S` and :data:`TARGET_PROGRAMS`, read at the call).
 
   Raises:
     ValueError: ``heads`` not a multiple of ``heads_kv``, or ``block_s`` not a power of 2 >= 16.
   """
+  block_s = BLOCK_S if block_s is None else block_s
+  target_programs = TARGET_PROGRAMS if target_programs is None else target_programs
   if heads % heads_kv:
     raise ValueError(f"append_attention: {heads} query heads are not a multiple of {heads_kv} KV heads")
   if block_s < 16 or block_s & (block_s - 1):
@@ -101,9 +104,9 @@ def arg_dtypes(bias_dtype: str = "*fp32") -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(meta_items: tuple, bias_dtype: str = "*fp32"):
-  """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta_items`` (loaded into the FFI
-  launcher on a GPU; :func:`pallas_kernels.w4_gluon._load`)."""
+def compiled(meta_items: tuple, bias_dtype: str = "*fp32", warps: int = 4):
+  """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta_items`` and ``warps`` warps a
+  program (loaded into the FFI launcher on a GPU; :func:`pallas_kernels.w4_gluon._load`)."""
   import triton
   from triton.backends.compiler import GPUTarget
   from triton.compiler import ASTSource
@@ -119,7 +122,7 @@ def compiled(meta_items: tuple, bias_dtype: str = "*fp32"):
   w4_gluon._ensure_triton_cache_dir()
   out = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
                        target=GPUTarget("cuda", w4_gluon._target_cc(), 32),
-                       options={"num_warps": WARPS, "num_stages": STAGES})
+                       options={"num_warps": warps, "num_stages": STAGES})
   return w4_gluon._load(out)
 
 
@@ -183,9 +186,10 @@ def launch(bufs: Buffers, *, batch: int, heads: int, heads_kv: int, slots: int, 
   mt = meta(batch, heads, heads_kv, slots, head_dim, layers, has_bias=bias_dtype is not None,
             bias_stacked=bias_stacked, skip_past_last=skip_past_last, gdc=GDC if pdl else 0, geo=geo)
   bias_type = "*bf16" if bias_dtype is not None and jnp.dtype(bias_dtype) == jnp.bfloat16 else "*fp32"
-  ptx = compiled(tuple(mt.items()), bias_type)
+  warps = WARPS
+  ptx = compiled(tuple(mt.items()), bias_type, warps)
   params = tuple((buf, 4 * bufs.qkv_offset if i == 0 else 0) for i, buf in enumerate(bufs[:14]))
-  return w4_gluon.ChainLaunch(*ptx, grid(batch, heads_kv, geo), 32 * WARPS, params, pdl=pdl)
+  return w4_gluon.ChainLaunch(*ptx, grid(batch, heads_kv, geo), 32 * warps, params, pdl=pdl)
 
 
 def attend_append(qkv, bias, k_cache, v_cache, layer, slot_mask, length, cos, sin, *, num_heads: int, sync,
@@ -251,7 +255,7 @@ def attend_append(qkv, bias, k_cache, v_cache, layer, slot_mask, length, cos, si
 
 
 def interpret(qkv, bias, cos, sin, k_cache, v_cache, slot_mask, layer: int, length: int, *, num_heads: int,
-              splits: int | None = None, block_s: int = BLOCK_S, skip_past_last: bool = False):
+              splits: int | None = None, block_s: int | None = None, skip_past_last: bool = False):
   """Runs the kernel in Triton's interpreter on torch CPU tensors (tests).
 
   Args:

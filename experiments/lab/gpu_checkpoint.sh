@@ -903,12 +903,12 @@ step 91 && for s in 0 3 0 3; do echo "== PDL_CHAIN=$s"; MODEL_SET="PDL_CHAIN=$s"
 #    PDL_CHAIN = 3 is the default since. Still to run on an H200 (issue 6's card; last measured 1.95x, session 53).
 # 92 (session 63, prepared; about 3 minutes): pallas_kernels.append_attention, decode attention with the cache
 #    append written in Triton for the PDL chain: its GPU tests against XLA's reference, then alone against the Pallas
-#    kernel (28 layers in one jit, batch 8, 7B heads, 2304 slots) at 2 / 1300 / 2000 filled slots; then batch-8
+#    kernel (28 layers in one jit, batch 8, 7B heads, 2304 slots) at 1300 / 2000 filled slots; then batch-8
 #    rollouts (512 new tokens) with decoder.PDL_CHAIN = 3 and 4 (the next layer's attention in the chain).
 step 92 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -m gpu tests/test_append_attention.py \
     tests/test_decode_chain.py -p no:cacheprovider 2>&1 | grep -E "passed|failed|FAILED|Error|assert" \
     | grep -v cuda_event | tail -12
-  APPEND_BATCHES=8 APPEND_LENGTH=2,1300,2000 APPEND_VARIANTS="merge;tl" timeout 150 python3 \
+  APPEND_BATCHES=8 APPEND_LENGTH=1300,2000 APPEND_VARIANTS="merge;tl;tl w8;tl t1056" timeout 150 python3 \
     experiments/lab/time_append.py 2>&1 | grep -E "^batch|Error"
   for c in 3 4 3 4; do echo "== PDL_CHAIN=$c"; MODEL_SET="PDL_CHAIN=$c" timeout 90 python3 \
     experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=512 --formats=nvfp4_fused --time_budget_s=50 2>&1 \

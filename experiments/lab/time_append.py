@@ -60,7 +60,25 @@ def tl_variant(**kw):
   return call
 
 
+def tl_set(name, value):
+  """A tl variant with the module setting ``name`` (append_attention) set for its trace."""
+  from pallas_kernels import append_attention as aa
+  inner = tl_variant()
+
+  def call(*args):
+    old = getattr(aa, name)
+    setattr(aa, name, value)
+    try:
+      return inner(*args)
+    finally:
+      setattr(aa, name, old)
+  return call
+
+
 VARIANTS["tl"] = tl_variant()
+VARIANTS["tl w8"] = tl_set("WARPS", 8)
+VARIANTS["tl b32"] = tl_set("BLOCK_S", 32)
+VARIANTS["tl t1056"] = tl_set("TARGET_PROGRAMS", 1056)
 VARIANTS = {k: v for k, v in VARIANTS.items() if not os.environ.get("APPEND_VARIANTS")
             or k in os.environ["APPEND_VARIANTS"].split(";")}
 

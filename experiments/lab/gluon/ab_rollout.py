@@ -21,13 +21,13 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # experiments/lab
 from labcommon import set_module_settings  # noqa: E402
-from pallas_kernels import decode_attention, matmul, residual_norm, w4_gluon, w4_gluon_mm  # noqa: E402
+from pallas_kernels import append_attention, decode_attention, matmul, residual_norm, w4_gluon, w4_gluon_mm  # noqa: E402
 from qerl_jax import sampling  # noqa: E402
 from qerl_jax.models import decoder  # noqa: E402
 
 for env, module in (("GL_SET", w4_gluon), ("MODEL_SET", decoder), ("DA_SET", decode_attention),
                     ("RN_SET", residual_norm), ("SAMPLING_SET", sampling), ("MM_SET", w4_gluon_mm),
-                    ("MATMUL_SET", matmul)):
+                    ("MATMUL_SET", matmul), ("AA_SET", append_attention)):
   set_module_settings(env, module)
 if os.environ.get("GL_NO_ZERO") == "1":
   _attrs = w4_gluon._launch_attrs
