@@ -913,4 +913,9 @@ step 92 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -
   for c in 3 4 3 4; do echo "== PDL_CHAIN=$c"; MODEL_SET="PDL_CHAIN=$c" timeout 90 python3 \
     experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=512 --formats=nvfp4_fused --time_budget_s=50 2>&1 \
     | grep -E "nvfp4_fused \||Error"; done; } | tee "$OUT/step92.txt"
+# 93 (session 63, prepared; about 5 minutes): issue 6's batch-8 row (2048 new tokens, NVFP4 and bf16 in the same run)
+#    with decoder.PDL_CHAIN = 3 and 4, alternating.
+step 93 && for c in ${CHAIN_SETTINGS:-3 4 3 4}; do echo "== PDL_CHAIN=$c"; MODEL_SET="PDL_CHAIN=$c" timeout 120 \
+    python3 experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=2048 --formats=nvfp4_fused,bf16_fused 2>&1 \
+    | grep -E "_fused \||Error"; done | tee "$OUT/step93.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
