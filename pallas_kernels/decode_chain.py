@@ -27,6 +27,7 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import append_attention, residual_norm, w4_gluon, w4_triton
 
@@ -111,6 +112,45 @@ def _swiglu_compiled(meta: tuple):
   """``(ptx, kernel name, shared bytes)`` of the SwiGLU kernel for the constexprs ``meta``."""
   return w4_gluon._load(w4_gluon._compile_gluon(_swiglu_kernel(), ("*fp32", "*bf16"), dict(meta),
                                                 w4_gluon._target_cc(), num_warps=SWIGLU_WARPS))
+
+
+def _with_gdc(meta: dict, g: int, pdl: bool) -> tuple:
+  """``meta``'s items, with the constexpr ``GDC = g`` when launched under PDL."""
+  return tuple(dict(meta, **({"GDC": g} if pdl else {})).items())
+
+
+def _gemv_launch(m: int, w, i_w: int, x_buf: int, layer_buf: int, out: int, at: int, *, pdl: bool,
+                 first: bool = False, layer_offset: int = 0) -> w4_gluon.ChainLaunch:
+  """The decode GEMV ``buffer[out][at:] += buffer[x_buf] @ W`` (``m`` rows) as a chain launch: ``W``'s codes, scales
+  and global scales the operands ``i_w .. i_w + 2``, its layer read from ``layer_buf`` at ``layer_offset`` bytes."""
+  b = w4_gluon._build_for(m, w, 0)
+  ptx = w4_gluon._compiled(_with_gdc(b.meta, GEMV_GDC, pdl), b.wg, b.narrow_n, b.maxnreg, b.w8)
+  # x, codes, scales, global scales, layer, the zeros operand (the output buffer), the output at its region
+  params = ((x_buf, 0), (i_w, 0), (i_w + 1, 0), (i_w + 2, 0), (layer_buf, layer_offset), (out, 0), (out, 4 * at))
+  return w4_gluon.ChainLaunch(*ptx, b.grid, b.threads, params, pdl=pdl and not first)
+
+
+def _norm_launch(m: int, d: int, stacks: NormStacks, i_stacks: int, eps: float, h_buf: int, acc_buf: int, at: int,
+                 layer_buf: int, h_out: int, x_out: int, zeros: int, zeros_buf: int, *, pdl: bool,
+                 layer_offset: int = 0) -> w4_gluon.ChainLaunch:
+  """:mod:`pallas_kernels.residual_norm`'s kernel as a chain launch: ``h_out = h + acc[at:]``, ``x_out`` its RMSNorm by
+  the stacks (operands ``i_stacks``, ``i_stacks + 1``) at the layer in ``layer_buf``, and ``zeros`` float32 zeros
+  into ``zeros_buf`` (none for 0)."""
+  meta = residual_norm._meta(m, d, stacks.weight.shape[0], at, eps, stacks.noise is not None, zeros)
+  ptx = residual_norm._compiled(_with_gdc(meta, NORM_GDC, pdl),
+                                "*bf16" if stacks.weight.dtype == jnp.bfloat16 else "*fp32")
+  params = ((h_buf, 0), (acc_buf, 0), (i_stacks, 0), (i_stacks + 1, 0), (layer_buf, layer_offset), (h_out, 0),
+            (x_out, 0), (zeros_buf if zeros else acc_buf, 0))
+  grid = (m + -(-zeros // residual_norm.ZERO_CHUNK), 1, 1)
+  return w4_gluon.ChainLaunch(*ptx, grid, 32 * residual_norm.WARPS, params, pdl=pdl)
+
+
+def _swiglu_launch(m: int, inter: int, acc_buf: int, gu_at: int, y_buf: int, *, pdl: bool) -> w4_gluon.ChainLaunch:
+  """The SwiGLU kernel as a chain launch: ``y = silu(g) * u`` from the gate/up product at ``acc[gu_at:]``."""
+  sw_meta = dict(M=m, I=inter, OFF=gu_at, C=SWIGLU_CHUNK, WARPS=SWIGLU_WARPS)
+  return w4_gluon.ChainLaunch(*_swiglu_compiled(_with_gdc(sw_meta, NORM_GDC, pdl)),
+                              (-(-m * inter // SWIGLU_CHUNK), 1, 1), 32 * SWIGLU_WARPS, ((acc_buf, 0), (y_buf, 0)),
+                              pdl=pdl)
 
 
 def _gemv_build(m: int, w):
@@ -227,14 +267,11 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
 
   pdl = pdl and w4_gluon._target_cc() >= 90  # (griddepcontrol is sm_90's; older GPUs launch the chain in order)
 
-  def with_gdc(meta: dict, g: int) -> tuple:
-    return tuple(dict(meta, **({"GDC": g} if pdl else {})).items())
-
   ops = [o]  # operand 0; then each weight's codes, scales, global scales; one layer index
   gemvs = []
   for w in (w_o, w_gate_up, w_down) + (() if w_qkv is None else (w_qkv,)):
     codes, scales, gs, _ = w4_triton._layer_operands(w, w4_triton._format_of(w), index)
-    gemvs.append((len(ops), w4_gluon._build_for(m, w, 0)))
+    gemvs.append((len(ops), w))
     ops += [codes, scales, gs]
   layer = jnp.asarray(index, jnp.int32).reshape(1)
   i_layer, i_h = len(ops), len(ops) + 1
@@ -271,30 +308,17 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
 
   def gemv(which: int, x_buf: int, at: int, first: bool, out: int | None = None,
            layer_buf: int | None = None) -> w4_gluon.ChainLaunch:
-    i_w, b = gemvs[which]
-    ptx = w4_gluon._compiled(with_gdc(b.meta, GEMV_GDC), b.wg, b.narrow_n, b.maxnreg, b.w8)
-    out = r_acc if out is None else out
-    # x, codes, scales, global scales, layer, the zeros operand (the output buffer), the output at its region
-    params = ((x_buf, 0), (i_w, 0), (i_w + 1, 0), (i_w + 2, 0), (i_layer if layer_buf is None else layer_buf, 0),
-              (out, 0), (out, 4 * at))
-    return w4_gluon.ChainLaunch(*ptx, b.grid, b.threads, params, pdl=pdl and not first)
+    i_w, w = gemvs[which]
+    return _gemv_launch(m, w, i_w, x_buf, i_layer if layer_buf is None else layer_buf, r_acc if out is None else out,
+                        at, pdl=pdl, first=first)
 
   def norm(stacks: NormStacks, i_stacks: int, h_buf: int, at: int, h_out: int, x_out: int, zeros: int):
-    meta = residual_norm._meta(m, d, stacks.weight.shape[0], at, eps, stacks.noise is not None, zeros)
-    ptx = residual_norm._compiled(with_gdc(meta, NORM_GDC),
-                                  "*bf16" if stacks.weight.dtype == jnp.bfloat16 else "*fp32")
-    params = ((h_buf, 0), (r_acc, 0), (i_stacks, 0), (i_stacks + 1, 0), (i_layer, 0), (h_out, 0), (x_out, 0),
-              (r_z if zeros else r_acc, 0))
-    grid = (m + -(-zeros // residual_norm.ZERO_CHUNK), 1, 1)
-    return w4_gluon.ChainLaunch(*ptx, grid, 32 * residual_norm.WARPS, params, pdl=pdl)
+    return _norm_launch(m, d, stacks, i_stacks, eps, h_buf, r_acc, at, i_layer, h_out, x_out, zeros, r_z, pdl=pdl)
 
-  sw_meta = dict(M=m, I=inter, OFF=gu_at, C=SWIGLU_CHUNK, WARPS=SWIGLU_WARPS)
-  swiglu = w4_gluon.ChainLaunch(*_swiglu_compiled(with_gdc(sw_meta, NORM_GDC)), (-(-m * inter // SWIGLU_CHUNK), 1, 1),
-                                32 * SWIGLU_WARPS, ((r_acc, 0), (r_y, 0)), pdl=pdl)
   launches = [gemv(0, 0, o_at, True),
               norm(post, i_norm, i_h, o_at, r_h1, r_x1, 0),
               gemv(1, r_x1, gu_at, False),
-              swiglu,
+              _swiglu_launch(m, inter, r_acc, gu_at, r_y, pdl=pdl),
               gemv(2, r_y, down_at, False),
               norm(nxt, i_norm + 2, r_h1, down_at, r_h2, r_x, zero_size)]
   if w_qkv is not None:  # the next layer's q/k/v into the head of the new buffer
@@ -315,4 +339,114 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
   return h2, x_next, zeros, acc, (o_next, kc, vc, sync)
 
 
-__all__ = ["NextAttention", "NormStacks", "applies", "attention_applies", "post_attention"]
+def decode_layers(h: jax.Array, o0: jax.Array, buffer0: jax.Array, offset: int, w_qkv, w_o, w_gate_up, w_down,
+                  post: NormStacks, nxt: NormStacks, attention: NextAttention, eps: float, *, zero_size: int,
+                  pdl: bool = True):
+  """Every layer of a decode step after layer 0's attention as one FFI call (``decoder.PDL_CHAIN`` = 5, lab): for
+  each layer :func:`post_attention`'s kernels, then (but after the last layer) the next layer's q/k/v and attention,
+  ``8 L - 2`` kernels joined by PDL, so that no CUDA-graph node boundary sits inside the step's layers.
+
+  The layer's float32 accumulators alternate between ``buffer0`` (layer 0's, its q/k/v at the head) and a second
+  buffer of ``zero_size`` elements, which each layer's end zeroes for the next; the residual stream alternates
+  between two bf16 buffers. The layer index each kernel reads comes from an int32 operand holding ``l`` at element
+  ``4 l`` (a 16-byte aligned pointer a layer).
+
+  Args:
+    h: bf16 ``[M, D]``, the residual stream entering layer 0 (the embeddings).
+    o0: bf16 ``[M, H hd]``, layer 0's attention output.
+    buffer0: float32 ``[zero_size]``, layer 0's accumulator: its q/k/v product at the head, zero from ``offset``.
+    offset: static int, the o region's first element (``M (H + 2 Hkv) hd``), a multiple of 4.
+    w_qkv, w_o, w_gate_up, w_down: :class:`~qerl_jax.nvfp4.NVFP4Tensor` stacks ``[L, D, N]``, ``[L, Q, D]``, ``[L, D,
+      2I]``, ``[L, I, D]``.
+    post, nxt: :class:`NormStacks` ``[L, D]``: the post-attention norms, and the norm after each layer (the next
+      layer's input norm, the final norm after the last).
+    attention: :class:`NextAttention`, the step's caches, counters, bias, mask, length, cos and sin.
+    eps: the norms' epsilon.
+    zero_size: static int, an accumulator's length (``buffer0``'s).
+    pdl: as :func:`post_attention`.
+
+  Returns:
+    ``(h, x, k cache, v cache, sync)``: the residual stream after the last layer and its final norm (bf16 ``[M, D]``),
+    the caches with this step's slot written in every layer, and the counters (zero).
+
+  Raises:
+    ValueError: :func:`applies` or :func:`attention_applies` is False, a buffer of the wrong size, or ``offset``
+      not a multiple of 4.
+  """
+  m, d = h.shape
+  n_layers = w_o.packed.shape[0]
+  if not (applies(o0, h, w_o, w_gate_up, w_down, post, nxt, w_qkv) and attention_applies(attention, m, w_qkv)):
+    raise ValueError(f"decode_chain.decode_layers: no chain for h {h.dtype}{list(h.shape)}, o {o0.dtype}"
+                     f"{list(o0.shape)} and these weights and caches (see applies, attention_applies)")
+  inter = w_down.shape[0]
+  offset, zero_size = int(offset), int(zero_size)
+  o_at, gu_at = offset, offset + m * d
+  down_at = gu_at + 2 * m * inter
+  if offset % 4 or buffer0.shape != (zero_size,) or buffer0.dtype != jnp.float32 or down_at + m * d > zero_size or (
+      m * w_qkv.shape[1] > offset):
+    raise ValueError(f"decode_chain.decode_layers: buffer0 must be float32 [zero_size = {zero_size}] holding the "
+                     f"q/k/v head before offset {offset} (a multiple of 4) and the o, gate/up and down regions "
+                     f"after it; got {buffer0.dtype}{list(buffer0.shape)}")
+  pdl = pdl and w4_gluon._target_cc() >= 90
+  na = attention
+  _, _, slots, kh, hd = na.k_cache.shape
+  geo = append_attention.geometry(m, na.num_heads, kh, slots)
+
+  ops, weights = [], []
+  for w in (w_o, w_gate_up, w_down, w_qkv):
+    codes, scales, gs, _ = w4_triton._layer_operands(w, w4_triton._format_of(w), 0)
+    weights.append(len(ops))
+    ops += [codes, scales, gs]
+  i_o, i_gu, i_down, i_qkv = weights
+  i_idx = len(ops)  # layer l's index at element 4 l
+  ops.append(jnp.asarray(np.repeat(np.arange(n_layers + 1, dtype=np.int32), 4)))
+  i_norm = len(ops)  # post weight, post noise, next weight, next noise
+  for stacks in (post, nxt):
+    ops += [stacks.weight, jnp.zeros((1,), jnp.float32) if stacks.noise is None else stacks.noise]
+  i_h0, i_o0, i_buf0 = len(ops), len(ops) + 1, len(ops) + 2
+  ops += [h, o0, buffer0]
+  i_att = len(ops)  # bias, cos, sin, k, v, mask, length, sync
+  ops += [jnp.zeros((1,), jnp.float32) if na.bias is None else na.bias, na.cos.astype(jnp.float32),
+          na.sin.astype(jnp.float32), na.k_cache, na.v_cache, na.slot_mask.astype(jnp.int8),
+          jnp.asarray(na.length, jnp.int32).reshape(1), na.sync]
+  n_ops = len(ops)
+  bf, f32 = jnp.bfloat16, jnp.float32
+  out = [jax.ShapeDtypeStruct((zero_size,), f32)] * 2  # the accumulators A (aliased to buffer0) and B
+  out += [jax.ShapeDtypeStruct((m, d), bf)] * 4  # the residual stream's two buffers, x after attention, x next
+  out += [jax.ShapeDtypeStruct((m, inter), bf), jax.ShapeDtypeStruct((m * na.num_heads, hd), bf)]  # SwiGLU's y, o
+  out += [jax.ShapeDtypeStruct(na.k_cache.shape, bf), jax.ShapeDtypeStruct(na.v_cache.shape, bf)]
+  out += [jax.ShapeDtypeStruct((size,), f32) for size in append_attention.partial_shapes(m, kh, hd, geo)]
+  out += [jax.ShapeDtypeStruct(na.sync.shape, jnp.int32)]
+  r_a, r_b, r_ha, r_hb, r_x1, r_x, r_y, r_o, r_k, r_v, r_po, r_pm, r_pl, r_sync = range(n_ops, n_ops + len(out))
+  aliases = {i_buf0: 0, i_att + 3: r_k - n_ops, i_att + 4: r_v - n_ops, i_att + 7: r_sync - n_ops}
+  gemv = lambda i_w, w, x_buf, out_buf, at, layer, first=False: _gemv_launch(
+      m, w, i_w, x_buf, i_idx, out_buf, at, pdl=pdl, first=first, layer_offset=16 * layer)
+  launches = []
+  for layer in range(n_layers):
+    acc, new = (r_a, r_b) if layer % 2 == 0 else (r_b, r_a)
+    h_in, o_in = (i_h0, i_o0) if layer == 0 else (r_ha, r_o)
+    last = layer == n_layers - 1
+    launches += [
+        gemv(i_o, w_o, o_in, acc, o_at, layer, first=layer == 0),
+        _norm_launch(m, d, post, i_norm, eps, h_in, acc, o_at, i_idx, r_hb, r_x1, 0, acc, pdl=pdl,
+                     layer_offset=16 * layer),
+        gemv(i_gu, w_gate_up, r_x1, acc, gu_at, layer),
+        _swiglu_launch(m, inter, acc, gu_at, r_y, pdl=pdl),
+        gemv(i_down, w_down, r_y, acc, down_at, layer),
+        _norm_launch(m, d, nxt, i_norm + 2, eps, r_hb, acc, down_at, i_idx, r_ha, r_x, 0 if last else zero_size,
+                     new, pdl=pdl, layer_offset=16 * layer)]
+    if not last:  # the next layer's q/k/v into the head of its (just zeroed) accumulator, then its attention
+      bufs = append_attention.Buffers(qkv=new, bias=i_att, cos=i_att + 1, sin=i_att + 2, k=r_k, v=r_v,
+                                      mask=i_att + 5, layer=i_idx, length=i_att + 6, o_part=r_po, m_part=r_pm,
+                                      l_part=r_pl, out=r_o, sync=r_sync)
+      att = append_attention.launch(bufs, batch=m, heads=na.num_heads, heads_kv=kh, slots=slots, head_dim=hd,
+                                    layers=n_layers, bias_dtype=None if na.bias is None else na.bias.dtype,
+                                    bias_stacked=na.bias is not None, pdl=pdl)
+      params = list(att.params)
+      params[7] = (i_idx, 16 * (layer + 1))  # the layer parameter
+      launches += [gemv(i_qkv, w_qkv, r_x, new, 0, layer + 1), att._replace(params=tuple(params))]
+  res = w4_gluon.chain_call(launches, ops, out, aliases=aliases)
+  return res[2], res[5], res[8], res[9], res[13]
+
+
+__all__ = ["NextAttention", "NormStacks", "applies", "attention_applies", "decode_layers", "post_attention"]

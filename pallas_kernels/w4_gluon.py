@@ -1400,8 +1400,12 @@ def chain_call(launches, operands, out_shapes, *, zero_results: int = 0, aliases
     keys.append(key)
     params += [len(k.params)] + [v for pair in k.params for v in pair]
     launch += [*k.grid, k.threads, k.shared, int(bool(k.pdl))]
+  # A kernel launched again in the same call has its PTX once: the launcher finds later ones by key (loaded by the
+  # first), so "=" stands for it (a decode step's layers in one call repeat each kernel once a layer).
+  seen = set()
+  ptxs = [k.ptx if key not in seen and not seen.add(key) else "=" for key, k in zip(keys, launches)]
   return jax.ffi.ffi_call(_CHAIN_TARGET, list(out_shapes), input_output_aliases=aliases or {})(
-      *operands, keys=_FIELD_SEPARATOR.join(keys), ptxs=_FIELD_SEPARATOR.join(k.ptx for k in launches),
+      *operands, keys=_FIELD_SEPARATOR.join(keys), ptxs=_FIELD_SEPARATOR.join(ptxs),
       names=_FIELD_SEPARATOR.join(k.name for k in launches), launch=np.asarray(launch, np.int64),
       params=np.asarray(params, np.int64), zero_results=np.int64(zero_results))
 

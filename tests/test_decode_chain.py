@@ -20,6 +20,14 @@ def _rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def _dense_ints(text: str, name: str) -> list:
+  """The int64 array attribute ``name`` of lowered StableHLO text (MLIR prints a long one as hex bytes)."""
+  found = re.search(name + r' = dense<(?:\[([0-9, ]+)\]|"0x([0-9A-F]+)")>', text)
+  if found.group(1) is not None:
+    return [int(v) for v in found.group(1).split(",")]
+  return np.frombuffer(bytes.fromhex(found.group(2)), "<i8").tolist()
+
+
 def _lowering_ready(monkeypatch):
   pytest.importorskip("triton.experimental.gluon")
   monkeypatch.delenv("QERL_GLUON_LAUNCH", raising=False)
@@ -169,7 +177,59 @@ def test_post_attention_with_the_next_attention_lowers_eight_kernels(monkeypatch
         next_attention=decode_chain.NextAttention(*parts, 28)), o, h, S((size,), jnp.float32), wo, wgu, wd, parts)
 
 
-@pytest.mark.parametrize("lora_kind,setting", [(None, 2), (None, 3), ("fused", 3), (None, 4)])
+def test_decode_layers_lowers_every_layer_into_one_ffi_call(monkeypatch):
+  """decode_chain.decode_layers (decoder.PDL_CHAIN = 5) at the 7B shape, batch 8, 3 layers: one qerl_gluon_chain call
+  of 8 L - 2 = 22 kernels (each layer's six, then the next layer's q/k/v and attention but after the last), PDL on
+  all but the first; each kernel's PTX once in the call's attribute ("=" for a kernel launched again; the last
+  layer's end is another norm build, zeroing nothing); layer l's
+  kernels read the index operand at byte 16 l (the next q/k/v and attention at 16 (l + 1)); the accumulators
+  alternate (layer 0 writes the aliased buffer0, layer 1 the second buffer); the caches and counters are aliased."""
+  _lowering_ready(monkeypatch)
+  m, d, q, inter, layers, slots = 8, 3584, 3584, 18944, 3, 2304
+  wo, wgu, wd = _stacks(layers, d, q, inter)
+  wqkv = jax.eval_shape(lambda: nvfp4.to_decode_order(nvfp4.quantize(jnp.ones((layers, d, 4608)))))
+  head = m * 4608
+  size = head + m * (2 * d + 2 * inter)
+  post = decode_chain.NormStacks(S((layers, d), jnp.bfloat16), S((layers, d), jnp.float32))
+  nxt = decode_chain.NormStacks(S((layers, d), jnp.float32), None)
+  cache = S((layers, m, slots, 4, 128), jnp.bfloat16)
+  parts = (cache, cache, S((m * 4,), jnp.int32), None, S((m, slots), jnp.int8), S((), jnp.int32),
+           S((m, 64), jnp.float32), S((m, 64), jnp.float32))
+
+  def fn(h, o0, buf0, wqkv, wo, wgu, wd, post, nxt, parts):
+    return decode_chain.decode_layers(h, o0, buf0, head, wqkv, wo, wgu, wd, post, nxt,
+                                      decode_chain.NextAttention(*parts, 28), 1e-6, zero_size=size)
+  traced = jax.jit(fn).trace(S((m, d), jnp.bfloat16), S((m, q), jnp.bfloat16), S((size,), jnp.float32), wqkv, wo,
+                             wgu, wd, post, nxt, parts)
+  assert [(a.shape, a.dtype) for a in traced.out_info] == [((m, d), jnp.bfloat16)] * 2 + [
+      (cache.shape, jnp.bfloat16)] * 2 + [((m * 4,), jnp.int32)]
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("qerl_gluon_chain") == 1
+  entries = re.findall(r"\.entry (\w+)", text)
+  layer_kernels = ["w4a16", "residual", "w4a16", "swiglu", "w4a16", "residual"]
+  # (each PTX once; the last layer's end zeroes no next accumulator: another build of the norm)
+  assert [e.split("_")[0] for e in entries] == layer_kernels + ["w4a16", "attend", "residual"], entries
+  launch = _dense_ints(text, "launch")
+  assert len(launch) == 6 * 22 and launch[5::6] == [0] + [1] * 21
+  params = _dense_ints(text, "params")
+  kernels, at = [], 0
+  while at < len(params):
+    kernels.append([tuple(params[at + 1 + 2 * j:at + 3 + 2 * j]) for j in range(params[at])])
+    at += 1 + 2 * params[at]
+  assert len(kernels) == 22
+  idx = 12  # operands: o, gate/up, down, q/k/v (3 each), then the index array
+  n_ops = 12 + 1 + 4 + 3 + 8
+  acc_a, acc_b = n_ops, n_ops + 1
+  for layer, first in ((0, 0), (1, 8), (2, 16)):
+    assert kernels[first][4] == (idx, 16 * layer) and kernels[first + 1][4] == (idx, 16 * layer)
+    assert kernels[first][6][0] == (acc_a, acc_b, acc_a)[layer]  # the o product's accumulator
+  assert kernels[6][4] == (idx, 16) and kernels[7][7] == (idx, 16)  # layer 0's next q/k/v and attention: layer 1
+  assert kernels[6][6] == (acc_b, 0) and kernels[7][0] == (acc_b, 0)
+  for operand in (19, 23, 24, 27):  # buffer0, the caches, the counters
+    assert f"operand_index = {operand}" in text, operand
+
+
+@pytest.mark.parametrize("lora_kind,setting", [(None, 2), (None, 3), ("fused", 3), (None, 4), (None, 5)])
 def test_decode_step_routes_the_layer_after_attention_to_the_chain(monkeypatch, lora_kind, setting):
   """decoder.PDL_CHAIN: an accumulating decode step with the fused layer ends hands each layer after attention to
   decode_chain.post_attention (here an XLA stand-in of its formula: the o, gate/up and down products into their
@@ -179,8 +239,10 @@ def test_decode_step_routes_the_layer_after_attention_to_the_chain(monkeypatch, 
   layer's index (each layer then reads its q/k/v from its buffer's head, layer 0's computed before the loop): the
   same logits. Setting 4 also hands it the next layer's attention (decode_chain.NextAttention: the caches, counters,
   bias stack and the step's mask, length, cos and sin), layer 0's run alone before the loop
-  (append_attention.attend_append; both stand-ins run decode_attention_append): the same logits. With an adapter on
-  o and down (XLA adds their deltas) the chain is not taken."""
+  (append_attention.attend_append; both stand-ins run decode_attention_append): the same logits. Setting 5 hands
+  every layer after layer 0's attention to one decode_chain.decode_layers call (a stand-in running setting 4's
+  chain layer by layer, the final norm at the end): the same logits. With an adapter on o and down (XLA adds their
+  deltas) the chain is not taken."""
   import pallas_kernels
   from pallas_kernels import decode_attention as da
   from qerl_jax import lora as lora_lib
@@ -256,7 +318,21 @@ def test_decode_step_routes_the_layer_after_attention_to_the_chain(monkeypatch, 
   monkeypatch.setattr(pallas_kernels, "quantized_matmul_into", into_stand_in)
   monkeypatch.setattr(pallas_kernels.matmul, "accumulate_lora_applies", lambda *a: False)
   monkeypatch.setattr(decode_chain, "applies", lambda *a: True)
+  layer_calls = []
+
+  def layers_stand_in(h, o0, buffer0, offset, w_qkv, w_o, w_gu, w_down, post, nxt, attention, eps, *, zero_size,
+                      pdl=True):
+    layer_calls.append((buffer0.shape[0], offset, zero_size, pdl))
+    n_layers, o, acc, na = w_o.packed.shape[0], o0, buffer0, attention
+    for layer in range(n_layers):
+      h, x, zeros, _, (o, kc, vc, sync) = chain_stand_in(
+          o, h, acc, offset, w_o, w_gu, w_down, layer, post, nxt, eps, zero_size=zero_size, pdl=pdl,
+          next_qkv=(w_qkv, layer + 1), next_attention=na)
+      na, acc = na._replace(k_cache=kc, v_cache=vc, sync=sync), zeros
+    return h, x, na.k_cache, na.v_cache, na.sync
+
   monkeypatch.setattr(decode_chain, "post_attention", chain_stand_in)
+  monkeypatch.setattr(decode_chain, "decode_layers", layers_stand_in)
   monkeypatch.setattr(decode_chain, "attention_applies", lambda *a: True)
   monkeypatch.setattr(decoder.append_attention, "attend_append", first_stand_in)
   monkeypatch.setattr(decoder, "PDL_CHAIN", 0)
@@ -267,8 +343,12 @@ def test_decode_step_routes_the_layer_after_attention_to_the_chain(monkeypatch, 
   assert_same_as_on_cpu(chained, plain)
   b = tokens.shape[0]
   total = b * (cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.hidden_size + 2 * cfg.intermediate_size)
-  assert calls == ([] if lora_kind else [(total, b * (cfg.q_dim + 2 * cfg.kv_dim), total, setting != 2,
-                                          setting >= 3, setting == 4)])
+  head = b * (cfg.q_dim + 2 * cfg.kv_dim)
+  if setting == 5:  # (the stand-in's own chain calls: one a layer)
+    assert layer_calls == [(total, head, total, True)] and firsts == [0]
+    return
+  assert not layer_calls
+  assert calls == ([] if lora_kind else [(total, head, total, setting != 2, setting >= 3, setting == 4)])
   assert firsts == ([0] if setting == 4 else [])
 
 
@@ -336,10 +416,10 @@ def test_gpu_post_attention_matches_the_separate_kernels(pdl):
 
 @pytest.mark.gpu
 def test_gpu_decode_step_with_the_chain_matches_without():
-  """(lab) decoder.PDL_CHAIN = 1, 2, 3 and 4 on a small NVFP4 model whose decode step takes the chain (hidden 512,
+  """(lab) decoder.PDL_CHAIN = 1 to 5 on a small NVFP4 model whose decode step takes the chain (hidden 512,
   4 heads of 128, intermediate 1024, AQN noise, a q/k/v bias): every position's logits within bf16 rounding of the
   step without it (the GEMVs' float32 atomics add in another order; 4 runs attention by the Triton kernel), and the
-  chain was traced (with 4, with the next layer's attention)."""
+  chain was traced (with 4, with the next layer's attention; 5 runs decode_chain.decode_layers instead)."""
   _gpu_chain_ready()
   from qerl_jax.models import decoder
   cfg = models.ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=4,
@@ -349,18 +429,19 @@ def test_gpu_decode_step_with_the_chain_matches_without():
   noise = {n: 0.02 * jax.random.normal(jax.random.key(i), (cfg.num_layers, cfg.hidden_size))
            for i, n in enumerate(("input_norm", "post_attn_norm"))}
   tokens, mask = (jnp.asarray(a) for a in left_padded_batch(cfg.vocab_size, seed=9))
-  real, traced, default = decode_chain.post_attention, [], decoder.PDL_CHAIN
+  real, real_layers, traced, default = decode_chain.post_attention, decode_chain.decode_layers, [], decoder.PDL_CHAIN
   outs = {}
   try:
     decode_chain.post_attention = lambda *a, **k: traced.append(
         (k["pdl"], k["next_qkv"] is not None, k.get("next_attention") is not None)) or real(*a, **k)
-    for setting in (0, 1, 2, 3, 4):
+    decode_chain.decode_layers = lambda *a, **k: traced.append("layers") or real_layers(*a, **k)
+    for setting in (0, 1, 2, 3, 4, 5):
       decoder.PDL_CHAIN = setting
       outs[setting], _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16,
                                     norm_noise=noise)
   finally:
     decoder.PDL_CHAIN = default
-    decode_chain.post_attention = real
-  assert traced == [(True, False, False), (False, False, False), (True, True, False), (True, True, True)]
-  for setting in (1, 2, 3, 4):
+    decode_chain.post_attention, decode_chain.decode_layers = real, real_layers
+  assert traced == [(True, False, False), (False, False, False), (True, True, False), (True, True, True), "layers"]
+  for setting in (1, 2, 3, 4, 5):
     assert _rel(outs[setting], outs[0]) < 1e-2, (setting, _rel(outs[setting], outs[0]))

@@ -903,15 +903,15 @@ step 91 && for s in 0 3 0 3; do echo "== PDL_CHAIN=$s"; MODEL_SET="PDL_CHAIN=$s"
 #    PDL_CHAIN = 3 is the default since. Still to run on an H200 (issue 6's card; last measured 1.95x, session 53).
 # 92 (session 63, prepared; about 6 minutes): pallas_kernels.append_attention, decode attention with the cache
 #    append written in Triton for the PDL chain: its GPU tests against XLA's reference and the chain's tests
-#    (PDL_CHAIN = 4 among them), then issue 6's batch-8 row (2048 new tokens, NVFP4 and bf16 in the same run) with
-#    decoder.PDL_CHAIN = 3 and 4 (the next layer's attention in the chain).
+#    (PDL_CHAIN = 4 and 5 among them), then issue 6's batch-8 row (2048 new tokens, NVFP4 and bf16 in the same run)
+#    with decoder.PDL_CHAIN = 3, 4 (the next layer's attention in the chain) and 5 (every layer in one call).
 step 92 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -m gpu tests/test_append_attention.py \
     tests/test_decode_chain.py -p no:cacheprovider 2>&1 | grep -E "passed|failed|FAILED|Error|assert" \
     | grep -v cuda_event | tail -12
-  CHAIN_SETTINGS="3 4" STEPS=93 bash "$0"; } | tee "$OUT/step92.txt"
+  CHAIN_SETTINGS="3 4 5" STEPS=93 bash "$0"; } | tee "$OUT/step92.txt"
 # 93 (session 63, prepared; about 6 minutes): issue 6's batch-8 row (2048 new tokens, NVFP4 and bf16 in the same run)
-#    with decoder.PDL_CHAIN = 3 and 4, alternating.
-step 93 && for c in ${CHAIN_SETTINGS:-3 4 3 4}; do echo "== PDL_CHAIN=$c"; MODEL_SET="PDL_CHAIN=$c" timeout 120 \
+#    with decoder.PDL_CHAIN = 3, 4 and 5, alternating.
+step 93 && for c in ${CHAIN_SETTINGS:-3 4 5 3 4 5}; do echo "== PDL_CHAIN=$c"; MODEL_SET="PDL_CHAIN=$c" timeout 120 \
     python3 experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=2048 --formats=nvfp4_fused,bf16_fused 2>&1 \
     | grep -E "_fused \||Error"; done | tee "$OUT/step93.txt"
 # 94 (session 63, prepared; about 3 minutes): the Triton attention alone against the Pallas kernel (28 layers in one

@@ -87,7 +87,8 @@ FUSED_ATTENTION_BF16_QKV_MIN_ROWS = w4_gluon.MAX_M + 1
 # 4 (lab, session 63): 3, and the next layer's decode attention as an eighth kernel of the chain
 # (pallas_kernels.append_attention, a Triton form of decode_attention_append that reads the cache's earlier slots
 # before its PDL wait; layer 0's runs alone before the layer loop), so that a layer is one FFI call (bf16 caches,
-# the in-kernel merge of FUSED_ATTENTION_COMBINE).
+# the in-kernel merge of FUSED_ATTENTION_COMBINE). 5 (lab, session 63): those calls' kernels for every layer in one
+# call (decode_chain.decode_layers), so that no graph node boundary sits between layers.
 PDL_CHAIN = 3
 
 
@@ -764,7 +765,7 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
   # FUSED_ATTENTION_COMBINE: the decode attention kernel's zeroed counters, carried through the layers
   sync0 = (decode_attn.new_sync(b, cfg.num_kv_heads) if FUSED_ATTENTION_COMBINE and decode is not None else None)
   o0 = None
-  if end is not None and PDL_CHAIN == 4 and end[2].qkv_ahead and sync0 is not None:
+  if end is not None and PDL_CHAIN in (4, 5) and end[2].qkv_ahead and sync0 is not None:
     # layer 0's attention on its q/k/v (computed before the loop), alone; each layer's chain then runs the next's
     bias = _stack_of(stacked["attn"].get("qkv_bias"))
     first = decode_chain.NextAttention(kc0, vc0, sync0, bias, *decode, cfg.num_heads)
@@ -773,7 +774,19 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
                                                            *decode[2:], num_heads=cfg.num_heads, sync=sync0)
       o0 = o0.reshape(b, cfg.q_dim)
       end = (end[0], end[1], end[2]._replace(attn_ahead=True))
-  (h, x, _, kc, vc, _, _), _ = jax.lax.scan(body, (h, x0, buf0, kc0, vc0, sync0, o0), xs, unroll=bool(unroll_layers))
+  if o0 is not None and PDL_CHAIN == 5 and _layers_call_applies(scanned):
+    # every layer after layer 0's attention in one FFI call (the final norm at its end)
+    w_o, w_gu, w_down = _chain_weights(stacked)
+    post, nxt = _chain_norms(end[2])
+    w_qkv = stacked["attn"]["qkv"]
+    _, x, kc, vc, _ = decode_chain.decode_layers(
+        h.reshape(b * t, -1), o0, buf0, b * t * w_qkv.shape[1], w_qkv, w_o, w_gu, w_down, post, nxt,
+        decode_chain.NextAttention(kc0, vc0, sync0, _stack_of(stacked["attn"].get("qkv_bias")), *decode,
+                                   cfg.num_heads), cfg.rms_norm_eps, zero_size=buf0.shape[0])
+    x = x.reshape(h.shape)
+  else:
+    (h, x, _, kc, vc, _, _), _ = jax.lax.scan(body, (h, x0, buf0, kc0, vc0, sync0, o0), xs,
+                                             unroll=bool(unroll_layers))
 
   # (with FUSED_LAYER_END the last layer's end applied the final norm)
   h = layers.rms_norm(h, base["final_norm"], cfg.rms_norm_eps) if end is None else x
@@ -812,13 +825,19 @@ def _layer_end_inputs(cfg, base, scanned, stacked, lay_lora, noise, h, decode):
     if not residual_norm.applies(h.reshape(b * t, d), w_post, n_post):
       w_post = n_post = None
   norms = _NextNorms(w_next, n_next, w_post, n_post)
-  if PDL_CHAIN in (3, 4) and w_post is not None and _qkv_ahead_applies(cfg, stacked, layer0(lay_lora), norms, b * t, h.dtype):
+  if PDL_CHAIN in (3, 4, 5) and w_post is not None and _qkv_ahead_applies(cfg, stacked, layer0(lay_lora), norms, b * t, h.dtype):
     # layer 0's q/k/v into its new buffer (the launcher zeroes it); each chain then writes the next layer's
     w_qkv = stacked["attn"]["qkv"]
     _, buffer0 = pallas_kernels.quantized_matmul_into(x0.reshape(b * t, d), w_qkv, None, 0, index=np.int32(0),
                                                       size=acc.size)
     return x0, buffer0, norms._replace(qkv_ahead=True)
   return x0, jnp.zeros((acc.size,), jnp.float32), norms
+
+
+def _layers_call_applies(scanned: dict) -> bool:
+  """Whether :data:`PDL_CHAIN` = 5 can run a decode step's layers as one call: besides what the chained layer needs
+  (checked on the stacked 4-bit leaves), no bias on o, gate/up or down among the ``scanned`` leaves."""
+  return not any(name + "_bias" in scanned.get(grp, {}) for grp, name in _CHAIN_LINEARS)
 
 
 def _qkv_ahead_applies(cfg, stacked, ll0, norms, rows, dtype) -> bool:
