@@ -37,7 +37,7 @@ def attend_append(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, l
                   GR: tl.constexpr, S: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr, CHUNK: tl.constexpr,
                   NSPLIT: tl.constexpr, MC: tl.constexpr, L: tl.constexpr, SCALE: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BIAS_STACKED: tl.constexpr, SKIP_PAST_LAST: tl.constexpr,
-                  GDC: tl.constexpr = 0, INTERPRET: tl.constexpr = 0):
+                  GDC: tl.constexpr = 0, PREFETCH: tl.constexpr = 1, INTERPRET: tl.constexpr = 0):
   b = tl.program_id(0)
   kvh = tl.program_id(1)
   split = tl.program_id(2)
@@ -78,14 +78,14 @@ def attend_append(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, l
   col = kvh * HD
   RS: tl.constexpr = HKV * HD  # a cache row (one slot of every KV head)
   sb = tl.arange(0, BS)
-  # the first block: slots written by earlier steps, read before the wait
-  offs = s_begin + sb
-  inside = offs < s_end
-  keep = (tl.load(mask_ptr + b * S + offs, mask=inside, other=0) != 0) & inside
-  at = (row0 + offs)[:, None] * RS + col
-  k1 = tl.load(k_ptr + at + c[None, :], mask=inside[:, None], other=0.0)
-  k2 = tl.load(k_ptr + at + HALF + c[None, :], mask=inside[:, None], other=0.0)
-  vb = tl.load(v_ptr + at + d[None, :], mask=inside[:, None], other=0.0)
+  if PREFETCH:  # the first block: slots written by earlier steps, read before the wait
+    offs = s_begin + sb
+    inside = offs < s_end
+    keep = (tl.load(mask_ptr + b * S + offs, mask=inside, other=0) != 0) & inside
+    at = (row0 + offs)[:, None] * RS + col
+    k1 = tl.load(k_ptr + at + c[None, :], mask=inside[:, None], other=0.0)
+    k2 = tl.load(k_ptr + at + HALF + c[None, :], mask=inside[:, None], other=0.0)
+    vb = tl.load(v_ptr + at + d[None, :], mask=inside[:, None], other=0.0)
   if GDC:
     if GDC & 4:
       tl_cuda.gdc_launch_dependents()
@@ -118,24 +118,42 @@ def attend_append(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, l
   # bits as integers; the values are the same)
   DT: tl.constexpr = f32 if INTERPRET else bf16
   q1b, q2b = q1.to(DT), q2.to(DT)
-  for i in range(blocks):
-    # the next block's loads first (masked off past the chunk), then this block's softmax step
-    n_offs = s_begin + (i + 1) * BS + sb
-    n_inside = n_offs < s_end
-    n_keep = (tl.load(mask_ptr + b * S + n_offs, mask=n_inside, other=0) != 0) & n_inside
-    n_at = (row0 + n_offs)[:, None] * RS + col
-    n_k1 = tl.load(k_ptr + n_at + c[None, :], mask=n_inside[:, None], other=0.0)
-    n_k2 = tl.load(k_ptr + n_at + HALF + c[None, :], mask=n_inside[:, None], other=0.0)
-    n_vb = tl.load(v_ptr + n_at + d[None, :], mask=n_inside[:, None], other=0.0)
-    sc = (tl.dot(q1b, tl.trans(k1.to(DT))) + tl.dot(q2b, tl.trans(k2.to(DT)))) * SCALE  # [GP, BS]
-    sc = tl.where(keep[None, :], sc, MASKED_SCORE)
-    m_new = tl.maximum(m, tl.max(sc, axis=1))
-    alpha = tl.exp(m - m_new)
-    p = tl.where(keep[None, :], tl.exp(sc - m_new[:, None]), 0.0)
-    lsum = lsum * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(_bf16(p, INTERPRET).to(DT), vb.to(DT))
-    m = m_new
-    keep, k1, k2, vb = n_keep, n_k1, n_k2, n_vb
+  if PREFETCH:  # each step issues the next block's loads (into registers) before its own softmax step
+    for i in range(blocks):
+      # the next block's loads first (masked off past the chunk), then this block's softmax step
+      n_offs = s_begin + (i + 1) * BS + sb
+      n_inside = n_offs < s_end
+      n_keep = (tl.load(mask_ptr + b * S + n_offs, mask=n_inside, other=0) != 0) & n_inside
+      n_at = (row0 + n_offs)[:, None] * RS + col
+      n_k1 = tl.load(k_ptr + n_at + c[None, :], mask=n_inside[:, None], other=0.0)
+      n_k2 = tl.load(k_ptr + n_at + HALF + c[None, :], mask=n_inside[:, None], other=0.0)
+      n_vb = tl.load(v_ptr + n_at + d[None, :], mask=n_inside[:, None], other=0.0)
+      sc = (tl.dot(q1b, tl.trans(k1.to(DT))) + tl.dot(q2b, tl.trans(k2.to(DT)))) * SCALE  # [GP, BS]
+      sc = tl.where(keep[None, :], sc, MASKED_SCORE)
+      m_new = tl.maximum(m, tl.max(sc, axis=1))
+      alpha = tl.exp(m - m_new)
+      p = tl.where(keep[None, :], tl.exp(sc - m_new[:, None]), 0.0)
+      lsum = lsum * alpha + tl.sum(p, axis=1)
+      acc = acc * alpha[:, None] + tl.dot(_bf16(p, INTERPRET).to(DT), vb.to(DT))
+      m = m_new
+      keep, k1, k2, vb = n_keep, n_k1, n_k2, n_vb
+  else:  # each step loads its block (Triton's pipeliner stages the loads over num_stages)
+    for i in range(blocks):
+      offs = s_begin + i * BS + sb
+      inside = offs < s_end
+      keep = (tl.load(mask_ptr + b * S + offs, mask=inside, other=0) != 0) & inside
+      at = (row0 + offs)[:, None] * RS + col
+      k1 = tl.load(k_ptr + at + c[None, :], mask=inside[:, None], other=0.0)
+      k2 = tl.load(k_ptr + at + HALF + c[None, :], mask=inside[:, None], other=0.0)
+      vb = tl.load(v_ptr + at + d[None, :], mask=inside[:, None], other=0.0)
+      sc = (tl.dot(q1b, tl.trans(k1.to(DT))) + tl.dot(q2b, tl.trans(k2.to(DT)))) * SCALE  # [GP, BS]
+      sc = tl.where(keep[None, :], sc, MASKED_SCORE)
+      m_new = tl.maximum(m, tl.max(sc, axis=1))
+      alpha = tl.exp(m - m_new)
+      p = tl.where(keep[None, :], tl.exp(sc - m_new[:, None]), 0.0)
+      lsum = lsum * alpha + tl.sum(p, axis=1)
+      acc = acc * alpha[:, None] + tl.dot(_bf16(p, INTERPRET).to(DT), vb.to(DT))
+      m = m_new
   # partials of the splits that saw a slot (split 0 holds the new token's)
   active = tl.maximum((write_at + CHUNK - 1) // CHUNK, 1)
   pair = b * HKV + kvh

@@ -35,7 +35,10 @@ MASKED_SCORE = da.MASKED_SCORE
 BLOCK_S = 64  # slots a loop step (decode_attention.APPEND_BLOCK_S)
 TARGET_PROGRAMS = 528  # programs over (row, KV head, split) the splits aim at (decode_attention.APPEND_TARGET_PROGRAMS)
 WARPS = 4
-STAGES = 1  # the kernel prefetches the next block in registers itself (PREFETCH)
+PREFETCH = 1  # 1: each program loads the first block of keys and values before its PDL wait and the next block in
+# registers while it works on the current one (Triton's pipeliner then has nothing to stage: STAGES 1); 0: each loop
+# step loads its own block, staged by Triton's pipeliner over STAGES (the Pallas kernel's form)
+STAGES = 1
 MERGE_CHUNK = 8  # splits' partials the merging program loads at once
 GDC = 5  # launched under PDL: the next kernel released at the start (bit 2), the wait before the q/k/v loads
 
@@ -94,7 +97,7 @@ def meta(batch: int, heads: int, heads_kv: int, slots: int, head_dim: int, layer
   return dict(B=batch, H=heads, HKV=heads_kv, G=geo.group, GP=geo.group_pad, GR=geo.group_rows, S=slots,
               HD=head_dim, BS=geo.block_s, CHUNK=geo.chunk, NSPLIT=geo.nsplit, MC=geo.merge_chunk, L=layers,
               SCALE=float(head_dim) ** -0.5, HAS_BIAS=int(has_bias), BIAS_STACKED=int(bias_stacked),
-              SKIP_PAST_LAST=int(skip_past_last), GDC=gdc)
+              SKIP_PAST_LAST=int(skip_past_last), GDC=gdc, PREFETCH=int(PREFETCH))
 
 
 def arg_dtypes(bias_dtype: str = "*fp32") -> tuple:
@@ -104,7 +107,7 @@ def arg_dtypes(bias_dtype: str = "*fp32") -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(meta_items: tuple, bias_dtype: str = "*fp32", warps: int = 4):
+def compiled(meta_items: tuple, bias_dtype: str = "*fp32", warps: int = 4, stages: int = 1):
   """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta_items`` and ``warps`` warps a
   program (loaded into the FFI launcher on a GPU; :func:`pallas_kernels.w4_gluon._load`)."""
   import triton
@@ -122,7 +125,7 @@ def compiled(meta_items: tuple, bias_dtype: str = "*fp32", warps: int = 4):
   w4_gluon._ensure_triton_cache_dir()
   out = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
                        target=GPUTarget("cuda", w4_gluon._target_cc(), 32),
-                       options={"num_warps": warps, "num_stages": STAGES})
+                       options={"num_warps": warps, "num_stages": stages})
   return w4_gluon._load(out)
 
 
@@ -187,7 +190,7 @@ def launch(bufs: Buffers, *, batch: int, heads: int, heads_kv: int, slots: int, 
             bias_stacked=bias_stacked, skip_past_last=skip_past_last, gdc=GDC if pdl else 0, geo=geo)
   bias_type = "*bf16" if bias_dtype is not None and jnp.dtype(bias_dtype) == jnp.bfloat16 else "*fp32"
   warps = WARPS
-  ptx = compiled(tuple(mt.items()), bias_type, warps)
+  ptx = compiled(tuple(mt.items()), bias_type, warps, STAGES)
   params = tuple((buf, 4 * bufs.qkv_offset if i == 0 else 0) for i, buf in enumerate(bufs[:14]))
   return w4_gluon.ChainLaunch(*ptx, grid(batch, heads_kv, geo), 32 * warps, params, pdl=pdl)
 

@@ -60,25 +60,30 @@ def tl_variant(**kw):
   return call
 
 
-def tl_set(name, value):
-  """A tl variant with the module setting ``name`` (append_attention) set for its trace."""
+def tl_set(**settings):
+  """A tl variant with module settings of append_attention set for its trace."""
   from pallas_kernels import append_attention as aa
   inner = tl_variant()
 
   def call(*args):
-    old = getattr(aa, name)
-    setattr(aa, name, value)
+    old = {name: getattr(aa, name) for name in settings}
+    for name, value in settings.items():
+      setattr(aa, name, value)
     try:
       return inner(*args)
     finally:
-      setattr(aa, name, old)
+      for name, value in old.items():
+        setattr(aa, name, value)
   return call
 
 
 VARIANTS["tl"] = tl_variant()
-VARIANTS["tl w8"] = tl_set("WARPS", 8)
-VARIANTS["tl b32"] = tl_set("BLOCK_S", 32)
-VARIANTS["tl t1056"] = tl_set("TARGET_PROGRAMS", 1056)
+VARIANTS["tl w8"] = tl_set(WARPS=8)
+VARIANTS["tl b32"] = tl_set(BLOCK_S=32)
+VARIANTS["tl t1056"] = tl_set(TARGET_PROGRAMS=1056)
+VARIANTS["tl p0"] = tl_set(PREFETCH=0, STAGES=2)  # the loads in the loop, staged by Triton's pipeliner
+VARIANTS["tl p0 s3"] = tl_set(PREFETCH=0, STAGES=3)
+VARIANTS["tl p1 s2"] = tl_set(PREFETCH=1, STAGES=2)
 VARIANTS = {k: v for k, v in VARIANTS.items() if not os.environ.get("APPEND_VARIANTS")
             or k in os.environ["APPEND_VARIANTS"].split(";")}
 
