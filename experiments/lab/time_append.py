@@ -81,9 +81,8 @@ VARIANTS["tl"] = tl_variant()
 VARIANTS["tl w8"] = tl_set(WARPS=8)
 VARIANTS["tl b32"] = tl_set(BLOCK_S=32)
 VARIANTS["tl t1056"] = tl_set(TARGET_PROGRAMS=1056)
-VARIANTS["tl p0"] = tl_set(PREFETCH=0, STAGES=2)  # the loads in the loop, staged by Triton's pipeliner
-VARIANTS["tl p0 s3"] = tl_set(PREFETCH=0, STAGES=3)
-VARIANTS["tl p1 s2"] = tl_set(PREFETCH=1, STAGES=2)
+VARIANTS["tl s3"] = tl_set(STAGES=3)
+VARIANTS["tl p1"] = tl_set(PREFETCH=1, STAGES=1)  # the next block prefetched in registers (210 registers)
 VARIANTS = {k: v for k, v in VARIANTS.items() if not os.environ.get("APPEND_VARIANTS")
             or k in os.environ["APPEND_VARIANTS"].split(";")}
 
