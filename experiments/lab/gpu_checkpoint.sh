@@ -920,7 +920,7 @@ step 93 && for c in ${CHAIN_SETTINGS:-3 4 5 3 4 5}; do echo "== PDL_CHAIN=$c"; M
 #    PREFETCH = 0 (the loads in the loop: 156 registers against 210, offline) and the old form (28 layers in one jit,
 #    batch 8, 7B heads, 1300 filled slots), then issue 6's batch-8 row with PDL_CHAIN = 3 and 5.
 step 94 && { timeout 100 python3 experiments/lab/append_diag.py 2>&1 | grep -E "^length|first|Error"
-  APPEND_BATCHES=8 APPEND_LENGTH=1300 APPEND_VARIANTS="merge;tl;tl p1" timeout 120 python3 \
+  APPEND_BATCHES=8 APPEND_LENGTH=1300 APPEND_VARIANTS="merge;tl" timeout 90 python3 \
     experiments/lab/time_append.py 2>&1 | grep -E "^batch|Error"
   CHAIN_SETTINGS="3 5" STEPS=93 bash "$0"; } | tee "$OUT/step94.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
