@@ -78,7 +78,7 @@ def attend_append(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, l
   col = kvh * HD
   RS: tl.constexpr = HKV * HD  # a cache row (one slot of every KV head)
   sb = tl.arange(0, BS)
-  if PREFETCH:  # the first block: slots written by earlier steps, read before the wait
+  if PREFETCH == 1:  # the first block: slots written by earlier steps, read before the wait
     offs = s_begin + sb
     inside = offs < s_end
     keep = (tl.load(mask_ptr + b * S + offs, mask=inside, other=0) != 0) & inside
@@ -86,6 +86,10 @@ def attend_append(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, l
     k1 = tl.load(k_ptr + at + c[None, :], mask=inside[:, None], other=0.0)
     k2 = tl.load(k_ptr + at + HALF + c[None, :], mask=inside[:, None], other=0.0)
     vb = tl.load(v_ptr + at + d[None, :], mask=inside[:, None], other=0.0)
+  if PREFETCH == 2 and not INTERPRET:  # the first block's key and value lines into the L2 (no registers held)
+    l_at = (row0 + tl.minimum(s_begin + sb, S - 1))[:, None] * RS + col + tl.arange(0, 2)[None, :] * (HD // 2)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; prefetch.global.L2 [$2]; mov.u32 $0, 0;", "=r,l,l",
+                              [k_ptr + l_at, v_ptr + l_at], dtype=tl.int32, is_pure=False, pack=1)
   if GDC:
     if GDC & 4:
       tl_cuda.gdc_launch_dependents()
@@ -118,7 +122,7 @@ def attend_append(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, l
   # bits as integers; the values are the same)
   DT: tl.constexpr = f32 if INTERPRET else bf16
   q1b, q2b = q1.to(DT), q2.to(DT)
-  if PREFETCH:  # each step issues the next block's loads (into registers) before its own softmax step
+  if PREFETCH == 1:  # each step issues the next block's loads (into registers) before its own softmax step
     for i in range(blocks):
       # the next block's loads first (masked off past the chunk), then this block's softmax step
       n_offs = s_begin + (i + 1) * BS + sb

@@ -39,7 +39,9 @@ PREFETCH = 0  # 0: each loop step loads its own block, staged by Triton's pipeli
 # form: 156 registers at the 7B heads, offline sm_90, three programs an SM); 1: each program loads the first block of
 # keys and values before its PDL wait and the next block in registers while it works on the current one (STAGES 1):
 # 210 registers, two programs an SM, so a batch-8 step's 384 programs take two waves (session 63 on an H100: a
-# batch-8 decode step 2.686 ms with it in the chain against 2.467 with the Pallas kernel alone)
+# batch-8 decode step 2.686 ms with it in the chain against 2.467 with the Pallas kernel alone); 2: 0, and before the
+# PDL wait each thread asks the L2 for a line of the first block's keys and one of its values (prefetch.global.L2; 157
+# registers)
 STAGES = 2
 MERGE_CHUNK = 8  # splits' partials the merging program loads at once
 GDC = 5  # launched under PDL: the next kernel released at the start (bit 2), the wait before the q/k/v loads

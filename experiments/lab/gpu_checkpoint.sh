@@ -918,9 +918,13 @@ step 93 && for c in ${CHAIN_SETTINGS:-3 4 5 3 4 5}; do echo "== PDL_CHAIN=$c"; M
 #    (PDL_CHAIN = 4: 2.686 against 2.467 ms; 5: 2.648) and its cache slot not equal to XLA's bit for bit. Where the
 #    cache and output differ (append_diag.py), the kernel alone against the Pallas one under the new default
 #    PREFETCH = 0 (the loads in the loop: 156 registers against 210, offline) and the old form (28 layers in one jit,
-#    batch 8, 7B heads, 1300 filled slots), then issue 6's batch-8 row with PDL_CHAIN = 3 and 5.
+#    batch 8, 7B heads, 1300 filled slots; PREFETCH = 2 adds L2 prefetches of the first block before the PDL wait),
+#    then issue 6's batch-8 row with PDL_CHAIN = 3 and 5, and 5 with PREFETCH = 2 (NVFP4 only).
 step 94 && { timeout 100 python3 experiments/lab/append_diag.py 2>&1 | grep -E "^length|first|Error"
-  APPEND_BATCHES=8 APPEND_LENGTH=1300 APPEND_VARIANTS="merge;tl" timeout 90 python3 \
+  APPEND_BATCHES=8 APPEND_LENGTH=1300 APPEND_VARIANTS="merge;tl;tl p2" timeout 90 python3 \
     experiments/lab/time_append.py 2>&1 | grep -E "^batch|Error"
-  CHAIN_SETTINGS="3 5" STEPS=93 bash "$0"; } | tee "$OUT/step94.txt"
+  CHAIN_SETTINGS="3 5" STEPS=93 bash "$0"
+  echo "== PDL_CHAIN=5 PREFETCH=2"; MODEL_SET="PDL_CHAIN=5" AA_SET="PREFETCH=2" timeout 100 python3 \
+    experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=2048 --formats=nvfp4_fused 2>&1 \
+    | grep -E "_fused \||Error"; } | tee "$OUT/step94.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)

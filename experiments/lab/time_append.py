@@ -83,6 +83,7 @@ VARIANTS["tl b32"] = tl_set(BLOCK_S=32)
 VARIANTS["tl t1056"] = tl_set(TARGET_PROGRAMS=1056)
 VARIANTS["tl s3"] = tl_set(STAGES=3)
 VARIANTS["tl p1"] = tl_set(PREFETCH=1, STAGES=1)  # the next block prefetched in registers (210 registers)
+VARIANTS["tl p2"] = tl_set(PREFETCH=2)  # the first block's lines prefetched into the L2
 VARIANTS = {k: v for k, v in VARIANTS.items() if not os.environ.get("APPEND_VARIANTS")
             or k in os.environ["APPEND_VARIANTS"].split(";")}
 
