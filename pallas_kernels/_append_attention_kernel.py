@@ -11,10 +11,12 @@ MASKED_SCORE = tl.constexpr(-1e30)  # pallas_kernels.decode_attention.MASKED_SCO
 
 
 @triton.jit
-def _bf16(x, INTERPRET: tl.constexpr):
-  """float32 ``x`` rounded to bf16 (to nearest, ties to even), kept in float32. Under Triton's interpreter
-  (``INTERPRET``), whose float32 -> bf16 conversion does not round to nearest, by the bits."""
-  if INTERPRET:
+def _bf16(x, BITS: tl.constexpr):
+  """float32 ``x`` rounded to bf16 (to nearest, ties to even), kept in float32; with ``BITS`` by the bits. The bit
+  form is what the kernel's q/k/v and RoPE use: Triton's interpreter does not round its float32 -> bf16 conversion to
+  nearest, and on an H100 the compiled conversion pairs of RoPE's products gave about a fifth of the keys 1 ulp away
+  from XLA's (session 63: the products apparently kept in float32)."""
+  if BITS:
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True)
@@ -26,8 +28,8 @@ def _bf16(x, INTERPRET: tl.constexpr):
 def _rope(x1, x2, cos, sin, INTERPRET: tl.constexpr):
   """RoPE's "rotate half" on the halves ``x1, x2`` (Su et al. 2021): ``[x1, x2] cos + [-x2, x1] sin``, each product
   and the sum rounded to bf16 as XLA's bf16 ops (:func:`pallas_kernels.decode_attention._rope_rounded`)."""
-  a = _bf16(_bf16(x1 * cos, INTERPRET) - _bf16(x2 * sin, INTERPRET), INTERPRET)
-  b = _bf16(_bf16(x2 * cos, INTERPRET) + _bf16(x1 * sin, INTERPRET), INTERPRET)
+  a = _bf16(_bf16(x1 * cos, 1) - _bf16(x2 * sin, 1), 1)
+  b = _bf16(_bf16(x2 * cos, 1) + _bf16(x1 * sin, 1), 1)
   return a, b
 
 
@@ -37,7 +39,8 @@ def attend_append(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, l
                   GR: tl.constexpr, S: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr, CHUNK: tl.constexpr,
                   NSPLIT: tl.constexpr, MC: tl.constexpr, L: tl.constexpr, SCALE: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BIAS_STACKED: tl.constexpr, SKIP_PAST_LAST: tl.constexpr,
-                  GDC: tl.constexpr = 0, PREFETCH: tl.constexpr = 1, INTERPRET: tl.constexpr = 0):
+                  GDC: tl.constexpr = 0, PREFETCH: tl.constexpr = 1, WIDE: tl.constexpr = 1,
+                  INTERPRET: tl.constexpr = 0):
   b = tl.program_id(0)
   kvh = tl.program_id(1)
   split = tl.program_id(2)
@@ -56,8 +59,8 @@ def attend_append(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, l
   c = tl.arange(0, HALF)
   d = tl.arange(0, HD)
   # RoPE's cos and sin for this row (float32, made once per step), in bf16
-  cos = _bf16(tl.load(cos_ptr + b * HALF + c), INTERPRET)
-  sin = _bf16(tl.load(sin_ptr + b * HALF + c), INTERPRET)
+  cos = _bf16(tl.load(cos_ptr + b * HALF + c), 1)
+  sin = _bf16(tl.load(sin_ptr + b * HALF + c), 1)
   q_rows = kvh * G + gi
   kr = H + kvh
   vr = H + HKV + kvh
@@ -74,7 +77,9 @@ def attend_append(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, l
   s_begin = split * CHUNK
   s_end = tl.minimum(s_begin + CHUNK, write_at)
   blocks = tl.where(live, tl.maximum(s_end - s_begin + BS - 1, 0) // BS, 0)
-  row0 = ((layer * B + b) * S).to(tl.int64)
+  row0 = (layer * B + b) * S
+  if WIDE:  # (a cache of 2**31 elements or more: 64-bit offsets)
+    row0 = row0.to(tl.int64)
   col = kvh * HD
   RS: tl.constexpr = HKV * HD  # a cache row (one slot of every KV head)
   sb = tl.arange(0, BS)
@@ -103,8 +108,8 @@ def attend_append(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, l
   nv = tl.load(base + vr * HD + d)
   if HAS_BIAS:
     q1, q2, nk1, nk2, nv = q1 + bq1, q2 + bq2, nk1 + bk1, nk2 + bk2, nv + bv
-  q1, q2 = _bf16(q1, INTERPRET), _bf16(q2, INTERPRET)
-  nk1, nk2, nv = _bf16(nk1, INTERPRET), _bf16(nk2, INTERPRET), _bf16(nv, INTERPRET)
+  q1, q2 = _bf16(q1, 1), _bf16(q2, 1)
+  nk1, nk2, nv = _bf16(nk1, 1), _bf16(nk2, 1), _bf16(nv, 1)
   # RoPE, each product and the sum rounded to bf16 (as XLA's bf16 ops)
   q1, q2 = _rope(q1, q2, cos[None, :], sin[None, :], INTERPRET)
   nk1, nk2 = _rope(nk1, nk2, cos, sin, INTERPRET)

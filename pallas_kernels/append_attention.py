@@ -101,7 +101,8 @@ def meta(batch: int, heads: int, heads_kv: int, slots: int, head_dim: int, layer
   return dict(B=batch, H=heads, HKV=heads_kv, G=geo.group, GP=geo.group_pad, GR=geo.group_rows, S=slots,
               HD=head_dim, BS=geo.block_s, CHUNK=geo.chunk, NSPLIT=geo.nsplit, MC=geo.merge_chunk, L=layers,
               SCALE=float(head_dim) ** -0.5, HAS_BIAS=int(has_bias), BIAS_STACKED=int(bias_stacked),
-              SKIP_PAST_LAST=int(skip_past_last), GDC=gdc, PREFETCH=int(PREFETCH))
+              SKIP_PAST_LAST=int(skip_past_last), GDC=gdc, PREFETCH=int(PREFETCH),
+              WIDE=int(layers * batch * slots * heads_kv * head_dim >= 2 ** 31))
 
 
 def arg_dtypes(bias_dtype: str = "*fp32") -> tuple:
