@@ -927,4 +927,11 @@ step 94 && { timeout 100 python3 experiments/lab/append_diag.py 2>&1 | grep -E "
   echo "== PDL_CHAIN=5 PREFETCH=2"; MODEL_SET="PDL_CHAIN=5" AA_SET="PREFETCH=2" timeout 100 python3 \
     experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=2048 --formats=nvfp4_fused 2>&1 \
     | grep -E "_fused \||Error"; } | tee "$OUT/step94.txt"
+# 95 (session 63, prepared; about 2 minutes): step 94 (H100) found the new keys 1 ulp from XLA's in about a fifth of
+#    their values (RoPE's rounding) and the kernel alone 532 against the Pallas kernel's 397 us for 28 layers (1300
+#    slots); PDL_CHAIN = 5 2.680 ms a batch-8 step against 3's 2.428. Again with RoPE rounded by the bits and int32
+#    cache offsets.
+step 95 && { timeout 100 python3 experiments/lab/append_diag.py 2>&1 | grep -E "^length|first|Error"
+  APPEND_BATCHES=8 APPEND_LENGTH=1300 APPEND_VARIANTS="merge;tl" timeout 90 python3 \
+    experiments/lab/time_append.py 2>&1 | grep -E "^batch|Error"; } | tee "$OUT/step95.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
