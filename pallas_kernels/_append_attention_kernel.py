@@ -25,9 +25,9 @@ def _bf16(x, BITS: tl.constexpr):
 
 
 @triton.jit
-def _rope(x1, x2, cos, sin, INTERPRET: tl.constexpr):
+def _rope(x1, x2, cos, sin):
   """RoPE's "rotate half" on the halves ``x1, x2`` (Su et al. 2021): ``[x1, x2] cos + [-x2, x1] sin``, each product
-  and the sum rounded to bf16 as XLA's bf16 ops (:func:`pallas_kernels.decode_attention._rope_rounded`)."""
+  and the sum rounded to bf16 (by the bits) as XLA's bf16 ops (:func:`pallas_kernels.decode_attention._rope_rounded`)."""
   a = _bf16(_bf16(x1 * cos, 1) - _bf16(x2 * sin, 1), 1)
   b = _bf16(_bf16(x2 * cos, 1) + _bf16(x1 * sin, 1), 1)
   return a, b
@@ -111,8 +111,8 @@ def attend_append(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, l
   q1, q2 = _bf16(q1, 1), _bf16(q2, 1)
   nk1, nk2, nv = _bf16(nk1, 1), _bf16(nk2, 1), _bf16(nv, 1)
   # RoPE, each product and the sum rounded to bf16 (as XLA's bf16 ops)
-  q1, q2 = _rope(q1, q2, cos[None, :], sin[None, :], INTERPRET)
-  nk1, nk2 = _rope(nk1, nk2, cos, sin, INTERPRET)
+  q1, q2 = _rope(q1, q2, cos[None, :], sin[None, :])
+  nk1, nk2 = _rope(nk1, nk2, cos, sin)
   if (split == 0) & live:
     slot = (row0 + write_at) * RS + col
     tl.store(k_ptr + slot + c, nk1.to(bf16))

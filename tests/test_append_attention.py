@@ -1,13 +1,11 @@
 """The Triton decode-attention kernel that a PDL chain launches (pallas_kernels.append_attention): Triton's CPU
 interpreter against float64 numpy and XLA's reference, and on a GPU against the reference at Qwen2.5-7B's heads."""
 
-import json
 import os
 import subprocess
 import sys
 import textwrap
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -3,8 +3,6 @@ heads (batch 8, 2304 slots): where the written cache slot and the output differ,
 
   PYTHONPATH=$PWD python3 experiments/lab/append_diag.py
 """
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import append_attention as aa
