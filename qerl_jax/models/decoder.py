@@ -88,7 +88,9 @@ FUSED_ATTENTION_BF16_QKV_MIN_ROWS = w4_gluon.MAX_M + 1
 # (pallas_kernels.append_attention, a Triton form of decode_attention_append that reads the cache's earlier slots
 # before its PDL wait; layer 0's runs alone before the layer loop), so that a layer is one FFI call (bf16 caches,
 # the in-kernel merge of FUSED_ATTENTION_COMBINE). 5 (lab, session 63): those calls' kernels for every layer in one
-# call (decode_chain.decode_layers), so that no graph node boundary sits between layers.
+# call (decode_chain.decode_layers), so that no graph node boundary sits between layers. Both were slower on an H100
+# (batch 8, 2048 new tokens: 2.686 ms with 4, 2.648-2.680 with 5, against 2.428-2.467 with 3): the Triton attention
+# takes 19.0 us a layer where the Pallas kernel takes 14.2 (docs/benchmarks.md, "Session 63").
 PDL_CHAIN = 3
 
 
