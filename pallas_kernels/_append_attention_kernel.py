@@ -33,6 +33,37 @@ def _rope(x1, x2, cos, sin):
   return a, b
 
 
+@triton.jit
+def _load_block(mask_ptr, k_ptr, v_ptr, b, offs, s_end, row0, col, S: tl.constexpr, RS: tl.constexpr,
+                HD: tl.constexpr):
+  """A block of slots ``offs`` (those before ``s_end``): which to keep (inside and a real token), the keys' halves
+  ``[BS, HD / 2]`` twice and the values ``[BS, HD]`` (bf16) of this (row, KV head)."""
+  HALF: tl.constexpr = HD // 2
+  inside = offs < s_end
+  keep = (tl.load(mask_ptr + b * S + offs, mask=inside, other=0) != 0) & inside
+  at = (row0 + offs)[:, None] * RS + col
+  c = tl.arange(0, HALF)
+  k1 = tl.load(k_ptr + at + c[None, :], mask=inside[:, None], other=0.0)
+  k2 = tl.load(k_ptr + at + HALF + c[None, :], mask=inside[:, None], other=0.0)
+  vb = tl.load(v_ptr + at + tl.arange(0, HD)[None, :], mask=inside[:, None], other=0.0)
+  return keep, k1, k2, vb
+
+
+@triton.jit
+def _softmax_step(q1b, q2b, k1, k2, vb, keep, m, lsum, acc, SCALE: tl.constexpr, DT: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+  """One block of the online softmax (Milakov & Gimelshein 2018): scores from the RoPE halves, running max ``m`` and
+  sum ``lsum`` ``[GP]`` and output ``acc [GP, HD]`` (float32) updated; slots not kept left out."""
+  sc = (tl.dot(q1b, tl.trans(k1.to(DT))) + tl.dot(q2b, tl.trans(k2.to(DT)))) * SCALE  # [GP, BS]
+  sc = tl.where(keep[None, :], sc, MASKED_SCORE)
+  m_new = tl.maximum(m, tl.max(sc, axis=1))
+  alpha = tl.exp(m - m_new)
+  p = tl.where(keep[None, :], tl.exp(sc - m_new[:, None]), 0.0)
+  lsum = lsum * alpha + tl.sum(p, axis=1)
+  acc = acc * alpha[:, None] + tl.dot(_bf16(p, INTERPRET).to(DT), vb.to(DT))
+  return m_new, lsum, acc
+
+
 def attend_append(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, layer_ptr, length_ptr,
                   o_part_ptr, m_part_ptr, l_part_ptr, out_ptr, sync_ptr,
                   B: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
@@ -84,13 +115,7 @@ def attend_append(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, l
   RS: tl.constexpr = HKV * HD  # a cache row (one slot of every KV head)
   sb = tl.arange(0, BS)
   if PREFETCH == 1:  # the first block: slots written by earlier steps, read before the wait
-    offs = s_begin + sb
-    inside = offs < s_end
-    keep = (tl.load(mask_ptr + b * S + offs, mask=inside, other=0) != 0) & inside
-    at = (row0 + offs)[:, None] * RS + col
-    k1 = tl.load(k_ptr + at + c[None, :], mask=inside[:, None], other=0.0)
-    k2 = tl.load(k_ptr + at + HALF + c[None, :], mask=inside[:, None], other=0.0)
-    vb = tl.load(v_ptr + at + d[None, :], mask=inside[:, None], other=0.0)
+    keep, k1, k2, vb = _load_block(mask_ptr, k_ptr, v_ptr, b, s_begin + sb, s_end, row0, col, S, RS, HD)
   if PREFETCH == 2 and not INTERPRET:  # the first block's key and value lines into the L2 (no registers held)
     l_at = (row0 + tl.minimum(s_begin + sb, S - 1))[:, None] * RS + col + tl.arange(0, 2)[None, :] * (HD // 2)
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; prefetch.global.L2 [$2]; mov.u32 $0, 0;", "=r,l,l",
@@ -129,40 +154,14 @@ def attend_append(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, l
   q1b, q2b = q1.to(DT), q2.to(DT)
   if PREFETCH == 1:  # each step issues the next block's loads (into registers) before its own softmax step
     for i in range(blocks):
-      # the next block's loads first (masked off past the chunk), then this block's softmax step
-      n_offs = s_begin + (i + 1) * BS + sb
-      n_inside = n_offs < s_end
-      n_keep = (tl.load(mask_ptr + b * S + n_offs, mask=n_inside, other=0) != 0) & n_inside
-      n_at = (row0 + n_offs)[:, None] * RS + col
-      n_k1 = tl.load(k_ptr + n_at + c[None, :], mask=n_inside[:, None], other=0.0)
-      n_k2 = tl.load(k_ptr + n_at + HALF + c[None, :], mask=n_inside[:, None], other=0.0)
-      n_vb = tl.load(v_ptr + n_at + d[None, :], mask=n_inside[:, None], other=0.0)
-      sc = (tl.dot(q1b, tl.trans(k1.to(DT))) + tl.dot(q2b, tl.trans(k2.to(DT)))) * SCALE  # [GP, BS]
-      sc = tl.where(keep[None, :], sc, MASKED_SCORE)
-      m_new = tl.maximum(m, tl.max(sc, axis=1))
-      alpha = tl.exp(m - m_new)
-      p = tl.where(keep[None, :], tl.exp(sc - m_new[:, None]), 0.0)
-      lsum = lsum * alpha + tl.sum(p, axis=1)
-      acc = acc * alpha[:, None] + tl.dot(_bf16(p, INTERPRET).to(DT), vb.to(DT))
-      m = m_new
+      n_keep, n_k1, n_k2, n_vb = _load_block(mask_ptr, k_ptr, v_ptr, b, s_begin + (i + 1) * BS + sb, s_end, row0,
+                                             col, S, RS, HD)
+      m, lsum, acc = _softmax_step(q1b, q2b, k1, k2, vb, keep, m, lsum, acc, SCALE, DT, INTERPRET)
       keep, k1, k2, vb = n_keep, n_k1, n_k2, n_vb
   else:  # each step loads its block (Triton's pipeliner stages the loads over num_stages)
     for i in range(blocks):
-      offs = s_begin + i * BS + sb
-      inside = offs < s_end
-      keep = (tl.load(mask_ptr + b * S + offs, mask=inside, other=0) != 0) & inside
-      at = (row0 + offs)[:, None] * RS + col
-      k1 = tl.load(k_ptr + at + c[None, :], mask=inside[:, None], other=0.0)
-      k2 = tl.load(k_ptr + at + HALF + c[None, :], mask=inside[:, None], other=0.0)
-      vb = tl.load(v_ptr + at + d[None, :], mask=inside[:, None], other=0.0)
-      sc = (tl.dot(q1b, tl.trans(k1.to(DT))) + tl.dot(q2b, tl.trans(k2.to(DT)))) * SCALE  # [GP, BS]
-      sc = tl.where(keep[None, :], sc, MASKED_SCORE)
-      m_new = tl.maximum(m, tl.max(sc, axis=1))
-      alpha = tl.exp(m - m_new)
-      p = tl.where(keep[None, :], tl.exp(sc - m_new[:, None]), 0.0)
-      lsum = lsum * alpha + tl.sum(p, axis=1)
-      acc = acc * alpha[:, None] + tl.dot(_bf16(p, INTERPRET).to(DT), vb.to(DT))
-      m = m_new
+      keep, k1, k2, vb = _load_block(mask_ptr, k_ptr, v_ptr, b, s_begin + i * BS + sb, s_end, row0, col, S, RS, HD)
+      m, lsum, acc = _softmax_step(q1b, q2b, k1, k2, vb, keep, m, lsum, acc, SCALE, DT, INTERPRET)
   # partials of the splits that saw a slot (split 0 holds the new token's)
   active = tl.maximum((write_at + CHUNK - 1) // CHUNK, 1)
   pair = b * HKV + kvh
