@@ -48,6 +48,10 @@ PREFETCH = 0  # 0: each loop step loads its own block, staged by Triton's pipeli
 # registers)
 STAGES = 2
 MERGE_CHUNK = 8  # splits' partials the merging program loads at once
+FORM = "tl"  # "tl": this module's Triton kernel; "pallas" (lab, session 63): the Pallas kernel's own Triton IR,
+# captured from its lowering and compiled here (its PDL build waits first thing), for the chain of
+# decode_chain.decode_layers (PDL_CHAIN = 5) only: it clamps the layer index and never skips, so it cannot run past
+# the last layer as PDL_CHAIN = 4's chain asks
 GDC = 5  # launched under PDL: the next kernel released at the start (bit 2), the wait before the q/k/v loads
 
 
@@ -138,6 +142,75 @@ def compiled(meta_items: tuple, bias_dtype: str = "*fp32", warps: int = 4, stage
   return w4_gluon._load(out)
 
 
+_GDC_ASM = ('    %qerl_gdc = tt.elementwise_inline_asm "griddepcontrol.launch_dependents; griddepcontrol.wait; mov.u32 $0, 0;"'
+            ' {constraints = "=r", packed_element = 1 : i32, pure = false} -> i32')
+
+
+@functools.lru_cache(maxsize=None)
+def pallas_build(batch: int, heads: int, heads_kv: int, slots: int, head_dim: int, layers: int, bias_dtype: str,
+                 pdl: bool):
+  """``(ptx, kernel name, shared bytes)`` of :func:`pallas_kernels.decode_attention.decode_attention_append`'s Pallas
+  kernel (with the in-kernel merge, the module's launch settings) for these shapes and a bias stack of
+  ``bias_dtype`` (``"bfloat16"`` or ``"float32"``), its Triton IR captured from its lowering (a JAX internal,
+  ``jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module``) and compiled by Triton as XLA compiles it; with
+  ``pdl`` it releases the next kernel and waits (griddepcontrol) before anything else. Its parameters: q/k/v
+  (float32 rows of hd), bias, cos, sin, k, v, mask, layer, length, sync, the partials o / m / l, k and v again
+  (the outputs), the merged output, sync again.
+
+  Raises:
+    RuntimeError: the lowering was not captured (another JAX version's internals).
+  """
+  import os
+  import tempfile
+
+  import jax
+  import jax.numpy as jnp
+  import triton
+  from jax._src.pallas.triton import pallas_call_registration
+  from triton.backends.compiler import GPUTarget
+
+  from pallas_kernels import w4_gluon
+
+  captured = []
+  real = getattr(getattr(pallas_call_registration, "lowering", None), "lower_jaxpr_to_triton_module", None)
+  if real is None:
+    raise RuntimeError("append_attention.pallas_build: this JAX has no Pallas Triton lowering to capture")
+
+  def capture(*args, **kwargs):
+    out = real(*args, **kwargs)
+    captured.append(out)
+    return out
+  pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
+  try:
+    S = jax.ShapeDtypeStruct
+    n = (heads + 2 * heads_kv) * head_dim
+    cache = S((layers, batch, slots, heads_kv, head_dim), jnp.bfloat16)
+    fn = lambda qkv, bias, kc, vc, mask, cos, sin, sync, layer, length: da.decode_attention_append(
+        qkv, bias, kc, vc, layer, mask, length, cos, sin, num_heads=heads, backend="pallas", sync=sync)
+    jax.jit(fn).trace(S((batch, n), jnp.float32), S((layers, n), jnp.dtype(bias_dtype)), cache, cache,
+                      S((batch, slots), jnp.int8), S((batch, head_dim // 2), jnp.float32),
+                      S((batch, head_dim // 2), jnp.float32), S((batch * heads_kv,), jnp.int32),
+                      S((), jnp.int32), S((), jnp.int32)).lower(lowering_platforms=("cuda",))
+  finally:
+    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = real
+  if not captured:
+    raise RuntimeError("append_attention.pallas_build: the Pallas kernel's Triton IR was not captured")
+  module = getattr(captured[0], "module", captured[0])
+  text = module.operation.get_asm(enable_debug_info=False)
+  if pdl:
+    head = text.index("\n", text.index(") {", text.index("tt.func public"))) + 1
+    text = text[:head] + _GDC_ASM + "\n" + text[head:]
+  w4_gluon._ensure_triton_cache_dir()
+  with tempfile.NamedTemporaryFile("w", suffix=".ttir", delete=False) as f:
+    f.write(text)
+  try:
+    out = triton.compile(f.name, target=GPUTarget("cuda", w4_gluon._target_cc(), 32),
+                         options={"num_warps": da.APPEND_WARPS, "num_stages": da.APPEND_STAGES})
+  finally:
+    os.unlink(f.name)
+  return w4_gluon._load(out)
+
+
 def grid(batch: int, heads_kv: int, geo: Geometry) -> tuple[int, int, int]:
   """Programs: one per (row, KV head, split)."""
   return (batch, heads_kv, geo.nsplit)
@@ -195,6 +268,16 @@ def launch(bufs: Buffers, *, batch: int, heads: int, heads_kv: int, slots: int, 
   geo = geometry(batch, heads, heads_kv, slots, splits=splits)
   if bias_dtype is not None and jnp.dtype(bias_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
     raise ValueError(f"append_attention: the bias must be bf16 or float32, got {jnp.dtype(bias_dtype)}")
+  if FORM == "pallas":
+    if skip_past_last or splits is not None or not bias_stacked:
+      raise ValueError("append_attention: FORM = 'pallas' takes no skip_past_last or splits, and a bias stack "
+                       "(zeros where the model has none)")
+    ptx = pallas_build(batch, heads, heads_kv, slots, head_dim, layers, jnp.dtype(bias_dtype).name, pdl)
+    q = (bufs.qkv, 4 * bufs.qkv_offset)
+    params = (q,) + tuple((b, 0) for b in (bufs.bias, bufs.cos, bufs.sin, bufs.k, bufs.v, bufs.mask)) + (
+        (bufs.layer, 0), (bufs.length, 0), (bufs.sync, 0), (bufs.o_part, 0), (bufs.m_part, 0), (bufs.l_part, 0),
+        (bufs.k, 0), (bufs.v, 0), (bufs.out, 0), (bufs.sync, 0))
+    return w4_gluon.ChainLaunch(*ptx, grid(batch, heads_kv, geo), 32 * da.APPEND_WARPS, params, pdl=pdl)
   mt = meta(batch, heads, heads_kv, slots, head_dim, layers, has_bias=bias_dtype is not None,
             bias_stacked=bias_stacked, skip_past_last=skip_past_last, gdc=GDC if pdl else 0, geo=geo)
   bias_type = "*bf16" if bias_dtype is not None and jnp.dtype(bias_dtype) == jnp.bfloat16 else "*fp32"
@@ -320,4 +403,4 @@ def interpret(qkv, bias, cos, sin, k_cache, v_cache, slot_mask, layer: int, leng
 
 
 __all__ = ["Buffers", "Geometry", "attend_append", "geometry", "launch", "meta", "arg_dtypes", "compiled", "grid",
-           "partial_shapes", "interpret"]
+           "partial_shapes", "interpret", "pallas_build"]

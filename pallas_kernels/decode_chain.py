@@ -405,8 +405,11 @@ def decode_layers(h: jax.Array, o0: jax.Array, buffer0: jax.Array, offset: int, 
     ops += [stacks.weight, jnp.zeros((1,), jnp.float32) if stacks.noise is None else stacks.noise]
   i_h0, i_o0, i_buf0 = len(ops), len(ops) + 1, len(ops) + 2
   ops += [h, o0, buffer0]
+  bias = na.bias
+  if bias is None and append_attention.FORM == "pallas":  # (that kernel always reads a bias)
+    bias = jnp.zeros((n_layers, w_qkv.shape[1]), jnp.float32)
   i_att = len(ops)  # bias, cos, sin, k, v, mask, length, sync
-  ops += [jnp.zeros((1,), jnp.float32) if na.bias is None else na.bias, na.cos.astype(jnp.float32),
+  ops += [jnp.zeros((1,), jnp.float32) if bias is None else bias, na.cos.astype(jnp.float32),
           na.sin.astype(jnp.float32), na.k_cache, na.v_cache, na.slot_mask.astype(jnp.int8),
           jnp.asarray(na.length, jnp.int32).reshape(1), na.sync]
   n_ops = len(ops)
@@ -440,8 +443,8 @@ def decode_layers(h: jax.Array, o0: jax.Array, buffer0: jax.Array, offset: int, 
                                       mask=i_att + 5, layer=i_idx, length=i_att + 6, o_part=r_po, m_part=r_pm,
                                       l_part=r_pl, out=r_o, sync=r_sync)
       att = append_attention.launch(bufs, batch=m, heads=na.num_heads, heads_kv=kh, slots=slots, head_dim=hd,
-                                    layers=n_layers, bias_dtype=None if na.bias is None else na.bias.dtype,
-                                    bias_stacked=na.bias is not None, pdl=pdl)
+                                    layers=n_layers, bias_dtype=None if bias is None else bias.dtype,
+                                    bias_stacked=bias is not None, pdl=pdl)
       params = list(att.params)
       params[7] = (i_idx, 16 * (layer + 1))  # the layer parameter
       launches += [gemv(i_qkv, w_qkv, r_x, new, 0, layer + 1), att._replace(params=tuple(params))]

@@ -229,6 +229,44 @@ def test_decode_layers_lowers_every_layer_into_one_ffi_call(monkeypatch):
     assert f"operand_index = {operand}" in text, operand
 
 
+def test_decode_layers_can_launch_the_pallas_attention_build(monkeypatch):
+  """append_attention.FORM = "pallas" (lab): decode_layers launches the Pallas decode attention's own Triton IR,
+  captured from its lowering and compiled here, with a griddepcontrol wait inserted at its start: the call's entries
+  name it, and a model without a q/k/v bias gets a zero bias stack (that kernel always reads one). The Triton form's
+  option it cannot honour (running past the last layer) is refused."""
+  _lowering_ready(monkeypatch)
+  from pallas_kernels import append_attention
+  monkeypatch.setattr(append_attention, "FORM", "pallas")
+  m, d, q, inter, layers, slots = 8, 3584, 3584, 18944, 2, 2304
+  wo, wgu, wd = _stacks(layers, d, q, inter)
+  wqkv = jax.eval_shape(lambda: nvfp4.to_decode_order(nvfp4.quantize(jnp.ones((layers, d, 4608)))))
+  head = m * 4608
+  size = head + m * (2 * d + 2 * inter)
+  post = decode_chain.NormStacks(S((layers, d), jnp.bfloat16), None)
+  nxt = decode_chain.NormStacks(S((layers, d), jnp.float32), None)
+  cache = S((layers, m, slots, 4, 128), jnp.bfloat16)
+  parts = (cache, cache, S((m * 4,), jnp.int32), None, S((m, slots), jnp.int8), S((), jnp.int32),
+           S((m, 64), jnp.float32), S((m, 64), jnp.float32))
+
+  def fn(h, o0, buf0, wqkv, wo, wgu, wd, post, nxt, parts):
+    return decode_chain.decode_layers(h, o0, buf0, head, wqkv, wo, wgu, wd, post, nxt,
+                                      decode_chain.NextAttention(*parts, 28), 1e-6, zero_size=size)
+  try:
+    text = jax.jit(fn).trace(S((m, d), jnp.bfloat16), S((m, q), jnp.bfloat16), S((size,), jnp.float32), wqkv, wo,
+                             wgu, wd, post, nxt, parts).lower(lowering_platforms=("cuda",)).as_text()
+  except RuntimeError as e:
+    if "capture" in str(e):
+      pytest.skip(str(e))
+    raise
+  entries = re.findall(r"\.entry (\w+)", text)
+  assert "decode_attention_append" in entries and "attend_append" not in entries, entries
+  assert text.count("griddepcontrol.launch_dependents; griddepcontrol.wait; mov.u32") == 1
+  bufs = append_attention.Buffers(*range(14))
+  with pytest.raises(ValueError, match="skip_past_last"):
+    append_attention.launch(bufs, batch=m, heads=28, heads_kv=4, slots=slots, head_dim=128, layers=layers,
+                            bias_dtype=jnp.float32, bias_stacked=True, skip_past_last=True)
+
+
 @pytest.mark.parametrize("lora_kind,setting", [(None, 2), (None, 3), ("fused", 3), (None, 4), (None, 5)])
 def test_decode_step_routes_the_layer_after_attention_to_the_chain(monkeypatch, lora_kind, setting):
   """decoder.PDL_CHAIN: an accumulating decode step with the fused layer ends hands each layer after attention to
@@ -419,8 +457,10 @@ def test_gpu_decode_step_with_the_chain_matches_without():
   """(lab) decoder.PDL_CHAIN = 1 to 5 on a small NVFP4 model whose decode step takes the chain (hidden 512,
   4 heads of 128, intermediate 1024, AQN noise, a q/k/v bias): every position's logits within bf16 rounding of the
   step without it (the GEMVs' float32 atomics add in another order; 4 runs attention by the Triton kernel), and the
-  chain was traced (with 4, with the next layer's attention; 5 runs decode_chain.decode_layers instead)."""
+  chain was traced (with 4, with the next layer's attention; 5 runs decode_chain.decode_layers instead); and 5 with
+  append_attention.FORM = "pallas" (the Pallas attention's captured build in the call)."""
   _gpu_chain_ready()
+  from pallas_kernels import append_attention
   from qerl_jax.models import decoder
   cfg = models.ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=4,
                            num_kv_heads=2, head_dim=128, attention_bias=True, dtype="bfloat16")
@@ -435,13 +475,15 @@ def test_gpu_decode_step_with_the_chain_matches_without():
     decode_chain.post_attention = lambda *a, **k: traced.append(
         (k["pdl"], k["next_qkv"] is not None, k.get("next_attention") is not None)) or real(*a, **k)
     decode_chain.decode_layers = lambda *a, **k: traced.append("layers") or real_layers(*a, **k)
-    for setting in (0, 1, 2, 3, 4, 5):
-      decoder.PDL_CHAIN = setting
+    for setting in (0, 1, 2, 3, 4, 5, "5 pallas"):
+      decoder.PDL_CHAIN = int(str(setting)[0])
+      append_attention.FORM = "pallas" if setting == "5 pallas" else "tl"
       outs[setting], _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16,
                                     norm_noise=noise)
   finally:
-    decoder.PDL_CHAIN = default
+    decoder.PDL_CHAIN, append_attention.FORM = default, "tl"
     decode_chain.post_attention, decode_chain.decode_layers = real, real_layers
-  assert traced == [(True, False, False), (False, False, False), (True, True, False), (True, True, True), "layers"]
-  for setting in (1, 2, 3, 4, 5):
+  assert traced == [(True, False, False), (False, False, False), (True, True, False), (True, True, True), "layers",
+                    "layers"]
+  for setting in (1, 2, 3, 4, 5, "5 pallas"):
     assert _rel(outs[setting], outs[0]) < 1e-2, (setting, _rel(outs[setting], outs[0]))

@@ -934,4 +934,14 @@ step 94 && { timeout 100 python3 experiments/lab/append_diag.py 2>&1 | grep -E "
 step 95 && { timeout 100 python3 experiments/lab/append_diag.py 2>&1 | grep -E "^length|first|Error"
   APPEND_BATCHES=8 APPEND_LENGTH=1300 APPEND_VARIANTS="merge;tl" timeout 90 python3 \
     experiments/lab/time_append.py 2>&1 | grep -E "^batch|Error"; } | tee "$OUT/step95.txt"
+# 96 (session 63, prepared; about 6 minutes): the chain's GPU tests (PDL_CHAIN = 5 with append_attention.FORM =
+#    "pallas" among them: the Pallas attention's own build, captured from its lowering, in decode_layers' call), then
+#    issue 6's batch-8 row with PDL_CHAIN = 3 and with 5 + FORM "pallas", alternating. If the captured build runs as
+#    the Pallas kernel does, 5 saves the graph-node boundaries (about 1.4 us a layer on an H100, step 92).
+step 96 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -m gpu tests/test_decode_chain.py \
+    tests/test_append_attention.py -p no:cacheprovider 2>&1 | grep -E "passed|failed|FAILED|Error|assert" \
+    | grep -v cuda_event | tail -12
+  for c in 3 5 3 5; do echo "== PDL_CHAIN=$c FORM=pallas"; MODEL_SET="PDL_CHAIN=$c" AA_SET="FORM=pallas" timeout 120 \
+    python3 experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=2048 --formats=nvfp4_fused,bf16_fused 2>&1 \
+    | grep -E "_fused \||Error"; done; } | tee "$OUT/step96.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
