@@ -146,35 +146,26 @@ _GDC_ASM = ('    %qerl_gdc = tt.elementwise_inline_asm "griddepcontrol.launch_de
             ' {constraints = "=r", packed_element = 1 : i32, pure = false} -> i32')
 
 
-@functools.lru_cache(maxsize=None)
-def pallas_build(batch: int, heads: int, heads_kv: int, slots: int, head_dim: int, layers: int, bias_dtype: str,
-                 pdl: bool):
-  """``(ptx, kernel name, shared bytes)`` of :func:`pallas_kernels.decode_attention.decode_attention_append`'s Pallas
-  kernel (with the in-kernel merge, the module's launch settings) for these shapes and a bias stack of
-  ``bias_dtype`` (``"bfloat16"`` or ``"float32"``), its Triton IR captured from its lowering (a JAX internal,
-  ``jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module``) and compiled by Triton as XLA compiles it; with
-  ``pdl`` it releases the next kernel and waits (griddepcontrol) before anything else. Its parameters: q/k/v
-  (float32 rows of hd), bias, cos, sin, k, v, mask, layer, length, sync, the partials o / m / l, k and v again
-  (the outputs), the merged output, sync again.
+def pallas_ttir(batch: int, heads: int, heads_kv: int, slots: int, head_dim: int, layers: int,
+                bias_dtype: str) -> str:
+  """The Triton IR (text) of :func:`pallas_kernels.decode_attention.decode_attention_append`'s Pallas kernel (with
+  the in-kernel merge, the module's launch settings) for these shapes and a bias stack of ``bias_dtype``
+  (``"bfloat16"`` or ``"float32"``), captured from its lowering for CUDA (a JAX internal,
+  ``jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module``, wrapped for the call). Its parameters: q/k/v
+  (float32 rows of hd), bias, cos, sin, k, v, mask, layer, length, sync, the partials o / m / l, k and v again (the
+  outputs), the merged output, sync again.
 
   Raises:
-    RuntimeError: the lowering was not captured (another JAX version's internals).
+    RuntimeError: this JAX has no such lowering, or it was not captured.
   """
-  import os
-  import tempfile
-
   import jax
   import jax.numpy as jnp
-  import triton
   from jax._src.pallas.triton import pallas_call_registration
-  from triton.backends.compiler import GPUTarget
-
-  from pallas_kernels import w4_gluon
 
   captured = []
   real = getattr(getattr(pallas_call_registration, "lowering", None), "lower_jaxpr_to_triton_module", None)
   if real is None:
-    raise RuntimeError("append_attention.pallas_build: this JAX has no Pallas Triton lowering to capture")
+    raise RuntimeError("append_attention.pallas_ttir: this JAX has no Pallas Triton lowering to capture")
 
   def capture(*args, **kwargs):
     out = real(*args, **kwargs)
@@ -194,21 +185,48 @@ def pallas_build(batch: int, heads: int, heads_kv: int, slots: int, head_dim: in
   finally:
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = real
   if not captured:
-    raise RuntimeError("append_attention.pallas_build: the Pallas kernel's Triton IR was not captured")
+    raise RuntimeError("append_attention.pallas_ttir: the Pallas kernel's Triton IR was not captured")
   module = getattr(captured[0], "module", captured[0])
-  text = module.operation.get_asm(enable_debug_info=False)
-  if pdl:
-    head = text.index("\n", text.index(") {", text.index("tt.func public"))) + 1
-    text = text[:head] + _GDC_ASM + "\n" + text[head:]
+  return module.operation.get_asm(enable_debug_info=False)
+
+
+def compile_ttir(text: str, num_warps: int, num_stages: int):
+  """``triton.compile`` of Triton IR ``text`` for this GPU's compute capability (:func:`w4_gluon._target_cc`)."""
+  import os
+  import tempfile
+
+  import triton
+  from triton.backends.compiler import GPUTarget
+
+  from pallas_kernels import w4_gluon
+
   w4_gluon._ensure_triton_cache_dir()
   with tempfile.NamedTemporaryFile("w", suffix=".ttir", delete=False) as f:
     f.write(text)
   try:
-    out = triton.compile(f.name, target=GPUTarget("cuda", w4_gluon._target_cc(), 32),
-                         options={"num_warps": da.APPEND_WARPS, "num_stages": da.APPEND_STAGES})
+    return triton.compile(f.name, target=GPUTarget("cuda", w4_gluon._target_cc(), 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
   finally:
     os.unlink(f.name)
-  return w4_gluon._load(out)
+
+
+@functools.lru_cache(maxsize=None)
+def pallas_build(batch: int, heads: int, heads_kv: int, slots: int, head_dim: int, layers: int, bias_dtype: str,
+                 pdl: bool):
+  """``(ptx, kernel name, shared bytes)`` of the Pallas kernel of :func:`pallas_ttir`, compiled as XLA compiles it
+  (:data:`pallas_kernels.decode_attention.APPEND_WARPS` and ``APPEND_STAGES``); with ``pdl`` it releases the next
+  kernel and waits (griddepcontrol) before anything else.
+
+  Raises:
+    RuntimeError: as :func:`pallas_ttir`.
+  """
+  from pallas_kernels import w4_gluon
+
+  text = pallas_ttir(batch, heads, heads_kv, slots, head_dim, layers, bias_dtype)
+  if pdl:  # the release-and-wait as the function body's first line
+    head = text.index("\n", text.index(") {", text.index("tt.func public"))) + 1
+    text = text[:head] + _GDC_ASM + "\n" + text[head:]
+  return w4_gluon._load(compile_ttir(text, da.APPEND_WARPS, da.APPEND_STAGES))
 
 
 def grid(batch: int, heads_kv: int, geo: Geometry) -> tuple[int, int, int]:
@@ -403,4 +421,4 @@ def interpret(qkv, bias, cos, sin, k_cache, v_cache, slot_mask, layer: int, leng
 
 
 __all__ = ["Buffers", "Geometry", "attend_append", "geometry", "launch", "meta", "arg_dtypes", "compiled", "grid",
-           "partial_shapes", "interpret", "pallas_build"]
+           "partial_shapes", "interpret", "pallas_build", "pallas_ttir", "compile_ttir"]

@@ -177,20 +177,15 @@ def test_post_attention_with_the_next_attention_lowers_eight_kernels(monkeypatch
         next_attention=decode_chain.NextAttention(*parts, 28)), o, h, S((size,), jnp.float32), wo, wgu, wd, parts)
 
 
-def test_decode_layers_lowers_every_layer_into_one_ffi_call(monkeypatch):
-  """decode_chain.decode_layers (decoder.PDL_CHAIN = 5) at the 7B shape, batch 8, 3 layers: one qerl_gluon_chain call
-  of 8 L - 2 = 22 kernels (each layer's six, then the next layer's q/k/v and attention but after the last), PDL on
-  all but the first; each kernel's PTX once in the call's attribute ("=" for a kernel launched again; the last
-  layer's end is another norm build, zeroing nothing); layer l's
-  kernels read the index operand at byte 16 l (the next q/k/v and attention at 16 (l + 1)); the accumulators
-  alternate (layer 0 writes the aliased buffer0, layer 1 the second buffer); the caches and counters are aliased."""
-  _lowering_ready(monkeypatch)
-  m, d, q, inter, layers, slots = 8, 3584, 3584, 18944, 3, 2304
+def _decode_layers_traced(layers: int, post_noise: bool):
+  """decode_chain.decode_layers traced at the 7B shape (batch 8, a 2304-slot bf16 cache, no q/k/v bias) over
+  ``layers`` abstract layers; returns ``(traced, head, size)``: the q/k/v head and accumulator sizes."""
+  m, d, q, inter, slots = 8, 3584, 3584, 18944, 2304
   wo, wgu, wd = _stacks(layers, d, q, inter)
   wqkv = jax.eval_shape(lambda: nvfp4.to_decode_order(nvfp4.quantize(jnp.ones((layers, d, 4608)))))
   head = m * 4608
   size = head + m * (2 * d + 2 * inter)
-  post = decode_chain.NormStacks(S((layers, d), jnp.bfloat16), S((layers, d), jnp.float32))
+  post = decode_chain.NormStacks(S((layers, d), jnp.bfloat16), S((layers, d), jnp.float32) if post_noise else None)
   nxt = decode_chain.NormStacks(S((layers, d), jnp.float32), None)
   cache = S((layers, m, slots, 4, 128), jnp.bfloat16)
   parts = (cache, cache, S((m * 4,), jnp.int32), None, S((m, slots), jnp.int8), S((), jnp.int32),
@@ -201,6 +196,20 @@ def test_decode_layers_lowers_every_layer_into_one_ffi_call(monkeypatch):
                                       decode_chain.NextAttention(*parts, 28), 1e-6, zero_size=size)
   traced = jax.jit(fn).trace(S((m, d), jnp.bfloat16), S((m, q), jnp.bfloat16), S((size,), jnp.float32), wqkv, wo,
                              wgu, wd, post, nxt, parts)
+  return traced, head, size
+
+
+def test_decode_layers_lowers_every_layer_into_one_ffi_call(monkeypatch):
+  """decode_chain.decode_layers (decoder.PDL_CHAIN = 5) at the 7B shape, batch 8, 3 layers: one qerl_gluon_chain call
+  of 8 L - 2 = 22 kernels (each layer's six, then the next layer's q/k/v and attention but after the last), PDL on
+  all but the first; each kernel's PTX once in the call's attribute ("=" for a kernel launched again; the last
+  layer's end is another norm build, zeroing nothing); layer l's
+  kernels read the index operand at byte 16 l (the next q/k/v and attention at 16 (l + 1)); the accumulators
+  alternate (layer 0 writes the aliased buffer0, layer 1 the second buffer); the caches and counters are aliased."""
+  _lowering_ready(monkeypatch)
+  traced, head, size = _decode_layers_traced(3, post_noise=True)
+  m, d, layers, slots = 8, 3584, 3, 2304
+  cache = S((layers, m, slots, 4, 128), jnp.bfloat16)
   assert [(a.shape, a.dtype) for a in traced.out_info] == [((m, d), jnp.bfloat16)] * 2 + [
       (cache.shape, jnp.bfloat16)] * 2 + [((m * 4,), jnp.int32)]
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -237,23 +246,9 @@ def test_decode_layers_can_launch_the_pallas_attention_build(monkeypatch):
   _lowering_ready(monkeypatch)
   from pallas_kernels import append_attention
   monkeypatch.setattr(append_attention, "FORM", "pallas")
-  m, d, q, inter, layers, slots = 8, 3584, 3584, 18944, 2, 2304
-  wo, wgu, wd = _stacks(layers, d, q, inter)
-  wqkv = jax.eval_shape(lambda: nvfp4.to_decode_order(nvfp4.quantize(jnp.ones((layers, d, 4608)))))
-  head = m * 4608
-  size = head + m * (2 * d + 2 * inter)
-  post = decode_chain.NormStacks(S((layers, d), jnp.bfloat16), None)
-  nxt = decode_chain.NormStacks(S((layers, d), jnp.float32), None)
-  cache = S((layers, m, slots, 4, 128), jnp.bfloat16)
-  parts = (cache, cache, S((m * 4,), jnp.int32), None, S((m, slots), jnp.int8), S((), jnp.int32),
-           S((m, 64), jnp.float32), S((m, 64), jnp.float32))
-
-  def fn(h, o0, buf0, wqkv, wo, wgu, wd, post, nxt, parts):
-    return decode_chain.decode_layers(h, o0, buf0, head, wqkv, wo, wgu, wd, post, nxt,
-                                      decode_chain.NextAttention(*parts, 28), 1e-6, zero_size=size)
+  m, layers, slots = 8, 2, 2304
   try:
-    text = jax.jit(fn).trace(S((m, d), jnp.bfloat16), S((m, q), jnp.bfloat16), S((size,), jnp.float32), wqkv, wo,
-                             wgu, wd, post, nxt, parts).lower(lowering_platforms=("cuda",)).as_text()
+    text = _decode_layers_traced(layers, post_noise=False)[0].lower(lowering_platforms=("cuda",)).as_text()
   except RuntimeError as e:
     if "capture" in str(e):
       pytest.skip(str(e))

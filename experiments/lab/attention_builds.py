@@ -2,9 +2,8 @@
 Triton one of the PDL chain (``pallas_kernels.append_attention``) built side by side for sm_90, offline: registers
 and spills (ptxas -v), shared memory, and counts of the instructions that shape their loops.
 
-The Pallas kernel's Triton IR is captured from its lowering (a JAX internal,
-``jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module``, wrapped for the call) and compiled by Triton with
-``num_warps = 4`` and ``num_stages = 2``, as XLA compiles it. Needs Triton (the CPU wheel does) and its bundled ptxas.
+The Pallas kernel's Triton IR is captured from its lowering (``append_attention.pallas_ttir``) and compiled by
+Triton with ``num_warps = 4`` and ``num_stages = 2``, as XLA compiles it. Needs Triton (the CPU wheel does) and its bundled ptxas.
 
   PYTHONPATH=$PWD python3 experiments/lab/attention_builds.py
 """
@@ -13,12 +12,7 @@ import re
 import subprocess
 import tempfile
 
-import jax
-import jax.numpy as jnp
 import triton
-from jax._src.pallas.triton import lowering as pallas_triton_lowering
-from jax._src.pallas.triton import pallas_call_registration
-from triton.backends.compiler import GPUTarget
 
 from pallas_kernels import append_attention as aa
 from pallas_kernels import decode_attention as da
@@ -28,29 +22,6 @@ B, L, SLOTS, KH, HD, H = 8, 28, 2304, 4, 128, 28  # Qwen2.5-7B's heads, issue 6'
 N = (H + 2 * KH) * HD
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 COUNTED = ("mma.sync", "wgmma", "cp.async.cg", "ldmatrix", "bar.sync", "ex2.approx", "ld.global", "st.global")
-
-
-def pallas_ttir() -> str:
-  """The Pallas kernel's Triton IR (text), captured while lowering it for CUDA."""
-  captured = []
-  real = pallas_triton_lowering.lower_jaxpr_to_triton_module
-
-  def capture(*args, **kwargs):
-    out = real(*args, **kwargs)
-    captured.append(out)
-    return out
-  pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
-  try:
-    S = jax.ShapeDtypeStruct
-    fn = lambda qkv, bias, kc, vc, mask, cos, sin, sync: da.decode_attention_append(
-        qkv, bias, kc, vc, 3, mask, 1300, cos, sin, num_heads=H, backend="pallas", sync=sync)
-    jax.jit(fn).trace(S((B, N), jnp.float32), S((L, N), jnp.bfloat16), S((L, B, SLOTS, KH, HD), jnp.bfloat16),
-                      S((L, B, SLOTS, KH, HD), jnp.bfloat16), S((B, SLOTS), jnp.int8), S((B, HD // 2), jnp.float32),
-                      S((B, HD // 2), jnp.float32), S((B * KH,), jnp.int32)).lower(lowering_platforms=("cuda",))
-  finally:
-    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = real
-  module = getattr(captured[0], "module", captured[0])
-  return module.operation.get_asm(enable_debug_info=False)
 
 
 def report(name: str, ptx: str, shared: int) -> None:
@@ -66,13 +37,10 @@ def report(name: str, ptx: str, shared: int) -> None:
         f"  shared {shared}  PTX lines {len(ptx.splitlines())}\n    {counts}", flush=True)
 
 
-with tempfile.NamedTemporaryFile("w", suffix=".ttir", delete=False) as f:
-  f.write(pallas_ttir())
-built = triton.compile(f.name, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
-os.unlink(f.name)
-report("Pallas decode_attention_append", built.asm["ptx"], built.metadata.shared)
 w4_gluon._target_cc = lambda: 90
 w4_gluon._ffi_library = lambda: None  # (no GPU: build only)
+built = aa.compile_ttir(aa.pallas_ttir(B, H, KH, SLOTS, HD, L, "bfloat16"), da.APPEND_WARPS, da.APPEND_STAGES)
+report("Pallas decode_attention_append", built.asm["ptx"], built.metadata.shared)
 for prefetch in (0, 1, 2):
   aa.PREFETCH, aa.STAGES = prefetch, 1 if prefetch == 1 else 2
   for gdc in (0, aa.GDC):
