@@ -35,7 +35,6 @@ import numpy as np
 
 from pallas_kernels import decode_attention as da
 
-MASKED_SCORE = da.MASKED_SCORE
 BLOCK_S = 64  # slots a loop step (decode_attention.APPEND_BLOCK_S)
 TARGET_PROGRAMS = 528  # programs over (row, KV head, split) the splits aim at (decode_attention.APPEND_TARGET_PROGRAMS)
 WARPS = 4
@@ -123,23 +122,11 @@ def arg_dtypes(bias_dtype: str = "*fp32") -> tuple:
 def compiled(meta_items: tuple, bias_dtype: str = "*fp32", warps: int = 4, stages: int = 1):
   """``(ptx, kernel name, shared bytes)`` of the kernel for the constexprs ``meta_items`` and ``warps`` warps a
   program (loaded into the FFI launcher on a GPU; :func:`pallas_kernels.w4_gluon._load`)."""
-  import triton
-  from triton.backends.compiler import GPUTarget
-  from triton.compiler import ASTSource
-
   from pallas_kernels import w4_gluon
 
-  fn = _kernel()
-  constexprs = dict(meta_items)
-  types = arg_dtypes(bias_dtype)
-  signature = {fn.arg_names[i]: t for i, t in enumerate(types)}
-  signature.update({name: "constexpr" for name in constexprs})
-  attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(types))}
-  w4_gluon._ensure_triton_cache_dir()
-  out = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
-                       target=GPUTarget("cuda", w4_gluon._target_cc(), 32),
-                       options={"num_warps": warps, "num_stages": stages})
-  return w4_gluon._load(out)
+  return w4_gluon._load(w4_gluon._compile_gluon(_kernel(), arg_dtypes(bias_dtype), dict(meta_items),
+                                                w4_gluon._target_cc(), num_warps=warps,
+                                                options={"num_stages": stages}, gluon=False))
 
 
 _GDC_ASM = ('    %qerl_gdc = tt.elementwise_inline_asm "griddepcontrol.launch_dependents; griddepcontrol.wait; mov.u32 $0, 0;"'

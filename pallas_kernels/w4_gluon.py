@@ -856,20 +856,22 @@ _ARG_DTYPES_XA = ("*bf16", "*bf16", "*i32", "*fp32")  # lora_xa's kernel: x, A [
 
 
 def _compile_gluon(fn, arg_dtypes, constexprs: dict, cc: int, num_warps: int = 4, maxnreg: int | None = None,
-                   options: dict | None = None):
-  """``triton.compile`` of the Gluon kernel ``fn`` for ``sm_{cc}``: its arrays typed ``arg_dtypes``
-  (all 16-byte aligned, as JAX allocates them), ``constexprs`` specialised, at most ``maxnreg``
-  registers a thread if given; ``options``: more of Triton's compile options (the lab's PDL probe passes
-  ``launch_pdl``)."""
+                   options: dict | None = None, gluon: bool = True):
+  """``triton.compile`` of the Gluon kernel ``fn`` (with ``gluon=False``, of a plain Triton ``triton.jit`` kernel)
+  for ``sm_{cc}``: its arrays typed ``arg_dtypes`` (all 16-byte aligned, as JAX allocates them), ``constexprs``
+  specialised, at most ``maxnreg`` registers a thread if given; ``options``: more of Triton's compile options (the
+  lab's PDL probe passes ``launch_pdl``; :mod:`pallas_kernels.append_attention` ``num_stages``)."""
   import triton
   from triton.backends.compiler import GPUTarget
+  from triton.compiler import ASTSource
   from triton.experimental.gluon._runtime import GluonASTSource
 
   signature = {fn.arg_names[i]: d for i, d in enumerate(arg_dtypes)}
   signature.update({name: "constexpr" for name in constexprs})
   attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(arg_dtypes))}
   _ensure_triton_cache_dir()
-  return triton.compile(GluonASTSource(fn, signature, constexprs=dict(constexprs), attrs=attrs),
+  source = GluonASTSource if gluon else ASTSource
+  return triton.compile(source(fn, signature, constexprs=dict(constexprs), attrs=attrs),
                         target=GPUTarget("cuda", cc, 32),
                         options={"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
                                  **(options or {})})
