@@ -230,7 +230,8 @@ def partial_shapes(batch: int, heads_kv: int, head_dim: int, geo: Geometry) -> t
 
 class Buffers(NamedTuple):
   """The chain buffers (indices into :func:`pallas_kernels.w4_gluon.chain_call`'s operands then results) the kernel
-  reads and writes, in its parameter order; ``qkv_offset``: the q/k/v product's first element in its buffer."""
+  reads and writes, in its parameter order; ``qkv_offset``: the q/k/v product's first element in its buffer,
+  ``layer_offset``: the byte offset of the layer index in its buffer."""
   qkv: int
   bias: int
   cos: int
@@ -246,6 +247,7 @@ class Buffers(NamedTuple):
   out: int
   sync: int
   qkv_offset: int = 0
+  layer_offset: int = 0
 
 
 def launch(bufs: Buffers, *, batch: int, heads: int, heads_kv: int, slots: int, head_dim: int, layers: int,
@@ -280,7 +282,7 @@ def launch(bufs: Buffers, *, batch: int, heads: int, heads_kv: int, slots: int, 
     ptx = pallas_build(batch, heads, heads_kv, slots, head_dim, layers, jnp.dtype(bias_dtype).name, pdl)
     q = (bufs.qkv, 4 * bufs.qkv_offset)
     params = (q,) + tuple((b, 0) for b in (bufs.bias, bufs.cos, bufs.sin, bufs.k, bufs.v, bufs.mask)) + (
-        (bufs.layer, 0), (bufs.length, 0), (bufs.sync, 0), (bufs.o_part, 0), (bufs.m_part, 0), (bufs.l_part, 0),
+        (bufs.layer, bufs.layer_offset), (bufs.length, 0), (bufs.sync, 0), (bufs.o_part, 0), (bufs.m_part, 0), (bufs.l_part, 0),
         (bufs.k, 0), (bufs.v, 0), (bufs.out, 0), (bufs.sync, 0))
     return w4_gluon.ChainLaunch(*ptx, grid(batch, heads_kv, geo), 32 * da.APPEND_WARPS, params, pdl=pdl)
   mt = meta(batch, heads, heads_kv, slots, head_dim, layers, has_bias=bias_dtype is not None,
@@ -288,7 +290,8 @@ def launch(bufs: Buffers, *, batch: int, heads: int, heads_kv: int, slots: int, 
   bias_type = "*bf16" if bias_dtype is not None and jnp.dtype(bias_dtype) == jnp.bfloat16 else "*fp32"
   warps = WARPS
   ptx = compiled(tuple(mt.items()), bias_type, warps, STAGES)
-  params = tuple((buf, 4 * bufs.qkv_offset if i == 0 else 0) for i, buf in enumerate(bufs[:14]))
+  offsets = {0: 4 * bufs.qkv_offset, 7: bufs.layer_offset}  # (q/k/v, layer)
+  params = tuple((buf, offsets.get(i, 0)) for i, buf in enumerate(bufs[:14]))
   return w4_gluon.ChainLaunch(*ptx, grid(batch, heads_kv, geo), 32 * warps, params, pdl=pdl)
 
 

@@ -79,6 +79,47 @@ def attention_applies(nxt: NextAttention, rows: int, w_qkv) -> bool:
           and nxt.cos.shape == (b, hd // 2) and nxt.sin.shape == (b, hd // 2))
 
 
+def _attention_io(na: NextAttention, m: int, w_qkv) -> tuple:
+  """The chain's operands and results for :class:`NextAttention` ``na`` (``m`` rows, q/k/v stack ``w_qkv``): ``(bias,
+  operands, results)``, the operands bias, cos, sin, k, v, mask, length, sync (8), the results k, v, the partials
+  o / m / l, the output and sync (7); k, v and sync are aliased operand -> result (:func:`_attention_aliases`).
+  ``bias`` is ``na.bias``, or where there is none and :data:`append_attention.FORM` is ``"pallas"`` (whose kernel
+  always reads one) a float32 zero stack."""
+  n_layers, _, slots, kh, hd = na.k_cache.shape
+  bias = na.bias
+  if bias is None and append_attention.FORM == "pallas":
+    bias = jnp.zeros((n_layers, w_qkv.shape[1]), jnp.float32)
+  operands = [jnp.zeros((1,), jnp.float32) if bias is None else bias, na.cos.astype(jnp.float32),
+              na.sin.astype(jnp.float32), na.k_cache, na.v_cache, na.slot_mask.astype(jnp.int8),
+              jnp.asarray(na.length, jnp.int32).reshape(1), na.sync]
+  geo = append_attention.geometry(m, na.num_heads, kh, slots)
+  results = [jax.ShapeDtypeStruct(na.k_cache.shape, jnp.bfloat16), jax.ShapeDtypeStruct(na.v_cache.shape, jnp.bfloat16)]
+  results += [jax.ShapeDtypeStruct((size,), jnp.float32) for size in append_attention.partial_shapes(m, kh, hd, geo)]
+  results += [jax.ShapeDtypeStruct((m * na.num_heads, hd), jnp.bfloat16), jax.ShapeDtypeStruct(na.sync.shape, jnp.int32)]
+  return bias, operands, results
+
+
+def _attention_aliases(i_att: int, r_att: int) -> dict:
+  """``{operand: result}`` of :func:`_attention_io`'s k, v and sync, its operands from ``i_att`` and its results from
+  result index ``r_att``."""
+  return {i_att + 3: r_att, i_att + 4: r_att + 1, i_att + 7: r_att + 6}
+
+
+def _attention_launch(na: NextAttention, bias, m: int, i_att: int, r_att: int, qkv_buf: int, layer_buf: int, *,
+                      layer_offset: int = 0, skip_past_last: bool = False, pdl: bool) -> w4_gluon.ChainLaunch:
+  """:mod:`pallas_kernels.append_attention`'s kernel over :func:`_attention_io`'s buffers (operands from buffer
+  ``i_att``, results from buffer ``r_att``), the q/k/v product at the head of ``qkv_buf`` and the layer index in
+  ``layer_buf`` at ``layer_offset`` bytes."""
+  n_layers, _, slots, kh, hd = na.k_cache.shape
+  bufs = append_attention.Buffers(qkv=qkv_buf, bias=i_att, cos=i_att + 1, sin=i_att + 2, k=r_att, v=r_att + 1,
+                                  mask=i_att + 5, layer=layer_buf, length=i_att + 6, o_part=r_att + 2,
+                                  m_part=r_att + 3, l_part=r_att + 4, out=r_att + 5, sync=r_att + 6,
+                                  layer_offset=layer_offset)
+  return append_attention.launch(bufs, batch=m, heads=na.num_heads, heads_kv=kh, slots=slots, head_dim=hd,
+                                 layers=n_layers, bias_dtype=None if bias is None else bias.dtype,
+                                 bias_stacked=bias is not None, skip_past_last=skip_past_last, pdl=pdl)
+
+
 @functools.lru_cache(maxsize=None)
 def _swiglu_kernel():
   """The Gluon SwiGLU kernel (imports triton lazily): program ``p`` writes ``y``'s elements ``p * C .. p * C + C
@@ -286,25 +327,18 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
   ops.append(acc)
   aliases = {i_acc: 0}
   if next_attention is not None:  # (after acc: the operands before it keep their places)
-    na = next_attention
+    att_bias, att_ops, att_out = _attention_io(next_attention, m, w_qkv)
     i_att = len(ops)  # bias, cos, sin, k, v, mask, length, sync
-    ops += [jnp.zeros((1,), jnp.float32) if na.bias is None else na.bias, na.cos.astype(jnp.float32),
-            na.sin.astype(jnp.float32), na.k_cache, na.v_cache, na.slot_mask.astype(jnp.int8),
-            jnp.asarray(na.length, jnp.int32).reshape(1), na.sync]
+    ops += att_ops
   n_ops = len(ops)
   r_acc, r_h1, r_x1, r_y, r_h2, r_x, r_z = range(n_ops, n_ops + 7)
   out = [jax.ShapeDtypeStruct(acc.shape, jnp.float32)] + [jax.ShapeDtypeStruct((m, d), jnp.bfloat16)] * 2 + [
       jax.ShapeDtypeStruct((m, inter), jnp.bfloat16)] + [jax.ShapeDtypeStruct((m, d), jnp.bfloat16)] * 2 + [
       jax.ShapeDtypeStruct((zero_size,), jnp.float32)]
   if next_attention is not None:  # results: k, v (aliased), the partials, o_next, sync (aliased)
-    n_layers, _, slots, kh, hd = na.k_cache.shape
-    geo = append_attention.geometry(m, na.num_heads, kh, slots)
     r_att = n_ops + len(out)
-    out += [jax.ShapeDtypeStruct(na.k_cache.shape, jnp.bfloat16), jax.ShapeDtypeStruct(na.v_cache.shape, jnp.bfloat16)]
-    out += [jax.ShapeDtypeStruct((size,), jnp.float32)
-            for size in append_attention.partial_shapes(m, kh, hd, geo)]
-    out += [jax.ShapeDtypeStruct((m * na.num_heads, hd), jnp.bfloat16), jax.ShapeDtypeStruct(na.sync.shape, jnp.int32)]
-    aliases.update({i_att + 3: r_att - n_ops, i_att + 4: r_att + 1 - n_ops, i_att + 7: r_att + 6 - n_ops})
+    aliases.update(_attention_aliases(i_att, len(out)))
+    out += att_out
 
   def gemv(which: int, x_buf: int, at: int, first: bool, out: int | None = None,
            layer_buf: int | None = None) -> w4_gluon.ChainLaunch:
@@ -324,13 +358,8 @@ def post_attention(o: jax.Array, h: jax.Array, acc: jax.Array, offset: int, w_o,
   if w_qkv is not None:  # the next layer's q/k/v into the head of the new buffer
     launches.append(gemv(3, r_x, 0, False, out=r_z, layer_buf=i_next))
   if next_attention is not None:  # the next layer's attention on it (nothing past the last layer)
-    bufs = append_attention.Buffers(qkv=r_z, bias=i_att, cos=i_att + 1, sin=i_att + 2, k=r_att, v=r_att + 1,
-                                    mask=i_att + 5, layer=i_next, length=i_att + 6, o_part=r_att + 2,
-                                    m_part=r_att + 3, l_part=r_att + 4, out=r_att + 5, sync=r_att + 6)
-    launches.append(append_attention.launch(
-        bufs, batch=m, heads=na.num_heads, heads_kv=kh, slots=slots, head_dim=hd, layers=n_layers,
-        bias_dtype=None if na.bias is None else na.bias.dtype, bias_stacked=na.bias is not None,
-        skip_past_last=True, pdl=pdl))
+    launches.append(_attention_launch(next_attention, att_bias, m, i_att, r_att, r_z, i_next, skip_past_last=True,
+                                      pdl=pdl))
   res = w4_gluon.chain_call(launches, ops, out, aliases=aliases)
   acc, _, _, _, h2, x_next, zeros = res[:7]
   if next_attention is None:
@@ -389,8 +418,6 @@ def decode_layers(h: jax.Array, o0: jax.Array, buffer0: jax.Array, offset: int, 
                      f"after it; got {buffer0.dtype}{list(buffer0.shape)}")
   pdl = pdl and w4_gluon._target_cc() >= 90
   na = attention
-  _, _, slots, kh, hd = na.k_cache.shape
-  geo = append_attention.geometry(m, na.num_heads, kh, slots)
 
   ops, weights = [], []
   for w in (w_o, w_gate_up, w_down, w_qkv):
@@ -405,23 +432,19 @@ def decode_layers(h: jax.Array, o0: jax.Array, buffer0: jax.Array, offset: int, 
     ops += [stacks.weight, jnp.zeros((1,), jnp.float32) if stacks.noise is None else stacks.noise]
   i_h0, i_o0, i_buf0 = len(ops), len(ops) + 1, len(ops) + 2
   ops += [h, o0, buffer0]
-  bias = na.bias
-  if bias is None and append_attention.FORM == "pallas":  # (that kernel always reads a bias)
-    bias = jnp.zeros((n_layers, w_qkv.shape[1]), jnp.float32)
+  bias, att_ops, att_out = _attention_io(na, m, w_qkv)
   i_att = len(ops)  # bias, cos, sin, k, v, mask, length, sync
-  ops += [jnp.zeros((1,), jnp.float32) if bias is None else bias, na.cos.astype(jnp.float32),
-          na.sin.astype(jnp.float32), na.k_cache, na.v_cache, na.slot_mask.astype(jnp.int8),
-          jnp.asarray(na.length, jnp.int32).reshape(1), na.sync]
+  ops += att_ops
   n_ops = len(ops)
   bf, f32 = jnp.bfloat16, jnp.float32
   out = [jax.ShapeDtypeStruct((zero_size,), f32)] * 2  # the accumulators A (aliased to buffer0) and B
   out += [jax.ShapeDtypeStruct((m, d), bf)] * 4  # the residual stream's two buffers, x after attention, x next
-  out += [jax.ShapeDtypeStruct((m, inter), bf), jax.ShapeDtypeStruct((m * na.num_heads, hd), bf)]  # SwiGLU's y, o
-  out += [jax.ShapeDtypeStruct(na.k_cache.shape, bf), jax.ShapeDtypeStruct(na.v_cache.shape, bf)]
-  out += [jax.ShapeDtypeStruct((size,), f32) for size in append_attention.partial_shapes(m, kh, hd, geo)]
-  out += [jax.ShapeDtypeStruct(na.sync.shape, jnp.int32)]
-  r_a, r_b, r_ha, r_hb, r_x1, r_x, r_y, r_o, r_k, r_v, r_po, r_pm, r_pl, r_sync = range(n_ops, n_ops + len(out))
-  aliases = {i_buf0: 0, i_att + 3: r_k - n_ops, i_att + 4: r_v - n_ops, i_att + 7: r_sync - n_ops}
+  out += [jax.ShapeDtypeStruct((m, inter), bf)]  # SwiGLU's y
+  # then the attention's: k, v, the partials, its output o (each layer's), sync
+  r_a, r_b, r_ha, r_hb, r_x1, r_x, r_y = range(n_ops, n_ops + len(out))
+  r_att, r_o = n_ops + len(out), n_ops + len(out) + 5
+  aliases = {i_buf0: 0, **_attention_aliases(i_att, len(out))}
+  out += att_out
   gemv = lambda i_w, w, x_buf, out_buf, at, layer, first=False: _gemv_launch(
       m, w, i_w, x_buf, i_idx, out_buf, at, pdl=pdl, first=first, layer_offset=16 * layer)
   launches = []
@@ -439,17 +462,11 @@ def decode_layers(h: jax.Array, o0: jax.Array, buffer0: jax.Array, offset: int, 
         _norm_launch(m, d, nxt, i_norm + 2, eps, r_hb, acc, down_at, i_idx, r_ha, r_x, 0 if last else zero_size,
                      new, pdl=pdl, layer_offset=16 * layer)]
     if not last:  # the next layer's q/k/v into the head of its (just zeroed) accumulator, then its attention
-      bufs = append_attention.Buffers(qkv=new, bias=i_att, cos=i_att + 1, sin=i_att + 2, k=r_k, v=r_v,
-                                      mask=i_att + 5, layer=i_idx, length=i_att + 6, o_part=r_po, m_part=r_pm,
-                                      l_part=r_pl, out=r_o, sync=r_sync)
-      att = append_attention.launch(bufs, batch=m, heads=na.num_heads, heads_kv=kh, slots=slots, head_dim=hd,
-                                    layers=n_layers, bias_dtype=None if bias is None else bias.dtype,
-                                    bias_stacked=bias is not None, pdl=pdl)
-      params = list(att.params)
-      params[7] = (i_idx, 16 * (layer + 1))  # the layer parameter
-      launches += [gemv(i_qkv, w_qkv, r_x, new, 0, layer + 1), att._replace(params=tuple(params))]
+      launches += [gemv(i_qkv, w_qkv, r_x, new, 0, layer + 1),
+                   _attention_launch(na, bias, m, i_att, r_att, new, i_idx, layer_offset=16 * (layer + 1), pdl=pdl)]
   res = w4_gluon.chain_call(launches, ops, out, aliases=aliases)
-  return res[2], res[5], res[8], res[9], res[13]
+  k_out = r_att - n_ops
+  return res[r_ha - n_ops], res[r_x - n_ops], res[k_out], res[k_out + 1], res[k_out + 6]
 
 
 __all__ = ["NextAttention", "NormStacks", "applies", "attention_applies", "decode_layers", "post_attention"]

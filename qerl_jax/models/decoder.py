@@ -376,9 +376,9 @@ def _layer(cfg, inv_freq, lora_scale, h, lp, ll, nn, kv, mask_BxTxS, positions, 
       nxt = decode_chain.NextAttention(kc, vc, sync, _stack_of(bias_stack), *decode, cfg.num_heads)
       out = _after_attention(cfg, lora_scale, h, o.reshape(b, t, cfg.q_dim), lp, ll, nn, acc, norms, li,
                              next_attention=nxt)
-      return out[:4], out[4][1:]
+      return out[:4], out[4]
     if norms is not None and norms.qkv_ahead:  # written by the previous layer's chain (PDL_CHAIN = 3)
-      qkv, bias = acc.buffer, (bias_stack.tensor if isinstance(bias_stack, layers.StackedWeight) else bias_stack)
+      qkv, bias = acc.buffer, _stack_of(bias_stack)
     elif _bf16_qkv(x, attn["qkv"], acc):  # the large-M route's bf16 q/k/v, bias and adapter in the GEMM's epilogue
       qkv, bias = layers.linear(x, attn["qkv"], bias=layers.layer_array(bias_stack), lora=la.get("qkv"),
                                 lora_scale=lora_scale).reshape(b, -1), None
@@ -479,7 +479,7 @@ def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None, norms=None, li
   come from one :func:`pallas_kernels.residual_norm.residual_rms_norm` (and with ``norms.w_post`` the o
   residual and the post-attention norm from another): returns ``(h, x_next, buffer_next)``; with ``next_attention``
   (:data:`PDL_CHAIN` = 4, ``norms.attn_ahead``) the chain also runs the next layer's attention, and this returns
-  ``(h, x_next, buffer_next, o_next, (o_next, k cache, v cache, sync))``."""
+  ``(h, x_next, buffer_next, o_next, (k cache, v cache, sync))``."""
   eps = cfg.rms_norm_eps
   attn, la = lp["attn"], ll.get("attn", {})
   mlp, lm = lp["mlp"], ll.get("mlp", {})
@@ -487,7 +487,7 @@ def _after_attention(cfg, lora_scale, h, o, lp, ll, nn, acc=None, norms=None, li
     chained = _chained_after_attention(cfg, h, o, lp, ll, acc, norms, next_attention)
     if chained is not None:
       return chained
-  if norms is not None and (norms.qkv_ahead or norms.attn_ahead):  # (_layer_end_inputs checked layer 0; every layer has its shapes)
+  if norms is not None and norms.qkv_ahead:  # (_layer_end_inputs checked layer 0; every layer has its shapes)
     raise RuntimeError("decoder: PDL_CHAIN = 3 computed the next q/k/v ahead, but a layer did not take the chain")
   y, bias, acc, finished = _linear_region(attn, la, "o", o, lora_scale, acc)
   w_post = ll.get("post_attn_norm", lp["post_attn_norm"])
@@ -552,8 +552,8 @@ def _chained_after_attention(cfg, h, o, lp, ll, acc, norms, next_attention=None)
   returning ``(h, x_next, buffer_next)`` as :func:`_fused_layer_end`; or None where the chain does not apply (a
   bias or adapter on o, gate/up or down, separate gate and up, weights not on stacked 4-bit tensors, builds it
   cannot chain). With ``next_attention`` (:class:`pallas_kernels.decode_chain.NextAttention`, ``norms.attn_ahead``)
-  the chain also runs the next layer's attention: returns ``(h, x_next, buffer_next, o_next, attention)``,
-  ``attention`` the chain's ``(o_next, k cache, v cache, sync)``."""
+  the chain also runs the next layer's attention: returns ``(h, x_next, buffer_next, o_next, (k cache, v cache,
+  sync))``."""
   la, lm = ll.get("attn", {}), ll.get("mlp", {})
   if la.get("o") is not None or any(lm.get(n) is not None for n in ("gate", "up", "gate_up", "down")):
     return None
@@ -575,12 +575,12 @@ def _chained_after_attention(cfg, h, o, lp, ll, acc, norms, next_attention=None)
   out = decode_chain.post_attention(
       o2, h2, acc.buffer, acc.offset, w_o, w_gu, w_down, index, post, nxt, cfg.rms_norm_eps, zero_size=acc.size,
       pdl=PDL_CHAIN != 2, next_qkv=None if w_qkv is None else (w_qkv, jnp.asarray(index, jnp.int32) + 1),
-      **({} if next_attention is None else {"next_attention": next_attention}))
+      next_attention=next_attention)
   h2, x_next, buffer = out[0], out[1], out[2]
   if next_attention is None:
     return h2.reshape(b, t, d), x_next.reshape(b, t, d), buffer
-  o_next = out[4][0].reshape(b * t, -1)
-  return h2.reshape(b, t, d), x_next.reshape(b, t, d), buffer, o_next, (o_next, *out[4][1:])
+  o_next, kc, vc, sync = out[4]
+  return h2.reshape(b, t, d), x_next.reshape(b, t, d), buffer, o_next.reshape(b * t, -1), (kc, vc, sync)
 
 
 def _fused_layer_end(cfg, lora_scale, h, x, mlp, lm, acc, w_next, noise_next, li):
@@ -772,8 +772,8 @@ def forward(cfg: ModelConfig, base: dict, tokens: jax.Array, positions: jax.Arra
     bias = _stack_of(stacked["attn"].get("qkv_bias"))
     first = decode_chain.NextAttention(kc0, vc0, sync0, bias, *decode, cfg.num_heads)
     if decode_chain.attention_applies(first, b * t, stacked["attn"]["qkv"]):
-      o0, kc0, vc0, sync0 = append_attention.attend_append(buf0, bias, kc0, vc0, np.int32(0), *decode[:2],
-                                                           *decode[2:], num_heads=cfg.num_heads, sync=sync0)
+      o0, kc0, vc0, sync0 = append_attention.attend_append(buf0, bias, kc0, vc0, np.int32(0), *decode,
+                                                           num_heads=cfg.num_heads, sync=sync0)
       o0 = o0.reshape(b, cfg.q_dim)
       end = (end[0], end[1], end[2]._replace(attn_ahead=True))
   if o0 is not None and PDL_CHAIN == 5 and _layers_call_applies(scanned):
