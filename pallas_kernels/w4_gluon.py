@@ -1404,8 +1404,10 @@ def chain_call(launches, operands, out_shapes, *, zero_results: int = 0, aliases
     launch += [*k.grid, k.threads, k.shared, int(bool(k.pdl))]
   # A kernel launched again in the same call has its PTX once: the launcher finds later ones by key (loaded by the
   # first), so "=" stands for it (a decode step's layers in one call repeat each kernel once a layer).
-  seen = set()
-  ptxs = [k.ptx if key not in seen and not seen.add(key) else "=" for key, k in zip(keys, launches)]
+  ptxs, seen = [], set()
+  for key, k in zip(keys, launches):
+    ptxs.append("=" if key in seen else k.ptx)
+    seen.add(key)
   return jax.ffi.ffi_call(_CHAIN_TARGET, list(out_shapes), input_output_aliases=aliases or {})(
       *operands, keys=_FIELD_SEPARATOR.join(keys), ptxs=_FIELD_SEPARATOR.join(ptxs),
       names=_FIELD_SEPARATOR.join(k.name for k in launches), launch=np.asarray(launch, np.int64),
