@@ -24,8 +24,13 @@
 // kernel name computed once in Python, so that a launch looks up a few dozen bytes instead of copying
 // and comparing the whole PTX: qerl_gluon_preload loads them outside any stream capture (called from
 // Python when a call is built); the handler loads on a miss.
+// Lab knob (session 64): where the environment variable QERL_GLUON_CARVEOUT holds a percentage 0-100 when a module
+// is loaded, each kernel's preferred shared-memory carveout (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT) is
+// set to it; unset (the default), the driver chooses.
 
 #include <dlfcn.h>
+
+#include <cstdlib>
 
 #include <cstdint>
 #include <map>
@@ -117,6 +122,16 @@ std::mutex cache_mutex;
 std::map<std::pair<CUcontext, std::string>, CUfunction> cache;
 
 constexpr int kMaxDynamicSharedSizeBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+constexpr int kPreferredSharedMemoryCarveout = 9;  // CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+
+// QERL_GLUON_CARVEOUT as a percentage 0-100, or -1 where it is unset or not one.
+int CarveoutFromEnvironment() {
+  const char* text = std::getenv("QERL_GLUON_CARVEOUT");
+  if (text == nullptr || *text == 0) return -1;
+  char* end = nullptr;
+  const long value = std::strtol(text, &end, 10);
+  return (*end == 0 && value >= 0 && value <= 100) ? static_cast<int>(value) : -1;
+}
 
 // The kernel `name` of `ptx` (digest `key`) in the current context; loads the module on a miss. 0 on success.
 CUresult Function(const Driver& d, std::string_view key, std::string_view ptx, std::string_view name, int64_t shared,
@@ -138,6 +153,11 @@ CUresult Function(const Driver& d, std::string_view key, std::string_view ptx, s
   if (r != 0) return r;
   if (shared > 48 * 1024) {
     r = d.func_set_attribute(*fn, kMaxDynamicSharedSizeBytes, static_cast<int>(shared));
+    if (r != 0) return r;
+  }
+  static const int carveout = CarveoutFromEnvironment();
+  if (carveout >= 0) {
+    r = d.func_set_attribute(*fn, kPreferredSharedMemoryCarveout, carveout);
     if (r != 0) return r;
   }
   cache.emplace(cache_key, *fn);

@@ -68,6 +68,7 @@
 #   STEPS=84 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=87 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=88 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=97 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -944,4 +945,16 @@ step 96 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -
   for c in 3 5 3 5; do echo "== PDL_CHAIN=$c FORM=pallas"; MODEL_SET="PDL_CHAIN=$c" AA_SET="FORM=pallas" timeout 120 \
     python3 experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=2048 --formats=nvfp4_fused,bf16_fused 2>&1 \
     | grep -E "_fused \||Error"; done; } | tee "$OUT/step96.txt"
+# 97 (session 64, prepared; about 6 minutes): step 96 (H100) found PDL_CHAIN = 5 with FORM = "pallas" as slow as with
+#    the Triton kernel (2.716 against 2.413 ms for 3): the same code is slower launched by the FFI launcher than by
+#    XLA. The kernel alone by XLA ("merge"), by the launcher ("tl", "pl": the Pallas build), then the same with the
+#    launcher's kernels preferring the largest shared-memory carveout (QERL_GLUON_CARVEOUT=100), then issue 6's
+#    batch-8 row (NVFP4 only) with PDL_CHAIN = 3 and 5 + FORM "pallas" under that carveout; first step 95's check
+#    of the Triton kernel's bit rounding.
+step 97 && { timeout 100 python3 experiments/lab/append_diag.py 2>&1 | grep -E "^length|first|Error"
+  for c in "" 100; do echo "== QERL_GLUON_CARVEOUT=$c"; QERL_GLUON_CARVEOUT=$c APPEND_BATCHES=8 APPEND_LENGTH=1300 \
+    APPEND_VARIANTS="merge;tl;pl" timeout 100 python3 experiments/lab/time_append.py 2>&1 | grep -E "^batch|Error"; done
+  for c in 3 5; do echo "== PDL_CHAIN=$c FORM=pallas QERL_GLUON_CARVEOUT=100"; QERL_GLUON_CARVEOUT=100 \
+    MODEL_SET="PDL_CHAIN=$c" AA_SET="FORM=pallas" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8 \
+    --new_tokens=2048 --formats=nvfp4_fused 2>&1 | grep -E "_fused \||Error"; done; } | tee "$OUT/step97.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)

@@ -84,6 +84,19 @@ VARIANTS["tl t1056"] = tl_set(TARGET_PROGRAMS=1056)
 VARIANTS["tl s3"] = tl_set(STAGES=3)
 VARIANTS["tl p1"] = tl_set(PREFETCH=1, STAGES=1)  # the next block prefetched in registers (210 registers)
 VARIANTS["tl p2"] = tl_set(PREFETCH=2)  # the first block's lines prefetched into the L2
+
+
+def pallas_form():
+  """Session 64: the Pallas kernel's own build (append_attention.FORM = "pallas") launched alone by the FFI launcher,
+  against the same kernel launched by XLA ("merge"): it takes the bias as a stack."""
+  inner = tl_set(FORM="pallas")
+
+  def call(y, bias, *rest):
+    return inner(y, jnp.broadcast_to(bias, (L,) + bias.shape), *rest)
+  return call
+
+
+VARIANTS["pl"] = pallas_form()
 VARIANTS = {k: v for k, v in VARIANTS.items() if not os.environ.get("APPEND_VARIANTS")
             or k in os.environ["APPEND_VARIANTS"].split(";")}
 
