@@ -24,6 +24,8 @@
 // kernel name computed once in Python, so that a launch looks up a few dozen bytes instead of copying
 // and comparing the whole PTX: qerl_gluon_preload loads them outside any stream capture (called from
 // Python when a call is built); the handler loads on a miss.
+// A kernel's "PTX" may instead be "cubin:" and the base64 of a cubin (the kernel as Triton's own ptxas built it), which
+// the driver loads without its PTX JIT (w4_gluon.IMAGE).
 // Lab knob (session 64): where the environment variable QERL_GLUON_CARVEOUT holds a percentage 0-100 when a module
 // is loaded, each kernel's preferred shared-memory carveout (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT) is
 // set to it; unset (the default), the driver chooses.
@@ -124,6 +126,32 @@ std::map<std::pair<CUcontext, std::string>, CUfunction> cache;
 constexpr int kMaxDynamicSharedSizeBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 constexpr int kPreferredSharedMemoryCarveout = 9;  // CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
 
+// The bytes of the base64 text `text` (RFC 4648 alphabet, '=' padding); stops at the first other character.
+std::string Base64Decode(std::string_view text) {
+  std::string out;
+  out.reserve(text.size() / 4 * 3);
+  uint32_t bits = 0;
+  int count = 0;
+  for (char c : text) {
+    int v;
+    if (c >= 'A' && c <= 'Z') v = c - 'A';
+    else if (c >= 'a' && c <= 'z') v = c - 'a' + 26;
+    else if (c >= '0' && c <= '9') v = c - '0' + 52;
+    else if (c == '+') v = 62;
+    else if (c == '/') v = 63;
+    else break;
+    bits = (bits << 6) | static_cast<uint32_t>(v);
+    count += 6;
+    if (count >= 8) {
+      count -= 8;
+      out.push_back(static_cast<char>((bits >> count) & 0xff));
+    }
+  }
+  return out;
+}
+
+constexpr std::string_view kCubinPrefix = "cubin:";
+
 // QERL_GLUON_CARVEOUT as a percentage 0-100, or -1 where it is unset or not one.
 int CarveoutFromEnvironment() {
   const char* text = std::getenv("QERL_GLUON_CARVEOUT");
@@ -147,7 +175,10 @@ CUresult Function(const Driver& d, std::string_view key, std::string_view ptx, s
     return 0;
   }
   CUmodule module = nullptr;
-  r = d.module_load_data(&module, std::string(ptx).c_str());
+  const std::string image = ptx.substr(0, kCubinPrefix.size()) == kCubinPrefix
+                                ? Base64Decode(ptx.substr(kCubinPrefix.size()))
+                                : std::string(ptx);
+  r = d.module_load_data(&module, image.c_str());
   if (r != 0) return r;
   r = d.module_get_function(fn, module, std::string(name).c_str());
   if (r != 0) return r;

@@ -69,6 +69,7 @@
 #   STEPS=87 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=88 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=97 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=98 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -957,4 +958,20 @@ step 97 && { timeout 100 python3 experiments/lab/append_diag.py 2>&1 | grep -E "
   for c in 3 5; do echo "== PDL_CHAIN=$c FORM=pallas QERL_GLUON_CARVEOUT=100"; QERL_GLUON_CARVEOUT=100 \
     MODEL_SET="PDL_CHAIN=$c" AA_SET="FORM=pallas" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8 \
     --new_tokens=2048 --formats=nvfp4_fused 2>&1 | grep -E "_fused \||Error"; done; } | tee "$OUT/step97.txt"
+# 98 (session 64, prepared; about 6 minutes): step 97 (H100) found the Pallas attention's own build 546 us for 28
+#    layers launched by the FFI launcher against 397 launched by XLA, with or without the largest shared-memory
+#    carveout (which slowed the chained GEMVs: 2.681 ms a batch-8 step). The launcher hands the driver PTX, which its
+#    JIT compiles; XLA and Triton load a cubin built by ptxas. The kernel alone with the launcher loading Triton's
+#    cubins (w4_gluon.IMAGE = "cubin"), then issue 6's batch-8 row with PDL_CHAIN = 3 (PTX, cubins) and 5 + FORM
+#    "pallas" (cubins).
+step 98 && { nvidia-smi --query-gpu=driver_version --format=csv,noheader
+  "$(python3 -c 'import triton, os; print(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas"))')" \
+    --version | tail -1
+  for image in ptx cubin; do echo "== QERL_GLUON_IMAGE=$image"; QERL_GLUON_IMAGE=$image APPEND_BATCHES=8 \
+    APPEND_LENGTH=1300 APPEND_VARIANTS="merge;tl;pl" timeout 100 python3 experiments/lab/time_append.py 2>&1 \
+    | grep -E "^batch|Error"; done
+  for run in "ptx 3" "cubin 3" "cubin 5"; do set -- $run; echo "== QERL_GLUON_IMAGE=$1 PDL_CHAIN=$2 FORM=pallas"
+    QERL_GLUON_IMAGE=$1 MODEL_SET="PDL_CHAIN=$2" AA_SET="FORM=pallas" timeout 110 python3 \
+    experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=2048 --formats=nvfp4_fused,bf16_fused 2>&1 \
+    | grep -E "_fused \||Error"; done; } | tee "$OUT/step98.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
