@@ -70,6 +70,7 @@
 #   STEPS=88 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=97 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=98 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=99 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -974,4 +975,10 @@ step 98 && { nvidia-smi --query-gpu=driver_version --format=csv,noheader
     QERL_GLUON_IMAGE=$1 MODEL_SET="PDL_CHAIN=$2" AA_SET="FORM=pallas" timeout 110 python3 \
     experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=2048 --formats=nvfp4_fused,bf16_fused 2>&1 \
     | grep -E "_fused \||Error"; done; } | tee "$OUT/step98.txt"
+# 99 (session 64, prepared; about 1 minute): step 98 (H100) found the launcher's loading of cubins changes nothing
+#    (the Pallas build 549 us launched by it, 394 by XLA). The kernel as XLA built it (its PTX from XLA's dump, kept
+#    under $OUT) launched by the FFI launcher ("px"): if it runs as XLA's launch does, XLA's build is what is faster.
+step 99 && { XLA_FLAGS="--xla_dump_to=/tmp/xla_dump" APPEND_XLA_DUMP=/tmp/xla_dump APPEND_BATCHES=8 APPEND_LENGTH=1300 \
+    APPEND_VARIANTS="merge;pl;px" timeout 150 python3 experiments/lab/time_append.py 2>&1 | grep -E "^batch|^xla|Error"
+  ls /tmp/xla_dump | sed 's/.*\.//' | sort | uniq -c | head; } | tee "$OUT/step99.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)

@@ -97,6 +97,53 @@ def pallas_form():
 
 
 VARIANTS["pl"] = pallas_form()
+
+
+def xla_entry(dump: str):
+  """``(module PTX, kernel name, .param count)`` of the decode attention as XLA built it: the first kernel with
+  ``mma.sync`` in the PTX files of the dump folder ``dump`` (XLA_FLAGS=--xla_dump_to, a "merge" variant run first)."""
+  import glob
+  import re
+  for path in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
+    text = open(path).read()
+    starts = [m.start() for m in re.finditer(r"^\.visible \.entry |^\.entry ", text, re.M)] + [len(text)]
+    for a, b in zip(starts, starts[1:]):
+      if "mma.sync" in text[a:b]:
+        name = re.match(r"(?:\.visible )?\.entry (\S+)\(", text[a:b]).group(1)
+        params = text[a:text.index(")", a)].count(".param")
+        return text, name, params, path
+  raise RuntimeError(f"no PTX kernel with mma.sync under {dump}")
+
+
+def xla_form():
+  """Session 64: the decode attention as XLA compiled it (its PTX from XLA's dump of the "merge" variant) launched
+  by the FFI launcher with the "pl" variant's parameters: is it the build or the launch that is slower?"""
+  from pallas_kernels import append_attention as aa
+  from pallas_kernels import w4_gluon
+  inner = pallas_form()
+
+  def call(*args):
+    text, name, params, path = xla_entry(os.environ["APPEND_XLA_DUMP"])
+    shared = 48 * 1024  # XLA's dynamic shared bytes are not in its PTX; the most without the opt-in attribute
+    print(f"xla kernel {name} from {os.path.basename(path)}: {params} parameters, shared {shared}", flush=True)
+    if os.environ.get("OUT"):
+      open(os.path.join(os.environ["OUT"], "xla_attention.ptx"), "w").write(text)
+    lib = w4_gluon._ffi_library()
+    for device in w4_gluon._gpu_devices():
+      err = lib.qerl_gluon_preload(w4_gluon._module_key(text, name).encode(), text.encode(), name.encode(),
+                                   device.id, shared)
+      if err:
+        raise RuntimeError(f"loading {name} failed (CUresult {err})")
+    old = aa.pallas_build
+    aa.pallas_build = lambda *a, **k: (text, name, shared)
+    try:
+      return inner(*args)
+    finally:
+      aa.pallas_build = old
+  return call
+
+
+VARIANTS["px"] = xla_form()
 VARIANTS = {k: v for k, v in VARIANTS.items() if not os.environ.get("APPEND_VARIANTS")
             or k in os.environ["APPEND_VARIANTS"].split(";")}
 
