@@ -981,5 +981,6 @@ step 98 && { nvidia-smi --query-gpu=driver_version --format=csv,noheader
 #    (Without the persistent compilation cache: a cached executable dumps no PTX.)
 step 99 && { rm -rf /tmp/xla_dump; JAX_ENABLE_COMPILATION_CACHE=false XLA_FLAGS="--xla_dump_to=/tmp/xla_dump" \
     APPEND_XLA_DUMP=/tmp/xla_dump APPEND_BATCHES=8 APPEND_LENGTH=1300 APPEND_VARIANTS="merge;pl;px" timeout 150 python3 experiments/lab/time_append.py 2>&1 | grep -E "^batch|^xla|Error"
-  ls -la /tmp/xla_dump | grep jit_run | head -20; } | tee "$OUT/step99.txt"
+  ls -la /tmp/xla_dump/*.jit_run/ | head -20; grep -h -i -m3 "shmem\|shared" /tmp/xla_dump/*jit_run.thunk_sequence.txt
+  mkdir -p "$OUT/xla_dump" && cp /tmp/xla_dump/*jit_run.thunk_sequence.txt "$OUT/xla_dump/"; } | tee "$OUT/step99.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)

@@ -104,7 +104,7 @@ def xla_entry(dump: str):
   ``mma.sync`` in the PTX files of the dump folder ``dump`` (XLA_FLAGS=--xla_dump_to, a "merge" variant run first)."""
   import glob
   import re
-  for path in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
+  for path in sorted(glob.glob(os.path.join(dump, "**", "*.ptx"), recursive=True)):
     text = open(path).read()
     starts = [m.start() for m in re.finditer(r"^\.visible \.entry |^\.entry ", text, re.M)] + [len(text)]
     for a, b in zip(starts, starts[1:]):
