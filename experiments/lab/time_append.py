@@ -99,20 +99,31 @@ def pallas_form():
 VARIANTS["pl"] = pallas_form()
 
 
-def xla_entry(dump: str):
-  """``(module PTX, kernel name, .param count)`` of the decode attention as XLA built it: the first kernel with
-  ``mma.sync`` in the PTX files of the dump folder ``dump`` (XLA_FLAGS=--xla_dump_to, a "merge" variant run first)."""
-  import glob
+def xla_entry(args):
+  """``(module PTX, kernel name, .param count)`` of the decode attention as XLA builds it: the "merge" variant's call
+  on arguments shaped as ``args`` compiled alone, its executable serialized, and its PTX (XLA keeps the module's
+  PTX text in it) cut at the first non-text byte; the kernel is the PTX's first with ``mma.sync``."""
   import re
-  for path in sorted(glob.glob(os.path.join(dump, "**", "*.ptx"), recursive=True)):
-    text = open(path).read()
-    starts = [m.start() for m in re.finditer(r"^\.visible \.entry |^\.entry ", text, re.M)] + [len(text)]
-    for a, b in zip(starts, starts[1:]):
-      if "mma.sync" in text[a:b]:
-        name = re.match(r"(?:\.visible )?\.entry (\S+)\(", text[a:b]).group(1)
-        params = text[a:text.index(")", a)].count(".param")
-        return text, name, params, path
-  raise RuntimeError(f"no PTX kernel with mma.sync under {dump}")
+  from jax.experimental import serialize_executable
+  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a for a in args]
+  fn = variant(merge=True)
+  statics = [i for i, a in enumerate(shapes) if not hasattr(a, "shape")]
+  compiled = jax.jit(fn, static_argnums=statics).lower(*shapes).compile()
+  payload = serialize_executable.serialize(compiled)[0]
+  start = payload.find(b".version ")
+  if start < 0:
+    raise RuntimeError("no PTX in the serialized executable")
+  end = start
+  while end < len(payload) and (32 <= payload[end] < 127 or payload[end] in (9, 10, 13)):
+    end += 1
+  text = payload[start:end].decode("ascii")
+  text = text[:text.rindex("}") + 1] + "\n"
+  starts = [m.start() for m in re.finditer(r"^\.visible \.entry |^\.entry ", text, re.M)] + [len(text)]
+  for a, b in zip(starts, starts[1:]):
+    if "mma.sync" in text[a:b]:
+      name = re.match(r"(?:\.visible )?\.entry (\S+)\(", text[a:b]).group(1)
+      return text, name, text[a:text.index(")", a)].count(".param")
+  raise RuntimeError("no PTX kernel with mma.sync in the serialized executable")
 
 
 def xla_form():
@@ -123,9 +134,11 @@ def xla_form():
   inner = pallas_form()
 
   def call(*args):
-    text, name, params, path = xla_entry(os.environ["APPEND_XLA_DUMP"])
-    shared = 48 * 1024  # XLA's dynamic shared bytes are not in its PTX; the most without the opt-in attribute
-    print(f"xla kernel {name} from {os.path.basename(path)}: {params} parameters, shared {shared}", flush=True)
+    text, name, params = xla_entry(args)
+    shared = 38912  # XLA's launch of it (its thunk sequence, session 64)
+    print(f"xla kernel {name}: {params} parameters, shared {shared}, PTX {len(text)} characters", flush=True)
+    if params != 17 + 2:  # the "pl" launch's pointers and the launcher's two null scratch pointers
+      raise RuntimeError(f"XLA's kernel takes {params} parameters, the launch 19")
     if os.environ.get("OUT"):
       open(os.path.join(os.environ["OUT"], "xla_attention.ptx"), "w").write(text)
     lib = w4_gluon._ffi_library()
