@@ -977,7 +977,7 @@ step 98 && { nvidia-smi --query-gpu=driver_version --format=csv,noheader
     | grep -E "_fused \||Error"; done; } | tee "$OUT/step98.txt"
 # 99 (session 64, prepared; about 1 minute): step 98 (H100) found the launcher's loading of cubins changes nothing
 #    (the Pallas build 549 us launched by it, 394 by XLA; XLA's launch: grid 8 x 4 x 12, 128 threads, 38912 shared
-#    bytes, as ours). The kernel as XLA built it (its PTX cut from the serialized executable, kept under $OUT)
+#    bytes, as ours). The kernel as XLA built it (its cubin cut from the serialized executable, kept under $OUT)
 #    launched by the FFI launcher ("px"): if it runs as XLA's launch does, XLA's build is what is faster.
 step 99 && APPEND_BATCHES=8 APPEND_LENGTH=1300 APPEND_VARIANTS="merge;pl;px" timeout 150 python3 \
     experiments/lab/time_append.py 2>&1 | grep -E "^batch|^xla|Error" | tee "$OUT/step99.txt"

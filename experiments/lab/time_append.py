@@ -99,48 +99,43 @@ def pallas_form():
 VARIANTS["pl"] = pallas_form()
 
 
-def xla_entry(args):
-  """``(module PTX, kernel name, .param count)`` of the decode attention as XLA builds it: the "merge" variant's call
-  on arguments shaped as ``args`` compiled alone, its executable serialized, and its PTX (XLA keeps the module's
-  PTX text in it) cut at the first non-text byte; the kernel is the PTX's first with ``mma.sync``."""
-  import re
+def xla_cubin(args):
+  """``(cubin, kernel name)`` of the decode attention as XLA builds it: the "merge" variant's call on arguments shaped
+  as ``args`` compiled alone and its executable serialized; the first ELF image in it (XLA keeps the module's cubin,
+  not its PTX) cut at its section headers' end. XLA names the kernel as its thunk sequence does."""
+  import struct
   from jax.experimental import serialize_executable
   shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a for a in args]
-  fn = variant(merge=True)
   statics = [i for i, a in enumerate(shapes) if not hasattr(a, "shape")]
-  compiled = jax.jit(fn, static_argnums=statics).lower(*shapes).compile()
+  compiled = jax.jit(variant(merge=True), static_argnums=statics).lower(*shapes).compile()
   payload = serialize_executable.serialize(compiled)[0]
-  start = payload.find(b".version ")
+  start = payload.find(b"\x7fELF\x02")
   if start < 0:
-    raise RuntimeError("no PTX in the serialized executable")
-  end = start
-  while end < len(payload) and (32 <= payload[end] < 127 or payload[end] in (9, 10, 13)):
-    end += 1
-  text = payload[start:end].decode("ascii")
-  text = text[:text.rindex("}") + 1] + "\n"
-  starts = [m.start() for m in re.finditer(r"^\.visible \.entry |^\.entry ", text, re.M)] + [len(text)]
-  for a, b in zip(starts, starts[1:]):
-    if "mma.sync" in text[a:b]:
-      name = re.match(r"(?:\.visible )?\.entry (\S+)\(", text[a:b]).group(1)
-      return text, name, text[a:text.index(")", a)].count(".param")
-  raise RuntimeError("no PTX kernel with mma.sync in the serialized executable")
+    raise RuntimeError("no ELF image in the serialized executable")
+  shoff, = struct.unpack_from("<Q", payload, start + 0x28)
+  shentsize, shnum = struct.unpack_from("<HH", payload, start + 0x3A)
+  image = payload[start:start + shoff + shentsize * shnum]
+  name = "decode_attention_append"
+  if name.encode() + b"\0" not in image:
+    raise RuntimeError(f"no {name} in XLA's cubin")
+  return image, name
 
 
 def xla_form():
-  """Session 64: the decode attention as XLA compiled it (its PTX from XLA's dump of the "merge" variant) launched
+  """Session 64: the decode attention as XLA compiled it (its cubin from the "merge" variant's executable) launched
   by the FFI launcher with the "pl" variant's parameters: is it the build or the launch that is slower?"""
   from pallas_kernels import append_attention as aa
   from pallas_kernels import w4_gluon
   inner = pallas_form()
 
   def call(*args):
-    text, name, params = xla_entry(args)
+    import base64
+    image, name = xla_cubin(args)
     shared = 38912  # XLA's launch of it (its thunk sequence, session 64)
-    print(f"xla kernel {name}: {params} parameters, shared {shared}, PTX {len(text)} characters", flush=True)
-    if params != 17 + 2:  # the "pl" launch's pointers and the launcher's two null scratch pointers
-      raise RuntimeError(f"XLA's kernel takes {params} parameters, the launch 19")
+    print(f"xla kernel {name}: cubin {len(image)} bytes, shared {shared}", flush=True)
     if os.environ.get("OUT"):
-      open(os.path.join(os.environ["OUT"], "xla_attention.ptx"), "w").write(text)
+      open(os.path.join(os.environ["OUT"], "xla_attention.cubin"), "wb").write(image)
+    text = "cubin:" + base64.b64encode(image).decode("ascii")
     lib = w4_gluon._ffi_library()
     for device in w4_gluon._gpu_devices():
       err = lib.qerl_gluon_preload(w4_gluon._module_key(text, name).encode(), text.encode(), name.encode(),
