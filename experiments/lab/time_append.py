@@ -102,7 +102,8 @@ VARIANTS["pl"] = pallas_form()
 def xla_cubin(args):
   """``(cubin, kernel name)`` of the decode attention as XLA builds it: the "merge" variant's call on arguments shaped
   as ``args`` compiled alone and its executable serialized; the first ELF image in it (XLA keeps the module's cubin,
-  not its PTX) cut at its section headers' end. XLA names the kernel as its thunk sequence does."""
+  not its PTX) cut at its section headers' end, kept under $OUT; the kernel: the one whose name (a ``.text.``
+  section) holds "attention" or "append"."""
   import struct
   from jax.experimental import serialize_executable
   shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a for a in args]
@@ -114,11 +115,16 @@ def xla_cubin(args):
     raise RuntimeError("no ELF image in the serialized executable")
   shoff, = struct.unpack_from("<Q", payload, start + 0x28)
   shentsize, shnum = struct.unpack_from("<HH", payload, start + 0x3A)
+  import re
   image = payload[start:start + shoff + shentsize * shnum]
-  name = "decode_attention_append"
-  if name.encode() + b"\0" not in image:
-    raise RuntimeError(f"no {name} in XLA's cubin")
-  return image, name
+  if os.environ.get("OUT"):
+    open(os.path.join(os.environ["OUT"], "xla_attention.cubin"), "wb").write(image)
+  kernels = sorted(set(m.decode() for m in re.findall(rb"\.text\.([A-Za-z0-9_$.]+)\x00", image)))
+  print("xla cubin kernels:", kernels, flush=True)
+  named = [k for k in kernels if "attention" in k or "append" in k]
+  if len(named) != 1:
+    raise RuntimeError(f"not one attention kernel in XLA's cubin: {kernels}")
+  return image, named[0]
 
 
 def xla_form():
@@ -133,8 +139,6 @@ def xla_form():
     image, name = xla_cubin(args)
     shared = 38912  # XLA's launch of it (its thunk sequence, session 64)
     print(f"xla kernel {name}: cubin {len(image)} bytes, shared {shared}", flush=True)
-    if os.environ.get("OUT"):
-      open(os.path.join(os.environ["OUT"], "xla_attention.cubin"), "wb").write(image)
     text = "cubin:" + base64.b64encode(image).decode("ascii")
     lib = w4_gluon._ffi_library()
     for device in w4_gluon._gpu_devices():
