@@ -110,6 +110,8 @@ def xla_cubin(args):
   statics = [i for i, a in enumerate(shapes) if not hasattr(a, "shape")]
   compiled = jax.jit(variant(merge=True), static_argnums=statics).lower(*shapes).compile()
   payload = serialize_executable.serialize(compiled)[0]
+  if os.environ.get("OUT"):
+    open(os.path.join(os.environ["OUT"], "xla_executable.bin"), "wb").write(payload)
   start = payload.find(b"\x7fELF\x02")
   if start < 0:
     raise RuntimeError("no ELF image in the serialized executable")
