@@ -71,6 +71,7 @@
 #   STEPS=97 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=98 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=99 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=100 bash experiments/lab/gpu_checkpoint.sh   (carry .lab: the cubins built offline)
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -975,10 +976,15 @@ step 98 && { nvidia-smi --query-gpu=driver_version --format=csv,noheader
     QERL_GLUON_IMAGE=$1 MODEL_SET="PDL_CHAIN=$2" AA_SET="FORM=pallas" timeout 110 python3 \
     experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=2048 --formats=nvfp4_fused,bf16_fused 2>&1 \
     | grep -E "_fused \||Error"; done; } | tee "$OUT/step98.txt"
-# 99 (session 64, prepared; about 1 minute): step 98 (H100) found the launcher's loading of cubins changes nothing
-#    (the Pallas build 549 us launched by it, 394 by XLA; XLA's launch: grid 8 x 4 x 12, 128 threads, 38912 shared
-#    bytes, as ours). The kernel as XLA built it (its cubin cut from the serialized executable, kept under $OUT)
-#    launched by the FFI launcher ("px"): if it runs as XLA's launch does, XLA's build is what is faster.
-step 99 && APPEND_BATCHES=8 APPEND_LENGTH=1300 APPEND_VARIANTS="merge;pl;px" timeout 150 python3 \
-    experiments/lab/time_append.py 2>&1 | grep -E "^batch|^xla|Error" | tee "$OUT/step99.txt"
+# 99 (session 64, run): step 98 (H100) found the launcher's loading of cubins changes nothing (the Pallas build 549
+#    us launched by it, 394 by XLA). XLA's launch of it (its thunk sequence): grid 8 x 4 x 12, 128 threads, 38912
+#    shared bytes, as ours. Its build could not be taken out of XLA (no PTX in the dump under jax 0.11.2; the
+#    serialized executable holds the cubin compressed).
+# 100 (session 64, prepared; about 1 minute): the Pallas attention's Triton IR (captured here under jax 0.10.2,
+#    .lab/pallas_attn.ttir) built offline as cubins by Triton 3.6 (.lab/attn36.cubin, 152 registers, 35 barriers)
+#    and Triton 3.9 (.lab/attn39.cubin, 130 registers, 22 barriers), each launched by the FFI launcher, against
+#    XLA's launch ("merge") and the launcher's own 3.6 build ("pl"). Carry .lab.
+step 100 && APPEND_CUBINS="p6=.lab/attn36.cubin,p9=.lab/attn39.cubin" APPEND_BATCHES=8 APPEND_LENGTH=1300 \
+    APPEND_VARIANTS="merge;pl;p6;p9" timeout 150 python3 experiments/lab/time_append.py 2>&1 \
+    | grep -E "^batch|Error" | tee "$OUT/step100.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)

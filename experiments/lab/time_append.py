@@ -7,6 +7,7 @@ decoder's scan carry XLA copies the cache; compare those in a rollout, ab_rollou
   APPEND_VARIANTS="append;merge;merge dyn" ...   # a subset (names as in VARIANTS; session 37: the in-kernel merge)
   APPEND_LENGTH=2,300,1300 ...                     # several fills (session 45: fixed cost against cost a slot)
   APPEND_VARIANTS="merge;tl" ...                   # session 63: the Triton kernel of the PDL chain, alone
+  APPEND_CUBINS="p9=.lab/attn39.cubin" APPEND_VARIANTS="merge;pl;p9"  # session 64: the Pallas IR built offline
 """
 import os, sys, time
 sys.path.insert(0, os.path.join(os.getcwd(), "experiments"))
@@ -99,55 +100,24 @@ def pallas_form():
 VARIANTS["pl"] = pallas_form()
 
 
-def xla_cubin(args):
-  """``(cubin, kernel name)`` of the decode attention as XLA builds it: the "merge" variant's call on arguments shaped
-  as ``args`` compiled alone and its executable serialized; the first ELF image in it (XLA keeps the module's cubin,
-  not its PTX) cut at its section headers' end, kept under $OUT; the kernel: the one whose name (a ``.text.``
-  section) holds "attention" or "append"."""
-  import struct
-  from jax.experimental import serialize_executable
-  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a for a in args]
-  statics = [i for i, a in enumerate(shapes) if not hasattr(a, "shape")]
-  compiled = jax.jit(variant(merge=True), static_argnums=statics).lower(*shapes).compile()
-  payload = serialize_executable.serialize(compiled)[0]
-  if os.environ.get("OUT"):
-    open(os.path.join(os.environ["OUT"], "xla_executable.bin"), "wb").write(payload)
-  start = payload.find(b"\x7fELF\x02")
-  if start < 0:
-    raise RuntimeError("no ELF image in the serialized executable")
-  shoff, = struct.unpack_from("<Q", payload, start + 0x28)
-  shentsize, shnum = struct.unpack_from("<HH", payload, start + 0x3A)
-  import re
-  image = payload[start:start + shoff + shentsize * shnum]
-  if os.environ.get("OUT"):
-    open(os.path.join(os.environ["OUT"], "xla_attention.cubin"), "wb").write(image)
-  kernels = sorted(set(m.decode() for m in re.findall(rb"\.text\.([A-Za-z0-9_$.]+)\x00", image)))
-  print("xla cubin kernels:", kernels, flush=True)
-  named = [k for k in kernels if "attention" in k or "append" in k]
-  if len(named) != 1:
-    raise RuntimeError(f"not one attention kernel in XLA's cubin: {kernels}")
-  return image, named[0]
-
-
-def xla_form():
-  """Session 64: the decode attention as XLA compiled it (its cubin from the "merge" variant's executable) launched
-  by the FFI launcher with the "pl" variant's parameters: is it the build or the launch that is slower?"""
+def cubin_form(path: str):
+  """Session 64: a cubin of the Pallas attention's Triton IR built elsewhere (offline, by another Triton: its kernel
+  ``decode_attention_append``, 38912 shared bytes as XLA launches it) launched by the FFI launcher with the "pl"
+  variant's parameters: is it the build or the launch that makes "pl" slower than XLA's "merge"?"""
+  import base64
   from pallas_kernels import append_attention as aa
   from pallas_kernels import w4_gluon
   inner = pallas_form()
 
   def call(*args):
-    import base64
-    image, name = xla_cubin(args)
-    shared = 38912  # XLA's launch of it (its thunk sequence, session 64)
-    print(f"xla kernel {name}: cubin {len(image)} bytes, shared {shared}", flush=True)
-    text = "cubin:" + base64.b64encode(image).decode("ascii")
+    text = "cubin:" + base64.b64encode(open(path, "rb").read()).decode("ascii")
+    name, shared = "decode_attention_append", 38912
     lib = w4_gluon._ffi_library()
     for device in w4_gluon._gpu_devices():
       err = lib.qerl_gluon_preload(w4_gluon._module_key(text, name).encode(), text.encode(), name.encode(),
                                    device.id, shared)
       if err:
-        raise RuntimeError(f"loading {name} failed (CUresult {err})")
+        raise RuntimeError(f"loading {path} failed (CUresult {err})")
     old = aa.pallas_build
     aa.pallas_build = lambda *a, **k: (text, name, shared)
     try:
@@ -157,7 +127,8 @@ def xla_form():
   return call
 
 
-VARIANTS["px"] = xla_form()
+for _item in filter(None, os.environ.get("APPEND_CUBINS", "").split(",")):  # "name=path,..."
+  VARIANTS[_item.split("=")[0]] = cubin_form(_item.split("=", 1)[1])
 VARIANTS = {k: v for k, v in VARIANTS.items() if not os.environ.get("APPEND_VARIANTS")
             or k in os.environ["APPEND_VARIANTS"].split(";")}
 
