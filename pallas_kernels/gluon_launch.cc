@@ -24,15 +24,10 @@
 // kernel name computed once in Python, so that a launch looks up a few dozen bytes instead of copying
 // and comparing the whole PTX: qerl_gluon_preload loads them outside any stream capture (called from
 // Python when a call is built); the handler loads on a miss.
-// A kernel's "PTX" may instead be "cubin:" and the base64 of a cubin (the kernel as Triton's own ptxas built it), which
-// the driver loads without its PTX JIT (w4_gluon.IMAGE).
-// Lab knob (session 64): where the environment variable QERL_GLUON_CARVEOUT holds a percentage 0-100 when a module
-// is loaded, each kernel's preferred shared-memory carveout (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT) is
-// set to it; unset (the default), the driver chooses.
+// A kernel's "PTX" may instead be "cubin:" and the base64 of a cubin, which the driver loads as it is (lab, session 64:
+// kernels built elsewhere, experiments/lab/time_append.py's APPEND_CUBINS).
 
 #include <dlfcn.h>
-
-#include <cstdlib>
 
 #include <cstdint>
 #include <map>
@@ -124,7 +119,6 @@ std::mutex cache_mutex;
 std::map<std::pair<CUcontext, std::string>, CUfunction> cache;
 
 constexpr int kMaxDynamicSharedSizeBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-constexpr int kPreferredSharedMemoryCarveout = 9;  // CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
 
 // The bytes of the base64 text `text` (RFC 4648 alphabet, '=' padding); stops at the first other character.
 std::string Base64Decode(std::string_view text) {
@@ -152,15 +146,6 @@ std::string Base64Decode(std::string_view text) {
 
 constexpr std::string_view kCubinPrefix = "cubin:";
 
-// QERL_GLUON_CARVEOUT as a percentage 0-100, or -1 where it is unset or not one.
-int CarveoutFromEnvironment() {
-  const char* text = std::getenv("QERL_GLUON_CARVEOUT");
-  if (text == nullptr || *text == 0) return -1;
-  char* end = nullptr;
-  const long value = std::strtol(text, &end, 10);
-  return (*end == 0 && value >= 0 && value <= 100) ? static_cast<int>(value) : -1;
-}
-
 // The kernel `name` of `ptx` (digest `key`) in the current context; loads the module on a miss. 0 on success.
 CUresult Function(const Driver& d, std::string_view key, std::string_view ptx, std::string_view name, int64_t shared,
                   CUfunction* fn) {
@@ -184,11 +169,6 @@ CUresult Function(const Driver& d, std::string_view key, std::string_view ptx, s
   if (r != 0) return r;
   if (shared > 48 * 1024) {
     r = d.func_set_attribute(*fn, kMaxDynamicSharedSizeBytes, static_cast<int>(shared));
-    if (r != 0) return r;
-  }
-  static const int carveout = CarveoutFromEnvironment();
-  if (carveout >= 0) {
-    r = d.func_set_attribute(*fn, kPreferredSharedMemoryCarveout, carveout);
     if (r != 0) return r;
   }
   cache.emplace(cache_key, *fn);
@@ -470,4 +450,13 @@ extern "C" int qerl_gluon_preload(const char* key, const char* ptx, const char* 
   CUcontext popped = nullptr;
   d.ctx_pop(&popped);
   return r;
+}
+
+// The "cubin:" image decoder, exported for a CPU test: writes the bytes of the base64 text `text` to `out` (at most
+// `capacity`) and returns their count, or -1 where they do not fit.
+extern "C" long long qerl_gluon_base64_decode(const char* text, unsigned char* out, long long capacity) {
+  const std::string bytes = Base64Decode(text);
+  if (static_cast<long long>(bytes.size()) > capacity) return -1;
+  for (size_t i = 0; i < bytes.size(); ++i) out[i] = static_cast<unsigned char>(bytes[i]);
+  return static_cast<long long>(bytes.size());
 }

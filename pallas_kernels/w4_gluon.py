@@ -77,7 +77,6 @@ and for the default launch path a C++17 compiler on PATH. Two launch paths, chos
 
 from __future__ import annotations
 
-import base64
 import ctypes
 import functools
 import hashlib
@@ -98,9 +97,6 @@ from qerl_jax import nvfp4
 BLOCK_N = 256   # output columns per program
 BLOCK_K = 64    # contraction per unrolled step
 MAX_STEPS = 8   # unrolled steps per program (14 measured slower: more registers, fewer programs)
-IMAGE = os.environ.get("QERL_GLUON_IMAGE", "ptx")  # lab (session 64): what the FFI launcher loads for a kernel. "ptx":
-# its PTX, which the driver's JIT compiles at load; "cubin": the cubin Triton built with its own ptxas (base64, behind
-# "cubin:"), as XLA and Triton's launcher load theirs. Read at import; a kernel rewritten as PTX stays PTX
 MAX_M = 128     # rows taken: M <= 16 by mma.sync (MB = 8, 16), 17-128 by wgmma (MB = 32, 64, 128; sm_90 only)
 TARGET_PROGRAMS = 512  # measured best for the 7B shapes at M = 1-8 (docs/benchmarks.md, session 7)
 WG_TARGET_PROGRAMS = 256  # the wgmma builds' split-K target: best of 256 / 512 / 1024 at M = 32, 64 (session 8)
@@ -1146,16 +1142,12 @@ def _target_cc() -> int:
 def _load(compiled, ptx: str | None = None) -> tuple[str, str, int]:
   """``(ptx, kernel name, shared bytes)`` of a ``triton.compile`` result, loaded into the FFI
   launcher on every visible GPU (outside any CUDA-graph capture) when the launcher is built;
-  ``ptx``: a rewrite of the result's PTX to load instead (same kernel name and shared bytes). With
-  :data:`IMAGE` ``"cubin"`` (and no rewrite) the first is ``"cubin:"`` and the base64 of the result's cubin.
+  ``ptx``: a rewrite of the result's PTX to load instead (same kernel name and shared bytes).
 
   Raises:
     RuntimeError: loading failed on a GPU.
   """
-  if ptx is None and IMAGE == "cubin":
-    ptx = "cubin:" + base64.b64encode(compiled.asm["cubin"]).decode("ascii")
-  elif ptx is None:
-    ptx = compiled.asm["ptx"]
+  ptx = compiled.asm["ptx"] if ptx is None else ptx
   name, shared = compiled.metadata.name, int(compiled.metadata.shared)
   lib = _ffi_library()
   if lib is not None:

@@ -1111,6 +1111,29 @@ def test_ffi_launcher_builds_and_reports_a_missing_driver(tmp_path, monkeypatch)
   assert w4_gluon._build_ffi_library() == str(tmp_path / "prebuilt.so")  # a prebuilt library wins
 
 
+def test_ffi_launcher_decodes_a_base64_cubin_image(tmp_path, monkeypatch):
+  """The launcher loads a kernel given as "cubin:" and base64 (lab builds from elsewhere) by its own decoder: the
+  bytes of random images of every length mod 3 equal Python's base64 decoding; a buffer too small gives -1."""
+  import base64
+  import ctypes
+  import shutil
+
+  if shutil.which("c++") is None and shutil.which("g++") is None:
+    pytest.skip("no C++ compiler")
+  monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path))
+  monkeypatch.delenv("QERL_GLUON_LAUNCHER", raising=False)
+  lib = ctypes.CDLL(w4_gluon._build_ffi_library())
+  lib.qerl_gluon_base64_decode.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_longlong]
+  lib.qerl_gluon_base64_decode.restype = ctypes.c_longlong
+  rng = np.random.default_rng(0)
+  for n in (0, 1, 2, 3, 4, 5, 255, 4097):
+    data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+    out = ctypes.create_string_buffer(n + 1)
+    assert lib.qerl_gluon_base64_decode(base64.b64encode(data), out, n + 1) == n
+    assert out.raw[:n] == data
+  assert lib.qerl_gluon_base64_decode(base64.b64encode(b"\x7fELF"), ctypes.create_string_buffer(3), 3) == -1
+
+
 def test_failed_launcher_build_warns_and_leaves_nothing(tmp_path, monkeypatch):
   import shutil
 
