@@ -948,7 +948,8 @@ step 96 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -
   for c in 3 5 3 5; do echo "== PDL_CHAIN=$c FORM=pallas"; MODEL_SET="PDL_CHAIN=$c" AA_SET="FORM=pallas" timeout 120 \
     python3 experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=2048 --formats=nvfp4_fused,bf16_fused 2>&1 \
     | grep -E "_fused \||Error"; done; } | tee "$OUT/step96.txt"
-# 97 (session 64, prepared; about 6 minutes): step 96 (H100) found PDL_CHAIN = 5 with FORM = "pallas" as slow as with
+# 97 (session 64, run at commit 35e9895; its QERL_GLUON_CARVEOUT knob is gone since 7a64d0e; raw
+#    docs/bench_runs/session64_step97_h100.txt): step 96 (H100) found PDL_CHAIN = 5 with FORM = "pallas" as slow as with
 #    the Triton kernel (2.716 against 2.413 ms for 3): the same code is slower launched by the FFI launcher than by
 #    XLA. The kernel alone by XLA ("merge"), by the launcher ("tl", "pl": the Pallas build), then the same with the
 #    launcher's kernels preferring the largest shared-memory carveout (QERL_GLUON_CARVEOUT=100), then issue 6's
@@ -960,7 +961,8 @@ step 97 && { timeout 100 python3 experiments/lab/append_diag.py 2>&1 | grep -E "
   for c in 3 5; do echo "== PDL_CHAIN=$c FORM=pallas QERL_GLUON_CARVEOUT=100"; QERL_GLUON_CARVEOUT=100 \
     MODEL_SET="PDL_CHAIN=$c" AA_SET="FORM=pallas" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8 \
     --new_tokens=2048 --formats=nvfp4_fused 2>&1 | grep -E "_fused \||Error"; done; } | tee "$OUT/step97.txt"
-# 98 (session 64, prepared; about 6 minutes): step 97 (H100) found the Pallas attention's own build 546 us for 28
+# 98 (session 64, run at commit 863dade; w4_gluon.IMAGE is gone since 7a64d0e; raw
+#    docs/bench_runs/session64_step98_h100.txt): step 97 (H100) found the Pallas attention's own build 546 us for 28
 #    layers launched by the FFI launcher against 397 launched by XLA, with or without the largest shared-memory
 #    carveout (which slowed the chained GEMVs: 2.681 ms a batch-8 step). The launcher hands the driver PTX, which its
 #    JIT compiles; XLA and Triton load a cubin built by ptxas. The kernel alone with the launcher loading Triton's
@@ -980,7 +982,7 @@ step 98 && { nvidia-smi --query-gpu=driver_version --format=csv,noheader
 #    us launched by it, 394 by XLA). XLA's launch of it (its thunk sequence): grid 8 x 4 x 12, 128 threads, 38912
 #    shared bytes, as ours. Its build could not be taken out of XLA (no PTX in the dump under jax 0.11.2; the
 #    serialized executable holds the cubin compressed).
-# 100 (session 64, prepared; about 1 minute): the Pallas attention's Triton IR (captured here under jax 0.10.2,
+# 100 (session 64, run; raw docs/bench_runs/session64_step100_h100.txt: merge 393.4, pl 549.4, p6 549.1, p9 411.1 us): the Pallas attention's Triton IR (captured here under jax 0.10.2,
 #    .lab/pallas_attn.ttir) built offline as cubins by Triton 3.6 (.lab/attn36.cubin, 152 registers, 35 barriers)
 #    and Triton 3.9 (.lab/attn39.cubin, 130 registers, 22 barriers), each launched by the FFI launcher, against
 #    XLA's launch ("merge") and the launcher's own 3.6 build ("pl"). Carry .lab.
