@@ -72,6 +72,7 @@
 #   STEPS=98 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=99 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=100 bash experiments/lab/gpu_checkpoint.sh   (carry .lab: the cubins built offline)
+#   STEPS=101 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -989,4 +990,17 @@ step 98 && { nvidia-smi --query-gpu=driver_version --format=csv,noheader
 step 100 && APPEND_CUBINS="p6=.lab/attn36.cubin,p9=.lab/attn39.cubin" APPEND_BATCHES=8 APPEND_LENGTH=1300 \
     APPEND_VARIANTS="merge;pl;p6;p9" timeout 150 python3 experiments/lab/time_append.py 2>&1 \
     | grep -E "^batch|Error" | tee "$OUT/step100.txt"
+# 101 (session 64, prepared; about 3 minutes): Triton 3.6 builds the chained attention slowly (step 100); do other
+#    launch settings of the `tl` kernel build better? Its sweep alone (28 layers, batch 8, 1300 slots: 8 warps, 32-slot
+#    blocks, 3 stages, 1056 programs), then, where the best is under 450 us, issue 6's batch-8 row (NVFP4 only) with
+#    PDL_CHAIN = 3 and 5 under that setting.
+step 101 && { APPEND_BATCHES=8 APPEND_LENGTH=1300 APPEND_VARIANTS="merge;tl;tl w8;tl b32;tl s3;tl t1056" timeout 100 \
+    python3 experiments/lab/time_append.py 2>&1 | grep -E "^batch|Error" | tee "$OUT/tl_sweep.txt"
+  best=$(grep "^batch.* tl" "$OUT/tl_sweep.txt" | awk '{for (i = 1; i <= NF; i++) if ($i == "kernels") print $(i + 1), $5, $6}' \
+    | sort -n | head -1)
+  set -- $best; declare -A knob=([w8]=WARPS=8 [b32]=BLOCK_S=32 [s3]=STAGES=3 [t1056]=TARGET_PROGRAMS=1056)
+  echo "best tl: $best"
+  if [ -n "$1" ] && [ "${1%.*}" -lt 450 ]; then for c in 3 5; do echo "== PDL_CHAIN=$c AA_SET=${knob[$3]:-}"
+    MODEL_SET="PDL_CHAIN=$c" AA_SET="${knob[$3]:-}" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8 \
+    --new_tokens=2048 --formats=nvfp4_fused 2>&1 | grep -E "_fused \||Error"; done; fi; } | tee "$OUT/step101.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
