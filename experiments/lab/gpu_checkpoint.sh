@@ -990,7 +990,7 @@ step 98 && { nvidia-smi --query-gpu=driver_version --format=csv,noheader
 step 100 && APPEND_CUBINS="p6=.lab/attn36.cubin,p9=.lab/attn39.cubin" APPEND_BATCHES=8 APPEND_LENGTH=1300 \
     APPEND_VARIANTS="merge;pl;p6;p9" timeout 150 python3 experiments/lab/time_append.py 2>&1 \
     | grep -E "^batch|Error" | tee "$OUT/step100.txt"
-# 101 (session 64, prepared; about 3 minutes): Triton 3.6 builds the chained attention slowly (step 100); do other
+# 101 (session 64, run; raw docs/bench_runs/session64_step101_h100.txt: every setting slower than the default, 520 us): Triton 3.6 builds the chained attention slowly (step 100); do other
 #    launch settings of the `tl` kernel build better? Its sweep alone (28 layers, batch 8, 1300 slots: 8 warps, 32-slot
 #    blocks, 3 stages, 1056 programs), then, where the best is under 450 us, issue 6's batch-8 row (NVFP4 only) with
 #    PDL_CHAIN = 3 and 5 under that setting.
