@@ -47,6 +47,11 @@ PREFETCH = 0  # 0: each loop step loads its own block, staged by Triton's pipeli
 # registers)
 STAGES = 2
 MERGE_CHUNK = 8  # splits' partials the merging program loads at once
+MERGE = 1  # how the last program of a (row, KV head) merges the splits' partials: 1 (session 64) one partial after
+# another, elementwise on [rows, hd] (a chunk of MERGE_CHUNK unrolled so that its loads go out together); 0 (session
+# 63) a chunk at once, reduced over the chunk ([chunk, rows, hd]). Offline (sm_90, 7B heads) Triton 3.6 lowers 0's
+# reductions and broadcasts through shared memory: after the main loop 92 shared loads, 90 shared stores, 77 shuffles
+# and 22 barriers, where Triton 3.9 lowers the same code with 11, 7, 15 and 11 (and runs 25% faster on an H100)
 FORM = "tl"  # "tl": this module's Triton kernel; "pallas" (lab, session 63): the Pallas kernel's own Triton IR,
 # captured from its lowering and compiled here (its PDL build waits first thing), for the chain of
 # decode_chain.decode_layers (PDL_CHAIN = 5) only: it clamps the layer index and never skips, so it cannot run past
@@ -108,7 +113,7 @@ def meta(batch: int, heads: int, heads_kv: int, slots: int, head_dim: int, layer
   return dict(B=batch, H=heads, HKV=heads_kv, G=geo.group, GP=geo.group_pad, GR=geo.group_rows, S=slots,
               HD=head_dim, BS=geo.block_s, CHUNK=geo.chunk, NSPLIT=geo.nsplit, MC=geo.merge_chunk, L=layers,
               SCALE=float(head_dim) ** -0.5, HAS_BIAS=int(has_bias), BIAS_STACKED=int(bias_stacked),
-              SKIP_PAST_LAST=int(skip_past_last), GDC=gdc, PREFETCH=int(PREFETCH),
+              SKIP_PAST_LAST=int(skip_past_last), GDC=gdc, PREFETCH=int(PREFETCH), MERGE=int(MERGE),
               WIDE=int(layers * batch * slots * heads_kv * head_dim >= 2 ** 31))
 
 

@@ -73,6 +73,7 @@
 #   STEPS=99 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=100 bash experiments/lab/gpu_checkpoint.sh   (carry .lab: the cubins built offline)
 #   STEPS=101 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=102 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -1003,4 +1004,17 @@ step 101 && { APPEND_BATCHES=8 APPEND_LENGTH=1300 APPEND_VARIANTS="merge;tl;tl w
   if [ -n "$1" ] && [ "${1%.*}" -lt 450 ]; then for c in 3 5; do echo "== PDL_CHAIN=$c AA_SET=${knob[$3]:-}"
     MODEL_SET="PDL_CHAIN=$c" AA_SET="${knob[$3]:-}" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8 \
     --new_tokens=2048 --formats=nvfp4_fused 2>&1 | grep -E "_fused \||Error"; done; fi; } | tee "$OUT/step101.txt"
+# 102 (session 64, prepared; about 3 minutes): offline (sm_90, Triton 3.6) the slow part of the tl attention's build
+#    is after its main loop: the merge of the splits' partials, reduced over a chunk of them ([8, rows, hd]), lowered
+#    through shared memory (92 shared loads, 90 stores, 77 shuffles, 22 barriers; 158 registers). append_attention.MERGE
+#    = 1 merges partial by partial, elementwise: 10, 6, 5 and 6 of them, 96 registers. Its GPU tests, the kernel alone
+#    (MERGE 1 "tl", MERGE 0 "tl m0", XLA's Pallas "merge"), then issue 6's batch-8 row (NVFP4 only) with PDL_CHAIN 3
+#    and 5.
+step 102 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -m gpu tests/test_append_attention.py \
+    -p no:cacheprovider 2>&1 | grep -E "passed|failed|FAILED|Error|assert" | tail -4
+  APPEND_BATCHES=8 APPEND_LENGTH=1300 APPEND_VARIANTS="merge;tl;tl m0" timeout 100 python3 \
+    experiments/lab/time_append.py 2>&1 | grep -E "^batch|Error"
+  for c in 3 5; do echo "== PDL_CHAIN=$c"; MODEL_SET="PDL_CHAIN=$c" timeout 100 python3 \
+    experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=2048 --formats=nvfp4_fused 2>&1 \
+    | grep -E "_fused \||Error"; done; } | tee "$OUT/step102.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
