@@ -48,10 +48,14 @@ PREFETCH = 0  # 0: each loop step loads its own block, staged by Triton's pipeli
 STAGES = 2
 MERGE_CHUNK = 8  # splits' partials the merging program loads at once
 MERGE = 1  # how the last program of a (row, KV head) merges the splits' partials: 1 (session 64) one partial after
-# another, elementwise on [rows, hd] (a chunk of MERGE_CHUNK unrolled so that its loads go out together); 0 (session
-# 63) a chunk at once, reduced over the chunk ([chunk, rows, hd]). Offline (sm_90, 7B heads) Triton 3.6 lowers 0's
-# reductions and broadcasts through shared memory: after the main loop 92 shared loads, 90 shared stores, 77 shuffles
-# and 22 barriers, where Triton 3.9 lowers the same code with 11, 7, 15 and 11 (and runs 25% faster on an H100)
+# another, elementwise on [rows, 1] and [rows, hd] (a chunk of MERGE_CHUNK unrolled so that its loads go out
+# together); 0 (session 63) a chunk at once, reduced over it ([chunk, rows, hd]), which Triton 3.6 lowers through
+# shared memory (offline, sm_90, 7B heads: after the main loop 92 shared loads, 90 stores, 77 shuffles and 22 barriers
+# against 10, 6, 5 and 6; 158 registers against 96). On an H100 (28 layers, batch 8, 1300 slots): 409.5 µs with 1,
+# 524.0 with 0, 389.1 for the Pallas kernel built and launched by XLA
+MIN_SHARED = 0  # lab (session 64): the launch's shared bytes at least this, so that fewer programs share an SM (at
+# 96 registers and 38912 bytes five fit; 72000 leaves three, 100000 two): does the chain's early launch of the
+# attention, onto SMs still busy with the q/k/v GEMV, pile its programs on a few SMs?
 FORM = "tl"  # "tl": this module's Triton kernel; "pallas" (lab, session 63): the Pallas kernel's own Triton IR,
 # captured from its lowering and compiled here (its PDL build waits first thing), for the chain of
 # decode_chain.decode_layers (PDL_CHAIN = 5) only: it clamps the layer index and never skips, so it cannot run past
@@ -284,20 +288,22 @@ def launch(bufs: Buffers, *, batch: int, heads: int, heads_kv: int, slots: int, 
     if skip_past_last or splits is not None or not bias_stacked:
       raise ValueError("append_attention: FORM = 'pallas' takes no skip_past_last or splits, and a bias stack "
                        "(zeros where the model has none)")
-    ptx = pallas_build(batch, heads, heads_kv, slots, head_dim, layers, jnp.dtype(bias_dtype).name, pdl)
+    ptx, name, shared = pallas_build(batch, heads, heads_kv, slots, head_dim, layers, jnp.dtype(bias_dtype).name, pdl)
     q = (bufs.qkv, 4 * bufs.qkv_offset)
     params = (q,) + tuple((b, 0) for b in (bufs.bias, bufs.cos, bufs.sin, bufs.k, bufs.v, bufs.mask)) + (
         (bufs.layer, bufs.layer_offset), (bufs.length, 0), (bufs.sync, 0), (bufs.o_part, 0), (bufs.m_part, 0), (bufs.l_part, 0),
         (bufs.k, 0), (bufs.v, 0), (bufs.out, 0), (bufs.sync, 0))
-    return w4_gluon.ChainLaunch(*ptx, grid(batch, heads_kv, geo), 32 * da.APPEND_WARPS, params, pdl=pdl)
+    return w4_gluon.ChainLaunch(ptx, name, max(shared, MIN_SHARED), grid(batch, heads_kv, geo), 32 * da.APPEND_WARPS,
+                                params, pdl=pdl)
   mt = meta(batch, heads, heads_kv, slots, head_dim, layers, has_bias=bias_dtype is not None,
             bias_stacked=bias_stacked, skip_past_last=skip_past_last, gdc=GDC if pdl else 0, geo=geo)
   bias_type = "*bf16" if bias_dtype is not None and jnp.dtype(bias_dtype) == jnp.bfloat16 else "*fp32"
   warps = WARPS
-  ptx = compiled(tuple(mt.items()), bias_type, warps, STAGES)
+  ptx, name, shared = compiled(tuple(mt.items()), bias_type, warps, STAGES)
   offsets = {0: 4 * bufs.qkv_offset, 7: bufs.layer_offset}  # (q/k/v, layer)
   params = tuple((buf, offsets.get(i, 0)) for i, buf in enumerate(bufs[:14]))
-  return w4_gluon.ChainLaunch(*ptx, grid(batch, heads_kv, geo), 32 * warps, params, pdl=pdl)
+  return w4_gluon.ChainLaunch(ptx, name, max(shared, MIN_SHARED), grid(batch, heads_kv, geo), 32 * warps, params,
+                              pdl=pdl)
 
 
 def attend_append(qkv, bias, k_cache, v_cache, layer, slot_mask, length, cos, sin, *, num_heads: int, sync,

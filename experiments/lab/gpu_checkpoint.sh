@@ -74,6 +74,7 @@
 #   STEPS=100 bash experiments/lab/gpu_checkpoint.sh   (carry .lab: the cubins built offline)
 #   STEPS=101 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=102 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=103 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -1004,7 +1005,8 @@ step 101 && { APPEND_BATCHES=8 APPEND_LENGTH=1300 APPEND_VARIANTS="merge;tl;tl w
   if [ -n "$1" ] && [ "${1%.*}" -lt 450 ]; then for c in 3 5; do echo "== PDL_CHAIN=$c AA_SET=${knob[$3]:-}"
     MODEL_SET="PDL_CHAIN=$c" AA_SET="${knob[$3]:-}" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8 \
     --new_tokens=2048 --formats=nvfp4_fused 2>&1 | grep -E "_fused \||Error"; done; fi; } | tee "$OUT/step101.txt"
-# 102 (session 64, prepared; about 3 minutes): offline (sm_90, Triton 3.6) the slow part of the tl attention's build
+# 102 (session 64, run; raw docs/bench_runs/session64_step102_h100.txt: tests passed; tl 409.5, tl m0 524.0, merge
+#    389.1 us; PDL_CHAIN 3 2.422, 5 2.557 ms, 5 with the attention's GDC = 1 2.566): offline (sm_90, Triton 3.6) the slow part of the tl attention's build
 #    is after its main loop: the merge of the splits' partials, reduced over a chunk of them ([8, rows, hd]), lowered
 #    through shared memory (92 shared loads, 90 stores, 77 shuffles, 22 barriers; 158 registers). append_attention.MERGE
 #    = 1 merges partial by partial, elementwise: 10, 6, 5 and 6 of them, 96 registers. Its GPU tests, the kernel alone
@@ -1017,4 +1019,13 @@ step 102 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest 
   for c in 3 5; do echo "== PDL_CHAIN=$c"; MODEL_SET="PDL_CHAIN=$c" timeout 100 python3 \
     experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=2048 --formats=nvfp4_fused 2>&1 \
     | grep -E "_fused \||Error"; done; } | tee "$OUT/step102.txt"
+# 103 (session 64, prepared; about 5 minutes): step 102 (H100) brought the chained attention alone within 0.7 us a layer
+#    of XLA's build, yet PDL_CHAIN = 5 still lost 4.8 us a layer to 3 (2.557 against 2.422 ms), with or without the
+#    attention releasing its successor early. Hypothesis: under PDL its 384 programs launch while the q/k/v GEMV
+#    still holds SMs, and at 96 registers five fit an SM, so they pile onto the free SMs. append_attention.MIN_SHARED
+#    caps the programs an SM (72000 bytes: three, 100000: two); NVFP4 batch-8 row, alternating.
+step 103 && for run in "3 0" "5 0" "5 72000" "5 100000" "3 0" "5 72000"; do set -- $run
+    echo "== PDL_CHAIN=$1 MIN_SHARED=$2"; MODEL_SET="PDL_CHAIN=$1" AA_SET="MIN_SHARED=$2" timeout 100 python3 \
+    experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=2048 --formats=nvfp4_fused 2>&1 \
+    | grep -E "_fused \||Error"; done | tee "$OUT/step103.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
