@@ -35,6 +35,8 @@ SWIGLU_CHUNK = 2048  # elements of y a SwiGLU program writes (4 a thread at 16 w
 SWIGLU_WARPS = 16
 GEMV_GDC = 6  # the GEMVs' GDC: step 0's codes and scales before the wait, the next kernel released (w4_gluon._gdc)
 NORM_GDC = 5  # the norms' and SwiGLU's: their weights (none for SwiGLU) before the wait, the next kernel released
+QKV_RELEASES_ATTENTION = 1  # lab (session 64): 0 builds decode_layers' q/k/v GEMV without the early release (GDC bit 2),
+# so that the attention after it launches only as it ends (is the early launch why PDL_CHAIN = 5 loses?)
 
 
 class NormStacks(NamedTuple):
@@ -161,11 +163,13 @@ def _with_gdc(meta: dict, g: int, pdl: bool) -> tuple:
 
 
 def _gemv_launch(m: int, w, i_w: int, x_buf: int, layer_buf: int, out: int, at: int, *, pdl: bool,
-                 first: bool = False, layer_offset: int = 0) -> w4_gluon.ChainLaunch:
+                 first: bool = False, layer_offset: int = 0, release: bool = True) -> w4_gluon.ChainLaunch:
   """The decode GEMV ``buffer[out][at:] += buffer[x_buf] @ W`` (``m`` rows) as a chain launch: ``W``'s codes, scales
-  and global scales the operands ``i_w .. i_w + 2``, its layer read from ``layer_buf`` at ``layer_offset`` bytes."""
+  and global scales the operands ``i_w .. i_w + 2``, its layer read from ``layer_buf`` at ``layer_offset`` bytes;
+  without ``release`` the next kernel launches only as it ends."""
   b = w4_gluon._build_for(m, w, 0)
-  ptx = w4_gluon._compiled(_with_gdc(b.meta, GEMV_GDC, pdl), b.wg, b.narrow_n, b.maxnreg, b.w8)
+  ptx = w4_gluon._compiled(_with_gdc(b.meta, GEMV_GDC if release else GEMV_GDC & ~4, pdl), b.wg, b.narrow_n,
+                           b.maxnreg, b.w8)
   # x, codes, scales, global scales, layer, the zeros operand (the output buffer), the output at its region
   params = ((x_buf, 0), (i_w, 0), (i_w + 1, 0), (i_w + 2, 0), (layer_buf, layer_offset), (out, 0), (out, 4 * at))
   return w4_gluon.ChainLaunch(*ptx, b.grid, b.threads, params, pdl=pdl and not first)
@@ -445,8 +449,8 @@ def decode_layers(h: jax.Array, o0: jax.Array, buffer0: jax.Array, offset: int, 
   r_att, r_o = n_ops + len(out), n_ops + len(out) + 5
   aliases = {i_buf0: 0, **_attention_aliases(i_att, len(out))}
   out += att_out
-  gemv = lambda i_w, w, x_buf, out_buf, at, layer, first=False: _gemv_launch(
-      m, w, i_w, x_buf, i_idx, out_buf, at, pdl=pdl, first=first, layer_offset=16 * layer)
+  gemv = lambda i_w, w, x_buf, out_buf, at, layer, first=False, release=True: _gemv_launch(
+      m, w, i_w, x_buf, i_idx, out_buf, at, pdl=pdl, first=first, layer_offset=16 * layer, release=release)
   launches = []
   for layer in range(n_layers):
     acc, new = (r_a, r_b) if layer % 2 == 0 else (r_b, r_a)
@@ -462,7 +466,7 @@ def decode_layers(h: jax.Array, o0: jax.Array, buffer0: jax.Array, offset: int, 
         _norm_launch(m, d, nxt, i_norm + 2, eps, r_hb, acc, down_at, i_idx, r_ha, r_x, 0 if last else zero_size,
                      new, pdl=pdl, layer_offset=16 * layer)]
     if not last:  # the next layer's q/k/v into the head of its (just zeroed) accumulator, then its attention
-      launches += [gemv(i_qkv, w_qkv, r_x, new, 0, layer + 1),
+      launches += [gemv(i_qkv, w_qkv, r_x, new, 0, layer + 1, release=bool(QKV_RELEASES_ATTENTION)),
                    _attention_launch(na, bias, m, i_att, r_att, new, i_idx, layer_offset=16 * (layer + 1), pdl=pdl)]
   res = w4_gluon.chain_call(launches, ops, out, aliases=aliases)
   k_out = r_att - n_ops
