@@ -75,6 +75,7 @@
 #   STEPS=101 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=102 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=103 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=104 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -1029,4 +1030,10 @@ step 103 && for run in "3 0 1" "5 0 1" "5 0 0" "5 72000 1" "5 100000 1" "3 0 1" 
     echo "== PDL_CHAIN=$1 MIN_SHARED=$2 QKV_RELEASES_ATTENTION=$3"; MODEL_SET="PDL_CHAIN=$1" AA_SET="MIN_SHARED=$2" \
     DC_SET="QKV_RELEASES_ATTENTION=$3" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8 \
     --new_tokens=2048 --formats=nvfp4_fused 2>&1 | grep -E "_fused \||Error"; done | tee "$OUT/step103.txt"
+# 104 (session 64, prepared; about 3 minutes): where PDL_CHAIN = 5's 4.8 us a layer go, kernel by kernel: a batch-8
+#    rollout profile (64 new tokens after a 1300-token prompt, the kernels by device time and by their position in
+#    the layer) with PDL_CHAIN = 3 and 5. Under PDL a kernel's time includes its wait for the one before it.
+step 104 && for c in 3 5; do echo "== PDL_CHAIN=$c"; PROFILE_MODEL_SET="PDL_CHAIN=$c" PROFILE_PROMPT=1300 \
+    PROFILE_POSITIONS=1 PROFILE_TOP=16 OUT="$OUT" timeout 150 python3 experiments/lab/profile_rollout.py \
+    nvfp4_fused:8:64 2>&1 | grep -v "^[IW][0-9]"; done | tee "$OUT/step104.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
