@@ -1148,7 +1148,16 @@ def _load(compiled, ptx: str | None = None) -> tuple[str, str, int]:
     RuntimeError: loading failed on a GPU.
   """
   ptx = compiled.asm["ptx"] if ptx is None else ptx
-  name, shared = compiled.metadata.name, int(compiled.metadata.shared)
+  return _preload(ptx, compiled.metadata.name, int(compiled.metadata.shared))
+
+
+def _preload(ptx: str, name: str, shared: int) -> tuple[str, str, int]:
+  """Loads the kernel ``name`` of ``ptx`` (PTX, or ``"cubin:"`` and a cubin's base64) into the FFI launcher on every
+  visible GPU, outside any CUDA-graph capture, when the launcher is built; returns ``(ptx, name, shared)``.
+
+  Raises:
+    RuntimeError: loading failed on a GPU.
+  """
   lib = _ffi_library()
   if lib is not None:
     for device in _gpu_devices():

@@ -88,10 +88,11 @@ VARIANTS["tl p2"] = tl_set(PREFETCH=2)  # the first block's lines prefetched int
 VARIANTS["tl m0"] = tl_set(MERGE=0)  # session 63's merge: a chunk of partials at once, reduced over the chunk
 
 
-def pallas_form():
-  """Session 64: the Pallas kernel's own build (append_attention.FORM = "pallas") launched alone by the FFI launcher,
-  against the same kernel launched by XLA ("merge"): it takes the bias as a stack."""
-  inner = tl_set(FORM="pallas")
+def pallas_form(**settings):
+  """Session 64: the Pallas kernel's own build (append_attention.FORM = "pallas"; with ``settings``, more of
+  append_attention's attributes for the call) launched alone by the FFI launcher, against the same kernel launched by
+  XLA ("merge"): it takes the bias as a stack."""
+  inner = tl_set(FORM="pallas", **settings)
 
   def call(y, bias, *rest):
     return inner(y, jnp.broadcast_to(bias, (L,) + bias.shape), *rest)
@@ -106,26 +107,15 @@ def cubin_form(path: str):
   ``decode_attention_append``, 38912 shared bytes as XLA launches it) launched by the FFI launcher with the "pl"
   variant's parameters: is it the build or the launch that makes "pl" slower than XLA's "merge"?"""
   import base64
-  from pallas_kernels import append_attention as aa
   from pallas_kernels import w4_gluon
-  inner = pallas_form()
+  build = []  # (loaded at the first call, on the GPU)
 
-  def call(*args):
-    text = "cubin:" + base64.b64encode(open(path, "rb").read()).decode("ascii")
-    name, shared = "decode_attention_append", 38912
-    lib = w4_gluon._ffi_library()
-    for device in w4_gluon._gpu_devices():
-      err = lib.qerl_gluon_preload(w4_gluon._module_key(text, name).encode(), text.encode(), name.encode(),
-                                   device.id, shared)
-      if err:
-        raise RuntimeError(f"loading {path} failed (CUresult {err})")
-    old = aa.pallas_build
-    aa.pallas_build = lambda *a, **k: (text, name, shared)
-    try:
-      return inner(*args)
-    finally:
-      aa.pallas_build = old
-  return call
+  def pallas_build(*args, **kwargs):
+    if not build:
+      text = "cubin:" + base64.b64encode(open(path, "rb").read()).decode("ascii")
+      build.append(w4_gluon._preload(text, "decode_attention_append", 38912))
+    return build[0]
+  return pallas_form(pallas_build=pallas_build)
 
 
 for _item in filter(None, os.environ.get("APPEND_CUBINS", "").split(",")):  # "name=path,..."
