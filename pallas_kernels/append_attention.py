@@ -294,15 +294,15 @@ def launch(bufs: Buffers, *, batch: int, heads: int, heads_kv: int, slots: int, 
     params = (q,) + tuple((b, 0) for b in (bufs.bias, bufs.cos, bufs.sin, bufs.k, bufs.v, bufs.mask)) + (
         (bufs.layer, bufs.layer_offset), (bufs.length, 0), (bufs.sync, 0), (bufs.o_part, 0), (bufs.m_part, 0), (bufs.l_part, 0),
         (bufs.k, 0), (bufs.v, 0), (bufs.out, 0), (bufs.sync, 0))
-    return w4_gluon.ChainLaunch(ptx, name, max(shared, MIN_SHARED), grid(batch, heads_kv, geo), 32 * da.APPEND_WARPS,
-                                params, pdl=pdl)
-  mt = meta(batch, heads, heads_kv, slots, head_dim, layers, has_bias=bias_dtype is not None,
-            bias_stacked=bias_stacked, skip_past_last=skip_past_last, gdc=GDC if pdl else 0, geo=geo)
-  bias_type = "*bf16" if bias_dtype is not None and jnp.dtype(bias_dtype) == jnp.bfloat16 else "*fp32"
-  warps = WARPS
-  ptx, name, shared = compiled(tuple(mt.items()), bias_type, warps, STAGES)
-  offsets = {0: 4 * bufs.qkv_offset, 7: bufs.layer_offset}  # (q/k/v, layer)
-  params = tuple((buf, offsets.get(i, 0)) for i, buf in enumerate(bufs[:14]))
+    warps = da.APPEND_WARPS
+  else:
+    mt = meta(batch, heads, heads_kv, slots, head_dim, layers, has_bias=bias_dtype is not None,
+              bias_stacked=bias_stacked, skip_past_last=skip_past_last, gdc=GDC if pdl else 0, geo=geo)
+    bias_type = "*bf16" if bias_dtype is not None and jnp.dtype(bias_dtype) == jnp.bfloat16 else "*fp32"
+    warps = WARPS
+    ptx, name, shared = compiled(tuple(mt.items()), bias_type, warps, STAGES)
+    offsets = {0: 4 * bufs.qkv_offset, 7: bufs.layer_offset}  # (q/k/v, layer)
+    params = tuple((buf, offsets.get(i, 0)) for i, buf in enumerate(bufs[:14]))
   return w4_gluon.ChainLaunch(ptx, name, max(shared, MIN_SHARED), grid(batch, heads_kv, geo), 32 * warps, params,
                               pdl=pdl)
 
