@@ -22,7 +22,7 @@ by running max and rescaled sums. Only bf16 models and caches.
 torch CPU tensors (tests).
 
 Status (H100, batch 8, 7B heads, 1300 filled slots). In session 63 the kernel took 19.0 µs a layer against the
-Pallas kernel's 14.2. Session 64 traced the gap to Triton 3.6's lowering of the merge (:data:`MERGE`). The kernel now
+Pallas kernel's 14.2. Session 64 traced the gap to Triton 3.6's lowering of the merge of the splits. The kernel now
 takes 14.6 µs a layer against 13.9 for XLA's build, yet the chained decode step is still slower than the default:
 2.557 against 2.422 ms. ``decoder.PDL_CHAIN`` 4 and 5 stay lab settings; see docs/benchmarks.md, "Session 64".
 """
@@ -47,13 +47,11 @@ PREFETCH = 0  # 0: each loop step loads its own block, staged by Triton's pipeli
 # PDL wait each thread asks the L2 for a line of the first block's keys and one of its values (prefetch.global.L2; 157
 # registers)
 STAGES = 2
-MERGE_CHUNK = 8  # splits' partials the merging program loads at once
-MERGE = 1  # how the last program of a (row, KV head) merges the splits' partials: 1 (session 64) one partial after
-# another, elementwise on [rows, 1] and [rows, hd] (a chunk of MERGE_CHUNK unrolled so that its loads go out
-# together); 0 (session 63) a chunk at once, reduced over it ([chunk, rows, hd]), which Triton 3.6 lowers through
-# shared memory (offline, sm_90, 7B heads: after the main loop 92 shared loads, 90 stores, 77 shuffles and 22 barriers
-# against 10, 6, 5 and 6; 158 registers against 96). On an H100 (28 layers, batch 8, 1300 slots): 409.5 µs with 1,
-# 524.0 with 0, 389.1 for the Pallas kernel built and launched by XLA
+MERGE_CHUNK = 8  # splits' partials the merging program loads at once. It merges them one after another,
+# elementwise: session 63's reduction over a chunk of them ([chunk, rows, hd]) is lowered by Triton 3.6 through shared
+# memory (offline, sm_90, 7B heads: after the main loop 92 shared loads, 90 stores, 77 shuffles and 22 barriers
+# against 10, 6, 5 and 6; 158 registers against 96). On an H100 (28 layers, batch 8, 1300 slots) 524.0 against
+# 409.5 µs, and 389.1 for the Pallas kernel built and launched by XLA (session 64)
 MIN_SHARED = 0  # lab (session 64): the launch's shared bytes at least this, so that fewer programs share an SM (at
 # 96 registers and 38912 bytes five fit; 72000 leaves three, 100000 two): does the chain's early launch of the
 # attention, onto SMs still busy with the q/k/v GEMV, pile its programs on a few SMs?
@@ -118,7 +116,7 @@ def meta(batch: int, heads: int, heads_kv: int, slots: int, head_dim: int, layer
   return dict(B=batch, H=heads, HKV=heads_kv, G=geo.group, GP=geo.group_pad, GR=geo.group_rows, S=slots,
               HD=head_dim, BS=geo.block_s, CHUNK=geo.chunk, NSPLIT=geo.nsplit, MC=geo.merge_chunk, L=layers,
               SCALE=float(head_dim) ** -0.5, HAS_BIAS=int(has_bias), BIAS_STACKED=int(bias_stacked),
-              SKIP_PAST_LAST=int(skip_past_last), GDC=gdc, PREFETCH=int(PREFETCH), MERGE=int(MERGE),
+              SKIP_PAST_LAST=int(skip_past_last), GDC=gdc, PREFETCH=int(PREFETCH),
               WIDE=int(layers * batch * slots * heads_kv * head_dim >= 2 ** 31))
 
 

@@ -32,7 +32,6 @@ def _interpreted(tmp_path):
       out = {{}}
       for i, (length, layer, splits, stacked, bf16) in enumerate({CASES!r}):
         aa.PREFETCH = i % 3  # every loop form
-        aa.MERGE = i // 3 % 2  # both merges
         c, heads, _, _ = _append_case(length + 100, slots=200)
         c["slot_mask_BxS"] = c["slot_mask_BxS"].at[:, length - 1].set(True)
         bias = c["bias_N"] if bf16 else c["bias_N"].astype(jnp.float32) * 0.5
@@ -57,8 +56,7 @@ def _interpreted(tmp_path):
 
 def test_interpreted_kernel_matches_float64_and_writes_the_cache_as_xla(tmp_path):
   """Bias (bf16 or float32, one or a stack), bf16 rounding, RoPE, the cache write at slot length - 1, attention over
-  1 to 13 splits and their merge by the last program, with every loop form (PREFETCH 0, 1, 2) and both merges
-  (MERGE 0, 1): the output against
+  1 to 13 splits and their merge by the last program, with every loop form (PREFETCH 0, 1, 2): the output against
   float64 numpy (and XLA's reference), the caches equal to XLA's dynamic-update-slice bit for bit, the counters left
   zero."""
   got = _interpreted(tmp_path)

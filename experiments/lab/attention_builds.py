@@ -6,7 +6,7 @@ to the last HMMA and on to the loop's branch) and after it (the partials' stores
 The Pallas kernel's Triton IR is captured from its lowering (``append_attention.pallas_ttir``) and compiled with
 ``num_warps = 4`` and ``num_stages = 2``, as XLA compiles it. Session 64: XLA's own Triton builds that IR 28% faster
 (393 against 549 µs for 28 layers on an H100, docs/benchmarks.md); the count after the loop is where Triton 3.6 differs
-(shared-memory round trips for the merge's reductions), which ``append_attention.MERGE = 1`` avoids. Needs Triton (the
+(shared-memory round trips for the merge's reductions), which ``append_attention``'s elementwise merge avoids. Needs Triton (the
 CPU wheel does) and its bundled cuobjdump.
 
   PYTHONPATH=$PWD python3 experiments/lab/attention_builds.py
@@ -54,9 +54,7 @@ w4_gluon._target_cc = lambda: 90
 w4_gluon._ffi_library = lambda: None  # (no GPU: build only)
 report("Pallas decode_attention_append", aa.compile_ttir(aa.pallas_ttir(B, H, KH, SLOTS, HD, L, "bfloat16"),
                                                          da.APPEND_WARPS, da.APPEND_STAGES))
-for merge in (0, 1):
-  aa.MERGE = merge
-  mt = aa.meta(B, H, KH, SLOTS, HD, L, has_bias=True, bias_stacked=True, gdc=aa.GDC)
-  report(f"append_attention MERGE {merge} (PDL build)",
-         w4_gluon._compile_gluon(aa._kernel(), aa.arg_dtypes("*bf16"), mt, 90, num_warps=aa.WARPS,
-                                 options={"num_stages": aa.STAGES}, gluon=False))
+mt = aa.meta(B, H, KH, SLOTS, HD, L, has_bias=True, bias_stacked=True, gdc=aa.GDC)
+report("append_attention (PDL build)", w4_gluon._compile_gluon(aa._kernel(), aa.arg_dtypes("*bf16"), mt, 90,
+                                                               num_warps=aa.WARPS, options={"num_stages": aa.STAGES},
+                                                               gluon=False))

@@ -1006,7 +1006,7 @@ step 101 && { APPEND_BATCHES=8 APPEND_LENGTH=1300 APPEND_VARIANTS="merge;tl;tl w
   if [ -n "$1" ] && [ "${1%.*}" -lt 450 ]; then for c in 3 5; do echo "== PDL_CHAIN=$c AA_SET=${knob[$3]:-}"
     MODEL_SET="PDL_CHAIN=$c" AA_SET="${knob[$3]:-}" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8 \
     --new_tokens=2048 --formats=nvfp4_fused 2>&1 | grep -E "_fused \||Error"; done; fi; } | tee "$OUT/step101.txt"
-# 102 (session 64, run; raw docs/bench_runs/session64_step102_h100.txt: tests passed; tl 409.5, tl m0 524.0, merge
+# 102 (session 64, run at commit 838ac04, whose MERGE switch and "tl m0" are gone since: the kernel keeps MERGE 1; raw docs/bench_runs/session64_step102_h100.txt: tests passed; tl 409.5, tl m0 524.0, merge
 #    389.1 us; PDL_CHAIN 3 2.422, 5 2.557 ms, 5 with the attention's GDC = 1 2.566): offline (sm_90, Triton 3.6) the slow part of the tl attention's build
 #    is after its main loop: the merge of the splits' partials, reduced over a chunk of them ([8, rows, hd]), lowered
 #    through shared memory (92 shared loads, 90 stores, 77 shuffles, 22 barriers; 158 registers). append_attention.MERGE

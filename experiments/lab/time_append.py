@@ -85,7 +85,6 @@ VARIANTS["tl t1056"] = tl_set(TARGET_PROGRAMS=1056)
 VARIANTS["tl s3"] = tl_set(STAGES=3)
 VARIANTS["tl p1"] = tl_set(PREFETCH=1, STAGES=1)  # the next block prefetched in registers (210 registers)
 VARIANTS["tl p2"] = tl_set(PREFETCH=2)  # the first block's lines prefetched into the L2
-VARIANTS["tl m0"] = tl_set(MERGE=0)  # session 63's merge: a chunk of partials at once, reduced over the chunk
 
 
 def pallas_form(**settings):
