@@ -52,9 +52,6 @@ MERGE_CHUNK = 8  # splits' partials the merging program loads at once. It merges
 # memory (offline, sm_90, 7B heads: after the main loop 92 shared loads, 90 stores, 77 shuffles and 22 barriers
 # against 10, 6, 5 and 6; 158 registers against 96). On an H100 (28 layers, batch 8, 1300 slots) 524.0 against
 # 409.5 µs, and 389.1 for the Pallas kernel built and launched by XLA (session 64)
-MIN_SHARED = 0  # lab (session 64): the launch's shared bytes at least this, so that fewer programs share an SM (at
-# 96 registers and 38912 bytes five fit; 72000 leaves three, 100000 two): does the chain's early launch of the
-# attention, onto SMs still busy with the q/k/v GEMV, pile its programs on a few SMs?
 FORM = "tl"  # "tl": this module's Triton kernel; "pallas" (lab, session 63): the Pallas kernel's own Triton IR,
 # captured from its lowering and compiled here (its PDL build waits first thing), for the chain of
 # decode_chain.decode_layers (PDL_CHAIN = 5) only: it clamps the layer index and never skips, so it cannot run past
@@ -301,7 +298,7 @@ def launch(bufs: Buffers, *, batch: int, heads: int, heads_kv: int, slots: int, 
     ptx, name, shared = compiled(tuple(mt.items()), bias_type, warps, STAGES)
     offsets = {0: 4 * bufs.qkv_offset, 7: bufs.layer_offset}  # (q/k/v, layer)
     params = tuple((buf, offsets.get(i, 0)) for i, buf in enumerate(bufs[:14]))
-  return w4_gluon.ChainLaunch(ptx, name, max(shared, MIN_SHARED), grid(batch, heads_kv, geo), 32 * warps, params,
+  return w4_gluon.ChainLaunch(ptx, name, shared, grid(batch, heads_kv, geo), 32 * warps, params,
                               pdl=pdl)
 
 

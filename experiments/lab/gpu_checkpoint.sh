@@ -1026,6 +1026,9 @@ step 102 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest 
 #    still holds SMs, and at 96 registers five fit an SM, so they pile onto the free SMs. append_attention.MIN_SHARED
 #    caps the programs an SM (72000 bytes: three, 100000: two); decode_chain.QKV_RELEASES_ATTENTION = 0 launches the
 #    attention only as the q/k/v GEMV ends. NVFP4 batch-8 row, alternating.
+#    Session 65 (H100): 2.472 / 2.474 ms (3), 2.604 (5), 2.517 (5, no early release), 2.742 / 2.751 (5, 72000 /
+#    100000), 2.743; both knobs are gone since (the chain's q/k/v GEMV never releases the attention early), so this
+#    step runs only at commit 5023165.
 step 103 && for run in "3 0 1" "5 0 1" "5 0 0" "5 72000 1" "5 100000 1" "3 0 1" "5 72000 1"; do set -- $run
     echo "== PDL_CHAIN=$1 MIN_SHARED=$2 QKV_RELEASES_ATTENTION=$3"; MODEL_SET="PDL_CHAIN=$1" AA_SET="MIN_SHARED=$2" \
     DC_SET="QKV_RELEASES_ATTENTION=$3" timeout 100 python3 experiments/lab/gluon/ab_rollout.py --batches=8 \
@@ -1033,6 +1036,8 @@ step 103 && for run in "3 0 1" "5 0 1" "5 0 0" "5 72000 1" "5 100000 1" "3 0 1" 
 # 104 (session 64, prepared; about 3 minutes): where PDL_CHAIN = 5's 4.8 us a layer go, kernel by kernel: a batch-8
 #    rollout profile (64 new tokens after a 1300-token prompt, the kernels by device time and by their position in
 #    the layer) with PDL_CHAIN = 3 and 5. Under PDL a kernel's time includes its wait for the one before it.
+#    Session 65 (H100): under PDL a kernel's profiled time spans its wait, so the figures separate nothing
+#    (docs/bench_runs/session65_step104_h100.txt).
 step 104 && for c in 3 5; do echo "== PDL_CHAIN=$c"; PROFILE_MODEL_SET="PDL_CHAIN=$c" PROFILE_PROMPT=1300 \
     PROFILE_POSITIONS=1 PROFILE_TOP=16 OUT="$OUT" timeout 150 python3 experiments/lab/profile_rollout.py \
     nvfp4_fused:8:64 2>&1 | grep -v "^[IW][0-9]"; done | tee "$OUT/step104.txt"

@@ -11,8 +11,8 @@ session 23), RN_SET="WARPS=8,ZERO_CHUNK=8192" pallas_kernels.residual_norm's, an
 qerl_jax.sampling's (session 29), MM_SET="MAX_SPLITS=8" pallas_kernels.w4_gluon_mm's (session 47: split-K in the
 large-M forward, which a batch-256 decode step's M = 256 products may take), and MATMUL_SET="GLUON_MM_NARROW_MODEL=1"
 pallas_kernels.matmul's (session 50: the model's linears on the narrow tiles at 32 < M <= 128), AA_SET="PREFETCH=2"
-pallas_kernels.append_attention's (session 63) and DC_SET="QKV_RELEASES_ATTENTION=0" pallas_kernels.decode_chain's
-(session 64).
+pallas_kernels.append_attention's (session 63) and DC_SET="GEMV_GDC=2" pallas_kernels.decode_chain's (the chain's
+GEMVs without the early release).
 
 GL_NO_ZERO=1 drops the launcher's memset of the atomic builds' output: the results are WRONG (they add
 into whatever the buffer held); only for timing what the memsets cost in a rollout.
