@@ -76,6 +76,7 @@
 #   STEPS=102 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=103 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=104 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=105 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
@@ -1041,4 +1042,13 @@ step 103 && for run in "3 0 1" "5 0 1" "5 0 0" "5 72000 1" "5 100000 1" "3 0 1" 
 step 104 && for c in 3 5; do echo "== PDL_CHAIN=$c"; PROFILE_MODEL_SET="PDL_CHAIN=$c" PROFILE_PROMPT=1300 \
     PROFILE_POSITIONS=1 PROFILE_TOP=16 OUT="$OUT" timeout 150 python3 experiments/lab/profile_rollout.py \
     nvfp4_fused:8:64 2>&1 | grep -v "^[IW][0-9]"; done | tee "$OUT/step104.txt"
+# 105 (session 65, prepared; about 7 minutes, for an H200): issue 6's table on its card, in the issue's own script,
+#    under the current defaults (PDL_CHAIN = 3): the batch-8 row first (NVFP4 and bf16 in the same run; the last H200
+#    figure is 1.95x, session 53, before the chained layer), then batch 64 and 256 (1024 new tokens at 256).
+step 105 && { timeout 170 python3 experiments/bench_rollout.py --batches=8 --new_tokens=2048 \
+    --formats=nvfp4_fused,bf16_fused --time_budget_s=140 --out="$OUT/issue6_b8" > "$OUT/issue6_b8.log" 2>&1
+  grep "|\|x$" "$OUT/issue6_b8.log"
+  timeout 250 python3 experiments/bench_rollout.py --batches=64,256 --new_tokens=2048 --new_tokens_by_batch=256:1024 \
+    --formats=nvfp4_fused,bf16_fused --time_budget_s=200 --out="$OUT/issue6_b64_256" > "$OUT/issue6_b64_256.log" 2>&1
+  grep "|\|x$" "$OUT/issue6_b64_256.log"; } | tee "$OUT/step105.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
