@@ -116,11 +116,7 @@ const Driver& GetDriver() {
 }
 
 std::mutex cache_mutex;
-struct Loaded {
-  CUfunction fn;
-  int64_t shared_opt_in;  // the dynamic shared bytes the function may take (set above 48 KiB), 0 if never set
-};
-std::map<std::pair<CUcontext, std::string>, Loaded> cache;
+std::map<std::pair<CUcontext, std::string>, CUfunction> cache;
 
 constexpr int kMaxDynamicSharedSizeBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
@@ -150,9 +146,8 @@ std::string Base64Decode(std::string_view text) {
 
 constexpr std::string_view kCubinPrefix = "cubin:";
 
-// The kernel `name` of `ptx` (digest `key`) in the current context, allowed `shared` bytes of dynamic shared memory
-// (above 48 KiB by the opt-in attribute, raised when a launch asks for more than before); loads the module on a miss.
-// 0 on success.
+// The kernel `name` of `ptx` (digest `key`) in the current context; loads the module on a miss, allowing it `shared`
+// bytes of dynamic shared memory (above 48 KiB by the opt-in attribute). 0 on success.
 CUresult Function(const Driver& d, std::string_view key, std::string_view ptx, std::string_view name, int64_t shared,
                   CUfunction* fn) {
   CUcontext ctx = nullptr;
@@ -161,24 +156,23 @@ CUresult Function(const Driver& d, std::string_view key, std::string_view ptx, s
   auto cache_key = std::make_pair(ctx, std::string(key));
   std::lock_guard<std::mutex> lock(cache_mutex);
   auto it = cache.find(cache_key);
-  if (it == cache.end()) {
-    CUmodule module = nullptr;
-    const std::string image = ptx.substr(0, kCubinPrefix.size()) == kCubinPrefix
-                                  ? Base64Decode(ptx.substr(kCubinPrefix.size()))
-                                  : std::string(ptx);
-    r = d.module_load_data(&module, image.c_str());
-    if (r != 0) return r;
-    CUfunction loaded = nullptr;
-    r = d.module_get_function(&loaded, module, std::string(name).c_str());
-    if (r != 0) return r;
-    it = cache.emplace(cache_key, Loaded{loaded, 0}).first;
+  if (it != cache.end()) {
+    *fn = it->second;
+    return 0;
   }
-  if (shared > 48 * 1024 && shared > it->second.shared_opt_in) {
-    r = d.func_set_attribute(it->second.fn, kMaxDynamicSharedSizeBytes, static_cast<int>(shared));
+  CUmodule module = nullptr;
+  const std::string image = ptx.substr(0, kCubinPrefix.size()) == kCubinPrefix
+                                ? Base64Decode(ptx.substr(kCubinPrefix.size()))
+                                : std::string(ptx);
+  r = d.module_load_data(&module, image.c_str());
+  if (r != 0) return r;
+  r = d.module_get_function(fn, module, std::string(name).c_str());
+  if (r != 0) return r;
+  if (shared > 48 * 1024) {
+    r = d.func_set_attribute(*fn, kMaxDynamicSharedSizeBytes, static_cast<int>(shared));
     if (r != 0) return r;
-    it->second.shared_opt_in = shared;
   }
-  *fn = it->second.fn;
+  cache.emplace(cache_key, *fn);
   return 0;
 }
 
