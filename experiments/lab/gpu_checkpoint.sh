@@ -1051,4 +1051,14 @@ step 105 && { timeout 170 python3 experiments/bench_rollout.py --batches=8 --new
   timeout 250 python3 experiments/bench_rollout.py --batches=64,256 --new_tokens=2048 --new_tokens_by_batch=256:1024 \
     --formats=nvfp4_fused,bf16_fused --time_budget_s=200 --out="$OUT/issue6_b64_256" > "$OUT/issue6_b64_256.log" 2>&1
   grep "|\|x$" "$OUT/issue6_b64_256.log"; } | tee "$OUT/step105.txt"
+# 106 (session 66, prepared; about 6 minutes, for an H100 when no H200 comes): the GPU tests of the FFI launcher (its
+#    shared-memory opt-in set once, at load, again since session 65), the decode chain (its q/k/v GEMV built without
+#    the attention's early release) and the chained attention, which last ran on a GPU before those changes; then
+#    issue 6's batch-8 row in the issue's own script (NVFP4 and bf16 in one run), the figure step 105 gives on an H200.
+step 106 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_decode_chain.py tests/test_append_attention.py tests/test_residual_norm.py tests/test_gluon.py 2>&1 \
+    | grep -E "passed|failed|FAILED|Error|assert" | tail -8
+  timeout 200 python3 experiments/bench_rollout.py --batches=8 --new_tokens=2048 \
+    --formats=nvfp4_fused,bf16_fused --time_budget_s=140 --out="$OUT/issue6_b8" > "$OUT/issue6_b8.log" 2>&1
+  grep "|\|x$" "$OUT/issue6_b8.log"; } | tee "$OUT/step106.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
