@@ -165,6 +165,9 @@ def test_gpu_decode_steps_with_the_fused_layer_end_match_xla(monkeypatch, with_l
   real = residual_norm.residual_rms_norm
   monkeypatch.setattr(residual_norm, "residual_rms_norm",
                       lambda *a, **k: calls.append((a[3].shape, k.get("zero_size"))) or real(*a, **k))
+  # The separate fused calls, not the chained layer (PDL_CHAIN, on by default since session 60, takes a rollout
+  # without LoRA past these calls; tests/test_decode_chain.py checks it against them).
+  monkeypatch.setattr(decoder, "PDL_CHAIN", 0)
   monkeypatch.setattr(decoder, "FUSED_LAYER_END", 0)
   by_xla, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16, **kw)
   assert not calls
