@@ -907,6 +907,9 @@ def test_gpu_decode_steps_into_one_buffer_a_layer_match_the_plain_path(monkeypat
   calls = []
   real = pallas_kernels.quantized_matmul_into
   monkeypatch.setattr(pallas_kernels, "quantized_matmul_into", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+  # the layer's four separate calls, not the chained layer (PDL_CHAIN, on by default since session 60, runs o, gate/up
+  # and down of a rollout without LoRA inside one call; tests/test_decode_chain.py checks it against these)
+  monkeypatch.setattr(decoder, "PDL_CHAIN", 0)
   monkeypatch.setattr(decoder, "ACCUMULATE_DECODE", False)
   plain, _ = decode_all(cfg, base, tokens, mask, n_prefill=6, cache_dtype=jnp.bfloat16)
   assert not calls
