@@ -1055,9 +1055,13 @@ step 105 && { timeout 170 python3 experiments/bench_rollout.py --batches=8 --new
 #    shared-memory opt-in set once, at load, again since session 65), the decode chain (its q/k/v GEMV built without
 #    the attention's early release) and the chained attention, which last ran on a GPU before those changes; then
 #    issue 6's batch-8 row in the issue's own script (NVFP4 and bf16 in one run), the figure step 105 gives on an H200.
+#    Session 66 (H100; raw docs/bench_runs/session66_step106_h100.txt, session66_gpu_tests_h100.txt): the tests, then
+#    without the -k selection, ran past their 240 s limit; run alone (75 s), one failed, a stale count of separate
+#    calls that the chained layer replaces (pinned to PDL_CHAIN = 0 since, as was a second one the whole suite found:
+#    632 GPU tests pass). Batch 8: NVFP4 2.420 ms (74.9% of the roofline), bf16 5.603 ms: 2.30x.
 step 106 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_decode_chain.py tests/test_append_attention.py tests/test_residual_norm.py tests/test_gluon.py 2>&1 \
-    | grep -E "passed|failed|FAILED|Error|assert" | tail -8
+    tests/test_decode_chain.py tests/test_append_attention.py tests/test_residual_norm.py tests/test_gluon.py \
+    -k "ffi or chain or launch or pdl or append or norm" 2>&1 | grep -E "passed|failed|FAILED|Error|assert" | tail -8
   timeout 200 python3 experiments/bench_rollout.py --batches=8 --new_tokens=2048 \
     --formats=nvfp4_fused,bf16_fused --time_budget_s=140 --out="$OUT/issue6_b8" > "$OUT/issue6_b8.log" 2>&1
   grep "|\|x$" "$OUT/issue6_b8.log"; } | tee "$OUT/step106.txt"
