@@ -77,6 +77,7 @@
 #   STEPS=103 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=104 bash experiments/lab/gpu_checkpoint.sh
 #   STEPS=105 bash experiments/lab/gpu_checkpoint.sh
+#   STEPS=106 bash experiments/lab/gpu_checkpoint.sh
 # 1. every GPU test (`-m gpu`, 10 processes: serially the 512 tests no longer fit 420 s; session 39: 261 s):
 #    kernels, the Gluon decode kernel, decode attention, model;
 # 2. the Gluon decode kernel against the Pallas kernel and bf16 (experiments/lab/gluon/time_jax.py,
