@@ -1069,14 +1069,16 @@ step 106 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest 
   grep "|\|x$" "$OUT/issue6_b8.log"; } | tee "$OUT/step106.txt"
 # 107 (session 68, prepared; about 7 minutes, any card): decode_attention.APPEND_EARLY_LOADS (the cached slots
 #    attended before the new token, whose cache stores had held back the loop's first cp.async copies, and the slot
-#    mask loaded a block ahead): the append kernel's GPU tests (early loads among them), its 28-layer time alone at
-#    batch 8 over fills of 2-2000 slots against the default, then issue 6's batch-8 row (NVFP4 and bf16 in one run,
-#    the issue's own script through ab_rollout) with and without it, alternating twice.
+#    mask loaded a block ahead): the append kernel's GPU tests at the 7B shape (early loads among them), then issue
+#    6's batch-8 row (NVFP4 and bf16 in one run, the issue's own script through ab_rollout) without and with it, its
+#    28-layer time alone at batch 8 over fills of 2-2000 slots against the default, and the batch-8 pair again.
 step 107 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_decode_attention.py -k append 2>&1 | grep -E "passed|failed|FAILED|Error|assert" | tail -6
-  APPEND_BATCHES=8 APPEND_LENGTH=2,300,1300,2000 APPEND_VARIANTS="merge;merge early;merge early s3" timeout 100 \
-    python3 experiments/lab/time_append.py 2>&1 | grep -E "^batch|Error"
-  for e in 0 1 0 1; do echo "== APPEND_EARLY_LOADS=$e"; DA_SET="APPEND_EARLY_LOADS=$e" timeout 100 python3 \
+    tests/test_decode_attention.py -k "append and 7b" 2>&1 | grep -E "passed|failed|FAILED|Error|assert" | tail -6
+  ab() { for e in "$@"; do echo "== APPEND_EARLY_LOADS=$e"; DA_SET="APPEND_EARLY_LOADS=$e" timeout 100 python3 \
       experiments/lab/gluon/ab_rollout.py --batches=8 --new_tokens=2048 --formats=nvfp4_fused,bf16_fused 2>&1 \
-      | grep -E "_fused \||Error"; done; } | tee "$OUT/step107.txt"
+      | grep -E "_fused \||Error"; done; }
+  ab 0 1
+  APPEND_BATCHES=8 APPEND_LENGTH=2,1300,2000 APPEND_VARIANTS="merge;merge early;merge early s3" timeout 100 \
+    python3 experiments/lab/time_append.py 2>&1 | grep -E "^batch|Error"
+  ab 0 1; } | tee "$OUT/step107.txt"
 exit 0  # (a step not chosen leaves a false test as the last status)
