@@ -162,7 +162,7 @@ def _rounded(a, dtype):
 def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, layer_ref, length_ref, *refs,
                    batch, heads, heads_kv, group, group_pad, slots, head_dim, block_s, chunk, nsplit, num_layers,
                    dtype, bias_stacked=False, dynamic_chunks=False, combine=False, interpret=False,
-                   group_rows=16, merge_chunk=8, early_loads=False):
+                   group_rows=16, merge_chunk=8):
   if combine:  # the sync counters come in (aliased) and go out; the combined output is one more output
     _, o_ref, m_ref, l_ref, k_out_ref, v_out_ref, out_ref, sync_ref = refs
   else:
@@ -171,8 +171,6 @@ def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, 
   layer = jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
   length = length_ref[0]
   write_at = length - 1  # this step's slot: attended from registers, written by split 0, never read
-  if early_loads:  # the new slot's mask byte asked for with the first loads
-    new_mask = plgpu.load(mask_ref.at[b, pl.ds(write_at, 1)])
   half = head_dim // 2
   f32 = jnp.float32
   # The projection's output folded to [B * (H + 2 Hkv), hd]: one row per head (q heads, then k, then v);
@@ -192,41 +190,26 @@ def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, 
   # This row's RoPE cos and sin (float32, made once per decode step by rope_cos_sin), in the compute dtype.
   cos, sin = rnd(one_at(cos_ref, b, 0, half)), rnd(one_at(sin_ref, b, 0, half))  # [1, hd/2]
   q1, q2 = _rope_rounded(q1, q2, cos, sin, dtype)
+  k1, k2 = _rope_rounded(k1, k2, cos, sin, dtype)
+
   row0 = (layer * batch + b) * slots
   col = kvh * head_dim
+
+  @pl.when(split == 0)
+  def _():
+    row = pl.ds(row0 + write_at, 1)
+    plgpu.store(k_out_ref.at[row, pl.ds(col, half)], k1.astype(k_out_ref.dtype))
+    plgpu.store(k_out_ref.at[row, pl.ds(col + half, half)], k2.astype(k_out_ref.dtype))
+    plgpu.store(v_out_ref.at[row, pl.ds(col, head_dim)], v_new.astype(v_out_ref.dtype))
+
   scale = head_dim ** -0.5
-
-  def new_token(carry):
-    """RoPE on the new key, its key and value written to the cache by split 0, and its score and value merged into
-    split 0's online softmax ``carry`` (when its slot is attended at all)."""
-    k1, k2 = _rope_rounded(k1_in, k2_in, cos, sin, dtype)
-
-    @pl.when(split == 0)
-    def _():
-      row = pl.ds(row0 + write_at, 1)
-      plgpu.store(k_out_ref.at[row, pl.ds(col, half)], k1.astype(k_out_ref.dtype))
-      plgpu.store(k_out_ref.at[row, pl.ds(col + half, half)], k2.astype(k_out_ref.dtype))
-      plgpu.store(v_out_ref.at[row, pl.ds(col, head_dim)], v_new.astype(v_out_ref.dtype))
-
-    new_mask_ = new_mask if early_loads else plgpu.load(mask_ref.at[b, pl.ds(write_at, 1)])
-    new_kept = (new_mask_ != 0) & (split == 0)  # [1]
-    sc_new = (jnp.sum(q1 * k1, axis=1) + jnp.sum(q2 * k2, axis=1)) * scale  # [G_pad]
-    if carry is None:  # the new token opens the online softmax
-      return (jnp.where(new_kept, sc_new, MASKED_SCORE), jnp.where(new_kept, 1.0, 0.0) + jnp.zeros((group_pad,), f32),
-              jnp.where(new_kept[:, None], v_new, 0.0) + jnp.zeros((group_pad, head_dim), f32))
-    m, l, acc = carry  # it closes it: one more online-softmax step
-    m_new = jnp.where(new_kept, jnp.maximum(m, sc_new), m)
-    alpha = jnp.exp(m - m_new)
-    p = jnp.where(new_kept, jnp.exp(sc_new - m_new), 0.0)
-    return m_new, l * alpha + p, acc * alpha[:, None] + p[:, None] * v_new
-
-  k1_in, k2_in = k1, k2
-  if early_loads:
-    init = (jnp.full((group_pad,), MASKED_SCORE, f32), jnp.zeros((group_pad,), f32),
-            jnp.zeros((group_pad, head_dim), f32))
-  else:
-    init = new_token(None)
-  q1d, q2d = q1.astype(dtype), q2.astype(dtype)
+  # The new token opens split 0's online softmax (when its slot is attended at all).
+  new_kept = (plgpu.load(mask_ref.at[b, pl.ds(write_at, 1)]) != 0) & (split == 0)  # [1]
+  sc_new = (jnp.sum(q1 * k1, axis=1) + jnp.sum(q2 * k2, axis=1)) * scale  # [G_pad]
+  m = jnp.where(new_kept, sc_new, MASKED_SCORE)
+  l = jnp.where(new_kept, 1.0, 0.0) + jnp.zeros((group_pad,), f32)
+  acc = jnp.where(new_kept[:, None], v_new, 0.0) + jnp.zeros((group_pad, head_dim), f32)
+  q1, q2 = q1.astype(dtype), q2.astype(dtype)
 
   if dynamic_chunks:  # the written slots [0, write_at) dealt evenly (in whole blocks) over the nsplit programs
     chunk = jnp.maximum(pl.cdiv(pl.cdiv(write_at, block_s), nsplit), 1) * block_s
@@ -234,24 +217,15 @@ def _append_kernel(qkv_ref, bias_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, 
 
   def body(i, carry):
     s0 = s_begin + i * block_s
-    if early_loads:  # this block's mask came in the carry; the next block's is asked for now
-      *carry, inside, keep = carry
-      nxt = _block_keep(mask_ref, b, s0 + block_s, s_end, block_s)
-    else:
-      inside, keep = _block_keep(mask_ref, b, s0, s_end, block_s)
+    inside, keep = _block_keep(mask_ref, b, s0, s_end, block_s)
     rows_s = pl.ds(row0 + s0, block_s)
     ld = lambda ref, c0, n: plgpu.load(ref.at[rows_s, pl.ds(c0, n)], mask=inside[:, None], other=0.0).astype(dtype)
     dims = (((1,), (1,)), ((), ()))
-    sc = (lax.dot_general(q1d, ld(k_ref, col, half), dims, preferred_element_type=f32)
-          + lax.dot_general(q2d, ld(k_ref, col + half, half), dims, preferred_element_type=f32)) * scale
-    out = _online_softmax(*carry, sc, keep, ld(v_ref, col, head_dim))
-    return (*out, *nxt) if early_loads else out
+    sc = (lax.dot_general(q1, ld(k_ref, col, half), dims, preferred_element_type=f32)
+          + lax.dot_general(q2, ld(k_ref, col + half, half), dims, preferred_element_type=f32)) * scale
+    return _online_softmax(*carry, sc, keep, ld(v_ref, col, head_dim))
 
-  if early_loads:  # the cached slots first, then the new token (its cache stores would hold back the loop's loads)
-    m, l, acc, _, _ = lax.fori_loop(0, blocks, body, (*init, *_block_keep(mask_ref, b, s_begin, s_end, block_s)))
-    m, l, acc = new_token((m, l, acc))
-  else:
-    m, l, acc = lax.fori_loop(0, blocks, body, init)
+  m, l, acc = lax.fori_loop(0, blocks, body, (m, l, acc))
   if not combine:  # XLA's combine reads every split's partials
     o_ref[split, b, kvh] = acc
     m_ref[split, b, kvh] = m
@@ -521,13 +495,6 @@ APPEND_STAGES = 2
 # Session 39 (H200, batch 8, 1300 slots, with the in-kernel merge): 369.8 µs for 28 layers against 361.1 fixed, and
 # no faster in a rollout (2.143 against 2.144 ms a step), so it stays off.
 APPEND_DYNAMIC_CHUNKS = False
-# Lab (session 68): True shortens decode_attention_append's chain of dependent memory round trips: the new slot's
-# mask byte is asked for with the first loads; the loop over the cached slots runs before the new token's RoPE on k,
-# cache stores and score (which are merged into split 0's online softmax after it), so that the loop's first cp.async
-# copies no longer wait behind those stores; and each block's slot-mask bytes (int8 [block_s], too small for cp.async:
-# the loop's one synchronous load, which waited on the L2 after the block's keys and values arrived) are loaded a loop
-# step ahead and carried. Not yet measured on a GPU.
-APPEND_EARLY_LOADS = False
 # With ``sync``, the merging program loads this many splits' partials at once, one chunk a step over the chunks that
 # hold active splits. Offline sm_90 (7B heads, batch 8): 8 makes the kernel 152 registers (without sync 96), 4 makes
 # it 128; the batch-8 step has at most 12 splits, 7 active at the rollout's mean length.
@@ -547,8 +514,7 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
                             num_heads: int, dtype=jnp.bfloat16, backend: str = "auto", block_s: int | None = None,
                             splits: int | None = None, target_programs: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None,
-                            sync: jax.Array | None = None, dynamic_chunks: bool | None = None,
-                            early_loads: bool | None = None):
+                            sync: jax.Array | None = None, dynamic_chunks: bool | None = None):
   """A decode step's attention from the q/k/v projection's float32 output, appending to the cache in place.
 
   In one kernel: ``y = qkv + bias`` (float32) rounded to ``dtype`` and split into
@@ -586,9 +552,6 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
       to the next call (it is an aliased output, so a carried one costs no copy). The reference ignores it.
     dynamic_chunks: deal the filled slots evenly over the programs at run time (None takes
       :data:`APPEND_DYNAMIC_CHUNKS`; the default fixes each program's chunk by the cache size).
-    early_loads: attend the cached slots before the new token, with the slot mask loaded a block ahead (None
-      takes :data:`APPEND_EARLY_LOADS`): the same result up to float32 summation order, fewer dependent memory
-      round trips in the kernel.
 
   Returns:
     ``(out [B, H, hd] in dtype, k cache, v cache)``, the caches with slot ``length - 1`` of
@@ -606,7 +569,6 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
   num_warps = APPEND_WARPS if num_warps is None else num_warps
   num_stages = APPEND_STAGES if num_stages is None else num_stages
   dynamic_chunks = APPEND_DYNAMIC_CHUNKS if dynamic_chunks is None else dynamic_chunks
-  early_loads = APPEND_EARLY_LOADS if early_loads is None else early_loads
   num_layers, b, s, kh, d = _check_cache_args(k_LxBxSxKxD, v_LxBxSxKxD, slot_mask_BxS, backend, block_s)
   if sync is not None and (sync.shape != (b * kh,) or sync.dtype != jnp.int32):
     raise ValueError(f"sync must be int32 [B * Hkv = {b * kh}] (new_sync); got {sync.dtype}{list(sync.shape)}")
@@ -641,7 +603,7 @@ def decode_attention_append(qkv_BxN: jax.Array, bias_N, k_LxBxSxKxD: jax.Array, 
                              num_layers=num_layers, dtype=jnp.dtype(dtype),
                              bias_stacked=bias_N is not None and bias_N.ndim == 2, dynamic_chunks=bool(dynamic_chunks),
                              combine=combine, interpret=backend == "interpret", group_rows=_pow2(g),
-                             merge_chunk=merge_chunk, early_loads=bool(early_loads))
+                             merge_chunk=merge_chunk)
   flat = (num_layers * b * s, kh * d)
   # (with the merge, room for whole chunks of splits: its loads are masked past the last one)
   parts = -(-nsplit // merge_chunk) * merge_chunk if combine else nsplit

@@ -166,18 +166,16 @@ def _np_append(c, heads, pos, inv_freq, layer, length):
   return _np_attention(q, k, v, layer, np.asarray(c["slot_mask_BxS"]), length), k, v
 
 
-@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("length,layer,splits,block_s", [(41, 1, None, 16), (70, 2, 3, 16), (21, 0, 2, 32),
                                                          (1, 1, 2, 16), (17, 2, 5, 16)])
-def test_append_kernel_matches_float64(length, layer, splits, block_s, early):
+def test_append_kernel_matches_float64(length, layer, splits, block_s):
   """Bias, bf16 rounding, RoPE, the cache write at slot length - 1 and attention, against float64 numpy;
-  the caches the kernel returns equal XLA's dynamic-update-slice bit for bit. ``early``: the cached slots are
-  attended before the new token, the slot mask loaded a block ahead (``early_loads``)."""
+  the caches the kernel returns equal XLA's dynamic-update-slice bit for bit."""
   c, heads, pos, inv_freq = _append_case(length)
   # the new token's slot is a real token (as in a decode step; rows 0 and 2 start with padding)
   c["slot_mask_BxS"] = c["slot_mask_BxS"].at[:, length - 1].set(True)
   out, kc, vc = da.decode_attention_append(**c, layer=layer, length=length, num_heads=heads, backend="interpret",
-                                           block_s=block_s, splits=splits, early_loads=early)
+                                           block_s=block_s, splits=splits)
   ref_out, ref_k, ref_v = _np_append(c, heads, pos, inv_freq, layer, length)
   assert out.shape == (3, heads, 32) and out.dtype == jnp.bfloat16
   assert np.isfinite(np.asarray(out, np.float32)).all()
@@ -195,10 +193,10 @@ def test_append_kernel_matches_float64(length, layer, splits, block_s, early):
   assert _rel(xla_out, ref_out) < 2e-2
 
 
-@pytest.mark.parametrize("dynamic,early", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("length,splits,slots", [(70, 3, 70), (41, None, 70), (1, 2, 70), (33, 5, 70),
                                                  (190, None, 200), (100, None, 200), (200, 13, 200)])
-def test_append_kernel_merges_its_splits_with_sync(length, splits, slots, dynamic, early):
+def test_append_kernel_merges_its_splits_with_sync(length, splits, slots, dynamic):
   """With ``sync`` the kernel's last program per (row, KV head) merges the splits' partials (in chunks of
   MERGE_CHUNK = 8 splits: 200 slots make 13 splits of one block of 16): the output matches float64, the counters
   come back zero (so they serve the next call), and the result equals XLA's combine."""
@@ -206,7 +204,7 @@ def test_append_kernel_merges_its_splits_with_sync(length, splits, slots, dynami
   c, heads, pos, inv_freq = _append_case(length + 100, slots=slots)
   c["slot_mask_BxS"] = c["slot_mask_BxS"].at[:, length - 1].set(True)
   kw = dict(layer=2, length=length, num_heads=heads, backend="interpret", block_s=block_s, splits=splits,
-            dynamic_chunks=dynamic, early_loads=early)
+            dynamic_chunks=dynamic)
   out, kc, vc, sync = da.decode_attention_append(**c, **kw, sync=da.new_sync(3, 2))
   ref_out, ref_k, _ = _np_append(c, heads, pos, inv_freq, 2, length)
   assert out.shape == (3, heads, 32) and out.dtype == jnp.bfloat16
@@ -385,8 +383,8 @@ def test_gpu_append_kernel_matches_reference_at_7b_shape():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dynamic,early", [(False, False), (True, False), (False, True)])
-def test_gpu_append_kernel_merges_its_splits_at_7b_shape(dynamic, early):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_gpu_append_kernel_merges_its_splits_at_7b_shape(dynamic):
   """The splits merged in the kernel (``sync``, the last program of each (row, KV head)) at Qwen2.5-7B's heads,
   batch 8, 2304 slots, over lengths that fill 1 to 12 splits, with the counters carried from call to call."""
   c, heads, _, _ = _append_case(0, layers=3, batch=8, slots=2304, kv_heads=4, group=7, dim=128)
@@ -394,8 +392,7 @@ def test_gpu_append_kernel_merges_its_splits_at_7b_shape(dynamic, early):
   for length in (1, 65, 257, 1304, 2304):
     args = dict(c, slot_mask_BxS=c["slot_mask_BxS"].at[:, length - 1].set(True))
     out, kc, vc, sync = da.decode_attention_append(**args, layer=2, length=length, num_heads=heads,
-                                                   backend="pallas", sync=sync, dynamic_chunks=dynamic,
-                                                   early_loads=early)
+                                                   backend="pallas", sync=sync, dynamic_chunks=dynamic)
     ref, rk, rv = da.decode_attention_append(**args, layer=2, length=length, num_heads=heads, backend="reference")
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _rel(out, np.asarray(ref, np.float64)) < 1e-2, length

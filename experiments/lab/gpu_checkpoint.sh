@@ -1067,11 +1067,14 @@ step 106 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest 
   timeout 200 python3 experiments/bench_rollout.py --batches=8 --new_tokens=2048 \
     --formats=nvfp4_fused,bf16_fused --time_budget_s=140 --out="$OUT/issue6_b8" > "$OUT/issue6_b8.log" 2>&1
   grep "|\|x$" "$OUT/issue6_b8.log"; } | tee "$OUT/step106.txt"
-# 107 (session 68, prepared; about 7 minutes, any card): decode_attention.APPEND_EARLY_LOADS (the cached slots
+# 107 (session 68; about 5 minutes, any card): decode_attention.APPEND_EARLY_LOADS (the cached slots
 #    attended before the new token, whose cache stores had held back the loop's first cp.async copies, and the slot
 #    mask loaded a block ahead): the append kernel's GPU tests at the 7B shape (early loads among them), then issue
 #    6's batch-8 row (NVFP4 and bf16 in one run, the issue's own script through ab_rollout) without and with it, its
 #    28-layer time alone at batch 8 over fills of 2-2000 slots against the default, and the batch-8 pair again.
+#    Session 68 (H100; raw docs/bench_runs/session68_step107_h100.txt): the tests pass; slower, NVFP4 step 2.435 /
+#    2.435 ms against 2.419 / 2.423, the kernel alone 400.2 against 389.9 µs (28 layers, 1300 slots). The setting is
+#    gone since, so this step runs only at commit d1b8722.
 step 107 && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_decode_attention.py -k "append and 7b" 2>&1 | grep -E "passed|failed|FAILED|Error|assert" | tail -6
   ab() { for e in "$@"; do echo "== APPEND_EARLY_LOADS=$e"; DA_SET="APPEND_EARLY_LOADS=$e" timeout 100 python3 \

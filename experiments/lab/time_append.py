@@ -49,10 +49,7 @@ VARIANTS = {"append": variant(), "append t264": variant(target_programs=264),
             "merge t2112": variant(merge=True, target_programs=2112),
             "merge t1056 s3": variant(merge=True, target_programs=1056, num_stages=3),
             "merge t2112 b32": variant(merge=True, target_programs=2112, block_s=32),
-            "merge dyn t1056 s3": variant(merge=True, dynamic_chunks=True, target_programs=1056, num_stages=3),
-            # session 68: the cached slots before the new token, the slot mask a block ahead (APPEND_EARLY_LOADS)
-            "merge early": variant(merge=True, early_loads=True),
-            "merge early s3": variant(merge=True, early_loads=True, num_stages=3)}
+            "merge dyn t1056 s3": variant(merge=True, dynamic_chunks=True, target_programs=1056, num_stages=3)}
 
 
 def tl_variant(**kw):
